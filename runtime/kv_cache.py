@@ -1,0 +1,59 @@
+"""Static, position-indexed KV cache with O(1) rollback (batch 1).
+
+The cache owns preallocated key/value tensors for a contiguous range of layers and a
+`length`: the number of positions whose keys/values are committed. Writing a window
+stores positions `length .. length+T-1`; `advance(T)` commits them; `rollback(n)`
+forgets every position >= n by moving `length` back (the stale slots are simply
+overwritten later). It does not know which model fills it or why positions are rejected.
+"""
+
+from __future__ import annotations
+
+import torch
+
+
+class CacheFull(RuntimeError):
+    """Raised when a write would pass the cache capacity."""
+
+
+class KVCache:
+    """Keys and values for `n_layers` layers, `capacity` positions each.
+
+    Limitations:
+    - batch size 1 only;
+    - layer indices are local to this cache (a split graph owns a sub-range of layers).
+    """
+
+    def __init__(self, n_layers: int, n_kv_heads: int, head_dim: int, capacity: int,
+                 dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu"):
+        shape = (n_layers, n_kv_heads, capacity, head_dim)  # [layers, kv_heads, capacity, head_dim]
+        self.keys = torch.zeros(shape, dtype=dtype, device=device)
+        self.values = torch.zeros(shape, dtype=dtype, device=device)
+        self.capacity = capacity
+        self.length = 0
+
+    def room(self) -> int:
+        """Positions still free."""
+        return self.capacity - self.length
+
+    def write(self, layer: int, k: torch.Tensor, v: torch.Tensor):
+        """Store k, v [kv_heads, T, head_dim] at positions length..length+T-1 of `layer`.
+
+        Returns the keys and values of all positions 0..length+T-1 for attention.
+        """
+        end = self.length + k.shape[1]
+        if end > self.capacity:
+            raise CacheFull(f"KV cache full: {end} positions needed, capacity {self.capacity}")
+        self.keys[layer, :, self.length:end] = k
+        self.values[layer, :, self.length:end] = v
+        return self.keys[layer, :, :end], self.values[layer, :, :end]
+
+    def advance(self, num_positions: int) -> None:
+        """Commit the positions just written by every layer."""
+        self.length += num_positions
+
+    def rollback(self, length: int) -> None:
+        """Forget positions >= length (rejected drafts). O(1)."""
+        if not 0 <= length <= self.length:
+            raise ValueError(f"cannot roll back to {length}: cache holds {self.length} positions")
+        self.length = length

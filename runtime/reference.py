@@ -1,0 +1,42 @@
+"""The reference decoder: plain autoregressive decoding with the target alone.
+
+It is the oracle of every equality test (speculative output at temperature 0 must equal
+it token for token) and the `ar` mode of the CLI. It yields committed tokens one step at a
+time and stops after `max_new_tokens` or when the context is full; stop conditions on text
+(EOS, stop strings) belong to the caller.
+"""
+
+from __future__ import annotations
+
+from typing import Iterator, Sequence
+
+import numpy as np
+
+from mirror_rt.runtime.metrics import Metrics
+from mirror_rt.runtime.sampling import SamplingConfig, choose
+
+
+def token_budget(prompt_length: int, max_new_tokens: int, max_seq_len: int) -> int:
+    """Tokens that may be generated: prompt + generated never exceeds the context."""
+    return max(0, min(max_new_tokens, max_seq_len - prompt_length))
+
+
+def generate(target, prompt: Sequence[int], max_new_tokens: int, sampling: SamplingConfig = SamplingConfig(),
+             seed: int = 0, metrics: Metrics | None = None) -> Iterator[list[int]]:
+    """Yield [token] per step: the target's own continuation of `prompt`."""
+    metrics = metrics or Metrics()
+    rng = np.random.default_rng(seed)
+    budget = token_budget(len(prompt), max_new_tokens, target.max_seq_len)
+    if budget == 0:
+        return
+    cache = target.new_cache(len(prompt) + budget)
+    with metrics.stage("target_prefill"):
+        logits = target.forward(prompt, cache)
+    token, _ = choose(logits[-1], sampling, rng)
+    yield [token]
+    for _ in range(budget - 1):
+        with metrics.stage("target_forward"):
+            logits = target.forward([token], cache)
+        token, _ = choose(logits[-1], sampling, rng)
+        metrics.record_step(0, 0)
+        yield [token]

@@ -1,0 +1,51 @@
+"""Vanilla (serial) speculative decoding: propose -> verify -> commit, one window at a time.
+
+The draft and target take turns, so each step costs T_draft(k) + T_target(k+1). This is
+the `sd` mode and the baseline the Mirror orchestrator must beat; it is also the sync
+reference for pipelined modes. It yields the committed tokens of each step; text-level
+stop conditions (EOS, stop strings) belong to the caller.
+"""
+
+from __future__ import annotations
+
+from typing import Iterator, Sequence
+
+from mirror_rt.runtime.drafter import ModelDrafter
+from mirror_rt.runtime.metrics import Metrics
+from mirror_rt.runtime.reference import token_budget
+from mirror_rt.runtime.sampling import SamplingConfig
+from mirror_rt.runtime.verifier import Verifier
+
+
+def speculative_generate(target, draft, prompt: Sequence[int], max_new_tokens: int, gamma: int,
+                         sampling: SamplingConfig = SamplingConfig(), seed: int = 0,
+                         metrics: Metrics | None = None) -> Iterator[list[int]]:
+    """Yield the tokens committed at each step (accepted + correction or bonus)."""
+    metrics = metrics or Metrics()
+    budget = token_budget(len(prompt), max_new_tokens, target.max_seq_len)
+    if budget == 0:
+        return
+    capacity = len(prompt) + budget
+    verifier, drafter = Verifier(target, sampling, seed), ModelDrafter(draft, sampling, seed)
+    with metrics.stage("target_prefill"):
+        last = verifier.prefill(prompt, capacity)
+    with metrics.stage("draft_prefill"):
+        drafter.prefill(prompt, capacity)
+    produced = 1
+    yield [last]
+    while produced < budget:
+        # Phase 0: how far to speculate (never past the budget, so never past the cache)
+        k = min(gamma, budget - produced - 1)
+        # Phase 1: the draft proposes k tokens after the last committed one
+        with metrics.stage("draft_propose"):
+            draft = drafter.propose(last, k, len(prompt) + produced)
+        # Phase 2: the target scores [last] + window in one forward and decides
+        with metrics.stage("target_verify"):
+            verdict = verifier.verify(last, draft)
+        # Phase 3: the draft rolls back to the accepted prefix
+        drafter.commit(verdict)
+        tokens = draft.tokens[:verdict.num_accepted] + [verdict.next_token]
+        metrics.record_step(k, verdict.num_accepted)
+        produced += len(tokens)
+        last = verdict.next_token
+        yield tokens

@@ -1,0 +1,77 @@
+"""Committed token ids to streamed text, with end-of-sequence and stop-string handling.
+
+Tokens arrive as the decoder commits them; `push` returns the text that is now final.
+Text is held back while it ends in an incomplete UTF-8 sequence (U+FFFD from a split
+multi-byte character) or could still be the start of a stop string, so nothing printed is
+ever taken back. It knows nothing about models or speculation.
+"""
+
+from __future__ import annotations
+
+from typing import Sequence
+
+
+class TextStream:
+    """Incremental detokenizer for one generation."""
+
+    def __init__(self, tokenizer, eos_token_ids: Sequence[int] = (), stop_strings: Sequence[str] = ()):
+        self.tokenizer = tokenizer
+        self.eos = set(eos_token_ids)
+        self.stop_strings = tuple(stop_strings)
+        self.tokens: list[int] = []  # delivered tokens (EOS excluded)
+        self.emitted = 0  # characters of the decoded text already returned
+        self.text = ""  # the final text once done
+        self.stop_reason: str | None = None  # "eos" | "stop_string" once done
+
+    @property
+    def done(self) -> bool:
+        return self.stop_reason is not None
+
+    def push(self, token: int) -> str:
+        """Add one committed token; returns newly final text ('' if none)."""
+        if self.done:
+            return ""
+        if token in self.eos:
+            self.stop_reason = "eos"
+            return self.flush()
+        self.tokens.append(token)
+        decoded = self.tokenizer.decode(self.tokens)
+        hit = self._find_stop(decoded)
+        if hit is not None:
+            self.stop_reason = "stop_string"
+            return self._emit(decoded[:hit])
+        safe = len(decoded) - self._unsafe_suffix(decoded)
+        return self._emit(decoded[:safe])
+
+    def flush(self) -> str:
+        """End of generation: release any held-back text."""
+        decoded = self.tokenizer.decode(self.tokens)
+        if self.stop_reason == "stop_string":
+            return ""
+        return self._emit(decoded)
+
+    def _emit(self, final: str) -> str:
+        piece = final[self.emitted:] if len(final) > self.emitted else ""
+        self.emitted = max(self.emitted, len(final))
+        self.text = final if len(final) >= len(self.text) else self.text
+        return piece
+
+    def _find_stop(self, decoded: str) -> int | None:
+        if not self.stop_strings:
+            return None
+        longest = max(len(s) for s in self.stop_strings)
+        start = max(0, self.emitted - longest)
+        hits = [i for s in self.stop_strings if (i := decoded.find(s, start)) >= 0]
+        return min(hits) if hits else None
+
+    def _unsafe_suffix(self, decoded: str) -> int:
+        """Characters at the end that may still change or begin a stop string."""
+        hold = 0
+        while hold < len(decoded) and decoded[len(decoded) - 1 - hold] == "\ufffd":
+            hold += 1
+        for s in self.stop_strings:
+            for n in range(min(len(s) - 1, len(decoded)), 0, -1):
+                if decoded.endswith(s[:n]):
+                    hold = max(hold, n)
+                    break
+        return hold

@@ -1,0 +1,45 @@
+"""The verifier scores: one target forward over [last] + window, the acceptance rule, rollback.
+
+Invariant: between steps the target cache holds the committed text except the last
+token. `verify` feeds [last, d_1..d_k] (k+1 positions), applies `acceptance`, and rolls
+the cache back to committed-except-the-new-last, i.e. it keeps last and d_1..d_A.
+"""
+
+from __future__ import annotations
+
+from typing import Sequence
+
+import numpy as np
+
+from mirror_rt.runtime.acceptance import Verdict, accept_greedy, accept_sampled
+from mirror_rt.runtime.drafter import Draft
+from mirror_rt.runtime.sampling import SamplingConfig, choose, probabilities
+
+
+class Verifier:
+    """Owns the target model's cache and random generator."""
+
+    def __init__(self, target, sampling: SamplingConfig, seed: int = 0):
+        self.target = target
+        self.sampling = sampling
+        self.rng = np.random.default_rng(seed)
+        self.cache = None
+
+    def prefill(self, prompt: Sequence[int], capacity: int) -> int:
+        """Run the prompt; returns the first generated token."""
+        self.cache = self.target.new_cache(capacity)
+        logits = self.target.forward(prompt, self.cache)
+        token, _ = choose(logits[-1], self.sampling, self.rng)
+        return token
+
+    def verify(self, last_token: int, draft: Draft) -> Verdict:
+        """Score `draft` in one target forward and decide what to commit."""
+        base = self.cache.length
+        logits = self.target.forward([last_token] + draft.tokens, self.cache)  # [k+1, vocab]
+        if self.sampling.greedy:
+            verdict = accept_greedy(draft.tokens, logits, draft.base_length)
+        else:
+            p = probabilities(logits, self.sampling)  # [k+1, vocab]
+            verdict = accept_sampled(draft.tokens, draft.q, p, self.rng, draft.base_length)
+        self.cache.rollback(base + 1 + verdict.num_accepted)
+        return verdict
