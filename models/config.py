@@ -130,8 +130,8 @@ def _unsupported_message(arch: str) -> str:
 
 # Tiny seeded models for tests and smoke runs; the draft shares the target's vocabulary.
 PRESETS: dict[str, dict] = {
-    "tiny": dict(vocab_size=97, hidden_size=64, intermediate_size=128, n_layers=4, n_heads=4,
+    "tiny": dict(vocab_size=258, hidden_size=64, intermediate_size=128, n_layers=4, n_heads=4,
                  n_kv_heads=2, max_seq_len=256, rope_theta=10000.0, eos_token_ids=(1,)),
-    "tiny-draft": dict(vocab_size=97, hidden_size=32, intermediate_size=64, n_layers=2, n_heads=2,
+    "tiny-draft": dict(vocab_size=258, hidden_size=32, intermediate_size=64, n_layers=2, n_heads=2,
                        n_kv_heads=1, max_seq_len=256, rope_theta=10000.0, eos_token_ids=(1,)),
 }

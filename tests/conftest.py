@@ -1,0 +1,84 @@
+"""Shared fixtures: tiny seeded models (float64), perturbed drafts, tiny HF folders.
+
+No network and no hub: the only external model is the embedded default, fetched once per
+machine into the cache by the `real_engine` fixture (tests marked `slow`).
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+import os
+from pathlib import Path
+
+import pytest
+import torch
+
+from mirror_rt.devices.torch_backend import TorchModel
+from mirror_rt.models.config import ModelConfig
+from mirror_rt.models.transformer import random_model
+
+torch.set_num_threads(1)
+
+
+def tiny_target(seed: int = 0, scale: float = 30.0, vocab_size: int = 97):
+    """A tiny float64 Llama target; `scale` sharpens logits so greedy text is not uniform noise."""
+    import dataclasses
+
+    config = dataclasses.replace(ModelConfig.from_name("tiny"), vocab_size=vocab_size)
+    return random_model(config, seed=seed, dtype=torch.float64, scale=scale)
+
+
+def perturbed_copy(model, noise: float, seed: int):
+    """A draft that agrees with `model` often but not always: its weights plus Gaussian noise."""
+    draft = copy.deepcopy(model)
+    gen = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for p in draft.parameters():
+            p.add_(torch.randn(p.shape, generator=gen, dtype=p.dtype) * noise * p.std().clamp(min=1e-3))
+    return draft
+
+
+@pytest.fixture
+def tiny_pair():
+    """(target, draft) LoadedModels: tiny float64 target and a noisy copy as the draft."""
+    target = tiny_target(seed=0)
+    return TorchModel(target), TorchModel(perturbed_copy(target, noise=0.3, seed=1))
+
+
+def write_hf_folder(folder: Path, vocab_size: int = 64, model_type: str = "llama", seed: int = 0) -> Path:
+    """A tiny Hugging Face folder: config.json, safetensors weights, a word-level tokenizer."""
+    from safetensors.torch import save_file
+    from tokenizers import Tokenizer, models, pre_tokenizers
+
+    folder.mkdir(parents=True, exist_ok=True)
+    hf = dict(model_type=model_type, vocab_size=vocab_size, hidden_size=32, intermediate_size=64,
+              num_hidden_layers=2, num_attention_heads=2, num_key_value_heads=1,
+              max_position_embeddings=64, rope_theta=10000.0, rms_norm_eps=1e-5,
+              tie_word_embeddings=False, eos_token_id=1)
+    (folder / "config.json").write_text(json.dumps(hf))
+    if model_type in ("llama", "mistral", "qwen2", "qwen3"):
+        model = random_model(ModelConfig.from_hf(hf), seed=seed)
+        save_file({f"model.{k}" if k != "lm_head.weight" else k: v.contiguous()
+                   for k, v in model.state_dict().items()}, str(folder / "model.safetensors"))
+    vocab = {"<unk>": 0, "</s>": 1, **{f"w{i}": i for i in range(2, vocab_size)}}
+    tok = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.Whitespace()
+    tok.save(str(folder / "tokenizer.json"))
+    (folder / "tokenizer_config.json").write_text(json.dumps(
+        {"tokenizer_class": "PreTrainedTokenizerFast", "eos_token": "</s>", "unk_token": "<unk>"}))
+    return folder
+
+
+@pytest.fixture(scope="session")
+def cache_dir() -> str:
+    """The model cache shared by tests (the default model is fetched into it once)."""
+    return os.environ.get("MIRROR_RT_CACHE") or str(Path.home() / ".cache" / "mirror-rt")
+
+
+@pytest.fixture(scope="session")
+def real_engine(cache_dir):
+    """The embedded default model (SmolLM2-135M-Instruct), target drafting for itself."""
+    import mirror_rt
+
+    return mirror_rt.load(cache_dir=cache_dir, threads=2)

@@ -1,0 +1,66 @@
+"""The embedded default model (SmolLM2-135M-Instruct from a GGUF): answers, tokenizer, AR == SD.
+
+Marked slow: the first run on a machine fetches the model (~93 MB) and converts it once.
+"""
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+pytestmark = pytest.mark.slow
+
+PROMPTS = ["What is the capital of France?", "Write a haiku about the sea.",
+           "List three prime numbers and explain why they are prime.",
+           "Translate 'good morning' into German and Spanish."]
+
+
+def test_capital_of_france(real_engine):
+    result = real_engine.generate(PROMPTS[0], mode="ar", max_new_tokens=30)
+    assert "Paris" in result.text
+
+
+@pytest.mark.parametrize("text", [
+    "Digits 0123456789 and 3.14159, runs of spaces:    four, tabs\t\tand\nnewlines\n\n",
+    "Accents: café, naïve, Straße, ñandú, Ångström; CJK: 東京は日本の首都です。 한국어; emoji 🙂🚀",
+    "Code: def f(x):\n    return x ** 2  # square",
+])
+def test_tokenizer_round_trip(real_engine, text):
+    tok = real_engine.tokenizer
+    assert tok.decode(tok.encode(text)) == text
+
+
+def test_tokenizer_repaired(real_engine):
+    """One <|im_start|> at the start of the chat prompt (no doubled BOS); EOS is <|im_end|>."""
+    tok = real_engine.tokenizer
+    ids = tok.chat_prompt([{"role": "user", "content": "hi"}])
+    assert ids[0] == 1 and ids[1] != 1
+    assert tok.eos_token_ids == (2,)
+    assert tok.encode("12") == [33, 34]  # digits split individually
+
+
+@pytest.mark.parametrize("gamma", [2, 5])
+def test_sd_equals_ar(real_engine, gamma):
+    for prompt in PROMPTS[1:]:
+        ar = real_engine.generate(prompt, mode="ar", max_new_tokens=48)
+        sd = real_engine.generate(prompt, mode="sd", max_new_tokens=48, gamma=gamma)
+        assert sd.tokens == ar.tokens and sd.text == ar.text
+
+
+def test_sampling_with_stop_string(real_engine):
+    result = real_engine.generate("Count from 1 to 20, separated by commas.", mode="sd", temperature=0.7,
+                                  top_p=0.9, seed=3, max_new_tokens=60, stop_strings=["5"])
+    assert "5" not in result.text and result.stop_reason in ("stop_string", "eos", "max_new_tokens")
+
+
+def test_cli_sd_stats_equal_ar(cache_dir):
+    outputs = {}
+    for mode in ("ar", "sd"):
+        proc = subprocess.run([sys.executable, "-m", "mirror_rt.cli", "run", PROMPTS[0], "--mode", mode,
+                               "--max-new-tokens", "40", "--stats", "--cache-dir", cache_dir],
+                              capture_output=True, text=True, timeout=600)
+        assert proc.returncode == 0, proc.stderr
+        outputs[mode] = proc
+    assert outputs["sd"].stdout == outputs["ar"].stdout and "Paris" in outputs["ar"].stdout
+    assert "mean accepted length" in outputs["sd"].stderr and "tokens/s" in outputs["sd"].stderr

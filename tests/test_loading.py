@@ -1,0 +1,55 @@
+"""Model references resolve to folders, presets or one-line errors."""
+
+import json
+
+import pytest
+
+import mirror_rt
+from mirror_rt.models.loading import ModelError, load_checkpoint
+
+from conftest import write_hf_folder
+
+
+def test_hf_folder_loads(tmp_path):
+    ckpt = load_checkpoint(str(write_hf_folder(tmp_path / "m")))
+    assert ckpt.model.config.vocab_size == 64 and ckpt.tokenizer.encode("w5 w6") == [5, 6]
+
+
+def test_missing_path_named(tmp_path):
+    with pytest.raises(ModelError, match="model not found: .*nope"):
+        load_checkpoint(str(tmp_path / "nope"))
+
+
+def test_unsupported_architecture_named(tmp_path):
+    folder = write_hf_folder(tmp_path / "g", model_type="gpt2")
+    with pytest.raises(ModelError, match="unsupported architecture 'gpt2'"):
+        load_checkpoint(str(folder))
+
+
+def test_weights_not_matching_config(tmp_path):
+    folder = write_hf_folder(tmp_path / "m")
+    cfg = json.loads((folder / "config.json").read_text())
+    cfg["num_hidden_layers"] = 3
+    (folder / "config.json").write_text(json.dumps(cfg))
+    with pytest.raises(ModelError, match="weights do not match"):
+        load_checkpoint(str(folder))
+
+
+def test_vocabulary_mismatch_names_both_sizes(tmp_path):
+    target, draft = write_hf_folder(tmp_path / "t", 64), write_hf_folder(tmp_path / "d", 80)
+    with pytest.raises(ValueError, match="vocabulary mismatch.*64.*80"):
+        mirror_rt.load(str(target), str(draft))
+
+
+def test_api_generate_and_stream_on_preset():
+    engine = mirror_rt.load("tiny", "tiny")
+    result = engine.generate("hello", mode="sd", max_new_tokens=12, gamma=3)
+    assert result.stats["new_tokens"] >= 1 and result.stats["mode"] == "sd"
+    pieces = list(engine.stream("hello", mode="ar", max_new_tokens=12))
+    assert "".join(pieces) == engine.generate("hello", mode="ar", max_new_tokens=12).text
+
+
+def test_prompt_beyond_context_refused():
+    engine = mirror_rt.load("tiny")
+    with pytest.raises(ValueError, match="prompt too long: 300 tokens.*256"):
+        engine.generate("x" * 300)
