@@ -24,6 +24,15 @@ class TorchModel:
         self.vocab_size = model.config.vocab_size
         self.max_seq_len = model.config.max_seq_len
 
+    def set_threads(self, threads: int) -> int:
+        """Intra-op threads for the calling thread's torch work; returns the previous count.
+
+        torch's setting is process-wide, so callers restore the previous value when done.
+        """
+        previous = torch.get_num_threads()
+        torch.set_num_threads(threads)
+        return previous
+
     def new_cache(self, capacity: int) -> KVCache:
         return self.model.new_cache(min(capacity, self.max_seq_len))
 

@@ -3,8 +3,8 @@
 Public API:
 
     import mirror_rt
-    engine = mirror_rt.load()                      # the embedded SmolLM2-135M-Instruct
-    result = engine.generate("What is the capital of France?", mode="sd", max_new_tokens=64)
+    engine = mirror_rt.load()                      # the embedded SmolLM2-135M-Instruct, int8 self-draft
+    result = engine.generate("What is the capital of France?", mode="mirror", max_new_tokens=64)
     print(result.text, result.stats["tokens_per_s"])
     for piece in engine.stream("Tell me a story", temperature=0.7, seed=1):
         print(piece, end="", flush=True)
@@ -27,22 +27,26 @@ def _stderr(message: str) -> None:
     print(message, file=sys.stderr, flush=True)
 
 
-def load(model: str | None = None, draft_model: str | None = None, *, device: str = "cpu",
+def load(model: str | None = None, draft_model: str | None = "int8", *, device: str = "cpu",
          dtype: str = "float32", cache_dir: str | None = None, threads: int | None = None,
-         log=_stderr) -> Engine:
-    """Load a target (and optionally a draft) and return an `Engine`.
+         exit_layer: int | None = None, kappa: int = 8, pin: bool = True, log=_stderr) -> Engine:
+    """Load a target (and a draft) and return an `Engine`.
 
     Args:
         model: a Hugging Face folder, a .gguf file, a preset (`tiny`) or None for the default model.
-        draft_model: same forms; None means the target drafts for itself (oracle draft).
-        device: torch device for both models (`cpu`, `cuda`, `cuda:1`).
-        dtype: weight dtype (`float32`, `bfloat16`, `float16`, `float64`).
+        draft_model: `int8` (default: an int8 copy of the target), `target` (the target drafts
+            for itself: the oracle draft, for checks), or a folder / .gguf / preset.
+        device: torch device for the target (`cpu`, `cuda`, `cuda:1`); the draft stays on cpu.
+        dtype: target weight dtype (`float32`, `bfloat16`, `float16`, `float64`).
         cache_dir: where the default model and converted GGUF files are kept.
-        threads: torch intra-op threads (None: torch's default).
+        threads: torch intra-op threads (None: torch's default; mirror mode pins one core each).
+        exit_layer: early-exit layer for mirror mode (default N/2); kappa: candidates per position.
+        pin: in mirror mode on a machine with 2+ cores, pin target and draft to different cores.
     """
     import torch
 
     from mirror_rt.devices.torch_backend import TorchModel
+    from mirror_rt.devices.torch_split import TorchSplitTarget
     from mirror_rt.models.loading import load_checkpoint
 
     if threads:
@@ -51,13 +55,33 @@ def load(model: str | None = None, draft_model: str | None = None, *, device: st
         raise GenerationError(f"device '{device}' requested but torch sees no CUDA device")
     target = load_checkpoint(model, dtype, cache_dir, log)
     names = {"target": target.source}
-    draft = None
-    if draft_model is not None:
-        draft = load_checkpoint(draft_model, dtype, cache_dir, log)
-        _check_vocabularies(target, draft)
-        names["draft"] = draft.source
-    return Engine(TorchModel(target.model, device), target.tokenizer,
-                  TorchModel(draft.model, device) if draft else None, names)
+    draft = _load_draft(draft_model, target, dtype, cache_dir, log)
+    if draft is not None:
+        names["draft"] = "int8 copy of the target" if draft_model == "int8" else str(draft_model)
+    cores = sorted(_cores())
+    cpus = (cores[0], cores[1]) if pin and len(cores) >= 2 and not device.startswith("cuda") else None
+    return Engine(TorchSplitTarget(target.model, exit_layer, kappa, device), target.tokenizer,
+                  TorchModel(draft, "cpu") if draft is not None else None, names, cpus)
+
+
+def _load_draft(draft_model, target, dtype, cache_dir, log):
+    """The draft's torch module, or None for the oracle draft (the target itself)."""
+    from mirror_rt.models.loading import load_checkpoint
+    from mirror_rt.models.quantize import int8_copy
+
+    if draft_model in (None, "target"):
+        return None
+    if draft_model == "int8":
+        return int8_copy(target.model)
+    draft = load_checkpoint(draft_model, dtype, cache_dir, log)
+    _check_vocabularies(target, draft)
+    return draft.model
+
+
+def _cores() -> set:
+    import os
+
+    return os.sched_getaffinity(0) if hasattr(os, "sched_getaffinity") else set(range(os.cpu_count() or 1))
 
 
 def _check_vocabularies(target, draft) -> None:

@@ -30,15 +30,33 @@ def _number(text: str) -> float:
         raise argparse.ArgumentTypeError(f"expected a number, got '{text}'") from None
 
 
+def _budget(text: str) -> int | None:
+    if text == "auto":
+        return None
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected 'auto' or a whole number, got '{text}'") from None
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"must be >= 0, got {value}")
+    return value
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="mirror-rt", description="Mirror speculative decoding runtime")
     sub = parser.add_subparsers(dest="command", required=True)
     run = sub.add_parser("run", help="generate text for a prompt (argument or stdin)")
     run.add_argument("prompt", nargs="?", help="the prompt; read from stdin when omitted")
     run.add_argument("--model", help="target: HF folder, .gguf file or preset (default: SmolLM2-135M-Instruct)")
-    run.add_argument("--draft-model", help="draft: HF folder, .gguf file or preset (default: the target itself)")
-    run.add_argument("--mode", default="sd", help=f"decoding mode: {', '.join(MODES)} (default: sd)")
+    run.add_argument("--draft-model", default="int8",
+                     help="draft: int8 (an int8 copy of the target, default), target (oracle draft), "
+                          "or an HF folder, .gguf file or preset")
+    run.add_argument("--mode", default="mirror", help=f"decoding mode: {', '.join(MODES)} (default: mirror)")
     run.add_argument("--gamma", type=_positive_int, default=4, help="draft tokens per window (default 4)")
+    run.add_argument("--kappa", type=_positive_int, default=8, help="early-exit candidates per position (mirror)")
+    run.add_argument("--exit-layer", type=_positive_int, help="early-exit layer (mirror; default N/2)")
+    run.add_argument("--branch-budget", type=_budget, default=None,
+                     help="side branches precomputed per step: auto (as many as fit) or N")
     run.add_argument("--max-new-tokens", type=_positive_int, default=256)
     run.add_argument("--temperature", type=_number, default=0.0, help="0 = greedy (default)")
     run.add_argument("--top-p", type=_number, default=1.0)
@@ -65,12 +83,13 @@ def cmd_run(args) -> int:
         prompt = sys.stdin.read()
     options = dict(mode=args.mode, gamma=args.gamma, max_new_tokens=args.max_new_tokens,
                    temperature=args.temperature, top_p=args.top_p, top_k=args.top_k,
-                   seed=args.seed, stop_strings=tuple(args.stop))
+                   seed=args.seed, stop_strings=tuple(args.stop), branch_budget=args.branch_budget)
     from mirror_rt.runtime.config import make_config
 
     config = make_config(**options)  # validate before loading anything
     engine = mirror_rt.load(args.model, args.draft_model, device=args.device, dtype=args.dtype,
-                            cache_dir=args.cache_dir, threads=args.threads)
+                            cache_dir=args.cache_dir, threads=args.threads, exit_layer=args.exit_layer,
+                            kappa=args.kappa)
     gen = engine.stream(prompt, config, chat=not args.no_chat)
     try:
         for piece in gen:
@@ -103,6 +122,16 @@ def format_stats(stats: dict) -> str:
         lines.append(f"acceptance per position: {acc}")
     if stats.get("draft"):
         lines.append(f"draft: {stats['draft']}")
+    if "reuse_hit_rate" in stats:
+        phases = ", ".join(f"{k} {v:.1f}" for k, v in stats["phase_ms_per_step"].items())
+        lines.append(f"reuse hit rate {stats['reuse_hit_rate']:.2f} (main {stats['main_line_hits']}, side "
+                     f"{stats['side_branch_hits']}, wrong {stats['misses']}, not ready {stats['not_ready']}); "
+                     f"early-exit coverage {stats['early_exit_coverage']}; hidden draft share "
+                     f"{stats['hidden_draft_share']:.2f}")
+        lines.append(f"ms per step: {phases}; latency model {stats['predicted_step_ms']:.1f} ms predicted, "
+                     f"{stats['measured_step_ms']:.1f} ms measured")
+    for event in stats.get("events", []):
+        lines.append(f"event: {event}")
     lines.append(f"stop: {stats['stop_reason']}")
     return "\n".join(lines)
 

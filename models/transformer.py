@@ -133,9 +133,15 @@ class Transformer(nn.Module):
         """tokens [T] -> hidden [T, hidden]."""
         return self.embed_tokens(tokens)
 
-    def run_layers(self, h: torch.Tensor, cache: KVCache, first: int = 0, last: int | None = None):
-        """Apply layers first..last-1 to h [T, hidden] at positions cache.length.. (no advance)."""
+    def run_layers(self, h: torch.Tensor, cache: KVCache, first: int = 0, last: int | None = None,
+                   cache_first: int | None = None):
+        """Apply layers first..last-1 to h [T, hidden] at positions cache.length.. (no advance).
+
+        The cache's layer 0 is model layer `cache_first` (default `first`: a cache made for
+        exactly these layers; 0 for a full-model cache shared by a split).
+        """
         last = self.config.n_layers if last is None else last
+        cache_first = first if cache_first is None else cache_first
         T, start = h.shape[0], cache.length
         positions = torch.arange(start, start + T, device=h.device, dtype=torch.float64)
         angles = torch.outer(positions, self.inv_freq.to(h.device))  # [T, head_dim/2]
@@ -146,7 +152,7 @@ class Transformer(nn.Module):
             keys = torch.arange(start + T, device=h.device)
             mask = keys[None, :] <= (start + torch.arange(T, device=h.device))[:, None]
         for i in range(first, last):
-            h = self.layers[i](h, rope, cache, i - first, mask)
+            h = self.layers[i](h, rope, cache, i - cache_first, mask)
         return h
 
     def logits(self, h: torch.Tensor) -> torch.Tensor:

@@ -24,6 +24,9 @@ class GenerationConfig:
     seed: int = 0  # seeds every random draw of a request
     stop_strings: tuple[str, ...] = ()  # generation stops before the first occurrence of any
     ignore_eos: bool = False  # keep going past end-of-sequence tokens (benchmarks)
+    branch_budget: int | None = None  # mirror: side branches per step; None = auto (as many as fit)
+    min_window: int = 1  # mirror: send a precomputed window once it has this many tokens
+    draft_timeout_s: float = 10.0  # mirror: a draft silent this long is declared dead
 
     def __post_init__(self):
         self.validate()
@@ -35,6 +38,10 @@ class GenerationConfig:
             raise ValueError(f"--gamma must be in 1..64, got {self.num_draft_tokens}")
         if self.mode not in MODES:
             raise ValueError(f"unknown mode '{self.mode}' (choose from {', '.join(MODES)})")
+        if self.branch_budget is not None and self.branch_budget < 0:
+            raise ValueError(f"--branch-budget must be 'auto' or >= 0, got {self.branch_budget}")
+        if self.draft_timeout_s <= 0:
+            raise ValueError(f"draft timeout must be positive, got {self.draft_timeout_s}")
         if any(not s for s in self.stop_strings):
             raise ValueError("stop strings must not be empty")
 

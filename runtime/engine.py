@@ -14,6 +14,7 @@ from typing import Iterator
 
 from mirror_rt.runtime.config import GenerationConfig, make_config
 from mirror_rt.runtime.metrics import Metrics
+from mirror_rt.runtime.mirror import MirrorSettings, mirror_generate
 from mirror_rt.runtime.reference import generate as reference_generate
 from mirror_rt.runtime.speculative import speculative_generate
 from mirror_rt.runtime.text_stream import TextStream
@@ -45,11 +46,13 @@ class Engine:
     - the draft must share the target's vocabulary (refused otherwise).
     """
 
-    def __init__(self, target, tokenizer, draft=None, names: dict | None = None):
-        self.target = target  # LoadedModel
+    def __init__(self, target, tokenizer, draft=None, names: dict | None = None,
+                 cpus: tuple[int, int] | None = None):
+        self.target = target  # LoadedModel (with forward_prefix/forward_suffix for mirror mode)
         self.draft = draft  # LoadedModel, or None: the target drafts for itself (oracle draft)
         self.tokenizer = tokenizer
         self.names = names or {}
+        self.cpus = cpus  # (target core, draft core) for mirror mode, or None: no pinning
         if draft is not None and draft.vocab_size != target.vocab_size:
             raise GenerationError(f"vocabulary mismatch: target has {target.vocab_size} tokens, "
                                   f"draft has {draft.vocab_size}")
@@ -96,7 +99,14 @@ class Engine:
             draft = self.draft or self.target
             return speculative_generate(self.target, draft, ids, config.max_new_tokens,
                                         config.num_draft_tokens, config.sampling, config.seed, metrics)
-        raise GenerationError("mode 'mirror' is not implemented yet: use --mode ar or --mode sd")
+        if not hasattr(self.target, "forward_prefix"):
+            raise GenerationError("mode 'mirror' needs a target split at its early exit (load it with mirror_rt.load)")
+        target_cpu, draft_cpu = self.cpus or (None, None)
+        settings = MirrorSettings(gamma=config.num_draft_tokens, sampling=config.sampling, seed=config.seed,
+                                  branch_budget=config.branch_budget, min_window=config.min_window,
+                                  draft_timeout_s=config.draft_timeout_s, target_cpu=target_cpu,
+                                  draft_cpu=draft_cpu)
+        return mirror_generate(self.target, self.draft or self.target, ids, config.max_new_tokens, settings, metrics)
 
     def _run(self, ids, config: GenerationConfig, gen: Generation) -> Iterator[str]:
         metrics = Metrics(prompt_tokens=len(ids))
@@ -130,5 +140,5 @@ class Engine:
         room = self.target.max_seq_len - len(ids)
         gen.stop_reason = text.stop_reason or ("context" if room < config.max_new_tokens else "max_new_tokens")
         gen.stats = {"mode": config.mode, **self.names, **metrics.summary(), "stop_reason": gen.stop_reason}
-        if config.mode == "sd" and self.draft is None:
+        if config.mode in ("sd", "mirror") and self.draft is None:
             gen.stats["draft"] = "target (oracle draft)"

@@ -27,6 +27,7 @@ class Metrics:
     accepted_at: list[int] = field(default_factory=list)  # [gamma] of those, accepted
     stage_seconds: dict[str, float] = field(default_factory=dict)
     events: list[str] = field(default_factory=list)  # faults and fallbacks, in order
+    extra: dict = field(default_factory=dict)  # mode-specific figures (Mirror: reuse, overlap, phases)
     start: float = field(default_factory=time.perf_counter)
     first_token_at: float | None = None
     end: float | None = None
@@ -70,4 +71,5 @@ class Metrics:
                                         for a, p in zip(self.accepted_at, self.proposed_at)],
             "stage_seconds": {k: round(v, 4) for k, v in self.stage_seconds.items()},
             "events": list(self.events),
+            **self.extra,
         }

@@ -82,3 +82,61 @@ def real_engine(cache_dir):
     import mirror_rt
 
     return mirror_rt.load(cache_dir=cache_dir, threads=2)
+
+
+class ListCache:
+    """A cache for test doubles: the fed tokens themselves."""
+
+    def __init__(self, capacity: int):
+        self.capacity, self.tokens = capacity, []
+
+    @property
+    def length(self) -> int:
+        return len(self.tokens)
+
+    def rollback(self, length: int) -> None:
+        assert 0 <= length <= len(self.tokens)
+        del self.tokens[length:]
+
+
+class MarkovModel:
+    """A LoadedModel whose next-token log-probs depend only on the current token: log P[t].
+
+    Sequences sampled from it form a Markov chain with transition matrix P, which makes the
+    lossless-sampling property testable on one long generation. Also a split target
+    (forward_prefix/forward_suffix), with an early exit that is exactly the final distribution.
+    """
+
+    def __init__(self, transition, kappa: int = 2, max_seq_len: int = 1 << 20):
+        import numpy as np
+
+        self.logp = np.log(np.asarray(transition, dtype=np.float64))
+        self.vocab_size = self.logp.shape[0]
+        self.max_seq_len, self.kappa = max_seq_len, kappa
+        self._window = None
+
+    def new_cache(self, capacity: int) -> ListCache:
+        return ListCache(capacity)
+
+    def forward(self, tokens, cache):
+        assert cache.length + len(tokens) <= cache.capacity
+        cache.tokens.extend(tokens)
+        return self.logp[list(tokens)]
+
+    def forward_prefix(self, tokens, cache):
+        import numpy as np
+
+        self._window = list(tokens)
+        rows = self.logp[self._window]
+        ids = np.argsort(-rows, axis=-1)[:, :self.kappa]
+        return ids, np.take_along_axis(rows, ids, axis=-1)
+
+    def forward_suffix(self, cache):
+        tokens, self._window = self._window, None
+        return self.forward(tokens, cache)
+
+
+def random_transition(vocab: int, seed: int, concentration: float = 0.8):
+    import numpy as np
+
+    return np.random.default_rng(seed).dirichlet(np.ones(vocab) * concentration, size=vocab)

@@ -39,7 +39,7 @@ def test_prompt_from_stdin():
 @pytest.mark.parametrize("args,message", [
     (["--model", "/no/such/model"], "model not found: /no/such/model"),
     (["--mode", "fast"], "unknown mode 'fast'"),
-    (["--mode", "mirror"], "mode 'mirror' is not implemented yet"),
+    (["--branch-budget", "-1"], "must be >= 0"),
     (["--temperature", "-1"], "--temperature must be"),
     (["--top-p", "2"], "--top-p must be in (0, 1]"),
 ])

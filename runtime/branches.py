@@ -1,0 +1,78 @@
+"""Branch roots: which corrections the draft precomputes continuations for. Pure functions.
+
+A root (depth j, token r) stands for the verdict "accepted j window tokens, then r". The
+main line (full acceptance, bonus = the draft's own next guess) is always rolled out
+first; the others are ranked by an estimate of their probability:
+
+    P(root) = P(reach depth j) * P(no accept at j) * P(r | correction at j)
+
+with P(reach j) = a^j and P(no accept) = 1 - a for j < k (1 at j = k, the bonus position),
+a = the running per-token acceptance rate, and P(r | correction) a mixture of the draft's
+own alternatives (its q at depth j, without the window's token) and the early-exit top-kappa
+(renormalised, without the window's token).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+
+@dataclass(frozen=True, order=True)
+class Root:
+    """A candidate verdict worth precomputing."""
+
+    score: float  # estimated probability (higher first after sorting in reverse)
+    depth: int  # accepted window tokens before the root
+    token: int  # the root token (correction, or bonus at depth k)
+
+
+def rank_roots(window: list[int], line_bonus: int | None, draft_alternatives: list[dict[int, float]],
+               exit_candidates: list[dict[int, float]] | None, acceptance: float,
+               exit_weight: float = 0.5) -> list[Root]:
+    """Roots sorted by estimated probability, excluding the main line.
+
+    Args:
+        window: [k] the window in flight.
+        line_bonus: the draft's own guess after a full window (the main line), excluded here.
+        draft_alternatives: per depth 0..k, {token: draft probability} of its next choices.
+        exit_candidates: per depth 0..k, {token: early-exit probability}, or None before it arrives.
+        acceptance: running per-token acceptance rate a in [0, 1].
+    """
+    k = len(window)
+    a = min(max(acceptance, 0.0), 0.999)
+    roots = []
+    for j in range(k + 1):
+        own = window[j] if j < k else line_bonus
+        reach = a ** j * ((1 - a) if j < k else 1.0)
+        mix = _mixture(draft_alternatives[j] if j < len(draft_alternatives) else {},
+                       exit_candidates[j] if exit_candidates and j < len(exit_candidates) else {},
+                       own, exit_weight if exit_candidates else 0.0)
+        roots.extend(Root(reach * p, j, token) for token, p in mix.items())
+    return sorted(roots, reverse=True)
+
+
+def _mixture(draft: dict[int, float], exit_: dict[int, float], own: int | None, exit_weight: float):
+    """P(token | not `own`) as a weighted mixture of the two renormalised candidate sets."""
+    out: dict[int, float] = {}
+    for weight, dist in ((1 - exit_weight, draft), (exit_weight, exit_)):
+        rest = {t: p for t, p in dist.items() if t != own}
+        total = sum(rest.values())
+        if weight <= 0 or total <= 0:
+            continue
+        for t, p in rest.items():
+            out[t] = out.get(t, 0.0) + weight * p / total
+    return out
+
+
+def top_alternatives(q_row: np.ndarray, count: int) -> dict[int, float]:
+    """The `count` most likely tokens of a probability row [vocab] as {token: probability}."""
+    count = min(count, q_row.shape[-1])
+    idx = np.argpartition(-q_row, count - 1)[:count]
+    return {int(t): float(q_row[t]) for t in idx}
+
+
+def exit_distribution(ids: np.ndarray, logprobs: np.ndarray) -> list[dict[int, float]]:
+    """Early-exit message rows [k+1, kappa] -> per depth {token: probability}."""
+    return [{int(t): float(np.exp(lp)) for t, lp in zip(row_ids, row_lp)} for row_ids, row_lp in zip(ids, logprobs)]

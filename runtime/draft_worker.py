@@ -1,0 +1,285 @@
+"""The Mirror-SD draft worker: precompute the next window while the target verifies this one.
+
+State: the committed text S (known from verdicts), the **line** X = the draft's own guesses
+after S (the window in flight, then its guess for the bonus, then the next window), and
+side **branches** {(depth j, root r): continuation}. The draft KV cache mirrors a token list
+(`cache_tokens`); any context is reached by rolling back to the longest common prefix and
+feeding the rest in one forward, so switching between branches costs one forward.
+
+Work order between verdicts, one draft forward at a time, the inbox checked between forwards:
+1. extend the line up to (window in flight) + 1 + gamma tokens: the full-acceptance branch;
+2. roll out side branches ranked by `branches.rank_roots`, within the branch budget;
+3. idle until the verdict.
+On the verdict (A, c): the line continues if X[A] == c (a main-line hit), a stored branch
+(A, c) becomes the line (a side hit), else the line restarts from the corrected text (a
+miss); then up to gamma ready tokens are sent at once, or fresh ones are drafted first.
+Limitations: batch 1; the draft shares the target's vocabulary.
+"""
+
+from __future__ import annotations
+
+import queue
+import threading
+import time
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from mirror_rt.runtime.branches import exit_distribution, rank_roots, top_alternatives
+from mirror_rt.runtime.messages import STOP, EarlyExit, Fault, Start, Verdict, Window
+from mirror_rt.runtime.sampling import SamplingConfig, choose
+
+
+@dataclass(frozen=True)
+class DraftSettings:
+    """What the draft worker needs to know."""
+
+    gamma: int  # maximum window length
+    sampling: SamplingConfig  # must match the target's
+    seed: int = 0
+    branch_budget: int | None = None  # side branches per step; None = as many as fit before the verdict
+    branch_length: int = 0  # tokens per side branch; 0 = gamma
+    alternatives: int = 3  # draft alternatives kept per depth for ranking roots
+    min_window: int = 1  # send a precomputed window once it has this many tokens
+    cpu: int | None = None  # pin the worker thread to this core (Linux)
+
+
+@dataclass
+class DraftStats:
+    """Written by the draft thread only; read after it stopped."""
+
+    windows: int = 0
+    main_hits: int = 0
+    side_hits: int = 0
+    misses: int = 0  # the verdict matched no precomputed root
+    not_ready: int = 0  # it matched, but no continuation token was drafted yet
+    branches_rolled: int = 0
+    rollout_s: float = 0.0  # forwards before the verdict (overlapping the target)
+    fresh_s: float = 0.0  # forwards after the verdict, before sending (critical path)
+    busy: list[tuple[float, float]] = field(default_factory=list)  # forward intervals
+
+
+@dataclass
+class Line:
+    """Draft tokens after some context, with what they need later."""
+
+    tokens: list[int] = field(default_factory=list)
+    q: list = field(default_factory=list)  # per token q row [vocab] or None (greedy)
+    alts: list = field(default_factory=list)  # per token {token: prob} of the draft's choices
+
+
+class DraftWorker:
+    """Runs in its own thread; talks to the target only through `inbox` and `outbox`."""
+
+    def __init__(self, draft, prompt: list[int], capacity: int, settings: DraftSettings):
+        self.draft, self.settings = draft, settings
+        self.prompt, self.capacity = list(prompt), capacity
+        self.inbox: queue.Queue = queue.Queue(maxsize=8)
+        self.outbox: queue.Queue = queue.Queue(maxsize=2)
+        self.stats = DraftStats()
+        self.rng = np.random.default_rng(settings.seed + 1_000_003)
+        self.stop_event = threading.Event()
+        self.thread = threading.Thread(target=self._run, name="mirror-draft", daemon=True)
+        self.committed: list[int] = []
+        self.line = Line()
+        self.in_flight = 0  # length of the window the target is verifying
+        self.branches: dict[tuple[int, int], Line] = {}
+        self.exit_rows = None
+        self.acceptance = 0.8  # running per-token acceptance estimate
+        self.cache = None
+        self.cache_tokens: list[int] = []
+
+    # --- lifecycle ---------------------------------------------------------------------
+
+    def start(self) -> None:
+        self.thread.start()
+
+    def stop(self, timeout: float = 2.0) -> None:
+        """Ask the thread to end and wait for it (a forward in progress finishes first)."""
+        self.stop_event.set()
+        try:
+            self.inbox.put_nowait(STOP)
+        except queue.Full:
+            pass
+        self.thread.join(timeout)
+
+    def _run(self) -> None:
+        try:
+            if _pin(self.settings.cpu) is not None and hasattr(self.draft, "set_threads"):
+                self.draft.set_threads(1)  # one core each: the two workers must not contend
+            self.cache = self.draft.new_cache(self.capacity)
+            self._feed(self.prompt)  # prefill overlaps the target's prefill
+            start = self._get()
+            if start is None:
+                return
+            self.committed = self.prompt + [start.first_token]
+            self._send_window(reused=False)
+            while not self.stop_event.is_set():
+                message = self._poll()
+                if message is STOP:
+                    return
+                if message is not None:
+                    self._handle(message)
+                elif not self._speculate_one():
+                    self._handle(self._get())
+        except Exception as exc:  # the target must hear of any failure, never hang on it
+            self._put(Fault(f"{type(exc).__name__}: {exc}"))
+
+    # --- messages ----------------------------------------------------------------------
+
+    def _poll(self):
+        try:
+            return self.inbox.get_nowait()
+        except queue.Empty:
+            return None
+
+    def _get(self):
+        while not self.stop_event.is_set():
+            try:
+                message = self.inbox.get(timeout=0.1)
+                return None if message is STOP else message
+            except queue.Empty:
+                continue
+        return None
+
+    def _put(self, message) -> None:
+        while not self.stop_event.is_set():
+            try:
+                self.outbox.put(message, timeout=0.1)
+                return
+            except queue.Full:
+                continue
+
+    def _handle(self, message) -> None:
+        if message is None or message is STOP:
+            self.stop_event.set()
+        elif isinstance(message, EarlyExit):
+            if message.base_length == len(self.committed):
+                self.exit_rows = exit_distribution(message.ids, message.logprobs)
+        elif isinstance(message, Verdict):
+            self._apply_verdict(message)
+            self._send_window(reused=bool(self.line.tokens))
+
+    def _apply_verdict(self, verdict: Verdict) -> None:
+        """Commit A window tokens and c; keep the line or a branch that predicted them."""
+        a, c = verdict.num_accepted, verdict.next_token
+        line = self.line
+        if self.in_flight:
+            self.acceptance = 0.9 * self.acceptance + 0.1 * (a / self.in_flight)
+        self.committed += line.tokens[:a] + [c]
+        if len(line.tokens) > a and line.tokens[a] == c:
+            self.line = Line(line.tokens[a + 1:], line.q[a + 1:], line.alts[a + 1:])
+            self.stats.main_hits += bool(self.line.tokens)
+            self.stats.not_ready += not self.line.tokens
+        elif (a, c) in self.branches:
+            self.line = self.branches[(a, c)]
+            self.stats.side_hits += 1
+        else:
+            self.stats.not_ready += len(line.tokens) <= a  # the line never reached the bonus
+            self.stats.misses += len(line.tokens) > a
+            self.line = Line()
+        self.branches, self.exit_rows = {}, None
+
+    def _send_window(self, reused: bool) -> None:
+        """Send up to gamma line tokens, drafting fresh ones first if fewer than min_window."""
+        t0 = time.perf_counter()
+        need = min(self.settings.gamma, max(1, self.settings.min_window))
+        while len(self.line.tokens) < need:
+            self._extend(self.line, self.committed)
+        self.stats.fresh_s += time.perf_counter() - t0
+        k = min(self.settings.gamma, len(self.line.tokens))
+        q = np.stack(self.line.q[:k]) if not self.settings.sampling.greedy else None
+        self.in_flight = k
+        self.stats.windows += 1
+        self._put(Window(len(self.committed), tuple(self.line.tokens[:k]), q, reused))
+
+    # --- speculation ---------------------------------------------------------------------
+
+    def _speculate_one(self) -> bool:
+        """One draft forward of precomputation; False when there is nothing worth doing."""
+        t0 = time.perf_counter()
+        try:
+            if len(self.line.tokens) < self.in_flight + 1 + self.settings.gamma:
+                self._extend(self.line, self.committed)
+                return True
+            return self._grow_branch()
+        finally:
+            self.stats.rollout_s += time.perf_counter() - t0
+
+    def _grow_branch(self) -> bool:
+        settings, k = self.settings, self.in_flight
+        length = settings.branch_length or settings.gamma
+        for (depth, root), branch in self.branches.items():
+            if len(branch.tokens) < length:
+                self._extend(branch, self.committed + self.line.tokens[:depth] + [root])
+                return True
+        if settings.branch_budget is not None and len(self.branches) >= settings.branch_budget:
+            return False
+        window = self.line.tokens[:k]
+        roots = rank_roots(window, self.line.tokens[k], self.line.alts[:k + 1], self.exit_rows, self.acceptance)
+        root = next((r for r in roots if (r.depth, r.token) not in self.branches), None)
+        if root is None:
+            return False
+        branch = self.branches[(root.depth, root.token)] = Line()
+        self.stats.branches_rolled += 1
+        self._extend(branch, self.committed + window[:root.depth] + [root.token])
+        return True
+
+    def _extend(self, line: Line, context: list[int]) -> None:
+        """Draft one more token of `line`, which continues `context`."""
+        logits = self._logits_after(context + line.tokens)
+        token, q = choose(logits, self.settings.sampling, self.rng)
+        if q is None and self.settings.alternatives:
+            q_alts = _softmax(logits)
+        else:
+            q_alts = q
+        line.tokens.append(token)
+        line.q.append(q)
+        line.alts.append(top_alternatives(q_alts, self.settings.alternatives + 1) if q_alts is not None else {})
+
+    def _logits_after(self, context: list[int]) -> np.ndarray:
+        """Logits of the token after `context`, reusing the longest cached prefix."""
+        n = min(len(self.cache_tokens), len(context) - 1)
+        same = 0
+        while same < n and self.cache_tokens[same] == context[same]:
+            same += 1
+        self.cache.rollback(same)
+        del self.cache_tokens[same:]
+        return self._feed(context[same:])[-1]
+
+    def _feed(self, tokens: list[int]) -> np.ndarray:
+        t0 = time.perf_counter()
+        logits = self.draft.forward(tokens, self.cache)
+        self.stats.busy.append((t0, time.perf_counter()))
+        self.cache_tokens.extend(tokens)
+        return logits
+
+
+def _softmax(logits: np.ndarray) -> np.ndarray:
+    x = np.asarray(logits, dtype=np.float64)
+    e = np.exp(x - x.max())
+    return e / e.sum()
+
+
+def _pin(cpu: int | None):
+    """Pin the calling thread to one core (Linux: pid 0 is the calling thread).
+
+    Returns the previous affinity (to restore with `_unpin`), or None when nothing changed.
+    """
+    import os
+
+    if cpu is None or not hasattr(os, "sched_setaffinity"):
+        return None
+    previous = os.sched_getaffinity(0)
+    try:
+        os.sched_setaffinity(0, {cpu})
+    except OSError:
+        return None
+    return previous
+
+
+def _unpin(previous) -> None:
+    import os
+
+    if previous is not None:
+        os.sched_setaffinity(0, previous)

@@ -1,0 +1,190 @@
+"""Mirror-SD: the target verifies one window while the draft precomputes the next.
+
+The target worker runs in the caller's thread (so Ctrl-C lands here) and the draft worker
+(`draft_worker.DraftWorker`) in its own thread; they meet only through bounded queues of
+small messages (`messages`). One step, target side:
+  1. take the next window from the draft (the rendezvous);
+  2. prefix layers over [last] + window; send the early-exit top-kappa to the draft at once;
+  3. suffix layers; accept; send the verdict; roll the cache back; yield the committed tokens.
+If the draft faults, stalls past `draft_timeout_s` or sends a malformed window, decoding
+continues target-only from the committed text: no token is lost or duplicated.
+"""
+
+from __future__ import annotations
+
+import queue
+import time
+from dataclasses import dataclass
+from typing import Iterator, Sequence
+
+import numpy as np
+
+from mirror_rt.runtime.acceptance import accept_greedy, accept_sampled
+from mirror_rt.runtime.draft_worker import DraftSettings, DraftWorker, _pin, _unpin
+from mirror_rt.runtime.messages import EarlyExit, Fault, Start, Window
+from mirror_rt.runtime.metrics import Metrics
+from mirror_rt.runtime.mirror_stats import mirror_summary
+from mirror_rt.runtime.reference import token_budget
+from mirror_rt.runtime.sampling import SamplingConfig, choose, probabilities
+
+
+@dataclass(frozen=True)
+class MirrorSettings:
+    """Knobs of the Mirror orchestrator."""
+
+    gamma: int = 4  # maximum window
+    sampling: SamplingConfig = SamplingConfig()
+    seed: int = 0
+    branch_budget: int | None = None  # side branches per step; None = auto (as many as fit)
+    min_window: int = 1  # the draft sends a precomputed window once it has this many tokens
+    draft_timeout_s: float = 10.0  # a draft silent this long is declared dead
+    target_cpu: int | None = None  # pin the target (caller) thread to this core
+    draft_cpu: int | None = None  # pin the draft thread to this core
+
+
+class DraftFailure(Exception):
+    """The draft worker is unusable; carries the reason for the stats."""
+
+
+def mirror_generate(target, draft, prompt: Sequence[int], max_new_tokens: int, settings: MirrorSettings,
+                    metrics: Metrics | None = None) -> Iterator[list[int]]:
+    """Yield the tokens committed at each step. `target` must offer forward_prefix/forward_suffix."""
+    metrics = metrics or Metrics()
+    budget = token_budget(len(prompt), max_new_tokens, target.max_seq_len)
+    if budget == 0:
+        return
+    prompt = list(prompt)
+    worker = DraftWorker(draft, prompt, len(prompt) + budget + 2 * settings.gamma + 4, DraftSettings(
+        gamma=settings.gamma, sampling=settings.sampling, seed=settings.seed, branch_budget=settings.branch_budget,
+        min_window=settings.min_window, cpu=settings.draft_cpu))
+    step = _TargetStep(target, settings, metrics, worker)
+    previous_affinity = _pin(settings.target_cpu)
+    previous_threads = _set_threads(target, 1 if settings.target_cpu is not None else None)
+    try:
+        worker.start()
+        last = step.prefill(prompt, len(prompt) + budget)
+        yield [last]
+        produced, length = 1, len(prompt) + 1
+        worker.inbox.put(Start(last), timeout=settings.draft_timeout_s)
+        while produced < budget:
+            k_max = min(settings.gamma, budget - produced - 1)
+            tokens = step.run(last, length, k_max) if step.alive else step.alone(last)
+            produced += len(tokens)
+            length += len(tokens)
+            last = tokens[-1]
+            yield tokens
+    finally:
+        worker.stop()
+        _unpin(previous_affinity)
+        _set_threads(target, previous_threads)
+        metrics.extra = mirror_summary(metrics, worker.stats, step.counters)
+
+
+class _TargetStep:
+    """The target worker's state: its cache, generator, counters and the draft link."""
+
+    def __init__(self, target, settings: MirrorSettings, metrics: Metrics, worker: DraftWorker):
+        self.target, self.settings, self.metrics, self.worker = target, settings, metrics, worker
+        self.rng = np.random.default_rng(settings.seed)
+        self.cache = None
+        self.alive = True
+        self.counters = {"exit_covered": 0, "corrections": 0, "busy": [], "fallback_steps": 0}
+
+    def prefill(self, prompt: list[int], capacity: int) -> int:
+        self.cache = self.target.new_cache(capacity)
+        with self.metrics.stage("target_prefill"):
+            logits = self.target.forward(prompt, self.cache)
+        return choose(logits[-1], self.settings.sampling, self.rng)[0]
+
+    def run(self, last: int, length: int, k_max: int) -> list[int]:
+        """One Mirror step; on any draft failure, fall back and do a target-only step."""
+        try:
+            window = self._take_window(length, k_max)
+        except DraftFailure as failure:
+            self._fall_back(str(failure))
+            return self.alone(last)
+        tokens = list(window.tokens[:k_max])
+        base = self.cache.length
+        # Phase 2: prefix and early exit, sent to the draft at once
+        t0 = time.perf_counter()
+        with self.metrics.stage("target_prefix"):
+            ids, logprobs = self.target.forward_prefix([last] + tokens, self.cache)
+        self._send(EarlyExit(length, tuple(tokens), ids, logprobs))
+        # Phase 3: suffix and verification
+        with self.metrics.stage("target_suffix"):
+            logits = self.target.forward_suffix(self.cache)  # [k+1, vocab]
+            verdict = self._accept(tokens, window, logits, length)
+        self.counters["busy"].append((t0, time.perf_counter()))
+        # Phase 4: commit, tell the draft, roll back the rejected positions
+        self.cache.rollback(base + 1 + verdict.num_accepted)
+        self._send(verdict)
+        self._count_exit(tokens, verdict, ids)
+        self.metrics.record_step(len(tokens), verdict.num_accepted)
+        return tokens[:verdict.num_accepted] + [verdict.next_token]
+
+    def alone(self, last: int) -> list[int]:
+        """A target-only step (after a draft failure)."""
+        with self.metrics.stage("target_alone"):
+            logits = self.target.forward([last], self.cache)
+        self.metrics.record_step(0, 0)
+        self.counters["fallback_steps"] += 1
+        return [choose(logits[-1], self.settings.sampling, self.rng)[0]]
+
+    def _take_window(self, length: int, k_max: int) -> Window:
+        # Phase 1: the rendezvous; the window must continue exactly the committed text
+        with self.metrics.stage("target_wait"):
+            try:
+                message = self.worker.outbox.get(timeout=self.settings.draft_timeout_s)
+            except queue.Empty:
+                raise DraftFailure(f"draft stalled for more than {self.settings.draft_timeout_s:g} s") from None
+        if isinstance(message, Fault):
+            raise DraftFailure(f"draft failed: {message.reason}")
+        _check_window(message, length, self.settings, self.target.vocab_size)
+        return message
+
+    def _accept(self, tokens, window: Window, logits, length):
+        if self.settings.sampling.greedy:
+            return accept_greedy(tokens, logits, length)
+        p = probabilities(logits, self.settings.sampling)
+        return accept_sampled(tokens, window.q[:len(tokens)], p, self.rng, length)
+
+    def _send(self, message) -> None:
+        if not self.alive:
+            return
+        try:
+            self.worker.inbox.put(message, timeout=self.settings.draft_timeout_s)
+        except queue.Full:
+            self._fall_back("draft inbox full (draft not reading)")
+
+    def _count_exit(self, tokens, verdict, ids) -> None:
+        if verdict.num_accepted < len(tokens):
+            self.counters["corrections"] += 1
+            self.counters["exit_covered"] += int(verdict.next_token in ids[verdict.num_accepted])
+
+    def _fall_back(self, reason: str) -> None:
+        if self.alive:
+            self.alive = False
+            self.metrics.events.append(f"fallback to target-only: {reason}")
+            self.worker.stop(timeout=0.05)
+
+
+def _set_threads(model, threads: int | None) -> int | None:
+    """Apply a thread budget where the backend supports one; returns the previous value."""
+    if threads is None or not hasattr(model, "set_threads"):
+        return None
+    return model.set_threads(threads)
+
+
+def _check_window(window, length: int, settings: MirrorSettings, vocab_size: int) -> None:
+    """Refuse a window that does not continue the committed text or is malformed."""
+    if not isinstance(window, Window):
+        raise DraftFailure(f"draft sent {type(window).__name__}, expected a window")
+    if window.base_length != length:
+        raise DraftFailure(f"draft window continues length {window.base_length}, committed is {length}")
+    k = len(window.tokens)
+    if not 1 <= k <= settings.gamma:
+        raise DraftFailure(f"draft window has {k} tokens, expected 1..{settings.gamma}")
+    if any(not (isinstance(t, (int, np.integer)) and 0 <= t < vocab_size) for t in window.tokens):
+        raise DraftFailure("draft window has token ids outside the vocabulary")
+    if not settings.sampling.greedy and (window.q is None or window.q.shape != (k, vocab_size)):
+        raise DraftFailure("draft window lacks its q rows [k, vocab] under sampling")

@@ -1,0 +1,60 @@
+"""Mirror-SD figures: reuse, early-exit coverage, hidden draft time, and the latency model.
+
+Latency model (mirror-sd.md §5), per step, from this request's own phase means:
+    T_step = T_prefix + T_rendezvous + max(T_suffix, T_rollout) + P(miss) * T_fresh
+where T_rendezvous is the target's mean wait for a window when it was precomputed (a hit),
+T_rollout the draft's precomputation per step and T_fresh its drafting after a miss. The
+prediction is printed next to the measured wall time per step.
+"""
+
+from __future__ import annotations
+
+
+def overlap_seconds(a: list[tuple[float, float]], b: list[tuple[float, float]]) -> float:
+    """Total time covered by both interval lists (each sorted, non-overlapping within itself)."""
+    i = j = 0
+    total = 0.0
+    while i < len(a) and j < len(b):
+        lo, hi = max(a[i][0], b[j][0]), min(a[i][1], b[j][1])
+        total += max(0.0, hi - lo)
+        if a[i][1] < b[j][1]:
+            i += 1
+        else:
+            j += 1
+    return total
+
+
+def mirror_summary(metrics, draft_stats, counters: dict) -> dict:
+    """The Mirror-specific part of a request's stats."""
+    steps = max(1, metrics.steps - counters["fallback_steps"])
+    draft_busy = sum(e - s for s, e in draft_stats.busy)
+    hits = draft_stats.main_hits + draft_stats.side_hits
+    decided = hits + draft_stats.misses + draft_stats.not_ready
+    stage = metrics.stage_seconds
+    wait = stage.get("target_wait", 0.0)
+    p_miss = (draft_stats.misses + draft_stats.not_ready) / decided if decided else 1.0
+    t_prefix, t_suffix = stage.get("target_prefix", 0.0) / steps, stage.get("target_suffix", 0.0) / steps
+    t_rollout = draft_stats.rollout_s / steps
+    t_fresh = draft_stats.fresh_s / max(1, draft_stats.misses + draft_stats.not_ready)
+    t_rendezvous = max(0.0, wait - draft_stats.fresh_s) / steps
+    predicted = t_prefix + t_rendezvous + max(t_suffix, t_rollout) + p_miss * t_fresh
+    decode = sum(stage.get(k, 0.0) for k in ("target_wait", "target_prefix", "target_suffix")) / steps
+    return {
+        "reuse_hit_rate": round(hits / decided, 3) if decided else 0.0,
+        "main_line_hits": draft_stats.main_hits,
+        "side_branch_hits": draft_stats.side_hits,
+        "misses": draft_stats.misses,
+        "not_ready": draft_stats.not_ready,
+        "side_branches_rolled": draft_stats.branches_rolled,
+        "early_exit_coverage": round(counters["exit_covered"] / counters["corrections"], 3)
+        if counters["corrections"] else None,
+        "hidden_draft_share": round(overlap_seconds(draft_stats.busy, counters["busy"]) / draft_busy, 3)
+        if draft_busy else 0.0,
+        "phase_ms_per_step": {"target_prefix": round(1e3 * t_prefix, 2), "target_suffix": round(1e3 * t_suffix, 2),
+                              "rendezvous_wait": round(1e3 * wait / steps, 2),
+                              "draft_rollout": round(1e3 * t_rollout, 2),
+                              "draft_fresh_per_miss": round(1e3 * t_fresh, 2)},
+        "predicted_step_ms": round(1e3 * predicted, 2),
+        "measured_step_ms": round(1e3 * decode, 2),
+        "fallback_steps": counters["fallback_steps"],
+    }
