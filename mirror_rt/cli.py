@@ -70,7 +70,75 @@ def build_parser() -> argparse.ArgumentParser:
     run.add_argument("--dtype", default="float32", help="float32 | bfloat16 | float16 | float64")
     run.add_argument("--threads", type=_positive_int, help="torch threads (default: all cores)")
     run.add_argument("--cache-dir", help="model cache folder (default: $MIRROR_RT_CACHE or ~/.cache/mirror-rt)")
+    _add_bench(sub)
     return parser
+
+
+def _add_bench(sub) -> None:
+    bench = sub.add_parser("bench", help="SpecBench-style evaluation of ar / sd / mirror and peers")
+    bench.add_argument("--data", required=True, help="questions (SpecBench jsonl: question_id, category, turns)")
+    bench.add_argument("--categories", help="comma-separated categories to keep")
+    bench.add_argument("--limit", type=_positive_int, help="number of questions, picked evenly across categories")
+    bench.add_argument("--methods", default="ar,sd,mirror", help="comma-separated: ar,sd,mirror,hf-assisted,"
+                                                                 "ov-genai,ov-genai-sd")
+    bench.add_argument("--temperature", type=_number, default=0.0)
+    bench.add_argument("--repeats", type=_positive_int, default=1, help="runs per turn (median wall time kept)")
+    bench.add_argument("--max-new-tokens", type=_positive_int, default=128)
+    bench.add_argument("--gamma", type=_positive_int, default=4)
+    bench.add_argument("--branch-budget", type=_budget, default=None)
+    bench.add_argument("--model", help="target (default: SmolLM2-135M-Instruct)")
+    bench.add_argument("--draft-model", default="int8", help="draft (default: int8 copy of the target)")
+    bench.add_argument("--seed", type=int, default=0)
+    bench.add_argument("--profile", action="store_true", help="print mirror's time per phase per step")
+    bench.add_argument("--cache-dir")
+    bench.add_argument("--out", required=True, help="output folder")
+
+
+def cmd_bench(args) -> int:
+    import shlex
+
+    import mirror_rt
+    from mirror_rt.runtime.bench import BenchSettings, run_bench, write_results
+    from mirror_rt.runtime.bench_methods import build_runners
+    from mirror_rt.runtime.config import make_config
+    from mirror_rt.runtime.specbench import read_questions
+
+    from pathlib import Path
+
+    categories = args.categories.split(",") if args.categories else None
+    questions = read_questions(args.data, categories, args.limit)
+    config = make_config(max_new_tokens=args.max_new_tokens, temperature=args.temperature, gamma=args.gamma,
+                         seed=args.seed, branch_budget=args.branch_budget)
+    engine = mirror_rt.load(args.model, args.draft_model, cache_dir=args.cache_dir)
+    methods = [m.strip() for m in args.methods.split(",") if m.strip()]
+    runners = build_runners(methods, engine, engine.names.get("target"), log=_log)
+    answers = run_bench(runners, questions, BenchSettings(config=config, repeats=args.repeats))
+    ar_names = [r.name for r in runners if r.name.startswith("ar-")]
+    from mirror_rt.runtime.report import mean_speed
+
+    baseline = max(ar_names, key=lambda n: mean_speed(answers[n])) if ar_names else runners[0].name
+    reference = ar_names[0] if ar_names and config.sampling.greedy else None
+    command = "mirror-rt " + " ".join(shlex.quote(a) for a in sys.argv[1:])
+    doc = write_results(Path(args.out), answers, baseline, reference, command)
+    print((Path(args.out) / "report.md").read_text())
+    if args.profile and "mirror" in answers:
+        print(format_profile(answers["mirror"]))
+    return 1 if any(doc["mismatches"].get(m) for m in ("sd", "mirror")) else 0
+
+
+def format_profile(answers) -> str:
+    """Mirror's mean time per phase per step over all turns."""
+    phases: dict[str, list[float]] = {}
+    for a in answers:
+        for s in a.stats:
+            for k, v in s.get("phase_ms_per_step", {}).items():
+                phases.setdefault(k, []).append(v)
+    return "mirror, ms per step (mean over turns): " + ", ".join(
+        f"{k} {sum(v) / len(v):.1f}" for k, v in phases.items())
+
+
+def _log(message: str) -> None:
+    print(message, file=sys.stderr, flush=True)
 
 
 def cmd_run(args) -> int:
@@ -144,6 +212,8 @@ def main(argv=None) -> int:
     try:
         if args.command == "run":
             return cmd_run(args)
+        if args.command == "bench":
+            return cmd_bench(args)
     except KeyboardInterrupt:
         print("\nmirror-rt: interrupted", file=sys.stderr)
         return 130

@@ -71,5 +71,6 @@ class Metrics:
                                         for a, p in zip(self.accepted_at, self.proposed_at)],
             "stage_seconds": {k: round(v, 4) for k, v in self.stage_seconds.items()},
             "events": list(self.events),
+            "accept_lengths": list(self.accept_lengths),
             **self.extra,
         }

@@ -1,0 +1,112 @@
+"""`mirror-rt bench`: every method on the same questions, interleaved question by question.
+
+Each method is a runner with `answer(messages, config) -> (text, new_tokens, wall, accept_lengths,
+stats)`. Methods run in a rotating order per question so machine drift hits all alike;
+multi-turn questions carry the method's own earlier answers in context. With repeats, the
+median wall time of a turn is kept (the text of the first run; greedy runs repeat exactly).
+"""
+
+from __future__ import annotations
+
+import json
+import statistics
+from dataclasses import dataclass, replace
+from pathlib import Path
+
+from mirror_rt.runtime import report
+from mirror_rt.runtime.config import GenerationConfig
+from mirror_rt.runtime.engine import GenerationError
+from mirror_rt.runtime.specbench import Answer, Question, write_answers
+
+
+class EngineRunner:
+    """One of our modes on an `Engine`, with a thread budget for the target."""
+
+    def __init__(self, name: str, engine, mode: str, threads: int | None = None, **options):
+        self.name, self.engine, self.mode, self.threads, self.options = name, engine, mode, threads, options
+
+    def answer(self, messages: list[dict], config: GenerationConfig):
+        target = self.engine.target
+        previous = target.set_threads(self.threads) if self.threads and hasattr(target, "set_threads") else None
+        try:
+            gen = self.engine.generate(messages, replace(config, mode=self.mode, **self.options))
+        finally:
+            if previous is not None:
+                target.set_threads(previous)
+        s = gen.stats
+        return gen.text, s["new_tokens"], s["wall_time_s"], s.get("accept_lengths", []), s
+
+
+@dataclass(frozen=True)
+class BenchSettings:
+    """What the bench runs."""
+
+    config: GenerationConfig  # max_new_tokens, sampling, gamma...
+    repeats: int = 1
+    warmup_tokens: int = 16
+
+
+def run_bench(runners: list, questions: list[Question], settings: BenchSettings, progress=True,
+              log=print) -> dict[str, list[Answer]]:
+    """Answers per method, interleaved question by question.
+
+    A question no method can serve (a prompt beyond the context) is skipped for all methods.
+    """
+    from tqdm import tqdm
+
+    for runner in runners:  # warm-up: first-call costs (allocation, JIT) stay out of the figures
+        runner.answer([{"role": "user", "content": "Hello"}], replace(settings.config, max_new_tokens=settings.warmup_tokens))
+    answers: dict[str, list[Answer]] = {r.name: [] for r in runners}
+    total = len(questions) * len(runners)
+    with tqdm(total=total, desc="bench", unit="answer", disable=not progress) as bar:
+        for i, question in enumerate(questions):
+            order = runners[i % len(runners):] + runners[:i % len(runners)]
+            try:
+                done = {runner.name: _answer_question(runner, question, settings) for runner in order}
+            except GenerationError as exc:
+                log(f"bench: skipping question {question.question_id}: {exc}")
+                done = {}
+            for name, answer in done.items():
+                answers[name].append(answer)
+            bar.update(len(order))
+    return answers
+
+
+def _answer_question(runner, question: Question, settings: BenchSettings) -> Answer:
+    answer = Answer(question.question_id, question.category, runner.name)
+    messages: list[dict] = []
+    for turn in question.turns:
+        messages.append({"role": "user", "content": turn})
+        runs = [runner.answer(list(messages), settings.config) for _ in range(settings.repeats)]
+        text, new_tokens, _, accept_lengths, stats = runs[0]
+        answer.turns.append(text)
+        answer.new_tokens.append(new_tokens)
+        answer.wall_time.append(statistics.median(r[2] for r in runs))
+        answer.accept_lengths.append(list(accept_lengths))
+        answer.stats.append({k: v for k, v in stats.items() if k != "accept_lengths"})
+        messages.append({"role": "assistant", "content": text})
+    return answer
+
+
+def write_results(out_dir: Path, answers: dict[str, list[Answer]], baseline: str, reference: str | None,
+                  command: str) -> dict:
+    """Answer files, summary.json, report.md and speedup.png; returns the summary."""
+    out_dir.mkdir(parents=True, exist_ok=True)
+    (out_dir / "answers").mkdir(exist_ok=True)
+    for method, items in answers.items():
+        write_answers(out_dir / "answers" / f"{method}.jsonl", items)
+    summary = report.summarize(answers, baseline)
+    mismatches = report.count_mismatches(answers, reference) if reference else {}
+    methods = list(answers)
+    doc = {"command": command, "baseline": baseline, "summary": summary,
+           "mismatches": {m: len(v) for m, v in mismatches.items()},
+           "mismatch_list": {m: v for m, v in mismatches.items() if v}}
+    (out_dir / "summary.json").write_text(json.dumps(doc, indent=2))
+    table = report.markdown_table(summary, methods)
+    lines = [f"Command: `{command}`", "", f"Baseline (speedup 1.0): `{baseline}`", "", table]
+    if reference:
+        lines.append("Greedy output mismatches against `" + reference + "`: " +
+                     ", ".join(f"{m} {len(v)}" for m, v in mismatches.items()) + "\n")
+    (out_dir / "report.md").write_text("\n".join(lines))
+    report.write_chart(summary, methods, out_dir / "speedup.png")
+    return doc

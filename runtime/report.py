@@ -1,0 +1,118 @@
+"""Benchmark arithmetic and rendering: speedups as SpecBench computes them, tables, a chart.
+
+Speedup (SpecBench): per question, tokens/s = sum(new_tokens) / sum(wall_time) over its
+turns; per method the mean of that over questions; speedup = mean(method) / mean(baseline).
+Mean accepted length = all committed tokens / all target forwards (steps). Pure functions
+except `write_chart`, which draws a PNG with matplotlib.
+"""
+
+from __future__ import annotations
+
+from collections import defaultdict
+
+from mirror_rt.runtime.specbench import Answer
+
+
+def question_speed(answer: Answer) -> float:
+    """Tokens per second of one question (all its turns)."""
+    wall = sum(answer.wall_time)
+    return sum(answer.new_tokens) / wall if wall > 0 else 0.0
+
+
+def mean_speed(answers: list[Answer]) -> float:
+    return sum(question_speed(a) for a in answers) / len(answers) if answers else 0.0
+
+
+def mean_accepted_length(answers: list[Answer]) -> float | None:
+    steps = [n for a in answers for turn in a.accept_lengths for n in turn]
+    return sum(steps) / len(steps) if steps else None
+
+
+def _mean_stat(answers: list[Answer], key: str) -> float | None:
+    values = [s[key] for a in answers for s in a.stats if s.get(key) is not None]
+    return sum(values) / len(values) if values else None
+
+
+def summarize(answers: dict[str, list[Answer]], baseline: str) -> dict:
+    """{category or 'overall': {method: figures}} with speedup against `baseline`."""
+    groups: dict[str, dict[str, list[Answer]]] = defaultdict(dict)
+    for method, items in answers.items():
+        for a in items:
+            groups[a.category].setdefault(method, []).append(a)
+        groups["overall"][method] = list(items)
+    table = {}
+    for category, by_method in groups.items():
+        base = mean_speed(by_method.get(baseline, []))
+        table[category] = {m: {
+            "questions": len(items),
+            "tokens_per_s": round(mean_speed(items), 2),
+            "speedup": round(mean_speed(items) / base, 3) if base else None,
+            "mean_accepted_length": _round(mean_accepted_length(items)),
+            "reuse_hit_rate": _round(_mean_stat(items, "reuse_hit_rate")),
+            "hidden_draft_share": _round(_mean_stat(items, "hidden_draft_share")),
+            "predicted_step_ms": _round(_mean_stat(items, "predicted_step_ms")),
+            "measured_step_ms": _round(_mean_stat(items, "measured_step_ms")),
+        } for m, items in by_method.items()}
+    return table
+
+
+def _round(x, digits: int = 3):
+    return None if x is None else round(x, digits)
+
+
+def markdown_table(summary: dict, methods: list[str]) -> str:
+    """One table: a row per category and method."""
+    head = ("| category | method | questions | tokens/s | speedup | mean accepted length | reuse hit rate | "
+            "hidden draft share | latency model: predicted / measured ms per step |")
+    lines = [head, "|" + "---|" * 9]
+    categories = sorted(c for c in summary if c != "overall") + ["overall"]
+    for category in categories:
+        for m in methods:
+            f = summary[category].get(m)
+            if f is None:
+                continue
+            model = (f"{f['predicted_step_ms']:.1f} / {f['measured_step_ms']:.1f}"
+                     if f["predicted_step_ms"] is not None else "")
+            lines.append(f"| {category} | {m} | {f['questions']} | {f['tokens_per_s']:.1f} | "
+                         f"{_fmt(f['speedup'], 'x')} | {_fmt(f['mean_accepted_length'])} | "
+                         f"{_fmt(f['reuse_hit_rate'])} | {_fmt(f['hidden_draft_share'])} | {model} |")
+    return "\n".join(lines) + "\n"
+
+
+def _fmt(x, suffix: str = "") -> str:
+    return "" if x is None else f"{x:.2f}{suffix}"
+
+
+def count_mismatches(answers: dict[str, list[Answer]], reference: str) -> dict[str, list]:
+    """Per method, the (question_id, turn) whose text differs from the reference method's."""
+    ref = {a.question_id: a.turns for a in answers.get(reference, [])}
+    out = {}
+    for method, items in answers.items():
+        if method == reference:
+            continue
+        out[method] = [(a.question_id, i) for a in items for i, text in enumerate(a.turns)
+                       if a.question_id in ref and i < len(ref[a.question_id]) and text != ref[a.question_id][i]]
+    return out
+
+
+def write_chart(summary: dict, methods: list[str], path) -> None:
+    """PNG bar chart: speedup per category per method."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    categories = sorted(c for c in summary if c != "overall") + ["overall"]
+    width = 0.8 / max(1, len(methods))
+    fig, ax = plt.subplots(figsize=(max(6, 1.1 * len(categories)), 4))
+    for i, m in enumerate(methods):
+        values = [summary[c].get(m, {}).get("speedup") or 0 for c in categories]
+        ax.bar([x + i * width for x in range(len(categories))], values, width, label=m)
+    ax.axhline(1.0, color="gray", linewidth=0.8)
+    ax.set_xticks([x + width * (len(methods) - 1) / 2 for x in range(len(categories))])
+    ax.set_xticklabels(categories, rotation=30, ha="right")
+    ax.set_ylabel("speedup over baseline")
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, format="png", dpi=100)
+    plt.close(fig)

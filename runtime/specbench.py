@@ -1,0 +1,100 @@
+"""SpecBench formats: questions in, answers out.
+
+Questions: one JSON object per line with `question_id`, `category`, `turns` (list of user
+messages). Answers (SpecBench's answer style): one object per question with `question_id`,
+`category`, `model_id` and `choices[0]` holding per turn `turns` (text), `new_tokens`,
+`wall_time` and `accept_lengths` (tokens committed per target forward). Nothing here runs
+a model.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+import uuid
+from dataclasses import dataclass, field
+from pathlib import Path
+
+
+class DataError(ValueError):
+    """A malformed question file (one-line message naming the file and line)."""
+
+
+@dataclass(frozen=True)
+class Question:
+    question_id: int | str
+    category: str
+    turns: tuple[str, ...]
+
+
+@dataclass
+class Answer:
+    """One method's answer to one question, turn by turn."""
+
+    question_id: int | str
+    category: str
+    model_id: str
+    turns: list[str] = field(default_factory=list)
+    new_tokens: list[int] = field(default_factory=list)
+    wall_time: list[float] = field(default_factory=list)
+    accept_lengths: list[list[int]] = field(default_factory=list)
+    stats: list[dict] = field(default_factory=list)  # our per-turn stats (not in SpecBench's format)
+
+    def to_json(self) -> dict:
+        choice = {"index": 0, "turns": self.turns, "new_tokens": self.new_tokens, "wall_time": self.wall_time,
+                  "accept_lengths": self.accept_lengths}
+        return {"question_id": self.question_id, "category": self.category, "answer_id": uuid.uuid4().hex,
+                "model_id": self.model_id, "choices": [choice], "tstamp": time.time(), "stats": self.stats}
+
+    @classmethod
+    def from_json(cls, d: dict) -> "Answer":
+        c = d["choices"][0]
+        return cls(d["question_id"], d.get("category", ""), d.get("model_id", ""), list(c["turns"]),
+                   list(c["new_tokens"]), list(c["wall_time"]), [list(a) for a in c.get("accept_lengths", [])],
+                   list(d.get("stats", [])))
+
+
+def read_questions(path: str | Path, categories: list[str] | None = None, limit: int | None = None) -> list[Question]:
+    """Questions from a SpecBench jsonl; `limit` picks evenly across categories (round robin)."""
+    path = Path(path)
+    if not path.is_file():
+        raise DataError(f"question file not found: {path}")
+    questions = []
+    for number, line in enumerate(path.read_text().splitlines(), 1):
+        if not line.strip():
+            continue
+        try:
+            d = json.loads(line)
+            questions.append(Question(d["question_id"], d["category"], tuple(d["turns"])))
+        except (json.JSONDecodeError, KeyError, TypeError) as exc:
+            raise DataError(f"{path}:{number}: not a SpecBench question ({exc})") from None
+        if not questions[-1].turns or not all(isinstance(t, str) for t in questions[-1].turns):
+            raise DataError(f"{path}:{number}: `turns` must be a non-empty list of strings")
+    if categories:
+        unknown = set(categories) - {q.category for q in questions}
+        if unknown:
+            raise DataError(f"{path}: no questions in categories {', '.join(sorted(unknown))}")
+        questions = [q for q in questions if q.category in categories]
+    return pick_evenly(questions, limit) if limit else questions
+
+
+def pick_evenly(questions: list[Question], limit: int) -> list[Question]:
+    """The first `limit` questions taking one per category in turn (file order within each)."""
+    by_category: dict[str, list[Question]] = {}
+    for q in questions:
+        by_category.setdefault(q.category, []).append(q)
+    picked, depth = [], 0
+    while len(picked) < min(limit, len(questions)):
+        for items in by_category.values():
+            if depth < len(items) and len(picked) < limit:
+                picked.append(items[depth])
+        depth += 1
+    return picked
+
+
+def write_answers(path: str | Path, answers: list[Answer]) -> None:
+    Path(path).write_text("".join(json.dumps(a.to_json(), ensure_ascii=False) + "\n" for a in answers))
+
+
+def read_answers(path: str | Path) -> list[Answer]:
+    return [Answer.from_json(json.loads(line)) for line in Path(path).read_text().splitlines() if line.strip()]

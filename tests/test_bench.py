@@ -1,0 +1,79 @@
+"""Bench: SpecBench formats, speedup arithmetic, a smoke run, the chart."""
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+from mirror_rt.runtime import report
+from mirror_rt.runtime.specbench import Answer, DataError, pick_evenly, read_answers, read_questions, write_answers
+
+
+def write_questions(path, rows):
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return path
+
+
+def test_question_file_round_trip_and_even_pick(tmp_path):
+    rows = [{"question_id": i, "category": "ab"[i % 2] if i < 6 else "c", "turns": [f"q{i}"]} for i in range(8)]
+    qs = read_questions(write_questions(tmp_path / "q.jsonl", rows))
+    assert [q.question_id for q in pick_evenly(qs, 4)] == [0, 1, 6, 2]  # a, b, c, then a again
+    assert [q.question_id for q in read_questions(tmp_path / "q.jsonl", ["c"])] == [6, 7]
+
+
+def test_bad_question_file_named(tmp_path):
+    path = tmp_path / "bad.jsonl"
+    path.write_text('{"question_id": 1, "category": "x"}\n')
+    with pytest.raises(DataError, match="bad.jsonl:1"):
+        read_questions(path)
+    with pytest.raises(DataError, match="not found"):
+        read_questions(tmp_path / "missing.jsonl")
+
+
+def test_answer_file_round_trip(tmp_path):
+    a = Answer(7, "math", "mirror", ["x", "y"], [10, 20], [0.5, 1.0], [[2, 3], [1]], [{"reuse_hit_rate": 0.5}])
+    write_answers(tmp_path / "a.jsonl", [a])
+    (b,) = read_answers(tmp_path / "a.jsonl")
+    assert (b.question_id, b.turns, b.new_tokens, b.wall_time, b.accept_lengths) == (7, ["x", "y"], [10, 20], [0.5, 1.0], [[2, 3], [1]])
+
+
+def test_speedup_as_specbench_computes_it():
+    """Per question tokens/s, mean over questions, ratio of means (hand-computed)."""
+    base = [Answer(1, "m", "ar", new_tokens=[10], wall_time=[1.0]), Answer(2, "m", "ar", new_tokens=[30], wall_time=[1.0])]
+    fast = [Answer(1, "m", "sd", new_tokens=[10], wall_time=[0.5], accept_lengths=[[2, 3]]),
+            Answer(2, "m", "sd", new_tokens=[30], wall_time=[0.5], accept_lengths=[[5]])]
+    summary = report.summarize({"ar": base, "sd": fast}, "ar")
+    # ar: (10 + 30) / 2 = 20 tok/s; sd: (20 + 60) / 2 = 40 tok/s -> 2.0x; accepted (2+3+5)/3
+    assert summary["overall"]["sd"]["tokens_per_s"] == 40.0 and summary["overall"]["sd"]["speedup"] == 2.0
+    assert summary["overall"]["sd"]["mean_accepted_length"] == pytest.approx(10 / 3, abs=1e-3)
+
+
+def test_multi_turn_speed_uses_all_turns():
+    a = Answer(1, "m", "x", new_tokens=[10, 30], wall_time=[1.0, 3.0])
+    assert report.question_speed(a) == 10.0
+
+
+def test_mismatches_counted():
+    ar = [Answer(1, "m", "ar", turns=["a", "b"])]
+    sd = [Answer(1, "m", "sd", turns=["a", "c"])]
+    assert report.count_mismatches({"ar": ar, "sd": sd}, "ar") == {"sd": [(1, 1)]}
+
+
+def test_smoke_run_writes_everything(tmp_path):
+    """A 2-question run of the methods available in CI: answers, summary, report, a valid PNG."""
+    data = write_questions(tmp_path / "q.jsonl", [
+        {"question_id": 1, "category": "a", "turns": ["hello there", "and again"]},
+        {"question_id": 2, "category": "b", "turns": ["count to ten"]}])
+    out = tmp_path / "out"
+    proc = subprocess.run([sys.executable, "-m", "mirror_rt.cli", "bench", "--data", str(data), "--model", "tiny",
+                           "--methods", "ar,sd,mirror,ov-genai", "--max-new-tokens", "12", "--out", str(out)],
+                          capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr
+    assert "skipping ov-genai" in proc.stderr
+    doc = json.loads((out / "summary.json").read_text())
+    assert doc["mismatches"] == {"ar-torch-2t": 0, "sd": 0, "mirror": 0} or doc["mismatches"] == {"sd": 0, "mirror": 0}
+    assert set(doc["summary"]) == {"a", "b", "overall"}
+    assert len(read_answers(out / "answers" / "mirror.jsonl")) == 2
+    assert (out / "speedup.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert "| overall | mirror |" in (out / "report.md").read_text()
