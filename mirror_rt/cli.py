@@ -71,7 +71,29 @@ def build_parser() -> argparse.ArgumentParser:
     run.add_argument("--threads", type=_positive_int, help="torch threads (default: all cores)")
     run.add_argument("--cache-dir", help="model cache folder (default: $MIRROR_RT_CACHE or ~/.cache/mirror-rt)")
     _add_bench(sub)
+    simulate = sub.add_parser("simulate", help="predict AR / SD / Mirror speed from costs (latency model)")
+    simulate.add_argument("--config", default="qwen3-14b-m2ultra",
+                          help="a JSON file of costs and rates, or a preset (default: the paper's setting)")
+    simulate.add_argument("--json", action="store_true")
     return parser
+
+
+def cmd_simulate(args) -> int:
+    from mirror_rt.runtime.simulate import load_config, predict
+
+    cfg = load_config(args.config)
+    result = predict(cfg)
+    if args.json:
+        print(json.dumps({"config": cfg.__dict__, "prediction": result}, indent=2))
+        return 0
+    print(f"{result['name']}: gamma {cfg.gamma}, acceptance {cfg.acceptance}, tokens per step "
+          f"{result['tokens_per_step']}, P(reuse hit) {result['p_hit']}")
+    for method in ("ar", "sd", "mirror"):
+        step = result["ar_ms_per_token"] if method == "ar" else result[f"{method}_ms_per_step"]
+        speedup = 1.0 if method == "ar" else result[f"{method}_speedup"]
+        print(f"  {method:6s} {step:8.2f} ms per step  {result[f'{method}_tokens_per_s']:8.1f} tokens/s  "
+              f"{speedup:.2f}x")
+    return 0
 
 
 def _add_bench(sub) -> None:
@@ -214,6 +236,8 @@ def main(argv=None) -> int:
             return cmd_run(args)
         if args.command == "bench":
             return cmd_bench(args)
+        if args.command == "simulate":
+            return cmd_simulate(args)
     except KeyboardInterrupt:
         print("\nmirror-rt: interrupted", file=sys.stderr)
         return 130

@@ -1,0 +1,100 @@
+"""`mirror-rt simulate`: predict AR / SD / Mirror step times and speedups from costs.
+
+Costs per device (per layer per window, per draft forward) and the algorithm's rates
+(per-token acceptance a, root coverage) give, with k = gamma:
+    tokens per step          = 1 + E[A] = (1 - a^(k+1)) / (1 - a)
+    AR   time per token      = T_target(1)
+    SD   time per step       = k * T_draft + T_target(k+1)
+    Mirror time per step     = T_prefix(k+1) + T_rendezvous + max(T_suffix(k+1), T_rollout)
+                               + P(miss) * T_fresh
+with T_rollout = draft forwards for the main line plus side branches (a batched tree forward
+counts once per draft step), T_fresh = forwards to draft a window from scratch, and
+P(hit) = a^(k+1) + sum_j a^j (1 - a) * root_coverage (main line + precomputed corrections).
+With n_s Speculative-Streaming streams a k-token rollout takes ceil(k / (1 + n_s)) forwards.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import dataclass
+from pathlib import Path
+
+
+@dataclass(frozen=True)
+class SimConfig:
+    """Costs and rates of one hardware/model setting."""
+
+    name: str
+    target_layers: int  # N
+    exit_layer: int  # l_e
+    target_layer_ms: float  # one target layer over a 1-token window
+    window_growth: float  # extra cost per extra window token, as a fraction of the 1-token cost
+    target_head_ms: float  # final norm + LM head (1 token)
+    draft_forward_ms: float  # one draft forward (a batched branch forward costs the same)
+    gamma: int  # k
+    acceptance: float  # per-token acceptance a
+    root_coverage: float  # P(correction is among the precomputed roots | mismatch)
+    rendezvous_ms: float = 0.0  # message latency between devices per step
+    ss_streams: int = 0  # Speculative-Streaming lookahead streams of the draft
+    branches_batched: bool = True  # side branches ride in the main line's draft forwards
+
+    def __post_init__(self):
+        if not 1 <= self.exit_layer < self.target_layers:
+            raise ValueError(f"exit_layer must be in 1..{self.target_layers - 1}")
+        if not 0 <= self.acceptance < 1 or not 0 <= self.root_coverage <= 1:
+            raise ValueError("acceptance must be in [0, 1) and root_coverage in [0, 1]")
+
+
+def target_ms(cfg: SimConfig, layers: int, window: int, head: bool) -> float:
+    growth = 1 + cfg.window_growth * (window - 1)
+    return layers * cfg.target_layer_ms * growth + (cfg.target_head_ms * growth if head else 0.0)
+
+
+def draft_ms(cfg: SimConfig, tokens: int) -> float:
+    return math.ceil(tokens / (1 + cfg.ss_streams)) * cfg.draft_forward_ms
+
+
+def predict(cfg: SimConfig) -> dict:
+    """AR / SD / Mirror time per step, tokens per step, tokens/s and speedups over AR."""
+    a, k = cfg.acceptance, cfg.gamma
+    tokens = (1 - a ** (k + 1)) / (1 - a)
+    ar = target_ms(cfg, cfg.target_layers, 1, True)
+    sd = draft_ms(cfg, k) + target_ms(cfg, cfg.target_layers, k + 1, True)
+    prefix = target_ms(cfg, cfg.exit_layer, k + 1, True)  # the early exit applies the head too
+    suffix = target_ms(cfg, cfg.target_layers - cfg.exit_layer, k + 1, True)
+    rollout = draft_ms(cfg, k + 1) * (1 if cfg.branches_batched else 2)
+    p_hit = a ** (k + 1) + sum(a ** j * (1 - a) * cfg.root_coverage for j in range(k))
+    mirror = prefix + cfg.rendezvous_ms + max(suffix, rollout) + (1 - p_hit) * draft_ms(cfg, k)
+    return {
+        "name": cfg.name, "tokens_per_step": round(tokens, 3), "p_hit": round(p_hit, 3),
+        "ar_ms_per_token": round(ar, 3), "sd_ms_per_step": round(sd, 3), "mirror_ms_per_step": round(mirror, 3),
+        "ar_tokens_per_s": round(1000 / ar, 2), "sd_tokens_per_s": round(1000 * tokens / sd, 2),
+        "mirror_tokens_per_s": round(1000 * tokens / mirror, 2),
+        "sd_speedup": round(ar * tokens / sd, 3), "mirror_speedup": round(ar * tokens / mirror, 3),
+    }
+
+
+# Worked example: the paper's setting (Qwen3-14B target on M2 Ultra GPUs, 0.6B SS draft on the
+# NPU). Assumed, not measured: 40 layers at 0.9 ms per layer per token (memory bound, so an
+# 8-token window costs ~1.1x), a 0.6B draft forward of 4 ms on the NPU, 2 SS streams,
+# per-token acceptance 0.8, 60% of corrections inside the precomputed roots, 0.2 ms handoff.
+PRESETS = {
+    "qwen3-14b-m2ultra": dict(name="qwen3-14b-m2ultra (assumed costs)", target_layers=40, exit_layer=20,
+                              target_layer_ms=0.9, window_growth=0.015, target_head_ms=1.5,
+                              draft_forward_ms=4.0, gamma=7, acceptance=0.8, root_coverage=0.6,
+                              rendezvous_ms=0.2, ss_streams=2),
+}
+
+
+def load_config(ref: str) -> SimConfig:
+    """A preset name or a JSON file with SimConfig's fields."""
+    if ref in PRESETS:
+        return SimConfig(**PRESETS[ref])
+    path = Path(ref)
+    if not path.is_file():
+        raise ValueError(f"simulate: no preset or file named '{ref}' (presets: {', '.join(PRESETS)})")
+    try:
+        return SimConfig(**json.loads(path.read_text()))
+    except (json.JSONDecodeError, TypeError) as exc:
+        raise ValueError(f"simulate: {path}: {exc}") from None
