@@ -37,7 +37,7 @@ class DraftSettings:
     gamma: int  # maximum window length
     sampling: SamplingConfig  # must match the target's
     seed: int = 0
-    branch_budget: int | None = None  # side branches per step; None = as many as fit before the verdict
+    branch_budget: int | None = None  # side branches per step; None = auto: forwards that fit before the verdict
     branch_length: int = 0  # tokens per side branch; 0 = gamma
     alternatives: int = 3  # draft alternatives kept per depth for ranking roots
     min_window: int = 1  # send a precomputed window once it has this many tokens
@@ -85,6 +85,8 @@ class DraftWorker:
         self.in_flight = 0  # length of the window the target is verifying
         self.branches: dict[tuple[int, int], Line] = {}
         self.exit_rows = None
+        self.verdict_due = 0.0  # when the verdict is expected (exit arrival + target suffix time)
+        self.forward_s = 0.0  # running mean of one draft forward
         self.acceptance = 0.8  # running per-token acceptance estimate
         self.cache = None
         self.cache_tokens: list[int] = []
@@ -156,6 +158,7 @@ class DraftWorker:
         elif isinstance(message, EarlyExit):
             if message.base_length == len(self.committed):
                 self.exit_rows = exit_distribution(message.ids, message.logprobs)
+                self.verdict_due = time.perf_counter() + message.suffix_s
         elif isinstance(message, Verdict):
             self._apply_verdict(message)
             self._send_window(reused=bool(self.line.tokens))
@@ -178,7 +181,7 @@ class DraftWorker:
             self.stats.not_ready += len(line.tokens) <= a  # the line never reached the bonus
             self.stats.misses += len(line.tokens) > a
             self.line = Line()
-        self.branches, self.exit_rows = {}, None
+        self.branches, self.exit_rows, self.verdict_due = {}, None, 0.0
 
     def _send_window(self, reused: bool) -> None:
         """Send up to gamma line tokens, drafting fresh ones first if fewer than min_window."""
@@ -210,10 +213,12 @@ class DraftWorker:
         settings, k = self.settings, self.in_flight
         length = settings.branch_length or settings.gamma
         for (depth, root), branch in self.branches.items():
-            if len(branch.tokens) < length:
+            if len(branch.tokens) < length and (settings.branch_budget is not None or self._fits_before_verdict()):
                 self._extend(branch, self.committed + self.line.tokens[:depth] + [root])
                 return True
         if settings.branch_budget is not None and len(self.branches) >= settings.branch_budget:
+            return False
+        if settings.branch_budget is None and not self._fits_before_verdict():
             return False
         window = self.line.tokens[:k]
         roots = rank_roots(window, self.line.tokens[k], self.line.alts[:k + 1], self.exit_rows, self.acceptance)
@@ -224,6 +229,10 @@ class DraftWorker:
         self.stats.branches_rolled += 1
         self._extend(branch, self.committed + window[:root.depth] + [root.token])
         return True
+
+    def _fits_before_verdict(self) -> bool:
+        """Auto budget: one more forward only if it should end before the verdict is due."""
+        return self.exit_rows is not None and time.perf_counter() + self.forward_s <= self.verdict_due
 
     def _extend(self, line: Line, context: list[int]) -> None:
         """Draft one more token of `line`, which continues `context`."""
@@ -250,7 +259,10 @@ class DraftWorker:
     def _feed(self, tokens: list[int]) -> np.ndarray:
         t0 = time.perf_counter()
         logits = self.draft.forward(tokens, self.cache)
-        self.stats.busy.append((t0, time.perf_counter()))
+        t1 = time.perf_counter()
+        self.stats.busy.append((t0, t1))
+        if len(tokens) == 1:  # one-token forwards: the unit of speculation work
+            self.forward_s = 0.8 * self.forward_s + 0.2 * (t1 - t0) if self.forward_s else t1 - t0
         self.cache_tokens.extend(tokens)
         return logits
 

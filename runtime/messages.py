@@ -30,6 +30,7 @@ class EarlyExit:
     window: tuple[int, ...]  # the window's own tokens d_1..d_k
     ids: np.ndarray  # [k+1, kappa] top-kappa ids; row j predicts the token after window[:j]
     logprobs: np.ndarray  # [k+1, kappa] their log-probabilities
+    suffix_s: float = 0.0  # the target's running mean suffix time: when the verdict is expected
 
 
 @dataclass(frozen=True)

@@ -87,6 +87,7 @@ class _TargetStep:
         self.target, self.settings, self.metrics, self.worker = target, settings, metrics, worker
         self.rng = np.random.default_rng(settings.seed)
         self.cache = None
+        self.suffix_s = 0.0  # running mean of the suffix time (tells the draft when to expect the verdict)
         self.alive = True
         self.counters = {"exit_covered": 0, "corrections": 0, "busy": [], "fallback_steps": 0}
 
@@ -109,11 +110,13 @@ class _TargetStep:
         t0 = time.perf_counter()
         with self.metrics.stage("target_prefix"):
             ids, logprobs = self.target.forward_prefix([last] + tokens, self.cache)
-        self._send(EarlyExit(length, tuple(tokens), ids, logprobs))
+        self._send(EarlyExit(length, tuple(tokens), ids, logprobs, self.suffix_s))
         # Phase 3: suffix and verification
+        t1 = time.perf_counter()
         with self.metrics.stage("target_suffix"):
             logits = self.target.forward_suffix(self.cache)  # [k+1, vocab]
             verdict = self._accept(tokens, window, logits, length)
+        self.suffix_s = 0.8 * self.suffix_s + 0.2 * (time.perf_counter() - t1) if self.suffix_s else time.perf_counter() - t1
         self.counters["busy"].append((t0, time.perf_counter()))
         # Phase 4: commit, tell the draft, roll back the rejected positions
         self.cache.rollback(base + 1 + verdict.num_accepted)
