@@ -1,0 +1,161 @@
+"""ONNX Runtime backend: the .onnx graphs of a bundle on any execution provider.
+
+ONNX graphs take the KV cache as explicit inputs and return it grown by the window, so
+the cache is a list of host arrays per graph; rollback slices them (O(1), views). This
+costs a copy of the whole cache per call, the price of running on any EP (CPU, CUDA,
+QNN, OpenVINO). onnxruntime is imported lazily; the runtime core never imports it.
+Invariant: between calls every graph of a cache holds exactly `length` positions, except
+that after `forward_prefix` the suffix lags until `forward_suffix` runs.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from pathlib import Path
+
+import numpy as np
+from mirror_rt.runtime.kv_cache import CacheFull
+
+# Short provider names of device strings (`ort:qnn`) -> ONNX Runtime execution providers.
+PROVIDERS = {"cpu": "CPUExecutionProvider", "cuda": "CUDAExecutionProvider", "qnn": "QNNExecutionProvider",
+             "openvino": "OpenVINOExecutionProvider", "dml": "DmlExecutionProvider",
+             "coreml": "CoreMLExecutionProvider", "tensorrt": "TensorrtExecutionProvider"}
+
+
+def _onnxruntime():
+    try:
+        import onnxruntime
+    except ImportError as exc:
+        raise ImportError("the ONNX Runtime backend needs the 'onnxruntime' package "
+                          "(pip install onnxruntime)") from exc
+    return onnxruntime
+
+
+def session_options(threads: int | None):
+    """One intra-op pool of `threads`, no inter-op pool, no spinning.
+
+    Spinning is off so that an idle worker leaves its cores to the other worker (target and
+    draft share the machine); it costs a little latency on a quiet machine.
+    """
+    ort = _onnxruntime()
+    options = ort.SessionOptions()
+    options.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_ALL
+    options.execution_mode = ort.ExecutionMode.ORT_SEQUENTIAL
+    options.inter_op_num_threads = 1
+    if threads:
+        options.intra_op_num_threads = int(threads)
+    options.add_session_config_entry("session.intra_op.allow_spinning", "0")
+    return options
+
+
+class ORTGraph:
+    """One ONNX Runtime session over a graph with explicit KV inputs and outputs."""
+
+    def __init__(self, path: Path, provider: str = "cpu", kv_shape: tuple[int, int] = (1, 1),
+                 threads: int | None = None):
+        ort = _onnxruntime()
+        providers = [PROVIDERS.get(provider, provider)]
+        if providers[0] != "CPUExecutionProvider":
+            providers.append("CPUExecutionProvider")  # ops the EP does not take
+        self.session = ort.InferenceSession(str(path), session_options(threads), providers=providers)
+        names = [i.name for i in self.session.get_inputs()]
+        self.input_name, self.past_names = names[0], names[1:]
+        self.output_names = [o.name for o in self.session.get_outputs()]
+        self.n_head_outputs = len(self.output_names) - len(self.past_names)
+        self.kv_shape = kv_shape  # (kv_heads, head_dim)
+
+    def empty_kv(self) -> list[np.ndarray]:
+        shape = (1, self.kv_shape[0], 0, self.kv_shape[1])
+        return [np.zeros(shape, dtype=np.float32) for _ in self.past_names]
+
+    def run(self, x: np.ndarray, kv: list[np.ndarray]) -> tuple[dict, list[np.ndarray]]:
+        """x [T] ids or [T, hidden] after `kv` -> (head outputs by name, grown kv)."""
+        feeds = {self.input_name: x, **dict(zip(self.past_names, kv))}
+        outputs = self.session.run(self.output_names, feeds)
+        head = dict(zip(self.output_names[:self.n_head_outputs], outputs[:self.n_head_outputs]))
+        return head, outputs[self.n_head_outputs:]
+
+
+class ORTCache:
+    """Host KV arrays of one or more graphs of the same model."""
+
+    def __init__(self, graphs: list[ORTGraph], capacity: int):
+        self.kv = [g.empty_kv() for g in graphs]  # per graph: [key0, value0, ...] each [1, KVH, L, D]
+        self.capacity = capacity
+        self.hidden: np.ndarray | None = None  # split target: prefix rows the suffix has not seen
+
+    @property
+    def length(self) -> int:
+        """Positions committed (by the first graph; the suffix may lag by `hidden` rows)."""
+        return self.kv[0][0].shape[2]
+
+    def check_room(self, num_tokens: int) -> None:
+        if self.length + num_tokens > self.capacity:
+            raise CacheFull(f"KV cache full: {self.length + num_tokens} positions needed, "
+                            f"capacity {self.capacity}")
+
+    def rollback(self, length: int) -> None:
+        """Forget positions >= length in every graph (array views, O(1))."""
+        if not 0 <= length <= self.length:
+            raise ValueError(f"cannot roll back to {length}: cache holds {self.length} positions")
+        self.kv = [[a[:, :, :length] for a in kv] for kv in self.kv]
+        if self.hidden is not None:  # keep the pending rows that survive the rollback
+            keep = length - self.kv[-1][0].shape[2]
+            self.hidden = self.hidden[:keep] if keep > 0 else None
+
+
+class ORTModel:
+    """A `LoadedModel` over one graph (the draft, or an unsplit target)."""
+
+    def __init__(self, graph: ORTGraph, vocab_size: int, max_seq_len: int):
+        self.graph = graph
+        self.vocab_size = vocab_size
+        self.max_seq_len = max_seq_len
+
+    def new_cache(self, capacity: int) -> ORTCache:
+        return ORTCache([self.graph], min(capacity, self.max_seq_len))
+
+    def forward(self, tokens: Sequence[int], cache: ORTCache) -> np.ndarray:
+        """tokens [T] at positions cache.length.. -> logits [T, vocab]; advances the cache by T."""
+        ids = np.asarray(tokens, dtype=np.int64)
+        cache.check_room(len(ids))
+        head, cache.kv[0] = self.graph.run(ids, cache.kv[0])
+        return head["logits"]
+
+
+class ORTSplitTarget:
+    """The target as prefix + suffix sessions: early exit in between, one cache for both.
+
+    Limitations:
+    - `forward_suffix` must follow each `forward_prefix` before the next prefix call.
+    """
+
+    def __init__(self, prefix: ORTGraph, suffix: ORTGraph, vocab_size: int, max_seq_len: int, kappa: int):
+        self.prefix, self.suffix = prefix, suffix
+        self.vocab_size, self.max_seq_len, self.kappa = vocab_size, max_seq_len, kappa
+
+    def new_cache(self, capacity: int) -> ORTCache:
+        return ORTCache([self.prefix, self.suffix], min(capacity, self.max_seq_len))
+
+    def forward_prefix(self, tokens: Sequence[int], cache: ORTCache) -> tuple[np.ndarray, np.ndarray]:
+        """Layers 0..exit-1 over tokens [T] -> early-exit (ids [T, kappa], log-probs [T, kappa])."""
+        if cache.hidden is not None:
+            raise RuntimeError("forward_prefix called again before forward_suffix")
+        ids = np.asarray(tokens, dtype=np.int64)
+        cache.check_room(len(ids))
+        head, cache.kv[0] = self.prefix.run(ids, cache.kv[0])
+        cache.hidden = head["hidden"]
+        return head["exit_ids"], head["exit_logprobs"]
+
+    def forward_suffix(self, cache: ORTCache) -> np.ndarray:
+        """Layers exit..N-1 over the pending hidden state -> logits [T, vocab]."""
+        if cache.hidden is None:
+            raise RuntimeError("forward_suffix called without a pending forward_prefix")
+        head, cache.kv[1] = self.suffix.run(cache.hidden, cache.kv[1])
+        cache.hidden = None
+        return head["logits"]
+
+    def forward(self, tokens: Sequence[int], cache: ORTCache) -> np.ndarray:
+        """tokens [T] -> logits [T, vocab] (prefix then suffix); advances the cache by T."""
+        self.forward_prefix(tokens, cache)
+        return self.forward_suffix(cache)

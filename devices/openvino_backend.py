@@ -1,0 +1,190 @@
+"""OpenVINO backend: stateful graphs of a bundle on CPU, GPU or NPU.
+
+Each cache is a set of infer requests (one per graph) whose model state holds the KV
+cache, so keys and values never cross to the host. Rollback trims every state tensor to
+the new length (dynamic graphs) or only moves `length` back (static graphs write KV in
+place at `position`, so stale slots are overwritten later). ONNX graphs are made
+stateful at load time. openvino is imported lazily; the runtime core never imports it.
+Invariant: between calls every graph of a cache holds exactly `length` positions,
+except that after `forward_prefix` the suffix lags until `forward_suffix` runs.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from pathlib import Path
+
+import numpy as np
+from mirror_rt.runtime.kv_cache import CacheFull
+
+
+def _openvino():
+    try:
+        import openvino as ov
+    except ImportError as exc:
+        raise ImportError("the OpenVINO backend needs the 'openvino' package (pip install openvino)") from exc
+    return ov
+
+
+def compile_config(device: str, threads: int | None, pinned: bool = False) -> dict:
+    """compile_model properties: latency, one stream, exact fp32 math and KV on CPU.
+
+    The CPU plugin defaults to bf16 inference and u8 KV cache on AVX512-BF16/AMX machines,
+    which would change the target's greedy output; fp32 is asked for explicitly.
+    """
+    config = {"PERFORMANCE_HINT": "LATENCY"}
+    if device.upper().startswith("CPU"):
+        config |= {"NUM_STREAMS": 1, "INFERENCE_PRECISION_HINT": "f32", "KV_CACHE_PRECISION": "f32"}
+        if threads:
+            config["INFERENCE_NUM_THREADS"] = int(threads)
+        if pinned:  # the worker chose its cores: do not let the plugin re-pin its threads
+            config["ENABLE_CPU_PINNING"] = False
+    return config
+
+
+class OVGraph:
+    """One compiled graph. Requests made from it each own an independent KV state."""
+
+    def __init__(self, path: Path, device: str, kv_shape: tuple[int, int], threads: int | None = None,
+                 window: int = 0, pinned: bool = False):
+        ov = _openvino()
+        core = ov.Core()
+        model = core.read_model(str(path))
+        if any(name.startswith("past_key.") for p in model.inputs for name in p.get_names()):
+            _make_stateful(model, kv_shape)  # an ONNX graph: fold its explicit KV into state
+        self.compiled = core.compile_model(model, device, compile_config(device, threads, pinned))
+        self.window = window  # static graphs: tokens per call (inputs padded to it); 0 = dynamic
+        self.input_name = self.compiled.inputs[0].get_any_name()
+        self.output_names = [o.get_any_name() for o in self.compiled.outputs]
+
+    def new_request(self):
+        return self.compiled.create_infer_request()
+
+    def run(self, request, x: np.ndarray, start: int) -> dict[str, np.ndarray]:
+        """Feed x [T] ids or [T, hidden] at positions start..; returns host copies of the outputs."""
+        if not self.window:
+            request.infer({self.input_name: x})
+            return {n: request.get_tensor(n).data.copy() for n in self.output_names}
+        parts = []
+        for s in range(0, len(x), self.window):  # static: windows padded to the fixed shape
+            chunk = x[s:s + self.window]
+            padded = np.zeros((self.window,) + x.shape[1:], dtype=x.dtype)
+            padded[:len(chunk)] = chunk
+            request.infer({self.input_name: padded, "position": np.array([start + s], dtype=np.int64)})
+            parts.append({n: request.get_tensor(n).data[:len(chunk)].copy() for n in self.output_names})
+        return {n: np.concatenate([p[n] for p in parts]) for n in self.output_names}
+
+
+def _make_stateful(model, kv_shape: tuple[int, int]) -> None:
+    ov = _openvino()
+    from openvino._offline_transformations import apply_make_stateful_transformation
+
+    past = [p.get_any_name() for p in model.inputs if p.get_any_name().startswith("past_")]
+    model.reshape({n: ov.PartialShape([1, kv_shape[0], -1, kv_shape[1]]) for n in past})
+    apply_make_stateful_transformation(model, {n: n.replace("past_", "present_", 1) for n in past})
+
+
+class OVCache:
+    """KV state of one or more infer requests (one per graph of the same model)."""
+
+    def __init__(self, requests: list, capacity: int, static: bool):
+        self.requests = requests
+        self.capacity = capacity
+        self.filled = [0] * len(requests)  # positions held by each graph's state
+        self.static = static
+        self.hidden: np.ndarray | None = None  # split target: prefix rows the suffix has not seen
+
+    @property
+    def length(self) -> int:
+        """Positions committed (by the first graph; the suffix may lag by `hidden` rows)."""
+        return self.filled[0]
+
+    def check_room(self, num_tokens: int) -> None:
+        if self.length + num_tokens > self.capacity:
+            raise CacheFull(f"KV cache full: {self.length + num_tokens} positions needed, "
+                            f"capacity {self.capacity}")
+
+    def rollback(self, length: int) -> None:
+        """Forget positions >= length in every graph: trim each state (dynamic) or O(1) (static)."""
+        if not 0 <= length <= self.length:
+            raise ValueError(f"cannot roll back to {length}: cache holds {self.length} positions")
+        for i, request in enumerate(self.requests):
+            if self.filled[i] > length:
+                if not self.static:
+                    _trim(request, length)
+                self.filled[i] = length
+        if self.hidden is not None:  # keep the pending rows that survive the rollback
+            keep = length - self.filled[-1]
+            self.hidden = self.hidden[:keep] if keep > 0 else None
+
+
+def _trim(request, length: int) -> None:
+    """Cut every state tensor of `request` to `length` positions (axis 2, BHTD)."""
+    ov = _openvino()
+    for state in request.query_state():
+        tensor = state.state
+        shape = list(tensor.shape)
+        if shape[2] > length:
+            end = shape[:2] + [length] + shape[3:]
+            state.state = ov.Tensor(tensor, [0, 0, 0, 0], end)
+
+
+class OVModel:
+    """A `LoadedModel` over one stateful graph (the draft, or an unsplit target)."""
+
+    def __init__(self, graph: OVGraph, vocab_size: int, max_seq_len: int):
+        self.graph = graph
+        self.vocab_size = vocab_size
+        self.max_seq_len = max_seq_len
+
+    def new_cache(self, capacity: int) -> OVCache:
+        return OVCache([self.graph.new_request()], min(capacity, self.max_seq_len), bool(self.graph.window))
+
+    def forward(self, tokens: Sequence[int], cache: OVCache) -> np.ndarray:
+        """tokens [T] at positions cache.length.. -> logits [T, vocab]; advances the cache by T."""
+        ids = np.asarray(tokens, dtype=np.int64)
+        cache.check_room(len(ids))
+        out = self.graph.run(cache.requests[0], ids, cache.length)
+        cache.filled[0] += len(ids)
+        return out["logits"]
+
+
+class OVSplitTarget:
+    """The target as prefix + suffix graphs: early exit in between, one cache for both.
+
+    Limitations:
+    - `forward_suffix` must follow each `forward_prefix` before the next prefix call.
+    """
+
+    def __init__(self, prefix: OVGraph, suffix: OVGraph, vocab_size: int, max_seq_len: int, kappa: int):
+        self.prefix, self.suffix = prefix, suffix
+        self.vocab_size, self.max_seq_len, self.kappa = vocab_size, max_seq_len, kappa
+
+    def new_cache(self, capacity: int) -> OVCache:
+        requests = [self.prefix.new_request(), self.suffix.new_request()]
+        return OVCache(requests, min(capacity, self.max_seq_len), bool(self.prefix.window))
+
+    def forward_prefix(self, tokens: Sequence[int], cache: OVCache) -> tuple[np.ndarray, np.ndarray]:
+        """Layers 0..exit-1 over tokens [T] -> early-exit (ids [T, kappa], log-probs [T, kappa])."""
+        if cache.hidden is not None:
+            raise RuntimeError("forward_prefix called again before forward_suffix")
+        ids = np.asarray(tokens, dtype=np.int64)
+        cache.check_room(len(ids))
+        out = self.prefix.run(cache.requests[0], ids, cache.length)
+        cache.hidden = out["hidden"]
+        cache.filled[0] += len(ids)
+        return out["exit_ids"], out["exit_logprobs"]
+
+    def forward_suffix(self, cache: OVCache) -> np.ndarray:
+        """Layers exit..N-1 over the pending hidden state -> logits [T, vocab]."""
+        if cache.hidden is None:
+            raise RuntimeError("forward_suffix called without a pending forward_prefix")
+        out = self.suffix.run(cache.requests[1], cache.hidden, cache.filled[1])
+        cache.filled[1] += len(cache.hidden)
+        cache.hidden = None
+        return out["logits"]
+
+    def forward(self, tokens: Sequence[int], cache: OVCache) -> np.ndarray:
+        """tokens [T] -> logits [T, vocab] (prefix then suffix); advances the cache by T."""
+        self.forward_prefix(tokens, cache)
+        return self.forward_suffix(cache)

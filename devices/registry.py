@@ -1,0 +1,271 @@
+"""Device strings, what this machine has, and loading a bundle's graphs onto devices.
+
+A device string is `backend:device[:index]` (`torch:cuda:1`, `openvino:NPU`, `ort:qnn`) or a
+bare device (`cpu`, `cuda`, `gpu`, `npu`), parsed once into a `DeviceSpec`. `resolve` maps
+it to a backend that can run the bundle's graph format and exists here; otherwise it falls
+back to the fastest CPU backend with a one-line `DeviceFallbackWarning`, or raises
+`DeviceError` when strict. Backends are imported lazily, only when a graph is loaded.
+Fastest CPU order (measured on the default model, 1 thread): onnxruntime, openvino, torch.
+"""
+
+from __future__ import annotations
+
+import os
+import warnings
+from dataclasses import dataclass
+from pathlib import Path
+from typing import NamedTuple
+
+BACKEND_ALIASES = {"torch": "torch", "pt": "torch", "openvino": "openvino", "ov": "openvino",
+                   "ort": "onnxruntime", "onnxruntime": "onnxruntime"}
+# Bare device names -> backends that may serve them, best first.
+GENERIC = {"cpu": ("onnxruntime", "openvino", "torch"), "cuda": ("torch", "onnxruntime"),
+           "gpu": ("openvino",), "npu": ("openvino",), "qnn": ("onnxruntime",)}
+FORMAT_BACKENDS = {"openvino": ("openvino",), "onnx": ("onnxruntime", "openvino"), "torch": ("torch",)}
+CPU_ORDER = GENERIC["cpu"]  # fastest first
+
+
+class DeviceError(ValueError):
+    """A device string that cannot be parsed, or (strict) a device that cannot be used here."""
+
+
+class DeviceFallbackWarning(UserWarning):
+    """The requested device is unusable here; a CPU backend is used instead."""
+
+
+@dataclass(frozen=True)
+class DeviceSpec:
+    """A parsed device string."""
+
+    backend: str  # "torch" | "openvino" | "onnxruntime" | "auto" (bare device name)
+    device: str  # torch: cpu|cuda; openvino: CPU|GPU|NPU|GPU.1; onnxruntime: cpu|cuda|qnn|openvino|...
+    index: int | None = None  # torch cuda device index
+
+    def __str__(self) -> str:
+        name = self.device if self.index is None else f"{self.device}:{self.index}"
+        return name if self.backend == "auto" else f"{'ort' if self.backend == 'onnxruntime' else self.backend}:{name}"
+
+
+def parse_device(text: str) -> DeviceSpec:
+    """`cpu`, `cuda:1`, `npu`, `openvino:NPU`, `ort:qnn`, `torch:cuda:0`, ... -> DeviceSpec."""
+    parts = text.strip().split(":")
+    head = parts[0].lower()
+    if head in BACKEND_ALIASES:  # backend:device[:index]; a bare backend name means its CPU
+        backend, rest = BACKEND_ALIASES[head], parts[1:] or ["cpu"]
+    else:
+        backend, rest = "auto", parts
+    if not rest[0] or len(rest) > 2 or (backend == "auto" and rest[0].lower() not in GENERIC):
+        raise DeviceError(f"unknown device '{text}' (expected cpu, cuda[:N], gpu, npu, or "
+                          "backend:device such as torch:cuda:0, openvino:NPU, ort:qnn)")
+    index = None
+    if len(rest) == 2:
+        if not rest[1].isdigit():
+            raise DeviceError(f"unknown device '{text}': index '{rest[1]}' is not a number")
+        index = int(rest[1])
+    device = rest[0].upper() if backend == "openvino" else rest[0].lower()
+    return DeviceSpec(backend, device, index)
+
+
+def available_devices() -> dict[str, list[str]]:
+    """Per backend, the devices this machine has ([] when the backend is not installed)."""
+    found: dict[str, list[str]] = {}
+    try:
+        import torch
+
+        found["torch"] = ["cpu"] + [f"cuda:{i}" for i in range(torch.cuda.device_count())]
+    except ImportError:
+        found["torch"] = []
+    try:
+        import openvino as ov
+
+        found["openvino"] = list(ov.Core().available_devices)
+    except ImportError:
+        found["openvino"] = []
+    try:
+        import onnxruntime as ort
+        from mirror_rt.devices.onnxruntime_backend import PROVIDERS
+
+        names = {v: k for k, v in PROVIDERS.items()}
+        found["onnxruntime"] = [names.get(p, p) for p in ort.get_available_providers()]
+    except ImportError:
+        found["onnxruntime"] = []
+    return found
+
+
+def format_devices(devices: dict[str, list[str]] | None = None) -> str:
+    """One line per backend, for `mirror-rt devices`."""
+    devices = available_devices() if devices is None else devices
+    prefix = {"torch": "torch", "openvino": "openvino", "onnxruntime": "ort"}
+    return "\n".join(f"{backend:12s} " + (", ".join(f"{prefix[backend]}:{d}" for d in names) or "(not installed)")
+                     for backend, names in devices.items())
+
+
+def is_available(spec: DeviceSpec, devices: dict[str, list[str]] | None = None) -> bool:
+    """Whether a concrete (non-auto) spec exists on this machine."""
+    devices = available_devices() if devices is None else devices
+    have = devices.get(spec.backend, [])
+    if spec.backend == "torch":
+        return spec.device == "cpu" or f"cuda:{spec.index or 0}" in have
+    if spec.backend == "openvino":
+        return any(d == spec.device or d.startswith(spec.device + ".") for d in have)
+    return spec.device in have
+
+
+def _concrete(spec: DeviceSpec, backend: str) -> DeviceSpec:
+    if spec.backend != "auto":
+        return spec
+    if backend == "openvino":
+        return DeviceSpec(backend, spec.device.upper() + ("" if spec.index is None else f".{spec.index}"))
+    return DeviceSpec(backend, spec.device, spec.index)
+
+
+def fastest_cpu(graph_format: str | None = None, devices: dict | None = None) -> DeviceSpec:
+    """The first installed CPU backend (CPU_ORDER) that runs `graph_format`."""
+    devices = available_devices() if devices is None else devices
+    for backend in CPU_ORDER:
+        spec = _concrete(DeviceSpec("auto", "cpu"), backend)
+        if (graph_format is None or backend in FORMAT_BACKENDS[graph_format]) and is_available(spec, devices):
+            return spec
+    raise DeviceError(f"no installed backend runs {graph_format} graphs on the CPU")
+
+
+def resolve(spec: DeviceSpec | str, strict: bool = False, graph_format: str | None = None,
+            devices: dict | None = None) -> DeviceSpec:
+    """A concrete spec that exists here and runs `graph_format`; else fallback (or DeviceError)."""
+    spec = parse_device(spec) if isinstance(spec, str) else spec
+    devices = available_devices() if devices is None else devices
+    backends = GENERIC[spec.device] if spec.backend == "auto" else (spec.backend,)
+    runs = [b for b in backends if graph_format is None or b in FORMAT_BACKENDS[graph_format]]
+    for backend in runs:
+        candidate = _concrete(spec, backend)
+        if is_available(candidate, devices):
+            return candidate
+    reason = (f"cannot run {graph_format} graphs" if not runs else "is not available on this machine")
+    if strict:
+        raise DeviceError(f"device '{spec}' {reason} (strict devices: no fallback)")
+    fallback = fastest_cpu(graph_format, devices)
+    warnings.warn(f"device '{spec}' {reason}; using '{fallback}' instead", DeviceFallbackWarning, stacklevel=2)
+    return fallback
+
+
+@dataclass(frozen=True)
+class WorkerBudget:
+    """The compute share of one worker (target or draft).
+
+    `apply()` must run in the worker's own thread before it loads its model: on Linux
+    `os.sched_setaffinity(0, cpus)` pins only the calling thread, and the thread pools a
+    backend creates afterwards (ONNX Runtime's intra-op pool at session creation,
+    OpenVINO's CPU streams at compile time) inherit that mask. torch's intra-op pool is
+    process-wide, so two torch workers share one `threads` setting (the last applied).
+    """
+
+    threads: int | None = None  # compute threads of this worker's backend (None: backend default)
+    cpus: tuple[int, ...] | None = None  # cores this worker's thread and its pools may use
+
+    def apply(self) -> None:
+        """Pin the calling thread to `cpus` (Linux; ignored elsewhere) and set torch's threads."""
+        if self.cpus and hasattr(os, "sched_setaffinity"):
+            os.sched_setaffinity(0, set(self.cpus))
+        if self.threads:
+            import torch
+
+            torch.set_num_threads(self.threads)
+
+
+class LoadedBundle(NamedTuple):
+    """What `load_bundle` returns (unpacks as target, draft, tokenizer, manifest)."""
+
+    target: object  # split-target LoadedModel: forward, forward_prefix, forward_suffix
+    draft: object  # LoadedModel
+    tokenizer: object  # HFTokenizer or ByteTokenizer
+    manifest: object  # exporters.manifest.BundleManifest
+
+
+def load_bundle(bundle_dir, target_device: str = "cpu", draft_device: str = "cpu", strict: bool = False,
+                threads: int | tuple[int, int] | None = None, verify: bool = True) -> LoadedBundle:
+    """Load a bundle's target (prefix + suffix) and draft onto two devices (see module docstring).
+
+    Args:
+        threads: one budget for both models, or (target threads, draft threads).
+        verify: check every file's sha256 against the manifest (about 1 s for the default bundle).
+    """
+    from mirror_rt.exporters.manifest import read_manifest
+
+    folder = Path(bundle_dir)
+    manifest = read_manifest(folder, verify=verify)
+    target_threads, draft_threads = threads if isinstance(threads, tuple) else (threads, threads)
+    target = load_model(folder, manifest, "target", target_device, strict, WorkerBudget(target_threads))
+    draft = load_model(folder, manifest, "draft", draft_device, strict, WorkerBudget(draft_threads))
+    return LoadedBundle(target, draft, load_tokenizer(folder, manifest), manifest)
+
+
+def load_model(folder: Path, manifest, role: str, device: str | DeviceSpec, strict: bool = False,
+               budget: WorkerBudget = WorkerBudget()):
+    """Load the `role` ("target" or "draft") of a read manifest; call from the worker's thread."""
+    graph_format = manifest.graph("draft" if role == "draft" else "target_prefix").format
+    spec = resolve(device, strict, graph_format)
+    budget.apply()
+    config = _config(manifest, role)
+    entries = [manifest.graph("draft")] if role == "draft" else \
+        [manifest.graph("target_prefix"), manifest.graph("target_suffix")]
+    paths = [Path(folder) / e.file for e in entries]
+    loader = {"openvino": _load_openvino, "onnxruntime": _load_onnxruntime, "torch": _load_torch}[spec.backend]
+    return loader(paths, manifest, config, spec, budget)
+
+
+def _config(manifest, role: str):
+    from mirror_rt.models.config import ModelConfig
+
+    return ModelConfig.from_dict(manifest.draft_config if role == "draft" else manifest.target_config)
+
+
+def _load_openvino(paths, manifest, config, spec: DeviceSpec, budget: WorkerBudget):
+    from mirror_rt.devices.openvino_backend import OVGraph, OVModel, OVSplitTarget
+
+    window = manifest.max_window if manifest.static else 0
+    graphs = [OVGraph(p, spec.device, (config.n_kv_heads, config.head_dim), budget.threads, window,
+                      pinned=bool(budget.cpus)) for p in paths]
+    if len(graphs) == 1:
+        return OVModel(graphs[0], config.vocab_size, manifest.max_context)
+    return OVSplitTarget(*graphs, config.vocab_size, manifest.max_context, manifest.kappa)
+
+
+def _load_onnxruntime(paths, manifest, config, spec: DeviceSpec, budget: WorkerBudget):
+    from mirror_rt.devices.onnxruntime_backend import ORTGraph, ORTModel, ORTSplitTarget
+
+    graphs = [ORTGraph(p, spec.device, (config.n_kv_heads, config.head_dim), budget.threads) for p in paths]
+    if len(graphs) == 1:
+        return ORTModel(graphs[0], config.vocab_size, manifest.max_context)
+    return ORTSplitTarget(*graphs, config.vocab_size, manifest.max_context, manifest.kappa)
+
+
+def _load_torch(paths, manifest, config, spec: DeviceSpec, budget: WorkerBudget):
+    """Rebuild the Transformer from the manifest's config and the bundle's safetensors."""
+    import dataclasses
+
+    from mirror_rt.devices.torch_backend import TorchModel
+    from mirror_rt.devices.torch_split import TorchSplitTarget
+    from mirror_rt.models.transformer import Transformer
+    from safetensors.torch import load_file
+
+    config = dataclasses.replace(config, max_seq_len=min(config.max_seq_len, manifest.max_context))
+    state = load_file(str(paths[0]))
+    model = Transformer(config).to(next(iter(state.values())).dtype)
+    missing = model.load_state_dict(state, strict=False).missing_keys
+    if [k for k in missing if not (k == "lm_head.weight" and config.tie_embeddings)]:
+        from mirror_rt.exporters.manifest import BundleError
+
+        raise BundleError(f"{paths[0]}: weights do not match the manifest's model config")
+    device = "cpu" if spec.device == "cpu" else f"cuda:{spec.index or 0}"
+    if len(paths) == 1:
+        return TorchModel(model, device)
+    return TorchSplitTarget(model, manifest.exit_layer, manifest.kappa, device)
+
+
+def load_tokenizer(folder: Path, manifest):
+    """The bundle's tokenizer: the copied Hugging Face files, or the byte tokenizer of presets."""
+    from mirror_rt.models.tokenizer import ByteTokenizer, HFTokenizer
+
+    if manifest.tokenizer.get("kind") == "bytes":
+        return ByteTokenizer(manifest.tokenizer["vocab_size"])
+    return HFTokenizer(Path(folder))

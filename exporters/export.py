@@ -1,0 +1,253 @@
+"""`export_bundle`: a target (and draft) to a self-describing bundle folder.
+
+Writes the target prefix, target suffix and draft graphs in one format (openvino, onnx or
+torch), the tokenizer files, and manifest.json last, so an interrupted export leaves no
+manifest and is refused on load. Limits (exit layer, kappa, static context and window)
+are validated before any conversion starts. Default draft: the target itself with int8
+weights. It does not run graphs; `devices.registry.load_bundle` does.
+"""
+
+from __future__ import annotations
+
+import shutil
+import warnings
+from dataclasses import dataclass
+from importlib import metadata
+from pathlib import Path
+
+from mirror_rt.exporters.manifest import (
+    FORMAT_VERSION,
+    MANIFEST,
+    BundleManifest,
+    GraphEntry,
+    hash_files,
+    write_manifest,
+)
+from mirror_rt.exporters.split import (
+    KV_LAYOUT,
+    PAST_NAMES,
+    PRESENT_NAMES,
+    ROLES,
+    graph_spec,
+)
+
+FORMATS = ("openvino", "onnx", "torch")
+WEIGHTS = ("fp32", "fp16", "int8", "int4")
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "chat_template.jinja",
+                   "generation_config.json", "config.json", "vocab.json", "merges.txt", "tokenizer.model")
+VERSIONED = ("mirror-rt", "torch", "openvino", "nncf", "openvino-tokenizers", "onnx", "onnxruntime",
+             "transformers")
+STATIC_DEFAULT_CONTEXT, STATIC_DEFAULT_WINDOW, MAX_STATIC_WINDOW = 1024, 8, 64
+
+
+class ExportError(ValueError):
+    """An export request that cannot be satisfied (one-line message naming the option)."""
+
+
+@dataclass(frozen=True)
+class ExportConfig:
+    """One export request; CLI flags map one to one onto these fields."""
+
+    model_ref: str | None  # target: preset, HF folder, .gguf, or None for the default model
+    out_dir: Path  # bundle folder (created)
+    draft_ref: str | None = None  # None: the target itself with `draft_weights`
+    exit_layer: int | None = None  # None: N // 2
+    kappa: int = 8  # early-exit top-k per position
+    fmt: str = "openvino"  # "openvino" | "onnx" | "torch"
+    weights: str = "fp32"  # target weights
+    draft_weights: str = "int8"  # draft weights
+    static: bool = False  # fixed shapes (NPU); OpenVINO only
+    max_context: int | None = None  # None: the model's context (static: 1024)
+    max_window: int | None = None  # None: unbounded (static: 8)
+
+    def __post_init__(self):
+        if self.fmt not in FORMATS:
+            raise ExportError(f"--format must be one of {', '.join(FORMATS)}, got '{self.fmt}'")
+        for flag, value in (("--weights", self.weights), ("--draft-weights", self.draft_weights)):
+            if value not in WEIGHTS:
+                raise ExportError(f"{flag} must be one of {', '.join(WEIGHTS)}, got '{value}'")
+        if self.static and self.fmt != "openvino":
+            raise ExportError(f"--static needs --format openvino (got --format {self.fmt})")
+        if self.kappa < 1:
+            raise ExportError(f"--kappa must be >= 1, got {self.kappa}")
+
+
+@dataclass(frozen=True)
+class Limits:
+    """Resolved, validated shape limits of one bundle."""
+
+    exit_layer: int
+    max_context: int
+    max_window: int  # 0 = unbounded
+
+    @property
+    def table_len(self) -> int:
+        """Positions a graph may address (static graphs write up to a window past the context)."""
+        return self.max_context + self.max_window
+
+
+def resolve_limits(cfg: ExportConfig, model_config) -> Limits:
+    """Defaults filled in and checked against the model; ExportError names the bad option."""
+    n = model_config.n_layers
+    exit_layer = n // 2 if cfg.exit_layer is None else cfg.exit_layer
+    if not 1 <= exit_layer <= n - 1:
+        raise ExportError(f"--exit-layer must be in 1..{n - 1} for a {n}-layer model, got {exit_layer}")
+    if cfg.kappa > model_config.vocab_size:
+        raise ExportError(f"--kappa {cfg.kappa} exceeds the vocabulary ({model_config.vocab_size})")
+    context = cfg.max_context or (min(STATIC_DEFAULT_CONTEXT, model_config.max_seq_len) if cfg.static
+                                  else model_config.max_seq_len)
+    if not 1 <= context <= model_config.max_seq_len:
+        raise ExportError(f"--max-context must be in 1..{model_config.max_seq_len} (the model's context), "
+                          f"got {context}")
+    window = cfg.max_window or (STATIC_DEFAULT_WINDOW if cfg.static else 0)
+    if cfg.static and not 1 <= window <= min(MAX_STATIC_WINDOW, context):
+        raise ExportError(f"--max-window must be in 1..{min(MAX_STATIC_WINDOW, context)} with --static, "
+                          f"got {window}")
+    if window < 0 or window > context:
+        raise ExportError(f"--max-window must be in 1..{context} (--max-context), got {window}")
+    return Limits(exit_layer, context, window)
+
+
+def export_bundle(model_ref: str | None, out_dir, draft_ref: str | None = None, exit_layer: int | None = None,
+                  kappa: int = 8, fmt: str = "openvino", weights: str = "fp32", draft_weights: str = "int8",
+                  static: bool = False, max_context: int | None = None, max_window: int | None = None,
+                  progress: bool = True) -> Path:
+    """Export a bundle (see module docstring); returns the bundle folder."""
+    cfg = ExportConfig(model_ref=model_ref, out_dir=Path(out_dir), draft_ref=draft_ref, exit_layer=exit_layer,
+                       kappa=kappa, fmt=fmt, weights=weights, draft_weights=draft_weights, static=static,
+                       max_context=max_context, max_window=max_window)
+    return run_export(cfg, progress=progress)
+
+
+def run_export(cfg: ExportConfig, progress: bool = True) -> Path:
+    """Export `cfg`; steps: load, validate, three graphs, tokenizer, manifest."""
+    from mirror_rt.models.loading import load_checkpoint
+    from tqdm import tqdm
+
+    bar = tqdm(total=6, desc="export", unit="step", disable=not progress)
+    bar.set_postfix_str("loading models")
+    target = load_checkpoint(cfg.model_ref, log=lambda *a: None)
+    limits = resolve_limits(cfg, target.model.config)
+    draft = target if cfg.draft_ref is None else load_checkpoint(cfg.draft_ref, log=lambda *a: None)
+    _check_draft(target, draft)
+    folder = _prepare_folder(cfg.out_dir)
+    bar.update()
+    entries = []
+    for role in ROLES:
+        bar.set_postfix_str(role)
+        model = draft.model if role == "draft" else target.model
+        entries.append(_export_role(cfg, limits, model, role, folder))
+        bar.update()
+    bar.set_postfix_str("tokenizer")
+    tokenizer = _copy_tokenizer(target.tokenizer, folder, cfg.fmt)
+    bar.update()
+    bar.set_postfix_str("manifest")
+    write_manifest(_manifest(cfg, limits, target.model, draft.model, entries, tokenizer), folder)
+    bar.update()
+    bar.close()
+    return folder
+
+
+def _check_draft(target, draft) -> None:
+    if target is draft:
+        return
+    if draft.model.config.vocab_size != target.model.config.vocab_size or \
+            draft.tokenizer.sha256() != target.tokenizer.sha256():
+        raise ExportError("--draft must share the target's tokenizer (vocabulary or tokenizer.json differ)")
+
+
+def _prepare_folder(out_dir: Path) -> Path:
+    out_dir.mkdir(parents=True, exist_ok=True)
+    (out_dir / MANIFEST).unlink(missing_ok=True)  # the old manifest must not describe new files
+    return out_dir
+
+
+def _export_role(cfg: ExportConfig, limits: Limits, model, role: str, folder: Path) -> GraphEntry:
+    weights = cfg.draft_weights if role == "draft" else cfg.weights
+    spec = graph_spec(role, model.config.n_layers, limits.exit_layer, cfg.kappa, cfg.static,
+                      limits.table_len, limits.max_window)
+    if cfg.fmt == "openvino":
+        from mirror_rt.exporters.openvino import export_openvino_graph
+
+        files = export_openvino_graph(model, spec, limits.table_len, weights, folder / f"{role}.xml")
+    elif cfg.fmt == "onnx":
+        from mirror_rt.exporters.onnx import export_onnx_graph
+
+        if weights == "int8":  # onnxruntime's dynamic quantization also quantizes activations
+            warnings.warn(f"int8 ONNX {role}: activations are quantized per call (measured: a self-draft "
+                          "agrees with the fp32 target on ~55% of tokens, and logits depend on the window); "
+                          "prefer --format openvino for int8", stacklevel=3)
+        files = export_onnx_graph(model, spec, limits.table_len, weights, folder / f"{role}.onnx")
+    else:
+        weights, files = _export_torch(model, role, weights, folder, shares_target=cfg.draft_ref is None)
+    names = [f.name for f in files]
+    return GraphEntry(role=role, file=names[0], format=cfg.fmt, precision=weights,
+                      device_hint="npu" if cfg.static else "cpu", first_layer=spec.first,
+                      last_layer=spec.last, files=hash_files(folder, names))
+
+
+def _export_torch(model, role: str, weights: str, folder: Path, shares_target: bool) -> tuple[str, list[Path]]:
+    """Torch bundles hold safetensors weights; the backend rebuilds the model from the manifest.
+
+    The suffix shares the prefix's file, and so does a self-draft of the same precision.
+    """
+    import torch
+    from safetensors.torch import save_file
+
+    if weights in ("int8", "int4"):
+        warnings.warn(f"torch bundles keep full-precision weights: {role} stored as fp32, not {weights}",
+                      stacklevel=3)
+        weights = "fp32"
+    dtype = {"fp32": torch.float32, "fp16": torch.float16}[weights]
+    target_path = folder / "target.safetensors"
+    if role == "target_suffix" or (role == "draft" and shares_target and _stored_dtype(target_path) == dtype):
+        return weights, [target_path]
+    path = folder / f"{'draft' if role == 'draft' else 'target'}.safetensors"
+    state = {k: v.detach().to(dtype).contiguous() for k, v in model.state_dict().items()
+             if not (k == "lm_head.weight" and model.config.tie_embeddings)}
+    save_file(state, str(path))
+    return weights, [path]
+
+
+def _stored_dtype(path: Path):
+    from safetensors import safe_open
+
+    with safe_open(str(path), framework="pt") as f:
+        return f.get_tensor(next(iter(f.keys()))).dtype
+
+
+def _copy_tokenizer(tokenizer, folder: Path, fmt: str) -> dict:
+    """Copy the tokenizer files (plus the OpenVINO tokenizer IR) and describe them."""
+    source = getattr(tokenizer, "folder", None)
+    if source is None:  # byte tokenizer of the tiny presets: nothing to copy
+        return {"kind": "bytes", "vocab_size": tokenizer.vocab_size, "sha256": tokenizer.sha256(), "files": {}}
+    names = [n for n in TOKENIZER_FILES if (Path(source) / n).is_file()]
+    for name in names:
+        shutil.copyfile(Path(source) / name, folder / name)
+    if fmt == "openvino":
+        from mirror_rt.exporters.openvino import export_openvino_tokenizer
+
+        names += [p.name for p in export_openvino_tokenizer(folder, folder)]
+    return {"kind": "hf", "sha256": tokenizer.sha256(), "files": hash_files(folder, names)}
+
+
+def _manifest(cfg: ExportConfig, limits: Limits, target, draft, entries, tokenizer: dict) -> BundleManifest:
+    c = target.config
+    kv = {"layout": KV_LAYOUT, "n_kv_heads": c.n_kv_heads, "head_dim": c.head_dim, "dtype": "float32",
+          "past": list(PAST_NAMES), "present": list(PRESENT_NAMES),
+          "state": "openvino model state" if cfg.fmt == "openvino" else "explicit inputs/outputs"}
+    return BundleManifest(
+        format_version=FORMAT_VERSION, graphs=tuple(entries), n_layers=c.n_layers, exit_layer=limits.exit_layer,
+        kappa=cfg.kappa, kv_layout=kv, vocab_size=c.vocab_size, tokenizer=tokenizer,
+        max_context=limits.max_context, max_window=limits.max_window, static=cfg.static,
+        target_config=c.to_dict(), draft_config=draft.config.to_dict(), exporter_versions=_versions())
+
+
+def _versions() -> dict:
+    found = {}
+    for name in VERSIONED:
+        try:
+            found[name] = metadata.version(name)
+        except metadata.PackageNotFoundError:
+            continue
+    return found

@@ -1,0 +1,154 @@
+"""manifest.json: the self-description of an exported bundle, written last and checked on load.
+
+A bundle is a folder with three graphs (target prefix, target suffix, draft), the tokenizer
+files and this manifest. `write_manifest` hashes every listed file; `read_manifest`
+refuses an unknown format version, a missing file or a file whose sha256 differs, each
+with a one-line `BundleError` naming the file. It knows nothing about how graphs run.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+
+FORMAT_VERSION = 1
+MANIFEST = "manifest.json"
+GRAPH_FORMATS = ("torch", "onnx", "openvino")
+PRECISIONS = ("fp32", "fp16", "bf16", "int8", "int4")
+
+
+class BundleError(ValueError):
+    """A bundle that cannot be used (one-line message naming the file)."""
+
+
+@dataclass(frozen=True)
+class GraphEntry:
+    """One graph of the bundle."""
+
+    role: str  # "target_prefix" | "target_suffix" | "draft"
+    file: str  # main graph file, relative to the bundle folder (.xml, .onnx, .safetensors)
+    format: str  # "torch" | "onnx" | "openvino"
+    precision: str  # weights: "fp32" | "fp16" | "bf16" | "int8" | "int4"
+    device_hint: str  # device the graph was prepared for ("cpu", "npu", ...); informative
+    first_layer: int  # first layer of the model in this graph
+    last_layer: int  # one past its last layer
+    files: dict = field(default_factory=dict)  # every file the graph needs -> sha256
+
+
+@dataclass(frozen=True)
+class BundleManifest:
+    """Everything `load_bundle` needs; the runtime never guesses shapes from flags."""
+
+    format_version: int  # FORMAT_VERSION of the writer; readers refuse others
+    graphs: tuple  # GraphEntry per role
+    n_layers: int  # N, target layers
+    exit_layer: int  # ℓe: the prefix holds layers 0..ℓe-1, the early exit reads after it
+    kappa: int  # early-exit top-k per position
+    kv_layout: dict  # {"layout": "BHTD", "n_kv_heads", "head_dim", "dtype", "past", "present"}
+    vocab_size: int  # logits width (target and draft)
+    tokenizer: dict  # {"kind": "hf" | "bytes", "sha256", "files": {name: sha256}}
+    max_context: int  # positions a cache may hold (static graphs: fixed)
+    max_window: int  # tokens per forward after prefill; 0 = unbounded (dynamic graphs)
+    static: bool  # fixed-shape graphs (NPU); windows are padded to max_window
+    target_config: dict  # ModelConfig.to_dict() of the target
+    draft_config: dict  # ModelConfig.to_dict() of the draft
+    exporter_versions: dict  # package -> version that exported the bundle
+
+    def __post_init__(self):
+        self.validate()
+
+    def validate(self) -> None:
+        """Check the fields agree with each other; raise BundleError naming the field."""
+        roles = sorted(g.role for g in self.graphs)
+        if roles != ["draft", "target_prefix", "target_suffix"]:
+            raise BundleError(f"{MANIFEST}: graphs must be target_prefix, target_suffix, draft; got {roles}")
+        for g in self.graphs:
+            if g.format not in GRAPH_FORMATS:
+                raise BundleError(f"{MANIFEST}: graph {g.role} has unknown format '{g.format}'")
+            if g.precision not in PRECISIONS:
+                raise BundleError(f"{MANIFEST}: graph {g.role} has unknown precision '{g.precision}'")
+        if not 0 < self.exit_layer < self.n_layers:
+            raise BundleError(f"{MANIFEST}: exit_layer {self.exit_layer} not in 1..{self.n_layers - 1}")
+        if self.static and self.max_window < 1:
+            raise BundleError(f"{MANIFEST}: a static bundle needs max_window >= 1")
+
+    def graph(self, role: str) -> GraphEntry:
+        """The entry of `role`."""
+        return next(g for g in self.graphs if g.role == role)
+
+    @property
+    def graph_format(self) -> str:
+        """The format shared by the target graphs."""
+        return self.graph("target_prefix").format
+
+    def to_dict(self) -> dict:
+        d = dataclasses.asdict(self)
+        d["graphs"] = [dataclasses.asdict(g) for g in self.graphs]
+        return d
+
+    @classmethod
+    def from_dict(cls, d: dict) -> BundleManifest:
+        d = dict(d)
+        d["graphs"] = tuple(GraphEntry(**g) for g in d["graphs"])
+        return cls(**d)
+
+
+def sha256_file(path: Path) -> str:
+    """Hex sha256 of a file, read in 4 MiB chunks."""
+    digest = hashlib.sha256()
+    with open(path, "rb") as f:
+        while chunk := f.read(1 << 22):
+            digest.update(chunk)
+    return digest.hexdigest()
+
+
+def hash_files(folder: Path, names) -> dict:
+    """{name: sha256} for files of `folder`."""
+    return {name: sha256_file(folder / name) for name in names}
+
+
+def write_manifest(manifest: BundleManifest, folder: Path) -> Path:
+    """Write `folder/manifest.json` atomically (a half-written bundle has no manifest)."""
+    path = Path(folder) / MANIFEST
+    tmp = path.with_suffix(".tmp")
+    tmp.write_text(json.dumps(manifest.to_dict(), indent=2, sort_keys=True) + "\n")
+    tmp.replace(path)
+    return path
+
+
+def read_manifest(folder: Path, verify: bool = True) -> BundleManifest:
+    """Parse and check `folder/manifest.json`; with `verify`, hash every listed file."""
+    folder = Path(folder)
+    path = folder / MANIFEST
+    if not path.is_file():
+        raise BundleError(f"{path}: missing (not a mirror-rt bundle; run mirror-rt export)")
+    try:
+        data = json.loads(path.read_text())
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
+        raise BundleError(f"{path}: unreadable ({type(exc).__name__})") from None
+    version = data.get("format_version") if isinstance(data, dict) else None
+    if version != FORMAT_VERSION:
+        raise BundleError(f"{path}: format version {version} is not supported (this mirror-rt reads "
+                          f"{FORMAT_VERSION}); re-export the bundle")
+    try:
+        manifest = BundleManifest.from_dict(data)
+    except (TypeError, KeyError, StopIteration) as exc:
+        raise BundleError(f"{path}: malformed ({exc})") from None
+    check_files(manifest, folder, verify)
+    return manifest
+
+
+def check_files(manifest: BundleManifest, folder: Path, verify: bool = True) -> None:
+    """Every listed file exists and, with `verify`, still has its recorded sha256."""
+    listed = dict(manifest.tokenizer.get("files", {}))
+    for g in manifest.graphs:
+        listed.update(g.files)
+    for name, digest in sorted(listed.items()):
+        path = folder / name
+        if not path.is_file():
+            raise BundleError(f"{path}: missing (listed in {MANIFEST})")
+        if verify and sha256_file(path) != digest:
+            raise BundleError(f"{path}: corrupt (sha256 differs from {MANIFEST}); re-export the bundle")

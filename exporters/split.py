@@ -1,0 +1,178 @@
+"""Conversion-ready cuts of a `Transformer` with explicit KV inputs and outputs.
+
+`SplitGraph` wraps one contiguous range of layers of a target or draft model as a pure
+function of tensors, so torch.onnx and ov.convert_model can trace it: the target prefix
+(embeddings, layers 0..exit-1 and the early-exit top-kappa computed with the target's own
+final norm and LM head), the target suffix (layers exit..N-1, final norm, LM head) and the
+full model (the draft). It does not know file formats, weights compression or devices.
+
+Invariant: positions are `past_len + arange(T)` where past_len is read from the past KV's
+shape (dynamic graphs) or from the `position` input (static graphs, fixed-size KV written
+in place with a scatter), so a graph run from an empty cache equals the torch model.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from mirror_rt.models.transformer import Transformer, apply_rope
+from torch import nn
+
+ROLES = ("target_prefix", "target_suffix", "draft")
+# Per-layer KV layout of every graph: [batch=1, kv_heads, positions, head_dim], local layer index.
+KV_LAYOUT = "BHTD"
+PAST_NAMES = ("past_key.{i}", "past_value.{i}")
+PRESENT_NAMES = ("present_key.{i}", "present_value.{i}")
+
+
+@dataclass(frozen=True)
+class GraphSpec:
+    """Which cut of the model a graph computes, and how its shapes behave."""
+
+    role: str  # one of ROLES
+    first: int  # first layer (inclusive)
+    last: int  # last layer (exclusive)
+    kappa: int = 0  # early-exit top-k (prefix only)
+    static: bool = False  # fixed shapes: window padded to `window`, KV of `context` positions
+    context: int = 0  # KV positions of a static graph (max_context + max_window)
+    window: int = 0  # tokens per call of a static graph
+
+    @property
+    def takes_tokens(self) -> bool:
+        return self.role != "target_suffix"
+
+    @property
+    def n_layers(self) -> int:
+        return self.last - self.first
+
+
+def input_names(spec: GraphSpec) -> list[str]:
+    """Graph input names, in the order `SplitGraph.forward` takes them."""
+    names = ["input_ids" if spec.takes_tokens else "hidden"]
+    if spec.static:
+        names.append("position")
+    return names + kv_names(spec.n_layers, PAST_NAMES)
+
+
+def output_names(spec: GraphSpec) -> list[str]:
+    """Graph output names, in the order `SplitGraph.forward` returns them."""
+    head = ["hidden", "exit_ids", "exit_logprobs"] if spec.role == "target_prefix" else ["logits"]
+    return head + kv_names(spec.n_layers, PRESENT_NAMES)
+
+
+def kv_names(n_layers: int, pattern: tuple[str, str]) -> list[str]:
+    """[key0, value0, key1, value1, ...] names for `n_layers` local layers."""
+    return [p.format(i=i) for i in range(n_layers) for p in pattern]
+
+
+def state_pairs(spec: GraphSpec) -> dict[str, str]:
+    """past -> present name pairs, one per KV tensor (the stateful transformation's map)."""
+    past, present = kv_names(spec.n_layers, PAST_NAMES), kv_names(spec.n_layers, PRESENT_NAMES)
+    return dict(zip(past, present))
+
+
+class SplitGraph(nn.Module):
+    """Layers first..last-1 of `model` as a traceable function with explicit KV.
+
+    Limitations:
+    - batch size 1 (the KV batch dimension is fixed at 1);
+    - the RoPE cos/sin tables cover `table_len` positions (the bundle's context limit).
+    """
+
+    def __init__(self, model: Transformer, spec: GraphSpec, table_len: int):
+        super().__init__()
+        c = model.config
+        self.model, self.spec = model, spec
+        self.n_heads, self.n_kv_heads, self.head_dim = c.n_heads, c.n_kv_heads, c.head_dim
+        positions = torch.arange(table_len, dtype=torch.float64)
+        angles = torch.outer(positions, model.inv_freq.to(torch.float64))  # as the torch model does
+        angles = torch.cat((angles, angles), dim=-1)
+        dtype = model.embed_tokens.weight.dtype
+        self.register_buffer("rope_cos", angles.cos().to(dtype), persistent=False)
+        self.register_buffer("rope_sin", angles.sin().to(dtype), persistent=False)
+
+    def forward(self, x, *rest):
+        spec = self.spec
+        if spec.static:
+            position, kv = rest[0], rest[1:]
+            positions = position.reshape(1) + torch.arange(spec.window, dtype=torch.long)
+        else:
+            kv = rest
+            positions = torch.arange(x.shape[0], dtype=torch.long) + kv[0].shape[2]
+        h = self.model.embed(x) if spec.takes_tokens else x
+        cos = torch.index_select(self.rope_cos, 0, positions)  # [T, head_dim]
+        sin = torch.index_select(self.rope_sin, 0, positions)
+        mask = self._mask(positions, kv[0].shape[2] + (0 if spec.static else x.shape[0]))
+        presents = []
+        for i in range(spec.n_layers):
+            block = self.model.layers[spec.first + i]
+            h, k, v = self._block(block, h, (cos, sin), kv[2 * i], kv[2 * i + 1], mask, positions)
+            presents += [k, v]
+        return (*self._head(h), *presents)
+
+    def _mask(self, positions: torch.Tensor, n_keys) -> torch.Tensor:
+        """[T, S] bool: query at position p sees keys 0..p."""
+        keys = torch.arange(n_keys, dtype=torch.long)
+        return keys[None, :] <= positions[:, None]
+
+    def _head(self, h: torch.Tensor) -> tuple:
+        if self.spec.role != "target_prefix":
+            return (self.model.logits(h),)
+        logprobs = F.log_softmax(self.model.logits(h).float(), dim=-1)  # [T, vocab]
+        values, ids = torch.topk(logprobs, self.spec.kappa, dim=-1)  # [T, kappa] each
+        return h, ids, values
+
+    def _block(self, block, x, rope, past_k, past_v, mask, positions):
+        """One decoder block; returns (x, present_k, present_v)."""
+        attn = block.self_attn
+        y = block.input_layernorm(x)
+        q = attn.q_proj(y).reshape(-1, self.n_heads, self.head_dim).transpose(0, 1)  # [H, T, D]
+        k = attn.k_proj(y).reshape(-1, self.n_kv_heads, self.head_dim).transpose(0, 1)  # [KVH, T, D]
+        v = attn.v_proj(y).reshape(-1, self.n_kv_heads, self.head_dim).transpose(0, 1)
+        if attn.qk_norm:
+            q, k = attn.q_norm(q), attn.k_norm(k)
+        q, k = apply_rope(q, *rope), apply_rope(k, *rope)
+        keys, values = self._write(past_k, k, positions), self._write(past_v, v, positions)
+        rep = self.n_heads // self.n_kv_heads
+        out = F.scaled_dot_product_attention(q.unsqueeze(0), _repeat_kv(keys, rep), _repeat_kv(values, rep),
+                                             attn_mask=mask)  # [1, H, T, D]
+        x = x + attn.o_proj(out[0].transpose(0, 1).reshape(-1, self.n_heads * self.head_dim))
+        x = x + block.mlp(block.post_attention_layernorm(x))
+        return x, keys, values
+
+    def _write(self, past: torch.Tensor, new: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        """Append (dynamic) or scatter at `positions` (static) new [KVH, T, D] into past [1, KVH, S, D]."""
+        if not self.spec.static:
+            return torch.cat((past, new.unsqueeze(0)), dim=2)
+        index = positions.reshape(1, 1, -1, 1).expand(1, self.n_kv_heads, -1, self.head_dim)
+        return torch.scatter(past, 2, index, new.unsqueeze(0))
+
+
+def _repeat_kv(kv: torch.Tensor, rep: int) -> torch.Tensor:
+    """[1, KVH, S, D] -> [1, KVH*rep, S, D] (grouped-query attention)."""
+    if rep == 1:
+        return kv
+    return kv.unsqueeze(2).expand(-1, -1, rep, -1, -1).flatten(1, 2)
+
+
+def graph_spec(role: str, n_layers: int, exit_layer: int, kappa: int, static: bool = False,
+               context: int = 0, window: int = 0) -> GraphSpec:
+    """The spec of `role` for a model of `n_layers` cut at `exit_layer`."""
+    first, last = {"target_prefix": (0, exit_layer), "target_suffix": (exit_layer, n_layers),
+                   "draft": (0, n_layers)}[role]
+    return GraphSpec(role, first, last, kappa if role == "target_prefix" else 0, static, context, window)
+
+
+def example_inputs(model: Transformer, spec: GraphSpec, tokens: int = 3, past: int = 2) -> tuple:
+    """Tracing inputs: a short window over a short (dynamic) or full-size (static) past."""
+    c = model.config
+    dtype = model.embed_tokens.weight.dtype
+    T = spec.window if spec.static else tokens
+    x = (torch.arange(T, dtype=torch.long) % c.vocab_size if spec.takes_tokens
+         else torch.randn(T, c.hidden_size, dtype=dtype))
+    length = spec.context if spec.static else past
+    kv = [torch.zeros(1, c.n_kv_heads, length, c.head_dim, dtype=dtype) for _ in range(2 * spec.n_layers)]
+    head = [x, torch.tensor([past], dtype=torch.long)] if spec.static else [x]
+    return tuple(head + kv)

@@ -1,0 +1,176 @@
+"""export_bundle and the manifest: limits, refusals naming the file, static graphs, the real model.
+
+Logit tolerances: tiny fp32 model atol 1e-4 (see test_devices.py); the real model atol
+5e-3 on logits of magnitude ~30: 30 layers of width 576/1536 in fp32 with OpenVINO's own
+kernels accumulate ~1e-4 relative error, while a wrong position or KV slot moves logits by >1.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+import time
+import warnings
+
+import numpy as np
+import pytest
+import torch
+from mirror_rt.devices.registry import available_devices, load_bundle
+from mirror_rt.exporters.export import ExportError, export_bundle
+from mirror_rt.exporters.manifest import BundleError, read_manifest
+from mirror_rt.exporters.openvino import int4_group_size
+from mirror_rt.models.config import ModelConfig
+from mirror_rt.models.loading import load_checkpoint
+from mirror_rt.runtime.reference import generate
+from mirror_rt.runtime.speculative import speculative_generate
+
+needs_openvino = pytest.mark.skipif(not available_devices()["openvino"], reason="openvino not installed")
+PROMPT = [5, 17, 42, 9, 80, 33, 61, 2, 14, 99, 7]
+
+
+def _export(path, **kwargs):
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        return export_bundle("tiny", path, progress=False, **kwargs)
+
+
+@pytest.fixture(scope="module")
+def torch_bundle(tmp_path_factory):
+    """A tiny torch bundle: cheap to copy and break."""
+    return _export(tmp_path_factory.mktemp("b") / "torch", fmt="torch", kappa=4)
+
+
+@pytest.fixture(scope="module")
+def static_bundle(tmp_path_factory):
+    """A tiny static OpenVINO bundle (window 4, context 48) with an int4 draft."""
+    if not available_devices()["openvino"]:
+        pytest.skip("openvino not installed")
+    return _export(tmp_path_factory.mktemp("b") / "static", static=True, max_context=48, max_window=4,
+                   draft_weights="int4", kappa=4)
+
+
+def test_manifest_describes_the_bundle(torch_bundle):
+    """Defaults: exit layer N/2, the three roles, tokenizer hash, versions, kv layout."""
+    manifest = read_manifest(torch_bundle)
+    assert manifest.format_version == 1
+    assert manifest.exit_layer == manifest.n_layers // 2 and manifest.kappa == 4
+    assert {g.role for g in manifest.graphs} == {"target_prefix", "target_suffix", "draft"}
+    assert manifest.tokenizer["sha256"] and "torch" in manifest.exporter_versions
+    assert manifest.kv_layout["layout"] == "BHTD"
+
+
+def _copy(bundle, tmp_path):
+    return shutil.copytree(bundle, tmp_path / "copy")
+
+
+def test_unknown_format_version_refused(torch_bundle, tmp_path):
+    """A manifest from another format version is refused, naming manifest.json."""
+    folder = _copy(torch_bundle, tmp_path)
+    data = json.loads((folder / "manifest.json").read_text())
+    (folder / "manifest.json").write_text(json.dumps(data | {"format_version": 99}))
+    with pytest.raises(BundleError, match=r"manifest\.json.*format version 99"):
+        load_bundle(folder)
+
+
+def test_missing_file_refused(torch_bundle, tmp_path):
+    """A graph file listed in the manifest but absent is refused by name."""
+    folder = _copy(torch_bundle, tmp_path)
+    (folder / "target.safetensors").unlink()
+    with pytest.raises(BundleError, match=r"target\.safetensors: missing"):
+        load_bundle(folder)
+
+
+def test_corrupt_file_refused(torch_bundle, tmp_path):
+    """A graph file whose sha256 changed is refused by name, in one line."""
+    folder = _copy(torch_bundle, tmp_path)
+    path = folder / "target.safetensors"
+    data = bytearray(path.read_bytes())
+    data[-1] ^= 0xFF
+    path.write_bytes(bytes(data))
+    with pytest.raises(BundleError, match=r"target\.safetensors: corrupt") as info:
+        load_bundle(folder)
+    assert "\n" not in str(info.value)
+
+
+def test_missing_manifest_refused(tmp_path):
+    """A folder without manifest.json is not a bundle."""
+    with pytest.raises(BundleError, match=r"manifest\.json: missing"):
+        load_bundle(tmp_path)
+
+
+@pytest.mark.parametrize("kwargs,flag", [
+    (dict(exit_layer=0), "--exit-layer"),
+    (dict(exit_layer=4), "--exit-layer"),
+    (dict(kappa=0), "--kappa"),
+    (dict(fmt="tflite"), "--format"),
+    (dict(weights="int3"), "--weights"),
+    (dict(static=True, fmt="onnx"), "--static"),
+    (dict(static=True, max_context=10_000), "--max-context"),
+    (dict(static=True, max_context=32, max_window=65), "--max-window"),
+])
+def test_limits_validated_before_exporting(tmp_path, kwargs, flag):
+    """Bad options fail with a message naming the flag, and nothing is written."""
+    with pytest.raises(ExportError, match=flag):
+        export_bundle("tiny", tmp_path / "out", progress=False, **kwargs)
+    assert not (tmp_path / "out" / "manifest.json").exists()
+
+
+def test_int4_group_size_divides_smollm2_widths():
+    """nncf's default group 128 does not divide hidden 576: 64 is picked."""
+    smollm2 = ModelConfig(vocab_size=49152, hidden_size=576, intermediate_size=1536, n_layers=30, n_heads=9,
+                          n_kv_heads=3)
+    assert int4_group_size(smollm2) == 64
+    assert int4_group_size(ModelConfig.from_name("tiny")) == 64
+
+
+@needs_openvino
+def test_static_bundle_runs_on_openvino_cpu(static_bundle):
+    """Fixed-shape graphs: chunked prefill, padded windows, O(1) rollback, logits equal torch."""
+    target, draft, _, manifest = load_bundle(static_bundle, "openvino:CPU", "openvino:CPU", strict=True,
+                                             threads=1)
+    assert manifest.static and manifest.max_window == 4
+    model = load_checkpoint("tiny").model
+    cache = target.new_cache(48)
+    logits = target.forward(PROMPT, cache)  # 11 tokens: three windows of 4
+    cache.rollback(len(PROMPT) - 2)
+    tail = target.forward([3, 4, 5], cache)
+    expected = model(torch.tensor(PROMPT[:-2] + [3, 4, 5]), model.new_cache(48)).numpy()
+    np.testing.assert_allclose(logits[:-2], expected[:-3], atol=1e-4, rtol=0)
+    np.testing.assert_allclose(tail, expected[-3:], atol=1e-4, rtol=0)
+    assert draft.forward(PROMPT, draft.new_cache(48)).shape == (len(PROMPT), manifest.vocab_size)
+    tokens = [t for step in speculative_generate(target, draft, PROMPT, 16, 3) for t in step]
+    assert tokens == [t for step in generate(target, PROMPT, 16) for t in step]
+
+
+@pytest.fixture(scope="module")
+def default_model():
+    """The embedded default model, skipped only where it cannot be fetched or found."""
+    from mirror_rt.models.default_model import DefaultModelUnavailable
+
+    try:
+        return load_checkpoint(None, log=lambda *a: None)
+    except DefaultModelUnavailable as exc:
+        pytest.skip(str(exc))
+
+
+@pytest.mark.slow
+@needs_openvino
+def test_default_bundle_exports_fast_and_matches_torch(default_model, tmp_path):
+    """The default bundle exports in < 5 min; its split target equals torch; SD equals AR."""
+    start = time.perf_counter()
+    folder = export_bundle(None, tmp_path / "default", progress=False)
+    assert time.perf_counter() - start < 300
+    target, draft, tokenizer, manifest = load_bundle(folder, "openvino:CPU", "openvino:CPU", strict=True)
+    assert manifest.exit_layer == 15 and manifest.graph("draft").precision == "int8"
+    assert (folder / "openvino_tokenizer.xml").exists()
+    prompt = tokenizer.encode("The capital of France is")
+    cache = target.new_cache(64)
+    ids, _ = target.forward_prefix(prompt, cache)
+    logits = target.forward_suffix(cache)
+    model = default_model.model
+    with torch.inference_mode():
+        expected = model(torch.tensor(prompt), model.new_cache(64)).numpy()
+    np.testing.assert_allclose(logits, expected, atol=5e-3, rtol=0)
+    assert ids.shape == (len(prompt), 8)
+    greedy = [t for step in generate(target, prompt, 12) for t in step]
+    assert [t for step in speculative_generate(target, draft, prompt, 12, 4) for t in step] == greedy
