@@ -16,7 +16,7 @@ import sys
 import warnings
 
 __version__ = "0.1.0"
-__all__ = ["load", "Engine", "GenerationConfig", "SamplingConfig", "__version__"]
+__all__ = ["load", "load_bundle", "Engine", "GenerationConfig", "SamplingConfig", "__version__"]
 
 from mirror_rt.runtime.config import GenerationConfig
 from mirror_rt.runtime.engine import Engine, GenerationError
@@ -62,6 +62,64 @@ def load(model: str | None = None, draft_model: str | None = "int8", *, device: 
     cpus = (cores[0], cores[1]) if pin and len(cores) >= 2 and not device.startswith("cuda") else None
     return Engine(TorchSplitTarget(target.model, exit_layer, kappa, device), target.tokenizer,
                   TorchModel(draft, "cpu") if draft is not None else None, names, cpus)
+
+
+def load_bundle(bundle: str, *, target_device: str = "cpu", draft_device: str = "cpu",
+                draft_bundle: str | None = None, strict_devices: bool = False, mode: str = "mirror",
+                verify: bool = True) -> Engine:
+    """An `Engine` over an exported bundle (`mirror-rt export`).
+
+    Args:
+        bundle: the bundle folder (its target, and its draft unless `draft_bundle` is given).
+        target_device, draft_device: device strings (`cpu`, `cuda`, `npu`, `openvino:CPU`, `ort:cpu`...);
+            a missing device falls back to the fastest CPU backend with a warning.
+        draft_bundle: take the draft from another bundle (same vocabulary) instead.
+        strict_devices: refuse to fall back.
+        mode: the mode the engine will mostly run: mirror gives each worker one core (2+ cores),
+            ar/sd give the target every core.
+    """
+    from mirror_rt.exporters.manifest import read_manifest
+
+    cores = sorted(_cores())
+    pinned = mode == "mirror" and len(cores) >= 2
+    target_budget = (1, (cores[0],)) if pinned else (len(cores), None)
+    draft_budget = (1, (cores[1],)) if pinned else (len(cores), None)
+    manifest = read_manifest(bundle, verify=verify)
+    draft_source = draft_bundle or bundle
+    draft_manifest = manifest if draft_source == bundle else read_manifest(draft_source, verify=verify)
+    if draft_manifest.vocab_size != manifest.vocab_size:
+        raise GenerationError(f"vocabulary mismatch: target bundle has {manifest.vocab_size} tokens, "
+                              f"draft bundle has {draft_manifest.vocab_size}")
+    target = _in_worker_thread(bundle, manifest, "target", target_device, strict_devices, target_budget)
+    draft = _in_worker_thread(draft_source, draft_manifest, "draft", draft_device, strict_devices, draft_budget)
+    from mirror_rt.devices.registry import load_tokenizer
+
+    names = {"target": f"{bundle} ({type(target).__name__})", "draft": f"{draft_source} ({type(draft).__name__})"}
+    return Engine(target, load_tokenizer(__import__("pathlib").Path(bundle), manifest), draft, names,
+                  (cores[0], cores[1]) if pinned else None)
+
+
+def _in_worker_thread(folder, manifest, role, device, strict, budget):
+    """Load one model in a short-lived thread pinned like its worker, so backend pools inherit the pin."""
+    import threading
+
+    from mirror_rt.devices.registry import WorkerBudget, load_model
+
+    result = {}
+
+    def work():
+        try:
+            result["model"] = load_model(__import__("pathlib").Path(folder), manifest, role, device, strict,
+                                         WorkerBudget(*budget))
+        except BaseException as exc:  # re-raised in the caller's thread
+            result["error"] = exc
+
+    thread = threading.Thread(target=work, name=f"load-{role}")
+    thread.start()
+    thread.join()
+    if "error" in result:
+        raise result["error"]
+    return result["model"]
 
 
 def _load_draft(draft_model, target, dtype, cache_dir, log):

@@ -70,6 +70,14 @@ def build_parser() -> argparse.ArgumentParser:
     run.add_argument("--dtype", default="float32", help="float32 | bfloat16 | float16 | float64")
     run.add_argument("--threads", type=_positive_int, help="torch threads (default: all cores)")
     run.add_argument("--cache-dir", help="model cache folder (default: $MIRROR_RT_CACHE or ~/.cache/mirror-rt)")
+    run.add_argument("--bundle", help="run an exported bundle (mirror-rt export) instead of --model")
+    run.add_argument("--draft-bundle", help="take the draft from another bundle (default: --bundle's)")
+    run.add_argument("--target", default="cpu", help="target device with --bundle: cpu, cuda, cuda:1, gpu, npu, "
+                                                     "openvino:CPU, ort:cpu, ort:qnn, torch:cpu...")
+    run.add_argument("--draft", default="cpu", help="draft device with --bundle (same forms)")
+    run.add_argument("--strict-devices", action="store_true", help="fail instead of falling back to a CPU backend")
+    _add_export(sub)
+    sub.add_parser("devices", help="list the devices each backend sees on this machine")
     _add_bench(sub)
     simulate = sub.add_parser("simulate", help="predict AR / SD / Mirror speed from costs (latency model)")
     simulate.add_argument("--config", default="qwen3-14b-m2ultra",
@@ -93,6 +101,38 @@ def cmd_simulate(args) -> int:
         speedup = 1.0 if method == "ar" else result[f"{method}_speedup"]
         print(f"  {method:6s} {step:8.2f} ms per step  {result[f'{method}_tokens_per_s']:8.1f} tokens/s  "
               f"{speedup:.2f}x")
+    return 0
+
+
+def _add_export(sub) -> None:
+    export = sub.add_parser("export", help="split a model into target prefix / suffix and draft graphs (a bundle)")
+    export.add_argument("--model", help="target: HF folder, .gguf file or preset (default: SmolLM2-135M-Instruct)")
+    export.add_argument("--draft", help="draft model (default: the target itself, with --draft-weights)")
+    export.add_argument("--exit-layer", type=_positive_int, help="early-exit layer (default N/2)")
+    export.add_argument("--kappa", type=_positive_int, default=8, help="early-exit candidates per position")
+    export.add_argument("--format", default="openvino", help="openvino | onnx | torch")
+    export.add_argument("--weights", default="fp32", help="target weights: fp32 | fp16 | int8 | int4")
+    export.add_argument("--draft-weights", default="int8", help="draft weights: fp32 | fp16 | int8 | int4")
+    export.add_argument("--static", action="store_true", help="fixed shapes (NPUs need them)")
+    export.add_argument("--max-context", type=_positive_int, help="context limit of the bundle")
+    export.add_argument("--max-window", type=_positive_int, help="window limit (with --static)")
+    export.add_argument("--out", required=True, help="bundle folder to write")
+
+
+def cmd_export(args) -> int:
+    from mirror_rt.exporters.export import export_bundle
+
+    folder = export_bundle(args.model, args.out, draft_ref=args.draft, exit_layer=args.exit_layer, kappa=args.kappa,
+                           fmt=args.format, weights=args.weights, draft_weights=args.draft_weights,
+                           static=args.static, max_context=args.max_context, max_window=args.max_window)
+    print(f"bundle written to {folder}")
+    return 0
+
+
+def cmd_devices(args) -> int:
+    from mirror_rt.devices.registry import format_devices
+
+    print(format_devices())
     return 0
 
 
@@ -177,9 +217,14 @@ def cmd_run(args) -> int:
     from mirror_rt.runtime.config import make_config
 
     config = make_config(**options)  # validate before loading anything
-    engine = mirror_rt.load(args.model, args.draft_model, device=args.device, dtype=args.dtype,
-                            cache_dir=args.cache_dir, threads=args.threads, exit_layer=args.exit_layer,
-                            kappa=args.kappa)
+    if args.bundle:
+        engine = mirror_rt.load_bundle(args.bundle, target_device=args.target, draft_device=args.draft,
+                                       draft_bundle=args.draft_bundle, strict_devices=args.strict_devices,
+                                       mode=config.mode)
+    else:
+        engine = mirror_rt.load(args.model, args.draft_model, device=args.device, dtype=args.dtype,
+                                cache_dir=args.cache_dir, threads=args.threads, exit_layer=args.exit_layer,
+                                kappa=args.kappa)
     gen = engine.stream(prompt, config, chat=not args.no_chat)
     try:
         for piece in gen:
@@ -226,11 +271,22 @@ def format_stats(stats: dict) -> str:
     return "\n".join(lines)
 
 
+def _one_line_warnings() -> None:
+    """Device fallbacks and other runtime warnings as one line each: `mirror-rt: warning: ...`."""
+    import warnings
+
+    def show(message, category, filename, lineno, file=None, line=None):
+        print(f"mirror-rt: warning: {message}", file=sys.stderr, flush=True)
+
+    warnings.showwarning = show
+
+
 def main(argv=None) -> int:
     from mirror_rt.models.default_model import DefaultModelUnavailable
 
     parser = build_parser()
     args = parser.parse_args(argv)
+    _one_line_warnings()
     try:
         if args.command == "run":
             return cmd_run(args)
@@ -238,6 +294,10 @@ def main(argv=None) -> int:
             return cmd_bench(args)
         if args.command == "simulate":
             return cmd_simulate(args)
+        if args.command == "export":
+            return cmd_export(args)
+        if args.command == "devices":
+            return cmd_devices(args)
     except KeyboardInterrupt:
         print("\nmirror-rt: interrupted", file=sys.stderr)
         return 130

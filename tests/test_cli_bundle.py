@@ -1,0 +1,58 @@
+"""CLI round trip: `mirror-rt export` then `mirror-rt run --bundle` (optimum-intel style)."""
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+
+def run_cli(*args):
+    return subprocess.run([sys.executable, "-m", "mirror_rt.cli", *args], capture_output=True, text=True, timeout=600)
+
+
+@pytest.fixture(scope="module")
+def tiny_bundle(tmp_path_factory):
+    out = tmp_path_factory.mktemp("bundle") / "tiny-ov"
+    proc = run_cli("export", "--model", "tiny", "--format", "openvino", "--out", str(out))
+    assert proc.returncode == 0, proc.stderr
+    assert (out / "manifest.json").exists()
+    return out
+
+
+def test_bundle_modes_identical_through_fallback(tiny_bundle):
+    """--target cuda --draft npu fall back to a CPU backend (one line each); ar, sd, mirror agree."""
+    texts = {}
+    for mode in ("ar", "sd", "mirror"):
+        proc = run_cli("run", "hello", "--bundle", str(tiny_bundle), "--target", "cuda", "--draft", "npu",
+                       "--mode", mode, "--max-new-tokens", "24", "--json")
+        assert proc.returncode == 0, proc.stderr
+        warnings = [line for line in proc.stderr.splitlines() if line.startswith("mirror-rt: warning: device")]
+        assert len(warnings) == 2 and "using" in warnings[0] and "Traceback" not in proc.stderr
+        texts[mode] = json.loads(proc.stdout)["text"]
+    assert texts["sd"] == texts["ar"] == texts["mirror"]
+
+
+def test_strict_devices_fails(tiny_bundle):
+    proc = run_cli("run", "hi", "--bundle", str(tiny_bundle), "--target", "npu", "--strict-devices")
+    assert proc.returncode == 2 and "mirror-rt: error: device 'npu'" in proc.stderr
+
+
+def test_corrupt_bundle_file_named(tiny_bundle, tmp_path):
+    import shutil
+
+    broken = tmp_path / "broken"
+    shutil.copytree(tiny_bundle, broken)
+    (broken / "draft.bin").write_bytes(b"garbage")
+    proc = run_cli("run", "hi", "--bundle", str(broken))
+    assert proc.returncode == 2 and "draft.bin" in proc.stderr and "Traceback" not in proc.stderr
+
+
+def test_export_bad_option_named(tmp_path):
+    proc = run_cli("export", "--model", "tiny", "--exit-layer", "99", "--out", str(tmp_path / "x"))
+    assert proc.returncode == 2 and "--exit-layer" in proc.stderr
+
+
+def test_devices_lists_backends():
+    proc = run_cli("devices")
+    assert proc.returncode == 0 and "torch:cpu" in proc.stdout and "openvino:CPU" in proc.stdout
