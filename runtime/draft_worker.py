@@ -41,6 +41,7 @@ class DraftSettings:
     branch_length: int = 0  # tokens per side branch; 0 = gamma
     alternatives: int = 3  # draft alternatives kept per depth for ranking roots
     min_window: int = 1  # send a precomputed window once it has this many tokens
+    adaptive_gamma: bool = True  # adapt the window cap online: +2 after a full accept, -1 after a reject
     cpu: int | None = None  # pin the worker thread to this core (Linux)
 
 
@@ -54,6 +55,8 @@ class DraftStats:
     misses: int = 0  # the verdict matched no precomputed root
     not_ready: int = 0  # it matched, but no continuation token was drafted yet
     branches_rolled: int = 0
+    forwards: int = 0  # draft forwards after prefill
+    rollbacks: int = 0  # cache rollbacks (a cost of their own on stateful backends)
     rollout_s: float = 0.0  # forwards before the verdict (overlapping the target)
     fresh_s: float = 0.0  # forwards after the verdict, before sending (critical path)
     busy: list[tuple[float, float]] = field(default_factory=list)  # forward intervals
@@ -83,6 +86,7 @@ class DraftWorker:
         self.committed: list[int] = []
         self.line = Line()
         self.in_flight = 0  # length of the window the target is verifying
+        self.k_cap = settings.gamma  # current window cap (adapted online when adaptive_gamma)
         self.branches: dict[tuple[int, int], Line] = {}
         self.exit_rows = None
         self.verdict_due = 0.0  # when the verdict is expected (exit arrival + target suffix time)
@@ -169,6 +173,9 @@ class DraftWorker:
         line = self.line
         if self.in_flight:
             self.acceptance = 0.9 * self.acceptance + 0.1 * (a / self.in_flight)
+            if self.settings.adaptive_gamma:
+                full = a == self.in_flight
+                self.k_cap = min(self.settings.gamma, self.k_cap + 2) if full else max(1, self.k_cap - 1)
         self.committed += line.tokens[:a] + [c]
         if len(line.tokens) > a and line.tokens[a] == c:
             self.line = Line(line.tokens[a + 1:], line.q[a + 1:], line.alts[a + 1:])
@@ -186,11 +193,11 @@ class DraftWorker:
     def _send_window(self, reused: bool) -> None:
         """Send up to gamma line tokens, drafting fresh ones first if fewer than min_window."""
         t0 = time.perf_counter()
-        need = min(self.settings.gamma, max(1, self.settings.min_window))
+        need = min(self.k_cap, max(1, self.settings.min_window))
         while len(self.line.tokens) < need:
             self._extend(self.line, self.committed)
         self.stats.fresh_s += time.perf_counter() - t0
-        k = min(self.settings.gamma, len(self.line.tokens))
+        k = min(self.k_cap, len(self.line.tokens))
         q = np.stack(self.line.q[:k]) if not self.settings.sampling.greedy else None
         self.in_flight = k
         self.stats.windows += 1
@@ -202,7 +209,7 @@ class DraftWorker:
         """One draft forward of precomputation; False when there is nothing worth doing."""
         t0 = time.perf_counter()
         try:
-            if len(self.line.tokens) < self.in_flight + 1 + self.settings.gamma:
+            if len(self.line.tokens) < self.in_flight + 1 + self.k_cap:
                 self._extend(self.line, self.committed)
                 return True
             return self._grow_branch()
@@ -252,8 +259,10 @@ class DraftWorker:
         same = 0
         while same < n and self.cache_tokens[same] == context[same]:
             same += 1
-        self.cache.rollback(same)
-        del self.cache_tokens[same:]
+        if same < len(self.cache_tokens):
+            self.cache.rollback(same)
+            self.stats.rollbacks += 1
+            del self.cache_tokens[same:]
         return self._feed(context[same:])[-1]
 
     def _feed(self, tokens: list[int]) -> np.ndarray:
@@ -261,6 +270,7 @@ class DraftWorker:
         logits = self.draft.forward(tokens, self.cache)
         t1 = time.perf_counter()
         self.stats.busy.append((t0, t1))
+        self.stats.forwards += 1
         if len(tokens) == 1:  # one-token forwards: the unit of speculation work
             self.forward_s = 0.8 * self.forward_s + 0.2 * (t1 - t0) if self.forward_s else t1 - t0
         self.cache_tokens.extend(tokens)

@@ -37,6 +37,7 @@ class MirrorSettings:
     seed: int = 0
     branch_budget: int | None = None  # side branches per step; None = auto (as many as fit)
     min_window: int = 1  # the draft sends a precomputed window once it has this many tokens
+    adaptive_gamma: bool = True  # the draft adapts its window cap in 1..gamma from acceptance
     draft_timeout_s: float = 10.0  # a draft silent this long is declared dead
     target_cpu: int | None = None  # pin the target (caller) thread to this core
     draft_cpu: int | None = None  # pin the draft thread to this core
@@ -56,7 +57,7 @@ def mirror_generate(target, draft, prompt: Sequence[int], max_new_tokens: int, s
     prompt = list(prompt)
     worker = DraftWorker(draft, prompt, len(prompt) + budget + 2 * settings.gamma + 4, DraftSettings(
         gamma=settings.gamma, sampling=settings.sampling, seed=settings.seed, branch_budget=settings.branch_budget,
-        min_window=settings.min_window, cpu=settings.draft_cpu))
+        min_window=settings.min_window, adaptive_gamma=settings.adaptive_gamma, cpu=settings.draft_cpu))
     step = _TargetStep(target, settings, metrics, worker)
     previous_affinity = _pin(settings.target_cpu)
     previous_threads = _set_threads(target, 1 if settings.target_cpu is not None else None)
