@@ -64,3 +64,24 @@ def test_cli_sd_stats_equal_ar(cache_dir):
         outputs[mode] = proc
     assert outputs["sd"].stdout == outputs["ar"].stdout and "Paris" in outputs["ar"].stdout
     assert "mean accepted length" in outputs["sd"].stderr and "tokens/s" in outputs["sd"].stderr
+
+
+def test_ctrl_c_stops_mirror_promptly(cache_dir):
+    """SIGINT after the first streamed text: exit 130 within seconds, what was printed stays printed."""
+    import os
+    import signal
+    import time
+
+    proc = subprocess.Popen([sys.executable, "-m", "mirror_rt.cli", "run", "Write a long story about a dragon.",
+                             "--mode", "mirror", "--max-new-tokens", "2000", "--cache-dir", cache_dir],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    first = proc.stdout.read(1)  # blocks until generation has started streaming
+    assert first
+    os.kill(proc.pid, signal.SIGINT)
+    t0 = time.time()
+    try:
+        proc.wait(timeout=10)
+    finally:
+        proc.kill()
+    assert proc.returncode == 130 and time.time() - t0 < 10
+    assert b"interrupted" in proc.stderr.read()
