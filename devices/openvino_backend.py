@@ -26,15 +26,16 @@ def _openvino():
     return ov
 
 
-def compile_config(device: str, threads: int | None, pinned: bool = False) -> dict:
+def compile_config(device: str, threads: int | None, pinned: bool = False, precision: str | None = None) -> dict:
     """compile_model properties: latency, one stream, exact fp32 math and KV on CPU.
 
     The CPU plugin defaults to bf16 inference and u8 KV cache on AVX512-BF16/AMX machines,
-    which would change the target's greedy output; fp32 is asked for explicitly.
+    which would change the target's greedy output; fp32 is asked for explicitly unless
+    `precision` says otherwise (a draft may run bf16: its precision only moves acceptance).
     """
     config = {"PERFORMANCE_HINT": "LATENCY"}
     if device.upper().startswith("CPU"):
-        config |= {"NUM_STREAMS": 1, "INFERENCE_PRECISION_HINT": "f32", "KV_CACHE_PRECISION": "f32"}
+        config |= {"NUM_STREAMS": 1, "INFERENCE_PRECISION_HINT": precision or "f32", "KV_CACHE_PRECISION": "f32"}
         if threads:
             config["INFERENCE_NUM_THREADS"] = int(threads)
         if pinned:  # the worker chose its cores: do not let the plugin re-pin its threads
@@ -46,13 +47,13 @@ class OVGraph:
     """One compiled graph. Requests made from it each own an independent KV state."""
 
     def __init__(self, path: Path, device: str, kv_shape: tuple[int, int], threads: int | None = None,
-                 window: int = 0, pinned: bool = False):
+                 window: int = 0, pinned: bool = False, precision: str | None = None):
         ov = _openvino()
         core = ov.Core()
         model = core.read_model(str(path))
         if any(name.startswith("past_key.") for p in model.inputs for name in p.get_names()):
             _make_stateful(model, kv_shape)  # an ONNX graph: fold its explicit KV into state
-        self.compiled = core.compile_model(model, device, compile_config(device, threads, pinned))
+        self.compiled = core.compile_model(model, device, compile_config(device, threads, pinned, precision))
         self.window = window  # static graphs: tokens per call (inputs padded to it); 0 = dynamic
         self.input_name = self.compiled.inputs[0].get_any_name()
         self.output_names = [o.get_any_name() for o in self.compiled.outputs]

@@ -161,6 +161,7 @@ class WorkerBudget:
 
     threads: int | None = None  # compute threads of this worker's backend (None: backend default)
     cpus: tuple[int, ...] | None = None  # cores this worker's thread and its pools may use
+    precision: str | None = None  # OpenVINO CPU inference precision (None: exact f32; "bf16" for drafts)
 
     def apply(self) -> None:
         """Pin the calling thread to `cpus` (Linux; ignored elsewhere) and set torch's threads."""
@@ -224,7 +225,7 @@ def _load_openvino(paths, manifest, config, spec: DeviceSpec, budget: WorkerBudg
 
     window = manifest.max_window if manifest.static else 0
     graphs = [OVGraph(p, spec.device, (config.n_kv_heads, config.head_dim), budget.threads, window,
-                      pinned=bool(budget.cpus)) for p in paths]
+                      pinned=bool(budget.cpus), precision=budget.precision) for p in paths]
     if len(graphs) == 1:
         return OVModel(graphs[0], config.vocab_size, manifest.max_context)
     return OVSplitTarget(*graphs, config.vocab_size, manifest.max_context, manifest.kappa)

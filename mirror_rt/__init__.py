@@ -66,7 +66,7 @@ def load(model: str | None = None, draft_model: str | None = "int8", *, device: 
 
 def load_bundle(bundle: str, *, target_device: str = "cpu", draft_device: str = "cpu",
                 draft_bundle: str | None = None, strict_devices: bool = False, mode: str = "mirror",
-                verify: bool = True) -> Engine:
+                draft_precision: str | None = None, verify: bool = True) -> Engine:
     """An `Engine` over an exported bundle (`mirror-rt export`).
 
     Args:
@@ -75,6 +75,8 @@ def load_bundle(bundle: str, *, target_device: str = "cpu", draft_device: str = 
             a missing device falls back to the fastest CPU backend with a warning.
         draft_bundle: take the draft from another bundle (same vocabulary) instead.
         strict_devices: refuse to fall back.
+        draft_precision: OpenVINO CPU compute precision of the draft (`bf16` is faster on CPUs with
+            bf16 support and never changes the output, only acceptance); the target is always exact.
         mode: the mode the engine will mostly run: mirror gives each worker one core (2+ cores),
             ar/sd give the target every core.
     """
@@ -83,7 +85,7 @@ def load_bundle(bundle: str, *, target_device: str = "cpu", draft_device: str = 
     cores = sorted(_cores())
     pinned = mode == "mirror" and len(cores) >= 2
     target_budget = (1, (cores[0],)) if pinned else (len(cores), None)
-    draft_budget = (1, (cores[1],)) if pinned else (len(cores), None)
+    draft_budget = (1, (cores[1],), draft_precision) if pinned else (len(cores), None, draft_precision)
     manifest = read_manifest(bundle, verify=verify)
     draft_source = draft_bundle or bundle
     draft_manifest = manifest if draft_source == bundle else read_manifest(draft_source, verify=verify)

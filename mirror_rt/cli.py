@@ -76,6 +76,8 @@ def build_parser() -> argparse.ArgumentParser:
                                                      "openvino:CPU, ort:cpu, ort:qnn, torch:cpu...")
     run.add_argument("--draft", default="cpu", help="draft device with --bundle (same forms)")
     run.add_argument("--strict-devices", action="store_true", help="fail instead of falling back to a CPU backend")
+    run.add_argument("--draft-precision", choices=("f32", "bf16"), help="OpenVINO draft compute precision "
+                     "(bf16: faster on bf16 CPUs; the output never changes, only acceptance)")
     _add_export(sub)
     sub.add_parser("devices", help="list the devices each backend sees on this machine")
     _add_bench(sub)
@@ -220,7 +222,7 @@ def cmd_run(args) -> int:
     if args.bundle:
         engine = mirror_rt.load_bundle(args.bundle, target_device=args.target, draft_device=args.draft,
                                        draft_bundle=args.draft_bundle, strict_devices=args.strict_devices,
-                                       mode=config.mode)
+                                       mode=config.mode, draft_precision=args.draft_precision)
     else:
         engine = mirror_rt.load(args.model, args.draft_model, device=args.device, dtype=args.dtype,
                                 cache_dir=args.cache_dir, threads=args.threads, exit_layer=args.exit_layer,
