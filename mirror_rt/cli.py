@@ -152,6 +152,9 @@ def _add_bench(sub) -> None:
     bench.add_argument("--branch-budget", type=_budget, default=None)
     bench.add_argument("--model", help="target (default: SmolLM2-135M-Instruct)")
     bench.add_argument("--draft-model", default="int8", help="draft (default: int8 copy of the target)")
+    bench.add_argument("--bundle", help="run ar / sd / mirror from this exported bundle (all its backends)")
+    bench.add_argument("--draft-bundle", help="take sd / mirror's draft from this bundle")
+    bench.add_argument("--draft-precision", choices=("f32", "bf16"), help="OpenVINO draft compute precision")
     bench.add_argument("--seed", type=int, default=0)
     bench.add_argument("--profile", action="store_true", help="print mirror's time per phase per step")
     bench.add_argument("--cache-dir")
@@ -173,9 +176,18 @@ def cmd_bench(args) -> int:
     questions = read_questions(args.data, categories, args.limit)
     config = make_config(max_new_tokens=args.max_new_tokens, temperature=args.temperature, gamma=args.gamma,
                          seed=args.seed, branch_budget=args.branch_budget)
-    engine = mirror_rt.load(args.model, args.draft_model, cache_dir=args.cache_dir)
     methods = [m.strip() for m in args.methods.split(",") if m.strip()]
-    runners = build_runners(methods, engine, engine.names.get("target"), log=_log)
+    if args.bundle:
+        from mirror_rt.runtime.bench_engines import bundle_runners
+
+        ours = [m for m in methods if m in ("ar", "sd", "mirror")]
+        runners = bundle_runners(ours, args.bundle, args.draft_bundle, args.draft_precision, log=_log)
+        peers = [m for m in methods if m not in ours]
+        engine = mirror_rt.load(args.model, "target", cache_dir=args.cache_dir) if peers else None
+        runners += build_runners(peers, engine, engine.names.get("target") if engine else None, log=_log)
+    else:
+        engine = mirror_rt.load(args.model, args.draft_model, cache_dir=args.cache_dir)
+        runners = build_runners(methods, engine, engine.names.get("target"), log=_log)
     answers = run_bench(runners, questions, BenchSettings(config=config, repeats=args.repeats))
     ar_names = [r.name for r in runners if r.name.startswith("ar-")]
     from mirror_rt.runtime.report import mean_speed

@@ -56,3 +56,15 @@ def test_export_bad_option_named(tmp_path):
 def test_devices_lists_backends():
     proc = run_cli("devices")
     assert proc.returncode == 0 and "torch:cpu" in proc.stdout and "openvino:CPU" in proc.stdout
+
+
+def test_bench_over_bundle(tiny_bundle, tmp_path):
+    """ar on every backend/thread count of the bundle, sd and mirror: zero greedy mismatches."""
+    data = tmp_path / "q.jsonl"
+    data.write_text(json.dumps({"question_id": 1, "category": "a", "turns": ["hello"]}) + "\n")
+    proc = run_cli("bench", "--data", str(data), "--bundle", str(tiny_bundle), "--methods", "ar,sd,mirror",
+                   "--max-new-tokens", "16", "--out", str(tmp_path / "out"))
+    assert proc.returncode == 0, proc.stderr
+    doc = json.loads((tmp_path / "out" / "summary.json").read_text())
+    assert doc["baseline"].startswith("ar-ov-") and set(doc["mismatches"].values()) == {0}
+    assert {"sd", "mirror"} <= set(doc["summary"]["overall"])
