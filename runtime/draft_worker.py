@@ -69,6 +69,7 @@ class Line:
     tokens: list[int] = field(default_factory=list)
     q: list = field(default_factory=list)  # per token q row [vocab] or None (greedy)
     alts: list = field(default_factory=list)  # per token {token: prob} of the draft's choices
+    guesses: list[int] = field(default_factory=list)  # SS stream guesses after the last token (unverified)
 
 
 class DraftWorker:
@@ -178,7 +179,7 @@ class DraftWorker:
                 self.k_cap = min(self.settings.gamma, self.k_cap + 2) if full else max(1, self.k_cap - 1)
         self.committed += line.tokens[:a] + [c]
         if len(line.tokens) > a and line.tokens[a] == c:
-            self.line = Line(line.tokens[a + 1:], line.q[a + 1:], line.alts[a + 1:])
+            self.line = Line(line.tokens[a + 1:], line.q[a + 1:], line.alts[a + 1:], line.guesses)
             self.stats.main_hits += bool(self.line.tokens)
             self.stats.not_ready += not self.line.tokens
         elif (a, c) in self.branches:
@@ -242,7 +243,9 @@ class DraftWorker:
         return self.exit_rows is not None and time.perf_counter() + self.forward_s <= self.verdict_due
 
     def _extend(self, line: Line, context: list[int]) -> None:
-        """Draft one more token of `line`, which continues `context`."""
+        """Draft one more token of `line` (several with SS streams), which continues `context`."""
+        if self.settings.sampling.greedy and hasattr(self.draft, "forward_streams"):
+            return self._extend_with_streams(line, context)
         logits = self._logits_after(context + line.tokens)
         token, q = choose(logits, self.settings.sampling, self.rng)
         if q is None and self.settings.alternatives:
@@ -253,8 +256,30 @@ class DraftWorker:
         line.q.append(q)
         line.alts.append(top_alternatives(q_alts, self.settings.alternatives + 1) if q_alts is not None else {})
 
-    def _logits_after(self, context: list[int]) -> np.ndarray:
-        """Logits of the token after `context`, reusing the longest cached prefix."""
+    def _extend_with_streams(self, line: Line, context: list[int]) -> None:
+        """One SS forward: confirm the pending guesses, add them and the next token, guess again."""
+        full, guesses = context + line.tokens, list(line.guesses)
+        self._rollback_to_prefix(full)
+        feed = full[len(self.cache_tokens):] + guesses
+        main, streams = self._feed(feed, streams=True)
+        offset = len(feed) - len(guesses) - 1  # the row that predicts the token after `full`
+        n = 0
+        while n < len(guesses) and int(np.argmax(main[offset + n])) == guesses[n]:
+            n += 1
+        if n < len(guesses):  # rejected guesses leave the cache
+            self.cache.rollback(self.cache.length - (len(guesses) - n))
+            del self.cache_tokens[self.cache.length:]
+            self.stats.rollbacks += 1
+        for i in range(n + 1):
+            row = main[offset + i]
+            line.tokens.append(int(np.argmax(row)))
+            line.q.append(None)
+            line.alts.append(top_alternatives(_softmax(row), self.settings.alternatives + 1)
+                             if self.settings.alternatives else {})
+        line.guesses = [int(t) for t in np.argmax(streams[offset + n], axis=-1)]
+
+    def _rollback_to_prefix(self, context: list[int]) -> None:
+        """Keep the longest cached prefix of `context` that leaves its last token unfed."""
         n = min(len(self.cache_tokens), len(context) - 1)
         same = 0
         while same < n and self.cache_tokens[same] == context[same]:
@@ -263,11 +288,19 @@ class DraftWorker:
             self.cache.rollback(same)
             self.stats.rollbacks += 1
             del self.cache_tokens[same:]
-        return self._feed(context[same:])[-1]
 
-    def _feed(self, tokens: list[int]) -> np.ndarray:
+    def _logits_after(self, context: list[int]) -> np.ndarray:
+        """Logits of the token after `context`, reusing the longest cached prefix."""
+        self._rollback_to_prefix(context)
+        return self._feed(context[len(self.cache_tokens):])[-1]
+
+    def _feed(self, tokens: list[int], streams: bool = False):
+        """One draft forward (with SS stream logits when `streams`), timed and mirrored in cache_tokens."""
         t0 = time.perf_counter()
-        logits = self.draft.forward(tokens, self.cache)
+        if streams:
+            logits = self.draft.forward_streams(tokens, self.cache)
+        else:
+            logits = self.draft.forward(tokens, self.cache)
         t1 = time.perf_counter()
         self.stats.busy.append((t0, t1))
         self.stats.forwards += 1

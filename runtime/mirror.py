@@ -55,7 +55,8 @@ def mirror_generate(target, draft, prompt: Sequence[int], max_new_tokens: int, s
     if budget == 0:
         return
     prompt = list(prompt)
-    worker = DraftWorker(draft, prompt, len(prompt) + budget + 2 * settings.gamma + 4, DraftSettings(
+    # headroom beyond the committed text: the window in flight, the bonus guess, the next window, SS guesses
+    worker = DraftWorker(draft, prompt, len(prompt) + budget + 2 * settings.gamma + 16, DraftSettings(
         gamma=settings.gamma, sampling=settings.sampling, seed=settings.seed, branch_budget=settings.branch_budget,
         min_window=settings.min_window, adaptive_gamma=settings.adaptive_gamma, cpu=settings.draft_cpu))
     step = _TargetStep(target, settings, metrics, worker)

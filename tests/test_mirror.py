@@ -154,3 +154,21 @@ def test_close_early_stops_the_draft():
     next(gen), next(gen)
     gen.close()
     assert threading.active_count() == 1
+
+
+@pytest.mark.parametrize("gamma", [2, 5])
+def test_stream_draft_equals_reference(gamma):
+    """An SS draft (random streams: many rejected guesses) changes nothing in the output."""
+    import torch
+
+    from mirror_rt.devices.torch_streams import TorchStreamDraft
+    from mirror_rt.models.ss_draft import StreamDraft
+
+    target = tiny_target(seed=8)
+    draft = StreamDraft(perturbed_copy(target, noise=0.2, seed=9), n_streams=2, n_stream_layers=2, rank=4)
+    with torch.no_grad():
+        for p in draft.stream_layers.parameters():
+            p.normal_(0, 0.3)
+    got, metrics = run_mirror(TorchSplitTarget(target), TorchStreamDraft(draft), [4, 5, 6], 60, gamma=gamma)
+    assert got == flat(generate(TorchModel(target), [4, 5, 6], 60))
+    assert metrics.extra["draft_forwards_per_token"] > 0

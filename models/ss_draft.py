@@ -1,0 +1,179 @@
+"""Speculative Streaming (SS) draft: lookahead streams in the draft's top layers.
+
+At the input of layer F = N - n_stream_layers every position t forks n_s stream rows,
+s_{t,j} = h_t + e_j (learned stream embeddings). Stream j at position t predicts token
+t + 2 + j (the main row predicts t + 1). In layers F..N-1 a stream row attends to the
+prefix (main keys at positions <= t) and to the streams of its own position with index
+<= j; main rows never see stream rows and stream keys never enter the KV cache, so the
+main stream is exactly the base draft. Stream rows get their own low-rank (LoRA) deltas on
+q, v and the MLP output: training them never changes the main stream's predictions.
+One forward over [unverified guesses] both checks the previous stream guesses (main rows)
+and proposes the next ones (stream rows at the last accepted position).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from mirror_rt.models.transformer import Transformer, apply_rope
+
+
+class LoRA(nn.Module):
+    """x -> B(A(x)) with B initialised to zero (starts as the identity delta)."""
+
+    def __init__(self, d_in: int, d_out: int, rank: int):
+        super().__init__()
+        self.a = nn.Linear(d_in, rank, bias=False)
+        self.b = nn.Linear(rank, d_out, bias=False)
+        nn.init.normal_(self.a.weight, std=1.0 / rank)
+        nn.init.zeros_(self.b.weight)
+
+    def forward(self, x):
+        return self.b(self.a(x))
+
+
+class StreamLayer(nn.Module):
+    """The stream-only parameters of one top layer."""
+
+    def __init__(self, base_layer, rank: int):
+        super().__init__()
+        attn, mlp = base_layer.self_attn, base_layer.mlp
+        self.q = LoRA(attn.q_proj.in_features, attn.q_proj.out_features, rank)
+        self.v = LoRA(attn.v_proj.in_features, attn.v_proj.out_features, rank)
+        self.down = LoRA(mlp.down_proj.in_features, mlp.down_proj.out_features, rank)
+
+
+class StreamDraft(nn.Module):
+    """A base draft Transformer plus n_s lookahead streams in its top layers."""
+
+    def __init__(self, base: Transformer, n_streams: int = 2, n_stream_layers: int = 2, rank: int = 16):
+        super().__init__()
+        n = base.config.n_layers
+        if not 1 <= n_stream_layers <= n:
+            raise ValueError(f"--stream-layers must be in 1..{n}, got {n_stream_layers}")
+        if n_streams < 1:
+            raise ValueError(f"--streams must be >= 1, got {n_streams}")
+        self.base, self.n_streams, self.first = base, n_streams, n - n_stream_layers
+        self.stream_embed = nn.Parameter(torch.zeros(n_streams, base.config.hidden_size))
+        nn.init.normal_(self.stream_embed, std=0.02)
+        self.stream_layers = nn.ModuleList(StreamLayer(base.layers[i], rank) for i in range(self.first, n))
+        dtype = base.embed_tokens.weight.dtype
+        self.stream_embed.data = self.stream_embed.data.to(dtype)
+        self.stream_layers.to(dtype)
+
+    @property
+    def config(self):
+        return self.base.config
+
+    def forward_streams(self, tokens: torch.Tensor, cache):
+        """tokens [T] at cache.length.. -> main logits [T, vocab], stream logits [T, n_s, vocab]; advances by T."""
+        h = self.base.run_layers(self.base.embed(tokens), cache, 0, self.first, cache_first=0)
+        s = h[:, None, :] + self.stream_embed[None].to(h.dtype)  # [T, n_s, hidden]
+        start = cache.length
+        for i in range(self.first, self.config.n_layers):
+            h, s = self._block(i, h, s, cache, start)
+        cache.advance(tokens.shape[0])
+        return self.base.logits(h), self.base.logits(s)
+
+    def _block(self, i: int, h, s, cache, start: int):
+        layer, extra = self.base.layers[i], self.stream_layers[i - self.first]
+        attn_h, attn_s = self._attention(layer, extra, layer.input_layernorm(h), layer.input_layernorm(s),
+                                         cache, i, start)
+        h, s = h + attn_h, s + attn_s
+        xh, xs = layer.post_attention_layernorm(h), layer.post_attention_layernorm(s)
+        mlp = layer.mlp
+        inner = F.silu(mlp.gate_proj(xs)) * mlp.up_proj(xs)
+        return h + mlp(xh), s + mlp.down_proj(inner) + extra.down(inner)
+
+    def _attention(self, layer, extra, xh, xs, cache, i: int, start: int):
+        attn, c = layer.self_attn, self.config
+        T, S = xh.shape[0], self.n_streams
+        rows = torch.cat([xh, xs.reshape(T * S, -1)])  # [T + T*S, hidden]: main rows, then streams
+        q = attn.q_proj(rows)
+        k = attn.k_proj(rows)
+        v = attn.v_proj(rows)
+        q = torch.cat([q[:T], q[T:] + extra.q(rows[T:])])
+        v = torch.cat([v[:T], v[T:] + extra.v(rows[T:])])
+        q = q.view(-1, c.n_heads, c.head_dim).transpose(0, 1)
+        k = k.view(-1, c.n_kv_heads, c.head_dim).transpose(0, 1)
+        v = v.view(-1, c.n_kv_heads, c.head_dim).transpose(0, 1)
+        if attn.qk_norm:
+            q, k = attn.q_norm(q), attn.k_norm(k)
+        cos, sin = self._rope(start, T, S, xh)
+        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        keys, values = cache.write(i, k[:, :T], v[:, :T])  # main keys only: [KVH, L+T, D]
+        keys = torch.cat([keys, k[:, T:]], dim=1)
+        values = torch.cat([values, v[:, T:]], dim=1)
+        mask = stream_mask(start, T, S, xh.device)
+        out = F.scaled_dot_product_attention(q[None], keys[None], values[None], attn_mask=mask, enable_gqa=True)[0]
+        out = attn.o_proj(out.transpose(0, 1).reshape(T + T * S, -1))
+        return out[:T], out[T:].view(T, S, -1)
+
+    def _rope(self, start: int, T: int, S: int, like):
+        """Positions: main row p at start+p; stream j of row p at start+p+1+j (the slot it predicts from)."""
+        main = torch.arange(start, start + T, dtype=torch.float64, device=like.device)
+        streams = (main[:, None] + 1 + torch.arange(S, dtype=torch.float64, device=like.device)[None]).reshape(-1)
+        angles = torch.outer(torch.cat([main, streams]), self.base.inv_freq.to(like.device))
+        angles = torch.cat((angles, angles), dim=-1)
+        return angles.cos().to(like.dtype), angles.sin().to(like.dtype)
+
+
+def stream_mask(start: int, T: int, S: int, device=None) -> torch.Tensor:
+    """Boolean attention mask [T + T*S, start + T + T*S] (True = may attend).
+
+    Rows: T main rows, then stream j of main row p at T + p*S + j. Columns: start + T main
+    keys (the cache), then the T*S stream keys in the same order.
+    Example (start 0, T 2, S 1): main 0 sees key 0; main 1 sees keys 0-1; stream(0) sees
+    main key 0 and itself; stream(1) sees main keys 0-1 and itself.
+    """
+    L = start + T
+    rows = T + T * S
+    mask = torch.zeros(rows, L + T * S, dtype=torch.bool, device=device)
+    p = torch.arange(T, device=device)
+    keys = torch.arange(L, device=device)
+    mask[:T, :L] = keys[None, :] <= (start + p)[:, None]  # main rows: causal over the prefix
+    stream_p = p.repeat_interleave(S)  # [T*S] main position of each stream row
+    stream_j = torch.arange(S, device=device).repeat(T)
+    mask[T:, :L] = keys[None, :] <= (start + stream_p)[:, None]  # prefix up to its own position
+    same = (stream_p[:, None] == stream_p[None, :]) & (stream_j[None, :] <= stream_j[:, None])
+    mask[T:, L:] = same  # its own position's streams with index <= j
+    return mask
+
+
+def verify_guesses(main_rows, guesses: list[int]) -> int:
+    """How many stream guesses the main rows confirm (greedy).
+
+    Args:
+        main_rows: [len(guesses) + 1, vocab] main logits; row i predicts the token after guess i-1
+            (row 0: after the last line token).
+    Example: guesses [5, 9], row argmaxes [5, 2, 7] -> 1 (5 confirmed, 9 rejected for 2).
+    """
+    n = 0
+    while n < len(guesses) and int(main_rows[n].argmax()) == guesses[n]:
+        n += 1
+    return n
+
+
+@torch.inference_mode()
+def stream_rollout(draft: StreamDraft, context: list[int], k: int) -> tuple[list[int], int]:
+    """Greedy k-token continuation of `context` using stream guesses; returns (tokens, forwards).
+
+    Every forward feeds the unfed tokens plus the pending guesses, keeps the confirmed
+    guesses and the main stream's next token, and takes new guesses from the streams of the
+    last confirmed position, so the output is exactly the draft's own greedy continuation.
+    """
+    cache = draft.base.new_cache(len(context) + k + draft.n_streams + 2)
+    tokens, guesses, forwards = [], [], 0
+    feed = list(context)
+    while len(tokens) < k:
+        main, streams = draft.forward_streams(torch.tensor(feed + guesses), cache)
+        forwards += 1
+        offset = len(feed) - 1
+        n = verify_guesses(main[offset:], guesses)
+        cache.rollback(cache.length - (len(guesses) - n))
+        tokens += guesses[:n] + [int(main[offset + n].argmax())]
+        guesses = [int(t) for t in streams[offset + n].argmax(-1)]
+        feed = [tokens[-1]]
+    return tokens[:k], forwards

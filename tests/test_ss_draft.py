@@ -1,0 +1,100 @@
+"""Speculative Streaming draft: masks, an unchanged main stream, exact stream-verified rollouts."""
+
+import pytest
+import torch
+
+from mirror_rt.models.ss_draft import StreamDraft, stream_mask, stream_rollout, verify_guesses
+from mirror_rt.runtime.reference import generate
+
+from conftest import tiny_target
+
+
+def test_mask_no_future_no_later_stream():
+    start, T, S = 3, 3, 2
+    m = stream_mask(start, T, S)
+    L = start + T
+    for p in range(T):
+        assert m[p, :start + p + 1].all() and not m[p, start + p + 1:].any()  # main: causal, no streams
+        for j in range(S):
+            row = T + p * S + j
+            assert m[row, :start + p + 1].all() and not m[row, start + p + 1:L].any()  # no future token
+            for p2 in range(T):
+                for j2 in range(S):
+                    assert bool(m[row, L + p2 * S + j2]) == (p2 == p and j2 <= j)  # no later stream
+
+
+def test_main_stream_is_the_base_draft():
+    base = tiny_target(seed=3)
+    draft = StreamDraft(base, n_streams=2, n_stream_layers=2)
+    with torch.no_grad():
+        for p in draft.stream_layers.parameters():
+            p.normal_(0, 0.5)  # trained-looking stream weights must not touch the main rows
+    tokens = torch.tensor([5, 9, 14, 3, 7])
+    main, streams = draft.forward_streams(tokens, base.new_cache(8))
+    expected = base(tokens, base.new_cache(8))
+    assert torch.allclose(main, expected, atol=1e-10) and streams.shape == (5, 2, base.config.vocab_size)
+
+
+def test_stream_verified_rollout_equals_draft_greedy():
+    """Exact at temperature 0, whatever the (random) stream guesses."""
+    from mirror_rt.devices.torch_backend import TorchModel
+
+    for seed in range(3):
+        base = tiny_target(seed=seed)
+        draft = StreamDraft(base, n_streams=2, n_stream_layers=2)
+        context = [(seed * 5 + i * 7) % 90 + 2 for i in range(6)]
+        expected = [t for step in generate(TorchModel(base), context, 31) for t in step]
+        tokens, forwards = stream_rollout(draft, context, 31)
+        assert tokens == expected and forwards <= 31
+
+
+def test_verify_guesses_counts_confirmed_prefix():
+    """Row i's argmax confirms guess i; the first disagreement ends the run."""
+    rows = torch.zeros(3, 10)
+    rows[0, 5] = rows[1, 9] = rows[2, 1] = 1.0
+    assert verify_guesses(rows, [5, 9]) == 2 and verify_guesses(rows, [5, 8]) == 1 and verify_guesses(rows, []) == 0
+
+
+def _pattern_data(n=24, length=40, seed=0):
+    """Sequences from a repeating pattern: stream lookahead is learnable on them."""
+    import random
+
+    rng = random.Random(seed)
+    seqs = []
+    for _ in range(n):
+        period = [rng.randrange(2, 90) for _ in range(rng.randrange(3, 6))]
+        ids = (period * length)[:length]
+        seqs.append((ids, 6))
+    return seqs
+
+
+def test_training_lowers_loss_and_round_trips(tmp_path):
+    from mirror_rt.models.ss_training import load_streams, stream_loss, train_streams
+
+    base = tiny_target(seed=4)
+    draft = StreamDraft(base, n_streams=2, n_stream_layers=2, rank=8)
+    data = _pattern_data()
+    before = sum(stream_loss(draft, torch.tensor(ids), first).item() for ids, first in data[:6])
+    train_streams(draft, data, steps=60, out_dir=tmp_path / "ss", lr=5e-3, seed=1, save_every=30, progress=False)
+    with torch.no_grad():
+        after = sum(stream_loss(draft, torch.tensor(ids), first).item() for ids, first in data[:6])
+    assert after < 0.8 * before
+    loaded = load_streams(tiny_target(seed=4), tmp_path / "ss")
+    tokens = torch.tensor(data[0][0][:12])
+    with torch.no_grad():
+        a = draft.forward_streams(tokens, base.new_cache(12))[1]
+        b = loaded.forward_streams(tokens, loaded.base.new_cache(12))[1]
+    assert torch.allclose(a, b, atol=1e-9)
+
+
+def test_training_is_deterministic_and_resumes(tmp_path):
+    from mirror_rt.models.ss_training import train_streams
+
+    data = _pattern_data(n=8)
+    full = train_streams(StreamDraft(tiny_target(seed=5), rank=4), data, 20, tmp_path / "a", seed=3,
+                         save_every=10, progress=False)
+    train_streams(StreamDraft(tiny_target(seed=5), rank=4), data, 10, tmp_path / "b", seed=3, save_every=10,
+                  progress=False)
+    resumed = train_streams(StreamDraft(tiny_target(seed=5), rank=4), data, 20, tmp_path / "b", seed=3,
+                            save_every=10, progress=False)
+    assert resumed == pytest.approx(full[10:], rel=1e-6)
