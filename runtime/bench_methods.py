@@ -3,7 +3,9 @@
 `ar` expands into one runner per backend and thread count available (the fastest becomes the
 baseline); `sd` and `mirror` are ours on the same engine; `hf-assisted` is transformers'
 assisted generation with an int8 copy of the target as the assistant (the same kind of
-draft). A method whose package is missing is skipped with a message, never a crash.
+draft); `ov-genai` is OpenVINO GenAI's own `LLMPipeline` on the target and `ov-genai-sd` the
+same with an int8 (nncf) copy of the target as its draft model. A method whose package is
+missing is skipped with a message, never a crash.
 """
 
 from __future__ import annotations
@@ -31,8 +33,7 @@ def build_runners(methods: list[str], engine, model_folder: str | None, log=prin
         elif method == "hf-assisted":
             runners.append(_hf_assisted(model_folder, cores, log))
         else:
-            log(f"bench: skipping {method}: needs an OpenVINO export of the model (mirror-rt export), "
-                "not available in this build")
+            runners.append(_ov_genai(method, model_folder, engine.tokenizer, cores, log))
     return [r for r in runners if r is not None]
 
 
@@ -73,7 +74,6 @@ def _hf_assisted(model_folder: str | None, threads: int, log):
         return None
     try:
         import transformers
-
         from mirror_rt.models.quantize import int8_copy
         from mirror_rt.models.tokenizer import HFTokenizer
     except ImportError as exc:
@@ -83,3 +83,89 @@ def _hf_assisted(model_folder: str | None, threads: int, log):
     target.generation_config.temperature = target.generation_config.top_p = target.generation_config.top_k = None
     assistant = int8_copy(target)
     return HFAssistedRunner(target, assistant, HFTokenizer(model_folder), threads)
+
+
+class OVGenAIRunner:
+    """OpenVINO GenAI's `LLMPipeline` (with a draft model when `speculative`), batch 1.
+
+    The prompt goes in as our chat-templated token ids, so GenAI applies no template of its
+    own; the text is decoded with our tokenizer. OpenVINO's default CPU precision hints are
+    kept (bf16 on CPUs with bf16 support), and reported in the stats.
+    """
+
+    def __init__(self, name: str, pipe, tokenizer, speculative: bool, stats: dict):
+        self.name, self.pipe, self.tokenizer, self.speculative, self.stats = name, pipe, tokenizer, speculative, stats
+
+    def answer(self, messages, config):
+        import numpy as np
+        import openvino as ov
+        import openvino_genai
+
+        ids = self.tokenizer.chat_prompt(messages)
+        prompt = openvino_genai.TokenizedInputs(ov.Tensor(np.array([ids], dtype=np.int64)),
+                                                ov.Tensor(np.ones((1, len(ids)), dtype=np.int64)))
+        settings = self._generation_config(config)
+        t0 = time.perf_counter()
+        result = self.pipe.generate(prompt, settings)
+        wall = time.perf_counter() - t0
+        new = list(result.tokens[0])
+        stops = set(self.tokenizer.eos_token_ids)
+        text = self.tokenizer.decode([t for t in new if t not in stops])
+        stats = {**self.stats, "new_tokens": len(new), "wall_time_s": round(wall, 4),
+                 "tokens_per_s": round(len(new) / wall, 2) if wall > 0 else 0.0}
+        if self.speculative:
+            sd = result.extended_perf_metrics
+            stats |= {"num_accepted_tokens": int(sd.get_num_accepted_tokens()),
+                      "draft_acceptance_rate": round(float(sd.get_draft_acceptance_rate()), 4)}
+        return text, len(new), wall, [], stats
+
+    def _generation_config(self, config):
+        settings = self.pipe.get_generation_config()
+        sampling = config.sampling
+        settings.max_new_tokens = config.max_new_tokens
+        settings.ignore_eos = config.ignore_eos
+        settings.do_sample = sampling.temperature > 0
+        if settings.do_sample:
+            settings.temperature, settings.top_p, settings.rng_seed = sampling.temperature, sampling.top_p, config.seed
+            if sampling.top_k:
+                settings.top_k = sampling.top_k
+        if self.speculative:
+            settings.num_assistant_tokens = config.num_draft_tokens
+        return settings
+
+
+def _ov_genai(method: str, model_folder: str | None, tokenizer, threads: int, log):
+    """`ov-genai` / `ov-genai-sd` on GenAI folders exported from the target (cached)."""
+    if not model_folder:
+        log(f"bench: skipping {method}: needs the target's model folder or preset")
+        return None
+    try:
+        import nncf  # noqa: F401 -- the int8 draft's compression, imported late by the exporter
+        import openvino as ov
+        import openvino_genai
+        import openvino_tokenizers  # noqa: F401 -- the tokenizer models GenAI's folders carry
+        from mirror_rt.exporters.genai import export_genai_folder
+    except ImportError as exc:
+        log(f"bench: skipping {method}: {exc} (pip install openvino-genai openvino-tokenizers nncf)")
+        return None
+    speculative = method == "ov-genai-sd"
+    properties = {"INFERENCE_NUM_THREADS": threads}
+    no_tokenizer = f"bench: skipping {method}: GenAI's speculative pipeline needs a tokenizer, {model_folder} has none"
+    if speculative and not os.path.isfile(os.path.join(model_folder, "tokenizer.json")):
+        log(no_tokenizer)  # a preset: checked before exporting anything
+        return None
+    target = export_genai_folder(model_folder, weights="fp32", log=log)
+    if speculative and not (target / "openvino_tokenizer.xml").exists():
+        log(no_tokenizer + " that openvino_tokenizers converts")
+        return None
+    if speculative:
+        draft = openvino_genai.draft_model(str(export_genai_folder(model_folder, weights="int8", log=log)),
+                                           "CPU", **properties)
+        pipe = openvino_genai.LLMPipeline(str(target), "CPU", draft_model=draft, **properties)
+    else:
+        pipe = openvino_genai.LLMPipeline(str(target), "CPU", **properties)
+    core = ov.Core()  # no hints are passed, so the pipelines compile with the device defaults
+    stats = {"threads": threads, "weights": "fp32 target" + (", int8 draft" if speculative else ""),
+             "inference_precision": core.get_property("CPU", "INFERENCE_PRECISION_HINT").to_string(),
+             "kv_cache_precision": core.get_property("CPU", "KV_CACHE_PRECISION").to_string()}
+    return OVGenAIRunner(method, pipe, tokenizer, speculative, stats)
