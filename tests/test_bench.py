@@ -67,10 +67,10 @@ def test_smoke_run_writes_everything(tmp_path):
         {"question_id": 2, "category": "b", "turns": ["count to ten"]}])
     out = tmp_path / "out"
     proc = subprocess.run([sys.executable, "-m", "mirror_rt.cli", "bench", "--data", str(data), "--model", "tiny",
-                           "--methods", "ar,sd,mirror,ov-genai", "--max-new-tokens", "12", "--out", str(out)],
+                           "--methods", "ar,sd,mirror,ov-genai-sd", "--max-new-tokens", "12", "--out", str(out)],
                           capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr
-    assert "skipping ov-genai" in proc.stderr
+    assert "skipping ov-genai-sd" in proc.stderr
     doc = json.loads((out / "summary.json").read_text())
     assert doc["mismatches"] == {"ar-torch-2t": 0, "sd": 0, "mirror": 0} or doc["mismatches"] == {"sd": 0, "mirror": 0}
     assert set(doc["summary"]) == {"a", "b", "overall"}
