@@ -2,7 +2,8 @@
 
 `forward_prefix` runs the embeddings and layers 0..exit-1 over a window and returns, per
 position, the early-exit top-kappa ids and log-probs (the target's own final norm and LM
-head applied to the exit hidden state: no trained head). The hidden state stays here until
+head applied to the exit hidden state, after a trained `ExitAdapter` when one is given: it
+changes which branches the draft precomputes, never the output). The hidden state stays here until
 `forward_suffix` finishes the window. `forward` composes both, so the object is also a plain
 `LoadedModel` and the same weights serve every mode.
 """
@@ -15,12 +16,14 @@ import numpy as np
 import torch
 
 from mirror_rt.devices.torch_backend import TorchModel
+from mirror_rt.models.exit_adapter import check_compatible, exit_logits
 
 
 class TorchSplitTarget(TorchModel):
     """A torch target with an early exit after layer `exit_layer` (1-based count of layers)."""
 
-    def __init__(self, model, exit_layer: int | None = None, kappa: int = 8, device: str = "cpu"):
+    def __init__(self, model, exit_layer: int | None = None, kappa: int = 8, device: str = "cpu",
+                 exit_adapter=None):
         super().__init__(model, device)
         n = model.config.n_layers
         self.exit_layer = n // 2 if exit_layer is None else exit_layer
@@ -29,6 +32,11 @@ class TorchSplitTarget(TorchModel):
         if not 1 <= kappa <= model.config.vocab_size:
             raise ValueError(f"--kappa must be in 1..{model.config.vocab_size}, got {kappa}")
         self.kappa = kappa
+        if exit_adapter is not None:
+            check_compatible(exit_adapter, model, self.exit_layer)
+            p = self.model.embed_tokens.weight
+            exit_adapter = exit_adapter.to(device=p.device, dtype=p.dtype).eval()
+        self.exit_adapter = exit_adapter  # models.exit_adapter.ExitAdapter or None (untrained exit)
         self._hidden = None  # [T, hidden] between prefix and suffix
 
     @torch.inference_mode()
@@ -37,7 +45,7 @@ class TorchSplitTarget(TorchModel):
         ids = torch.as_tensor(list(tokens), dtype=torch.long, device=self.device)
         h = self.model.run_layers(self.model.embed(ids), cache, 0, self.exit_layer, cache_first=0)
         self._hidden = h
-        logprobs = torch.log_softmax(self.model.logits(h).float(), dim=-1)
+        logprobs = torch.log_softmax(exit_logits(self.model, h, self.exit_adapter).float(), dim=-1)
         top = torch.topk(logprobs, self.kappa, dim=-1)
         return top.indices.cpu().numpy(), top.values.cpu().numpy()
 

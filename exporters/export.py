@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import shutil
 import warnings
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from importlib import metadata
 from pathlib import Path
 
@@ -29,6 +29,7 @@ from mirror_rt.exporters.split import (
     PRESENT_NAMES,
     ROLES,
     graph_spec,
+    with_exit_adapter,
 )
 
 FORMATS = ("openvino", "onnx", "torch")
@@ -59,6 +60,7 @@ class ExportConfig:
     static: bool = False  # fixed shapes (NPU); OpenVINO only
     max_context: int | None = None  # None: the model's context (static: 1024)
     max_window: int | None = None  # None: unbounded (static: 8)
+    exit_adapter: str | None = None  # trained early-exit adapter (models.exit_adapter files); None: untrained exit
 
     def __post_init__(self):
         if self.fmt not in FORMATS:
@@ -111,11 +113,11 @@ def resolve_limits(cfg: ExportConfig, model_config) -> Limits:
 def export_bundle(model_ref: str | None, out_dir, draft_ref: str | None = None, exit_layer: int | None = None,
                   kappa: int = 8, fmt: str = "openvino", weights: str = "fp32", draft_weights: str = "int8",
                   static: bool = False, max_context: int | None = None, max_window: int | None = None,
-                  progress: bool = True) -> Path:
+                  progress: bool = True, exit_adapter: str | None = None) -> Path:
     """Export a bundle (see module docstring); returns the bundle folder."""
     cfg = ExportConfig(model_ref=model_ref, out_dir=Path(out_dir), draft_ref=draft_ref, exit_layer=exit_layer,
                        kappa=kappa, fmt=fmt, weights=weights, draft_weights=draft_weights, static=static,
-                       max_context=max_context, max_window=max_window)
+                       max_context=max_context, max_window=max_window, exit_adapter=exit_adapter)
     return run_export(cfg, progress=progress)
 
 
@@ -128,6 +130,7 @@ def run_export(cfg: ExportConfig, progress: bool = True) -> Path:
     bar.set_postfix_str("loading models")
     target = load_checkpoint(cfg.model_ref, log=lambda *a: None)
     limits = resolve_limits(cfg, target.model.config)
+    adapter = _load_adapter(cfg, target.model, limits)
     draft = target if cfg.draft_ref is None else load_checkpoint(cfg.draft_ref, log=lambda *a: None)
     _check_draft(target, draft)
     folder = _prepare_folder(cfg.out_dir)
@@ -136,16 +139,46 @@ def run_export(cfg: ExportConfig, progress: bool = True) -> Path:
     for role in ROLES:
         bar.set_postfix_str(role)
         model = draft.model if role == "draft" else target.model
+        if role == "target_prefix" and cfg.fmt != "torch":  # the prefix graph carries the adapter
+            model = with_exit_adapter(model, adapter)
         entries.append(_export_role(cfg, limits, model, role, folder))
         bar.update()
     bar.set_postfix_str("tokenizer")
     tokenizer = _copy_tokenizer(target.tokenizer, folder, cfg.fmt)
     bar.update()
     bar.set_postfix_str("manifest")
-    write_manifest(_manifest(cfg, limits, target.model, draft.model, entries, tokenizer), folder)
+    manifest = _manifest(cfg, limits, target.model, draft.model, entries, tokenizer)
+    write_manifest(replace(manifest, exit_adapter=_copy_adapter(cfg, adapter, folder)), folder)
     bar.update()
     bar.close()
     return folder
+
+
+def _load_adapter(cfg: ExportConfig, model, limits: Limits):
+    """The --exit-adapter, checked against the target and exit layer before any conversion (or None)."""
+    if cfg.exit_adapter is None:
+        return None
+    from mirror_rt.models.exit_adapter import AdapterError, load_exit_adapter
+
+    try:
+        return load_exit_adapter(cfg.exit_adapter, model, limits.exit_layer)
+    except AdapterError as exc:
+        raise ExportError(f"--exit-adapter: {exc}") from None
+
+
+def _copy_adapter(cfg: ExportConfig, adapter, folder: Path) -> dict | None:
+    """Copy the adapter files into the bundle and describe them for the manifest."""
+    if adapter is None:
+        return None
+    from mirror_rt.models.exit_adapter import adapter_paths
+
+    names = ["exit_adapter.safetensors", "exit_adapter.json"]
+    for source, name in zip(adapter_paths(cfg.exit_adapter), names):
+        shutil.copyfile(source, folder / name)
+    c = adapter.config
+    return {"file": names[0], "config": names[1], "exit_layer": c.exit_layer, "rank": c.rank,
+            "model_fingerprint": c.model_fingerprint, "in_graph": cfg.fmt != "torch",
+            "files": hash_files(folder, names)}
 
 
 def _check_draft(target, draft) -> None:
@@ -173,10 +206,6 @@ def _export_role(cfg: ExportConfig, limits: Limits, model, role: str, folder: Pa
     elif cfg.fmt == "onnx":
         from mirror_rt.exporters.onnx import export_onnx_graph
 
-        if weights == "int8":  # onnxruntime's dynamic quantization also quantizes activations
-            warnings.warn(f"int8 ONNX {role}: activations are quantized per call (measured: a self-draft "
-                          "agrees with the fp32 target on ~55% of tokens, and logits depend on the window); "
-                          "prefer --format openvino for int8", stacklevel=3)
         files = export_onnx_graph(model, spec, limits.table_len, weights, folder / f"{role}.onnx")
     else:
         weights, files = _export_torch(model, role, weights, folder, shares_target=cfg.draft_ref is None)

@@ -56,6 +56,11 @@ class BundleManifest:
     target_config: dict  # ModelConfig.to_dict() of the target
     draft_config: dict  # ModelConfig.to_dict() of the draft
     exporter_versions: dict  # package -> version that exported the bundle
+    # Trained early exit (optional; absent = the target's bare norm + LM head): {"file", "config",
+    # "exit_layer", "rank", "model_fingerprint", "in_graph" (the prefix graph applies it; False for
+    # torch bundles, whose loader applies the file), "files": {name: sha256}}. Not written when None,
+    # so bundles without an adapter stay byte-compatible with format version 1 readers.
+    exit_adapter: dict | None = None
 
     def __post_init__(self):
         self.validate()
@@ -72,6 +77,9 @@ class BundleManifest:
                 raise BundleError(f"{MANIFEST}: graph {g.role} has unknown precision '{g.precision}'")
         if not 0 < self.exit_layer < self.n_layers:
             raise BundleError(f"{MANIFEST}: exit_layer {self.exit_layer} not in 1..{self.n_layers - 1}")
+        if self.exit_adapter is not None and self.exit_adapter.get("exit_layer") != self.exit_layer:
+            raise BundleError(f"{MANIFEST}: exit_adapter is for layer {self.exit_adapter.get('exit_layer')}, "
+                              f"not exit_layer {self.exit_layer}")
         if self.static and self.max_window < 1:
             raise BundleError(f"{MANIFEST}: a static bundle needs max_window >= 1")
 
@@ -87,6 +95,8 @@ class BundleManifest:
     def to_dict(self) -> dict:
         d = dataclasses.asdict(self)
         d["graphs"] = [dataclasses.asdict(g) for g in self.graphs]
+        if d["exit_adapter"] is None:
+            del d["exit_adapter"]
         return d
 
     @classmethod
@@ -144,6 +154,7 @@ def read_manifest(folder: Path, verify: bool = True) -> BundleManifest:
 def check_files(manifest: BundleManifest, folder: Path, verify: bool = True) -> None:
     """Every listed file exists and, with `verify`, still has its recorded sha256."""
     listed = dict(manifest.tokenizer.get("files", {}))
+    listed.update((manifest.exit_adapter or {}).get("files", {}))
     for g in manifest.graphs:
         listed.update(g.files)
     for name, digest in sorted(listed.items()):

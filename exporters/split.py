@@ -3,7 +3,8 @@
 `SplitGraph` wraps one contiguous range of layers of a target or draft model as a pure
 function of tensors, so torch.onnx and ov.convert_model can trace it: the target prefix
 (embeddings, layers 0..exit-1 and the early-exit top-kappa computed with the target's own
-final norm and LM head), the target suffix (layers exit..N-1, final norm, LM head) and the
+final norm and LM head, after a trained exit adapter when the model carries one: see
+`with_exit_adapter`), the target suffix (layers exit..N-1, final norm, LM head) and the
 full model (the draft). It does not know file formats, weights compression or devices.
 
 Invariant: positions are `past_len + arange(T)` where past_len is read from the past KV's
@@ -17,6 +18,7 @@ from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
+from mirror_rt.models.exit_adapter import exit_logits
 from mirror_rt.models.transformer import Transformer, apply_rope
 from torch import nn
 
@@ -73,6 +75,30 @@ def state_pairs(spec: GraphSpec) -> dict[str, str]:
     return dict(zip(past, present))
 
 
+class ExitAdaptedTarget(nn.Module):
+    """A target as the graph exporters see it, plus a trained early exit; shares every weight of `model`."""
+
+    def __init__(self, model: Transformer, exit_adapter):
+        super().__init__()
+        self.target, self.exit_adapter, self.config = model, exit_adapter, model.config
+        self.embed_tokens, self.layers = model.embed_tokens, model.layers
+        self.register_buffer("inv_freq", model.inv_freq, persistent=False)
+
+    def embed(self, tokens: torch.Tensor) -> torch.Tensor:
+        return self.target.embed(tokens)
+
+    def logits(self, h: torch.Tensor) -> torch.Tensor:
+        return self.target.logits(h)
+
+
+def with_exit_adapter(model: Transformer, exit_adapter) -> nn.Module:
+    """`model` whose target_prefix graph computes the early exit through `exit_adapter` (None: `model`)."""
+    if exit_adapter is None:
+        return model
+    p = model.embed_tokens.weight
+    return ExitAdaptedTarget(model, exit_adapter.to(device=p.device, dtype=p.dtype).eval())
+
+
 class SplitGraph(nn.Module):
     """Layers first..last-1 of `model` as a traceable function with explicit KV.
 
@@ -85,6 +111,7 @@ class SplitGraph(nn.Module):
         super().__init__()
         c = model.config
         self.model, self.spec = model, spec
+        self.exit_adapter = getattr(model, "exit_adapter", None)  # set by with_exit_adapter
         self.n_heads, self.n_kv_heads, self.head_dim = c.n_heads, c.n_kv_heads, c.head_dim
         positions = torch.arange(table_len, dtype=torch.float64)
         angles = torch.outer(positions, model.inv_freq.to(torch.float64))  # as the torch model does
@@ -120,7 +147,7 @@ class SplitGraph(nn.Module):
     def _head(self, h: torch.Tensor) -> tuple:
         if self.spec.role != "target_prefix":
             return (self.model.logits(h),)
-        logprobs = F.log_softmax(self.model.logits(h).float(), dim=-1)  # [T, vocab]
+        logprobs = F.log_softmax(exit_logits(self.model, h, self.exit_adapter).float(), dim=-1)  # [T, vocab]
         values, ids = torch.topk(logprobs, self.spec.kappa, dim=-1)  # [T, kappa] each
         return h, ids, values
 

@@ -1,0 +1,199 @@
+"""Distillation data for the early-exit adapter: the target's own greedy answers, and per position
+the hidden state at the exit layer with the final layer's top-k log-probs.
+
+Prompts are the first turns of SpecBench-format questions (user text cut to `max_prompt_tokens`
+tokens, then the chat template). `decode_batch` runs the target over a left-padded batch with a
+KV cache (greedy, or forced along given answers) and records, for every generated position, the
+exit hidden state (float16) and the final distribution's top-k (ids, log-probs). Answers are
+cached as jsonl and features as safetensors in the cache folder, keyed by model, data and
+settings, so reruns skip the generation. It knows nothing about the adapter or training.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+from mirror_rt.models.transformer import apply_rope
+
+DATA_VERSION = 1
+
+
+@dataclass
+class ExitData:
+    """Positions of one data set; row i predicts the token after position i of question `question[i]`."""
+
+    hidden: torch.Tensor  # [N, hidden] float16: hidden state after the exit layer
+    top_ids: torch.Tensor  # [N, k] int64: final layer's top-k ids (column 0 = the target's next token)
+    top_logprobs: torch.Tensor  # [N, k] float32: their final-layer log-probs
+    question: torch.Tensor  # [N] int64: index of the question in file order
+
+    def __len__(self) -> int:
+        return self.hidden.shape[0]
+
+    def select(self, mask: torch.Tensor) -> ExitData:
+        return ExitData(self.hidden[mask], self.top_ids[mask], self.top_logprobs[mask], self.question[mask])
+
+    def split(self, every: int = 5) -> tuple[ExitData, ExitData]:
+        """(train, held_out) by question: every `every`-th question (file order) is held out, never trained on."""
+        held = (self.question % every) == every - 1
+        return self.select(~held), self.select(held)
+
+
+def first_turn_prompts(tokenizer, data_files, max_prompt_tokens: int = 192) -> list[tuple[str, list[int]]]:
+    """(question_id, prompt ids) per question, in file order, first turn cut to `max_prompt_tokens` tokens."""
+    from mirror_rt.runtime.specbench import read_questions
+
+    prompts = []
+    for path in data_files:
+        for q in read_questions(path):
+            ids = tokenizer.encode(q.turns[0])
+            text = tokenizer.decode(ids[:max_prompt_tokens]) if len(ids) > max_prompt_tokens else q.turns[0]
+            prompts.append((f"{Path(path).stem}:{q.question_id}", tokenizer.chat_prompt([{"role": "user",
+                                                                                          "content": text}])))
+    return prompts
+
+
+def _rope(model, positions: torch.Tensor, dtype):
+    """cos, sin [B, 1, T, head_dim] for positions [B, T] (as Transformer.run_layers computes them)."""
+    angles = positions.to(torch.float64)[..., None] * model.inv_freq.to(torch.float64)
+    angles = torch.cat((angles, angles), dim=-1).unsqueeze(1)
+    return angles.cos().to(dtype), angles.sin().to(dtype)
+
+
+def _forward(model, ids, start: int, pad, kv, exit_layer: int):
+    """ids [B, T] at columns start.. of left-padded rows -> (exit hidden [B, hidden], logits [B, vocab]) of the last column."""
+    c = model.config
+    B, T = ids.shape
+    h = model.embed(ids)
+    columns = start + torch.arange(T)
+    cos, sin = _rope(model, (columns[None, :] - pad[:, None]).clamp(min=0), h.dtype)
+    keys = torch.arange(start + T)
+    # query column q sees keys pad..q; padding queries see themselves only (no empty softmax rows)
+    mask = (keys[None, None, :] <= columns[None, :, None]) & ((keys[None, None, :] >= pad[:, None, None])
+                                                            | (keys[None, None, :] == columns[None, :, None]))
+    mask = mask.unsqueeze(1)  # [B, 1, T, S]
+    exit_h = None
+    for i in range(c.n_layers):
+        block = model.layers[i]
+        attn = block.self_attn
+        y = block.input_layernorm(h)
+        q = attn.q_proj(y).view(B, T, c.n_heads, c.head_dim).transpose(1, 2)
+        k = attn.k_proj(y).view(B, T, c.n_kv_heads, c.head_dim).transpose(1, 2)
+        v = attn.v_proj(y).view(B, T, c.n_kv_heads, c.head_dim).transpose(1, 2)
+        if attn.qk_norm:
+            q, k = attn.q_norm(q), attn.k_norm(k)
+        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        kv[i][0][:, :, start:start + T], kv[i][1][:, :, start:start + T] = k, v
+        out = F.scaled_dot_product_attention(q, kv[i][0][:, :, :start + T], kv[i][1][:, :, :start + T],
+                                             attn_mask=mask, enable_gqa=True)  # [B, H, T, D]
+        h = h + attn.o_proj(out.transpose(1, 2).reshape(B, T, -1))
+        h = h + block.mlp(block.post_attention_layernorm(h))
+        if i + 1 == exit_layer:
+            exit_h = h[:, -1]
+    return exit_h, model.logits(h[:, -1])
+
+
+@torch.inference_mode()
+def decode_batch(model, prompts, exit_layer: int, max_new_tokens: int, forced=None, eos_ids=(), top_k: int = 64):
+    """Greedy (or `forced`) decoding of a batch; per row (answer ids, hidden [n, H], top ids [n, k], log-probs [n, k])."""
+    c = model.config
+    B, P = len(prompts), max(len(p) for p in prompts)
+    steps = max(len(f) for f in forced) if forced is not None else max_new_tokens
+    pad = torch.tensor([P - len(p) for p in prompts])
+    ids = torch.tensor([[0] * (P - len(p)) + list(p) for p in prompts])
+    dtype = model.embed_tokens.weight.dtype
+    kv = [tuple(torch.zeros(B, c.n_kv_heads, P + steps, c.head_dim, dtype=dtype) for _ in range(2))
+          for _ in range(c.n_layers)]
+    rows = [([], [], [], []) for _ in range(B)]
+    live = [forced is None or len(forced[b]) > 0 for b in range(B)]
+    exit_h, logits = _forward(model, ids, 0, pad, kv, exit_layer)
+    for t in range(steps):
+        top = torch.topk(F.log_softmax(logits.float(), dim=-1), min(top_k, c.vocab_size), dim=-1)
+        nxt = top.indices[:, 0].tolist() if forced is None else [f[t] if t < len(f) else 0 for f in forced]
+        for b in range(B):
+            if live[b]:
+                answer, hs, tid, tlp = rows[b]
+                answer.append(nxt[b]), hs.append(exit_h[b].half()), tid.append(top.indices[b]), tlp.append(top.values[b])
+                live[b] = (nxt[b] not in eos_ids) if forced is None else t + 1 < len(forced[b])
+        if not any(live) or t + 1 == steps:
+            break
+        exit_h, logits = _forward(model, torch.tensor(nxt)[:, None], P + t, pad, kv, exit_layer)
+    return [(a, torch.stack(h), torch.stack(i), torch.stack(v)) for a, h, i, v in rows]
+
+
+def data_key(model, data_files, max_new_tokens: int, max_prompt_tokens: int) -> str:
+    """Cache key of the generated answers: model fingerprint, question files' contents, settings."""
+    from mirror_rt.models.exit_adapter import model_fingerprint
+
+    digest = hashlib.sha256(f"{DATA_VERSION}:{model_fingerprint(model.config)}:{max_new_tokens}:"
+                            f"{max_prompt_tokens}".encode())
+    for path in data_files:
+        digest.update(Path(path).read_bytes())
+    return digest.hexdigest()[:16]
+
+
+def _batches(order, size):
+    return [order[i:i + size] for i in range(0, len(order), size)]
+
+
+def collect(model, tokenizer, data_files, exit_layer: int, folder: Path, max_new_tokens: int = 96,
+            max_prompt_tokens: int = 192, batch_size: int = 16, progress: bool = True) -> ExitData:
+    """ExitData of every question's first turn, from the cache folder or generated (see module docstring)."""
+    from safetensors.torch import load_file, save_file
+    from tqdm import tqdm
+
+    key = data_key(model, data_files, max_new_tokens, max_prompt_tokens)
+    answers_path, features_path = folder / f"{key}.answers.jsonl", folder / f"{key}.layer{exit_layer}.safetensors"
+    if features_path.is_file():
+        return ExitData(**load_file(str(features_path)))
+    prompts = first_turn_prompts(tokenizer, data_files, max_prompt_tokens)
+    forced = _read_answers(answers_path, prompts)
+    eos = tuple(getattr(tokenizer, "eos_token_ids", ()))
+    order = sorted(range(len(prompts)), key=lambda i: len(prompts[i][1]))  # similar lengths share a batch
+    results = {}
+    desc = "exit data (forced)" if forced else "exit data (generating)"
+    with tqdm(total=len(prompts), desc=desc, unit="answer", disable=not progress) as bar:
+        for batch in _batches(order, batch_size):
+            out = decode_batch(model, [prompts[i][1] for i in batch], exit_layer, max_new_tokens,
+                               None if forced is None else [forced[i] for i in batch], eos)
+            results.update(zip(batch, out))
+            bar.update(len(batch))
+    folder.mkdir(parents=True, exist_ok=True)
+    if forced is None:
+        _write_answers(answers_path, prompts, [results[i][0] for i in range(len(prompts))], tokenizer)
+    data = _stack(results)
+    save_file({k: v.contiguous() for k, v in data.__dict__.items()}, str(features_path))
+    return data
+
+
+def _stack(results: dict) -> ExitData:
+    index = sorted(results)
+    return ExitData(hidden=torch.cat([results[i][1] for i in index]),
+                    top_ids=torch.cat([results[i][2] for i in index]).long(),
+                    top_logprobs=torch.cat([results[i][3] for i in index]).float(),
+                    question=torch.cat([torch.full((len(results[i][0]),), i, dtype=torch.long) for i in index]))
+
+
+def _write_answers(path: Path, prompts, answers, tokenizer) -> None:
+    tmp = path.with_suffix(".tmp")
+    with open(tmp, "w") as f:
+        for (qid, prompt), answer in zip(prompts, answers):
+            f.write(json.dumps({"question_id": qid, "prompt_tokens": len(prompt), "answer_ids": answer,
+                                "answer": tokenizer.decode(answer)}) + "\n")
+    tmp.replace(path)
+
+
+def _read_answers(path: Path, prompts) -> list[list[int]] | None:
+    """Cached answers in prompt order, or None when absent or stale."""
+    if not path.is_file():
+        return None
+    rows = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+    if [r["question_id"] for r in rows] != [qid for qid, _ in prompts]:
+        return None
+    return [r["answer_ids"] for r in rows]

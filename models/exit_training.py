@@ -1,0 +1,212 @@
+"""Train the early-exit adapter by distillation from the target's final layer.
+
+Data (`exit_data.collect`): the target's own greedy answers to the first turns of SpecBench
+questions, with per position the exit hidden state and the final layer's top-k log-probs.
+Every 5th question is held out and never trained on. Loss: KL(final || exit) over the final
+top-k (renormalized) plus cross-entropy on the final argmax (the token Mirror must cover).
+AdamW, warmup + cosine, seeded batch order; a checkpoint every `save_every` steps is resumed
+when present. The target is frozen: only the adapter's ~2·hidden·rank weights learn.
+Coverage = share of held-out positions whose final argmax is in the exit's top-1 / top-8.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from dataclasses import asdict, dataclass, replace
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+from mirror_rt.models.exit_adapter import ExitAdapter, exit_logits, save_exit_adapter
+from mirror_rt.models.exit_data import ExitData, collect
+
+DEFAULT_DATA = Path(__file__).resolve().parents[1].parent / "shared" / "data" / "specbench-dev.jsonl"
+
+
+@dataclass(frozen=True)
+class TrainExitConfig:
+    """One training run; CLI flags map one to one onto these fields."""
+
+    target: str | None = None  # model reference (None: the default model)
+    exit_layer: int | None = None  # None: N // 2
+    data: tuple[str, ...] = ()  # SpecBench-format jsonl files; () = DEFAULT_DATA
+    steps: int = 400  # optimizer steps
+    rank: int = 64  # adapter rank
+    lr: float = 3e-3  # AdamW peak learning rate
+    seed: int = 0  # adapter init and batch order
+    out: str | None = None  # adapter path (.safetensors + .json); None: <cache>/exit-adapters/<model>-l<exit>
+    resume: bool = True  # continue from the checkpoint next to `out` when present
+    batch_size: int = 256  # positions per step
+    save_every: int = 50  # checkpoint period in steps
+    max_new_tokens: int = 96  # tokens per generated answer
+    max_prompt_tokens: int = 128  # first-turn text cut to this many tokens
+    hold_out_every: int = 5  # every n-th question is held out
+    threads: int | None = 1  # torch threads (1 is fastest on a shared 2-core CPU)
+    cache: str | None = None  # cache folder (None: MIRROR_RT_CACHE or ~/.cache/mirror-rt)
+
+    def __post_init__(self):
+        for name in ("steps", "rank", "batch_size", "save_every", "max_new_tokens", "max_prompt_tokens"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(self, name)}")
+        if self.hold_out_every < 2:
+            raise ValueError(f"--hold-out-every must be >= 2, got {self.hold_out_every}")
+
+
+def distill_loss(model, adapter: ExitAdapter, batch: ExitData) -> torch.Tensor:
+    """KL(final top-k || exit) + CE(final argmax) over a batch of positions (scalar)."""
+    h = batch.hidden.to(model.embed_tokens.weight.dtype)
+    logq = F.log_softmax(exit_logits(model, h, adapter).float(), dim=-1)  # [B, vocab]
+    p_log = F.log_softmax(batch.top_logprobs, dim=-1)  # final top-k renormalized, [B, k]
+    q_top = logq.gather(1, batch.top_ids)
+    kl = (p_log.exp() * (p_log - q_top)).sum(-1).mean()
+    return kl - q_top[:, 0].mean()
+
+
+@torch.inference_mode()
+def evaluate_exit(model, exit_layer: int, adapter: ExitAdapter | None, held_out: ExitData,
+                  chunk: int = 512) -> dict:
+    """Coverage of the target's next token (final argmax) by the exit's top-1 and top-8 on `held_out`.
+
+    `exit_layer` is checked against the adapter; the hidden states in `held_out` were taken there.
+    """
+    if adapter is not None and adapter.config.exit_layer != exit_layer:
+        raise ValueError(f"adapter is for exit layer {adapter.config.exit_layer}, not {exit_layer}")
+    hits1 = hits8 = 0
+    for start in range(0, len(held_out), chunk):
+        h = held_out.hidden[start:start + chunk].to(model.embed_tokens.weight.dtype)
+        target = held_out.top_ids[start:start + chunk, :1]  # [n, 1]
+        top = torch.topk(exit_logits(model, h, adapter).float(), 8, dim=-1).indices  # [n, 8]
+        hits1 += (top[:, :1] == target).sum().item()
+        hits8 += (top == target).any(-1).sum().item()
+    n = max(1, len(held_out))
+    return {"top1": hits1 / n, "top8": hits8 / n, "positions": len(held_out)}
+
+
+def _lr_at(step: int, steps: int, peak: float) -> float:
+    warmup = max(1, steps // 20)
+    if step < warmup:
+        return peak * (step + 1) / warmup
+    return peak * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * (step - warmup) / max(1, steps - warmup))))
+
+
+def fit(model, adapter: ExitAdapter, train: ExitData, cfg: TrainExitConfig, checkpoint: Path | None,
+        progress: bool = True) -> list[float]:
+    """Train `adapter` in place for cfg.steps; returns the loss per step (resumed steps included)."""
+    from tqdm import tqdm
+
+    model.requires_grad_(False)  # the target is frozen: no gradient buffers for its 49152 x hidden head
+    adapter.train().requires_grad_(True)
+    optimizer = torch.optim.AdamW(adapter.parameters(), lr=cfg.lr, weight_decay=0.0)
+    gen = torch.Generator().manual_seed(cfg.seed)
+    losses = _resume(checkpoint, adapter, optimizer, gen, cfg) if checkpoint is not None and cfg.resume else []
+    with tqdm(total=cfg.steps, initial=len(losses), desc="train-exit", unit="step", disable=not progress) as bar:
+        for step in range(len(losses), cfg.steps):
+            for group in optimizer.param_groups:
+                group["lr"] = _lr_at(step, cfg.steps, cfg.lr)
+            index = torch.randint(len(train), (min(cfg.batch_size, len(train)),), generator=gen)
+            loss = distill_loss(model, adapter, train.select(index))
+            optimizer.zero_grad(set_to_none=True)
+            loss.backward()
+            optimizer.step()
+            losses.append(loss.item())
+            bar.set_postfix(loss=f"{sum(losses[-20:]) / len(losses[-20:]):.3f}")
+            bar.update()
+            if checkpoint is not None and ((step + 1) % cfg.save_every == 0 or step + 1 == cfg.steps):
+                _save_checkpoint(checkpoint, adapter, optimizer, gen, losses, cfg)
+    return losses
+
+
+def _run_key(cfg: TrainExitConfig) -> dict:
+    """The settings a checkpoint must share to be resumed (not `steps`: a run may be extended)."""
+    keep = ("target", "exit_layer", "data", "rank", "lr", "seed", "batch_size", "max_new_tokens",
+            "max_prompt_tokens", "hold_out_every")
+    return {k: v for k, v in asdict(cfg).items() if k in keep}
+
+
+def _save_checkpoint(path: Path, adapter, optimizer, gen, losses, cfg) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_suffix(".tmp")
+    torch.save({"adapter": adapter.state_dict(), "optimizer": optimizer.state_dict(), "generator": gen.get_state(),
+                "losses": losses, "key": _run_key(cfg)}, tmp)
+    tmp.replace(path)
+
+
+def _resume(path: Path, adapter, optimizer, gen, cfg) -> list[float]:
+    if not path.is_file():
+        return []
+    state = torch.load(path, weights_only=False)
+    if state["key"] != _run_key(cfg):
+        return []  # another run's checkpoint: start over (it is overwritten at the first save)
+    adapter.load_state_dict(state["adapter"])
+    optimizer.load_state_dict(state["optimizer"])
+    gen.set_state(state["generator"])
+    return list(state["losses"])[:cfg.steps]
+
+
+def train_exit(cfg: TrainExitConfig, progress: bool = True, log=print) -> dict:
+    """Collect (or reuse) the data, train, evaluate before/after on held-out questions, save; returns a report."""
+    from mirror_rt.models.default_model import cache_dir
+    from mirror_rt.models.loading import load_checkpoint
+
+    if cfg.threads:
+        torch.set_num_threads(cfg.threads)
+    loaded = load_checkpoint(cfg.target, log=lambda *a: None, cache=cfg.cache)
+    model = loaded.model
+    n = model.config.n_layers
+    exit_layer = n // 2 if cfg.exit_layer is None else cfg.exit_layer
+    if not 1 <= exit_layer < n:
+        raise ValueError(f"--exit-layer must be in 1..{n - 1} for a {n}-layer target, got {exit_layer}")
+    files = [str(f) for f in (cfg.data or (DEFAULT_DATA,))]
+    started = time.perf_counter()
+    data = collect(model, loaded.tokenizer, files, exit_layer, cache_dir(cfg.cache) / "exit-data",
+                   cfg.max_new_tokens, cfg.max_prompt_tokens, progress=progress)
+    collected = time.perf_counter()
+    train, held_out = data.split(cfg.hold_out_every)
+    log(f"train-exit: {len(train)} training / {len(held_out)} held-out positions at exit layer {exit_layer}")
+    out = Path(cfg.out) if cfg.out else _default_out(cfg, loaded.source, exit_layer)
+    torch.manual_seed(cfg.seed)
+    adapter = ExitAdapter.for_model(model, exit_layer, cfg.rank)
+    before = evaluate_exit(model, exit_layer, None, held_out)
+    losses = fit(model, adapter, train, cfg, out.with_name(out.stem + ".ckpt.pt"), progress)
+    adapter.eval().requires_grad_(False)
+    after = evaluate_exit(model, exit_layer, adapter, held_out)
+    trained = time.perf_counter()
+    notes = {"data": [Path(f).name for f in files], "steps": len(losses), "final_loss": _mean_tail(losses),
+             "held_out_before": before, "held_out_after": after, "seed": cfg.seed, "lr": cfg.lr}
+    adapter.config = replace(adapter.config, notes=notes)
+    weights, meta = save_exit_adapter(adapter, out)
+    out.with_name(out.stem + ".ckpt.pt").unlink(missing_ok=True)
+    return {"adapter": str(weights), "config": str(meta), "exit_layer": exit_layer, "rank": cfg.rank,
+            "parameters": adapter.num_parameters(), "bytes": weights.stat().st_size, "before": before,
+            "after": after, "first_loss": _mean_head(losses), "final_loss": _mean_tail(losses),
+            "train_positions": len(train), "data_s": round(collected - started, 1),
+            "train_s": round(trained - collected, 1)}
+
+
+def _default_out(cfg: TrainExitConfig, source: str, exit_layer: int) -> Path:
+    from mirror_rt.models.default_model import cache_dir
+
+    return cache_dir(cfg.cache) / "exit-adapters" / f"{Path(source).name}-layer{exit_layer}-rank{cfg.rank}"
+
+
+def _mean_head(losses: list[float], n: int = 10) -> float:
+    return sum(losses[:n]) / max(1, len(losses[:n]))
+
+
+def _mean_tail(losses: list[float], n: int = 20) -> float:
+    return sum(losses[-n:]) / max(1, len(losses[-n:]))
+
+
+def train_exit_main(target: str | None = None, exit_layer: int | None = None, data=None, steps: int = 400,
+                    rank: int = 64, out: str | None = None, seed: int = 0, resume: bool = True,
+                    progress: bool = True, **options) -> dict:
+    """CLI entry (`mirror-rt train-exit`): train and return the report (before/after coverage, sizes, times).
+
+    `data` is one path or a list; `options` are further TrainExitConfig fields (lr, batch_size, ...).
+    """
+    files = () if data is None else (data,) if isinstance(data, (str, Path)) else tuple(data)
+    cfg = TrainExitConfig(target=target, exit_layer=exit_layer, data=tuple(str(f) for f in files), steps=steps,
+                          rank=rank, out=out, seed=seed, resume=resume, **options)
+    return train_exit(cfg, progress=progress)
