@@ -4,13 +4,14 @@ The TorchScript exporter (`torch.onnx.export(dynamo=False)`) is used: it needs n
 onnxscript and handles dynamic axes for the window length and the past length. KV stays
 explicit (ONNX has no state), so ONNX Runtime passes the cache in and out each call; the
 OpenVINO backend can still load the .onnx and make it stateful at load time.
-Weights: fp32, or int8 through onnxruntime's dynamic quantization (MatMulInteger). The
-latter quantizes activations with one scale per call, so a graph's output depends on the
-other rows of its window: fine for a draft, not batch-invariant enough for a target.
+Weights: fp32, or int8/int4 weight-only: every MatMul with a constant weight becomes
+onnxruntime's MatMulNBits (blockwise, symmetric). Its int8 compute (`ACCURACY_LEVEL`) quantizes
+each activation row per block, so a row's output never depends on the other rows of its window.
 """
 
 from __future__ import annotations
 
+import logging
 import warnings
 from pathlib import Path
 
@@ -23,8 +24,15 @@ from mirror_rt.exporters.split import (
     output_names,
 )
 
-WEIGHTS = ("fp32", "int8")
+WEIGHTS = ("fp32", "int8", "int4")
 OPSET = 17
+# Weights -> (bits of the projections, bits of the LM head). The head of a small model is a
+# large share of its weights and the most sensitive to rounding: int4 graphs keep it at 8 bits.
+NBITS = {"int8": (8, 8), "int4": (4, 8)}
+BLOCK_SIZE = 32  # weights per scale along K; divides 576 and 1536 (SmolLM2), 64 and 128 (tiny)
+# MatMulNBits accuracy_level 4: int8 activations (per row and block) with int8 dot products
+# (VNNI / SDOT). Unset, 8-bit weights run a naive dequantize-then-fp32 path (~15x slower).
+ACCURACY_LEVEL = 4
 
 
 def export_onnx_graph(model, spec: GraphSpec, table_len: int, weights: str, path: Path) -> list[Path]:
@@ -34,15 +42,15 @@ def export_onnx_graph(model, spec: GraphSpec, table_len: int, weights: str, path
     if weights not in WEIGHTS:
         raise ValueError(f"--format onnx supports weights {', '.join(WEIGHTS)}, not '{weights}'")
     graph = SplitGraph(model, spec, table_len).eval()
-    raw = path.with_suffix(".fp32.onnx") if weights == "int8" else path
+    raw = path if weights == "fp32" else path.with_suffix(".fp32.onnx")
     ins, outs = input_names(spec), output_names(spec)
     with torch.no_grad(), warnings.catch_warnings():
         warnings.simplefilter("ignore")  # tracer warnings about shape-to-int conversions
         torch.onnx.export(graph, example_inputs(model, spec), str(raw), input_names=ins, output_names=outs,
                           dynamic_axes=_dynamic_axes(spec, ins, outs), opset_version=OPSET, dynamo=False,
                           do_constant_folding=True)
-    if weights == "int8":
-        _quantize_int8(raw, path)
+    if weights != "fp32":
+        quantize_weights(raw, path, weights, model.config.vocab_size)
         raw.unlink()
     return [path]
 
@@ -56,8 +64,55 @@ def _dynamic_axes(spec: GraphSpec, ins: list[str], outs: list[str]) -> dict:
     return axes
 
 
-def _quantize_int8(src: Path, dst: Path) -> None:
-    """Dynamic int8 quantization of the MatMul weights (activations quantized per call)."""
-    from onnxruntime.quantization import QuantType, quantize_dynamic
+def quantize_weights(src: Path, dst: Path, weights: str, vocab_size: int) -> None:
+    """Weight-only MatMulNBits quantization of `src` into `dst` ("int8" or "int4", see NBITS).
 
-    quantize_dynamic(str(src), str(dst), weight_type=QuantType.QInt8, op_types_to_quantize=["MatMul"])
+    The LM head (a MatMul whose weight has `vocab_size` columns; the tied embedding's
+    transposed copy) gets the head's bits; the embedding Gather stays fp32 (a lookup costs
+    nothing per token). MatMuls of two activations (attention) are left as they are.
+    """
+    import onnx
+
+    bits, head_bits = NBITS[weights]
+    model = onnx.load(str(src))
+    heads = _head_nodes(model.graph, vocab_size)
+    model = _quantize_matmuls(model, bits, exclude=heads if head_bits != bits else [])
+    if head_bits != bits:
+        model = _quantize_matmuls(model, head_bits, exclude=[])  # only the heads are still MatMuls
+    onnx.save(model, str(dst))
+
+
+def _head_nodes(graph, vocab_size: int) -> list[str]:
+    """Names of the MatMuls whose constant weight is [hidden, vocab] (final and early-exit heads)."""
+    shapes = {t.name: tuple(t.dims) for t in graph.initializer}
+    return [n.name for n in graph.node if n.op_type == "MatMul" and len(shapes.get(n.input[1], ())) == 2
+            and shapes[n.input[1]][1] == vocab_size]
+
+
+def _quantize_matmuls(model, bits: int, exclude: list[str]):
+    """Every constant-weight MatMul not in `exclude` -> MatMulNBits of `bits`; returns the model."""
+    quantizer = _nbits_quantizer()(model, bits=bits, block_size=BLOCK_SIZE, is_symmetric=True,
+                                   accuracy_level=ACCURACY_LEVEL, nodes_to_exclude=exclude,
+                                   op_types_to_quantize=("MatMul",))
+    quantizer.process()
+    return quantizer.model.model
+
+
+def _nbits_quantizer():
+    """onnxruntime's MatMulNBitsQuantizer, imported without its logging side effects.
+
+    Importing it calls `logging.basicConfig(level=INFO)` and it logs every node it skips:
+    the root logger is restored and the module's logger raised to WARNING.
+    """
+    root = logging.getLogger()
+    level, handlers = root.level, list(root.handlers)
+    try:
+        from onnxruntime.quantization.matmul_nbits_quantizer import MatMulNBitsQuantizer
+    except ImportError as exc:
+        raise ImportError("int8/int4 ONNX export needs 'onnxruntime' and 'onnx_ir' "
+                          "(pip install onnxruntime onnx_ir)") from exc
+    finally:
+        root.setLevel(level)
+        root.handlers[:] = handlers
+    logging.getLogger(MatMulNBitsQuantizer.__module__).setLevel(logging.WARNING)
+    return MatMulNBitsQuantizer

@@ -174,3 +174,34 @@ def test_default_bundle_exports_fast_and_matches_torch(default_model, tmp_path):
     assert ids.shape == (len(prompt), 8)
     greedy = [t for step in generate(target, prompt, 12) for t in step]
     assert [t for step in speculative_generate(target, draft, prompt, 12, 4) for t in step] == greedy
+
+
+@pytest.fixture(scope="module")
+def onnx_int8_bundle(tmp_path_factory):
+    """A tiny ONNX bundle: fp32 target, weight-only int8 draft (MatMulNBits)."""
+    if not available_devices()["onnxruntime"]:
+        pytest.skip("onnxruntime not installed")
+    return _export(tmp_path_factory.mktemp("b") / "onnx8", fmt="onnx", draft_weights="int8", kappa=4)
+
+
+def test_onnx_int8_draft_is_weight_only(onnx_int8_bundle):
+    """Every projection and the LM head are MatMulNBits; no dynamic activation quantization."""
+    import onnx
+
+    ops = [n.op_type for n in onnx.load(str(onnx_int8_bundle / "draft.onnx")).graph.node]
+    n_layers = ModelConfig.from_name("tiny").n_layers
+    assert ops.count("MatMulNBits") == 7 * n_layers + 1
+    assert "MatMulInteger" not in ops and "DynamicQuantizeLinear" not in ops
+
+
+def test_onnx_int8_draft_agrees_with_fp32(onnx_int8_bundle):
+    """The int8 draft picks the fp32 model's greedy token at >= 90% of positions; SD equals AR."""
+    target, draft, _, _ = load_bundle(onnx_int8_bundle, "ort:cpu", "ort:cpu", strict=True, threads=1)
+    model = load_checkpoint("tiny").model
+    tokens = PROMPT + [t for step in generate(target, PROMPT, 32) for t in step]
+    with torch.inference_mode():
+        expected = model(torch.tensor(tokens), model.new_cache(64)).argmax(-1).numpy()
+    chosen = draft.forward(tokens, draft.new_cache(64)).argmax(-1)
+    assert np.mean(chosen == expected) >= 0.9
+    speculative = [t for step in speculative_generate(target, draft, PROMPT, 24, 3) for t in step]
+    assert speculative == [t for step in generate(target, PROMPT, 24) for t in step]
