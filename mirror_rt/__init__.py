@@ -29,7 +29,8 @@ def _stderr(message: str) -> None:
 
 def load(model: str | None = None, draft_model: str | None = "int8", *, device: str = "cpu",
          dtype: str = "float32", cache_dir: str | None = None, threads: int | None = None,
-         exit_layer: int | None = None, kappa: int = 8, pin: bool = True, log=_stderr) -> Engine:
+         exit_layer: int | None = None, kappa: int = 8, pin: bool = True, draft_streams: str | None = None,
+         log=_stderr) -> Engine:
     """Load a target (and a draft) and return an `Engine`.
 
     Args:
@@ -42,6 +43,8 @@ def load(model: str | None = None, draft_model: str | None = "int8", *, device: 
         threads: torch intra-op threads (None: torch's default; mirror mode pins one core each).
         exit_layer: early-exit layer for mirror mode (default N/2); kappa: candidates per position.
         pin: in mirror mode on a machine with 2+ cores, pin target and draft to different cores.
+        draft_streams: a `mirror-rt train-draft` folder: the draft gets its trained SS streams
+            (greedy Mirror rollouts then confirm several tokens per draft forward).
     """
     import torch
 
@@ -60,8 +63,16 @@ def load(model: str | None = None, draft_model: str | None = "int8", *, device: 
         names["draft"] = "int8 copy of the target" if draft_model == "int8" else str(draft_model)
     cores = sorted(_cores())
     cpus = (cores[0], cores[1]) if pin and len(cores) >= 2 and not device.startswith("cuda") else None
+    draft_model_ = TorchModel(draft, "cpu") if draft is not None else None
+    if draft_streams:
+        from mirror_rt.devices.torch_streams import TorchStreamDraft
+        from mirror_rt.models.ss_training import load_streams
+
+        base = draft if draft is not None else target.model
+        draft_model_ = TorchStreamDraft(load_streams(base, draft_streams), "cpu")
+        names["draft"] = f"{names.get('draft', 'target')} + SS streams from {draft_streams}"
     return Engine(TorchSplitTarget(target.model, exit_layer, kappa, device), target.tokenizer,
-                  TorchModel(draft, "cpu") if draft is not None else None, names, cpus)
+                  draft_model_, names, cpus)
 
 
 def load_bundle(bundle: str, *, target_device: str = "cpu", draft_device: str = "cpu",

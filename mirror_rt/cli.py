@@ -78,8 +78,10 @@ def build_parser() -> argparse.ArgumentParser:
     run.add_argument("--strict-devices", action="store_true", help="fail instead of falling back to a CPU backend")
     run.add_argument("--draft-precision", choices=("f32", "bf16"), help="OpenVINO draft compute precision "
                      "(bf16: faster on bf16 CPUs; the output never changes, only acceptance)")
+    run.add_argument("--draft-streams", help="trained SS streams (mirror-rt train-draft --out) over the draft")
     _add_export(sub)
     sub.add_parser("devices", help="list the devices each backend sees on this machine")
+    _add_training(sub)
     _add_bench(sub)
     simulate = sub.add_parser("simulate", help="predict AR / SD / Mirror speed from costs (latency model)")
     simulate.add_argument("--config", default="qwen3-14b-m2ultra",
@@ -103,6 +105,46 @@ def cmd_simulate(args) -> int:
         speedup = 1.0 if method == "ar" else result[f"{method}_speedup"]
         print(f"  {method:6s} {step:8.2f} ms per step  {result[f'{method}_tokens_per_s']:8.1f} tokens/s  "
               f"{speedup:.2f}x")
+    return 0
+
+
+def _add_training(sub) -> None:
+    draft = sub.add_parser("train-draft", help="train Speculative Streaming streams for a draft (distillation)")
+    draft.add_argument("--target", help="target model (default: SmolLM2-135M-Instruct)")
+    draft.add_argument("--init", default="self", help="the draft: self (the target), layers:K, or a model path")
+    draft.add_argument("--streams", type=_positive_int, default=2, help="lookahead streams")
+    draft.add_argument("--stream-layers", type=_positive_int, default=2, help="top layers with streams")
+    draft.add_argument("--rank", type=_positive_int, default=16, help="LoRA rank of the stream rows")
+    draft.add_argument("--data", nargs="*", help="SpecBench-format jsonl (default: the dev set beside the repo)")
+    draft.add_argument("--steps", type=_positive_int, default=300)
+    draft.add_argument("--lr", type=_number, default=2e-3)
+    draft.add_argument("--seed", type=int, default=0)
+    draft.add_argument("--cache-dir")
+    draft.add_argument("--out", required=True, help="folder for streams.safetensors / streams.json (resumes)")
+    exit_ = sub.add_parser("train-exit", help="train a low-rank early-exit adapter distilled from the final layer")
+    exit_.add_argument("--target", help="target model (default: SmolLM2-135M-Instruct)")
+    exit_.add_argument("--exit-layer", type=_positive_int, help="default N/2")
+    exit_.add_argument("--rank", type=_positive_int, default=64)
+    exit_.add_argument("--data", nargs="*", help="SpecBench-format jsonl (default: the dev set beside the repo)")
+    exit_.add_argument("--steps", type=_positive_int, default=400)
+    exit_.add_argument("--seed", type=int, default=0)
+    exit_.add_argument("--out", help="adapter path (default: in the cache)")
+
+
+def cmd_train_draft(args) -> int:
+    from mirror_rt.models.ss_training import train_draft_main
+
+    report = train_draft_main(args.target, args.init, args.streams, args.stream_layers, args.rank, args.data,
+                              args.steps, args.out, args.seed, args.lr, cache=args.cache_dir, log=_log)
+    print(json.dumps(report, indent=2))
+    return 0
+
+
+def cmd_train_exit(args) -> int:
+    from mirror_rt.models.exit_training import train_exit_main
+
+    report = train_exit_main(args.target, args.exit_layer, args.data, args.steps, args.rank, args.out, args.seed)
+    print(json.dumps(report, indent=2))
     return 0
 
 
@@ -238,7 +280,7 @@ def cmd_run(args) -> int:
     else:
         engine = mirror_rt.load(args.model, args.draft_model, device=args.device, dtype=args.dtype,
                                 cache_dir=args.cache_dir, threads=args.threads, exit_layer=args.exit_layer,
-                                kappa=args.kappa)
+                                kappa=args.kappa, draft_streams=args.draft_streams)
     gen = engine.stream(prompt, config, chat=not args.no_chat)
     try:
         for piece in gen:
@@ -310,6 +352,10 @@ def main(argv=None) -> int:
             return cmd_simulate(args)
         if args.command == "export":
             return cmd_export(args)
+        if args.command == "train-draft":
+            return cmd_train_draft(args)
+        if args.command == "train-exit":
+            return cmd_train_exit(args)
         if args.command == "devices":
             return cmd_devices(args)
     except KeyboardInterrupt:

@@ -98,3 +98,14 @@ def test_training_is_deterministic_and_resumes(tmp_path):
     resumed = train_streams(StreamDraft(tiny_target(seed=5), rank=4), data, 20, tmp_path / "b", seed=3,
                             save_every=10, progress=False)
     assert resumed == pytest.approx(full[10:], rel=1e-6)
+
+
+def test_replay_counts_forwards():
+    """Perfect guesses (2 streams): 1 forward for the first token, then 3 tokens per forward."""
+    from mirror_rt.models.ss_training import _replay
+
+    ids = list(range(10, 40))
+    guess = torch.tensor([[ids[t + 2], ids[t + 3]] if t + 3 < len(ids) else [0, 0] for t in range(len(ids))])
+    assert _replay(guess, ids, 5, 7) == 3  # 1 + 3 + 3 tokens
+    wrong = torch.zeros_like(guess)
+    assert _replay(wrong, ids, 5, 7) == 7
