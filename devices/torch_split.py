@@ -50,6 +50,12 @@ class TorchSplitTarget(TorchModel):
         return top.indices.cpu().numpy(), top.values.cpu().numpy()
 
     @torch.inference_mode()
+    def forward_prefix_only(self, tokens: Sequence[int], cache) -> None:
+        """Layers 0..exit-1 without the early exit (when Mirror switches it off)."""
+        ids = torch.as_tensor(list(tokens), dtype=torch.long, device=self.device)
+        self._hidden = self.model.run_layers(self.model.embed(ids), cache, 0, self.exit_layer, cache_first=0)
+
+    @torch.inference_mode()
     def forward_suffix(self, cache) -> np.ndarray:
         """Remaining layers, final norm, LM head over the window of the last prefix call -> logits [T, vocab]."""
         h, self._hidden = self._hidden, None

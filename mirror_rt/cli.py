@@ -57,6 +57,8 @@ def build_parser() -> argparse.ArgumentParser:
     run.add_argument("--exit-layer", type=_positive_int, help="early-exit layer (mirror; default N/2)")
     run.add_argument("--branch-budget", type=_budget, default=None,
                      help="side branches precomputed per step: auto (as many as fit) or N")
+    run.add_argument("--early-exit", default="auto", choices=("auto", "on", "off"),
+                     help="mirror: send early-exit candidates (auto: only while the draft has time to use them)")
     run.add_argument("--max-new-tokens", type=_positive_int, default=256)
     run.add_argument("--temperature", type=_number, default=0.0, help="0 = greedy (default)")
     run.add_argument("--top-p", type=_number, default=1.0)
@@ -269,7 +271,8 @@ def cmd_run(args) -> int:
         prompt = sys.stdin.read()
     options = dict(mode=args.mode, gamma=args.gamma, max_new_tokens=args.max_new_tokens,
                    temperature=args.temperature, top_p=args.top_p, top_k=args.top_k,
-                   seed=args.seed, stop_strings=tuple(args.stop), branch_budget=args.branch_budget)
+                   seed=args.seed, stop_strings=tuple(args.stop), branch_budget=args.branch_budget,
+                   early_exit=args.early_exit)
     from mirror_rt.runtime.config import make_config
 
     config = make_config(**options)  # validate before loading anything

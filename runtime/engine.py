@@ -104,7 +104,8 @@ class Engine:
         target_cpu, draft_cpu = self.cpus or (None, None)
         settings = MirrorSettings(gamma=config.num_draft_tokens, sampling=config.sampling, seed=config.seed,
                                   branch_budget=config.branch_budget, min_window=config.min_window,
-                                  draft_timeout_s=config.draft_timeout_s, target_cpu=target_cpu,
+                                  draft_timeout_s=config.draft_timeout_s, early_exit=config.early_exit,
+                                  target_cpu=target_cpu,
                                   draft_cpu=draft_cpu)
         return mirror_generate(self.target, self.draft or self.target, ids, config.max_new_tokens, settings, metrics)
 

@@ -38,6 +38,7 @@ class MirrorSettings:
     branch_budget: int | None = None  # side branches per step; None = auto (as many as fit)
     min_window: int = 1  # the draft sends a precomputed window once it has this many tokens
     adaptive_gamma: bool = True  # the draft adapts its window cap in 1..gamma from acceptance
+    early_exit: str = "auto"  # on | off | auto: off while the draft is the bottleneck (no time for branches)
     draft_timeout_s: float = 10.0  # a draft silent this long is declared dead
     target_cpu: int | None = None  # pin the target (caller) thread to this core
     draft_cpu: int | None = None  # pin the draft thread to this core
@@ -59,6 +60,8 @@ def mirror_generate(target, draft, prompt: Sequence[int], max_new_tokens: int, s
     worker = DraftWorker(draft, prompt, len(prompt) + budget + 2 * settings.gamma + 16, DraftSettings(
         gamma=settings.gamma, sampling=settings.sampling, seed=settings.seed, branch_budget=settings.branch_budget,
         min_window=settings.min_window, adaptive_gamma=settings.adaptive_gamma, cpu=settings.draft_cpu))
+    if settings.early_exit not in ("on", "off", "auto"):
+        raise ValueError(f"--early-exit must be on, off or auto, got {settings.early_exit!r}")
     step = _TargetStep(target, settings, metrics, worker)
     previous_affinity = _pin(settings.target_cpu)
     previous_threads = _set_threads(target, 1 if settings.target_cpu is not None else None)
@@ -90,8 +93,9 @@ class _TargetStep:
         self.rng = np.random.default_rng(settings.seed)
         self.cache = None
         self.suffix_s = 0.0  # running mean of the suffix time (tells the draft when to expect the verdict)
+        self.wait_s = 0.0  # running mean of the rendezvous wait (the draft is the bottleneck when large)
         self.alive = True
-        self.counters = {"exit_covered": 0, "corrections": 0, "busy": [], "fallback_steps": 0}
+        self.counters = {"exit_covered": 0, "corrections": 0, "busy": [], "fallback_steps": 0, "exit_steps": 0}
 
     def prefill(self, prompt: list[int], capacity: int) -> int:
         self.cache = self.target.new_cache(capacity)
@@ -111,7 +115,7 @@ class _TargetStep:
         # Phase 2: prefix and early exit, sent to the draft at once
         t0 = time.perf_counter()
         with self.metrics.stage("target_prefix"):
-            ids, logprobs = self.target.forward_prefix([last] + tokens, self.cache)
+            ids, logprobs = self._prefix([last] + tokens)
         self._send(EarlyExit(length, tuple(tokens), ids, logprobs, self.suffix_s))
         # Phase 3: suffix and verification
         t1 = time.perf_counter()
@@ -127,6 +131,17 @@ class _TargetStep:
         self.metrics.record_step(len(tokens), verdict.num_accepted)
         return tokens[:verdict.num_accepted] + [verdict.next_token]
 
+    def _prefix(self, tokens: list[int]):
+        """The prefix layers, with the early-exit candidates when they can pay off ([T, 0] when not)."""
+        use = self.settings.early_exit == "on" or (
+            self.settings.early_exit == "auto" and self.wait_s <= 0.25 * self.suffix_s)
+        if use or not hasattr(self.target, "forward_prefix_only"):
+            self.counters["exit_steps"] += 1
+            return self.target.forward_prefix(tokens, self.cache)
+        self.target.forward_prefix_only(tokens, self.cache)
+        empty = np.zeros((len(tokens), 0))
+        return empty.astype(np.int64), empty
+
     def alone(self, last: int) -> list[int]:
         """A target-only step (after a draft failure)."""
         with self.metrics.stage("target_alone"):
@@ -137,11 +152,13 @@ class _TargetStep:
 
     def _take_window(self, length: int, k_max: int) -> Window:
         # Phase 1: the rendezvous; the window must continue exactly the committed text
+        t0 = time.perf_counter()
         with self.metrics.stage("target_wait"):
             try:
                 message = self.worker.outbox.get(timeout=self.settings.draft_timeout_s)
             except queue.Empty:
                 raise DraftFailure(f"draft stalled for more than {self.settings.draft_timeout_s:g} s") from None
+        self.wait_s = 0.8 * self.wait_s + 0.2 * (time.perf_counter() - t0)
         if isinstance(message, Fault):
             raise DraftFailure(f"draft failed: {message.reason}")
         _check_window(message, length, self.settings, self.target.vocab_size)
@@ -162,7 +179,7 @@ class _TargetStep:
             self._fall_back("draft inbox full (draft not reading)")
 
     def _count_exit(self, tokens, verdict, ids) -> None:
-        if verdict.num_accepted < len(tokens):
+        if verdict.num_accepted < len(tokens) and ids.shape[1]:
             self.counters["corrections"] += 1
             self.counters["exit_covered"] += int(verdict.next_token in ids[verdict.num_accepted])
 

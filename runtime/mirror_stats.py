@@ -57,6 +57,7 @@ def mirror_summary(metrics, draft_stats, counters: dict) -> dict:
         "predicted_step_ms": round(1e3 * predicted, 2),
         "measured_step_ms": round(1e3 * decode, 2),
         "fallback_steps": counters["fallback_steps"],
+        "early_exit_steps": counters["exit_steps"],
         "mean_window": round(sum(metrics.proposed_at) / steps, 3),  # draft tokens verified per step
         "draft_forwards_per_token": round((draft_stats.forwards - 1) / max(1, metrics.committed), 3),
         "draft_rollbacks_per_step": round(draft_stats.rollbacks / steps, 3),

@@ -172,3 +172,14 @@ def test_stream_draft_equals_reference(gamma):
     got, metrics = run_mirror(TorchSplitTarget(target), TorchStreamDraft(draft), [4, 5, 6], 60, gamma=gamma)
     assert got == flat(generate(TorchModel(target), [4, 5, 6], 60))
     assert metrics.extra["draft_forwards_per_token"] > 0
+
+
+@pytest.mark.parametrize("early_exit", ["on", "off", "auto"])
+def test_early_exit_modes_equal_reference(early_exit):
+    """The early exit only steers precomputation: on, off or auto, the output is the same."""
+    target = tiny_target(seed=11)
+    draft = perturbed_copy(target, noise=0.4, seed=12)
+    got, metrics = run_mirror(SlowSuffix(target), TorchModel(draft), [9, 8, 7], 40, gamma=3, early_exit=early_exit)
+    assert got == flat(generate(TorchModel(target), [9, 8, 7], 40))
+    exit_steps = metrics.extra["early_exit_steps"]
+    assert (exit_steps == 0) if early_exit == "off" else (exit_steps > 0)
