@@ -347,27 +347,15 @@ def main(argv=None) -> int:
     args = parser.parse_args(argv)
     _one_line_warnings()
     try:
-        if args.command == "run":
-            return cmd_run(args)
-        if args.command == "bench":
-            return cmd_bench(args)
-        if args.command == "simulate":
-            return cmd_simulate(args)
-        if args.command == "export":
-            return cmd_export(args)
-        if args.command == "train-draft":
-            return cmd_train_draft(args)
-        if args.command == "train-exit":
-            return cmd_train_exit(args)
-        if args.command == "devices":
-            return cmd_devices(args)
+        commands = {"run": cmd_run, "bench": cmd_bench, "simulate": cmd_simulate, "export": cmd_export,
+                    "train-draft": cmd_train_draft, "train-exit": cmd_train_exit, "devices": cmd_devices}
+        return commands[args.command](args)
     except KeyboardInterrupt:
         print("\nmirror-rt: interrupted", file=sys.stderr)
         return 130
     except (ValueError, FileNotFoundError, DefaultModelUnavailable) as exc:
         print(f"mirror-rt: error: {exc}", file=sys.stderr)
         return 2
-    return 1
 
 
 if __name__ == "__main__":
