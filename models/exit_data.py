@@ -3,8 +3,9 @@ the hidden state at the exit layer with the final layer's top-k log-probs.
 
 Prompts are the first turns of SpecBench-format questions (user text cut to `max_prompt_tokens`
 tokens, then the chat template). `decode_batch` runs the target over a left-padded batch with a
-KV cache (greedy, or forced along given answers) and records, for every generated position, the
-exit hidden state (float16) and the final distribution's top-k (ids, log-probs). Answers are
+KV cache (greedy, or forced along given answers) and records, for every generated position and
+every prompt position after the chat template's shared prefix, the exit hidden state (float16)
+and the final distribution's top-k (ids, log-probs). Answers are
 cached as jsonl and features as safetensors in the cache folder, keyed by model, data and
 settings, so reruns skip the generation. It knows nothing about the adapter or training.
 """
@@ -13,6 +14,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import os
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -21,7 +23,7 @@ import torch.nn.functional as F
 
 from mirror_rt.models.transformer import apply_rope
 
-DATA_VERSION = 1
+DATA_VERSION = 2  # 2: prompt positions recorded too
 
 
 @dataclass
@@ -32,17 +34,23 @@ class ExitData:
     top_ids: torch.Tensor  # [N, k] int64: final layer's top-k ids (column 0 = the target's next token)
     top_logprobs: torch.Tensor  # [N, k] float32: their final-layer log-probs
     question: torch.Tensor  # [N] int64: index of the question in file order
+    is_answer: torch.Tensor  # [N] bool: position in the generated answer (False: in the prompt's user text)
 
     def __len__(self) -> int:
         return self.hidden.shape[0]
 
     def select(self, mask: torch.Tensor) -> ExitData:
-        return ExitData(self.hidden[mask], self.top_ids[mask], self.top_logprobs[mask], self.question[mask])
+        return ExitData(self.hidden[mask], self.top_ids[mask], self.top_logprobs[mask], self.question[mask],
+                        self.is_answer[mask])
 
     def split(self, every: int = 5) -> tuple[ExitData, ExitData]:
-        """(train, held_out) by question: every `every`-th question (file order) is held out, never trained on."""
+        """(train, held_out) by question: every `every`-th question (file order) is held out, never trained on.
+
+        Training uses prompt and answer positions; the held-out set keeps answer positions only
+        (the text Mirror decodes), so coverage is measured where the early exit is used.
+        """
         held = (self.question % every) == every - 1
-        return self.select(~held), self.select(held)
+        return self.select(~held), self.select(held & self.is_answer)
 
 
 def first_turn_prompts(tokenizer, data_files, max_prompt_tokens: int = 192) -> list[tuple[str, list[int]]]:
@@ -67,7 +75,7 @@ def _rope(model, positions: torch.Tensor, dtype):
 
 
 def _forward(model, ids, start: int, pad, kv, exit_layer: int):
-    """ids [B, T] at columns start.. of left-padded rows -> (exit hidden [B, hidden], logits [B, vocab]) of the last column."""
+    """ids [B, T] at columns start.. of left-padded rows -> (exit hidden, last-layer hidden), each [B, T, hidden]."""
     c = model.config
     B, T = ids.shape
     h = model.embed(ids)
@@ -78,7 +86,6 @@ def _forward(model, ids, start: int, pad, kv, exit_layer: int):
     mask = (keys[None, None, :] <= columns[None, :, None]) & ((keys[None, None, :] >= pad[:, None, None])
                                                             | (keys[None, None, :] == columns[None, :, None]))
     mask = mask.unsqueeze(1)  # [B, 1, T, S]
-    exit_h = None
     for i in range(c.n_layers):
         block = model.layers[i]
         attn = block.self_attn
@@ -95,13 +102,16 @@ def _forward(model, ids, start: int, pad, kv, exit_layer: int):
         h = h + attn.o_proj(out.transpose(1, 2).reshape(B, T, -1))
         h = h + block.mlp(block.post_attention_layernorm(h))
         if i + 1 == exit_layer:
-            exit_h = h[:, -1]
-    return exit_h, model.logits(h[:, -1])
+            exit_h = h
+    return exit_h, h
 
 
 @torch.inference_mode()
-def decode_batch(model, prompts, exit_layer: int, max_new_tokens: int, forced=None, eos_ids=(), top_k: int = 64):
-    """Greedy (or `forced`) decoding of a batch; per row (answer ids, hidden [n, H], top ids [n, k], log-probs [n, k])."""
+def decode_batch(model, prompts, exit_layer: int, max_new_tokens: int, forced=None, eos_ids=(), top_k: int = 64,
+                 skip: int | None = None):
+    """Greedy (or `forced`) decoding of a batch; per row (answer ids, hidden [n, H], top ids [n, k], log-probs [n, k],
+    prompt positions p). With `skip`, the first p rows are prompt positions skip..len-2 (teacher-forced), then the answer's.
+    """
     c = model.config
     B, P = len(prompts), max(len(p) for p in prompts)
     steps = max(len(f) for f in forced) if forced is not None else max_new_tokens
@@ -110,9 +120,12 @@ def decode_batch(model, prompts, exit_layer: int, max_new_tokens: int, forced=No
     dtype = model.embed_tokens.weight.dtype
     kv = [tuple(torch.zeros(B, c.n_kv_heads, P + steps, c.head_dim, dtype=dtype) for _ in range(2))
           for _ in range(c.n_layers)]
-    rows = [([], [], [], []) for _ in range(B)]
     live = [forced is None or len(forced[b]) > 0 for b in range(B)]
-    exit_h, logits = _forward(model, ids, 0, pad, kv, exit_layer)
+    exit_h, h = _forward(model, ids, 0, pad, kv, exit_layer)
+    rows = [_prompt_rows(model, exit_h[b, P - len(p) + skip:P - 1], h[b, P - len(p) + skip:P - 1], top_k)
+            if skip is not None else ([], [], [], []) for b, p in enumerate(prompts)]
+    counts = [len(r[1]) for r in rows]
+    exit_h, logits = exit_h[:, -1], model.logits(h[:, -1])
     for t in range(steps):
         top = torch.topk(F.log_softmax(logits.float(), dim=-1), min(top_k, c.vocab_size), dim=-1)
         nxt = top.indices[:, 0].tolist() if forced is None else [f[t] if t < len(f) else 0 for f in forced]
@@ -123,15 +136,22 @@ def decode_batch(model, prompts, exit_layer: int, max_new_tokens: int, forced=No
                 live[b] = (nxt[b] not in eos_ids) if forced is None else t + 1 < len(forced[b])
         if not any(live) or t + 1 == steps:
             break
-        exit_h, logits = _forward(model, torch.tensor(nxt)[:, None], P + t, pad, kv, exit_layer)
-    return [(a, torch.stack(h), torch.stack(i), torch.stack(v)) for a, h, i, v in rows]
+        exit_h, h = _forward(model, torch.tensor(nxt)[:, None], P + t, pad, kv, exit_layer)
+        exit_h, logits = exit_h[:, -1], model.logits(h[:, -1])
+    return [(a, torch.stack(h), torch.stack(i), torch.stack(v), n) for (a, h, i, v), n in zip(rows, counts)]
+
+
+def _prompt_rows(model, exit_h, h, top_k: int):
+    """([], hidden rows, top ids rows, log-prob rows) of teacher-forced prompt positions (exit_h, h [n, hidden])."""
+    top = torch.topk(F.log_softmax(model.logits(h).float(), dim=-1), min(top_k, model.config.vocab_size), dim=-1)
+    return [], list(exit_h.half()), list(top.indices), list(top.values)
 
 
 def data_key(model, data_files, max_new_tokens: int, max_prompt_tokens: int) -> str:
     """Cache key of the generated answers: model fingerprint, question files' contents, settings."""
     from mirror_rt.models.exit_adapter import model_fingerprint
 
-    digest = hashlib.sha256(f"{DATA_VERSION}:{model_fingerprint(model.config)}:{max_new_tokens}:"
+    digest = hashlib.sha256(f"{model_fingerprint(model.config)}:{max_new_tokens}:"
                             f"{max_prompt_tokens}".encode())
     for path in data_files:
         digest.update(Path(path).read_bytes())
@@ -149,19 +169,20 @@ def collect(model, tokenizer, data_files, exit_layer: int, folder: Path, max_new
     from tqdm import tqdm
 
     key = data_key(model, data_files, max_new_tokens, max_prompt_tokens)
-    answers_path, features_path = folder / f"{key}.answers.jsonl", folder / f"{key}.layer{exit_layer}.safetensors"
+    answers_path, features_path = folder / f"{key}.answers.jsonl", folder / f"{key}.layer{exit_layer}.v{DATA_VERSION}.safetensors"
     if features_path.is_file():
         return ExitData(**load_file(str(features_path)))
     prompts = first_turn_prompts(tokenizer, data_files, max_prompt_tokens)
     forced = _read_answers(answers_path, prompts)
     eos = tuple(getattr(tokenizer, "eos_token_ids", ()))
     order = sorted(range(len(prompts)), key=lambda i: len(prompts[i][1]))  # similar lengths share a batch
+    skip = min(len(os.path.commonprefix([p for _, p in prompts])), min(len(p) for _, p in prompts) - 1)
     results = {}
     desc = "exit data (forced)" if forced else "exit data (generating)"
     with tqdm(total=len(prompts), desc=desc, unit="answer", disable=not progress) as bar:
         for batch in _batches(order, batch_size):
             out = decode_batch(model, [prompts[i][1] for i in batch], exit_layer, max_new_tokens,
-                               None if forced is None else [forced[i] for i in batch], eos)
+                               None if forced is None else [forced[i] for i in batch], eos, skip=skip)
             results.update(zip(batch, out))
             bar.update(len(batch))
     folder.mkdir(parents=True, exist_ok=True)
@@ -177,7 +198,8 @@ def _stack(results: dict) -> ExitData:
     return ExitData(hidden=torch.cat([results[i][1] for i in index]),
                     top_ids=torch.cat([results[i][2] for i in index]).long(),
                     top_logprobs=torch.cat([results[i][3] for i in index]).float(),
-                    question=torch.cat([torch.full((len(results[i][0]),), i, dtype=torch.long) for i in index]))
+                    question=torch.cat([torch.full((len(results[i][1]),), i, dtype=torch.long) for i in index]),
+                    is_answer=torch.cat([torch.arange(len(results[i][1])) >= results[i][4] for i in index]))
 
 
 def _write_answers(path: Path, prompts, answers, tokenizer) -> None:

@@ -40,10 +40,11 @@ def random_adapter(model, exit_layer: int, seed: int = 0, scale: float = 2.0) ->
 
 
 def tiny_data(model, exit_layer: int) -> ExitData:
-    rows = decode_batch(model, PROMPTS, exit_layer, 24, top_k=16)
+    rows = decode_batch(model, PROMPTS, exit_layer, 24, top_k=16, skip=1)
     return ExitData(hidden=torch.cat([r[1] for r in rows]), top_ids=torch.cat([r[2] for r in rows]).long(),
                     top_logprobs=torch.cat([r[3] for r in rows]).float(),
-                    question=torch.cat([torch.full((len(r[0]),), i) for i, r in enumerate(rows)]))
+                    question=torch.cat([torch.full((len(r[1]),), i) for i, r in enumerate(rows)]),
+                    is_answer=torch.cat([torch.arange(len(r[1])) >= r[4] for r in rows]))
 
 
 def test_training_lowers_loss_and_raises_coverage():
@@ -62,8 +63,10 @@ def test_split_holds_out_every_fifth_question():
     """Held-out positions come only from questions 4, 9, ...; training never sees them."""
     data = tiny_data(tiny_target(seed=0), exit_layer=2)
     train, held_out = data.split(5)
-    assert set(held_out.question.tolist()) == {4}
-    assert 4 not in set(train.question.tolist()) and len(train) + len(held_out) == len(data)
+    assert set(held_out.question.tolist()) == {4} and bool(held_out.is_answer.all())
+    assert not bool(train.is_answer.all())  # training also sees prompt positions
+    assert 4 not in set(train.question.tolist())
+    assert len(train) + len(held_out) == len(data) - int(((data.question == 4) & ~data.is_answer).sum())
 
 
 def test_save_load_round_trip(tmp_path):
