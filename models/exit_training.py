@@ -32,9 +32,9 @@ class TrainExitConfig:
     target: str | None = None  # model reference (None: the default model)
     exit_layer: int | None = None  # None: N // 2
     data: tuple[str, ...] = ()  # SpecBench-format jsonl files; () = DEFAULT_DATA
-    steps: int = 400  # optimizer steps
+    steps: int = 300  # optimizer steps
     rank: int = 64  # adapter rank
-    lr: float = 3e-3  # AdamW peak learning rate
+    lr: float = 1e-2  # AdamW peak learning rate
     seed: int = 0  # adapter init and batch order
     out: str | None = None  # adapter path (.safetensors + .json); None: <cache>/exit-adapters/<model>-l<exit>
     resume: bool = True  # continue from the checkpoint next to `out` when present
@@ -199,7 +199,7 @@ def _mean_tail(losses: list[float], n: int = 20) -> float:
     return sum(losses[-n:]) / max(1, len(losses[-n:]))
 
 
-def train_exit_main(target: str | None = None, exit_layer: int | None = None, data=None, steps: int = 400,
+def train_exit_main(target: str | None = None, exit_layer: int | None = None, data=None, steps: int = 300,
                     rank: int = 64, out: str | None = None, seed: int = 0, resume: bool = True,
                     progress: bool = True, **options) -> dict:
     """CLI entry (`mirror-rt train-exit`): train and return the report (before/after coverage, sizes, times).

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import importlib.util
 import inspect
 import json
 import warnings
@@ -9,7 +10,7 @@ import warnings
 import numpy as np
 import pytest
 import torch
-from mirror_rt.devices.registry import available_devices, load_bundle
+from mirror_rt.devices.registry import load_bundle
 from mirror_rt.devices.torch_backend import TorchModel
 from mirror_rt.devices.torch_split import TorchSplitTarget
 from mirror_rt.exporters.export import ExportError, export_bundle
@@ -126,7 +127,7 @@ def test_export_refuses_mismatched_adapter(tmp_path):
     assert not (tmp_path / "out" / "manifest.json").exists()
 
 
-@pytest.mark.skipif(not available_devices()["openvino"], reason="openvino not installed")
+@pytest.mark.skipif(importlib.util.find_spec("openvino") is None, reason="openvino not installed")
 def test_openvino_bundle_carries_adapter(tmp_path):
     """The exported prefix graph's top-kappa equals the torch split target's with the same adapter."""
     model = load_checkpoint("tiny", log=lambda *a: None).model
@@ -136,8 +137,9 @@ def test_openvino_bundle_carries_adapter(tmp_path):
         warnings.simplefilter("ignore")
         # full-precision exit head (where the exit weights are an option), so log-probs compare tightly
         extra = {"exit_weights": "fp32"} if "exit_weights" in inspect.signature(export_bundle).parameters else {}
+        # fp32 draft: nncf's int8 compression leaves worker threads behind (test_mirror counts threads)
         folder = export_bundle("tiny", tmp_path / "ov", kappa=4, exit_adapter=str(tmp_path / "exit"),
-                               progress=False, **extra)
+                               draft_weights="fp32", progress=False, **extra)
     manifest = read_manifest(folder)
     assert manifest.exit_adapter["in_graph"] and manifest.exit_adapter["rank"] == 8
     bundle = load_bundle(folder, "openvino:CPU", "openvino:CPU", strict=True, threads=1)
