@@ -5,7 +5,8 @@ the cache is a list of host arrays per graph; rollback slices them (O(1), views)
 costs a copy of the whole cache per call, the price of running on any EP (CPU, CUDA,
 QNN, OpenVINO). onnxruntime is imported lazily; the runtime core never imports it.
 Invariant: between calls every graph of a cache holds exactly `length` positions, except
-that after `forward_prefix` the suffix lags until `forward_suffix` runs.
+that after `forward_prefix` the suffix lags until `forward_suffix` runs. The split target's
+exit graph is stateless and belongs to no cache.
 """
 
 from __future__ import annotations
@@ -124,27 +125,35 @@ class ORTModel:
 
 
 class ORTSplitTarget:
-    """The target as prefix + suffix sessions: early exit in between, one cache for both.
+    """The target as prefix + suffix sessions with a stateless early-exit session, one cache for both.
+
+    `forward` never runs the exit session: target-only decoding pays for the prefix and suffix only.
 
     Limitations:
     - `forward_suffix` must follow each `forward_prefix` before the next prefix call.
     """
 
-    def __init__(self, prefix: ORTGraph, suffix: ORTGraph, vocab_size: int, max_seq_len: int, kappa: int):
-        self.prefix, self.suffix = prefix, suffix
+    def __init__(self, prefix: ORTGraph, exit_graph: ORTGraph, suffix: ORTGraph, vocab_size: int, max_seq_len: int,
+                 kappa: int):
+        self.prefix, self.exit, self.suffix = prefix, exit_graph, suffix
         self.vocab_size, self.max_seq_len, self.kappa = vocab_size, max_seq_len, kappa
 
     def new_cache(self, capacity: int) -> ORTCache:
         return ORTCache([self.prefix, self.suffix], min(capacity, self.max_seq_len))
 
-    def forward_prefix(self, tokens: Sequence[int], cache: ORTCache) -> tuple[np.ndarray, np.ndarray]:
-        """Layers 0..exit-1 over tokens [T] -> early-exit (ids [T, kappa], log-probs [T, kappa])."""
+    def forward_prefix_only(self, tokens: Sequence[int], cache: ORTCache) -> None:
+        """Layers 0..exit-1 over tokens [T], no early exit; the hidden state waits for `forward_suffix`."""
         if cache.hidden is not None:
             raise RuntimeError("forward_prefix called again before forward_suffix")
         ids = np.asarray(tokens, dtype=np.int64)
         cache.check_room(len(ids))
         head, cache.kv[0] = self.prefix.run(ids, cache.kv[0])
         cache.hidden = head["hidden"]
+
+    def forward_prefix(self, tokens: Sequence[int], cache: ORTCache) -> tuple[np.ndarray, np.ndarray]:
+        """Layers 0..exit-1 over tokens [T] -> early-exit (ids [T, kappa], log-probs [T, kappa])."""
+        self.forward_prefix_only(tokens, cache)
+        head, _ = self.exit.run(cache.hidden, [])
         return head["exit_ids"], head["exit_logprobs"]
 
     def forward_suffix(self, cache: ORTCache) -> np.ndarray:
@@ -156,6 +165,6 @@ class ORTSplitTarget:
         return head["logits"]
 
     def forward(self, tokens: Sequence[int], cache: ORTCache) -> np.ndarray:
-        """tokens [T] -> logits [T, vocab] (prefix then suffix); advances the cache by T."""
-        self.forward_prefix(tokens, cache)
+        """tokens [T] -> logits [T, vocab] (prefix then suffix, no early exit); advances the cache by T."""
+        self.forward_prefix_only(tokens, cache)
         return self.forward_suffix(cache)

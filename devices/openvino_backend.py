@@ -6,7 +6,8 @@ the new length (dynamic graphs) or only moves `length` back (static graphs write
 place at `position`, so stale slots are overwritten later). ONNX graphs are made
 stateful at load time. openvino is imported lazily; the runtime core never imports it.
 Invariant: between calls every graph of a cache holds exactly `length` positions,
-except that after `forward_prefix` the suffix lags until `forward_suffix` runs.
+except that after `forward_prefix` the suffix lags until `forward_suffix` runs. The split
+target's exit graph is stateless and belongs to no cache.
 """
 
 from __future__ import annotations
@@ -56,6 +57,7 @@ class OVGraph:
         self.compiled = core.compile_model(model, device, compile_config(device, threads, pinned, precision))
         self.window = window  # static graphs: tokens per call (inputs padded to it); 0 = dynamic
         self.input_name = self.compiled.inputs[0].get_any_name()
+        self.takes_position = any("position" in p.get_names() for p in self.compiled.inputs)  # static KV graphs
         self.output_names = [o.get_any_name() for o in self.compiled.outputs]
 
     def new_request(self):
@@ -71,7 +73,10 @@ class OVGraph:
             chunk = x[s:s + self.window]
             padded = np.zeros((self.window,) + x.shape[1:], dtype=x.dtype)
             padded[:len(chunk)] = chunk
-            request.infer({self.input_name: padded, "position": np.array([start + s], dtype=np.int64)})
+            feeds = {self.input_name: padded}
+            if self.takes_position:
+                feeds["position"] = np.array([start + s], dtype=np.int64)
+            request.infer(feeds)
             parts.append({n: request.get_tensor(n).data[:len(chunk)].copy() for n in self.output_names})
         return {n: np.concatenate([p[n] for p in parts]) for n in self.output_names}
 
@@ -151,22 +156,27 @@ class OVModel:
 
 
 class OVSplitTarget:
-    """The target as prefix + suffix graphs: early exit in between, one cache for both.
+    """The target as prefix + suffix graphs with a stateless early-exit graph, one cache for both.
+
+    `forward` never runs the exit graph: target-only decoding pays for the prefix and suffix only.
 
     Limitations:
-    - `forward_suffix` must follow each `forward_prefix` before the next prefix call.
+    - `forward_suffix` must follow each `forward_prefix` before the next prefix call;
+    - one exit request serves every cache, so calls must not overlap (one target worker).
     """
 
-    def __init__(self, prefix: OVGraph, suffix: OVGraph, vocab_size: int, max_seq_len: int, kappa: int):
-        self.prefix, self.suffix = prefix, suffix
+    def __init__(self, prefix: OVGraph, exit_graph: OVGraph, suffix: OVGraph, vocab_size: int, max_seq_len: int,
+                 kappa: int):
+        self.prefix, self.exit, self.suffix = prefix, exit_graph, suffix
+        self.exit_request = exit_graph.new_request()  # stateless: nothing to keep per cache
         self.vocab_size, self.max_seq_len, self.kappa = vocab_size, max_seq_len, kappa
 
     def new_cache(self, capacity: int) -> OVCache:
         requests = [self.prefix.new_request(), self.suffix.new_request()]
         return OVCache(requests, min(capacity, self.max_seq_len), bool(self.prefix.window))
 
-    def forward_prefix(self, tokens: Sequence[int], cache: OVCache) -> tuple[np.ndarray, np.ndarray]:
-        """Layers 0..exit-1 over tokens [T] -> early-exit (ids [T, kappa], log-probs [T, kappa])."""
+    def forward_prefix_only(self, tokens: Sequence[int], cache: OVCache) -> None:
+        """Layers 0..exit-1 over tokens [T], no early exit; the hidden state waits for `forward_suffix`."""
         if cache.hidden is not None:
             raise RuntimeError("forward_prefix called again before forward_suffix")
         ids = np.asarray(tokens, dtype=np.int64)
@@ -174,6 +184,11 @@ class OVSplitTarget:
         out = self.prefix.run(cache.requests[0], ids, cache.length)
         cache.hidden = out["hidden"]
         cache.filled[0] += len(ids)
+
+    def forward_prefix(self, tokens: Sequence[int], cache: OVCache) -> tuple[np.ndarray, np.ndarray]:
+        """Layers 0..exit-1 over tokens [T] -> early-exit (ids [T, kappa], log-probs [T, kappa])."""
+        self.forward_prefix_only(tokens, cache)
+        out = self.exit.run(self.exit_request, cache.hidden, 0)
         return out["exit_ids"], out["exit_logprobs"]
 
     def forward_suffix(self, cache: OVCache) -> np.ndarray:
@@ -186,6 +201,6 @@ class OVSplitTarget:
         return out["logits"]
 
     def forward(self, tokens: Sequence[int], cache: OVCache) -> np.ndarray:
-        """tokens [T] -> logits [T, vocab] (prefix then suffix); advances the cache by T."""
-        self.forward_prefix(tokens, cache)
+        """tokens [T] -> logits [T, vocab] (prefix then suffix, no early exit); advances the cache by T."""
+        self.forward_prefix_only(tokens, cache)
         return self.forward_suffix(cache)

@@ -176,7 +176,7 @@ class WorkerBudget:
 class LoadedBundle(NamedTuple):
     """What `load_bundle` returns (unpacks as target, draft, tokenizer, manifest)."""
 
-    target: object  # split-target LoadedModel: forward, forward_prefix, forward_suffix
+    target: object  # split-target LoadedModel: forward, forward_prefix(_only), forward_suffix
     draft: object  # LoadedModel
     tokenizer: object  # HFTokenizer or ByteTokenizer
     manifest: object  # exporters.manifest.BundleManifest
@@ -184,7 +184,7 @@ class LoadedBundle(NamedTuple):
 
 def load_bundle(bundle_dir, target_device: str = "cpu", draft_device: str = "cpu", strict: bool = False,
                 threads: int | tuple[int, int] | None = None, verify: bool = True) -> LoadedBundle:
-    """Load a bundle's target (prefix + suffix) and draft onto two devices (see module docstring).
+    """Load a bundle's target (prefix, exit, suffix) and draft onto two devices (see module docstring).
 
     Args:
         threads: one budget for both models, or (target threads, draft threads).
@@ -202,13 +202,16 @@ def load_bundle(bundle_dir, target_device: str = "cpu", draft_device: str = "cpu
 
 def load_model(folder: Path, manifest, role: str, device: str | DeviceSpec, strict: bool = False,
                budget: WorkerBudget = WorkerBudget()):
-    """Load the `role` ("target" or "draft") of a read manifest; call from the worker's thread."""
+    """Load the `role` ("target" or "draft") of a read manifest; call from the worker's thread.
+
+    The target's exit graph runs on the target's device under the target's budget.
+    """
     graph_format = manifest.graph("draft" if role == "draft" else "target_prefix").format
     spec = resolve(device, strict, graph_format)
     budget.apply()
     config = _config(manifest, role)
-    entries = [manifest.graph("draft")] if role == "draft" else \
-        [manifest.graph("target_prefix"), manifest.graph("target_suffix")]
+    roles = ("draft",) if role == "draft" else ("target_prefix", "target_exit", "target_suffix")
+    entries = [manifest.graph(r) for r in roles]
     paths = [Path(folder) / e.file for e in entries]
     loader = {"openvino": _load_openvino, "onnxruntime": _load_onnxruntime, "torch": _load_torch}[spec.backend]
     return loader(paths, manifest, config, spec, budget)

@@ -1,10 +1,12 @@
 """`export_bundle`: a target (and draft) to a self-describing bundle folder.
 
-Writes the target prefix, target suffix and draft graphs in one format (openvino, onnx or
-torch), the tokenizer files, and manifest.json last, so an interrupted export leaves no
-manifest and is refused on load. Limits (exit layer, kappa, static context and window)
-are validated before any conversion starts. Default draft: the target itself with int8
-weights. It does not run graphs; `devices.registry.load_bundle` does.
+Writes the target prefix, target exit, target suffix and draft graphs in one format
+(openvino, onnx or torch), the tokenizer files, and manifest.json last, so an interrupted
+export leaves no manifest and is refused on load. Limits (exit layer, kappa, static context
+and window) are validated before any conversion starts. Default draft: the target itself
+with int8 weights. Default exit: int8 weights, whatever the target's: the exit only picks
+which draft branches are precomputed, never the output. It does not run graphs;
+`devices.registry.load_bundle` does.
 """
 
 from __future__ import annotations
@@ -34,6 +36,7 @@ from mirror_rt.exporters.split import (
 
 FORMATS = ("openvino", "onnx", "torch")
 WEIGHTS = ("fp32", "fp16", "int8", "int4")
+EXIT_WEIGHTS = ("fp32", "int8")
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "chat_template.jinja",
                    "generation_config.json", "config.json", "vocab.json", "merges.txt", "tokenizer.model")
 VERSIONED = ("mirror-rt", "torch", "openvino", "nncf", "openvino-tokenizers", "onnx", "onnxruntime",
@@ -61,6 +64,7 @@ class ExportConfig:
     max_context: int | None = None  # None: the model's context (static: 1024)
     max_window: int | None = None  # None: unbounded (static: 8)
     exit_adapter: str | None = None  # trained early-exit adapter (models.exit_adapter files); None: untrained exit
+    exit_weights: str = "int8"  # exit graph weights (norm, adapter, LM head); torch bundles use the target's
 
     def __post_init__(self):
         if self.fmt not in FORMATS:
@@ -68,6 +72,8 @@ class ExportConfig:
         for flag, value in (("--weights", self.weights), ("--draft-weights", self.draft_weights)):
             if value not in WEIGHTS:
                 raise ExportError(f"{flag} must be one of {', '.join(WEIGHTS)}, got '{value}'")
+        if self.exit_weights not in EXIT_WEIGHTS:
+            raise ExportError(f"--exit-weights must be one of {', '.join(EXIT_WEIGHTS)}, got '{self.exit_weights}'")
         if self.static and self.fmt != "openvino":
             raise ExportError(f"--static needs --format openvino (got --format {self.fmt})")
         if self.kappa < 1:
@@ -113,20 +119,21 @@ def resolve_limits(cfg: ExportConfig, model_config) -> Limits:
 def export_bundle(model_ref: str | None, out_dir, draft_ref: str | None = None, exit_layer: int | None = None,
                   kappa: int = 8, fmt: str = "openvino", weights: str = "fp32", draft_weights: str = "int8",
                   static: bool = False, max_context: int | None = None, max_window: int | None = None,
-                  progress: bool = True, exit_adapter: str | None = None) -> Path:
+                  progress: bool = True, exit_adapter: str | None = None, exit_weights: str = "int8") -> Path:
     """Export a bundle (see module docstring); returns the bundle folder."""
     cfg = ExportConfig(model_ref=model_ref, out_dir=Path(out_dir), draft_ref=draft_ref, exit_layer=exit_layer,
                        kappa=kappa, fmt=fmt, weights=weights, draft_weights=draft_weights, static=static,
-                       max_context=max_context, max_window=max_window, exit_adapter=exit_adapter)
+                       max_context=max_context, max_window=max_window, exit_adapter=exit_adapter,
+                       exit_weights=exit_weights)
     return run_export(cfg, progress=progress)
 
 
 def run_export(cfg: ExportConfig, progress: bool = True) -> Path:
-    """Export `cfg`; steps: load, validate, three graphs, tokenizer, manifest."""
+    """Export `cfg`; steps: load, validate, four graphs, tokenizer, manifest."""
     from mirror_rt.models.loading import load_checkpoint
     from tqdm import tqdm
 
-    bar = tqdm(total=6, desc="export", unit="step", disable=not progress)
+    bar = tqdm(total=len(ROLES) + 3, desc="export", unit="step", disable=not progress)
     bar.set_postfix_str("loading models")
     target = load_checkpoint(cfg.model_ref, log=lambda *a: None)
     limits = resolve_limits(cfg, target.model.config)
@@ -139,7 +146,7 @@ def run_export(cfg: ExportConfig, progress: bool = True) -> Path:
     for role in ROLES:
         bar.set_postfix_str(role)
         model = draft.model if role == "draft" else target.model
-        if role == "target_prefix" and cfg.fmt != "torch":  # the prefix graph carries the adapter
+        if role == "target_exit" and cfg.fmt != "torch":  # the exit graph carries the adapter
             model = with_exit_adapter(model, adapter)
         entries.append(_export_role(cfg, limits, model, role, folder))
         bar.update()
@@ -177,7 +184,7 @@ def _copy_adapter(cfg: ExportConfig, adapter, folder: Path) -> dict | None:
         shutil.copyfile(source, folder / name)
     c = adapter.config
     return {"file": names[0], "config": names[1], "exit_layer": c.exit_layer, "rank": c.rank,
-            "model_fingerprint": c.model_fingerprint, "in_graph": cfg.fmt != "torch",
+            "model_fingerprint": c.model_fingerprint, "in_graph": cfg.fmt != "torch",  # in target_exit
             "files": hash_files(folder, names)}
 
 
@@ -196,7 +203,7 @@ def _prepare_folder(out_dir: Path) -> Path:
 
 
 def _export_role(cfg: ExportConfig, limits: Limits, model, role: str, folder: Path) -> GraphEntry:
-    weights = cfg.draft_weights if role == "draft" else cfg.weights
+    weights = {"draft": cfg.draft_weights, "target_exit": cfg.exit_weights}.get(role, cfg.weights)
     spec = graph_spec(role, model.config.n_layers, limits.exit_layer, cfg.kappa, cfg.static,
                       limits.table_len, limits.max_window)
     if cfg.fmt == "openvino":
@@ -207,6 +214,8 @@ def _export_role(cfg: ExportConfig, limits: Limits, model, role: str, folder: Pa
         from mirror_rt.exporters.onnx import export_onnx_graph
 
         files = export_onnx_graph(model, spec, limits.table_len, weights, folder / f"{role}.onnx")
+    elif role == "target_exit":  # TorchSplitTarget computes the exit from the target's own weights
+        weights, files = _export_torch(model, role, cfg.weights, folder, shares_target=True)
     else:
         weights, files = _export_torch(model, role, weights, folder, shares_target=cfg.draft_ref is None)
     names = [f.name for f in files]
@@ -218,7 +227,7 @@ def _export_role(cfg: ExportConfig, limits: Limits, model, role: str, folder: Pa
 def _export_torch(model, role: str, weights: str, folder: Path, shares_target: bool) -> tuple[str, list[Path]]:
     """Torch bundles hold safetensors weights; the backend rebuilds the model from the manifest.
 
-    The suffix shares the prefix's file, and so does a self-draft of the same precision.
+    The exit and the suffix share the prefix's file, and so does a self-draft of the same precision.
     """
     import torch
     from safetensors.torch import save_file
@@ -229,7 +238,8 @@ def _export_torch(model, role: str, weights: str, folder: Path, shares_target: b
         weights = "fp32"
     dtype = {"fp32": torch.float32, "fp16": torch.float16}[weights]
     target_path = folder / "target.safetensors"
-    if role == "target_suffix" or (role == "draft" and shares_target and _stored_dtype(target_path) == dtype):
+    if role in ("target_exit", "target_suffix") or \
+            (role == "draft" and shares_target and _stored_dtype(target_path) == dtype):
         return weights, [target_path]
     path = folder / f"{'draft' if role == 'draft' else 'target'}.safetensors"
     state = {k: v.detach().to(dtype).contiguous() for k, v in model.state_dict().items()

@@ -1,7 +1,7 @@
 """manifest.json: the self-description of an exported bundle, written last and checked on load.
 
-A bundle is a folder with three graphs (target prefix, target suffix, draft), the tokenizer
-files and this manifest. `write_manifest` hashes every listed file; `read_manifest`
+A bundle is a folder with four graphs (target prefix, target exit, target suffix, draft), the
+tokenizer files and this manifest. `write_manifest` hashes every listed file; `read_manifest`
 refuses an unknown format version, a missing file or a file whose sha256 differs, each
 with a one-line `BundleError` naming the file. It knows nothing about how graphs run.
 """
@@ -14,10 +14,12 @@ import json
 from dataclasses import dataclass, field
 from pathlib import Path
 
-FORMAT_VERSION = 1
+# 2: the early exit is its own stateless graph (target_exit); version 1 prefixes computed it.
+FORMAT_VERSION = 2
 MANIFEST = "manifest.json"
 GRAPH_FORMATS = ("torch", "onnx", "openvino")
 PRECISIONS = ("fp32", "fp16", "bf16", "int8", "int4")
+ROLES = ("draft", "target_exit", "target_prefix", "target_suffix")  # sorted
 
 
 class BundleError(ValueError):
@@ -28,13 +30,13 @@ class BundleError(ValueError):
 class GraphEntry:
     """One graph of the bundle."""
 
-    role: str  # "target_prefix" | "target_suffix" | "draft"
+    role: str  # "target_prefix" | "target_exit" | "target_suffix" | "draft"
     file: str  # main graph file, relative to the bundle folder (.xml, .onnx, .safetensors)
     format: str  # "torch" | "onnx" | "openvino"
-    precision: str  # weights: "fp32" | "fp16" | "bf16" | "int8" | "int4"
+    precision: str  # weights: "fp32" | "fp16" | "bf16" | "int8" | "int4" (target_exit: independent of the target)
     device_hint: str  # device the graph was prepared for ("cpu", "npu", ...); informative
-    first_layer: int  # first layer of the model in this graph
-    last_layer: int  # one past its last layer
+    first_layer: int  # first layer of the model in this graph (target_exit: the exit layer)
+    last_layer: int  # one past its last layer (target_exit: the exit layer, it holds no layer)
     files: dict = field(default_factory=dict)  # every file the graph needs -> sha256
 
 
@@ -45,7 +47,7 @@ class BundleManifest:
     format_version: int  # FORMAT_VERSION of the writer; readers refuse others
     graphs: tuple  # GraphEntry per role
     n_layers: int  # N, target layers
-    exit_layer: int  # ℓe: the prefix holds layers 0..ℓe-1, the early exit reads after it
+    exit_layer: int  # ℓe: the prefix holds layers 0..ℓe-1, the exit graph reads its hidden state
     kappa: int  # early-exit top-k per position
     kv_layout: dict  # {"layout": "BHTD", "n_kv_heads", "head_dim", "dtype", "past", "present"}
     vocab_size: int  # logits width (target and draft)
@@ -57,9 +59,8 @@ class BundleManifest:
     draft_config: dict  # ModelConfig.to_dict() of the draft
     exporter_versions: dict  # package -> version that exported the bundle
     # Trained early exit (optional; absent = the target's bare norm + LM head): {"file", "config",
-    # "exit_layer", "rank", "model_fingerprint", "in_graph" (the prefix graph applies it; False for
-    # torch bundles, whose loader applies the file), "files": {name: sha256}}. Not written when None,
-    # so bundles without an adapter stay byte-compatible with format version 1 readers.
+    # "exit_layer", "rank", "model_fingerprint", "in_graph" (the target_exit graph applies it; False
+    # for torch bundles, whose loader applies the file), "files": {name: sha256}}. Not written when None.
     exit_adapter: dict | None = None
 
     def __post_init__(self):
@@ -68,8 +69,9 @@ class BundleManifest:
     def validate(self) -> None:
         """Check the fields agree with each other; raise BundleError naming the field."""
         roles = sorted(g.role for g in self.graphs)
-        if roles != ["draft", "target_prefix", "target_suffix"]:
-            raise BundleError(f"{MANIFEST}: graphs must be target_prefix, target_suffix, draft; got {roles}")
+        if roles != list(ROLES):
+            raise BundleError(f"{MANIFEST}: graphs must be target_prefix, target_exit, target_suffix, draft; "
+                              f"got {roles}")
         for g in self.graphs:
             if g.format not in GRAPH_FORMATS:
                 raise BundleError(f"{MANIFEST}: graph {g.role} has unknown format '{g.format}'")

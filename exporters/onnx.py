@@ -3,7 +3,8 @@
 The TorchScript exporter (`torch.onnx.export(dynamo=False)`) is used: it needs no
 onnxscript and handles dynamic axes for the window length and the past length. KV stays
 explicit (ONNX has no state), so ONNX Runtime passes the cache in and out each call; the
-OpenVINO backend can still load the .onnx and make it stateful at load time.
+OpenVINO backend can still load the .onnx and make it stateful at load time. The exit graph
+has no KV at all.
 Weights: fp32, or int8/int4 weight-only: every MatMul with a constant weight becomes
 onnxruntime's MatMulNBits (blockwise, symmetric). Its int8 compute (`ACCURACY_LEVEL`) quantizes
 each activation row per block, so a row's output never depends on the other rows of its window.

@@ -45,7 +45,7 @@ def export_openvino_graph(model, spec: GraphSpec, table_len: int, weights: str, 
 
 
 def convert_graph(model, spec: GraphSpec, table_len: int):
-    """The stateful ov.Model of `spec`: inputs are input_ids|hidden (+ position when static)."""
+    """The ov.Model of `spec` (stateful unless it is the exit): inputs are input_ids|hidden (+ position when static)."""
     ov = _openvino()
     from openvino._offline_transformations import apply_make_stateful_transformation
 
@@ -57,7 +57,8 @@ def convert_graph(model, spec: GraphSpec, table_len: int):
     for port, name in zip(ov_model.outputs, output_names(spec)):
         port.get_tensor().set_names({name})
     ov_model.reshape(_input_shapes(model.config, spec))
-    apply_make_stateful_transformation(ov_model, state_pairs(spec))
+    if spec.has_kv:  # the exit graph is stateless
+        apply_make_stateful_transformation(ov_model, state_pairs(spec))
     return ov_model
 
 
@@ -67,7 +68,7 @@ def _input_shapes(config, spec: GraphSpec) -> dict:
     S = spec.context if spec.static else -1
     first = ov.PartialShape([T] if spec.takes_tokens else [T, config.hidden_size])
     shapes = {input_names(spec)[0]: first}
-    if spec.static:
+    if spec.static and spec.has_kv:
         shapes["position"] = ov.PartialShape([1])
     kv = ov.PartialShape([1, config.n_kv_heads, S, config.head_dim])
     return shapes | {name: kv for name in state_pairs(spec)}

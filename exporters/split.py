@@ -2,10 +2,13 @@
 
 `SplitGraph` wraps one contiguous range of layers of a target or draft model as a pure
 function of tensors, so torch.onnx and ov.convert_model can trace it: the target prefix
-(embeddings, layers 0..exit-1 and the early-exit top-kappa computed with the target's own
-final norm and LM head, after a trained exit adapter when the model carries one: see
-`with_exit_adapter`), the target suffix (layers exit..N-1, final norm, LM head) and the
-full model (the draft). It does not know file formats, weights compression or devices.
+(embeddings and layers 0..exit-1, returning the exit hidden state), the target exit (a
+stateless graph: hidden state -> the target's own final norm and LM head, after a trained
+exit adapter when the model carries one (see `with_exit_adapter`) -> top-kappa ids and
+log-probs), the target suffix (layers exit..N-1, final norm, LM head) and the full model
+(the draft). The exit is its own graph so that a forward without it (target-only decoding)
+never pays for the vocabulary-wide head at the exit layer. It does not know file formats,
+weights compression or devices.
 
 Invariant: positions are `past_len + arange(T)` where past_len is read from the past KV's
 shape (dynamic graphs) or from the `position` input (static graphs, fixed-size KV written
@@ -22,7 +25,7 @@ from mirror_rt.models.exit_adapter import exit_logits
 from mirror_rt.models.transformer import Transformer, apply_rope
 from torch import nn
 
-ROLES = ("target_prefix", "target_suffix", "draft")
+ROLES = ("target_prefix", "target_exit", "target_suffix", "draft")
 # Per-layer KV layout of every graph: [batch=1, kv_heads, positions, head_dim], local layer index.
 KV_LAYOUT = "BHTD"
 PAST_NAMES = ("past_key.{i}", "past_value.{i}")
@@ -36,14 +39,19 @@ class GraphSpec:
     role: str  # one of ROLES
     first: int  # first layer (inclusive)
     last: int  # last layer (exclusive)
-    kappa: int = 0  # early-exit top-k (prefix only)
+    kappa: int = 0  # early-exit top-k (target_exit only)
     static: bool = False  # fixed shapes: window padded to `window`, KV of `context` positions
     context: int = 0  # KV positions of a static graph (max_context + max_window)
     window: int = 0  # tokens per call of a static graph
 
     @property
     def takes_tokens(self) -> bool:
-        return self.role != "target_suffix"
+        return self.role in ("target_prefix", "draft")
+
+    @property
+    def has_kv(self) -> bool:
+        """Every graph but the exit carries KV (the exit is stateless, so it never takes `position`)."""
+        return self.role != "target_exit"
 
     @property
     def n_layers(self) -> int:
@@ -53,14 +61,14 @@ class GraphSpec:
 def input_names(spec: GraphSpec) -> list[str]:
     """Graph input names, in the order `SplitGraph.forward` takes them."""
     names = ["input_ids" if spec.takes_tokens else "hidden"]
-    if spec.static:
+    if spec.static and spec.has_kv:
         names.append("position")
     return names + kv_names(spec.n_layers, PAST_NAMES)
 
 
 def output_names(spec: GraphSpec) -> list[str]:
     """Graph output names, in the order `SplitGraph.forward` returns them."""
-    head = ["hidden", "exit_ids", "exit_logprobs"] if spec.role == "target_prefix" else ["logits"]
+    head = {"target_prefix": ["hidden"], "target_exit": ["exit_ids", "exit_logprobs"]}.get(spec.role, ["logits"])
     return head + kv_names(spec.n_layers, PRESENT_NAMES)
 
 
@@ -92,7 +100,7 @@ class ExitAdaptedTarget(nn.Module):
 
 
 def with_exit_adapter(model: Transformer, exit_adapter) -> nn.Module:
-    """`model` whose target_prefix graph computes the early exit through `exit_adapter` (None: `model`)."""
+    """`model` whose target_exit graph computes the early exit through `exit_adapter` (None: `model`)."""
     if exit_adapter is None:
         return model
     p = model.embed_tokens.weight
@@ -122,6 +130,8 @@ class SplitGraph(nn.Module):
 
     def forward(self, x, *rest):
         spec = self.spec
+        if not spec.has_kv:
+            return self._exit(x)
         if spec.static:
             position, kv = rest[0], rest[1:]
             positions = position.reshape(1) + torch.arange(spec.window, dtype=torch.long)
@@ -145,11 +155,13 @@ class SplitGraph(nn.Module):
         return keys[None, :] <= positions[:, None]
 
     def _head(self, h: torch.Tensor) -> tuple:
-        if self.spec.role != "target_prefix":
-            return (self.model.logits(h),)
+        return (h,) if self.spec.role == "target_prefix" else (self.model.logits(h),)
+
+    def _exit(self, h: torch.Tensor) -> tuple:
+        """Exit hidden h [T, hidden] -> top-kappa (ids [T, kappa] int64, log-probs [T, kappa])."""
         logprobs = F.log_softmax(exit_logits(self.model, h, self.exit_adapter).float(), dim=-1)  # [T, vocab]
         values, ids = torch.topk(logprobs, self.spec.kappa, dim=-1)  # [T, kappa] each
-        return h, ids, values
+        return ids, values
 
     def _block(self, block, x, rope, past_k, past_v, mask, positions):
         """One decoder block; returns (x, present_k, present_v)."""
@@ -187,18 +199,20 @@ def _repeat_kv(kv: torch.Tensor, rep: int) -> torch.Tensor:
 def graph_spec(role: str, n_layers: int, exit_layer: int, kappa: int, static: bool = False,
                context: int = 0, window: int = 0) -> GraphSpec:
     """The spec of `role` for a model of `n_layers` cut at `exit_layer`."""
-    first, last = {"target_prefix": (0, exit_layer), "target_suffix": (exit_layer, n_layers),
-                   "draft": (0, n_layers)}[role]
-    return GraphSpec(role, first, last, kappa if role == "target_prefix" else 0, static, context, window)
+    first, last = {"target_prefix": (0, exit_layer), "target_exit": (exit_layer, exit_layer),
+                   "target_suffix": (exit_layer, n_layers), "draft": (0, n_layers)}[role]
+    return GraphSpec(role, first, last, kappa if role == "target_exit" else 0, static, context, window)
 
 
 def example_inputs(model: Transformer, spec: GraphSpec, tokens: int = 3, past: int = 2) -> tuple:
-    """Tracing inputs: a short window over a short (dynamic) or full-size (static) past."""
+    """Tracing inputs: a short window over a short (dynamic) or full-size (static) past (none for the exit)."""
     c = model.config
     dtype = model.embed_tokens.weight.dtype
     T = spec.window if spec.static else tokens
     x = (torch.arange(T, dtype=torch.long) % c.vocab_size if spec.takes_tokens
          else torch.randn(T, c.hidden_size, dtype=dtype))
+    if not spec.has_kv:
+        return (x,)
     length = spec.context if spec.static else past
     kv = [torch.zeros(1, c.n_kv_heads, length, c.head_dim, dtype=dtype) for _ in range(2 * spec.n_layers)]
     head = [x, torch.tensor([past], dtype=torch.long)] if spec.static else [x]

@@ -1,8 +1,10 @@
 """Device strings, fallback, and bundle backends (torch, OpenVINO CPU, ONNX Runtime CPU) vs torch.
 
-Tiny float32 preset only (the real model is covered in test_export.py). Tolerance for
-logits: atol 1e-4 on logits of magnitude ~10: every backend computes the same fp32 graph
-with different kernels and summation orders; the rounding error of one fp32 dot product of
+Tiny float32 preset only (the real model is covered in test_export.py). The bundles here
+export the exit graph in fp32 so its top-kappa can be compared exactly; the default int8
+exit is checked on its own (top-1 agreement, output unchanged). Tolerance for logits: atol
+1e-4 on logits of magnitude ~10: every backend computes the same fp32 graph with different
+kernels and summation orders; the rounding error of one fp32 dot product of
 width <= 128 is ~1e-6 relative, a few layers add a few times that, so 1e-4 leaves a 10x
 margin while any real mistake (wrong position, stale KV, wrong layer) moves logits by >0.1.
 """
@@ -27,6 +29,8 @@ from mirror_rt.devices.registry import (
 )
 from mirror_rt.exporters.export import export_bundle
 from mirror_rt.models.loading import load_checkpoint
+from mirror_rt.runtime.metrics import Metrics
+from mirror_rt.runtime.mirror import MirrorSettings, mirror_generate
 from mirror_rt.runtime.reference import generate
 from mirror_rt.runtime.speculative import speculative_generate
 
@@ -40,16 +44,31 @@ if HAVE["openvino"]:
     CASES += [("openvino", "openvino:CPU"), ("onnx", "openvino:CPU")]
 if HAVE["onnxruntime"]:
     CASES += [("onnx", "ort:cpu")]
+GRAPH_CASES = [case for case in CASES if case[0] != "torch"]  # bundles with an exit graph
+
+
+def _flat(steps):
+    return [t for step in steps for t in step]
 
 
 @pytest.fixture(scope="module")
 def bundles(tmp_path_factory):
-    """Tiny bundles, one per format (draft: the target itself, int8 where the format has it)."""
+    """Tiny bundles, one per format (draft: the target itself, int8 where the format has it; exit fp32)."""
     root = tmp_path_factory.mktemp("bundles")
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        return {fmt: export_bundle("tiny", root / fmt, fmt=fmt, kappa=KAPPA, progress=False)
+        return {fmt: export_bundle("tiny", root / fmt, fmt=fmt, kappa=KAPPA, exit_weights="fp32", progress=False)
                 for fmt in {fmt for fmt, _ in CASES}}
+
+
+@pytest.fixture(scope="module")
+def int8_exit_bundles(tmp_path_factory):
+    """Tiny bundles with the default (int8) exit graph, one per graph format."""
+    root = tmp_path_factory.mktemp("int8_exit")
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        return {fmt: export_bundle("tiny", root / fmt, fmt=fmt, kappa=KAPPA, progress=False)
+                for fmt in {fmt for fmt, _ in GRAPH_CASES}}
 
 
 @pytest.fixture(scope="module")
@@ -140,16 +159,62 @@ def test_split_logits_match_unsplit_torch(bundles, reference, fmt, device):
 
 @pytest.mark.parametrize("fmt,device", CASES)
 def test_early_exit_topk_matches_torch(bundles, reference, fmt, device):
-    """The graph's early-exit top-kappa equals torch's at the exit layer (ids exactly)."""
+    """The fp32 exit graph's top-kappa equals torch's at the exit layer (ids exactly)."""
     target, _, _, manifest = _load(bundles, fmt, device)
     ids, logprobs = target.forward_prefix(PROMPT, target.new_cache(64))
-    with torch.inference_mode():
-        cache = reference.new_cache(64, 0, manifest.exit_layer)
-        h = reference.run_layers(reference.embed(torch.tensor(PROMPT)), cache, 0, manifest.exit_layer)
-        top = torch.topk(torch.log_softmax(reference.logits(h), -1), manifest.kappa, dim=-1)
+    top = _exit_topk(reference, PROMPT, manifest.exit_layer)
     assert ids.shape == logprobs.shape == (len(PROMPT), KAPPA)
     np.testing.assert_array_equal(ids, top.indices.numpy())
     np.testing.assert_allclose(logprobs, top.values.numpy(), atol=ATOL, rtol=0)
+
+
+def _exit_topk(reference, tokens, exit_layer: int) -> torch.return_types.topk:
+    """Torch's early-exit top-kappa at `exit_layer` (final norm + LM head on the exit hidden state)."""
+    with torch.inference_mode():
+        cache = reference.new_cache(64, 0, exit_layer)
+        h = reference.run_layers(reference.embed(torch.tensor(tokens)), cache, 0, exit_layer)
+        return torch.topk(torch.log_softmax(reference.logits(h), -1), KAPPA, dim=-1)
+
+
+@pytest.mark.parametrize("fmt,device", GRAPH_CASES)
+def test_int8_exit_top1_agrees_with_torch(int8_exit_bundles, reference, fmt, device):
+    """The default int8 exit graph picks torch's exit top-1 at >= 90% of positions; logits stay exact."""
+    target, _, _, manifest = load_bundle(int8_exit_bundles[fmt], device, device, strict=True, threads=1)
+    assert manifest.graph("target_exit").precision == "int8"
+    assert manifest.graph("target_prefix").precision == "fp32"
+    tokens = PROMPT + _flat(generate(target, PROMPT, 40))
+    cache = target.new_cache(64)
+    ids, _ = target.forward_prefix(tokens, cache)
+    logits = target.forward_suffix(cache)
+    top = _exit_topk(reference, tokens, manifest.exit_layer)
+    assert np.mean(ids[:, 0] == top.indices[:, 0].numpy()) >= 0.9
+    expected = reference(torch.tensor(tokens), reference.new_cache(64)).numpy()
+    np.testing.assert_allclose(logits, expected, atol=ATOL, rtol=0)
+
+
+@pytest.mark.parametrize("fmt,device", GRAPH_CASES)
+def test_forward_does_not_run_the_exit_graph(bundles, fmt, device):
+    """forward and forward_prefix_only skip the exit graph; forward_prefix runs it once; logits agree."""
+    target = _load(bundles, fmt, device).target
+    calls = []
+    run = target.exit.run
+    target.exit.run = lambda *args: calls.append(1) or run(*args)
+    plain = target.forward(PROMPT, target.new_cache(64))
+    assert calls == []
+    cache = target.new_cache(64)
+    assert target.forward_prefix_only(PROMPT, cache) is None
+    np.testing.assert_array_equal(target.forward_suffix(cache), plain)
+    assert calls == []
+    target.forward_prefix(PROMPT, target.new_cache(64))
+    assert calls == [1]
+
+
+@pytest.mark.parametrize("fmt,device", GRAPH_CASES)
+def test_mirror_with_int8_exit_equals_reference(int8_exit_bundles, fmt, device):
+    """Mirror over a bundle with the int8 exit yields exactly the target's greedy tokens."""
+    target, draft, _, _ = load_bundle(int8_exit_bundles[fmt], device, device, strict=True, threads=1)
+    expected = _flat(generate(target, PROMPT, 24))
+    assert _flat(mirror_generate(target, draft, PROMPT, 24, MirrorSettings(gamma=3), Metrics())) == expected
 
 
 @pytest.mark.parametrize("fmt,device", CASES)

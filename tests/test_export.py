@@ -50,11 +50,14 @@ def static_bundle(tmp_path_factory):
 
 
 def test_manifest_describes_the_bundle(torch_bundle):
-    """Defaults: exit layer N/2, the three roles, tokenizer hash, versions, kv layout."""
+    """Defaults: exit layer N/2, the four roles, tokenizer hash, versions, kv layout."""
     manifest = read_manifest(torch_bundle)
-    assert manifest.format_version == 1
+    assert manifest.format_version == 2
     assert manifest.exit_layer == manifest.n_layers // 2 and manifest.kappa == 4
-    assert {g.role for g in manifest.graphs} == {"target_prefix", "target_suffix", "draft"}
+    assert {g.role for g in manifest.graphs} == {"target_prefix", "target_exit", "target_suffix", "draft"}
+    exit_graph = manifest.graph("target_exit")  # torch: computed from the target's own weights
+    assert exit_graph.file == "target.safetensors" and exit_graph.precision == "fp32"
+    assert exit_graph.first_layer == exit_graph.last_layer == manifest.exit_layer
     assert manifest.tokenizer["sha256"] and "torch" in manifest.exporter_versions
     assert manifest.kv_layout["layout"] == "BHTD"
 
@@ -63,13 +66,15 @@ def _copy(bundle, tmp_path):
     return shutil.copytree(bundle, tmp_path / "copy")
 
 
-def test_unknown_format_version_refused(torch_bundle, tmp_path):
-    """A manifest from another format version is refused, naming manifest.json."""
+@pytest.mark.parametrize("version", [1, 99])
+def test_unknown_format_version_refused(torch_bundle, tmp_path, version):
+    """A manifest from another format version (1: exit inside the prefix) is refused in one line."""
     folder = _copy(torch_bundle, tmp_path)
     data = json.loads((folder / "manifest.json").read_text())
-    (folder / "manifest.json").write_text(json.dumps(data | {"format_version": 99}))
-    with pytest.raises(BundleError, match=r"manifest\.json.*format version 99"):
+    (folder / "manifest.json").write_text(json.dumps(data | {"format_version": version}))
+    with pytest.raises(BundleError, match=rf"manifest\.json.*format version {version} is not supported") as info:
         load_bundle(folder)
+    assert "\n" not in str(info.value)
 
 
 def test_missing_file_refused(torch_bundle, tmp_path):
@@ -104,6 +109,7 @@ def test_missing_manifest_refused(tmp_path):
     (dict(kappa=0), "--kappa"),
     (dict(fmt="tflite"), "--format"),
     (dict(weights="int3"), "--weights"),
+    (dict(exit_weights="int4"), "--exit-weights"),
     (dict(static=True, fmt="onnx"), "--static"),
     (dict(static=True, max_context=10_000), "--max-context"),
     (dict(static=True, max_context=32, max_window=65), "--max-window"),
@@ -130,6 +136,8 @@ def test_static_bundle_runs_on_openvino_cpu(static_bundle):
                                              threads=1)
     assert manifest.static and manifest.max_window == 4
     model = load_checkpoint("tiny").model
+    ids, _ = target.forward_prefix(PROMPT, target.new_cache(48))  # the exit graph pads windows too
+    assert ids.shape == (len(PROMPT), 4) and manifest.graph("target_exit").precision == "int8"
     cache = target.new_cache(48)
     logits = target.forward(PROMPT, cache)  # 11 tokens: three windows of 4
     cache.rollback(len(PROMPT) - 2)
@@ -162,6 +170,7 @@ def test_default_bundle_exports_fast_and_matches_torch(default_model, tmp_path):
     assert time.perf_counter() - start < 300
     target, draft, tokenizer, manifest = load_bundle(folder, "openvino:CPU", "openvino:CPU", strict=True)
     assert manifest.exit_layer == 15 and manifest.graph("draft").precision == "int8"
+    assert manifest.graph("target_exit").precision == "int8"
     assert (folder / "openvino_tokenizer.xml").exists()
     prompt = tokenizer.encode("The capital of France is")
     cache = target.new_cache(64)
@@ -172,6 +181,10 @@ def test_default_bundle_exports_fast_and_matches_torch(default_model, tmp_path):
         expected = model(torch.tensor(prompt), model.new_cache(64)).numpy()
     np.testing.assert_allclose(logits, expected, atol=5e-3, rtol=0)
     assert ids.shape == (len(prompt), 8)
+    with torch.inference_mode():
+        h = model.run_layers(model.embed(torch.tensor(prompt)), model.new_cache(64, 0, 15), 0, 15)
+        top1 = model.logits(h).argmax(-1).numpy()
+    assert np.mean(ids[:, 0] == top1) >= 0.8  # int8 exit: top-1 mostly as fp32
     greedy = [t for step in generate(target, prompt, 12) for t in step]
     assert [t for step in speculative_generate(target, draft, prompt, 12, 4) for t in step] == greedy
 
@@ -192,6 +205,21 @@ def test_onnx_int8_draft_is_weight_only(onnx_int8_bundle):
     n_layers = ModelConfig.from_name("tiny").n_layers
     assert ops.count("MatMulNBits") == 7 * n_layers + 1
     assert "MatMulInteger" not in ops and "DynamicQuantizeLinear" not in ops
+
+
+def test_onnx_exit_is_its_own_int8_graph(onnx_int8_bundle):
+    """The prefix has no LM head and no TopK; the default exit graph is one int8 head with TopK, no KV."""
+    import onnx
+
+    prefix = onnx.load(str(onnx_int8_bundle / "target_prefix.onnx")).graph
+    exit_graph = onnx.load(str(onnx_int8_bundle / "target_exit.onnx")).graph
+    vocab = ModelConfig.from_name("tiny").vocab_size
+    assert prefix.output[0].name == "hidden" and "TopK" not in {n.op_type for n in prefix.node}
+    assert not [t for t in prefix.initializer if len(t.dims) == 2 and t.dims[1] == vocab]
+    assert [i.name for i in exit_graph.input] == ["hidden"]
+    assert [o.name for o in exit_graph.output] == ["exit_ids", "exit_logprobs"]
+    ops = [n.op_type for n in exit_graph.node]
+    assert ops.count("MatMulNBits") == 1 and "MatMul" not in ops and "TopK" in ops
 
 
 def test_onnx_int8_draft_agrees_with_fp32(onnx_int8_bundle):
