@@ -263,7 +263,12 @@ def _load_torch(paths, manifest, config, spec: DeviceSpec, budget: WorkerBudget)
     device = "cpu" if spec.device == "cpu" else f"cuda:{spec.index or 0}"
     if len(paths) == 1:
         return TorchModel(model, device)
-    return TorchSplitTarget(model, manifest.exit_layer, manifest.kappa, device)
+    adapter = None
+    if manifest.exit_adapter:  # torch bundles carry the adapter file beside the weights
+        from mirror_rt.models.exit_adapter import load_exit_adapter
+
+        adapter = load_exit_adapter(Path(paths[0]).parent / manifest.exit_adapter["file"], model, manifest.exit_layer)
+    return TorchSplitTarget(model, manifest.exit_layer, manifest.kappa, device, exit_adapter=adapter)
 
 
 def load_tokenizer(folder: Path, manifest):
