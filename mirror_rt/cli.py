@@ -326,7 +326,8 @@ def format_stats(stats: dict) -> str:
                      f"{stats['side_branch_hits']}, wrong {stats['misses']}, not ready {stats['not_ready']}); "
                      f"early-exit coverage {stats['early_exit_coverage']}; hidden draft share "
                      f"{stats['hidden_draft_share']:.2f}")
-        lines.append(f"ms per step: {phases}; latency model {stats['predicted_step_ms']:.1f} ms predicted, "
+        lines.append(f"ms per step: {phases}; latency model {stats['predicted_step_ms']:.1f} ms predicted "
+                     f"(pipelined form {stats['predicted_step_ms_pipelined']:.1f}), "
                      f"{stats['measured_step_ms']:.1f} ms measured")
     for event in stats.get("events", []):
         lines.append(f"event: {event}")

@@ -51,6 +51,7 @@ def summarize(answers: dict[str, list[Answer]], baseline: str) -> dict:
             "reuse_hit_rate": _round(_mean_stat(items, "reuse_hit_rate")),
             "hidden_draft_share": _round(_mean_stat(items, "hidden_draft_share")),
             "predicted_step_ms": _round(_mean_stat(items, "predicted_step_ms")),
+            "predicted_step_ms_pipelined": _round(_mean_stat(items, "predicted_step_ms_pipelined")),
             "measured_step_ms": _round(_mean_stat(items, "measured_step_ms")),
         } for m, items in by_method.items()}
     return table
@@ -63,7 +64,7 @@ def _round(x, digits: int = 3):
 def markdown_table(summary: dict, methods: list[str]) -> str:
     """One table: a row per category and method."""
     head = ("| category | method | questions | tokens/s | speedup | mean accepted length | reuse hit rate | "
-            "hidden draft share | latency model: predicted / measured ms per step |")
+            "hidden draft share | ms per step: predicted (§5) / predicted (pipelined) / measured |")
     lines = [head, "|" + "---|" * 9]
     categories = sorted(c for c in summary if c != "overall") + ["overall"]
     for category in categories:
@@ -71,7 +72,8 @@ def markdown_table(summary: dict, methods: list[str]) -> str:
             f = summary[category].get(m)
             if f is None:
                 continue
-            model = (f"{f['predicted_step_ms']:.1f} / {f['measured_step_ms']:.1f}"
+            pipelined = f.get("predicted_step_ms_pipelined")
+            model = (f"{f['predicted_step_ms']:.1f} / {_fmt(pipelined)} / {f['measured_step_ms']:.1f}"
                      if f["predicted_step_ms"] is not None else "")
             lines.append(f"| {category} | {m} | {f['questions']} | {f['tokens_per_s']:.1f} | "
                          f"{_fmt(f['speedup'], 'x')} | {_fmt(f['mean_accepted_length'])} | "

@@ -42,3 +42,25 @@ def test_cli_preset_and_file(tmp_path):
     out = subprocess.run([sys.executable, "-m", "mirror_rt.cli", "simulate", "--config", str(bad)],
                          capture_output=True, text=True)
     assert out.returncode == 2 and "mirror-rt: error: simulate:" in out.stderr
+
+
+def test_mirror_stats_latency_model_hand_computed():
+    """Per step: prefix 10, suffix 20, rollout 40, wait 6 (of which fresh 4), 1 miss in 4 verdicts.
+
+    §5 form: 10 + (6 - 4)/2 + max(20, 40)/... with 2 steps: prefix 5, suffix 10, rollout 20 per step,
+    rendezvous (6 - 4) / 2 = 1, P(miss) = 1/4, T_fresh = 4 / 1 -> 5 + 1 + 20 + 1 = 27 ms;
+    pipelined: 1 + max(5 + 10, 20) + 1 = 22 ms.
+    """
+    from mirror_rt.runtime.draft_worker import DraftStats
+    from mirror_rt.runtime.metrics import Metrics
+    from mirror_rt.runtime.mirror_stats import mirror_summary
+
+    m = Metrics()
+    m.record_step(2, 2)
+    m.record_step(2, 1)
+    m.stage_seconds = {"target_prefix": 0.010, "target_suffix": 0.020, "target_wait": 0.006}
+    d = DraftStats(main_hits=3, misses=1, rollout_s=0.040, fresh_s=0.004, forwards=7)
+    out = mirror_summary(m, d, {"exit_covered": 0, "corrections": 1, "busy": [], "fallback_steps": 0, "exit_steps": 2})
+    assert out["predicted_step_ms"] == pytest.approx(27.0)
+    assert out["predicted_step_ms_pipelined"] == pytest.approx(22.0)
+    assert out["reuse_hit_rate"] == 0.75 and out["mean_window"] == 2.0
