@@ -57,7 +57,7 @@ class ExportConfig:
     draft_ref: str | None = None  # None: the target itself with `draft_weights`
     exit_layer: int | None = None  # None: N // 2
     kappa: int = 8  # early-exit top-k per position
-    fmt: str = "openvino"  # "openvino" | "onnx" | "torch"
+    fmt: str = "onnx"  # "onnx" | "openvino" | "torch" (onnx: exact and fastest on CPU here)
     weights: str = "fp32"  # target weights
     draft_weights: str = "int8"  # draft weights
     static: bool = False  # fixed shapes (NPU); OpenVINO only
@@ -117,7 +117,7 @@ def resolve_limits(cfg: ExportConfig, model_config) -> Limits:
 
 
 def export_bundle(model_ref: str | None, out_dir, draft_ref: str | None = None, exit_layer: int | None = None,
-                  kappa: int = 8, fmt: str = "openvino", weights: str = "fp32", draft_weights: str = "int8",
+                  kappa: int = 8, fmt: str = "onnx", weights: str = "fp32", draft_weights: str = "int8",
                   static: bool = False, max_context: int | None = None, max_window: int | None = None,
                   progress: bool = True, exit_adapter: str | None = None, exit_weights: str = "int8") -> Path:
     """Export a bundle (see module docstring); returns the bundle folder."""

@@ -156,7 +156,7 @@ def _add_export(sub) -> None:
     export.add_argument("--draft", help="draft model (default: the target itself, with --draft-weights)")
     export.add_argument("--exit-layer", type=_positive_int, help="early-exit layer (default N/2)")
     export.add_argument("--kappa", type=_positive_int, default=8, help="early-exit candidates per position")
-    export.add_argument("--format", default="openvino", help="openvino | onnx | torch")
+    export.add_argument("--format", default="onnx", help="onnx (default: exact and fastest on CPU here) | openvino | torch")
     export.add_argument("--weights", default="fp32", help="target weights: fp32 | fp16 | int8 | int4")
     export.add_argument("--draft-weights", default="int8", help="draft weights: fp32 | fp16 | int8 | int4")
     export.add_argument("--exit-weights", default="int8", help="early-exit head weights: fp32 | int8 (it only "

@@ -138,7 +138,7 @@ def test_openvino_bundle_carries_adapter(tmp_path):
         # full-precision exit head (where the exit weights are an option), so log-probs compare tightly
         extra = {"exit_weights": "fp32"} if "exit_weights" in inspect.signature(export_bundle).parameters else {}
         # fp32 draft: nncf's int8 compression leaves worker threads behind (test_mirror counts threads)
-        folder = export_bundle("tiny", tmp_path / "ov", kappa=4, exit_adapter=str(tmp_path / "exit"),
+        folder = export_bundle("tiny", tmp_path / "ov", fmt="openvino", kappa=4, exit_adapter=str(tmp_path / "exit"),
                                draft_weights="fp32", progress=False, **extra)
     manifest = read_manifest(folder)
     assert manifest.exit_adapter["in_graph"] and manifest.exit_adapter["rank"] == 8

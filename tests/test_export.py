@@ -31,6 +31,7 @@ PROMPT = [5, 17, 42, 9, 80, 33, 61, 2, 14, 99, 7]
 def _export(path, **kwargs):
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
+        kwargs.setdefault("fmt", "openvino")
         return export_bundle("tiny", path, progress=False, **kwargs)
 
 
@@ -117,7 +118,7 @@ def test_missing_manifest_refused(tmp_path):
 def test_limits_validated_before_exporting(tmp_path, kwargs, flag):
     """Bad options fail with a message naming the flag, and nothing is written."""
     with pytest.raises(ExportError, match=flag):
-        export_bundle("tiny", tmp_path / "out", progress=False, **kwargs)
+        export_bundle("tiny", tmp_path / "out", progress=False, **{"fmt": "openvino", **kwargs})
     assert not (tmp_path / "out" / "manifest.json").exists()
 
 
@@ -166,7 +167,7 @@ def default_model():
 def test_default_bundle_exports_fast_and_matches_torch(default_model, tmp_path):
     """The default bundle exports in < 5 min; its split target equals torch; SD equals AR."""
     start = time.perf_counter()
-    folder = export_bundle(None, tmp_path / "default", progress=False)
+    folder = export_bundle(None, tmp_path / "default", fmt="openvino", progress=False)
     assert time.perf_counter() - start < 300
     target, draft, tokenizer, manifest = load_bundle(folder, "openvino:CPU", "openvino:CPU", strict=True)
     assert manifest.exit_layer == 15 and manifest.graph("draft").precision == "int8"
