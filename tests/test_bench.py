@@ -77,3 +77,22 @@ def test_smoke_run_writes_everything(tmp_path):
     assert len(read_answers(out / "answers" / "mirror.jsonl")) == 2
     assert (out / "speedup.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     assert "| overall | mirror |" in (out / "report.md").read_text()
+
+
+def test_hf_assisted_smoke(tmp_path):
+    """transformers' assisted generation on a tiny HF folder: runs and matches our greedy ar."""
+    from conftest import write_hf_folder
+
+    folder = write_hf_folder(tmp_path / "m")
+    cfg = json.loads((folder / "tokenizer_config.json").read_text())
+    cfg["chat_template"] = "{% for m in messages %}{{ m['content'] }} {% endfor %}"
+    (folder / "tokenizer_config.json").write_text(json.dumps(cfg))
+    data = write_questions(tmp_path / "q.jsonl", [{"question_id": 1, "category": "a", "turns": ["w5 w6 w7"]},
+                                                 {"question_id": 2, "category": "b", "turns": ["w9 w3"]}])
+    proc = subprocess.run([sys.executable, "-m", "mirror_rt.cli", "bench", "--data", str(data), "--model", str(folder),
+                           "--methods", "ar,hf-assisted", "--max-new-tokens", "8", "--out", str(tmp_path / "out")],
+                          capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr
+    doc = json.loads((tmp_path / "out" / "summary.json").read_text())
+    assert doc["summary"]["overall"]["hf-assisted"]["questions"] == 2
+    assert "hf-assisted" in doc["mismatches"]  # counted and reported, whatever the number
