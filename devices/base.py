@@ -22,6 +22,23 @@ class Cache(Protocol):
     def rollback(self, length: int) -> None: ...  # forget positions >= length
 
 
+class CacheBounds:
+    """Checks shared by backend caches (subclasses provide `length` and `capacity`)."""
+
+    def check_room(self, num_tokens: int) -> None:
+        """Raise CacheFull when `num_tokens` more positions would pass the capacity."""
+        from mirror_rt.runtime.kv_cache import CacheFull
+
+        if self.length + num_tokens > self.capacity:
+            raise CacheFull(f"KV cache full: {self.length + num_tokens} positions needed, "
+                            f"capacity {self.capacity}")
+
+    def check_rollback(self, length: int) -> None:
+        """Raise ValueError unless 0 <= length <= self.length."""
+        if not 0 <= length <= self.length:
+            raise ValueError(f"cannot roll back to {length}: cache holds {self.length} positions")
+
+
 class LoadedModel(Protocol):
     """A model ready to run on one device."""
 

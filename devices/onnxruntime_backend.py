@@ -15,7 +15,8 @@ from collections.abc import Sequence
 from pathlib import Path
 
 import numpy as np
-from mirror_rt.runtime.kv_cache import CacheFull
+
+from mirror_rt.devices.base import CacheBounds
 
 # Short provider names of device strings (`ort:qnn`) -> ONNX Runtime execution providers.
 PROVIDERS = {"cpu": "CPUExecutionProvider", "cuda": "CUDAExecutionProvider", "qnn": "QNNExecutionProvider",
@@ -77,7 +78,7 @@ class ORTGraph:
         return head, outputs[self.n_head_outputs:]
 
 
-class ORTCache:
+class ORTCache(CacheBounds):
     """Host KV arrays of one or more graphs of the same model."""
 
     def __init__(self, graphs: list[ORTGraph], capacity: int):
@@ -90,15 +91,9 @@ class ORTCache:
         """Positions committed (by the first graph; the suffix may lag by `hidden` rows)."""
         return self.kv[0][0].shape[2]
 
-    def check_room(self, num_tokens: int) -> None:
-        if self.length + num_tokens > self.capacity:
-            raise CacheFull(f"KV cache full: {self.length + num_tokens} positions needed, "
-                            f"capacity {self.capacity}")
-
     def rollback(self, length: int) -> None:
         """Forget positions >= length in every graph (array views, O(1))."""
-        if not 0 <= length <= self.length:
-            raise ValueError(f"cannot roll back to {length}: cache holds {self.length} positions")
+        self.check_rollback(length)
         self.kv = [[a[:, :, :length] for a in kv] for kv in self.kv]
         if self.hidden is not None:  # keep the pending rows that survive the rollback
             keep = length - self.kv[-1][0].shape[2]

@@ -16,7 +16,8 @@ from collections.abc import Sequence
 from pathlib import Path
 
 import numpy as np
-from mirror_rt.runtime.kv_cache import CacheFull
+
+from mirror_rt.devices.base import CacheBounds
 
 
 def _openvino():
@@ -90,7 +91,7 @@ def _make_stateful(model, kv_shape: tuple[int, int]) -> None:
     apply_make_stateful_transformation(model, {n: n.replace("past_", "present_", 1) for n in past})
 
 
-class OVCache:
+class OVCache(CacheBounds):
     """KV state of one or more infer requests (one per graph of the same model)."""
 
     def __init__(self, requests: list, capacity: int, static: bool):
@@ -105,15 +106,9 @@ class OVCache:
         """Positions committed (by the first graph; the suffix may lag by `hidden` rows)."""
         return self.filled[0]
 
-    def check_room(self, num_tokens: int) -> None:
-        if self.length + num_tokens > self.capacity:
-            raise CacheFull(f"KV cache full: {self.length + num_tokens} positions needed, "
-                            f"capacity {self.capacity}")
-
     def rollback(self, length: int) -> None:
         """Forget positions >= length in every graph: trim each state (dynamic) or O(1) (static)."""
-        if not 0 <= length <= self.length:
-            raise ValueError(f"cannot roll back to {length}: cache holds {self.length} positions")
+        self.check_rollback(length)
         for i, request in enumerate(self.requests):
             if self.filled[i] > length:
                 if not self.static:

@@ -13,14 +13,18 @@ import sys
 from mirror_rt.runtime.config import MODES
 
 
-def _positive_int(text: str) -> int:
+def _whole(text: str, minimum: int, expected: str = "a whole number") -> int:
     try:
         value = int(text)
     except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a whole number, got '{text}'") from None
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"must be >= 1, got {value}")
+        raise argparse.ArgumentTypeError(f"expected {expected}, got '{text}'") from None
+    if value < minimum:
+        raise argparse.ArgumentTypeError(f"must be >= {minimum}, got {value}")
     return value
+
+
+def _positive_int(text: str) -> int:
+    return _whole(text, 1)
 
 
 def _number(text: str) -> float:
@@ -31,15 +35,7 @@ def _number(text: str) -> float:
 
 
 def _budget(text: str) -> int | None:
-    if text == "auto":
-        return None
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected 'auto' or a whole number, got '{text}'") from None
-    if value < 0:
-        raise argparse.ArgumentTypeError(f"must be >= 0, got {value}")
-    return value
+    return None if text == "auto" else _whole(text, 0, "'auto' or a whole number")
 
 
 def build_parser() -> argparse.ArgumentParser:

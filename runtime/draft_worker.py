@@ -26,7 +26,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from mirror_rt.runtime.branches import exit_distribution, rank_roots, top_alternatives
-from mirror_rt.runtime.messages import STOP, EarlyExit, Fault, Start, Verdict, Window
+from mirror_rt.runtime.messages import STOP, EarlyExit, Fault, Verdict, Window
 from mirror_rt.runtime.sampling import SamplingConfig, choose
 
 
