@@ -68,7 +68,7 @@ class Line:
 
     tokens: list[int] = field(default_factory=list)
     q: list = field(default_factory=list)  # per token q row [vocab] or None (greedy)
-    alts: list = field(default_factory=list)  # per token {token: prob} of the draft's choices
+    rows: list = field(default_factory=list)  # per token the row it was chosen from: q, or logits when greedy
     guesses: list[int] = field(default_factory=list)  # SS stream guesses after the last token (unverified)
 
 
@@ -179,7 +179,7 @@ class DraftWorker:
                 self.k_cap = min(self.settings.gamma, self.k_cap + 2) if full else max(1, self.k_cap - 1)
         self.committed += line.tokens[:a] + [c]
         if len(line.tokens) > a and line.tokens[a] == c:
-            self.line = Line(line.tokens[a + 1:], line.q[a + 1:], line.alts[a + 1:], line.guesses)
+            self.line = Line(line.tokens[a + 1:], line.q[a + 1:], line.rows[a + 1:], line.guesses)
             self.stats.main_hits += bool(self.line.tokens)
             self.stats.not_ready += not self.line.tokens
         elif (a, c) in self.branches:
@@ -229,7 +229,8 @@ class DraftWorker:
         if settings.branch_budget is None and not self._fits_before_verdict():
             return False
         window = self.line.tokens[:k]
-        roots = rank_roots(window, self.line.tokens[k], self.line.alts[:k + 1], self.exit_rows, self.acceptance)
+        alternatives = [self._alternatives(row) for row in self.line.rows[:k + 1]]
+        roots = rank_roots(window, self.line.tokens[k], alternatives, self.exit_rows, self.acceptance)
         root = next((r for r in roots if (r.depth, r.token) not in self.branches), None)
         if root is None:
             return False
@@ -248,13 +249,7 @@ class DraftWorker:
             return self._extend_with_streams(line, context)
         logits = self._logits_after(context + line.tokens)
         token, q = choose(logits, self.settings.sampling, self.rng)
-        if q is None and self.settings.alternatives:
-            q_alts = _softmax(logits)
-        else:
-            q_alts = q
-        line.tokens.append(token)
-        line.q.append(q)
-        line.alts.append(top_alternatives(q_alts, self.settings.alternatives + 1) if q_alts is not None else {})
+        _append(line, token, q, logits if q is None else q)
 
     def _extend_with_streams(self, line: Line, context: list[int]) -> None:
         """One SS forward: confirm the pending guesses, add them and the next token, guess again."""
@@ -270,20 +265,23 @@ class DraftWorker:
             self.cache.rollback(self.cache.length - (len(guesses) - n))
             del self.cache_tokens[self.cache.length:]
             self.stats.rollbacks += 1
-        for i in range(n + 1):
-            row = main[offset + i]
-            line.tokens.append(int(np.argmax(row)))
-            line.q.append(None)
-            line.alts.append(top_alternatives(_softmax(row), self.settings.alternatives + 1)
-                             if self.settings.alternatives else {})
+        for row in main[offset:offset + n + 1]:
+            _append(line, int(np.argmax(row)), None, row)
         line.guesses = [int(t) for t in np.argmax(streams[offset + n], axis=-1)]
+
+    def _alternatives(self, row) -> dict[int, float]:
+        """The draft's most likely choices at one depth (derived only when roots are ranked)."""
+        if not self.settings.alternatives:
+            return {}
+        probs = row if not self.settings.sampling.greedy else _softmax(row)
+        return top_alternatives(probs, self.settings.alternatives + 1)
 
     def _rollback_to_prefix(self, context: list[int]) -> None:
         """Keep the longest cached prefix of `context` that leaves its last token unfed."""
         n = min(len(self.cache_tokens), len(context) - 1)
-        same = 0
-        while same < n and self.cache_tokens[same] == context[same]:
-            same += 1
+        same = n
+        if self.cache_tokens[:n] != context[:n]:  # compared in C; the common case is a plain extension
+            same = int(np.argmax(np.asarray(self.cache_tokens[:n]) != np.asarray(context[:n])))
         if same < len(self.cache_tokens):
             self.cache.rollback(same)
             self.stats.rollbacks += 1
@@ -308,6 +306,13 @@ class DraftWorker:
             self.forward_s = 0.8 * self.forward_s + 0.2 * (t1 - t0) if self.forward_s else t1 - t0
         self.cache_tokens.extend(tokens)
         return logits
+
+
+def _append(line: Line, token: int, q, row) -> None:
+    """Add one drafted token with its q (None when greedy) and the row it was chosen from."""
+    line.tokens.append(token)
+    line.q.append(q)
+    line.rows.append(row)
 
 
 def _softmax(logits: np.ndarray) -> np.ndarray:
