@@ -1,9 +1,10 @@
 """Committed token ids to streamed text, with end-of-sequence and stop-string handling.
 
 Tokens arrive as the decoder commits them; `push` returns the text that is now final.
-Text is held back while it ends in an incomplete UTF-8 sequence (U+FFFD from a split
-multi-byte character) or could still be the start of a stop string, so nothing printed is
-ever taken back. It knows nothing about models or speculation.
+Decoding is incremental (only the tokens since the last stable point are decoded, so a token
+costs O(1), not O(length)). Text is held back while it ends in an incomplete UTF-8 sequence
+(U+FFFD from a split multi-byte character) or could still be the start of a stop string, so
+nothing printed is ever taken back. It knows nothing about models or speculation.
 """
 
 from __future__ import annotations
@@ -20,6 +21,9 @@ class TextStream:
         self.stop_strings = tuple(stop_strings)
         self.tokens: list[int] = []  # delivered tokens (EOS excluded)
         self.emitted = 0  # characters of the decoded text already returned
+        self.decoded = ""  # the text of tokens[:read_offset], stable
+        self.prefix_offset = 0  # tokens decoded again as context of the next piece
+        self.read_offset = 0  # tokens whose text is in `decoded`
         self.text = ""  # the final text once done
         self.stop_reason: str | None = None  # "eos" | "stop_string" once done
 
@@ -35,7 +39,11 @@ class TextStream:
             self.stop_reason = "eos"
             return self.flush()
         self.tokens.append(token)
-        decoded = self.tokenizer.decode(self.tokens)
+        piece = self._new_text()
+        if piece and not piece.endswith("\ufffd"):  # a split multi-byte character waits for its rest
+            self.decoded += piece
+            self.prefix_offset, self.read_offset = self.read_offset, len(self.tokens)
+        decoded = self.decoded
         hit = self._find_stop(decoded)
         if hit is not None:
             self.stop_reason = "stop_string"
@@ -45,10 +53,15 @@ class TextStream:
 
     def flush(self) -> str:
         """End of generation: release any held-back text."""
-        decoded = self.tokenizer.decode(self.tokens)
         if self.stop_reason == "stop_string":
             return ""
-        return self._emit(decoded)
+        return self._emit(self.decoded + self._new_text())
+
+    def _new_text(self) -> str:
+        """Text the tokens after `read_offset` add (decoded with a little context before them)."""
+        before = self.tokenizer.decode(self.tokens[self.prefix_offset:self.read_offset])
+        after = self.tokenizer.decode(self.tokens[self.prefix_offset:])
+        return after[len(before):] if len(after) > len(before) else ""
 
     def _emit(self, final: str) -> str:
         piece = final[self.emitted:] if len(final) > self.emitted else ""
@@ -65,10 +78,8 @@ class TextStream:
         return min(hits) if hits else None
 
     def _unsafe_suffix(self, decoded: str) -> int:
-        """Characters at the end that may still change or begin a stop string."""
+        """Characters at the end that may still begin a stop string."""
         hold = 0
-        while hold < len(decoded) and decoded[len(decoded) - 1 - hold] == "\ufffd":
-            hold += 1
         for s in self.stop_strings:
             for n in range(min(len(s) - 1, len(decoded)), 0, -1):
                 if decoded.endswith(s[:n]):
