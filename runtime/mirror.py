@@ -43,6 +43,10 @@ class MirrorSettings:
     target_cpu: int | None = None  # pin the target (caller) thread to this core
     draft_cpu: int | None = None  # pin the draft thread to this core
 
+    def __post_init__(self):
+        if self.early_exit not in ("on", "off", "auto"):
+            raise ValueError(f"--early-exit must be on, off or auto, got {self.early_exit!r}")
+
 
 class DraftFailure(Exception):
     """The draft worker is unusable; carries the reason for the stats."""
@@ -60,8 +64,6 @@ def mirror_generate(target, draft, prompt: Sequence[int], max_new_tokens: int, s
     worker = DraftWorker(draft, prompt, len(prompt) + budget + 2 * settings.gamma + 16, DraftSettings(
         gamma=settings.gamma, sampling=settings.sampling, seed=settings.seed, branch_budget=settings.branch_budget,
         min_window=settings.min_window, adaptive_gamma=settings.adaptive_gamma, cpu=settings.draft_cpu))
-    if settings.early_exit not in ("on", "off", "auto"):
-        raise ValueError(f"--early-exit must be on, off or auto, got {settings.early_exit!r}")
     step = _TargetStep(target, settings, metrics, worker)
     previous_affinity = _pin(settings.target_cpu)
     previous_threads = _set_threads(target, 1 if settings.target_cpu is not None else None)

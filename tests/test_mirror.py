@@ -188,3 +188,8 @@ def test_early_exit_modes_equal_reference(early_exit):
     assert got == flat(generate(TorchModel(target), [9, 8, 7], 40))
     exit_steps = metrics.extra["early_exit_steps"]
     assert (exit_steps == 0) if early_exit == "off" else (exit_steps > 0)
+
+
+def test_bad_early_exit_setting_refused():
+    with pytest.raises(ValueError, match="--early-exit must be on, off or auto"):
+        MirrorSettings(early_exit="sometimes")
