@@ -174,10 +174,8 @@ class SplitGraph(nn.Module):
             q, k = attn.q_norm(q), attn.k_norm(k)
         q, k = apply_rope(q, *rope), apply_rope(k, *rope)
         keys, values = self._write(past_k, k, positions), self._write(past_v, v, positions)
-        rep = self.n_heads // self.n_kv_heads
-        out = F.scaled_dot_product_attention(q.unsqueeze(0), _repeat_kv(keys, rep), _repeat_kv(values, rep),
-                                             attn_mask=mask)  # [1, H, T, D]
-        x = x + attn.o_proj(out[0].transpose(0, 1).reshape(-1, self.n_heads * self.head_dim))
+        out = _grouped_attention(q, keys, values, mask)  # [T, H*D]
+        x = x + attn.o_proj(out)
         x = x + block.mlp(block.post_attention_layernorm(x))
         return x, keys, values
 
@@ -189,11 +187,21 @@ class SplitGraph(nn.Module):
         return torch.scatter(past, 2, index, new.unsqueeze(0))
 
 
-def _repeat_kv(kv: torch.Tensor, rep: int) -> torch.Tensor:
-    """[1, KVH, S, D] -> [1, KVH*rep, S, D] (grouped-query attention)."""
-    if rep == 1:
-        return kv
-    return kv.unsqueeze(2).expand(-1, -1, rep, -1, -1).flatten(1, 2)
+def _grouped_attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor,
+                       mask: torch.Tensor) -> torch.Tensor:
+    """q [H, T, D] over keys/values [1, KVH, S, D] with mask [T, S] -> [T, H*D].
+
+    Grouped-query attention without copying K and V once per query head: the rep query
+    heads sharing a KV head are stacked as rep*T rows against it (head h = kvh*rep + r, as
+    in the torch model). Traced graphs would otherwise materialise [1, H, S, D] copies of
+    the whole cache on every call (measured: most of the context-dependent cost).
+    """
+    H, T, D = q.shape
+    kvh = keys.shape[1]
+    rep = H // kvh
+    grouped = q.reshape(1, kvh, rep * T, D)  # rows r*T + t of kv head kvh
+    out = F.scaled_dot_product_attention(grouped, keys, values, attn_mask=mask.repeat(rep, 1))
+    return out.reshape(H, T, D).transpose(0, 1).reshape(T, H * D)
 
 
 def graph_spec(role: str, n_layers: int, exit_layer: int, kappa: int, static: bool = False,
