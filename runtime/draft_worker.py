@@ -26,6 +26,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from mirror_rt.runtime.branches import exit_distribution, rank_roots, top_alternatives
+from mirror_rt.runtime.lookup import lookup_guesses
 from mirror_rt.runtime.messages import STOP, EarlyExit, Fault, Verdict, Window
 from mirror_rt.runtime.sampling import SamplingConfig, choose
 
@@ -43,6 +44,7 @@ class DraftSettings:
     min_window: int = 1  # send a precomputed window once it has this many tokens
     adaptive_gamma: bool = True  # adapt the window cap online: +2 after a full accept, -1 after a reject
     cpu: int | None = None  # pin the worker thread to this core (Linux)
+    lookup: int = 3  # greedy: prompt-lookup guesses checked per forward (runtime.lookup); 0 = off
 
 
 @dataclass
@@ -57,6 +59,8 @@ class DraftStats:
     branches_rolled: int = 0
     forwards: int = 0  # draft forwards after prefill
     rollbacks: int = 0  # cache rollbacks (a cost of their own on stateful backends)
+    guessed: int = 0  # prompt-lookup guesses fed
+    guesses_kept: int = 0  # of them, confirmed by the draft's own greedy choice
     rollout_s: float = 0.0  # forwards before the verdict (overlapping the target)
     fresh_s: float = 0.0  # forwards after the verdict, before sending (critical path)
     busy: list[tuple[float, float]] = field(default_factory=list)  # forward intervals
@@ -247,16 +251,37 @@ class DraftWorker:
         """Draft one more token of `line` (several with SS streams), which continues `context`."""
         if self.settings.sampling.greedy and hasattr(self.draft, "forward_streams"):
             return self._extend_with_streams(line, context)
+        if self.settings.sampling.greedy and self.settings.lookup:
+            return self._extend_with_lookup(line, context)
         logits = self._logits_after(context + line.tokens)
         token, q = choose(logits, self.settings.sampling, self.rng)
         _append(line, token, q, logits if q is None else q)
 
     def _extend_with_streams(self, line: Line, context: list[int]) -> None:
         """One SS forward: confirm the pending guesses, add them and the next token, guess again."""
-        full, guesses = context + line.tokens, list(line.guesses)
+        streams, offset, n = self._feed_with_guesses(line, context, list(line.guesses), streams=True)
+        line.guesses = [int(t) for t in np.argmax(streams[offset + n], axis=-1)]
+
+    def _extend_with_lookup(self, line: Line, context: list[int]) -> None:
+        """One forward with prompt-lookup guesses after the line (runtime.lookup); keeps the right ones."""
+        settings = self.settings
+        wanted = self.in_flight + 1 + self.k_cap if line is self.line else settings.branch_length or settings.gamma
+        room = wanted - len(line.tokens) - 1  # guesses the line can still use after its next token
+        guesses = lookup_guesses(context + line.tokens, min(settings.lookup, room)) if room > 0 else []
+        self.stats.guessed += len(guesses)
+        _, _, n = self._feed_with_guesses(line, context, guesses)
+        self.stats.guesses_kept += n
+
+    def _feed_with_guesses(self, line: Line, context: list[int], guesses: list[int], streams: bool = False):
+        """Feed the line's unfed tokens plus `guesses`; append the next token and every confirmed guess.
+
+        Returns (stream logits or None, the row predicting the token after the line, guesses kept).
+        """
+        full = context + line.tokens
         self._rollback_to_prefix(full)
         feed = full[len(self.cache_tokens):] + guesses
-        main, streams = self._feed(feed, streams=True)
+        out = self._feed(feed, streams=streams)
+        main, stream_rows = out if streams else (out, None)
         offset = len(feed) - len(guesses) - 1  # the row that predicts the token after `full`
         n = 0
         while n < len(guesses) and int(np.argmax(main[offset + n])) == guesses[n]:
@@ -267,7 +292,7 @@ class DraftWorker:
             self.stats.rollbacks += 1
         for row in main[offset:offset + n + 1]:
             _append(line, int(np.argmax(row)), None, row)
-        line.guesses = [int(t) for t in np.argmax(streams[offset + n], axis=-1)]
+        return stream_rows, offset, n
 
     def _alternatives(self, row) -> dict[int, float]:
         """The draft's most likely choices at one depth (derived only when roots are ranked)."""

@@ -42,6 +42,7 @@ class MirrorSettings:
     draft_timeout_s: float = 10.0  # a draft silent this long is declared dead
     target_cpu: int | None = None  # pin the target (caller) thread to this core
     draft_cpu: int | None = None  # pin the draft thread to this core
+    lookup: int = 3  # greedy: prompt-lookup guesses the draft checks per forward (runtime.lookup); 0 = off
 
     def __post_init__(self):
         if self.early_exit not in ("on", "off", "auto"):
@@ -63,7 +64,8 @@ def mirror_generate(target, draft, prompt: Sequence[int], max_new_tokens: int, s
     # headroom beyond the committed text: the window in flight, the bonus guess, the next window, SS guesses
     worker = DraftWorker(draft, prompt, len(prompt) + budget + 2 * settings.gamma + 16, DraftSettings(
         gamma=settings.gamma, sampling=settings.sampling, seed=settings.seed, branch_budget=settings.branch_budget,
-        min_window=settings.min_window, adaptive_gamma=settings.adaptive_gamma, cpu=settings.draft_cpu))
+        min_window=settings.min_window, adaptive_gamma=settings.adaptive_gamma, cpu=settings.draft_cpu,
+        lookup=settings.lookup))
     step = _TargetStep(target, settings, metrics, worker)
     previous_affinity = _pin(settings.target_cpu)
     previous_threads = _set_threads(target, 1 if settings.target_cpu is not None else None)

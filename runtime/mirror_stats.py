@@ -66,4 +66,5 @@ def mirror_summary(metrics, draft_stats, counters: dict) -> dict:
         "mean_window": round(sum(metrics.proposed_at) / steps, 3),  # draft tokens verified per step
         "draft_forwards_per_token": round((draft_stats.forwards - 1) / max(1, metrics.committed), 3),
         "draft_rollbacks_per_step": round(draft_stats.rollbacks / steps, 3),
+        "lookup_guesses_kept": f"{draft_stats.guesses_kept}/{draft_stats.guessed}",
     }

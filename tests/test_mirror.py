@@ -193,3 +193,17 @@ def test_early_exit_modes_equal_reference(early_exit):
 def test_bad_early_exit_setting_refused():
     with pytest.raises(ValueError, match="--early-exit must be on, off or auto"):
         MirrorSettings(early_exit="sometimes")
+
+
+def test_lookup_guesses_change_cost_not_output():
+    """Prompt-lookup guesses are checked against the draft's own choice: kept or not, the output is the same."""
+    target = tiny_target(seed=13)
+    draft = perturbed_copy(target, noise=0.1, seed=14)
+    prompt = [4, 9, 4, 9, 4, 9, 11, 12, 4, 9]  # repetitive: the tiny models copy it often
+    expected = flat(generate(TorchModel(target), prompt, 60))
+    runs = {lookup: run_mirror(SlowSuffix(target), TorchModel(draft), prompt, 60, gamma=4, lookup=lookup)
+            for lookup in (0, 3)}
+    assert all(got == expected for got, _ in runs.values())
+    kept, fed = map(int, runs[3][1].extra["lookup_guesses_kept"].split("/"))
+    assert 0 < kept  # the guesses were used, so this test exercises them
+    assert runs[0][1].extra["lookup_guesses_kept"] == "0/0"

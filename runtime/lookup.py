@@ -1,0 +1,30 @@
+"""Prompt-lookup guesses: what followed the latest earlier occurrence of the text's last n-gram.
+
+The draft worker feeds these guesses after its next token and checks them against its own
+greedy choice in the same forward (as it checks SS stream guesses): a right guess is a draft
+token that cost a row of a batched forward instead of a whole forward, a wrong one is
+discarded. The draft's output is unchanged either way; only its cost moves. Text that repeats
+its context (summaries, retrieval answers, code edits, lists, names) profits most.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+
+def lookup_guesses(tokens: list[int], max_guesses: int, max_ngram: int = 3, min_ngram: int = 2) -> list[int]:
+    """Up to `max_guesses` tokens that followed the most recent earlier match of the last n-gram.
+
+    Longer n-grams are tried first (max_ngram down to min_ngram); [] when nothing matches.
+    """
+    if max_guesses < 1 or len(tokens) <= min_ngram:
+        return []
+    text = np.asarray(tokens, dtype=np.int64)
+    for n in range(min(max_ngram, len(text) - 1), min_ngram - 1, -1):
+        tail = text[-n:]
+        windows = np.lib.stride_tricks.sliding_window_view(text[:-1], n)  # n-grams ending before the last token
+        starts = np.flatnonzero((windows == tail).all(axis=1))
+        if starts.size:
+            follow = int(starts[-1]) + n
+            return [int(t) for t in text[follow:follow + max_guesses]]
+    return []

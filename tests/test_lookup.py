@@ -1,0 +1,21 @@
+"""Prompt-lookup guesses (runtime.lookup)."""
+
+from mirror_rt.runtime.lookup import lookup_guesses
+
+
+def test_follows_the_latest_match_of_the_longest_ngram():
+    text = [1, 2, 3, 9, 9, 2, 3, 7, 8, 4, 2, 3]
+    # the trigram (4, 2, 3) never occurred before; the bigram (2, 3) last occurred at 5..6, followed by 7, 8
+    assert lookup_guesses(text, 2) == [7, 8]
+    assert lookup_guesses(text, 10) == [7, 8, 4, 2, 3]  # runs to the end of the text
+
+
+def test_longer_ngram_wins_over_a_more_recent_shorter_one():
+    text = [5, 1, 2, 6, 0, 2, 7, 5, 1, 2]
+    assert lookup_guesses(text, 1) == [6]  # (5, 1, 2) at 0..2, not the later (2,) or (1, 2) alone
+
+
+def test_nothing_when_no_ngram_repeats_or_no_room():
+    assert lookup_guesses([1, 2, 3, 4], 3) == []
+    assert lookup_guesses([1, 2, 1, 2], 0) == []
+    assert lookup_guesses([], 3) == [] and lookup_guesses([7], 3) == []
