@@ -34,6 +34,10 @@ def _number(text: str) -> float:
         raise argparse.ArgumentTypeError(f"expected a number, got '{text}'") from None
 
 
+def _count(text: str) -> int:
+    return _whole(text, 0)
+
+
 def _budget(text: str) -> int | None:
     return None if text == "auto" else _whole(text, 0, "'auto' or a whole number")
 
@@ -53,6 +57,8 @@ def build_parser() -> argparse.ArgumentParser:
     run.add_argument("--exit-layer", type=_positive_int, help="early-exit layer (mirror; default N/2)")
     run.add_argument("--branch-budget", type=_budget, default=None,
                      help="side branches precomputed per step: auto (as many as fit) or N")
+    run.add_argument("--draft-lookup", type=_count, default=3,
+                     help="mirror, greedy: prompt-lookup guesses the draft checks per forward (0: off)")
     run.add_argument("--early-exit", default="auto", choices=("auto", "on", "off"),
                      help="mirror: send early-exit candidates (auto: only while the draft has time to use them)")
     run.add_argument("--max-new-tokens", type=_positive_int, default=256)
@@ -194,6 +200,7 @@ def _add_bench(sub) -> None:
     bench.add_argument("--max-new-tokens", type=_positive_int, default=128)
     bench.add_argument("--gamma", type=_positive_int, default=4)
     bench.add_argument("--branch-budget", type=_budget, default=None)
+    bench.add_argument("--draft-lookup", type=_count, default=3, help="mirror: prompt-lookup guesses per forward")
     bench.add_argument("--model", help="target (default: SmolLM2-135M-Instruct)")
     bench.add_argument("--draft-model", default="int8", help="draft (default: int8 copy of the target)")
     bench.add_argument("--bundle", help="run ar / sd / mirror from this exported bundle (all its backends)")
@@ -219,7 +226,7 @@ def cmd_bench(args) -> int:
     categories = args.categories.split(",") if args.categories else None
     questions = read_questions(args.data, categories, args.limit)
     config = make_config(max_new_tokens=args.max_new_tokens, temperature=args.temperature, gamma=args.gamma,
-                         seed=args.seed, branch_budget=args.branch_budget)
+                         seed=args.seed, branch_budget=args.branch_budget, draft_lookup=args.draft_lookup)
     methods = [m.strip() for m in args.methods.split(",") if m.strip()]
     if args.bundle:
         from mirror_rt.runtime.bench_engines import bundle_runners
@@ -272,7 +279,7 @@ def cmd_run(args) -> int:
     options = dict(mode=args.mode, gamma=args.gamma, max_new_tokens=args.max_new_tokens,
                    temperature=args.temperature, top_p=args.top_p, top_k=args.top_k,
                    seed=args.seed, stop_strings=tuple(args.stop), branch_budget=args.branch_budget,
-                   early_exit=args.early_exit)
+                   early_exit=args.early_exit, draft_lookup=args.draft_lookup)
     from mirror_rt.runtime.config import make_config
 
     config = make_config(**options)  # validate before loading anything
@@ -322,6 +329,8 @@ def format_stats(stats: dict) -> str:
                      f"{stats['side_branch_hits']}, wrong {stats['misses']}, not ready {stats['not_ready']}); "
                      f"early-exit coverage {stats['early_exit_coverage']}; hidden draft share "
                      f"{stats['hidden_draft_share']:.2f}")
+        lines.append(f"draft forwards per token {stats['draft_forwards_per_token']:.2f}; prompt-lookup guesses "
+                     f"kept {stats['lookup_guesses_kept']}")
         lines.append(f"ms per step: {phases}; latency model {stats['predicted_step_ms']:.1f} ms predicted "
                      f"(pipelined form {stats['predicted_step_ms_pipelined']:.1f}), "
                      f"{stats['measured_step_ms']:.1f} ms measured")

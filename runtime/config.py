@@ -28,6 +28,7 @@ class GenerationConfig:
     min_window: int = 1  # mirror: send a precomputed window once it has this many tokens
     draft_timeout_s: float = 10.0  # mirror: a draft silent this long is declared dead
     early_exit: str = "auto"  # mirror: on | off | auto (off while the draft is the bottleneck)
+    draft_lookup: int = 3  # mirror, greedy: prompt-lookup guesses the draft checks per forward (0 = off)
 
     def __post_init__(self):
         self.validate()
@@ -43,6 +44,8 @@ class GenerationConfig:
             raise ValueError(f"--branch-budget must be 'auto' or >= 0, got {self.branch_budget}")
         if self.early_exit not in ("on", "off", "auto"):
             raise ValueError(f"--early-exit must be on, off or auto, got {self.early_exit!r}")
+        if self.draft_lookup < 0:
+            raise ValueError(f"--draft-lookup must be >= 0, got {self.draft_lookup}")
         if self.draft_timeout_s <= 0:
             raise ValueError(f"draft timeout must be positive, got {self.draft_timeout_s}")
         if any(not s for s in self.stop_strings):

@@ -105,8 +105,7 @@ class Engine:
         settings = MirrorSettings(gamma=config.num_draft_tokens, sampling=config.sampling, seed=config.seed,
                                   branch_budget=config.branch_budget, min_window=config.min_window,
                                   draft_timeout_s=config.draft_timeout_s, early_exit=config.early_exit,
-                                  target_cpu=target_cpu,
-                                  draft_cpu=draft_cpu)
+                                  target_cpu=target_cpu, draft_cpu=draft_cpu, lookup=config.draft_lookup)
         return mirror_generate(self.target, self.draft or self.target, ids, config.max_new_tokens, settings, metrics)
 
     def _run(self, ids, config: GenerationConfig, gen: Generation) -> Iterator[str]:

@@ -40,6 +40,7 @@ def test_prompt_from_stdin():
     (["--model", "/no/such/model"], "model not found: /no/such/model"),
     (["--mode", "fast"], "unknown mode 'fast'"),
     (["--branch-budget", "-1"], "must be >= 0"),
+    (["--draft-lookup", "-2"], "must be >= 0, got -2"),
     (["--temperature", "-1"], "--temperature must be"),
     (["--top-p", "2"], "--top-p must be in (0, 1]"),
 ])
