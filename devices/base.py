@@ -22,6 +22,17 @@ class Cache(Protocol):
     def rollback(self, length: int) -> None: ...  # forget positions >= length
 
 
+def pin_thread(cpu: int | None) -> None:
+    """Pin the calling thread to one core (Linux; a no-op elsewhere or for None)."""
+    import os
+
+    if cpu is not None and hasattr(os, "sched_setaffinity"):
+        try:
+            os.sched_setaffinity(0, {cpu})
+        except OSError:
+            pass
+
+
 class CacheBounds:
     """Checks shared by backend caches (subclasses provide `length` and `capacity`)."""
 

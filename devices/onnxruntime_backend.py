@@ -11,12 +11,16 @@ exit graph is stateless and belongs to no cache.
 
 from __future__ import annotations
 
+import queue
+import threading
 from collections.abc import Sequence
 from pathlib import Path
 
 import numpy as np
 
-from mirror_rt.devices.base import CacheBounds
+from mirror_rt.devices.base import CacheBounds, pin_thread
+
+PREFILL_CHUNK = 64  # prompt tokens per pipelined prefill stage
 
 # Short provider names of device strings (`ort:qnn`) -> ONNX Runtime execution providers.
 PROVIDERS = {"cpu": "CPUExecutionProvider", "cuda": "CUDAExecutionProvider", "qnn": "QNNExecutionProvider",
@@ -118,6 +122,18 @@ class ORTModel:
         head, cache.kv[0] = self.graph.run(ids, cache.kv[0])
         return head["logits"]
 
+    def adopt(self, target_cache: ORTCache, capacity: int) -> ORTCache:
+        """A cache over the split target's KV arrays, all layers in order (shared: arrays are never written)."""
+        if target_cache.hidden is not None:
+            raise RuntimeError("cannot adopt a target cache with a pending forward_suffix")
+        arrays = [a for kv in target_cache.kv for a in kv]
+        if len(arrays) != len(self.graph.past_names) or arrays[0].shape[1::2] != tuple(self.graph.kv_shape):
+            raise ValueError("cannot adopt a cache of another shape (the draft is not a copy of the target)")
+        cache = self.new_cache(capacity)
+        cache.check_room(target_cache.length)
+        cache.kv = [arrays]
+        return cache
+
 
 class ORTSplitTarget:
     """The target as prefix + suffix sessions with a stateless early-exit session, one cache for both.
@@ -163,3 +179,43 @@ class ORTSplitTarget:
         """tokens [T] -> logits [T, vocab] (prefix then suffix, no early exit); advances the cache by T."""
         self.forward_prefix_only(tokens, cache)
         return self.forward_suffix(cache)
+
+    def prefill_pipelined(self, tokens: Sequence[int], cache: ORTCache, cpu: int | None,
+                          chunk: int = PREFILL_CHUNK) -> np.ndarray:
+        """A prompt on two cores: prefix chunks in this thread, suffix chunks in a helper pinned to `cpu`.
+
+        While the suffix runs chunk i, the prefix runs chunk i+1; each graph still sees its own
+        calls in order, so the cache ends as after `forward`. Returns the last chunk's logits.
+        """
+        ids = np.asarray(tokens, dtype=np.int64)
+        cache.check_room(len(ids))
+        if cache.hidden is not None:
+            raise RuntimeError("prefill_pipelined called with a pending forward_suffix")
+        handoff: queue.Queue = queue.Queue()
+        result: dict = {}
+        helper = threading.Thread(target=self._suffix_chunks, args=(handoff, cache, cpu, result),
+                                  name="mirror-prefill", daemon=True)
+        helper.start()
+        try:
+            for start in range(0, len(ids), chunk):
+                if "error" in result:
+                    break
+                head, cache.kv[0] = self.prefix.run(ids[start:start + chunk], cache.kv[0])
+                handoff.put(head["hidden"])
+        finally:
+            handoff.put(None)
+            helper.join()
+        if "error" in result:
+            raise result["error"]
+        return result["logits"]
+
+    def _suffix_chunks(self, handoff: queue.Queue, cache: ORTCache, cpu: int | None, result: dict) -> None:
+        pin_thread(cpu)
+        while (hidden := handoff.get()) is not None:
+            if "error" in result:
+                continue  # drain until the end marker
+            try:
+                head, cache.kv[1] = self.suffix.run(hidden, cache.kv[1])
+                result["logits"] = head["logits"]
+            except Exception as exc:  # re-raised in the caller's thread
+                result["error"] = exc

@@ -214,7 +214,10 @@ def load_model(folder: Path, manifest, role: str, device: str | DeviceSpec, stri
     entries = [manifest.graph(r) for r in roles]
     paths = [Path(folder) / e.file for e in entries]
     loader = {"openvino": _load_openvino, "onnxruntime": _load_onnxruntime, "torch": _load_torch}[spec.backend]
-    return loader(paths, manifest, config, spec, budget)
+    model = loader(paths, manifest, config, spec, budget)
+    if role == "draft":  # may start from the target's prompt KV (runtime.mirror), where it can adopt it
+        model.same_model_as_target = manifest.draft_of_target
+    return model
 
 
 def _config(manifest, role: str):

@@ -36,6 +36,19 @@ class TorchModel:
     def new_cache(self, capacity: int) -> KVCache:
         return self.model.new_cache(min(capacity, self.max_seq_len))
 
+    def adopt(self, target_cache: KVCache, capacity: int) -> KVCache:
+        """A new cache holding `target_cache`'s committed positions (see `LoadedModel.adopt`)."""
+        cache = self.new_cache(capacity)
+        n = target_cache.length
+        if target_cache.keys.shape[:2] != cache.keys.shape[:2] or target_cache.keys.shape[3] != cache.keys.shape[3]:
+            raise ValueError("cannot adopt a cache of another shape (the draft is not a copy of the target)")
+        if n > cache.capacity:
+            raise ValueError(f"cannot adopt {n} positions into a cache of capacity {cache.capacity}")
+        cache.keys[:, :, :n] = target_cache.keys[:, :, :n].to(cache.keys)
+        cache.values[:, :, :n] = target_cache.values[:, :, :n].to(cache.values)
+        cache.length = n
+        return cache
+
     @torch.inference_mode()
     def forward(self, tokens: Sequence[int], cache: KVCache) -> np.ndarray:
         ids = torch.as_tensor(list(tokens), dtype=torch.long, device=self.device)

@@ -279,7 +279,8 @@ def _manifest(cfg: ExportConfig, limits: Limits, target, draft, entries, tokeniz
         format_version=FORMAT_VERSION, graphs=tuple(entries), n_layers=c.n_layers, exit_layer=limits.exit_layer,
         kappa=cfg.kappa, kv_layout=kv, vocab_size=c.vocab_size, tokenizer=tokenizer,
         max_context=limits.max_context, max_window=limits.max_window, static=cfg.static,
-        target_config=c.to_dict(), draft_config=draft.config.to_dict(), exporter_versions=_versions())
+        target_config=c.to_dict(), draft_config=draft.config.to_dict(), exporter_versions=_versions(),
+        draft_of_target=cfg.draft_ref is None)
 
 
 def _versions() -> dict:

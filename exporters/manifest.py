@@ -62,6 +62,9 @@ class BundleManifest:
     # "exit_layer", "rank", "model_fingerprint", "in_graph" (the target_exit graph applies it; False
     # for torch bundles, whose loader applies the file), "files": {name: sha256}}. Not written when None.
     exit_adapter: dict | None = None
+    # The draft is the target itself at another weight precision: its KV means what the target's does,
+    # so a draft may start from the target's prompt KV instead of its own prefill.
+    draft_of_target: bool = False
 
     def __post_init__(self):
         self.validate()

@@ -118,8 +118,12 @@ class DraftWorker:
         try:
             if _pin(self.settings.cpu) is not None and hasattr(self.draft, "set_threads"):
                 self.draft.set_threads(1)  # one core each: the two workers must not contend
-            self.cache = self.draft.new_cache(self.capacity)
-            self._feed(self.prompt)  # prefill overlaps the target's prefill
+            if self.cache is None:  # else the cache came prefilled (adopted from the target)
+                self.cache = self.draft.new_cache(self.capacity)
+                self._feed(self.prompt)  # prefill overlaps the target's prefill
+                self.stats.forwards -= 1  # counted: forwards after prefill
+            else:
+                self.cache_tokens = list(self.prompt)
             start = self._get()
             if start is None:
                 return

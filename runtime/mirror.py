@@ -43,6 +43,7 @@ class MirrorSettings:
     target_cpu: int | None = None  # pin the target (caller) thread to this core
     draft_cpu: int | None = None  # pin the draft thread to this core
     lookup: int = 3  # greedy: prompt-lookup guesses the draft checks per forward (runtime.lookup); 0 = off
+    share_prompt_kv: bool = True  # a draft that is the target at another precision starts from its prompt KV
 
     def __post_init__(self):
         if self.early_exit not in ("on", "off", "auto"):
@@ -62,16 +63,23 @@ def mirror_generate(target, draft, prompt: Sequence[int], max_new_tokens: int, s
         return
     prompt = list(prompt)
     # headroom beyond the committed text: the window in flight, the bonus guess, the next window, SS guesses
-    worker = DraftWorker(draft, prompt, len(prompt) + budget + 2 * settings.gamma + 16, DraftSettings(
+    draft_capacity = len(prompt) + budget + 2 * settings.gamma + 16
+    worker = DraftWorker(draft, prompt, draft_capacity, DraftSettings(
         gamma=settings.gamma, sampling=settings.sampling, seed=settings.seed, branch_budget=settings.branch_budget,
         min_window=settings.min_window, adaptive_gamma=settings.adaptive_gamma, cpu=settings.draft_cpu,
         lookup=settings.lookup))
     step = _TargetStep(target, settings, metrics, worker)
+    share = settings.share_prompt_kv and getattr(draft, "same_model_as_target", False) and hasattr(draft, "adopt")
     previous_affinity = _pin(settings.target_cpu)
     previous_threads = _set_threads(target, 1 if settings.target_cpu is not None else None)
     try:
-        worker.start()
-        last = step.prefill(prompt, len(prompt) + budget)
+        if share:  # the target prefills on both cores, then the draft starts from its KV
+            last = step.prefill(prompt, len(prompt) + budget, helper_cpu=settings.draft_cpu, share=True)
+            worker.cache = draft.adopt(step.cache, draft_capacity)
+            worker.start()
+        else:  # both prefill at once, each on its own core
+            worker.start()
+            last = step.prefill(prompt, len(prompt) + budget)
         yield [last]
         produced, length = 1, len(prompt) + 1
         worker.inbox.put(Start(last), timeout=settings.draft_timeout_s)
@@ -101,10 +109,14 @@ class _TargetStep:
         self.alive = True
         self.counters = {"exit_covered": 0, "corrections": 0, "busy": [], "fallback_steps": 0, "exit_steps": 0}
 
-    def prefill(self, prompt: list[int], capacity: int) -> int:
+    def prefill(self, prompt: list[int], capacity: int, helper_cpu: int | None = None, share: bool = False) -> int:
+        """The prompt; pipelined over this core and `helper_cpu` when the backend can and the draft is idle."""
         self.cache = self.target.new_cache(capacity)
         with self.metrics.stage("target_prefill"):
-            logits = self.target.forward(prompt, self.cache)
+            if share and hasattr(self.target, "prefill_pipelined"):
+                logits = self.target.prefill_pipelined(prompt, self.cache, helper_cpu)
+            else:
+                logits = self.target.forward(prompt, self.cache)
         return choose(logits[-1], self.settings.sampling, self.rng)[0]
 
     def run(self, last: int, length: int, k_max: int) -> list[int]:

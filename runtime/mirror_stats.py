@@ -64,7 +64,7 @@ def mirror_summary(metrics, draft_stats, counters: dict) -> dict:
         "fallback_steps": counters["fallback_steps"],
         "early_exit_steps": counters["exit_steps"],
         "mean_window": round(sum(metrics.proposed_at) / steps, 3),  # draft tokens verified per step
-        "draft_forwards_per_token": round((draft_stats.forwards - 1) / max(1, metrics.committed), 3),
+        "draft_forwards_per_token": round(draft_stats.forwards / max(1, metrics.committed), 3),
         "draft_rollbacks_per_step": round(draft_stats.rollbacks / steps, 3),
         "lookup_guesses_kept": f"{draft_stats.guesses_kept}/{draft_stats.guessed}",
     }

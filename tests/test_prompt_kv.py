@@ -1,0 +1,113 @@
+"""The draft starting from the target's prompt KV, and the target's prefill pipelined over two cores."""
+
+from __future__ import annotations
+
+import threading
+import warnings
+
+import numpy as np
+import pytest
+from mirror_rt.devices.registry import available_devices, load_bundle
+from mirror_rt.devices.torch_backend import TorchModel
+from mirror_rt.devices.torch_split import TorchSplitTarget
+from mirror_rt.exporters.export import export_bundle
+from mirror_rt.runtime.metrics import Metrics
+from mirror_rt.runtime.mirror import MirrorSettings, mirror_generate
+from mirror_rt.runtime.reference import generate
+
+from conftest import perturbed_copy, tiny_target
+
+PROMPT = [5, 17, 42, 9, 80, 33, 61, 2, 14, 7, 7, 19, 3]
+needs_ort = pytest.mark.skipif(not available_devices()["onnxruntime"], reason="onnxruntime not installed")
+
+
+def flat(steps):
+    return [t for step in steps for t in step]
+
+
+@pytest.fixture(scope="module")
+def onnx_bundle(tmp_path_factory):
+    """A tiny ONNX bundle whose draft is the target in fp32 (so adopted KV must match the draft's own)."""
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        return export_bundle("tiny", tmp_path_factory.mktemp("kv") / "b", fmt="onnx", draft_weights="fp32",
+                             progress=False)
+
+
+@needs_ort
+@pytest.mark.parametrize("chunk", [1, 4, 64])
+def test_pipelined_prefill_equals_forward(onnx_bundle, chunk):
+    target, _, _, _ = load_bundle(onnx_bundle, "ort:cpu", "ort:cpu", strict=True, threads=1)
+    plain_cache, piped_cache = target.new_cache(64), target.new_cache(64)
+    plain = target.forward(PROMPT, plain_cache)
+    piped = target.prefill_pipelined(PROMPT, piped_cache, cpu=None, chunk=chunk)
+    np.testing.assert_allclose(piped[-1], plain[-1], atol=1e-5, rtol=0)
+    assert piped_cache.length == plain_cache.length == len(PROMPT) and piped_cache.hidden is None
+    np.testing.assert_allclose(target.forward([11, 12], piped_cache), target.forward([11, 12], plain_cache),
+                               atol=1e-5, rtol=0)
+    assert not [t for t in threading.enumerate() if t.name == "mirror-prefill"]
+
+
+@needs_ort
+def test_pipelined_prefill_reraises_suffix_errors(onnx_bundle, monkeypatch):
+    target, _, _, _ = load_bundle(onnx_bundle, "ort:cpu", "ort:cpu", strict=True, threads=1)
+
+    def broken(*args):
+        raise RuntimeError("suffix exploded")
+
+    monkeypatch.setattr(target.suffix, "run", broken)
+    with pytest.raises(RuntimeError, match="suffix exploded"):
+        target.prefill_pipelined(PROMPT, target.new_cache(64), cpu=None, chunk=2)
+    assert not [t for t in threading.enumerate() if t.name == "mirror-prefill"]
+
+
+@needs_ort
+def test_adopted_kv_equals_the_drafts_own_prefill(onnx_bundle):
+    """All layers land in order: an fp32 self-draft over the target's KV computes what its own prefill gives."""
+    target, draft, _, manifest = load_bundle(onnx_bundle, "ort:cpu", "ort:cpu", strict=True, threads=1)
+    assert manifest.draft_of_target and draft.same_model_as_target
+    target_cache = target.new_cache(64)
+    target.forward(PROMPT, target_cache)
+    adopted = draft.adopt(target_cache, 64)
+    own = draft.new_cache(64)
+    draft.forward(PROMPT, own)
+    assert adopted.length == len(PROMPT)
+    np.testing.assert_allclose(draft.forward([11, 12], adopted), draft.forward([11, 12], own), atol=1e-4, rtol=0)
+
+
+@needs_ort
+def test_mirror_with_adopted_kv_equals_reference(onnx_bundle, monkeypatch):
+    target, draft, _, _ = load_bundle(onnx_bundle, "ort:cpu", "ort:cpu", strict=True, threads=1)
+    calls = []
+    adopt = draft.adopt
+    monkeypatch.setattr(draft, "adopt", lambda cache, capacity: calls.append(cache.length) or adopt(cache, capacity))
+    expected = flat(generate(target, PROMPT, 30))
+    got = flat(mirror_generate(target, draft, PROMPT, 30, MirrorSettings(gamma=3), Metrics()))
+    assert got == expected and calls == [len(PROMPT)]
+
+
+def test_torch_draft_adopts_and_output_is_unchanged():
+    """Adoption only moves the draft's guesses (here a perturbed copy told it is the target): same output."""
+    target = tiny_target(seed=21)
+    draft = TorchModel(perturbed_copy(target, noise=0.3, seed=22))
+    draft.same_model_as_target = True
+    expected = flat(generate(TorchModel(target), PROMPT, 40))
+    for share in (True, False):
+        got = flat(mirror_generate(TorchSplitTarget(target), draft, PROMPT, 40,
+                                   MirrorSettings(gamma=4, share_prompt_kv=share), Metrics()))
+        assert got == expected
+
+
+def test_adopt_refuses_another_shape():
+    import dataclasses
+
+    import torch
+    from mirror_rt.models.transformer import random_model
+
+    model = tiny_target(seed=1)
+    target = TorchSplitTarget(model)
+    shallower = random_model(dataclasses.replace(model.config, n_layers=1), seed=2, dtype=torch.float64)
+    cache = target.new_cache(32)
+    target.forward(PROMPT, cache)
+    with pytest.raises(ValueError, match="another shape"):
+        TorchModel(shallower).adopt(cache, 32)
