@@ -193,8 +193,8 @@ def _add_bench(sub) -> None:
     bench.add_argument("--data", required=True, help="questions (SpecBench jsonl: question_id, category, turns)")
     bench.add_argument("--categories", help="comma-separated categories to keep")
     bench.add_argument("--limit", type=_positive_int, help="number of questions, picked evenly across categories")
-    bench.add_argument("--methods", default="ar,sd,mirror", help="comma-separated: ar,sd,mirror,hf-assisted,"
-                                                                 "ov-genai,ov-genai-sd")
+    bench.add_argument("--methods", default="ar,sd,mirror", help="comma-separated: ar,sd,mirror,"
+                       "mirror-no-lookup,hf-assisted,ov-genai,ov-genai-sd")
     bench.add_argument("--temperature", type=_number, default=0.0)
     bench.add_argument("--repeats", type=_positive_int, default=1, help="runs per turn (median wall time kept)")
     bench.add_argument("--max-new-tokens", type=_positive_int, default=128)
@@ -231,7 +231,9 @@ def cmd_bench(args) -> int:
     if args.bundle:
         from mirror_rt.runtime.bench_engines import bundle_runners
 
-        ours = [m for m in methods if m in ("ar", "sd", "mirror")]
+        from mirror_rt.runtime.bench_methods import OURS
+
+        ours = [m for m in methods if m in OURS]
         runners = bundle_runners(ours, args.bundle, args.draft_bundle, args.draft_precision, log=_log)
         peers = [m for m in methods if m not in ours]
         engine = mirror_rt.load(args.model, "target", cache_dir=args.cache_dir) if peers else None

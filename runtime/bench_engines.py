@@ -3,7 +3,8 @@
 `ar` loads the bundle's target once per (backend, threads) pair that can run the bundle's
 format on this machine — OpenVINO bundles on OpenVINO; ONNX bundles on ONNX Runtime and on
 OpenVINO — with 1 thread and with every core, so the fastest target-only variant is the
-baseline. `sd` gives the target every core; `mirror` gives each worker one core.
+baseline. `sd` gives the target every core; `mirror` gives each worker one core;
+`mirror-no-lookup` is Mirror on the same engine with the draft's prompt-lookup guesses off.
 """
 
 from __future__ import annotations
@@ -27,10 +28,13 @@ def bundle_runners(methods: list[str], bundle: str, draft_bundle: str | None = N
     if "ar" in methods:
         runners += _ar_runners(bundle, manifest, log)
     for mode in ("sd", "mirror"):
-        if mode in methods:
+        if mode in methods or (mode == "mirror" and "mirror-no-lookup" in methods):
             engine = mirror_rt.load_bundle(bundle, draft_bundle=draft_bundle, mode=mode, verify=False,
                                            draft_precision=draft_precision)
-            runners.append(EngineRunner(mode, engine, mode))
+            if mode in methods:
+                runners.append(EngineRunner(mode, engine, mode))
+            if mode == "mirror" and "mirror-no-lookup" in methods:  # ablation on the same engine
+                runners.append(EngineRunner("mirror-no-lookup", engine, mode, draft_lookup=0))
     return runners
 
 

@@ -15,7 +15,8 @@ import time
 
 from mirror_rt.runtime.bench import EngineRunner
 
-KNOWN_METHODS = ("ar", "sd", "mirror", "hf-assisted", "ov-genai", "ov-genai-sd")
+KNOWN_METHODS = ("ar", "sd", "mirror", "mirror-no-lookup", "hf-assisted", "ov-genai", "ov-genai-sd")
+OURS = ("ar", "sd", "mirror", "mirror-no-lookup")  # run by our engines (over a bundle: bench_engines)
 
 
 def build_runners(methods: list[str], engine, model_folder: str | None, log=print) -> list:
@@ -30,6 +31,8 @@ def build_runners(methods: list[str], engine, model_folder: str | None, log=prin
             runners += [EngineRunner(f"ar-torch-{t}t", engine, "ar", threads=t) for t in sorted({1, cores})]
         elif method in ("sd", "mirror"):
             runners.append(EngineRunner(method, engine, method, threads=cores if method == "sd" else None))
+        elif method == "mirror-no-lookup":  # ablation: the draft without prompt-lookup guesses
+            runners.append(EngineRunner(method, engine, "mirror", draft_lookup=0))
         elif method == "hf-assisted":
             runners.append(_hf_assisted(model_folder, cores, log))
         else:

@@ -59,12 +59,12 @@ def test_devices_lists_backends():
 
 
 def test_bench_over_bundle(tiny_bundle, tmp_path):
-    """ar on every backend/thread count of the bundle, sd and mirror: zero greedy mismatches."""
+    """ar on every backend/thread count of the bundle, sd, mirror and its no-lookup ablation: no mismatch."""
     data = tmp_path / "q.jsonl"
     data.write_text(json.dumps({"question_id": 1, "category": "a", "turns": ["hello"]}) + "\n")
-    proc = run_cli("bench", "--data", str(data), "--bundle", str(tiny_bundle), "--methods", "ar,sd,mirror",
-                   "--max-new-tokens", "16", "--out", str(tmp_path / "out"))
+    proc = run_cli("bench", "--data", str(data), "--bundle", str(tiny_bundle), "--methods",
+                   "ar,sd,mirror,mirror-no-lookup", "--max-new-tokens", "16", "--out", str(tmp_path / "out"))
     assert proc.returncode == 0, proc.stderr
     doc = json.loads((tmp_path / "out" / "summary.json").read_text())
     assert doc["baseline"].startswith("ar-ov-") and set(doc["mismatches"].values()) == {0}
-    assert {"sd", "mirror"} <= set(doc["summary"]["overall"])
+    assert {"sd", "mirror", "mirror-no-lookup"} <= set(doc["summary"]["overall"])
