@@ -21,6 +21,7 @@ import numpy as np
 from mirror_rt.devices.base import CacheBounds, pin_thread
 
 PREFILL_CHUNK = 64  # prompt tokens per pipelined prefill stage
+LAST_ROWS = "last_rows"  # optional graph input (exporters.split.LAST_ROWS): logits rows from the window's end
 
 # Short provider names of device strings (`ort:qnn`) -> ONNX Runtime execution providers.
 PROVIDERS = {"cpu": "CPUExecutionProvider", "cuda": "CUDAExecutionProvider", "qnn": "QNNExecutionProvider",
@@ -65,7 +66,9 @@ class ORTGraph:
             providers.append("CPUExecutionProvider")  # ops the EP does not take
         self.session = ort.InferenceSession(str(path), session_options(threads), providers=providers)
         names = [i.name for i in self.session.get_inputs()]
-        self.input_name, self.past_names = names[0], names[1:]
+        self.input_name = names[0]
+        self.takes_last_rows = LAST_ROWS in names  # logits graphs of bundles since format 3
+        self.past_names = [n for n in names[1:] if n != LAST_ROWS]
         self.output_names = [o.name for o in self.session.get_outputs()]
         self.n_head_outputs = len(self.output_names) - len(self.past_names)
         self.kv_shape = kv_shape  # (kv_heads, head_dim)
@@ -74,9 +77,14 @@ class ORTGraph:
         shape = (1, self.kv_shape[0], 0, self.kv_shape[1])
         return [np.zeros(shape, dtype=np.float32) for _ in self.past_names]
 
-    def run(self, x: np.ndarray, kv: list[np.ndarray]) -> tuple[dict, list[np.ndarray]]:
-        """x [T] ids or [T, hidden] after `kv` -> (head outputs by name, grown kv)."""
+    def run(self, x: np.ndarray, kv: list[np.ndarray], last_rows: int | None = None) -> tuple[dict, list[np.ndarray]]:
+        """x [T] ids or [T, hidden] after `kv` -> (head outputs by name, grown kv).
+
+        `last_rows`: logits for the window's last rows only (graphs that take it; others return all rows).
+        """
         feeds = {self.input_name: x, **dict(zip(self.past_names, kv))}
+        if self.takes_last_rows:
+            feeds[LAST_ROWS] = np.array([last_rows or len(x)], dtype=np.int64)
         outputs = self.session.run(self.output_names, feeds)
         head = dict(zip(self.output_names[:self.n_head_outputs], outputs[:self.n_head_outputs]))
         return head, outputs[self.n_head_outputs:]
@@ -121,6 +129,13 @@ class ORTModel:
         cache.check_room(len(ids))
         head, cache.kv[0] = self.graph.run(ids, cache.kv[0])
         return head["logits"]
+
+    def forward_last(self, tokens: Sequence[int], cache: ORTCache) -> np.ndarray:
+        """As `forward`, but logits of the last position only ([1, vocab]; prefill)."""
+        ids = np.asarray(tokens, dtype=np.int64)
+        cache.check_room(len(ids))
+        head, cache.kv[0] = self.graph.run(ids, cache.kv[0], last_rows=1)
+        return head["logits"][-1:]
 
     def adopt(self, target_cache: ORTCache, capacity: int) -> ORTCache:
         """A cache over the split target's KV arrays, all layers in order (shared: arrays are never written)."""
@@ -167,25 +182,30 @@ class ORTSplitTarget:
         head, _ = self.exit.run(cache.hidden, [])
         return head["exit_ids"], head["exit_logprobs"]
 
-    def forward_suffix(self, cache: ORTCache) -> np.ndarray:
-        """Layers exit..N-1 over the pending hidden state -> logits [T, vocab]."""
+    def forward_suffix(self, cache: ORTCache, last_rows: int | None = None) -> np.ndarray:
+        """Layers exit..N-1 over the pending hidden state -> logits [T, vocab] (or its last `last_rows`)."""
         if cache.hidden is None:
             raise RuntimeError("forward_suffix called without a pending forward_prefix")
-        head, cache.kv[1] = self.suffix.run(cache.hidden, cache.kv[1])
+        head, cache.kv[1] = self.suffix.run(cache.hidden, cache.kv[1], last_rows)
         cache.hidden = None
-        return head["logits"]
+        return head["logits"][-last_rows:] if last_rows else head["logits"]
 
     def forward(self, tokens: Sequence[int], cache: ORTCache) -> np.ndarray:
         """tokens [T] -> logits [T, vocab] (prefix then suffix, no early exit); advances the cache by T."""
         self.forward_prefix_only(tokens, cache)
         return self.forward_suffix(cache)
 
+    def forward_last(self, tokens: Sequence[int], cache: ORTCache) -> np.ndarray:
+        """As `forward`, but logits of the last position only ([1, vocab]; prefill)."""
+        self.forward_prefix_only(tokens, cache)
+        return self.forward_suffix(cache, last_rows=1)
+
     def prefill_pipelined(self, tokens: Sequence[int], cache: ORTCache, cpu: int | None,
                           chunk: int = PREFILL_CHUNK) -> np.ndarray:
         """A prompt on two cores: prefix chunks in this thread, suffix chunks in a helper pinned to `cpu`.
 
         While the suffix runs chunk i, the prefix runs chunk i+1; each graph still sees its own
-        calls in order, so the cache ends as after `forward`. Returns the last chunk's logits.
+        calls in order, so the cache ends as after `forward`. Returns the last position's logits [1, vocab].
         """
         ids = np.asarray(tokens, dtype=np.int64)
         cache.check_room(len(ids))
@@ -215,7 +235,7 @@ class ORTSplitTarget:
             if "error" in result:
                 continue  # drain until the end marker
             try:
-                head, cache.kv[1] = self.suffix.run(hidden, cache.kv[1])
-                result["logits"] = head["logits"]
+                head, cache.kv[1] = self.suffix.run(hidden, cache.kv[1], last_rows=1)
+                result["logits"] = head["logits"][-1:]
             except Exception as exc:  # re-raised in the caller's thread
                 result["error"] = exc

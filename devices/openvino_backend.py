@@ -19,6 +19,8 @@ import numpy as np
 
 from mirror_rt.devices.base import CacheBounds
 
+LAST_ROWS = "last_rows"  # optional graph input (exporters.split.LAST_ROWS): logits rows from the window's end
+
 
 def _openvino():
     try:
@@ -59,15 +61,22 @@ class OVGraph:
         self.window = window  # static graphs: tokens per call (inputs padded to it); 0 = dynamic
         self.input_name = self.compiled.inputs[0].get_any_name()
         self.takes_position = any("position" in p.get_names() for p in self.compiled.inputs)  # static KV graphs
+        self.takes_last_rows = any(LAST_ROWS in p.get_names() for p in self.compiled.inputs)  # format >= 3
         self.output_names = [o.get_any_name() for o in self.compiled.outputs]
 
     def new_request(self):
         return self.compiled.create_infer_request()
 
-    def run(self, request, x: np.ndarray, start: int) -> dict[str, np.ndarray]:
-        """Feed x [T] ids or [T, hidden] at positions start..; returns host copies of the outputs."""
+    def run(self, request, x: np.ndarray, start: int, last_rows: int | None = None) -> dict[str, np.ndarray]:
+        """Feed x [T] ids or [T, hidden] at positions start..; returns host copies of the outputs.
+
+        `last_rows`: logits for the window's last rows only (dynamic graphs that take it).
+        """
         if not self.window:
-            request.infer({self.input_name: x})
+            feeds = {self.input_name: x}
+            if self.takes_last_rows:
+                feeds[LAST_ROWS] = np.array([last_rows or len(x)], dtype=np.int64)
+            request.infer(feeds)
             return {n: request.get_tensor(n).data.copy() for n in self.output_names}
         parts = []
         for s in range(0, len(x), self.window):  # static: windows padded to the fixed shape
@@ -149,6 +158,14 @@ class OVModel:
         cache.filled[0] += len(ids)
         return out["logits"]
 
+    def forward_last(self, tokens: Sequence[int], cache: OVCache) -> np.ndarray:
+        """As `forward`, but logits of the last position only ([1, vocab]; prefill)."""
+        ids = np.asarray(tokens, dtype=np.int64)
+        cache.check_room(len(ids))
+        out = self.graph.run(cache.requests[0], ids, cache.length, last_rows=1)
+        cache.filled[0] += len(ids)
+        return out["logits"][-1:]
+
 
 class OVSplitTarget:
     """The target as prefix + suffix graphs with a stateless early-exit graph, one cache for both.
@@ -186,16 +203,21 @@ class OVSplitTarget:
         out = self.exit.run(self.exit_request, cache.hidden, 0)
         return out["exit_ids"], out["exit_logprobs"]
 
-    def forward_suffix(self, cache: OVCache) -> np.ndarray:
-        """Layers exit..N-1 over the pending hidden state -> logits [T, vocab]."""
+    def forward_suffix(self, cache: OVCache, last_rows: int | None = None) -> np.ndarray:
+        """Layers exit..N-1 over the pending hidden state -> logits [T, vocab] (or its last `last_rows`)."""
         if cache.hidden is None:
             raise RuntimeError("forward_suffix called without a pending forward_prefix")
-        out = self.suffix.run(cache.requests[1], cache.hidden, cache.filled[1])
+        out = self.suffix.run(cache.requests[1], cache.hidden, cache.filled[1], last_rows)
         cache.filled[1] += len(cache.hidden)
         cache.hidden = None
-        return out["logits"]
+        return out["logits"][-last_rows:] if last_rows else out["logits"]
 
     def forward(self, tokens: Sequence[int], cache: OVCache) -> np.ndarray:
         """tokens [T] -> logits [T, vocab] (prefix then suffix, no early exit); advances the cache by T."""
         self.forward_prefix_only(tokens, cache)
         return self.forward_suffix(cache)
+
+    def forward_last(self, tokens: Sequence[int], cache: OVCache) -> np.ndarray:
+        """As `forward`, but logits of the last position only ([1, vocab]; prefill)."""
+        self.forward_prefix_only(tokens, cache)
+        return self.forward_suffix(cache, last_rows=1)

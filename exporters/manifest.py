@@ -15,7 +15,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 # 2: the early exit is its own stateless graph (target_exit); version 1 prefixes computed it.
-FORMAT_VERSION = 2
+# 3: dynamic logits graphs (target_suffix, draft) take `last_rows`; the manifest says `draft_of_target`.
+FORMAT_VERSION = 3
+READABLE_VERSIONS = (2, 3)  # backends detect `last_rows` per graph, so version-2 bundles still run
 MANIFEST = "manifest.json"
 GRAPH_FORMATS = ("torch", "onnx", "openvino")
 PRECISIONS = ("fp32", "fp16", "bf16", "int8", "int4")
@@ -145,9 +147,9 @@ def read_manifest(folder: Path, verify: bool = True) -> BundleManifest:
     except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
         raise BundleError(f"{path}: unreadable ({type(exc).__name__})") from None
     version = data.get("format_version") if isinstance(data, dict) else None
-    if version != FORMAT_VERSION:
+    if version not in READABLE_VERSIONS:
         raise BundleError(f"{path}: format version {version} is not supported (this mirror-rt reads "
-                          f"{FORMAT_VERSION}); re-export the bundle")
+                          f"{', '.join(map(str, READABLE_VERSIONS))}); re-export the bundle")
     try:
         manifest = BundleManifest.from_dict(data)
     except (TypeError, KeyError, StopIteration) as exc:

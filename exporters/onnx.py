@@ -59,9 +59,10 @@ def export_onnx_graph(model, spec: GraphSpec, table_len: int, weights: str, path
 def _dynamic_axes(spec: GraphSpec, ins: list[str], outs: list[str]) -> dict:
     axes = {ins[0]: {0: "window"}}
     for name in ins[1:]:
-        axes[name] = {2: "past"}
-    for name in outs:
-        axes[name] = {2: "total"} if name.startswith("present") else {0: "window"}
+        if name.startswith("past_"):
+            axes[name] = {2: "past"}
+    for name in outs:  # logits rows follow last_rows where the graph takes it
+        axes[name] = {2: "total"} if name.startswith("present") else {0: "rows" if spec.takes_last_rows else "window"}
     return axes
 
 

@@ -15,6 +15,7 @@ from pathlib import Path
 
 import torch
 from mirror_rt.exporters.split import (
+    LAST_ROWS,
     GraphSpec,
     SplitGraph,
     example_inputs,
@@ -70,6 +71,8 @@ def _input_shapes(config, spec: GraphSpec) -> dict:
     shapes = {input_names(spec)[0]: first}
     if spec.static and spec.has_kv:
         shapes["position"] = ov.PartialShape([1])
+    if spec.takes_last_rows:
+        shapes[LAST_ROWS] = ov.PartialShape([1])
     kv = ov.PartialShape([1, config.n_kv_heads, S, config.head_dim])
     return shapes | {name: kv for name in state_pairs(spec)}
 

@@ -30,6 +30,7 @@ ROLES = ("target_prefix", "target_exit", "target_suffix", "draft")
 KV_LAYOUT = "BHTD"
 PAST_NAMES = ("past_key.{i}", "past_value.{i}")
 PRESENT_NAMES = ("present_key.{i}", "present_value.{i}")
+LAST_ROWS = "last_rows"  # int64 [1]: logits rows wanted, counted from the window's end
 
 
 @dataclass(frozen=True)
@@ -57,12 +58,19 @@ class GraphSpec:
     def n_layers(self) -> int:
         return self.last - self.first
 
+    @property
+    def takes_last_rows(self) -> bool:
+        """Dynamic logits graphs compute the LM head for the window's last `last_rows` rows only (prefill: 1)."""
+        return self.role in ("target_suffix", "draft") and not self.static
+
 
 def input_names(spec: GraphSpec) -> list[str]:
     """Graph input names, in the order `SplitGraph.forward` takes them."""
     names = ["input_ids" if spec.takes_tokens else "hidden"]
     if spec.static and spec.has_kv:
         names.append("position")
+    if spec.takes_last_rows:
+        names.append(LAST_ROWS)
     return names + kv_names(spec.n_layers, PAST_NAMES)
 
 
@@ -132,11 +140,12 @@ class SplitGraph(nn.Module):
         spec = self.spec
         if not spec.has_kv:
             return self._exit(x)
+        last_rows = None
         if spec.static:
             position, kv = rest[0], rest[1:]
             positions = position.reshape(1) + torch.arange(spec.window, dtype=torch.long)
         else:
-            kv = rest
+            last_rows, kv = (rest[0], rest[1:]) if spec.takes_last_rows else (None, rest)
             positions = torch.arange(x.shape[0], dtype=torch.long) + kv[0].shape[2]
         h = self.model.embed(x) if spec.takes_tokens else x
         cos = torch.index_select(self.rope_cos, 0, positions)  # [T, head_dim]
@@ -147,15 +156,19 @@ class SplitGraph(nn.Module):
             block = self.model.layers[spec.first + i]
             h, k, v = self._block(block, h, (cos, sin), kv[2 * i], kv[2 * i + 1], mask, positions)
             presents += [k, v]
-        return (*self._head(h), *presents)
+        return (*self._head(h, last_rows), *presents)
 
     def _mask(self, positions: torch.Tensor, n_keys) -> torch.Tensor:
         """[T, S] bool: query at position p sees keys 0..p."""
         keys = torch.arange(n_keys, dtype=torch.long)
         return keys[None, :] <= positions[:, None]
 
-    def _head(self, h: torch.Tensor) -> tuple:
-        return (h,) if self.spec.role == "target_prefix" else (self.model.logits(h),)
+    def _head(self, h: torch.Tensor, last_rows: torch.Tensor | None) -> tuple:
+        if self.spec.role == "target_prefix":
+            return (h,)
+        if last_rows is not None:  # the LM head over the last rows only (prefill needs one)
+            h = h[h.shape[0] - last_rows[0]:]
+        return (self.model.logits(h),)
 
     def _exit(self, h: torch.Tensor) -> tuple:
         """Exit hidden h [T, hidden] -> top-kappa (ids [T, kappa] int64, log-probs [T, kappa])."""
@@ -224,4 +237,6 @@ def example_inputs(model: Transformer, spec: GraphSpec, tokens: int = 3, past: i
     length = spec.context if spec.static else past
     kv = [torch.zeros(1, c.n_kv_heads, length, c.head_dim, dtype=dtype) for _ in range(2 * spec.n_layers)]
     head = [x, torch.tensor([past], dtype=torch.long)] if spec.static else [x]
+    if spec.takes_last_rows:
+        head.append(torch.tensor([T], dtype=torch.long))
     return tuple(head + kv)

@@ -28,6 +28,7 @@ import numpy as np
 from mirror_rt.runtime.branches import exit_distribution, rank_roots, top_alternatives
 from mirror_rt.runtime.lookup import lookup_guesses
 from mirror_rt.runtime.messages import STOP, EarlyExit, Fault, Verdict, Window
+from mirror_rt.runtime.reference import prefill_logits
 from mirror_rt.runtime.sampling import SamplingConfig, choose
 
 
@@ -120,10 +121,8 @@ class DraftWorker:
                 self.draft.set_threads(1)  # one core each: the two workers must not contend
             if self.cache is None:  # else the cache came prefilled (adopted from the target)
                 self.cache = self.draft.new_cache(self.capacity)
-                self._feed(self.prompt)  # prefill overlaps the target's prefill
-                self.stats.forwards -= 1  # counted: forwards after prefill
-            else:
-                self.cache_tokens = list(self.prompt)
+                prefill_logits(self.draft, self.prompt, self.cache)  # overlaps the target's prefill
+            self.cache_tokens = list(self.prompt)
             start = self._get()
             if start is None:
                 return

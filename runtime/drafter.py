@@ -15,6 +15,7 @@ from typing import Sequence
 import numpy as np
 
 from mirror_rt.runtime.acceptance import Verdict
+from mirror_rt.runtime.reference import prefill_logits
 from mirror_rt.runtime.sampling import SamplingConfig, choose
 
 
@@ -45,7 +46,7 @@ class ModelDrafter:
     def prefill(self, prompt: Sequence[int], capacity: int) -> None:
         """Fill the draft cache with the prompt."""
         self.cache = self.draft.new_cache(capacity)
-        self.draft.forward(prompt, self.cache)
+        prefill_logits(self.draft, prompt, self.cache)
         self.pending = []
 
     def propose(self, last_token: int, k: int, base_length: int) -> Draft:

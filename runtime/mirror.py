@@ -24,7 +24,7 @@ from mirror_rt.runtime.draft_worker import DraftSettings, DraftWorker, _pin, _un
 from mirror_rt.runtime.messages import EarlyExit, Fault, Start, Window
 from mirror_rt.runtime.metrics import Metrics
 from mirror_rt.runtime.mirror_stats import mirror_summary
-from mirror_rt.runtime.reference import token_budget
+from mirror_rt.runtime.reference import prefill_logits, token_budget
 from mirror_rt.runtime.sampling import SamplingConfig, choose, probabilities
 
 
@@ -114,10 +114,10 @@ class _TargetStep:
         self.cache = self.target.new_cache(capacity)
         with self.metrics.stage("target_prefill"):
             if share and hasattr(self.target, "prefill_pipelined"):
-                logits = self.target.prefill_pipelined(prompt, self.cache, helper_cpu)
+                logits = self.target.prefill_pipelined(prompt, self.cache, helper_cpu)[-1]
             else:
-                logits = self.target.forward(prompt, self.cache)
-        return choose(logits[-1], self.settings.sampling, self.rng)[0]
+                logits = prefill_logits(self.target, prompt, self.cache)
+        return choose(logits, self.settings.sampling, self.rng)[0]
 
     def run(self, last: int, length: int, k_max: int) -> list[int]:
         """One Mirror step; on any draft failure, fall back and do a target-only step."""

@@ -21,6 +21,12 @@ def token_budget(prompt_length: int, max_new_tokens: int, max_seq_len: int) -> i
     return max(0, min(max_new_tokens, max_seq_len - prompt_length))
 
 
+def prefill_logits(model, prompt: Sequence[int], cache) -> np.ndarray:
+    """Logits [vocab] after the prompt; backends with `forward_last` skip the LM head of the other rows."""
+    forward_last = getattr(model, "forward_last", None)
+    return (forward_last(prompt, cache) if forward_last else model.forward(prompt, cache))[-1]
+
+
 def generate(target, prompt: Sequence[int], max_new_tokens: int, sampling: SamplingConfig = SamplingConfig(),
              seed: int = 0, metrics: Metrics | None = None) -> Iterator[list[int]]:
     """Yield [token] per step: the target's own continuation of `prompt`."""
@@ -31,8 +37,8 @@ def generate(target, prompt: Sequence[int], max_new_tokens: int, sampling: Sampl
         return
     cache = target.new_cache(len(prompt) + budget)
     with metrics.stage("target_prefill"):
-        logits = target.forward(prompt, cache)
-    token, _ = choose(logits[-1], sampling, rng)
+        logits = prefill_logits(target, prompt, cache)
+    token, _ = choose(logits, sampling, rng)
     yield [token]
     for _ in range(budget - 1):
         with metrics.stage("target_forward"):

@@ -13,6 +13,7 @@ import numpy as np
 
 from mirror_rt.runtime.acceptance import Verdict, accept_greedy, accept_sampled
 from mirror_rt.runtime.drafter import Draft
+from mirror_rt.runtime.reference import prefill_logits
 from mirror_rt.runtime.sampling import SamplingConfig, choose, probabilities
 
 
@@ -28,8 +29,7 @@ class Verifier:
     def prefill(self, prompt: Sequence[int], capacity: int) -> int:
         """Run the prompt; returns the first generated token."""
         self.cache = self.target.new_cache(capacity)
-        logits = self.target.forward(prompt, self.cache)
-        token, _ = choose(logits[-1], self.sampling, self.rng)
+        token, _ = choose(prefill_logits(self.target, prompt, self.cache), self.sampling, self.rng)
         return token
 
     def verify(self, last_token: int, draft: Draft) -> Verdict:

@@ -52,7 +52,7 @@ def test_pipelined_prefill_equals_forward(onnx_bundle, chunk):
 def test_pipelined_prefill_reraises_suffix_errors(onnx_bundle, monkeypatch):
     target, _, _, _ = load_bundle(onnx_bundle, "ort:cpu", "ort:cpu", strict=True, threads=1)
 
-    def broken(*args):
+    def broken(*args, **kwargs):
         raise RuntimeError("suffix exploded")
 
     monkeypatch.setattr(target.suffix, "run", broken)
@@ -111,3 +111,31 @@ def test_adopt_refuses_another_shape():
     target.forward(PROMPT, cache)
     with pytest.raises(ValueError, match="another shape"):
         TorchModel(shallower).adopt(cache, 32)
+
+
+@pytest.fixture(scope="module")
+def ov_bundle(tmp_path_factory):
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        return export_bundle("tiny", tmp_path_factory.mktemp("kv") / "ov", fmt="openvino", progress=False)
+
+
+LAST_CASES = [("onnx", "ort:cpu")] if available_devices()["onnxruntime"] else []
+if available_devices()["openvino"]:
+    LAST_CASES += [("onnx", "openvino:CPU"), ("openvino", "openvino:CPU")]
+
+
+@pytest.mark.parametrize("fmt,device", LAST_CASES)
+def test_forward_last_equals_the_last_row_of_forward(onnx_bundle, ov_bundle, fmt, device):
+    """Prefill computes the LM head for the last position only, with the same logits and cache."""
+    folder = onnx_bundle if fmt == "onnx" else ov_bundle
+    target, draft, _, _ = load_bundle(folder, device, device, strict=True, threads=1)
+    assert target.suffix.takes_last_rows and draft.graph.takes_last_rows and not target.prefix.takes_last_rows
+    for model in (target, draft):
+        full_cache, last_cache = model.new_cache(64), model.new_cache(64)
+        full = model.forward(PROMPT, full_cache)
+        last = model.forward_last(PROMPT, last_cache)
+        assert full.shape[0] == len(PROMPT) and last.shape[0] == 1
+        np.testing.assert_allclose(last[0], full[-1], atol=1e-5, rtol=0)
+        np.testing.assert_allclose(model.forward([11, 12], last_cache), model.forward([11, 12], full_cache),
+                                   atol=1e-5, rtol=0)
