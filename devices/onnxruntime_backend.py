@@ -22,6 +22,7 @@ from mirror_rt.devices.base import CacheBounds, pin_thread
 
 PREFILL_CHUNK = 64  # prompt tokens per pipelined prefill stage
 LAST_ROWS = "last_rows"  # optional graph input (exporters.split.LAST_ROWS): logits rows from the window's end
+TOTAL_LEN = "total_len"  # input of shared-KV graphs (exporters.shared_kv.TOTAL_LEN)
 
 # Short provider names of device strings (`ort:qnn`) -> ONNX Runtime execution providers.
 PROVIDERS = {"cpu": "CPUExecutionProvider", "cuda": "CUDAExecutionProvider", "qnn": "QNNExecutionProvider",
@@ -56,7 +57,12 @@ def session_options(threads: int | None):
 
 
 class ORTGraph:
-    """One ONNX Runtime session over a graph with explicit KV inputs and outputs."""
+    """One ONNX Runtime session over a graph with explicit KV, or KV in shared buffers (`shared_kv`).
+
+    Explicit graphs take the past KV as inputs and return it grown (a copy of the cache per call).
+    Shared-KV graphs (exporters.shared_kv) write the window's KV in place into buffers bound as both
+    past and present through IO binding: no copy, and rollback is only a count.
+    """
 
     def __init__(self, path: Path, provider: str = "cpu", kv_shape: tuple[int, int] = (1, 1),
                  threads: int | None = None):
@@ -68,47 +74,77 @@ class ORTGraph:
         names = [i.name for i in self.session.get_inputs()]
         self.input_name = names[0]
         self.takes_last_rows = LAST_ROWS in names  # logits graphs of bundles since format 3
-        self.past_names = [n for n in names[1:] if n != LAST_ROWS]
+        self.shared_kv = TOTAL_LEN in names
+        self.past_names = [n for n in names[1:] if n not in (LAST_ROWS, TOTAL_LEN)]
         self.output_names = [o.name for o in self.session.get_outputs()]
         self.n_head_outputs = len(self.output_names) - len(self.past_names)
         self.kv_shape = kv_shape  # (kv_heads, head_dim)
 
-    def empty_kv(self) -> list[np.ndarray]:
-        shape = (1, self.kv_shape[0], 0, self.kv_shape[1])
-        return [np.zeros(shape, dtype=np.float32) for _ in self.past_names]
+    def empty_kv(self, capacity: int) -> list:
+        """Explicit: zero-length arrays. Shared: (buffers [1, KVH, capacity, D], their OrtValues)."""
+        if not self.shared_kv:
+            return [np.zeros((1, self.kv_shape[0], 0, self.kv_shape[1]), dtype=np.float32) for _ in self.past_names]
+        ort = _onnxruntime()
+        buffers = [np.zeros((1, self.kv_shape[0], capacity, self.kv_shape[1]), dtype=np.float32)
+                   for _ in self.past_names]
+        return [(b, ort.OrtValue.ortvalue_from_numpy(b)) for b in buffers]  # the OrtValues share the memory
 
-    def run(self, x: np.ndarray, kv: list[np.ndarray], last_rows: int | None = None) -> tuple[dict, list[np.ndarray]]:
-        """x [T] ids or [T, hidden] after `kv` -> (head outputs by name, grown kv).
+    def run(self, x: np.ndarray, kv: list, last_rows: int | None = None, start: int = 0) -> tuple[dict, list]:
+        """x [T] ids or [T, hidden] at positions start.. -> (head outputs by name, the kv after the call).
 
         `last_rows`: logits for the window's last rows only (graphs that take it; others return all rows).
         """
-        feeds = {self.input_name: x, **dict(zip(self.past_names, kv))}
-        if self.takes_last_rows:
-            feeds[LAST_ROWS] = np.array([last_rows or len(x)], dtype=np.int64)
-        outputs = self.session.run(self.output_names, feeds)
+        extra = {LAST_ROWS: np.array([last_rows or len(x)], dtype=np.int64)} if self.takes_last_rows else {}
+        if self.shared_kv:
+            return self._run_shared(x, kv, extra | {TOTAL_LEN: np.array([start + len(x)], dtype=np.int32)})
+        outputs = self.session.run(self.output_names, {self.input_name: x, **dict(zip(self.past_names, kv))} | extra)
         head = dict(zip(self.output_names[:self.n_head_outputs], outputs[:self.n_head_outputs]))
         return head, outputs[self.n_head_outputs:]
 
+    def _run_shared(self, x: np.ndarray, kv: list, feeds: dict) -> tuple[dict, list]:
+        binding = self.session.io_binding()
+        for name, value in ({self.input_name: np.ascontiguousarray(x)} | feeds).items():
+            binding.bind_cpu_input(name, value)
+        heads = self.output_names[:self.n_head_outputs]
+        for name in heads:
+            binding.bind_output(name, "cpu")
+        for past, present, (_, value) in zip(self.past_names, self.output_names[self.n_head_outputs:], kv):
+            binding.bind_ortvalue_input(past, value)
+            binding.bind_ortvalue_output(present, value)
+        self.session.run_with_iobinding(binding)
+        outputs = binding.get_outputs()
+        return {name: outputs[i].numpy() for i, name in enumerate(heads)}, kv
+
 
 class ORTCache(CacheBounds):
-    """Host KV arrays of one or more graphs of the same model."""
+    """The KV of one or more graphs of the same model: host arrays (explicit) or shared buffers."""
 
     def __init__(self, graphs: list[ORTGraph], capacity: int):
-        self.kv = [g.empty_kv() for g in graphs]  # per graph: [key0, value0, ...] each [1, KVH, L, D]
+        self.kv = [g.empty_kv(capacity) for g in graphs]  # per graph: [key0, value0, ...] (see ORTGraph.empty_kv)
+        self.shared = graphs[0].shared_kv
+        self.filled = [0] * len(graphs)  # positions held by each graph
         self.capacity = capacity
         self.hidden: np.ndarray | None = None  # split target: prefix rows the suffix has not seen
 
     @property
     def length(self) -> int:
         """Positions committed (by the first graph; the suffix may lag by `hidden` rows)."""
-        return self.kv[0][0].shape[2]
+        return self.filled[0]
+
+    def run(self, index: int, graph: ORTGraph, x: np.ndarray, last_rows: int | None = None) -> dict:
+        """Run graph `index` of this cache over x after its positions; returns its head outputs."""
+        head, self.kv[index] = graph.run(x, self.kv[index], last_rows, self.filled[index])
+        self.filled[index] += len(x)
+        return head
 
     def rollback(self, length: int) -> None:
-        """Forget positions >= length in every graph (array views, O(1))."""
+        """Forget positions >= length in every graph (explicit: array views; shared: a count). O(1)."""
         self.check_rollback(length)
-        self.kv = [[a[:, :, :length] for a in kv] for kv in self.kv]
+        if not self.shared:
+            self.kv = [[a[:, :, :length] for a in kv] for kv in self.kv]
+        self.filled = [min(f, length) for f in self.filled]
         if self.hidden is not None:  # keep the pending rows that survive the rollback
-            keep = length - self.kv[-1][0].shape[2]
+            keep = length - self.filled[-1]
             self.hidden = self.hidden[:keep] if keep > 0 else None
 
 
@@ -127,26 +163,34 @@ class ORTModel:
         """tokens [T] at positions cache.length.. -> logits [T, vocab]; advances the cache by T."""
         ids = np.asarray(tokens, dtype=np.int64)
         cache.check_room(len(ids))
-        head, cache.kv[0] = self.graph.run(ids, cache.kv[0])
-        return head["logits"]
+        return cache.run(0, self.graph, ids)["logits"]
 
     def forward_last(self, tokens: Sequence[int], cache: ORTCache) -> np.ndarray:
         """As `forward`, but logits of the last position only ([1, vocab]; prefill)."""
         ids = np.asarray(tokens, dtype=np.int64)
         cache.check_room(len(ids))
-        head, cache.kv[0] = self.graph.run(ids, cache.kv[0], last_rows=1)
-        return head["logits"][-1:]
+        return cache.run(0, self.graph, ids, last_rows=1)["logits"][-1:]
 
     def adopt(self, target_cache: ORTCache, capacity: int) -> ORTCache:
-        """A cache over the split target's KV arrays, all layers in order (shared: arrays are never written)."""
+        """A cache holding the split target's KV, all layers in order (explicit arrays are shared: never
+        written; shared buffers are copied: both models go on writing theirs)."""
         if target_cache.hidden is not None:
             raise RuntimeError("cannot adopt a target cache with a pending forward_suffix")
-        arrays = [a for kv in target_cache.kv for a in kv]
+        layers = [a for kv in target_cache.kv for a in kv]
+        arrays = [a[0] for a in layers] if target_cache.shared else layers
         if len(arrays) != len(self.graph.past_names) or arrays[0].shape[1::2] != tuple(self.graph.kv_shape):
             raise ValueError("cannot adopt a cache of another shape (the draft is not a copy of the target)")
         cache = self.new_cache(capacity)
-        cache.check_room(target_cache.length)
-        cache.kv = [arrays]
+        n = target_cache.length
+        cache.check_room(n)
+        if cache.shared != target_cache.shared:
+            raise ValueError("cannot adopt between explicit and shared KV graphs")
+        if cache.shared:
+            for (buffer, _), source in zip(cache.kv[0], arrays):
+                buffer[:, :, :n] = source[:, :, :n]
+        else:
+            cache.kv = [arrays]
+        cache.filled = [n]
         return cache
 
 
@@ -173,8 +217,7 @@ class ORTSplitTarget:
             raise RuntimeError("forward_prefix called again before forward_suffix")
         ids = np.asarray(tokens, dtype=np.int64)
         cache.check_room(len(ids))
-        head, cache.kv[0] = self.prefix.run(ids, cache.kv[0])
-        cache.hidden = head["hidden"]
+        cache.hidden = cache.run(0, self.prefix, ids)["hidden"]
 
     def forward_prefix(self, tokens: Sequence[int], cache: ORTCache) -> tuple[np.ndarray, np.ndarray]:
         """Layers 0..exit-1 over tokens [T] -> early-exit (ids [T, kappa], log-probs [T, kappa])."""
@@ -186,9 +229,9 @@ class ORTSplitTarget:
         """Layers exit..N-1 over the pending hidden state -> logits [T, vocab] (or its last `last_rows`)."""
         if cache.hidden is None:
             raise RuntimeError("forward_suffix called without a pending forward_prefix")
-        head, cache.kv[1] = self.suffix.run(cache.hidden, cache.kv[1], last_rows)
-        cache.hidden = None
-        return head["logits"][-last_rows:] if last_rows else head["logits"]
+        hidden, cache.hidden = cache.hidden, None
+        logits = cache.run(1, self.suffix, hidden, last_rows)["logits"]
+        return logits[-last_rows:] if last_rows else logits
 
     def forward(self, tokens: Sequence[int], cache: ORTCache) -> np.ndarray:
         """tokens [T] -> logits [T, vocab] (prefix then suffix, no early exit); advances the cache by T."""
@@ -220,8 +263,7 @@ class ORTSplitTarget:
             for start in range(0, len(ids), chunk):
                 if "error" in result:
                     break
-                head, cache.kv[0] = self.prefix.run(ids[start:start + chunk], cache.kv[0])
-                handoff.put(head["hidden"])
+                handoff.put(cache.run(0, self.prefix, ids[start:start + chunk])["hidden"])
         finally:
             handoff.put(None)
             helper.join()
@@ -235,7 +277,6 @@ class ORTSplitTarget:
             if "error" in result:
                 continue  # drain until the end marker
             try:
-                head, cache.kv[1] = self.suffix.run(hidden, cache.kv[1], last_rows=1)
-                result["logits"] = head["logits"][-1:]
+                result["logits"] = cache.run(1, self.suffix, hidden, last_rows=1)["logits"][-1:]
             except Exception as exc:  # re-raised in the caller's thread
                 result["error"] = exc

@@ -37,6 +37,7 @@ from mirror_rt.exporters.split import (
 FORMATS = ("openvino", "onnx", "torch")
 WEIGHTS = ("fp32", "fp16", "int8", "int4")
 EXIT_WEIGHTS = ("fp32", "int8")
+KV_MODES = ("explicit", "shared")
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "chat_template.jinja",
                    "generation_config.json", "config.json", "vocab.json", "merges.txt", "tokenizer.model")
 VERSIONED = ("mirror-rt", "torch", "openvino", "nncf", "openvino-tokenizers", "onnx", "onnxruntime",
@@ -65,6 +66,8 @@ class ExportConfig:
     max_window: int | None = None  # None: unbounded (static: 8)
     exit_adapter: str | None = None  # trained early-exit adapter (models.exit_adapter files); None: untrained exit
     exit_weights: str = "int8"  # exit graph weights (norm, adapter, LM head); torch bundles use the target's
+    kv: str | None = None  # explicit (KV in and out: any backend) | shared (in place: ONNX Runtime); None: shared
+                           # for onnx (fastest on ONNX Runtime: no cache copy per call), explicit otherwise
 
     def __post_init__(self):
         if self.fmt not in FORMATS:
@@ -74,6 +77,12 @@ class ExportConfig:
                 raise ExportError(f"{flag} must be one of {', '.join(WEIGHTS)}, got '{value}'")
         if self.exit_weights not in EXIT_WEIGHTS:
             raise ExportError(f"--exit-weights must be one of {', '.join(EXIT_WEIGHTS)}, got '{self.exit_weights}'")
+        if self.kv is None:
+            object.__setattr__(self, "kv", "shared" if self.fmt == "onnx" else "explicit")
+        if self.kv not in KV_MODES:
+            raise ExportError(f"--kv must be one of {', '.join(KV_MODES)}, got '{self.kv}'")
+        if self.kv == "shared" and self.fmt != "onnx":
+            raise ExportError(f"--kv shared needs --format onnx (got --format {self.fmt})")
         if self.static and self.fmt != "openvino":
             raise ExportError(f"--static needs --format openvino (got --format {self.fmt})")
         if self.kappa < 1:
@@ -119,12 +128,13 @@ def resolve_limits(cfg: ExportConfig, model_config) -> Limits:
 def export_bundle(model_ref: str | None, out_dir, draft_ref: str | None = None, exit_layer: int | None = None,
                   kappa: int = 8, fmt: str = "onnx", weights: str = "fp32", draft_weights: str = "int8",
                   static: bool = False, max_context: int | None = None, max_window: int | None = None,
-                  progress: bool = True, exit_adapter: str | None = None, exit_weights: str = "int8") -> Path:
+                  progress: bool = True, exit_adapter: str | None = None, exit_weights: str = "int8",
+                  kv: str | None = None) -> Path:
     """Export a bundle (see module docstring); returns the bundle folder."""
     cfg = ExportConfig(model_ref=model_ref, out_dir=Path(out_dir), draft_ref=draft_ref, exit_layer=exit_layer,
                        kappa=kappa, fmt=fmt, weights=weights, draft_weights=draft_weights, static=static,
                        max_context=max_context, max_window=max_window, exit_adapter=exit_adapter,
-                       exit_weights=exit_weights)
+                       exit_weights=exit_weights, kv=kv)
     return run_export(cfg, progress=progress)
 
 
@@ -133,31 +143,30 @@ def run_export(cfg: ExportConfig, progress: bool = True) -> Path:
     from mirror_rt.models.loading import load_checkpoint
     from tqdm import tqdm
 
-    bar = tqdm(total=len(ROLES) + 3, desc="export", unit="step", disable=not progress)
-    bar.set_postfix_str("loading models")
-    target = load_checkpoint(cfg.model_ref, log=lambda *a: None)
-    limits = resolve_limits(cfg, target.model.config)
-    adapter = _load_adapter(cfg, target.model, limits)
-    draft = target if cfg.draft_ref is None else load_checkpoint(cfg.draft_ref, log=lambda *a: None)
-    _check_draft(target, draft)
-    folder = _prepare_folder(cfg.out_dir)
-    bar.update()
-    entries = []
-    for role in ROLES:
-        bar.set_postfix_str(role)
-        model = draft.model if role == "draft" else target.model
-        if role == "target_exit" and cfg.fmt != "torch":  # the exit graph carries the adapter
-            model = with_exit_adapter(model, adapter)
-        entries.append(_export_role(cfg, limits, model, role, folder))
+    with tqdm(total=len(ROLES) + 3, desc="export", unit="step", disable=not progress) as bar:  # closed on errors too
+        bar.set_postfix_str("loading models")
+        target = load_checkpoint(cfg.model_ref, log=lambda *a: None)
+        limits = resolve_limits(cfg, target.model.config)
+        adapter = _load_adapter(cfg, target.model, limits)
+        draft = target if cfg.draft_ref is None else load_checkpoint(cfg.draft_ref, log=lambda *a: None)
+        _check_draft(target, draft)
+        folder = _prepare_folder(cfg.out_dir)
         bar.update()
-    bar.set_postfix_str("tokenizer")
-    tokenizer = _copy_tokenizer(target.tokenizer, folder, cfg.fmt)
-    bar.update()
-    bar.set_postfix_str("manifest")
-    manifest = _manifest(cfg, limits, target.model, draft.model, entries, tokenizer)
-    write_manifest(replace(manifest, exit_adapter=_copy_adapter(cfg, adapter, folder)), folder)
-    bar.update()
-    bar.close()
+        entries = []
+        for role in ROLES:
+            bar.set_postfix_str(role)
+            model = draft.model if role == "draft" else target.model
+            if role == "target_exit" and cfg.fmt != "torch":  # the exit graph carries the adapter
+                model = with_exit_adapter(model, adapter)
+            entries.append(_export_role(cfg, limits, model, role, folder))
+            bar.update()
+        bar.set_postfix_str("tokenizer")
+        tokenizer = _copy_tokenizer(target.tokenizer, folder, cfg.fmt)
+        bar.update()
+        bar.set_postfix_str("manifest")
+        manifest = _manifest(cfg, limits, target.model, draft.model, entries, tokenizer)
+        write_manifest(replace(manifest, exit_adapter=_copy_adapter(cfg, adapter, folder)), folder)
+        bar.update()
     return folder
 
 
@@ -205,7 +214,7 @@ def _prepare_folder(out_dir: Path) -> Path:
 def _export_role(cfg: ExportConfig, limits: Limits, model, role: str, folder: Path) -> GraphEntry:
     weights = {"draft": cfg.draft_weights, "target_exit": cfg.exit_weights}.get(role, cfg.weights)
     spec = graph_spec(role, model.config.n_layers, limits.exit_layer, cfg.kappa, cfg.static,
-                      limits.table_len, limits.max_window)
+                      limits.table_len, limits.max_window, shared_kv=cfg.kv == "shared")
     if cfg.fmt == "openvino":
         from mirror_rt.exporters.openvino import export_openvino_graph
 
@@ -274,7 +283,10 @@ def _manifest(cfg: ExportConfig, limits: Limits, target, draft, entries, tokeniz
     c = target.config
     kv = {"layout": KV_LAYOUT, "n_kv_heads": c.n_kv_heads, "head_dim": c.head_dim, "dtype": "float32",
           "past": list(PAST_NAMES), "present": list(PRESENT_NAMES),
-          "state": "openvino model state" if cfg.fmt == "openvino" else "explicit inputs/outputs"}
+          "state": {"openvino": "openvino model state"}.get(cfg.fmt, "explicit inputs/outputs"),
+          "shared": cfg.kv == "shared"}  # buffers written in place (exporters.shared_kv): ONNX Runtime only
+    if kv["shared"]:
+        kv["state"] = "shared buffers [1, KVH, capacity, D] + total_len (GroupQueryAttention)"
     return BundleManifest(
         format_version=FORMAT_VERSION, graphs=tuple(entries), n_layers=c.n_layers, exit_layer=limits.exit_layer,
         kappa=cfg.kappa, kv_layout=kv, vocab_size=c.vocab_size, tokenizer=tokenizer,

@@ -17,6 +17,7 @@ import warnings
 from pathlib import Path
 
 import torch
+from mirror_rt.exporters.shared_kv import DOMAIN
 from mirror_rt.exporters.split import (
     GraphSpec,
     SplitGraph,
@@ -49,7 +50,7 @@ def export_onnx_graph(model, spec: GraphSpec, table_len: int, weights: str, path
         warnings.simplefilter("ignore")  # tracer warnings about shape-to-int conversions
         torch.onnx.export(graph, example_inputs(model, spec), str(raw), input_names=ins, output_names=outs,
                           dynamic_axes=_dynamic_axes(spec, ins, outs), opset_version=OPSET, dynamo=False,
-                          do_constant_folding=True)
+                          do_constant_folding=True, custom_opsets={DOMAIN: 1} if spec.shared_kv else None)
     if weights != "fp32":
         quantize_weights(raw, path, weights, model.config.vocab_size)
         raw.unlink()
@@ -57,12 +58,13 @@ def export_onnx_graph(model, spec: GraphSpec, table_len: int, weights: str, path
 
 
 def _dynamic_axes(spec: GraphSpec, ins: list[str], outs: list[str]) -> dict:
+    past, present = ("capacity", "capacity") if spec.shared_kv else ("past", "total")  # shared: one buffer
     axes = {ins[0]: {0: "window"}}
     for name in ins[1:]:
         if name.startswith("past_"):
-            axes[name] = {2: "past"}
+            axes[name] = {2: past}
     for name in outs:  # logits rows follow last_rows where the graph takes it
-        axes[name] = {2: "total"} if name.startswith("present") else {0: "rows" if spec.takes_last_rows else "window"}
+        axes[name] = {2: present} if name.startswith("present") else {0: "rows" if spec.takes_last_rows else "window"}
     return axes
 
 

@@ -21,6 +21,7 @@ from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
+from mirror_rt.exporters.shared_kv import TOTAL_LEN, shared_kv_attention
 from mirror_rt.models.exit_adapter import exit_logits
 from mirror_rt.models.transformer import Transformer, apply_rope
 from torch import nn
@@ -44,6 +45,7 @@ class GraphSpec:
     static: bool = False  # fixed shapes: window padded to `window`, KV of `context` positions
     context: int = 0  # KV positions of a static graph (max_context + max_window)
     window: int = 0  # tokens per call of a static graph
+    shared_kv: bool = False  # KV in preallocated buffers written in place (exporters.shared_kv; ONNX Runtime)
 
     @property
     def takes_tokens(self) -> bool:
@@ -71,6 +73,8 @@ def input_names(spec: GraphSpec) -> list[str]:
         names.append("position")
     if spec.takes_last_rows:
         names.append(LAST_ROWS)
+    if spec.shared_kv and spec.has_kv:
+        names.append(TOTAL_LEN)
     return names + kv_names(spec.n_layers, PAST_NAMES)
 
 
@@ -140,21 +144,23 @@ class SplitGraph(nn.Module):
         spec = self.spec
         if not spec.has_kv:
             return self._exit(x)
-        last_rows = None
+        last_rows = total_len = None
         if spec.static:
             position, kv = rest[0], rest[1:]
             positions = position.reshape(1) + torch.arange(spec.window, dtype=torch.long)
         else:
-            last_rows, kv = (rest[0], rest[1:]) if spec.takes_last_rows else (None, rest)
-            positions = torch.arange(x.shape[0], dtype=torch.long) + kv[0].shape[2]
+            last_rows, rest = (rest[0], rest[1:]) if spec.takes_last_rows else (None, rest)
+            total_len, kv = (rest[0], rest[1:]) if spec.shared_kv else (None, rest)
+            start = total_len.to(torch.long) - x.shape[0] if spec.shared_kv else kv[0].shape[2]
+            positions = torch.arange(x.shape[0], dtype=torch.long) + start
         h = self.model.embed(x) if spec.takes_tokens else x
         cos = torch.index_select(self.rope_cos, 0, positions)  # [T, head_dim]
         sin = torch.index_select(self.rope_sin, 0, positions)
-        mask = self._mask(positions, kv[0].shape[2] + (0 if spec.static else x.shape[0]))
+        mask = None if spec.shared_kv else self._mask(positions, kv[0].shape[2] + (0 if spec.static else x.shape[0]))
         presents = []
         for i in range(spec.n_layers):
             block = self.model.layers[spec.first + i]
-            h, k, v = self._block(block, h, (cos, sin), kv[2 * i], kv[2 * i + 1], mask, positions)
+            h, k, v = self._block(block, h, (cos, sin), kv[2 * i], kv[2 * i + 1], mask, positions, total_len)
             presents += [k, v]
         return (*self._head(h, last_rows), *presents)
 
@@ -176,7 +182,7 @@ class SplitGraph(nn.Module):
         values, ids = torch.topk(logprobs, self.spec.kappa, dim=-1)  # [T, kappa] each
         return ids, values
 
-    def _block(self, block, x, rope, past_k, past_v, mask, positions):
+    def _block(self, block, x, rope, past_k, past_v, mask, positions, total_len=None):
         """One decoder block; returns (x, present_k, present_v)."""
         attn = block.self_attn
         y = block.input_layernorm(x)
@@ -186,8 +192,11 @@ class SplitGraph(nn.Module):
         if attn.qk_norm:
             q, k = attn.q_norm(q), attn.k_norm(k)
         q, k = apply_rope(q, *rope), apply_rope(k, *rope)
-        keys, values = self._write(past_k, k, positions), self._write(past_v, v, positions)
-        out = _grouped_attention(q, keys, values, mask)  # [T, H*D]
+        if self.spec.shared_kv:
+            out, keys, values = shared_kv_attention(q, k, v, past_k, past_v, total_len, self.n_heads, self.n_kv_heads)
+        else:
+            keys, values = self._write(past_k, k, positions), self._write(past_v, v, positions)
+            out = _grouped_attention(q, keys, values, mask)  # [T, H*D]
         x = x + attn.o_proj(out)
         x = x + block.mlp(block.post_attention_layernorm(x))
         return x, keys, values
@@ -218,11 +227,12 @@ def _grouped_attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor
 
 
 def graph_spec(role: str, n_layers: int, exit_layer: int, kappa: int, static: bool = False,
-               context: int = 0, window: int = 0) -> GraphSpec:
+               context: int = 0, window: int = 0, shared_kv: bool = False) -> GraphSpec:
     """The spec of `role` for a model of `n_layers` cut at `exit_layer`."""
     first, last = {"target_prefix": (0, exit_layer), "target_exit": (exit_layer, exit_layer),
                    "target_suffix": (exit_layer, n_layers), "draft": (0, n_layers)}[role]
-    return GraphSpec(role, first, last, kappa if role == "target_exit" else 0, static, context, window)
+    return GraphSpec(role, first, last, kappa if role == "target_exit" else 0, static, context, window,
+                     shared_kv and role != "target_exit")
 
 
 def example_inputs(model: Transformer, spec: GraphSpec, tokens: int = 3, past: int = 2) -> tuple:
@@ -239,4 +249,7 @@ def example_inputs(model: Transformer, spec: GraphSpec, tokens: int = 3, past: i
     head = [x, torch.tensor([past], dtype=torch.long)] if spec.static else [x]
     if spec.takes_last_rows:
         head.append(torch.tensor([T], dtype=torch.long))
+    if spec.shared_kv:  # buffers of `past + T + 1` positions holding `past + T` after the call
+        head.append(torch.tensor([past + T], dtype=torch.int32))
+        kv = [torch.zeros(1, c.n_kv_heads, past + T + 1, c.head_dim, dtype=dtype) for _ in range(2 * spec.n_layers)]
     return tuple(head + kv)

@@ -164,6 +164,8 @@ def _add_export(sub) -> None:
     export.add_argument("--exit-weights", default="int8", help="early-exit head weights: fp32 | int8 (it only "
                                                                 "ranks draft branches, never changes the output)")
     export.add_argument("--exit-adapter", help="a trained exit adapter (mirror-rt train-exit) to carry")
+    export.add_argument("--kv", help="shared (default with onnx: KV written in place, no copy per call; ONNX "
+                        "Runtime only) | explicit (KV in and out: OpenVINO can load the .onnx too)")
     export.add_argument("--static", action="store_true", help="fixed shapes (NPUs need them)")
     export.add_argument("--max-context", type=_positive_int, help="context limit of the bundle")
     export.add_argument("--max-window", type=_positive_int, help="window limit (with --static)")
@@ -176,7 +178,7 @@ def cmd_export(args) -> int:
     folder = export_bundle(args.model, args.out, draft_ref=args.draft, exit_layer=args.exit_layer, kappa=args.kappa,
                            fmt=args.format, weights=args.weights, draft_weights=args.draft_weights,
                            static=args.static, max_context=args.max_context, max_window=args.max_window,
-                           exit_weights=args.exit_weights, exit_adapter=args.exit_adapter)
+                           exit_weights=args.exit_weights, exit_adapter=args.exit_adapter, kv=args.kv)
     print(f"bundle written to {folder}")
     return 0
 

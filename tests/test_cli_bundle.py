@@ -48,9 +48,12 @@ def test_corrupt_bundle_file_named(tiny_bundle, tmp_path):
     assert proc.returncode == 2 and "draft.bin" in proc.stderr and "Traceback" not in proc.stderr
 
 
-def test_export_bad_option_named(tmp_path):
-    proc = run_cli("export", "--model", "tiny", "--exit-layer", "99", "--out", str(tmp_path / "x"))
-    assert proc.returncode == 2 and "--exit-layer" in proc.stderr
+@pytest.mark.parametrize("args,named", [(["--exit-layer", "99"], "--exit-layer"), (["--kv", "mine"], "--kv must be"),
+                                        (["--format", "openvino", "--kv", "shared"], "--kv shared needs --format onnx")])
+def test_export_bad_option_named(tmp_path, args, named):
+    proc = run_cli("export", "--model", "tiny", *args, "--out", str(tmp_path / "x"))
+    errors = [line for line in proc.stderr.splitlines() if line.startswith("mirror-rt: error: ")]
+    assert proc.returncode == 2 and len(errors) == 1 and named in errors[0]  # on a line of its own, after the bar
 
 
 def test_devices_lists_backends():

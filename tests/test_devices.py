@@ -43,7 +43,7 @@ CASES = [("torch", "torch:cpu")]
 if HAVE["openvino"]:
     CASES += [("openvino", "openvino:CPU"), ("onnx", "openvino:CPU")]
 if HAVE["onnxruntime"]:
-    CASES += [("onnx", "ort:cpu")]
+    CASES += [("onnx", "ort:cpu"), ("onnx-shared", "ort:cpu")]  # explicit KV, and KV in shared buffers
 GRAPH_CASES = [case for case in CASES if case[0] != "torch"]  # bundles with an exit graph
 
 
@@ -57,7 +57,8 @@ def bundles(tmp_path_factory):
     root = tmp_path_factory.mktemp("bundles")
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        return {fmt: export_bundle("tiny", root / fmt, fmt=fmt, kappa=KAPPA, exit_weights="fp32", progress=False)
+        return {fmt: export_bundle("tiny", root / fmt, fmt=fmt.split("-")[0], kappa=KAPPA, exit_weights="fp32",
+                                   kv="shared" if fmt.endswith("-shared") else "explicit", progress=False)
                 for fmt in {fmt for fmt, _ in CASES}}
 
 
@@ -67,7 +68,8 @@ def int8_exit_bundles(tmp_path_factory):
     root = tmp_path_factory.mktemp("int8_exit")
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        return {fmt: export_bundle("tiny", root / fmt, fmt=fmt, kappa=KAPPA, progress=False)
+        return {fmt: export_bundle("tiny", root / fmt, fmt=fmt.split("-")[0], kappa=KAPPA, progress=False,
+                                   kv="shared" if fmt.endswith("-shared") else "explicit")
                 for fmt in {fmt for fmt, _ in GRAPH_CASES}}
 
 

@@ -7,10 +7,11 @@ import warnings
 
 import numpy as np
 import pytest
-from mirror_rt.devices.registry import available_devices, load_bundle
+from mirror_rt.devices.registry import DeviceError, available_devices, load_bundle
 from mirror_rt.devices.torch_backend import TorchModel
 from mirror_rt.devices.torch_split import TorchSplitTarget
 from mirror_rt.exporters.export import export_bundle
+from mirror_rt.exporters.manifest import read_manifest
 from mirror_rt.runtime.metrics import Metrics
 from mirror_rt.runtime.mirror import MirrorSettings, mirror_generate
 from mirror_rt.runtime.reference import generate
@@ -25,13 +26,14 @@ def flat(steps):
     return [t for step in steps for t in step]
 
 
-@pytest.fixture(scope="module")
-def onnx_bundle(tmp_path_factory):
-    """A tiny ONNX bundle whose draft is the target in fp32 (so adopted KV must match the draft's own)."""
+@pytest.fixture(scope="module", params=["explicit", "shared"])
+def onnx_bundle(request, tmp_path_factory):
+    """Tiny ONNX bundles (explicit and shared KV) whose draft is the target in fp32 (so adopted KV must
+    match the draft's own)."""
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        return export_bundle("tiny", tmp_path_factory.mktemp("kv") / "b", fmt="onnx", draft_weights="fp32",
-                             progress=False)
+        return export_bundle("tiny", tmp_path_factory.mktemp("kv") / request.param, fmt="onnx",
+                             draft_weights="fp32", kv=request.param, progress=False)
 
 
 @needs_ort
@@ -129,6 +131,10 @@ if available_devices()["openvino"]:
 def test_forward_last_equals_the_last_row_of_forward(onnx_bundle, ov_bundle, fmt, device):
     """Prefill computes the LM head for the last position only, with the same logits and cache."""
     folder = onnx_bundle if fmt == "onnx" else ov_bundle
+    if read_manifest(folder).kv_layout.get("shared") and not device.startswith("ort:"):
+        with pytest.raises(DeviceError, match="shared buffers .* only ONNX Runtime runs"):
+            load_bundle(folder, device, device, strict=True, threads=1)
+        return
     target, draft, _, _ = load_bundle(folder, device, device, strict=True, threads=1)
     assert target.suffix.takes_last_rows and draft.graph.takes_last_rows and not target.prefix.takes_last_rows
     for model in (target, draft):
