@@ -209,8 +209,9 @@ def load_model(folder: Path, manifest, role: str, device: str | DeviceSpec, stri
     graph_format = manifest.graph("draft" if role == "draft" else "target_prefix").format
     spec = resolve(device, strict, graph_format)
     if manifest.kv_layout.get("shared") and spec.backend != "onnxruntime":
-        raise DeviceError(f"this bundle keeps its KV in shared buffers (exported with --kv shared), which only "
-                          f"ONNX Runtime runs, not {spec}; use an ort: device or re-export with --kv explicit")
+        raise DeviceError(f"this bundle keeps its KV in shared buffers (--kv shared), which only ONNX Runtime "
+                          f"runs, not {spec}; pick an ort: device, or export for OpenVINO (--format openvino, "
+                          f"plus --static for NPUs) or with --kv explicit")
     budget.apply()
     config = _config(manifest, role)
     roles = ("draft",) if role == "draft" else ("target_prefix", "target_exit", "target_suffix")
