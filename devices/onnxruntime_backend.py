@@ -1,9 +1,12 @@
 """ONNX Runtime backend: the .onnx graphs of a bundle on any execution provider.
 
-ONNX graphs take the KV cache as explicit inputs and return it grown by the window, so
-the cache is a list of host arrays per graph; rollback slices them (O(1), views). This
-costs a copy of the whole cache per call, the price of running on any EP (CPU, CUDA,
-QNN, OpenVINO). onnxruntime is imported lazily; the runtime core never imports it.
+Two kinds of graphs. Explicit-KV graphs take the KV cache as inputs and return it grown by
+the window, so the cache is a list of host arrays per graph; rollback slices them (O(1),
+views), and each call copies the whole cache. Shared-KV graphs (`--kv shared`, the ONNX
+default; exporters.shared_kv) write the window's KV in place into preallocated buffers bound
+as both past and present through IO binding: no copy, rollback is a count. The split target
+can also prefill pipelined over two cores, and a self-draft can adopt its prompt KV.
+onnxruntime is imported lazily; the runtime core never imports it.
 Invariant: between calls every graph of a cache holds exactly `length` positions, except
 that after `forward_prefix` the suffix lags until `forward_suffix` runs. The split target's
 exit graph is stateless and belongs to no cache.

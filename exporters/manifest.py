@@ -51,7 +51,8 @@ class BundleManifest:
     n_layers: int  # N, target layers
     exit_layer: int  # ℓe: the prefix holds layers 0..ℓe-1, the exit graph reads its hidden state
     kappa: int  # early-exit top-k per position
-    kv_layout: dict  # {"layout": "BHTD", "n_kv_heads", "head_dim", "dtype", "past", "present"}
+    kv_layout: dict  # {"layout": "BHTD", "n_kv_heads", "head_dim", "dtype", "past", "present", "state",
+    #                   "shared": KV in buffers written in place (exporters.shared_kv; ONNX Runtime only)}
     vocab_size: int  # logits width (target and draft)
     tokenizer: dict  # {"kind": "hf" | "bytes", "sha256", "files": {name: sha256}}
     max_context: int  # positions a cache may hold (static graphs: fixed)
