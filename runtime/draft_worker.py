@@ -109,14 +109,10 @@ class DraftWorker:
     def stop(self, timeout: float = 2.0) -> None:
         """Ask the thread to end and wait for it (a forward in progress finishes first)."""
         self.stop_event.set()
-        # STOP wakes a waiting worker at once; the worker also sees the event within 0.1 s. The queue's
-        # lock is only tried: a put interrupted by Ctrl-C in the target thread may have left it held.
-        if self.inbox.mutex.acquire(timeout=0.05):
-            self.inbox.mutex.release()
-            try:
-                self.inbox.put_nowait(STOP)
-            except queue.Full:
-                pass
+        try:
+            self.inbox.put_nowait(STOP)
+        except queue.Full:
+            pass
         self.thread.join(timeout)
 
     def _run(self) -> None:
