@@ -72,9 +72,12 @@ def test_ctrl_c_stops_mirror_promptly(cache_dir):
     import signal
     import time
 
+    # A shell's background job (`cmd &`) starts with SIGINT ignored, and Python keeps it ignored: give the
+    # child the default disposition so that this test means the same wherever CI runs it.
     proc = subprocess.Popen([sys.executable, "-m", "mirror_rt.cli", "run", "Write a long story about a dragon.",
                              "--mode", "mirror", "--max-new-tokens", "2000", "--cache-dir", cache_dir],
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
     first = proc.stdout.read(1)  # blocks until generation has started streaming
     assert first
     os.kill(proc.pid, signal.SIGINT)
