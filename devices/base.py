@@ -51,7 +51,14 @@ class CacheBounds:
 
 
 class LoadedModel(Protocol):
-    """A model ready to run on one device."""
+    """A model ready to run on one device.
+
+    Optional capabilities the runtime uses where a backend has them (looked up with getattr):
+    - `forward_last(tokens, cache)`: as `forward`, logits of the last position only ([1, vocab]; prefill);
+    - `adopt(target_cache, capacity)`: a new cache holding a target cache's positions, for a draft that is
+      the target at another precision (`same_model_as_target`, set by the bundle loaders);
+    - `prefill_pipelined(tokens, cache, cpu)` on split targets: the prompt over this core and `cpu`.
+    """
 
     vocab_size: int  # rows of the logits
     max_seq_len: int  # context limit of the model

@@ -162,17 +162,16 @@ class ORTModel:
     def new_cache(self, capacity: int) -> ORTCache:
         return ORTCache([self.graph], min(capacity, self.max_seq_len))
 
-    def forward(self, tokens: Sequence[int], cache: ORTCache) -> np.ndarray:
-        """tokens [T] at positions cache.length.. -> logits [T, vocab]; advances the cache by T."""
+    def forward(self, tokens: Sequence[int], cache: ORTCache, last_rows: int | None = None) -> np.ndarray:
+        """tokens [T] at positions cache.length.. -> logits [T, vocab] (or its last `last_rows`); advances by T."""
         ids = np.asarray(tokens, dtype=np.int64)
         cache.check_room(len(ids))
-        return cache.run(0, self.graph, ids)["logits"]
+        logits = cache.run(0, self.graph, ids, last_rows)["logits"]
+        return logits[-last_rows:] if last_rows else logits
 
     def forward_last(self, tokens: Sequence[int], cache: ORTCache) -> np.ndarray:
         """As `forward`, but logits of the last position only ([1, vocab]; prefill)."""
-        ids = np.asarray(tokens, dtype=np.int64)
-        cache.check_room(len(ids))
-        return cache.run(0, self.graph, ids, last_rows=1)["logits"][-1:]
+        return self.forward(tokens, cache, last_rows=1)
 
     def adopt(self, target_cache: ORTCache, capacity: int) -> ORTCache:
         """A cache holding the split target's KV, all layers in order (explicit arrays are shared: never
@@ -183,11 +182,11 @@ class ORTModel:
         arrays = [a[0] for a in layers] if target_cache.shared else layers
         if len(arrays) != len(self.graph.past_names) or arrays[0].shape[1::2] != tuple(self.graph.kv_shape):
             raise ValueError("cannot adopt a cache of another shape (the draft is not a copy of the target)")
+        if self.graph.shared_kv != target_cache.shared:
+            raise ValueError("cannot adopt between explicit and shared KV graphs")
         cache = self.new_cache(capacity)
         n = target_cache.length
         cache.check_room(n)
-        if cache.shared != target_cache.shared:
-            raise ValueError("cannot adopt between explicit and shared KV graphs")
         if cache.shared:
             for (buffer, _), source in zip(cache.kv[0], arrays):
                 buffer[:, :, :n] = source[:, :, :n]

@@ -150,21 +150,17 @@ class OVModel:
     def new_cache(self, capacity: int) -> OVCache:
         return OVCache([self.graph.new_request()], min(capacity, self.max_seq_len), bool(self.graph.window))
 
-    def forward(self, tokens: Sequence[int], cache: OVCache) -> np.ndarray:
-        """tokens [T] at positions cache.length.. -> logits [T, vocab]; advances the cache by T."""
+    def forward(self, tokens: Sequence[int], cache: OVCache, last_rows: int | None = None) -> np.ndarray:
+        """tokens [T] at positions cache.length.. -> logits [T, vocab] (or its last `last_rows`); advances by T."""
         ids = np.asarray(tokens, dtype=np.int64)
         cache.check_room(len(ids))
-        out = self.graph.run(cache.requests[0], ids, cache.length)
+        out = self.graph.run(cache.requests[0], ids, cache.length, last_rows)
         cache.filled[0] += len(ids)
-        return out["logits"]
+        return out["logits"][-last_rows:] if last_rows else out["logits"]
 
     def forward_last(self, tokens: Sequence[int], cache: OVCache) -> np.ndarray:
         """As `forward`, but logits of the last position only ([1, vocab]; prefill)."""
-        ids = np.asarray(tokens, dtype=np.int64)
-        cache.check_room(len(ids))
-        out = self.graph.run(cache.requests[0], ids, cache.length, last_rows=1)
-        cache.filled[0] += len(ids)
-        return out["logits"][-1:]
+        return self.forward(tokens, cache, last_rows=1)
 
 
 class OVSplitTarget:

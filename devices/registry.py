@@ -197,6 +197,7 @@ def load_bundle(bundle_dir, target_device: str = "cpu", draft_device: str = "cpu
     target_threads, draft_threads = threads if isinstance(threads, tuple) else (threads, threads)
     target = load_model(folder, manifest, "target", target_device, strict, WorkerBudget(target_threads))
     draft = load_model(folder, manifest, "draft", draft_device, strict, WorkerBudget(draft_threads))
+    draft.same_model_as_target = draft_copies_target(manifest, manifest)
     return LoadedBundle(target, draft, load_tokenizer(folder, manifest), manifest)
 
 
@@ -218,10 +219,20 @@ def load_model(folder: Path, manifest, role: str, device: str | DeviceSpec, stri
     entries = [manifest.graph(r) for r in roles]
     paths = [Path(folder) / e.file for e in entries]
     loader = {"openvino": _load_openvino, "onnxruntime": _load_onnxruntime, "torch": _load_torch}[spec.backend]
-    model = loader(paths, manifest, config, spec, budget)
-    if role == "draft":  # may start from the target's prompt KV (runtime.mirror), where it can adopt it
-        model.same_model_as_target = manifest.draft_of_target
-    return model
+    return loader(paths, manifest, config, spec, budget)
+
+
+def draft_copies_target(target_manifest, draft_manifest) -> bool:
+    """Whether the draft of `draft_manifest` is the target of `target_manifest` at another precision.
+
+    Such a draft may start from the target's prompt KV (runtime.mirror). A draft taken from another
+    bundle qualifies only if that bundle's target has the same config and tokenizer.
+    """
+    if not draft_manifest.draft_of_target:
+        return False
+    return draft_manifest is target_manifest or (
+        draft_manifest.target_config == target_manifest.target_config
+        and draft_manifest.tokenizer.get("sha256") == target_manifest.tokenizer.get("sha256"))
 
 
 def _config(manifest, role: str):

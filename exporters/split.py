@@ -244,12 +244,12 @@ def example_inputs(model: Transformer, spec: GraphSpec, tokens: int = 3, past: i
          else torch.randn(T, c.hidden_size, dtype=dtype))
     if not spec.has_kv:
         return (x,)
-    length = spec.context if spec.static else past
+    # KV positions: static graphs hold the whole context, shared-KV graphs a buffer with room to spare
+    length = spec.context if spec.static else past + T + 1 if spec.shared_kv else past
     kv = [torch.zeros(1, c.n_kv_heads, length, c.head_dim, dtype=dtype) for _ in range(2 * spec.n_layers)]
     head = [x, torch.tensor([past], dtype=torch.long)] if spec.static else [x]
     if spec.takes_last_rows:
         head.append(torch.tensor([T], dtype=torch.long))
-    if spec.shared_kv:  # buffers of `past + T + 1` positions holding `past + T` after the call
+    if spec.shared_kv:  # total_len: positions held after the call
         head.append(torch.tensor([past + T], dtype=torch.int32))
-        kv = [torch.zeros(1, c.n_kv_heads, past + T + 1, c.head_dim, dtype=dtype) for _ in range(2 * spec.n_layers)]
     return tuple(head + kv)

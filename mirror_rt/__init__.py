@@ -105,11 +105,9 @@ def load_bundle(bundle: str, *, target_device: str = "cpu", draft_device: str = 
                               f"draft bundle has {draft_manifest.vocab_size}")
     target = _in_worker_thread(bundle, manifest, "target", target_device, strict_devices, target_budget)
     draft = _in_worker_thread(draft_source, draft_manifest, "draft", draft_device, strict_devices, draft_budget)
-    if draft_manifest is not manifest:  # a copy of *that* bundle's target, not necessarily of this one
-        draft.same_model_as_target = draft_manifest.draft_of_target and \
-            draft_manifest.target_config == manifest.target_config and \
-            draft_manifest.tokenizer.get("sha256") == manifest.tokenizer.get("sha256")
-    from mirror_rt.devices.registry import load_tokenizer
+    from mirror_rt.devices.registry import draft_copies_target, load_tokenizer
+
+    draft.same_model_as_target = draft_copies_target(manifest, draft_manifest)
 
     names = {"target": f"{bundle} ({type(target).__name__})", "draft": f"{draft_source} ({type(draft).__name__})"}
     return Engine(target, load_tokenizer(__import__("pathlib").Path(bundle), manifest), draft, names,

@@ -217,7 +217,7 @@ class DraftWorker:
         """One draft forward of precomputation; False when there is nothing worth doing."""
         t0 = time.perf_counter()
         try:
-            if len(self.line.tokens) < self.in_flight + 1 + self.k_cap:
+            if len(self.line.tokens) < self._wanted(self.line):
                 self._extend(self.line, self.committed)
                 return True
             return self._grow_branch()
@@ -226,9 +226,9 @@ class DraftWorker:
 
     def _grow_branch(self) -> bool:
         settings, k = self.settings, self.in_flight
-        length = settings.branch_length or settings.gamma
         for (depth, root), branch in self.branches.items():
-            if len(branch.tokens) < length and (settings.branch_budget is not None or self._fits_before_verdict()):
+            if len(branch.tokens) < self._wanted(branch) and (
+                    settings.branch_budget is not None or self._fits_before_verdict()):
                 self._extend(branch, self.committed + self.line.tokens[:depth] + [root])
                 return True
         if settings.branch_budget is not None and len(self.branches) >= settings.branch_budget:
@@ -246,6 +246,13 @@ class DraftWorker:
         self._extend(branch, self.committed + window[:root.depth] + [root.token])
         return True
 
+    def _wanted(self, line: Line) -> int:
+        """Tokens worth drafting on `line`: the main line reaches past the window in flight, its bonus
+        guess and the next window; a side branch holds one window."""
+        if line is self.line:
+            return self.in_flight + 1 + self.k_cap
+        return self.settings.branch_length or self.settings.gamma
+
     def _fits_before_verdict(self) -> bool:
         """Auto budget: one more forward only if it should end before the verdict is due."""
         return self.exit_rows is not None and time.perf_counter() + self.forward_s <= self.verdict_due
@@ -262,25 +269,24 @@ class DraftWorker:
 
     def _extend_with_streams(self, line: Line, context: list[int]) -> None:
         """One SS forward: confirm the pending guesses, add them and the next token, guess again."""
-        streams, offset, n = self._feed_with_guesses(line, context, list(line.guesses), streams=True)
+        streams, offset, n = self._feed_with_guesses(line, context + line.tokens, list(line.guesses), streams=True)
         line.guesses = [int(t) for t in np.argmax(streams[offset + n], axis=-1)]
 
     def _extend_with_lookup(self, line: Line, context: list[int]) -> None:
         """One forward with prompt-lookup guesses after the line (runtime.lookup); keeps the right ones."""
-        settings = self.settings
-        wanted = self.in_flight + 1 + self.k_cap if line is self.line else settings.branch_length or settings.gamma
-        room = wanted - len(line.tokens) - 1  # guesses the line can still use after its next token
-        guesses = lookup_guesses(context + line.tokens, min(settings.lookup, room)) if room > 0 else []
+        full = context + line.tokens
+        room = self._wanted(line) - len(line.tokens) - 1  # guesses the line can still use after its next token
+        guesses = lookup_guesses(full, min(self.settings.lookup, room)) if room > 0 else []
         self.stats.guessed += len(guesses)
-        _, _, n = self._feed_with_guesses(line, context, guesses)
+        _, _, n = self._feed_with_guesses(line, full, guesses)
         self.stats.guesses_kept += n
 
-    def _feed_with_guesses(self, line: Line, context: list[int], guesses: list[int], streams: bool = False):
-        """Feed the line's unfed tokens plus `guesses`; append the next token and every confirmed guess.
+    def _feed_with_guesses(self, line: Line, full: list[int], guesses: list[int], streams: bool = False):
+        """Feed what the cache lacks of `full` (the line's context and tokens) plus `guesses`; append
+        the next token and every confirmed guess to `line`.
 
-        Returns (stream logits or None, the row predicting the token after the line, guesses kept).
+        Returns (stream logits or None, the row predicting the token after `full`, guesses kept).
         """
-        full = context + line.tokens
         self._rollback_to_prefix(full)
         feed = full[len(self.cache_tokens):] + guesses
         out = self._feed(feed, streams=streams)
