@@ -18,16 +18,24 @@ TOTAL_LEN = "total_len"  # int32 [1]: positions held after the call (the op's to
 
 
 class GroupQueryAttention(torch.autograd.Function):
-    """Traces to com.microsoft::GroupQueryAttention; its eager forward only gives the tracer shapes."""
+    """Traces to com.microsoft::GroupQueryAttention; its eager forward only gives the tracer shapes.
+
+    Given cos/sin caches [table_len, head_dim / 2] and position_ids [1, T], the op also rotates
+    q and k (do_rotary, half-rotation layout) so no RoPE nodes surround it.
+    """
 
     @staticmethod
-    def forward(ctx, q, k, v, past_k, past_v, seqlens_k, total_len, num_heads: int, kv_num_heads: int):
+    def forward(ctx, q, k, v, past_k, past_v, seqlens_k, total_len, cos, sin, position_ids,
+                num_heads: int, kv_num_heads: int):
         return torch.zeros_like(q), past_k.clone(), past_v.clone()
 
     @staticmethod
-    def symbolic(g, q, k, v, past_k, past_v, seqlens_k, total_len, num_heads: int, kv_num_heads: int):
-        out, present_k, present_v = g.op(f"{DOMAIN}::GroupQueryAttention", q, k, v, past_k, past_v, seqlens_k,
-                                         total_len, num_heads_i=num_heads, kv_num_heads_i=kv_num_heads, outputs=3)
+    def symbolic(g, q, k, v, past_k, past_v, seqlens_k, total_len, cos, sin, position_ids,
+                 num_heads: int, kv_num_heads: int):
+        rotary = cos is not None
+        inputs = (q, k, v, past_k, past_v, seqlens_k, total_len) + ((cos, sin, position_ids) if rotary else ())
+        out, present_k, present_v = g.op(f"{DOMAIN}::GroupQueryAttention", *inputs, num_heads_i=num_heads,
+                                         kv_num_heads_i=kv_num_heads, do_rotary_i=int(rotary), outputs=3)
         out.setType(q.type())
         present_k.setType(past_k.type())
         present_v.setType(past_v.type())
@@ -40,5 +48,15 @@ def shared_kv_attention(q, k, v, past_k, past_v, total_len, n_heads: int, n_kv_h
     total = total_len.to(torch.int32)
     out, present_k, present_v = GroupQueryAttention.apply(
         q.transpose(0, 1).reshape(1, -1, n_heads * D), k.transpose(0, 1).reshape(1, -1, n_kv_heads * D),
-        v.transpose(0, 1).reshape(1, -1, n_kv_heads * D), past_k, past_v, total - 1, total, n_heads, n_kv_heads)
+        v.transpose(0, 1).reshape(1, -1, n_kv_heads * D), past_k, past_v, total - 1, total, None, None, None,
+        n_heads, n_kv_heads)
     return out.reshape(-1, n_heads * D), present_k, present_v
+
+
+def shared_kv_rope_attention(q, k, v, past_k, past_v, total_len, rope, n_heads: int, n_kv_heads: int):
+    """Projections q [1, T, H*D], k/v [1, T, KVH*D] before RoPE; rope = (cos, sin [table, D/2], positions [1, T]).
+
+    The op rotates q and k itself: -> ([1, T, H*D], present k, v).
+    """
+    total = total_len.to(torch.int32)
+    return GroupQueryAttention.apply(q, k, v, past_k, past_v, total - 1, total, *rope, n_heads, n_kv_heads)

@@ -21,7 +21,7 @@ from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
-from mirror_rt.exporters.shared_kv import TOTAL_LEN, shared_kv_attention
+from mirror_rt.exporters.shared_kv import TOTAL_LEN, shared_kv_attention, shared_kv_rope_attention
 from mirror_rt.models.exit_adapter import exit_logits
 from mirror_rt.models.transformer import Transformer, apply_rope
 from torch import nn
@@ -139,6 +139,17 @@ class SplitGraph(nn.Module):
         dtype = model.embed_tokens.weight.dtype
         self.register_buffer("rope_cos", angles.cos().to(dtype), persistent=False)
         self.register_buffer("rope_sin", angles.sin().to(dtype), persistent=False)
+        # Shared-KV graphs of models without q/k norms: RoPE inside the attention op, and the
+        # projections reading the same input fused (q|k|v, gate|up), so a layer is ~12 nodes.
+        self.fused = spec.shared_kv and spec.has_kv and not c.qk_norm
+        if self.fused:
+            half = self.head_dim // 2
+            self.register_buffer("rope_cos_half", self.rope_cos[:, :half].contiguous(), persistent=False)
+            self.register_buffer("rope_sin_half", self.rope_sin[:, :half].contiguous(), persistent=False)
+            layers = [model.layers[spec.first + i] for i in range(spec.n_layers)]
+            self.qkv = nn.ModuleList(_side_by_side(b.self_attn.q_proj, b.self_attn.k_proj, b.self_attn.v_proj)
+                                     for b in layers)
+            self.gate_up = nn.ModuleList(_side_by_side(b.mlp.gate_proj, b.mlp.up_proj) for b in layers)
 
     def forward(self, x, *rest):
         spec = self.spec
@@ -154,6 +165,8 @@ class SplitGraph(nn.Module):
             start = total_len.to(torch.long) - x.shape[0] if spec.shared_kv else kv[0].shape[2]
             positions = torch.arange(x.shape[0], dtype=torch.long) + start
         h = self.model.embed(x) if spec.takes_tokens else x
+        if self.fused:
+            return self._fused_layers(h, kv, positions, total_len, last_rows)
         cos = torch.index_select(self.rope_cos, 0, positions)  # [T, head_dim]
         sin = torch.index_select(self.rope_sin, 0, positions)
         mask = None if spec.shared_kv else self._mask(positions, kv[0].shape[2] + (0 if spec.static else x.shape[0]))
@@ -163,6 +176,24 @@ class SplitGraph(nn.Module):
             h, k, v = self._block(block, h, (cos, sin), kv[2 * i], kv[2 * i + 1], mask, positions, total_len)
             presents += [k, v]
         return (*self._head(h, last_rows), *presents)
+
+    def _fused_layers(self, h, kv, positions, total_len, last_rows) -> tuple:
+        """The layers of a fused shared-KV graph (see __init__); same outputs as the unfused path."""
+        rope = (self.rope_cos_half, self.rope_sin_half, positions.unsqueeze(0))
+        qkv_sizes = [self.n_heads * self.head_dim] + [self.n_kv_heads * self.head_dim] * 2
+        h = h.unsqueeze(0)  # [1, T, hidden] throughout: no reshapes around the attention op
+        presents = []
+        for i in range(self.spec.n_layers):
+            block = self.model.layers[self.spec.first + i]
+            q, k, v = self.qkv[i](block.input_layernorm(h)).split(qkv_sizes, dim=-1)
+            out, keys, values = shared_kv_rope_attention(q, k, v, kv[2 * i], kv[2 * i + 1], total_len, rope,
+                                                         self.n_heads, self.n_kv_heads)
+            h = h + block.self_attn.o_proj(out)
+            gate, up = self.gate_up[i](block.post_attention_layernorm(h)).split([block.mlp.up_proj.out_features] * 2,
+                                                                                dim=-1)
+            h = h + block.mlp.down_proj(F.silu(gate) * up)
+            presents += [keys, values]
+        return (*self._head(h.squeeze(0), last_rows), *presents)
 
     def _mask(self, positions: torch.Tensor, n_keys) -> torch.Tensor:
         """[T, S] bool: query at position p sees keys 0..p."""
@@ -207,6 +238,19 @@ class SplitGraph(nn.Module):
             return torch.cat((past, new.unsqueeze(0)), dim=2)
         index = positions.reshape(1, 1, -1, 1).expand(1, self.n_kv_heads, -1, self.head_dim)
         return torch.scatter(past, 2, index, new.unsqueeze(0))
+
+
+def _side_by_side(*linears: nn.Linear) -> nn.Linear:
+    """One Linear whose output is the given Linears' outputs concatenated (same input)."""
+    first = linears[0]
+    bias = first.bias is not None
+    fused = nn.Linear(first.in_features, sum(x.out_features for x in linears), bias=bias,
+                      dtype=first.weight.dtype, device=first.weight.device)
+    with torch.no_grad():
+        fused.weight.copy_(torch.cat([x.weight for x in linears]))
+        if bias:
+            fused.bias.copy_(torch.cat([x.bias for x in linears]))
+    return fused
 
 
 def _grouped_attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor,

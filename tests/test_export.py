@@ -199,13 +199,21 @@ def onnx_int8_bundle(tmp_path_factory):
 
 
 def test_onnx_int8_draft_is_weight_only(onnx_int8_bundle):
-    """Every projection and the LM head are MatMulNBits; no dynamic activation quantization."""
+    """Every projection and the LM head are MatMulNBits; no dynamic activation quantization.
+
+    Shared-KV graphs fuse q|k|v and gate|up (4 products per layer) and rotate inside the attention op.
+    """
     import onnx
 
-    ops = [n.op_type for n in onnx.load(str(onnx_int8_bundle / "draft.onnx")).graph.node]
+    nodes = onnx.load(str(onnx_int8_bundle / "draft.onnx")).graph.node
+    ops = [n.op_type for n in nodes]
     n_layers = ModelConfig.from_name("tiny").n_layers
-    assert ops.count("MatMulNBits") == 7 * n_layers + 1
+    assert ops.count("MatMulNBits") == 4 * n_layers + 1
     assert "MatMulInteger" not in ops and "DynamicQuantizeLinear" not in ops
+    attention = [n for n in nodes if n.op_type == "GroupQueryAttention"]
+    assert len(attention) == n_layers and "Neg" not in ops and "Transpose" not in ops
+    rotary = [{a.name: onnx.helper.get_attribute_value(a) for a in n.attribute}.get("do_rotary") for n in attention]
+    assert rotary == [1] * n_layers
 
 
 def test_onnx_exit_is_its_own_int8_graph(onnx_int8_bundle):
@@ -234,3 +242,25 @@ def test_onnx_int8_draft_agrees_with_fp32(onnx_int8_bundle):
     assert np.mean(chosen == expected) >= 0.9
     speculative = [t for step in speculative_generate(target, draft, PROMPT, 24, 3) for t in step]
     assert speculative == [t for step in generate(target, PROMPT, 24) for t in step]
+
+
+@pytest.mark.skipif(not available_devices()["onnxruntime"], reason="onnxruntime not installed")
+@pytest.mark.parametrize("model_type", ["qwen2", "qwen3"])  # q/k/v biases (fused graph); q/k norms (unfused)
+def test_shared_kv_graphs_match_torch_with_bias_and_qk_norm(tmp_path, model_type):
+    """Shared-KV ONNX graphs of families with attention biases or q/k norms equal torch: prompt, then a window."""
+    from conftest import write_hf_folder
+    
+
+    folder = write_hf_folder(tmp_path / model_type, vocab_size=64, model_type=model_type, seed=3)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        bundle = export_bundle(str(folder), tmp_path / "bundle", fmt="onnx", kv="shared", draft_weights="fp32",
+                               exit_weights="fp32", kappa=4, progress=False)
+    reference = load_checkpoint(str(folder)).model
+    prompt, window = [5, 17, 42, 9, 33, 61, 2], [7, 8, 9]
+    expected = reference(torch.tensor(prompt + window), reference.new_cache(32)).numpy()
+    loaded = load_bundle(bundle, "ort:cpu", "ort:cpu", strict=True, threads=1)
+    for model in (loaded.target, loaded.draft):
+        cache = model.new_cache(32)
+        logits = np.concatenate([model.forward(prompt, cache), model.forward(window, cache)])
+        np.testing.assert_allclose(logits, expected, atol=1e-4, rtol=0)
