@@ -162,6 +162,10 @@ class WorkerBudget:
     threads: int | None = None  # compute threads of this worker's backend (None: backend default)
     cpus: tuple[int, ...] | None = None  # cores this worker's thread and its pools may use
     precision: str | None = None  # OpenVINO CPU inference precision (None: exact f32; "bf16" for drafts)
+    # Cores a split target's prompt pass may use (Mirror: the draft's core idles until it adopts the
+    # prompt's KV). ONNX Runtime: a second prefix/suffix session pair, one thread per core (a second
+    # copy of the target's weights in memory); other backends pipeline the prompt instead.
+    prompt_cpus: tuple[int, ...] | None = None
 
     def apply(self) -> None:
         """Pin the calling thread to `cpus` (Linux; ignored elsewhere) and set torch's threads."""
@@ -255,10 +259,28 @@ def _load_openvino(paths, manifest, config, spec: DeviceSpec, budget: WorkerBudg
 def _load_onnxruntime(paths, manifest, config, spec: DeviceSpec, budget: WorkerBudget):
     from mirror_rt.devices.onnxruntime_backend import ORTGraph, ORTModel, ORTSplitTarget
 
-    graphs = [ORTGraph(p, spec.device, (config.n_kv_heads, config.head_dim), budget.threads) for p in paths]
+    kv_shape = (config.n_kv_heads, config.head_dim)
+    graphs = [ORTGraph(p, spec.device, kv_shape, budget.threads) for p in paths]
     if len(graphs) == 1:
         return ORTModel(graphs[0], config.vocab_size, manifest.max_context)
-    return ORTSplitTarget(*graphs, config.vocab_size, manifest.max_context, manifest.kappa)
+    wide = budget.prompt_cpus if spec.device == "cpu" and len(budget.prompt_cpus or ()) > (budget.threads or 0) else None
+    prompt_graphs = _wide_graphs([paths[0], paths[2]], kv_shape, wide) if wide else None
+    return ORTSplitTarget(*graphs, config.vocab_size, manifest.max_context, manifest.kappa, prompt_graphs)
+
+
+def _wide_graphs(paths, kv_shape, cpus: tuple[int, ...]) -> list:
+    """CPU sessions with one thread per core of `cpus`: the pool threads are created while the calling
+    thread may run on all of them (they inherit that mask), then the caller's own pin is restored."""
+    from mirror_rt.devices.onnxruntime_backend import ORTGraph
+
+    pinned = os.sched_getaffinity(0) if hasattr(os, "sched_setaffinity") else None
+    if pinned is not None:
+        os.sched_setaffinity(0, set(cpus))
+    try:
+        return [ORTGraph(p, "cpu", kv_shape, len(cpus)) for p in paths]
+    finally:
+        if pinned is not None:
+            os.sched_setaffinity(0, pinned)
 
 
 def _load_torch(paths, manifest, config, spec: DeviceSpec, budget: WorkerBudget):

@@ -95,7 +95,7 @@ def load_bundle(bundle: str, *, target_device: str = "cpu", draft_device: str = 
 
     cores = sorted(_cores())
     pinned = mode == "mirror" and len(cores) >= 2
-    target_budget = (1, (cores[0],)) if pinned else (len(cores), None)
+    target_budget = (1, (cores[0],), None, (cores[0], cores[1])) if pinned else (len(cores), None)
     draft_budget = (1, (cores[1],), draft_precision) if pinned else (len(cores), None, draft_precision)
     manifest = read_manifest(bundle, verify=verify)
     draft_source = draft_bundle or bundle

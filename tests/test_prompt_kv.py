@@ -51,6 +51,30 @@ def test_pipelined_prefill_equals_forward(onnx_bundle, chunk):
 
 
 @needs_ort
+def test_prefill_over_prompt_sessions_equals_forward(onnx_bundle):
+    """A target loaded with prompt cores runs the prompt through its wider sessions, to the same cache."""
+    import os
+
+    from mirror_rt.devices.registry import WorkerBudget, load_model
+
+    if not hasattr(os, "sched_getaffinity") or len(os.sched_getaffinity(0)) < 2:
+        pytest.skip("needs two cores and Linux affinity")
+    before = os.sched_getaffinity(0)
+    cores = tuple(sorted(before))[:2]
+    manifest = read_manifest(onnx_bundle)
+    wide = load_model(onnx_bundle, manifest, "target", "ort:cpu", True, WorkerBudget(1, None, None, cores))
+    assert os.sched_getaffinity(0) == before  # the caller's pin is restored
+    plain = load_model(onnx_bundle, manifest, "target", "ort:cpu", True, WorkerBudget(1))
+    assert wide.prompt_graphs is not None and plain.prompt_graphs is None
+    wide_cache, plain_cache = wide.new_cache(64), plain.new_cache(64)
+    expected = plain.forward(PROMPT, plain_cache)[-1:]
+    np.testing.assert_allclose(wide.prefill_pipelined(PROMPT, wide_cache, cpu=cores[-1]), expected, atol=1e-5, rtol=0)
+    assert wide_cache.length == len(PROMPT) and wide_cache.hidden is None
+    np.testing.assert_allclose(wide.forward([11, 12], wide_cache), plain.forward([11, 12], plain_cache),
+                               atol=1e-5, rtol=0)
+
+
+@needs_ort
 def test_pipelined_prefill_reraises_suffix_errors(onnx_bundle, monkeypatch):
     target, _, _, _ = load_bundle(onnx_bundle, "ort:cpu", "ort:cpu", strict=True, threads=1)
 
