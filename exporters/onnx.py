@@ -17,6 +17,7 @@ import warnings
 from pathlib import Path
 
 import torch
+from mirror_rt.exporters.q4_min import quantize_q4_min
 from mirror_rt.exporters.shared_kv import DOMAIN
 from mirror_rt.exporters.split import (
     GraphSpec,
@@ -26,7 +27,7 @@ from mirror_rt.exporters.split import (
     output_names,
 )
 
-WEIGHTS = ("fp32", "int8", "int4")
+WEIGHTS = ("fp32", "int8", "int4", "q4_1")
 OPSET = 17
 # Weights -> (bits of the projections, bits of the LM head). The head of a small model is a
 # large share of its weights and the most sensitive to rounding: int4 graphs keep it at 8 bits.
@@ -77,9 +78,14 @@ def quantize_weights(src: Path, dst: Path, weights: str, vocab_size: int) -> Non
     """
     import onnx
 
-    bits, head_bits = NBITS[weights]
     model = onnx.load(str(src))
     heads = _head_nodes(model.graph, vocab_size)
+    if weights == "q4_1":  # heads int8 first, then every other product in 4 bits with a minimum
+        others = [n.name for n in model.graph.node if n.op_type == "MatMul" and n.name not in heads]
+        model = quantize_q4_min(_quantize_matmuls(model, 8, exclude=others), [], ACCURACY_LEVEL)
+        onnx.save(model, str(dst))
+        return
+    bits, head_bits = NBITS[weights]
     model = _quantize_matmuls(model, bits, exclude=heads if head_bits != bits else [])
     if head_bits != bits:
         model = _quantize_matmuls(model, head_bits, exclude=[])  # only the heads are still MatMuls

@@ -264,3 +264,20 @@ def test_shared_kv_graphs_match_torch_with_bias_and_qk_norm(tmp_path, model_type
         cache = model.new_cache(32)
         logits = np.concatenate([model.forward(prompt, cache), model.forward(window, cache)])
         np.testing.assert_allclose(logits, expected, atol=1e-4, rtol=0)
+
+
+@pytest.mark.skipif(not available_devices()["onnxruntime"], reason="onnxruntime not installed")
+def test_q4_1_draft_bundle(tmp_path):
+    """--draft-weights q4_1: 4-bit products with a block-minimum correction, an int8 head; SD equals AR."""
+    import onnx
+
+    bundle = _export(tmp_path / "q4", fmt="onnx", draft_weights="q4_1", kappa=4)
+    assert read_manifest(bundle).graph("draft").precision == "q4_1"
+    nodes = onnx.load(str(bundle / "draft.onnx")).graph.node
+    bits = [{a.name: onnx.helper.get_attribute_value(a) for a in n.attribute}["bits"]
+            for n in nodes if n.op_type == "MatMulNBits"]
+    n_layers = ModelConfig.from_name("tiny").n_layers
+    assert sorted(bits) == [4] * (4 * n_layers) + [8]
+    target, draft, _, _ = load_bundle(bundle, "ort:cpu", "ort:cpu", strict=True, threads=1)
+    speculative = [t for step in speculative_generate(target, draft, PROMPT, 24, 3) for t in step]
+    assert speculative == [t for step in generate(target, PROMPT, 24) for t in step]

@@ -1,0 +1,87 @@
+"""4-bit weights with a scale and a minimum per block of 32 (llama.cpp's Q4_1 layout) on ONNX Runtime.
+
+w = d * q + m with q in 0..15. MatMulNBits only takes integer zero points (w = d * (q - z)), so
+the minimum rides beside it: for a block b of the reduction axis, sum_k x_k (d q_k + m) =
+d sum_k x_k q_k + m sum_k x_k, hence
+
+    y = MatMulNBits(x; q, d, zero point 8) + blocksum(x) @ C,   C[b, n] = m[b, n] + 8 d[b, n]
+
+where blocksum(x) [T, K/32] sums x over each block (one ReduceSum, shared by every product
+reading the same x). For weights that were Q4_1 to begin with (the default model's GGUF), the
+block minimum and (max - min) / 15 recover m and d, so the draft computes with the model's own
+weights and only its int8 activations (MatMulNBits accuracy level 4) differ from the target.
+Measured here on SmolLM2-135M (`--draft-weights q4_1`): the recovered weights equal the GGUF's to
+the bit; the draft's top-1 agrees with the fp32 target at 97.2% of answer positions (int8 draft:
+95.7%) for about the cost of the int8 draft per forward on one thread (12.3 vs 12.8 ms), 3-12%
+more on two threads. The int8 draft stays the default.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+BLOCK = 32
+LEVELS = 15  # q in 0..LEVELS
+
+
+def quantize_q4_min(model, exclude: list[str], accuracy_level: int):
+    """Every constant-weight MatMul of `model` (onnx ModelProto) not in `exclude` -> Q4_1 form; in place."""
+    from onnx import helper, numpy_helper
+
+    graph = model.graph
+    weights = {t.name: t for t in graph.initializer}
+    nodes, blocksums, used = [], {}, set()
+    for node in graph.node:
+        weight = weights.get(node.input[1]) if node.op_type == "MatMul" else None
+        if weight is None or node.name in exclude or len(weight.dims) != 2 or weight.dims[0] % BLOCK:
+            nodes.append(node)
+            continue
+        packed, scales, correction = q4_min_blocks(numpy_helper.to_array(weight))
+        k, n = weight.dims
+        name = node.name or node.output[0]
+        x, y = node.input[0], node.output[0]
+        used.add(weight.name)
+        graph.initializer.extend([numpy_helper.from_array(packed, f"{name}.q4"),
+                                  numpy_helper.from_array(scales, f"{name}.scales"),
+                                  numpy_helper.from_array(correction, f"{name}.min")])
+        if x not in blocksums:
+            blocksums[x] = _blocksum_nodes(graph, nodes, x, k)
+        nodes += [helper.make_node("MatMulNBits", [x, f"{name}.q4", f"{name}.scales"], [f"{name}.main"],
+                                   name=f"{name}.nbits", domain="com.microsoft", K=k, N=n, bits=4,
+                                   block_size=BLOCK, accuracy_level=accuracy_level),
+                  helper.make_node("MatMul", [blocksums[x], f"{name}.min"], [f"{name}.shift"], name=f"{name}.shift"),
+                  helper.make_node("Add", [f"{name}.main", f"{name}.shift"], [y], name=f"{name}.add")]
+    del graph.node[:]
+    graph.node.extend(nodes)
+    kept = [t for t in graph.initializer if t.name not in used]
+    del graph.initializer[:]
+    graph.initializer.extend(kept)
+    if not any(o.domain == "com.microsoft" for o in model.opset_import):
+        model.opset_import.append(helper.make_opsetid("com.microsoft", 1))
+    return model
+
+
+def q4_min_blocks(w: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """w [K, N] -> (packed q [N, K/32, 16] uint8, scales d [N * K/32] float32, C [K/32, N] float32)."""
+    k, n = w.shape
+    blocks = w.astype(np.float64).reshape(k // BLOCK, BLOCK, n)
+    low, high = blocks.min(axis=1), blocks.max(axis=1)  # [K/32, N]
+    d = (high - low) / LEVELS
+    safe = np.where(d > 0, d, 1.0)
+    q = np.clip(np.rint((blocks - low[:, None]) / safe[:, None]), 0, LEVELS).astype(np.uint8)  # [K/32, 32, N]
+    q = q.transpose(2, 0, 1)  # [N, K/32, 32]
+    packed = (q[..., 0::2] | (q[..., 1::2] << 4)).astype(np.uint8)
+    scales = d.T.reshape(-1).astype(np.float32)
+    return packed, scales, (low + 8 * d).astype(np.float32)
+
+
+def _blocksum_nodes(graph, nodes: list, x: str, k: int) -> str:
+    """Append Reshape + ReduceSum computing x [..., K] -> [rows, K/32]; returns the output name."""
+    from onnx import helper, numpy_helper
+
+    shape, axes, out = f"{x}.blocks_shape", f"{x}.blocks_axis", f"{x}.blocksum"
+    graph.initializer.extend([numpy_helper.from_array(np.array([-1, k // BLOCK, BLOCK], np.int64), shape),
+                              numpy_helper.from_array(np.array([-1], np.int64), axes)])
+    nodes += [helper.make_node("Reshape", [x, shape], [f"{x}.blocks"], name=f"{x}.blocks"),
+              helper.make_node("ReduceSum", [f"{x}.blocks", axes], [out], name=f"{x}.blocksum", keepdims=0)]
+    return out

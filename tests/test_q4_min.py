@@ -1,0 +1,72 @@
+"""4-bit weights with a per-block minimum (Q4_1 layout) as MatMulNBits plus a block-sum correction."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from mirror_rt.devices.registry import available_devices
+from mirror_rt.exporters.q4_min import BLOCK, q4_min_blocks, quantize_q4_min
+
+needs_ort = pytest.mark.skipif(not available_devices()["onnxruntime"], reason="onnxruntime not installed")
+
+
+def q4_1_weights(k: int, n: int, seed: int = 0) -> np.ndarray:
+    """[K, N] weights as a Q4_1 GGUF stores them: per block of 32 along K, d * q + m (d, m in fp16)."""
+    rng = np.random.default_rng(seed)
+    d = rng.uniform(0.001, 0.05, (k // BLOCK, 1, n)).astype(np.float16).astype(np.float32)
+    m = -rng.uniform(0.0, 0.4, (k // BLOCK, 1, n)).astype(np.float16).astype(np.float32)
+    q = rng.integers(0, 16, (k // BLOCK, BLOCK, n))
+    q[:, 0], q[:, 1] = 0, 15  # the block's min and max (llama.cpp sets d = (max - min) / 15)
+    return (d * q + m).reshape(k, n).astype(np.float32)
+
+
+def unpack(packed, scales, correction, k, n) -> np.ndarray:
+    q = np.stack([packed & 15, packed >> 4], axis=-1).reshape(n, k // BLOCK, BLOCK).astype(np.float32)
+    d = scales.reshape(n, k // BLOCK, 1)
+    return (d * (q - 8) + correction.T[:, :, None]).reshape(n, k).T
+
+
+def test_q4_1_weights_are_recovered_exactly():
+    w = q4_1_weights(96, 40)
+    np.testing.assert_array_equal(unpack(*q4_min_blocks(w), 96, 40), w)
+
+
+def test_other_weights_round_to_the_nearest_level():
+    w = np.random.default_rng(1).standard_normal((64, 24)).astype(np.float32)
+    step = (w.reshape(2, BLOCK, 24).max(1) - w.reshape(2, BLOCK, 24).min(1)) / 15
+    error = np.abs(unpack(*q4_min_blocks(w), 64, 24) - w).reshape(2, BLOCK, 24).max(1)
+    assert np.all(error <= step / 2 + 1e-6)
+
+
+def _matmul_model(w: np.ndarray, rank: int):
+    from onnx import TensorProto, helper, numpy_helper
+
+    shape = [None, w.shape[0]] if rank == 2 else [1, None, w.shape[0]]
+    graph = helper.make_graph(
+        [helper.make_node("MatMul", ["x", "w"], ["y"], name="proj"), helper.make_node("MatMul", ["x", "w2"], ["y2"])],
+        "g", [helper.make_tensor_value_info("x", TensorProto.FLOAT, shape)],
+        [helper.make_tensor_value_info(o, TensorProto.FLOAT, None) for o in ("y", "y2")],
+        [numpy_helper.from_array(w, "w"), numpy_helper.from_array(w[:, :8].copy(), "w2")])
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
+    model.ir_version = 8
+    return model
+
+
+@needs_ort
+@pytest.mark.parametrize("rank", [2, 3])
+@pytest.mark.parametrize("accuracy_level,tolerance", [(0, 1e-5), (4, 3e-2)])
+def test_rewritten_matmul_computes_the_q4_1_product(rank, accuracy_level, tolerance):
+    """fp32 compute equals x @ w to rounding; int8 activations (level 4) stay within a few percent."""
+    import onnxruntime as ort
+
+    w = q4_1_weights(64, 48, seed=2)
+    model = quantize_q4_min(_matmul_model(w, rank), exclude=[], accuracy_level=accuracy_level)
+    ops = [n.op_type for n in model.graph.node]
+    assert ops.count("MatMulNBits") == 2 and ops.count("ReduceSum") == 1  # one block sum per input
+    session = ort.InferenceSession(model.SerializeToString(), providers=["CPUExecutionProvider"])
+    x = np.random.default_rng(3).standard_normal((5, 64)).astype(np.float32)
+    x = x if rank == 2 else x[None]
+    y, y2 = session.run(None, {"x": x})
+    scale = np.abs(x @ w).max()
+    np.testing.assert_allclose(y, x @ w, atol=tolerance * scale, rtol=0)
+    np.testing.assert_allclose(y2, x @ w[:, :8], atol=tolerance * scale, rtol=0)
