@@ -49,6 +49,11 @@ class ModelDrafter:
         prefill_logits(self.draft, prompt, self.cache)
         self.pending = []
 
+    def adopt(self, target_cache, capacity: int) -> None:
+        """Start from the target's prompt KV (a draft that is the target's copy, see LoadedModel.adopt)."""
+        self.cache = self.draft.adopt(target_cache, capacity)
+        self.pending = []
+
     def propose(self, last_token: int, k: int, base_length: int) -> Draft:
         """k draft tokens after `last_token` (k forwards; the first also feeds pending tokens)."""
         tokens, rows = [], []

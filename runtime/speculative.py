@@ -30,7 +30,10 @@ def speculative_generate(target, draft, prompt: Sequence[int], max_new_tokens: i
     with metrics.stage("target_prefill"):
         last = verifier.prefill(prompt, capacity)
     with metrics.stage("draft_prefill"):
-        drafter.prefill(prompt, capacity)
+        if getattr(draft, "same_model_as_target", False) and hasattr(draft, "adopt"):
+            drafter.adopt(verifier.cache, capacity)  # the target's copy starts from the target's prompt KV
+        else:
+            drafter.prefill(prompt, capacity)
     produced = 1
     yield [last]
     while produced < budget:

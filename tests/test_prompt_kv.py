@@ -15,6 +15,7 @@ from mirror_rt.exporters.manifest import read_manifest
 from mirror_rt.runtime.metrics import Metrics
 from mirror_rt.runtime.mirror import MirrorSettings, mirror_generate
 from mirror_rt.runtime.reference import generate
+from mirror_rt.runtime.speculative import speculative_generate
 
 from conftest import perturbed_copy, tiny_target
 
@@ -110,6 +111,17 @@ def test_mirror_with_adopted_kv_equals_reference(onnx_bundle, monkeypatch):
     expected = flat(generate(target, PROMPT, 30))
     got = flat(mirror_generate(target, draft, PROMPT, 30, MirrorSettings(gamma=3), Metrics()))
     assert got == expected and calls == [len(PROMPT)]
+
+
+@needs_ort
+def test_sd_with_adopted_kv_equals_reference(onnx_bundle, monkeypatch):
+    """Vanilla SD also starts a draft that is the target's copy from the target's prompt KV."""
+    target, draft, _, _ = load_bundle(onnx_bundle, "ort:cpu", "ort:cpu", strict=True, threads=1)
+    calls = []
+    adopt = draft.adopt
+    monkeypatch.setattr(draft, "adopt", lambda cache, capacity: calls.append(cache.length) or adopt(cache, capacity))
+    expected = flat(generate(target, PROMPT, 30))
+    assert flat(speculative_generate(target, draft, PROMPT, 30, 3)) == expected and calls == [len(PROMPT)]
 
 
 def test_torch_draft_adopts_and_output_is_unchanged():
