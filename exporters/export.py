@@ -4,7 +4,8 @@ Writes the target prefix, target exit, target suffix and draft graphs in one for
 (openvino, onnx or torch), the tokenizer files, and manifest.json last, so an interrupted
 export leaves no manifest and is refused on load. Limits (exit layer, kappa, static context
 and window) are validated before any conversion starts. Default draft: the target itself
-with int8 weights. Default exit: int8 weights, whatever the target's: the exit only picks
+with `auto` weights: q4_1 in ONNX bundles of models whose weights are Q4_1 blocks exactly (the
+default model: the draft then computes with the model's own weights), int8 otherwise. Default exit: int8 weights, whatever the target's: the exit only picks
 which draft branches are precomputed, never the output. It does not run graphs;
 `devices.registry.load_bundle` does.
 """
@@ -17,6 +18,7 @@ from dataclasses import dataclass, replace
 from importlib import metadata
 from pathlib import Path
 
+from mirror_rt.exporters.q4_min import holds_q4_1
 from mirror_rt.exporters.manifest import (
     FORMAT_VERSION,
     MANIFEST,
@@ -60,7 +62,7 @@ class ExportConfig:
     kappa: int = 8  # early-exit top-k per position
     fmt: str = "onnx"  # "onnx" | "openvino" | "torch" (onnx: exact and fastest on CPU here)
     weights: str = "fp32"  # target weights
-    draft_weights: str = "int8"  # draft weights
+    draft_weights: str = "auto"  # draft weights; auto: see the module docstring
     static: bool = False  # fixed shapes (NPU); OpenVINO only
     max_context: int | None = None  # None: the model's context (static: 1024)
     max_window: int | None = None  # None: unbounded (static: 8)
@@ -73,7 +75,7 @@ class ExportConfig:
         if self.fmt not in FORMATS:
             raise ExportError(f"--format must be one of {', '.join(FORMATS)}, got '{self.fmt}'")
         for flag, value in (("--weights", self.weights), ("--draft-weights", self.draft_weights)):
-            if value not in WEIGHTS:
+            if value not in WEIGHTS and not (flag == "--draft-weights" and value == "auto"):
                 raise ExportError(f"{flag} must be one of {', '.join(WEIGHTS)}, got '{value}'")
             if value == "q4_1" and self.fmt != "onnx":
                 raise ExportError(f"{flag} q4_1 needs --format onnx (ONNX Runtime's MatMulNBits), got --format {self.fmt}")
@@ -128,7 +130,7 @@ def resolve_limits(cfg: ExportConfig, model_config) -> Limits:
 
 
 def export_bundle(model_ref: str | None, out_dir, draft_ref: str | None = None, exit_layer: int | None = None,
-                  kappa: int = 8, fmt: str = "onnx", weights: str = "fp32", draft_weights: str = "int8",
+                  kappa: int = 8, fmt: str = "onnx", weights: str = "fp32", draft_weights: str = "auto",
                   static: bool = False, max_context: int | None = None, max_window: int | None = None,
                   progress: bool = True, exit_adapter: str | None = None, exit_weights: str = "int8",
                   kv: str | None = None) -> Path:
@@ -152,6 +154,8 @@ def run_export(cfg: ExportConfig, progress: bool = True) -> Path:
         adapter = _load_adapter(cfg, target.model, limits)
         draft = target if cfg.draft_ref is None else load_checkpoint(cfg.draft_ref, log=lambda *a: None)
         _check_draft(target, draft)
+        if cfg.draft_weights == "auto":
+            cfg = replace(cfg, draft_weights="q4_1" if cfg.fmt == "onnx" and holds_q4_1(draft.model) else "int8")
         folder = _prepare_folder(cfg.out_dir)
         bar.update()
         entries = []

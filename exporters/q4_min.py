@@ -75,6 +75,33 @@ def q4_min_blocks(w: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     return packed, scales, (low + 8 * d).astype(np.float32)
 
 
+def holds_q4_1(model) -> bool:
+    """Whether every linear weight in `model.layers` (else `model`) is Q4_1 blocks exactly (d * q + m).
+
+    The LM head is not looked at: q4_1 graphs keep it int8 (a Q4_1 GGUF stores it as Q8_0).
+    """
+    import torch
+
+    layers = getattr(model, "layers", model)
+    linears = [m for m in layers.modules() if isinstance(m, torch.nn.Linear) and m.in_features % BLOCK == 0]
+    if not linears:
+        return False
+    for linear in linears:
+        w = linear.weight.detach().float().T.contiguous().numpy()  # [K, N] as in the ONNX MatMul
+        packed, scales, correction = q4_min_blocks(w)
+        if not np.array_equal(dequantize(packed, scales, correction), w):
+            return False
+    return True
+
+
+def dequantize(packed: np.ndarray, scales: np.ndarray, correction: np.ndarray) -> np.ndarray:
+    """Inverse of `q4_min_blocks` in float32: -> w [K, N]."""
+    n, blocks, _ = packed.shape
+    q = np.stack([packed & 15, packed >> 4], axis=-1).reshape(n, blocks, BLOCK).astype(np.float32)
+    w = scales.reshape(n, blocks, 1) * (q - 8) + correction.T[:, :, None]
+    return w.reshape(n, blocks * BLOCK).T
+
+
 def _blocksum_nodes(graph, nodes: list, x: str, k: int) -> str:
     """Append Reshape + ReduceSum computing x [..., K] -> [rows, K/32]; returns the output name."""
     from onnx import helper, numpy_helper

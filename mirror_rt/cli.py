@@ -160,8 +160,10 @@ def _add_export(sub) -> None:
     export.add_argument("--kappa", type=_positive_int, default=8, help="early-exit candidates per position")
     export.add_argument("--format", default="onnx", help="onnx (default: exact and fastest on CPU here) | openvino | torch")
     export.add_argument("--weights", default="fp32", help="target weights: fp32 | fp16 | int8 | int4")
-    export.add_argument("--draft-weights", default="int8", help="draft weights: fp32 | fp16 | int8 | int4 | q4_1 (onnx: 4-bit "
-                        "blocks with a minimum, exact for Q4_1 GGUF weights such as the default model's)")
+    export.add_argument("--draft-weights", default="auto",
+                        help="draft weights: auto (default: q4_1 where the weights are Q4_1 blocks exactly and the "
+                        "format is onnx, else int8) | fp32 | fp16 | int8 | int4 | q4_1 (onnx: 4-bit blocks with a "
+                        "minimum, exact for Q4_1 GGUF weights such as the default model's)")
     export.add_argument("--exit-weights", default="int8", help="early-exit head weights: fp32 | int8 (it only "
                                                                 "ranks draft branches, never changes the output)")
     export.add_argument("--exit-adapter", help="a trained exit adapter (mirror-rt train-exit) to carry")

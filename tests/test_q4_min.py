@@ -5,7 +5,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 from mirror_rt.devices.registry import available_devices
-from mirror_rt.exporters.q4_min import BLOCK, q4_min_blocks, quantize_q4_min
+from mirror_rt.exporters.q4_min import BLOCK, dequantize, holds_q4_1, q4_min_blocks, quantize_q4_min
 
 needs_ort = pytest.mark.skipif(not available_devices()["onnxruntime"], reason="onnxruntime not installed")
 
@@ -21,14 +21,23 @@ def q4_1_weights(k: int, n: int, seed: int = 0) -> np.ndarray:
 
 
 def unpack(packed, scales, correction, k, n) -> np.ndarray:
-    q = np.stack([packed & 15, packed >> 4], axis=-1).reshape(n, k // BLOCK, BLOCK).astype(np.float32)
-    d = scales.reshape(n, k // BLOCK, 1)
-    return (d * (q - 8) + correction.T[:, :, None]).reshape(n, k).T
+    assert packed.shape == (n, k // BLOCK, BLOCK // 2) and scales.shape == (n * k // BLOCK,)
+    return dequantize(packed, scales, correction)
 
 
 def test_q4_1_weights_are_recovered_exactly():
     w = q4_1_weights(96, 40)
     np.testing.assert_array_equal(unpack(*q4_min_blocks(w), 96, 40), w)
+
+
+def test_holds_q4_1_tells_q4_1_models_from_others():
+    import torch
+
+    model = torch.nn.Sequential(torch.nn.Linear(64, 40, bias=False), torch.nn.Linear(40, 64, bias=False))
+    assert not holds_q4_1(model)  # random fp32 weights
+    with torch.no_grad():
+        model[0].weight.copy_(torch.from_numpy(q4_1_weights(64, 40, seed=4).T.copy()))
+    assert holds_q4_1(model)  # the 40-wide input of the second layer is not a whole number of blocks: ignored
 
 
 def test_other_weights_round_to_the_nearest_level():
