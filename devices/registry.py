@@ -264,8 +264,24 @@ def _load_onnxruntime(paths, manifest, config, spec: DeviceSpec, budget: WorkerB
     if len(graphs) == 1:
         return ORTModel(graphs[0], config.vocab_size, manifest.max_context)
     wide = budget.prompt_cpus if spec.device == "cpu" and len(budget.prompt_cpus or ()) > (budget.threads or 0) else None
+    if wide and not _second_copy_fits([paths[0], paths[2]]):
+        wide = None  # the prompt then runs pipelined over the two cores (ORTSplitTarget.prefill_pipelined)
     prompt_graphs = _wide_graphs([paths[0], paths[2]], kv_shape, wide) if wide else None
     return ORTSplitTarget(*graphs, config.vocab_size, manifest.max_context, manifest.kappa, prompt_graphs)
+
+
+def _second_copy_fits(paths, share: float = 0.25) -> bool:
+    """Whether a second copy of these graphs' weights takes at most `share` of the memory available now.
+
+    Unknown (no /proc/meminfo): no. The default model's target needs about 0.7 GB more.
+    """
+    try:
+        with open("/proc/meminfo") as f:
+            fields = dict(line.split(":", 1) for line in f)
+        available = int(fields["MemAvailable"].split()[0]) * 1024
+    except (OSError, KeyError, ValueError):
+        return False
+    return sum(Path(p).stat().st_size for p in paths) <= share * available
 
 
 def _wide_graphs(paths, kv_shape, cpus: tuple[int, ...]) -> list:

@@ -76,6 +76,29 @@ def test_prefill_over_prompt_sessions_equals_forward(onnx_bundle):
 
 
 @needs_ort
+def test_prompt_sessions_only_when_a_second_copy_fits(onnx_bundle, monkeypatch, tmp_path):
+    """No second pair of sessions where the weights would take over a quarter of the free memory."""
+    import os
+
+    from mirror_rt.devices import registry
+
+    if not hasattr(os, "sched_getaffinity") or len(os.sched_getaffinity(0)) < 2:
+        pytest.skip("needs two cores and Linux affinity")
+    small = tmp_path / "w"
+    small.write_bytes(b"0" * 1024)
+    if os.path.exists("/proc/meminfo"):
+        assert registry._second_copy_fits([small]) and not registry._second_copy_fits([small], share=0.0)
+    monkeypatch.setattr(registry, "_second_copy_fits", lambda paths: False)
+    cores = tuple(sorted(os.sched_getaffinity(0)))[:2]
+    target = registry.load_model(onnx_bundle, read_manifest(onnx_bundle), "target", "ort:cpu", True,
+                                 registry.WorkerBudget(1, None, None, cores))
+    assert target.prompt_graphs is None
+    plain = target.forward(PROMPT, target.new_cache(64))[-1:]
+    np.testing.assert_allclose(target.prefill_pipelined(PROMPT, target.new_cache(64), cpu=None), plain,
+                               atol=1e-5, rtol=0)
+
+
+@needs_ort
 def test_pipelined_prefill_reraises_suffix_errors(onnx_bundle, monkeypatch):
     target, _, _, _ = load_bundle(onnx_bundle, "ort:cpu", "ort:cpu", strict=True, threads=1)
 
