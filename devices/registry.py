@@ -263,7 +263,8 @@ def _load_onnxruntime(paths, manifest, config, spec: DeviceSpec, budget: WorkerB
     graphs = [ORTGraph(p, spec.device, kv_shape, budget.threads) for p in paths]
     if len(graphs) == 1:
         return ORTModel(graphs[0], config.vocab_size, manifest.max_context)
-    wide = budget.prompt_cpus if spec.device == "cpu" and len(budget.prompt_cpus or ()) > (budget.threads or 0) else None
+    more_cores = len(budget.prompt_cpus or ()) > (budget.threads or 0)
+    wide = budget.prompt_cpus if spec.device == "cpu" and more_cores else None
     if wide and not _second_copy_fits([paths[0], paths[2]]):
         wide = None  # the prompt then runs pipelined over the two cores (ORTSplitTarget.prefill_pipelined)
     prompt_graphs = _wide_graphs([paths[0], paths[2]], kv_shape, wide) if wide else None

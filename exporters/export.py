@@ -5,9 +5,9 @@ Writes the target prefix, target exit, target suffix and draft graphs in one for
 export leaves no manifest and is refused on load. Limits (exit layer, kappa, static context
 and window) are validated before any conversion starts. Default draft: the target itself
 with `auto` weights: q4_1 in ONNX bundles of models whose weights are Q4_1 blocks exactly (the
-default model: the draft then computes with the model's own weights), int8 otherwise. Default exit: int8 weights, whatever the target's: the exit only picks
-which draft branches are precomputed, never the output. It does not run graphs;
-`devices.registry.load_bundle` does.
+default model: the draft then computes with the model's own weights), int8 otherwise.
+Default exit: int8 weights, whatever the target's: the exit only picks which draft branches
+are precomputed, never the output. It does not run graphs; `devices.registry.load_bundle` does.
 """
 
 from __future__ import annotations
@@ -78,7 +78,8 @@ class ExportConfig:
             if value not in WEIGHTS and not (flag == "--draft-weights" and value == "auto"):
                 raise ExportError(f"{flag} must be one of {', '.join(WEIGHTS)}, got '{value}'")
             if value == "q4_1" and self.fmt != "onnx":
-                raise ExportError(f"{flag} q4_1 needs --format onnx (ONNX Runtime's MatMulNBits), got --format {self.fmt}")
+                raise ExportError(f"{flag} q4_1 needs --format onnx (ONNX Runtime's MatMulNBits), "
+                                  f"got --format {self.fmt}")
         if self.exit_weights not in EXIT_WEIGHTS:
             raise ExportError(f"--exit-weights must be one of {', '.join(EXIT_WEIGHTS)}, got '{self.exit_weights}'")
         if self.kv is None:

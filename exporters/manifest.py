@@ -35,7 +35,7 @@ class GraphEntry:
     role: str  # "target_prefix" | "target_exit" | "target_suffix" | "draft"
     file: str  # main graph file, relative to the bundle folder (.xml, .onnx, .safetensors)
     format: str  # "torch" | "onnx" | "openvino"
-    precision: str  # weights: "fp32" | "fp16" | "bf16" | "int8" | "int4" | "q4_1" (target_exit: independent of the target)
+    precision: str  # weights: one of PRECISIONS (target_exit: independent of the target)
     device_hint: str  # device the graph was prepared for ("cpu", "npu", ...); informative
     first_layer: int  # first layer of the model in this graph (target_exit: the exit layer)
     last_layer: int  # one past its last layer (target_exit: the exit layer, it holds no layer)
