@@ -18,7 +18,6 @@ from dataclasses import dataclass, replace
 from importlib import metadata
 from pathlib import Path
 
-from mirror_rt.exporters.q4_min import holds_q4_1
 from mirror_rt.exporters.manifest import (
     FORMAT_VERSION,
     MANIFEST,
@@ -27,6 +26,7 @@ from mirror_rt.exporters.manifest import (
     hash_files,
     write_manifest,
 )
+from mirror_rt.exporters.q4_min import holds_q4_1
 from mirror_rt.exporters.split import (
     KV_LAYOUT,
     PAST_NAMES,

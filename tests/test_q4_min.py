@@ -5,7 +5,13 @@ from __future__ import annotations
 import numpy as np
 import pytest
 from mirror_rt.devices.registry import available_devices
-from mirror_rt.exporters.q4_min import BLOCK, dequantize, holds_q4_1, q4_min_blocks, quantize_q4_min
+from mirror_rt.exporters.q4_min import (
+    BLOCK,
+    dequantize,
+    holds_q4_1,
+    q4_min_blocks,
+    quantize_q4_min,
+)
 
 needs_ort = pytest.mark.skipif(not available_devices()["onnxruntime"], reason="onnxruntime not installed")
 
