@@ -21,7 +21,11 @@ from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
-from mirror_rt.exporters.shared_kv import TOTAL_LEN, shared_kv_attention, shared_kv_rope_attention
+from mirror_rt.exporters.shared_kv import (
+    TOTAL_LEN,
+    shared_kv_attention,
+    shared_kv_rope_attention,
+)
 from mirror_rt.models.exit_adapter import exit_logits
 from mirror_rt.models.transformer import Transformer, apply_rope
 from torch import nn
