@@ -89,7 +89,9 @@ def load_bundle(bundle: str, *, target_device: str = "cpu", draft_device: str = 
         draft_precision: OpenVINO CPU compute precision of the draft (`bf16` is faster on CPUs with
             bf16 support and never changes the output, only acceptance); the target is always exact.
         mode: the mode the engine will mostly run: mirror gives each worker one core (2+ cores),
-            ar/sd give the target every core.
+            ar/sd give the target every core. With mirror on ONNX Runtime CPU the target also holds a
+            second pair of sessions over both cores for prompts, where a second copy of its weights
+            takes at most a quarter of the available memory.
     """
     from mirror_rt.exporters.manifest import read_manifest
 
