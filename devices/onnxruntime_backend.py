@@ -252,7 +252,7 @@ class ORTSplitTarget:
 
         With `prompt_graphs` (sessions with a thread per core, see registry.WorkerBudget.prompt_cpus;
         loaded when a second copy of the weights takes at most a quarter of the available memory)
-        the whole prompt runs through them: measured here, 180 ms for 150 tokens against 266 ms
+        the whole prompt runs through them: measured here, 208 ms for 150 tokens against 266 ms
         pipelined. Otherwise prefix chunks run in this thread and suffix chunks in a helper pinned to
         `cpu`: while the suffix runs chunk i, the prefix runs chunk i+1. Either way each graph sees
         its calls in order, so the cache ends as after `forward`.

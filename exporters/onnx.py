@@ -70,7 +70,8 @@ def _dynamic_axes(spec: GraphSpec, ins: list[str], outs: list[str]) -> dict:
 
 
 def quantize_weights(src: Path, dst: Path, weights: str, vocab_size: int) -> None:
-    """Weight-only MatMulNBits quantization of `src` into `dst` ("int8" or "int4", see NBITS).
+    """Weight-only MatMulNBits quantization of `src` into `dst` ("int8" or "int4", see NBITS; "q4_1",
+    see exporters.q4_min).
 
     The LM head (a MatMul whose weight has `vocab_size` columns; the tied embedding's
     transposed copy) gets the head's bits; the embedding Gather stays fp32 (a lookup costs
@@ -83,12 +84,11 @@ def quantize_weights(src: Path, dst: Path, weights: str, vocab_size: int) -> Non
     if weights == "q4_1":  # heads int8 first, then every other product in 4 bits with a minimum
         others = [n.name for n in model.graph.node if n.op_type == "MatMul" and n.name not in heads]
         model = quantize_q4_min(_quantize_matmuls(model, 8, exclude=others), [], ACCURACY_LEVEL)
-        onnx.save(model, str(dst))
-        return
-    bits, head_bits = NBITS[weights]
-    model = _quantize_matmuls(model, bits, exclude=heads if head_bits != bits else [])
-    if head_bits != bits:
-        model = _quantize_matmuls(model, head_bits, exclude=[])  # only the heads are still MatMuls
+    else:
+        bits, head_bits = NBITS[weights]
+        model = _quantize_matmuls(model, bits, exclude=heads if head_bits != bits else [])
+        if head_bits != bits:
+            model = _quantize_matmuls(model, head_bits, exclude=[])  # only the heads are still MatMuls
     onnx.save(model, str(dst))
 
 

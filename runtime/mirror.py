@@ -24,7 +24,7 @@ from mirror_rt.runtime.draft_worker import DraftSettings, DraftWorker, _pin, _un
 from mirror_rt.runtime.messages import EarlyExit, Fault, Start, Window
 from mirror_rt.runtime.metrics import Metrics
 from mirror_rt.runtime.mirror_stats import mirror_summary
-from mirror_rt.runtime.reference import prefill_logits, token_budget
+from mirror_rt.runtime.reference import adopts_target_kv, prefill_logits, token_budget
 from mirror_rt.runtime.sampling import SamplingConfig, choose, probabilities
 
 
@@ -69,7 +69,7 @@ def mirror_generate(target, draft, prompt: Sequence[int], max_new_tokens: int, s
         min_window=settings.min_window, adaptive_gamma=settings.adaptive_gamma, cpu=settings.draft_cpu,
         lookup=settings.lookup))
     step = _TargetStep(target, settings, metrics, worker)
-    share = settings.share_prompt_kv and getattr(draft, "same_model_as_target", False) and hasattr(draft, "adopt")
+    share = settings.share_prompt_kv and adopts_target_kv(draft)
     previous_affinity = _pin(settings.target_cpu)
     previous_threads = _set_threads(target, 1 if settings.target_cpu is not None else None)
     try:

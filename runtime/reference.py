@@ -27,6 +27,11 @@ def prefill_logits(model, prompt: Sequence[int], cache) -> np.ndarray:
     return (forward_last(prompt, cache) if forward_last else model.forward(prompt, cache))[-1]
 
 
+def adopts_target_kv(draft) -> bool:
+    """Whether `draft` is the target's copy and can start from the target's prompt KV (LoadedModel.adopt)."""
+    return getattr(draft, "same_model_as_target", False) and hasattr(draft, "adopt")
+
+
 def generate(target, prompt: Sequence[int], max_new_tokens: int, sampling: SamplingConfig = SamplingConfig(),
              seed: int = 0, metrics: Metrics | None = None) -> Iterator[list[int]]:
     """Yield [token] per step: the target's own continuation of `prompt`."""

@@ -12,7 +12,7 @@ from typing import Iterator, Sequence
 
 from mirror_rt.runtime.drafter import ModelDrafter
 from mirror_rt.runtime.metrics import Metrics
-from mirror_rt.runtime.reference import token_budget
+from mirror_rt.runtime.reference import adopts_target_kv, token_budget
 from mirror_rt.runtime.sampling import SamplingConfig
 from mirror_rt.runtime.verifier import Verifier
 
@@ -30,7 +30,7 @@ def speculative_generate(target, draft, prompt: Sequence[int], max_new_tokens: i
     with metrics.stage("target_prefill"):
         last = verifier.prefill(prompt, capacity)
     with metrics.stage("draft_prefill"):
-        if getattr(draft, "same_model_as_target", False) and hasattr(draft, "adopt"):
+        if adopts_target_kv(draft):
             drafter.adopt(verifier.cache, capacity)  # the target's copy starts from the target's prompt KV
         else:
             drafter.prefill(prompt, capacity)

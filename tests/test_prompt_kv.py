@@ -126,25 +126,19 @@ def test_adopted_kv_equals_the_drafts_own_prefill(onnx_bundle):
 
 
 @needs_ort
-def test_mirror_with_adopted_kv_equals_reference(onnx_bundle, monkeypatch):
+@pytest.mark.parametrize("mode", ["mirror", "sd"])
+def test_decoding_with_adopted_kv_equals_reference(onnx_bundle, monkeypatch, mode):
+    """Mirror and vanilla SD start a draft that is the target's copy from the target's prompt KV, once."""
     target, draft, _, _ = load_bundle(onnx_bundle, "ort:cpu", "ort:cpu", strict=True, threads=1)
     calls = []
     adopt = draft.adopt
     monkeypatch.setattr(draft, "adopt", lambda cache, capacity: calls.append(cache.length) or adopt(cache, capacity))
     expected = flat(generate(target, PROMPT, 30))
-    got = flat(mirror_generate(target, draft, PROMPT, 30, MirrorSettings(gamma=3), Metrics()))
+    if mode == "mirror":
+        got = flat(mirror_generate(target, draft, PROMPT, 30, MirrorSettings(gamma=3), Metrics()))
+    else:
+        got = flat(speculative_generate(target, draft, PROMPT, 30, 3))
     assert got == expected and calls == [len(PROMPT)]
-
-
-@needs_ort
-def test_sd_with_adopted_kv_equals_reference(onnx_bundle, monkeypatch):
-    """Vanilla SD also starts a draft that is the target's copy from the target's prompt KV."""
-    target, draft, _, _ = load_bundle(onnx_bundle, "ort:cpu", "ort:cpu", strict=True, threads=1)
-    calls = []
-    adopt = draft.adopt
-    monkeypatch.setattr(draft, "adopt", lambda cache, capacity: calls.append(cache.length) or adopt(cache, capacity))
-    expected = flat(generate(target, PROMPT, 30))
-    assert flat(speculative_generate(target, draft, PROMPT, 30, 3)) == expected and calls == [len(PROMPT)]
 
 
 def test_torch_draft_adopts_and_output_is_unchanged():
