@@ -20,12 +20,12 @@ from collections.abc import Sequence
 from pathlib import Path
 
 import numpy as np
-
 from mirror_rt.devices.base import CacheBounds, pin_thread
 
 PREFILL_CHUNK = 64  # prompt tokens per pipelined prefill stage
 LAST_ROWS = "last_rows"  # optional graph input (exporters.split.LAST_ROWS): logits rows from the window's end
 TOTAL_LEN = "total_len"  # input of shared-KV graphs (exporters.shared_kv.TOTAL_LEN)
+STREAM_LOGITS = "stream_logits"  # second output of SS draft graphs (exporters.ss_graph.STREAM_LOGITS)
 
 # Short provider names of device strings (`ort:qnn`) -> ONNX Runtime execution providers.
 PROVIDERS = {"cpu": "CPUExecutionProvider", "cuda": "CUDAExecutionProvider", "qnn": "QNNExecutionProvider",
@@ -182,18 +182,36 @@ class ORTModel:
         arrays = [a[0] for a in layers] if target_cache.shared else layers
         if len(arrays) != len(self.graph.past_names) or arrays[0].shape[1::2] != tuple(self.graph.kv_shape):
             raise ValueError("cannot adopt a cache of another shape (the draft is not a copy of the target)")
-        if self.graph.shared_kv != target_cache.shared:
-            raise ValueError("cannot adopt between explicit and shared KV graphs")
+        if self.graph.shared_kv and not target_cache.shared:
+            raise ValueError("cannot adopt an explicit KV cache into shared KV buffers")
         cache = self.new_cache(capacity)
         n = target_cache.length
         cache.check_room(n)
         if cache.shared:
             for (buffer, _), source in zip(cache.kv[0], arrays):
                 buffer[:, :, :n] = source[:, :, :n]
+        elif target_cache.shared:  # explicit from shared buffers (an SS draft, exporters.ss_graph): a copy
+            cache.kv = [[a[:, :, :n].copy() for a in arrays]]
         else:
             cache.kv = [arrays]
         cache.filled = [n]
         return cache
+
+
+class ORTStreamDraft(ORTModel):
+    """An SS draft graph (exporters.ss_graph): `forward` is the plain draft, `forward_streams` adds the
+    lookahead streams' logits, which the Mirror draft worker uses to confirm several tokens per forward."""
+
+    def __init__(self, graph: ORTGraph, vocab_size: int, max_seq_len: int):
+        super().__init__(graph, vocab_size, max_seq_len)
+        self.n_streams = int(graph.session.get_modelmeta().custom_metadata_map["n_streams"])
+
+    def forward_streams(self, tokens: Sequence[int], cache: ORTCache) -> tuple[np.ndarray, np.ndarray]:
+        """tokens [T] -> main logits [T, vocab], stream logits [T, n_s, vocab]; advances the cache by T."""
+        ids = np.asarray(tokens, dtype=np.int64)
+        cache.check_room(len(ids))
+        head = cache.run(0, self.graph, ids)
+        return head["logits"], head[STREAM_LOGITS]
 
 
 class ORTSplitTarget:

@@ -257,12 +257,19 @@ def _load_openvino(paths, manifest, config, spec: DeviceSpec, budget: WorkerBudg
 
 
 def _load_onnxruntime(paths, manifest, config, spec: DeviceSpec, budget: WorkerBudget):
-    from mirror_rt.devices.onnxruntime_backend import ORTGraph, ORTModel, ORTSplitTarget
+    from mirror_rt.devices.onnxruntime_backend import (
+        STREAM_LOGITS,
+        ORTGraph,
+        ORTModel,
+        ORTSplitTarget,
+        ORTStreamDraft,
+    )
 
     kv_shape = (config.n_kv_heads, config.head_dim)
     graphs = [ORTGraph(p, spec.device, kv_shape, budget.threads) for p in paths]
     if len(graphs) == 1:
-        return ORTModel(graphs[0], config.vocab_size, manifest.max_context)
+        streams = STREAM_LOGITS in graphs[0].output_names  # an SS draft (exporters.ss_graph)
+        return (ORTStreamDraft if streams else ORTModel)(graphs[0], config.vocab_size, manifest.max_context)
     more_cores = len(budget.prompt_cpus or ()) > (budget.threads or 0)
     wide = budget.prompt_cpus if spec.device == "cpu" and more_cores else None
     if wide and not _second_copy_fits([paths[0], paths[2]]):

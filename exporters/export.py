@@ -70,6 +70,7 @@ class ExportConfig:
     exit_weights: str = "int8"  # exit graph weights (norm, adapter, LM head); torch bundles use the target's
     kv: str | None = None  # explicit (KV in and out: any backend) | shared (in place: ONNX Runtime); None: shared
                            # for onnx (fastest on ONNX Runtime: no cache copy per call), explicit otherwise
+    draft_streams: str | None = None  # trained SS streams (mirror-rt train-draft --out) exported with the draft (onnx)
 
     def __post_init__(self):
         if self.fmt not in FORMATS:
@@ -92,6 +93,8 @@ class ExportConfig:
             raise ExportError(f"--static needs --format openvino (got --format {self.fmt})")
         if self.kappa < 1:
             raise ExportError(f"--kappa must be >= 1, got {self.kappa}")
+        if self.draft_streams is not None and self.fmt != "onnx":
+            raise ExportError(f"--draft-streams needs --format onnx (got --format {self.fmt})")
 
 
 @dataclass(frozen=True)
@@ -134,12 +137,12 @@ def export_bundle(model_ref: str | None, out_dir, draft_ref: str | None = None, 
                   kappa: int = 8, fmt: str = "onnx", weights: str = "fp32", draft_weights: str = "auto",
                   static: bool = False, max_context: int | None = None, max_window: int | None = None,
                   progress: bool = True, exit_adapter: str | None = None, exit_weights: str = "int8",
-                  kv: str | None = None) -> Path:
+                  kv: str | None = None, draft_streams: str | None = None) -> Path:
     """Export a bundle (see module docstring); returns the bundle folder."""
     cfg = ExportConfig(model_ref=model_ref, out_dir=Path(out_dir), draft_ref=draft_ref, exit_layer=exit_layer,
                        kappa=kappa, fmt=fmt, weights=weights, draft_weights=draft_weights, static=static,
                        max_context=max_context, max_window=max_window, exit_adapter=exit_adapter,
-                       exit_weights=exit_weights, kv=kv)
+                       exit_weights=exit_weights, kv=kv, draft_streams=draft_streams)
     return run_export(cfg, progress=progress)
 
 
@@ -155,6 +158,7 @@ def run_export(cfg: ExportConfig, progress: bool = True) -> Path:
         adapter = _load_adapter(cfg, target.model, limits)
         draft = target if cfg.draft_ref is None else load_checkpoint(cfg.draft_ref, log=lambda *a: None)
         _check_draft(target, draft)
+        streams = _load_streams(cfg, draft.model)
         if cfg.draft_weights == "auto":
             cfg = replace(cfg, draft_weights="q4_1" if cfg.fmt == "onnx" and holds_q4_1(draft.model) else "int8")
         folder = _prepare_folder(cfg.out_dir)
@@ -165,7 +169,7 @@ def run_export(cfg: ExportConfig, progress: bool = True) -> Path:
             model = draft.model if role == "draft" else target.model
             if role == "target_exit" and cfg.fmt != "torch":  # the exit graph carries the adapter
                 model = with_exit_adapter(model, adapter)
-            entries.append(_export_role(cfg, limits, model, role, folder))
+            entries.append(_export_role(cfg, limits, streams if role == "draft" and streams else model, role, folder))
             bar.update()
         bar.set_postfix_str("tokenizer")
         tokenizer = _copy_tokenizer(target.tokenizer, folder, cfg.fmt)
@@ -204,6 +208,18 @@ def _copy_adapter(cfg: ExportConfig, adapter, folder: Path) -> dict | None:
             "files": hash_files(folder, names)}
 
 
+def _load_streams(cfg: ExportConfig, draft_model):
+    """The --draft-streams over the draft, checked before any conversion (or None)."""
+    if cfg.draft_streams is None:
+        return None
+    from mirror_rt.models.ss_training import load_streams
+
+    try:
+        return load_streams(draft_model, Path(cfg.draft_streams))
+    except (OSError, ValueError, KeyError) as exc:
+        raise ExportError(f"--draft-streams {cfg.draft_streams}: {exc}") from None
+
+
 def _check_draft(target, draft) -> None:
     if target is draft:
         return
@@ -226,6 +242,11 @@ def _export_role(cfg: ExportConfig, limits: Limits, model, role: str, folder: Pa
         from mirror_rt.exporters.openvino import export_openvino_graph
 
         files = export_openvino_graph(model, spec, limits.table_len, weights, folder / f"{role}.xml")
+    elif cfg.fmt == "onnx" and hasattr(model, "stream_layers"):  # an SS draft (exporters.ss_graph)
+        from mirror_rt.exporters.ss_graph import export_stream_draft
+
+        spec = replace(spec, shared_kv=False)
+        files = export_stream_draft(model, limits.table_len, weights, folder / f"{role}.onnx")
     elif cfg.fmt == "onnx":
         from mirror_rt.exporters.onnx import export_onnx_graph
 

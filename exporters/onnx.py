@@ -69,9 +69,9 @@ def _dynamic_axes(spec: GraphSpec, ins: list[str], outs: list[str]) -> dict:
     return axes
 
 
-def quantize_weights(src: Path, dst: Path, weights: str, vocab_size: int) -> None:
+def quantize_weights(src: Path, dst: Path, weights: str, vocab_size: int, keep: tuple[str, ...] = ()) -> None:
     """Weight-only MatMulNBits quantization of `src` into `dst` ("int8" or "int4", see NBITS; "q4_1",
-    see exporters.q4_min).
+    see exporters.q4_min). MatMuls named in `keep` stay fp32.
 
     The LM head (a MatMul whose weight has `vocab_size` columns; the tied embedding's
     transposed copy) gets the head's bits; the embedding Gather stays fp32 (a lookup costs
@@ -81,14 +81,15 @@ def quantize_weights(src: Path, dst: Path, weights: str, vocab_size: int) -> Non
 
     model = onnx.load(str(src))
     heads = _head_nodes(model.graph, vocab_size)
+    keep = list(keep)
     if weights == "q4_1":  # heads int8 first, then every other product in 4 bits with a minimum
         others = [n.name for n in model.graph.node if n.op_type == "MatMul" and n.name not in heads]
-        model = quantize_q4_min(_quantize_matmuls(model, 8, exclude=others), [], ACCURACY_LEVEL)
+        model = quantize_q4_min(_quantize_matmuls(model, 8, exclude=others + keep), keep, ACCURACY_LEVEL)
     else:
         bits, head_bits = NBITS[weights]
-        model = _quantize_matmuls(model, bits, exclude=heads if head_bits != bits else [])
+        model = _quantize_matmuls(model, bits, exclude=(heads if head_bits != bits else []) + keep)
         if head_bits != bits:
-            model = _quantize_matmuls(model, head_bits, exclude=[])  # only the heads are still MatMuls
+            model = _quantize_matmuls(model, head_bits, exclude=keep)  # only the heads (and `keep`) are still MatMuls
     onnx.save(model, str(dst))
 
 

@@ -169,6 +169,8 @@ def _add_export(sub) -> None:
     export.add_argument("--exit-adapter", help="a trained exit adapter (mirror-rt train-exit) to carry")
     export.add_argument("--kv", help="shared (default with onnx: KV written in place, no copy per call; ONNX "
                         "Runtime only) | explicit (KV in and out: OpenVINO can load the .onnx too)")
+    export.add_argument("--draft-streams", help="trained SS streams (mirror-rt train-draft --out) exported in the "
+                        "draft graph (onnx); Mirror's greedy rollouts then confirm several tokens per forward")
     export.add_argument("--static", action="store_true", help="fixed shapes (NPUs need them)")
     export.add_argument("--max-context", type=_positive_int, help="context limit of the bundle")
     export.add_argument("--max-window", type=_positive_int, help="window limit (with --static)")
@@ -181,7 +183,8 @@ def cmd_export(args) -> int:
     folder = export_bundle(args.model, args.out, draft_ref=args.draft, exit_layer=args.exit_layer, kappa=args.kappa,
                            fmt=args.format, weights=args.weights, draft_weights=args.draft_weights,
                            static=args.static, max_context=args.max_context, max_window=args.max_window,
-                           exit_weights=args.exit_weights, exit_adapter=args.exit_adapter, kv=args.kv)
+                           exit_weights=args.exit_weights, exit_adapter=args.exit_adapter, kv=args.kv,
+                           draft_streams=args.draft_streams)
     print(f"bundle written to {folder}")
     return 0
 
@@ -219,14 +222,13 @@ def _add_bench(sub) -> None:
 
 def cmd_bench(args) -> int:
     import shlex
+    from pathlib import Path
 
     import mirror_rt
     from mirror_rt.runtime.bench import BenchSettings, run_bench, write_results
     from mirror_rt.runtime.bench_methods import build_runners
     from mirror_rt.runtime.config import make_config
     from mirror_rt.runtime.specbench import read_questions
-
-    from pathlib import Path
 
     categories = args.categories.split(",") if args.categories else None
     questions = read_questions(args.data, categories, args.limit)
@@ -235,7 +237,6 @@ def cmd_bench(args) -> int:
     methods = [m.strip() for m in args.methods.split(",") if m.strip()]
     if args.bundle:
         from mirror_rt.runtime.bench_engines import bundle_runners
-
         from mirror_rt.runtime.bench_methods import OURS
 
         ours = [m for m in methods if m in OURS]

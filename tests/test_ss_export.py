@@ -1,0 +1,93 @@
+"""SS drafts through `mirror-rt export --draft-streams`: the ONNX graph equals torch, Mirror stays exact."""
+
+import warnings
+
+import numpy as np
+import pytest
+import torch
+from mirror_rt.devices.registry import available_devices, load_bundle
+from mirror_rt.exporters.export import ExportError, export_bundle
+from mirror_rt.models.loading import load_checkpoint
+from mirror_rt.models.ss_draft import StreamDraft
+from mirror_rt.models.ss_training import save_checkpoint
+from mirror_rt.runtime.reference import generate
+
+pytestmark = pytest.mark.skipif(not available_devices()["onnxruntime"], reason="onnxruntime not installed")
+
+PROMPT, WINDOW = [5, 17, 42, 9, 33, 61, 2], [7, 8, 9]
+
+
+def _streams(folder):
+    """A streams folder over the `tiny` preset with random (nonzero) stream weights; returns the torch draft."""
+    base = load_checkpoint("tiny", log=lambda *a: None).model
+    draft = StreamDraft(base, n_streams=2, n_stream_layers=2, rank=8)
+    with torch.no_grad():
+        for p in draft.stream_layers.parameters():
+            p.normal_(0, 0.3)
+        draft.stream_embed.normal_(0, 0.5)
+    save_checkpoint(draft, torch.optim.SGD(draft.stream_layers.parameters(), lr=0.1), folder, 1)
+    return draft
+
+
+def _export(folder, streams, weights):
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        return export_bundle("tiny", folder, fmt="onnx", draft_weights=weights, kappa=4, progress=False,
+                             draft_streams=str(streams))
+
+
+@pytest.fixture(scope="module")
+def ss_bundles(tmp_path_factory):
+    root = tmp_path_factory.mktemp("ss")
+    draft = _streams(root / "streams")
+    return draft, {w: _export(root / w, root / "streams", w) for w in ("fp32", "int8")}
+
+
+def test_ss_graph_equals_torch(ss_bundles):
+    """Main and stream logits of the fp32 graph equal StreamDraft.forward_streams: prompt, then a window."""
+    torch_draft, bundles = ss_bundles
+    draft = load_bundle(bundles["fp32"], "ort:cpu", "ort:cpu", strict=True, threads=1).draft
+    assert draft.n_streams == 2
+    cache = draft.new_cache(32)
+    first, second = draft.forward_streams(PROMPT, cache), draft.forward_streams(WINDOW, cache)
+    with torch.no_grad():
+        main, streams = torch_draft.forward_streams(torch.tensor(PROMPT + WINDOW), torch_draft.base.new_cache(32))
+    np.testing.assert_allclose(np.concatenate([first[0], second[0]]), main.numpy(), atol=1e-4, rtol=0)
+    np.testing.assert_allclose(np.concatenate([first[1], second[1]]), streams.numpy(), atol=1e-4, rtol=0)
+    prefill = draft.forward_last(PROMPT, draft.new_cache(32))  # last_rows 1: one position's streams
+    np.testing.assert_allclose(prefill, main.numpy()[len(PROMPT) - 1:len(PROMPT)], atol=1e-4, rtol=0)
+
+
+def test_ss_int8_graph_keeps_stream_weights_fp32(ss_bundles):
+    """int8 draft weights quantize the base's products only; the rank-8 stream products stay fp32."""
+    import onnx
+    from mirror_rt.models.config import ModelConfig
+
+    graph = onnx.load(str(ss_bundles[1]["int8"] / "draft.onnx")).graph
+    weights = {t.name: tuple(t.dims) for t in graph.initializer}
+    plain = [n for n in graph.node if n.op_type == "MatMul" and n.input[1] in weights]  # constant-weight products
+    assert len(plain) == 3 * 2 * 2 and all(8 in weights[n.input[1]] for n in plain)  # (q, v, down) x (a, b) x 2 layers
+    n_layers = ModelConfig.from_name("tiny").n_layers
+    assert sum(n.op_type == "MatMulNBits" for n in graph.node) == 7 * n_layers + 1  # every base product, the head
+
+
+@pytest.mark.parametrize("weights", ["fp32", "int8"])
+def test_mirror_with_onnx_ss_draft_equals_reference(ss_bundles, weights):
+    """Mirror over the bundle's split target and its SS draft (adopting the target's prompt KV by copy)."""
+    from mirror_rt.runtime.mirror import MirrorSettings, mirror_generate
+
+    loaded = load_bundle(ss_bundles[1][weights], "ort:cpu", "ort:cpu", strict=True, threads=1)
+    loaded.draft.same_model_as_target = True  # the explicit-KV SS graph copies the target's shared buffers
+    expected = [t for step in generate(loaded.target, PROMPT, 40) for t in step]
+    for gamma in (2, 5):
+        got = [t for step in mirror_generate(loaded.target, loaded.draft, PROMPT, 40, MirrorSettings(gamma=gamma))
+               for t in step]
+        assert got == expected
+
+
+def test_draft_streams_refusals(tmp_path):
+    """One-line errors: streams with a non-ONNX format, and a folder that holds no streams."""
+    with pytest.raises(ExportError, match="--draft-streams needs --format onnx"):
+        export_bundle("tiny", tmp_path / "ov", fmt="openvino", draft_streams=str(tmp_path), progress=False)
+    with pytest.raises(ExportError, match="--draft-streams .*streams.json"):
+        export_bundle("tiny", tmp_path / "bad", fmt="onnx", draft_streams=str(tmp_path), progress=False)
