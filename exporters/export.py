@@ -245,8 +245,9 @@ def _export_role(cfg: ExportConfig, limits: Limits, model, role: str, folder: Pa
     elif cfg.fmt == "onnx" and hasattr(model, "stream_layers"):  # an SS draft (exporters.ss_graph)
         from mirror_rt.exporters.ss_graph import export_stream_draft
 
-        spec = replace(spec, shared_kv=False)
-        files = export_stream_draft(model, limits.table_len, weights, folder / f"{role}.onnx")
+        shared = cfg.kv == "shared" and not model.config.qk_norm  # else explicit (exporters.ss_graph)
+        spec = replace(spec, shared_kv=shared)
+        files = export_stream_draft(model, limits.table_len, weights, folder / f"{role}.onnx", shared)
     elif cfg.fmt == "onnx":
         from mirror_rt.exporters.onnx import export_onnx_graph
 

@@ -6,9 +6,14 @@ KV per layer; outputs `logits` [R, vocab] and `stream_logits` [R, n_s, vocab] fo
 last R = last_rows positions, then the present KV. Stream rows are computed for those R
 positions only: a stream row never influences a main row, so the main logits and the KV are
 those of the plain draft graph, and a prompt (last_rows 1) pays for one position's streams.
-The draft worker feeds [unfed tokens, guesses] with last_rows = len(guesses) + 1.
-Limitations: explicit KV only (the stream mask is not expressible with GroupQueryAttention),
-so the SS graph cannot adopt the target's shared buffers without a copy (ORTModel.adopt copies).
+A prompt (last_rows 1) thus pays for one position's streams.
+
+`SharedStreamDraftGraph` is the same function over shared KV buffers (exporters.shared_kv; the
+default with ONNX): the main rows run the fused layers of the plain shared-KV draft graph
+(GroupQueryAttention writes their keys in place), and in the stream layers the stream rows
+attend to the buffer's first total_len keys (read back from the op's present output, already
+rotated) plus their own position's streams, under the same mask. Families with q/k norms keep
+the explicit graph (as the plain draft does).
 """
 
 from __future__ import annotations
@@ -19,6 +24,7 @@ from pathlib import Path
 
 import torch
 import torch.nn.functional as F
+from mirror_rt.exporters.shared_kv import DOMAIN, TOTAL_LEN, shared_kv_rope_attention
 from mirror_rt.exporters.split import (
     LAST_ROWS,
     PAST_NAMES,
@@ -101,6 +107,99 @@ class StreamDraftGraph(nn.Module):
         return h + out[:T], s + (out[T:] + extra.down(inner[T:])).reshape(R, S, -1), keys, values
 
 
+class SharedStreamDraftGraph(StreamDraftGraph):
+    """A StreamDraft's forward_streams over shared KV buffers (see the module docstring)."""
+
+    def __init__(self, draft, table_len: int):
+        super().__init__(draft, table_len)
+        n = draft.config.n_layers
+        self.plain = SplitGraph(draft.base, graph_spec("draft", n, 0, 0, shared_kv=True), table_len)
+        if not self.plain.fused:
+            raise ValueError("shared-KV SS graphs need a family without q/k norms (use --kv explicit)")
+
+    def forward(self, input_ids, last_rows, total_len, *kv):
+        plain, base, S = self.plain, self.draft.base, self.n_streams
+        T = input_ids.shape[0]
+        positions = torch.arange(T, dtype=torch.long) + (total_len.to(torch.long) - T)
+        rope = (plain.rope_cos_half, plain.rope_sin_half, positions.unsqueeze(0))
+        h = base.embed(input_ids).unsqueeze(0)  # [1, T, hidden] as in the plain fused graph
+        presents = []
+        for i in range(self.first):
+            h, k, v = self._main_attention(i, h, kv, total_len, rope)
+            h = self._main_mlp(i, h)
+            presents += [k, v]
+        rows = T - last_rows[0]
+        s = h[0, rows:, None, :] + self.draft.stream_embed[None].to(h.dtype)  # [R, S, hidden]
+        stream_positions = (positions[rows:, None] + 1 + torch.arange(S)[None]).reshape(-1)
+        for i in range(self.first, self.draft.config.n_layers):
+            h, s, k, v = self._joint_attention(i, h, s, kv, total_len, rope, stream_positions, rows)
+            h, s = self._joint_mlp(i, h, s)
+            presents += [k, v]
+        R = s.shape[0]
+        logits = base.logits(torch.cat([h[0, rows:], s.reshape(R * S, -1)]))
+        return logits[:R], logits[R:].reshape(R, S, -1), *presents
+
+    def _main_attention(self, i: int, h, kv, total_len, rope):
+        """Main rows of layer i through GroupQueryAttention (keys written in place): (h, keys, values)."""
+        block = self.draft.base.layers[i]
+        q, k, v = self.plain.qkv[i](block.input_layernorm(h)).split(self._qkv_sizes(), dim=-1)
+        out, keys, values = shared_kv_rope_attention(q, k, v, kv[2 * i], kv[2 * i + 1], total_len, rope,
+                                                     self.n_heads, self.n_kv_heads)
+        return h + block.self_attn.o_proj(out), keys, values
+
+    def _main_mlp(self, i: int, h):
+        block = self.draft.base.layers[i]
+        gate, up = self.plain.gate_up[i](block.post_attention_layernorm(h)).chunk(2, dim=-1)
+        return h + block.mlp.down_proj(F.silu(gate) * up)
+
+    def _joint_attention(self, i: int, h, s, kv, total_len, rope, stream_positions, rows):
+        """Layer i's attention for main rows h [1, T, hidden] (GroupQueryAttention, keys written in place) and
+        stream rows s [R, S, hidden], one q|k|v and one output product for both: (h, s, keys, values)."""
+        block, extra = self.draft.base.layers[i], self.draft.stream_layers[i - self.first]
+        T, R, S = h.shape[1], s.shape[0], self.n_streams
+        x = torch.cat([block.input_layernorm(h)[0], block.input_layernorm(s).reshape(R * S, -1)])
+        qkv = self.plain.qkv[i](x)
+        q, k, v = qkv[:T].unsqueeze(0).split(self._qkv_sizes(), dim=-1)
+        main, keys, values = shared_kv_rope_attention(q, k, v, kv[2 * i], kv[2 * i + 1], total_len, rope,
+                                                      self.n_heads, self.n_kv_heads)
+        q, k, v = qkv[T:].split(self._qkv_sizes(), dim=-1)
+        streams = self._stream_attention(q + extra.q(x[T:]), k, v + extra.v(x[T:]), keys, values,
+                                         rope[2][0], stream_positions, rows, total_len)
+        out = block.self_attn.o_proj(torch.cat([main[0], streams]))
+        return h + out[:T].unsqueeze(0), s + out[T:].reshape(R, S, -1), keys, values
+
+    def _stream_attention(self, q, k, v, keys, values, positions, stream_positions, rows, total_len):
+        """Stream rows' projections q [R*S, H*D], k/v [R*S, KVH*D] (before RoPE) over the buffer's first
+        total_len keys and their own position's streams -> [R*S, H*D]."""
+        D, rows_s = self.head_dim, q.shape[0]
+        cos = torch.index_select(self.plain.rope_cos, 0, stream_positions)
+        sin = torch.index_select(self.plain.rope_sin, 0, stream_positions)
+        q = apply_rope(q.reshape(-1, self.n_heads, D).transpose(0, 1), cos, sin)  # [H, R*S, D]
+        k = apply_rope(k.reshape(-1, self.n_kv_heads, D).transpose(0, 1), cos, sin)
+        v = v.reshape(-1, self.n_kv_heads, D).transpose(0, 1)
+        n = total_len.to(torch.long)[0]
+        all_keys = torch.cat((keys[:, :, :n], k.unsqueeze(0)), dim=2)  # the op stored the main keys rotated
+        all_values = torch.cat((values[:, :, :n], v.unsqueeze(0)), dim=2)
+        mask = graph_stream_mask(positions, n, rows, self.n_streams)[positions.shape[0]:]  # the stream rows
+        rep = self.n_heads // self.n_kv_heads
+        grouped = q.reshape(1, self.n_kv_heads, rep * rows_s, D)
+        out = F.scaled_dot_product_attention(grouped, all_keys, all_values, attn_mask=mask.repeat(rep, 1))
+        return out.reshape(self.n_heads, rows_s, D).transpose(0, 1).reshape(rows_s, -1)
+
+    def _joint_mlp(self, i: int, h, s):
+        """Layer i's MLP over main rows h [1, T, hidden] and stream rows s [R, S, hidden] in one product each."""
+        block, extra = self.draft.base.layers[i], self.draft.stream_layers[i - self.first]
+        T, R, S = h.shape[1], s.shape[0], self.n_streams
+        x = torch.cat([block.post_attention_layernorm(h)[0], block.post_attention_layernorm(s).reshape(R * S, -1)])
+        gate, up = self.plain.gate_up[i](x).chunk(2, dim=-1)
+        inner = F.silu(gate) * up
+        out = block.mlp.down_proj(inner)
+        return h + out[:T].unsqueeze(0), s + (out[T:] + extra.down(inner[T:])).reshape(R, S, -1)
+
+    def _qkv_sizes(self) -> list[int]:
+        return [self.n_heads * self.head_dim] + [self.n_kv_heads * self.head_dim] * 2
+
+
 def graph_stream_mask(positions: torch.Tensor, n_keys, rows, S: int) -> torch.Tensor:
     """[T + R*S, start + T + R*S] bool, built from comparisons only (traceable with dynamic T, R).
 
@@ -118,34 +217,42 @@ def graph_stream_mask(positions: torch.Tensor, n_keys, rows, S: int) -> torch.Te
     return torch.cat([prefix, torch.cat([main_to_streams, same])], dim=1)
 
 
-def ss_input_names(n_layers: int) -> list[str]:
-    return ["input_ids", LAST_ROWS] + kv_names(n_layers, PAST_NAMES)
+def ss_input_names(n_layers: int, shared: bool) -> list[str]:
+    return ["input_ids", LAST_ROWS] + ([TOTAL_LEN] if shared else []) + kv_names(n_layers, PAST_NAMES)
 
 
 def ss_output_names(n_layers: int) -> list[str]:
     return ["logits", STREAM_LOGITS] + kv_names(n_layers, PRESENT_NAMES)
 
 
-def export_stream_draft(draft, table_len: int, weights: str, path: Path) -> list[Path]:
-    """Write `path` (.onnx): the SS draft graph, weights fp32 or weight-only int8/int4/q4_1 (the
-    base's products; the small stream LoRA products stay fp32)."""
+def export_stream_draft(draft, table_len: int, weights: str, path: Path, shared: bool) -> list[Path]:
+    """Write `path` (.onnx): the SS draft graph over shared KV buffers or explicit KV, weights fp32 or
+    weight-only int8/int4/q4_1 (the base's products; the small stream LoRA products stay fp32)."""
     from mirror_rt.exporters.onnx import OPSET, WEIGHTS, quantize_weights
 
     if weights not in WEIGHTS:
         raise ValueError(f"--format onnx supports weights {', '.join(WEIGHTS)}, not '{weights}'")
     c = draft.config
-    graph = StreamDraftGraph(draft, table_len).eval()
-    ins, outs = ss_input_names(c.n_layers), ss_output_names(c.n_layers)
+    graph = (SharedStreamDraftGraph if shared else StreamDraftGraph)(draft, table_len).eval()
+    ins, outs = ss_input_names(c.n_layers, shared), ss_output_names(c.n_layers)
     dtype = draft.base.embed_tokens.weight.dtype
-    past = [torch.zeros(1, c.n_kv_heads, 2, c.head_dim, dtype=dtype) for _ in range(2 * c.n_layers)]
-    example = (torch.arange(3, dtype=torch.long) % c.vocab_size, torch.tensor([2], dtype=torch.long), *past)
+    T, past_len = 3, 2
+    buffer = past_len + T + 1 if shared else past_len  # shared: a buffer with room to spare
+    past = [torch.zeros(1, c.n_kv_heads, buffer, c.head_dim, dtype=dtype) for _ in range(2 * c.n_layers)]
+    head = [torch.arange(T, dtype=torch.long) % c.vocab_size, torch.tensor([2], dtype=torch.long)]
+    if shared:
+        head.append(torch.tensor([past_len + T], dtype=torch.int32))
+    example = (*head, *past)
     axes = {"input_ids": {0: "window"}, "logits": {0: "rows"}, STREAM_LOGITS: {0: "rows"}}
-    axes |= {n: {2: "past"} for n in ins[2:]} | {n: {2: "total"} for n in outs[2:]}
+    kv_axis = "capacity" if shared else None
+    axes |= {n: {2: kv_axis or "past"} for n in ins if n.startswith("past_")}
+    axes |= {n: {2: kv_axis or "total"} for n in outs[2:]}
     raw = path if weights == "fp32" else path.with_suffix(".fp32.onnx")
     with torch.no_grad(), warnings.catch_warnings():
         warnings.simplefilter("ignore")  # tracer warnings about shape-to-int conversions
         torch.onnx.export(graph, example, str(raw), input_names=ins, output_names=outs, dynamic_axes=axes,
-                          opset_version=OPSET, dynamo=False, do_constant_folding=True)
+                          opset_version=OPSET, dynamo=False, do_constant_folding=True,
+                          custom_opsets={DOMAIN: 1} if shared else None)
     import onnx
 
     if weights != "fp32":

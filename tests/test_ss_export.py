@@ -29,24 +29,30 @@ def _streams(folder):
     return draft
 
 
-def _export(folder, streams, weights):
+def _export(folder, streams, weights, kv):
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         return export_bundle("tiny", folder, fmt="onnx", draft_weights=weights, kappa=4, progress=False,
-                             draft_streams=str(streams))
+                             draft_streams=str(streams), kv=kv)
+
+
+BUNDLES = [("fp32", "shared"), ("fp32", "explicit"), ("int8", "shared")]
 
 
 @pytest.fixture(scope="module")
 def ss_bundles(tmp_path_factory):
+    """(torch SS draft, {(weights, kv): bundle}) over the same streams."""
     root = tmp_path_factory.mktemp("ss")
     draft = _streams(root / "streams")
-    return draft, {w: _export(root / w, root / "streams", w) for w in ("fp32", "int8")}
+    return draft, {(w, kv): _export(root / f"{w}-{kv}", root / "streams", w, kv) for w, kv in BUNDLES}
 
 
-def test_ss_graph_equals_torch(ss_bundles):
+@pytest.mark.parametrize("kv", ["shared", "explicit"])
+def test_ss_graph_equals_torch(ss_bundles, kv):
     """Main and stream logits of the fp32 graph equal StreamDraft.forward_streams: prompt, then a window."""
     torch_draft, bundles = ss_bundles
-    draft = load_bundle(bundles["fp32"], "ort:cpu", "ort:cpu", strict=True, threads=1).draft
+    draft = load_bundle(bundles["fp32", kv], "ort:cpu", "ort:cpu", strict=True, threads=1).draft
+    assert draft.graph.shared_kv == (kv == "shared")
     assert draft.n_streams == 2
     cache = draft.new_cache(32)
     first, second = draft.forward_streams(PROMPT, cache), draft.forward_streams(WINDOW, cache)
@@ -63,21 +69,23 @@ def test_ss_int8_graph_keeps_stream_weights_fp32(ss_bundles):
     import onnx
     from mirror_rt.models.config import ModelConfig
 
-    graph = onnx.load(str(ss_bundles[1]["int8"] / "draft.onnx")).graph
+    graph = onnx.load(str(ss_bundles[1]["int8", "shared"] / "draft.onnx")).graph
     weights = {t.name: tuple(t.dims) for t in graph.initializer}
     plain = [n for n in graph.node if n.op_type == "MatMul" and n.input[1] in weights]  # constant-weight products
     assert len(plain) == 3 * 2 * 2 and all(8 in weights[n.input[1]] for n in plain)  # (q, v, down) x (a, b) x 2 layers
     n_layers = ModelConfig.from_name("tiny").n_layers
-    assert sum(n.op_type == "MatMulNBits" for n in graph.node) == 7 * n_layers + 1  # every base product, the head
+    # every base product once (fused q|k|v and gate|up: 4 per layer; main and stream rows share them), the head
+    assert sum(n.op_type == "MatMulNBits" for n in graph.node) == 4 * n_layers + 1
 
 
-@pytest.mark.parametrize("weights", ["fp32", "int8"])
-def test_mirror_with_onnx_ss_draft_equals_reference(ss_bundles, weights):
-    """Mirror over the bundle's split target and its SS draft (adopting the target's prompt KV by copy)."""
+@pytest.mark.parametrize("weights,kv", BUNDLES)
+def test_mirror_with_onnx_ss_draft_equals_reference(ss_bundles, weights, kv):
+    """Mirror over the bundle's split target and its SS draft, which adopts the target's prompt KV (explicit
+    KV: a copy of the target's shared buffers)."""
     from mirror_rt.runtime.mirror import MirrorSettings, mirror_generate
 
-    loaded = load_bundle(ss_bundles[1][weights], "ort:cpu", "ort:cpu", strict=True, threads=1)
-    loaded.draft.same_model_as_target = True  # the explicit-KV SS graph copies the target's shared buffers
+    loaded = load_bundle(ss_bundles[1][weights, kv], "ort:cpu", "ort:cpu", strict=True, threads=1)
+    loaded.draft.same_model_as_target = True
     expected = [t for step in generate(loaded.target, PROMPT, 40) for t in step]
     for gamma in (2, 5):
         got = [t for step in mirror_generate(loaded.target, loaded.draft, PROMPT, 40, MirrorSettings(gamma=gamma))
