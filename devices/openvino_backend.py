@@ -16,10 +16,10 @@ from collections.abc import Sequence
 from pathlib import Path
 
 import numpy as np
-
 from mirror_rt.devices.base import CacheBounds
 
 LAST_ROWS = "last_rows"  # optional graph input (exporters.split.LAST_ROWS): logits rows from the window's end
+STREAM_LOGITS = "stream_logits"  # second output of SS draft graphs (exporters.ss_graph.STREAM_LOGITS)
 
 
 def _openvino():
@@ -161,6 +161,24 @@ class OVModel:
     def forward_last(self, tokens: Sequence[int], cache: OVCache) -> np.ndarray:
         """As `forward`, but logits of the last position only ([1, vocab]; prefill)."""
         return self.forward(tokens, cache, last_rows=1)
+
+
+class OVStreamDraft(OVModel):
+    """An SS draft graph (exporters.ss_graph, explicit KV: `mirror-rt export --kv explicit --draft-streams`)
+    made stateful at load; `forward_streams` adds the lookahead streams' logits to the plain draft's."""
+
+    def __init__(self, graph: OVGraph, vocab_size: int, max_seq_len: int):
+        super().__init__(graph, vocab_size, max_seq_len)
+        streams = graph.compiled.outputs[graph.output_names.index(STREAM_LOGITS)].get_partial_shape()[1]
+        self.n_streams = streams.get_length() if streams.is_static else None
+
+    def forward_streams(self, tokens: Sequence[int], cache: OVCache) -> tuple[np.ndarray, np.ndarray]:
+        """tokens [T] -> main logits [T, vocab], stream logits [T, n_s, vocab]; advances the cache by T."""
+        ids = np.asarray(tokens, dtype=np.int64)
+        cache.check_room(len(ids))
+        out = self.graph.run(cache.requests[0], ids, cache.length, len(ids))
+        cache.filled[0] += len(ids)
+        return out["logits"], out[STREAM_LOGITS]
 
 
 class OVSplitTarget:

@@ -246,13 +246,20 @@ def _config(manifest, role: str):
 
 
 def _load_openvino(paths, manifest, config, spec: DeviceSpec, budget: WorkerBudget):
-    from mirror_rt.devices.openvino_backend import OVGraph, OVModel, OVSplitTarget
+    from mirror_rt.devices.openvino_backend import (
+        STREAM_LOGITS,
+        OVGraph,
+        OVModel,
+        OVSplitTarget,
+        OVStreamDraft,
+    )
 
     window = manifest.max_window if manifest.static else 0
     graphs = [OVGraph(p, spec.device, (config.n_kv_heads, config.head_dim), budget.threads, window,
                       pinned=bool(budget.cpus), precision=budget.precision) for p in paths]
     if len(graphs) == 1:
-        return OVModel(graphs[0], config.vocab_size, manifest.max_context)
+        streams = STREAM_LOGITS in graphs[0].output_names  # an explicit-KV SS draft (exporters.ss_graph)
+        return (OVStreamDraft if streams else OVModel)(graphs[0], config.vocab_size, manifest.max_context)
     return OVSplitTarget(*graphs, config.vocab_size, manifest.max_context, manifest.kappa)
 
 

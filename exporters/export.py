@@ -94,7 +94,8 @@ class ExportConfig:
         if self.kappa < 1:
             raise ExportError(f"--kappa must be >= 1, got {self.kappa}")
         if self.draft_streams is not None and self.fmt != "onnx":
-            raise ExportError(f"--draft-streams needs --format onnx (got --format {self.fmt})")
+            raise ExportError(f"--draft-streams needs --format onnx (got --format {self.fmt}); for OpenVINO, "
+                              "export --format onnx --kv explicit: its backend loads that draft graph")
 
 
 @dataclass(frozen=True)

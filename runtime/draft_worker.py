@@ -24,7 +24,6 @@ import time
 from dataclasses import dataclass, field
 
 import numpy as np
-
 from mirror_rt.runtime.branches import exit_distribution, rank_roots, top_alternatives
 from mirror_rt.runtime.lookup import lookup_guesses
 from mirror_rt.runtime.messages import STOP, EarlyExit, Fault, Verdict, Window
@@ -46,6 +45,7 @@ class DraftSettings:
     adaptive_gamma: bool = True  # adapt the window cap online: +2 after a full accept, -1 after a reject
     cpu: int | None = None  # pin the worker thread to this core (Linux)
     lookup: int = 3  # greedy: prompt-lookup guesses checked per forward (runtime.lookup); 0 = off
+    stream_confidence: float = 0.2  # SS drafts: feed a stream's guess only at this probability or more
 
 
 @dataclass
@@ -268,18 +268,25 @@ class DraftWorker:
         _append(line, token, q, logits if q is None else q)
 
     def _extend_with_streams(self, line: Line, context: list[int]) -> None:
-        """One SS forward: confirm the pending guesses, add them and the next token, guess again."""
-        streams, offset, n = self._feed_with_guesses(line, context + line.tokens, list(line.guesses), streams=True)
-        line.guesses = [int(t) for t in np.argmax(streams[offset + n], axis=-1)]
+        """One SS forward: confirm the pending guesses (the streams' confident ones, else prompt-lookup's),
+        add them and the next token, guess again."""
+        full = context + line.tokens
+        guesses = list(line.guesses) or self._lookup(line, full)
+        streams, offset, n = self._feed_with_guesses(line, full, guesses, streams=True)
+        line.guesses = confident_guesses(streams[offset + n], self.settings.stream_confidence)
 
     def _extend_with_lookup(self, line: Line, context: list[int]) -> None:
         """One forward with prompt-lookup guesses after the line (runtime.lookup); keeps the right ones."""
         full = context + line.tokens
-        room = self._wanted(line) - len(line.tokens) - 1  # guesses the line can still use after its next token
-        guesses = lookup_guesses(full, min(self.settings.lookup, room)) if room > 0 else []
+        guesses = self._lookup(line, full)
         self.stats.guessed += len(guesses)
         _, _, n = self._feed_with_guesses(line, full, guesses)
         self.stats.guesses_kept += n
+
+    def _lookup(self, line: Line, full: list[int]) -> list[int]:
+        """Prompt-lookup guesses the line can still use after its next token ([] when lookup is off)."""
+        room = min(self.settings.lookup, self._wanted(line) - len(line.tokens) - 1)
+        return lookup_guesses(full, room) if room > 0 else []
 
     def _feed_with_guesses(self, line: Line, full: list[int], guesses: list[int], streams: bool = False):
         """Feed what the cache lacks of `full` (the line's context and tokens) plus `guesses`; append
@@ -347,6 +354,22 @@ def _append(line: Line, token: int, q, row) -> None:
     line.tokens.append(token)
     line.q.append(q)
     line.rows.append(row)
+
+
+def confident_guesses(stream_rows: np.ndarray, min_probability: float) -> list[int]:
+    """The streams' top tokens [n_s, vocab] -> the leading ones whose probability is >= min_probability.
+
+    A guess costs a row of the next forward and saves a whole forward only when the draft confirms it,
+    so an unlikely guess is not fed; a later stream's guess is useless without the earlier ones.
+    Example: top probabilities (0.9, 0.1, 0.8) with min_probability 0.2 -> the first guess only.
+    """
+    guesses = []
+    for row in np.asarray(stream_rows, dtype=np.float64):
+        top = int(np.argmax(row))
+        if 1.0 / np.exp(row - row[top]).sum() < min_probability:
+            break
+        guesses.append(top)
+    return guesses
 
 
 def _softmax(logits: np.ndarray) -> np.ndarray:

@@ -18,7 +18,6 @@ from dataclasses import dataclass
 from typing import Iterator, Sequence
 
 import numpy as np
-
 from mirror_rt.runtime.acceptance import accept_greedy, accept_sampled
 from mirror_rt.runtime.draft_worker import DraftSettings, DraftWorker, _pin, _unpin
 from mirror_rt.runtime.messages import EarlyExit, Fault, Start, Window
@@ -43,6 +42,7 @@ class MirrorSettings:
     target_cpu: int | None = None  # pin the target (caller) thread to this core
     draft_cpu: int | None = None  # pin the draft thread to this core
     lookup: int = 3  # greedy: prompt-lookup guesses the draft checks per forward (runtime.lookup); 0 = off
+    stream_confidence: float = 0.2  # SS drafts: a stream guess is fed only at this probability or more
     share_prompt_kv: bool = True  # a draft that is the target at another precision starts from its prompt KV
 
     def __post_init__(self):
@@ -67,7 +67,7 @@ def mirror_generate(target, draft, prompt: Sequence[int], max_new_tokens: int, s
     worker = DraftWorker(draft, prompt, draft_capacity, DraftSettings(
         gamma=settings.gamma, sampling=settings.sampling, seed=settings.seed, branch_budget=settings.branch_budget,
         min_window=settings.min_window, adaptive_gamma=settings.adaptive_gamma, cpu=settings.draft_cpu,
-        lookup=settings.lookup))
+        lookup=settings.lookup, stream_confidence=settings.stream_confidence))
     step = _TargetStep(target, settings, metrics, worker)
     share = settings.share_prompt_kv and adopts_target_kv(draft)
     previous_affinity = _pin(settings.target_cpu)

@@ -5,15 +5,13 @@ import time
 
 import numpy as np
 import pytest
-
+from conftest import MarkovModel, perturbed_copy, random_transition, tiny_target
 from mirror_rt.devices.torch_backend import TorchModel
 from mirror_rt.devices.torch_split import TorchSplitTarget
 from mirror_rt.runtime.metrics import Metrics
 from mirror_rt.runtime.mirror import MirrorSettings, mirror_generate
 from mirror_rt.runtime.reference import generate
 from mirror_rt.runtime.sampling import SamplingConfig
-
-from conftest import MarkovModel, perturbed_copy, random_transition, tiny_target
 from test_acceptance import chi2_threshold
 
 
@@ -161,11 +159,10 @@ def test_close_early_stops_the_draft():
     assert not draft_threads()
 
 
-@pytest.mark.parametrize("gamma", [2, 5])
-def test_stream_draft_equals_reference(gamma):
-    """An SS draft (random streams: many rejected guesses) changes nothing in the output."""
+@pytest.mark.parametrize("gamma,confidence", [(2, 0.0), (5, 0.0), (5, 0.2)])
+def test_stream_draft_equals_reference(gamma, confidence):
+    """An SS draft (random streams: many rejected guesses; all fed, or only confident ones) changes nothing."""
     import torch
-
     from mirror_rt.devices.torch_streams import TorchStreamDraft
     from mirror_rt.models.ss_draft import StreamDraft
 
@@ -174,7 +171,8 @@ def test_stream_draft_equals_reference(gamma):
     with torch.no_grad():
         for p in draft.stream_layers.parameters():
             p.normal_(0, 0.3)
-    got, metrics = run_mirror(TorchSplitTarget(target), TorchStreamDraft(draft), [4, 5, 6], 60, gamma=gamma)
+    got, metrics = run_mirror(TorchSplitTarget(target), TorchStreamDraft(draft), [4, 5, 6], 60, gamma=gamma,
+                              stream_confidence=confidence)
     assert got == flat(generate(TorchModel(target), [4, 5, 6], 60))
     assert metrics.extra["draft_forwards_per_token"] > 0
 

@@ -2,11 +2,14 @@
 
 import pytest
 import torch
-
-from mirror_rt.models.ss_draft import StreamDraft, stream_mask, stream_rollout, verify_guesses
-from mirror_rt.runtime.reference import generate
-
 from conftest import tiny_target
+from mirror_rt.models.ss_draft import (
+    StreamDraft,
+    stream_mask,
+    stream_rollout,
+    verify_guesses,
+)
+from mirror_rt.runtime.reference import generate
 
 
 def test_mask_no_future_no_later_stream():
@@ -46,6 +49,18 @@ def test_stream_verified_rollout_equals_draft_greedy():
         expected = [t for step in generate(TorchModel(base), context, 31) for t in step]
         tokens, forwards = stream_rollout(draft, context, 31)
         assert tokens == expected and forwards <= 31
+
+
+def test_confident_guesses_keep_the_leading_likely_streams():
+    """A stream's guess is fed only when likely enough, and never after an unlikely one."""
+    import numpy as np
+    from mirror_rt.runtime.draft_worker import confident_guesses
+
+    rows = np.log(np.array([[0.9, 0.05, 0.05], [0.1, 0.45, 0.45], [0.0001, 0.0001, 0.9998]]))
+    assert confident_guesses(rows, 0.2) == [0, 1, 2]  # 0.9, 0.45 (the first of the tied tokens), 0.9998
+    assert confident_guesses(rows, 0.5) == [0]  # the second stream is unlikely: the third is dropped too
+    assert confident_guesses(rows, 0.95) == []
+    assert confident_guesses(rows[1:2], 0.5) == []
 
 
 def test_verify_guesses_counts_confirmed_prefix():

@@ -64,6 +64,20 @@ def test_ss_graph_equals_torch(ss_bundles, kv):
     np.testing.assert_allclose(prefill, main.numpy()[len(PROMPT) - 1:len(PROMPT)], atol=1e-4, rtol=0)
 
 
+@pytest.mark.skipif(not available_devices()["openvino"], reason="openvino not installed")
+def test_openvino_loads_the_explicit_ss_graph(ss_bundles):
+    """OpenVINO's CPU plugin runs the explicit-KV SS graph (made stateful at load): the same logits as torch."""
+    torch_draft, bundles = ss_bundles
+    draft = load_bundle(bundles["fp32", "explicit"], "ort:cpu", "openvino:CPU", strict=True, threads=1).draft
+    assert type(draft).__name__ == "OVStreamDraft" and draft.n_streams == 2
+    cache = draft.new_cache(32)
+    first, second = draft.forward_streams(PROMPT, cache), draft.forward_streams(WINDOW, cache)
+    with torch.no_grad():
+        main, streams = torch_draft.forward_streams(torch.tensor(PROMPT + WINDOW), torch_draft.base.new_cache(32))
+    np.testing.assert_allclose(np.concatenate([first[0], second[0]]), main.numpy(), atol=1e-3, rtol=0)
+    np.testing.assert_allclose(np.concatenate([first[1], second[1]]), streams.numpy(), atol=1e-3, rtol=0)
+
+
 def test_ss_int8_graph_keeps_stream_weights_fp32(ss_bundles):
     """int8 draft weights quantize the base's products only; the rank-8 stream products stay fp32."""
     import onnx
