@@ -7,7 +7,9 @@ and window) are validated before any conversion starts. Default draft: the targe
 with `auto` weights: q4_1 in ONNX bundles of models whose weights are Q4_1 blocks exactly (the
 default model: the draft then computes with the model's own weights), int8 otherwise.
 Default exit: int8 weights, whatever the target's: the exit only picks which draft branches
-are precomputed, never the output. It does not run graphs; `devices.registry.load_bundle` does.
+are precomputed, never the output. `--draft-vocab` gives the draft graph an LM head over a kept set of
+ids (models.vocab_prune; the file is copied into the bundle). It does not run graphs;
+`devices.registry.load_bundle` does.
 """
 
 from __future__ import annotations
@@ -35,6 +37,7 @@ from mirror_rt.exporters.split import (
     graph_spec,
     with_exit_adapter,
 )
+from mirror_rt.models.vocab_prune import PrunedHeadDraft, load_kept
 
 FORMATS = ("openvino", "onnx", "torch")
 WEIGHTS = ("fp32", "fp16", "int8", "int4", "q4_1")
@@ -71,6 +74,7 @@ class ExportConfig:
     kv: str | None = None  # explicit (KV in and out: any backend) | shared (in place: ONNX Runtime); None: shared
                            # for onnx (fastest on ONNX Runtime: no cache copy per call), explicit otherwise
     draft_streams: str | None = None  # trained SS streams (mirror-rt train-draft --out) exported with the draft (onnx)
+    draft_vocab: str | None = None  # kept ids (mirror-rt prune-vocab --out): the draft's LM head over those rows only
 
     def __post_init__(self):
         if self.fmt not in FORMATS:
@@ -96,6 +100,9 @@ class ExportConfig:
         if self.draft_streams is not None and self.fmt != "onnx":
             raise ExportError(f"--draft-streams needs --format onnx (got --format {self.fmt}); for OpenVINO, "
                               "export --format onnx --kv explicit: its backend loads that draft graph")
+        if self.draft_vocab is not None and (self.fmt == "torch" or self.draft_streams is not None):
+            raise ExportError("--draft-vocab needs --format onnx or openvino and a plain draft "
+                              f"(got --format {self.fmt}{' with --draft-streams' if self.draft_streams else ''})")
 
 
 @dataclass(frozen=True)
@@ -138,12 +145,12 @@ def export_bundle(model_ref: str | None, out_dir, draft_ref: str | None = None, 
                   kappa: int = 8, fmt: str = "onnx", weights: str = "fp32", draft_weights: str = "auto",
                   static: bool = False, max_context: int | None = None, max_window: int | None = None,
                   progress: bool = True, exit_adapter: str | None = None, exit_weights: str = "int8",
-                  kv: str | None = None, draft_streams: str | None = None) -> Path:
+                  kv: str | None = None, draft_streams: str | None = None, draft_vocab: str | None = None) -> Path:
     """Export a bundle (see module docstring); returns the bundle folder."""
     cfg = ExportConfig(model_ref=model_ref, out_dir=Path(out_dir), draft_ref=draft_ref, exit_layer=exit_layer,
                        kappa=kappa, fmt=fmt, weights=weights, draft_weights=draft_weights, static=static,
                        max_context=max_context, max_window=max_window, exit_adapter=exit_adapter,
-                       exit_weights=exit_weights, kv=kv, draft_streams=draft_streams)
+                       exit_weights=exit_weights, kv=kv, draft_streams=draft_streams, draft_vocab=draft_vocab)
     return run_export(cfg, progress=progress)
 
 
@@ -160,6 +167,7 @@ def run_export(cfg: ExportConfig, progress: bool = True) -> Path:
         draft = target if cfg.draft_ref is None else load_checkpoint(cfg.draft_ref, log=lambda *a: None)
         _check_draft(target, draft)
         streams = _load_streams(cfg, draft.model)
+        kept = _load_vocab(cfg, draft.model)
         if cfg.draft_weights == "auto":
             cfg = replace(cfg, draft_weights="q4_1" if cfg.fmt == "onnx" and holds_q4_1(draft.model) else "int8")
         folder = _prepare_folder(cfg.out_dir)
@@ -168,6 +176,8 @@ def run_export(cfg: ExportConfig, progress: bool = True) -> Path:
         for role in ROLES:
             bar.set_postfix_str(role)
             model = draft.model if role == "draft" else target.model
+            if role == "draft" and kept is not None:  # after the weights were chosen: q4_1 reads the plain draft
+                model = PrunedHeadDraft(model, kept)
             if role == "target_exit" and cfg.fmt != "torch":  # the exit graph carries the adapter
                 model = with_exit_adapter(model, adapter)
             entries.append(_export_role(cfg, limits, streams if role == "draft" and streams else model, role, folder))
@@ -177,7 +187,8 @@ def run_export(cfg: ExportConfig, progress: bool = True) -> Path:
         bar.update()
         bar.set_postfix_str("manifest")
         manifest = _manifest(cfg, limits, target.model, draft.model, entries, tokenizer)
-        write_manifest(replace(manifest, exit_adapter=_copy_adapter(cfg, adapter, folder)), folder)
+        write_manifest(replace(manifest, exit_adapter=_copy_adapter(cfg, adapter, folder),
+                               draft_vocab=_copy_vocab(cfg, kept, folder)), folder)
         bar.update()
     return folder
 
@@ -219,6 +230,25 @@ def _load_streams(cfg: ExportConfig, draft_model):
         return load_streams(draft_model, Path(cfg.draft_streams))
     except (OSError, ValueError, KeyError) as exc:
         raise ExportError(f"--draft-streams {cfg.draft_streams}: {exc}") from None
+
+
+def _load_vocab(cfg: ExportConfig, draft_model):
+    """The --draft-vocab kept ids, checked against the draft's vocabulary (or None)."""
+    if cfg.draft_vocab is None:
+        return None
+    try:
+        return load_kept(cfg.draft_vocab, draft_model.config.vocab_size)
+    except ValueError as exc:
+        raise ExportError(f"--draft-vocab {exc}") from None
+
+
+def _copy_vocab(cfg: ExportConfig, kept, folder: Path) -> dict | None:
+    """Copy the kept-ids file into the bundle and describe it for the manifest."""
+    if kept is None:
+        return None
+    name = "draft_vocab.json"
+    shutil.copyfile(cfg.draft_vocab, folder / name)
+    return {"file": name, "size": int(kept.shape[0]), "files": hash_files(folder, [name])}
 
 
 def _check_draft(target, draft) -> None:

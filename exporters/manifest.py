@@ -68,6 +68,10 @@ class BundleManifest:
     # The draft is the target itself at another weight precision: its KV means what the target's does,
     # so a draft may start from the target's prompt KV instead of its own prefill.
     draft_of_target: bool = False
+    # Pruned draft vocabulary (optional; absent = the full LM head): {"file" (the kept ids, JSON of
+    # models.vocab_prune), "size" (kept ids), "files": {name: sha256}}. The draft graph computes its head
+    # over those rows and still returns vocab_size logits, -inf outside them. Not written when None.
+    draft_vocab: dict | None = None
 
     def __post_init__(self):
         self.validate()
@@ -103,8 +107,9 @@ class BundleManifest:
     def to_dict(self) -> dict:
         d = dataclasses.asdict(self)
         d["graphs"] = [dataclasses.asdict(g) for g in self.graphs]
-        if d["exit_adapter"] is None:
-            del d["exit_adapter"]
+        for name in ("exit_adapter", "draft_vocab"):
+            if d[name] is None:
+                del d[name]
         return d
 
     @classmethod
@@ -163,6 +168,7 @@ def check_files(manifest: BundleManifest, folder: Path, verify: bool = True) -> 
     """Every listed file exists and, with `verify`, still has its recorded sha256."""
     listed = dict(manifest.tokenizer.get("files", {}))
     listed.update((manifest.exit_adapter or {}).get("files", {}))
+    listed.update((manifest.draft_vocab or {}).get("files", {}))
     for g in manifest.graphs:
         listed.update(g.files)
     for name, digest in sorted(listed.items()):

@@ -53,7 +53,7 @@ def export_onnx_graph(model, spec: GraphSpec, table_len: int, weights: str, path
                           dynamic_axes=_dynamic_axes(spec, ins, outs), opset_version=OPSET, dynamo=False,
                           do_constant_folding=True, custom_opsets={DOMAIN: 1} if spec.shared_kv else None)
     if weights != "fp32":
-        quantize_weights(raw, path, weights, model.config.vocab_size)
+        quantize_weights(raw, path, weights, getattr(model, "head_size", model.config.vocab_size))  # pruned head
         raw.unlink()
     return [path]
 

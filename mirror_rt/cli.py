@@ -133,6 +133,12 @@ def _add_training(sub) -> None:
     exit_.add_argument("--steps", type=_positive_int, default=400)
     exit_.add_argument("--seed", type=int, default=0)
     exit_.add_argument("--out", help="adapter path (default: in the cache)")
+    prune = sub.add_parser("prune-vocab", help="keep the target's most frequent tokens for a draft's LM head")
+    prune.add_argument("--target", help="target model (default: SmolLM2-135M-Instruct)")
+    prune.add_argument("--data", nargs="*", help="SpecBench-format jsonl (default: the dev set beside the repo)")
+    prune.add_argument("--size", type=_positive_int, required=True, help="token ids to keep")
+    prune.add_argument("--out", required=True, help="kept-ids file to write (.json; mirror-rt export --draft-vocab)")
+    prune.add_argument("--cache-dir")
 
 
 def cmd_train_draft(args) -> int:
@@ -140,6 +146,14 @@ def cmd_train_draft(args) -> int:
 
     report = train_draft_main(args.target, args.init, args.streams, args.stream_layers, args.rank, args.data,
                               args.steps, args.out, args.seed, args.lr, cache=args.cache_dir, log=_log)
+    print(json.dumps(report, indent=2))
+    return 0
+
+
+def cmd_prune_vocab(args) -> int:
+    from mirror_rt.models.vocab_prune import prune_vocab_main
+
+    report = prune_vocab_main(args.target, args.data, args.size, args.out, cache=args.cache_dir)
     print(json.dumps(report, indent=2))
     return 0
 
@@ -171,6 +185,8 @@ def _add_export(sub) -> None:
                         "Runtime only) | explicit (KV in and out: OpenVINO can load the .onnx too)")
     export.add_argument("--draft-streams", help="trained SS streams (mirror-rt train-draft --out) exported in the "
                         "draft graph (onnx); Mirror's greedy rollouts then confirm several tokens per forward")
+    export.add_argument("--draft-vocab", help="kept token ids (mirror-rt prune-vocab --out): the draft's LM head "
+                        "over those rows only, -inf elsewhere (onnx, openvino; the output never changes)")
     export.add_argument("--static", action="store_true", help="fixed shapes (NPUs need them)")
     export.add_argument("--max-context", type=_positive_int, help="context limit of the bundle")
     export.add_argument("--max-window", type=_positive_int, help="window limit (with --static)")
@@ -184,7 +200,7 @@ def cmd_export(args) -> int:
                            fmt=args.format, weights=args.weights, draft_weights=args.draft_weights,
                            static=args.static, max_context=args.max_context, max_window=args.max_window,
                            exit_weights=args.exit_weights, exit_adapter=args.exit_adapter, kv=args.kv,
-                           draft_streams=args.draft_streams)
+                           draft_streams=args.draft_streams, draft_vocab=args.draft_vocab)
     print(f"bundle written to {folder}")
     return 0
 
@@ -366,7 +382,8 @@ def main(argv=None) -> int:
     _one_line_warnings()
     try:
         commands = {"run": cmd_run, "bench": cmd_bench, "simulate": cmd_simulate, "export": cmd_export,
-                    "train-draft": cmd_train_draft, "train-exit": cmd_train_exit, "devices": cmd_devices}
+                    "train-draft": cmd_train_draft, "train-exit": cmd_train_exit, "prune-vocab": cmd_prune_vocab,
+                    "devices": cmd_devices}
         return commands[args.command](args)
     except KeyboardInterrupt:
         print("\nmirror-rt: interrupted", file=sys.stderr)

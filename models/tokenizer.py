@@ -22,6 +22,8 @@ class HFTokenizer:
         self.vocab_size = len(self._tok)
         self.eos_token_ids = tuple(i for i in {self._tok.eos_token_id} if i is not None)
         self.has_chat_template = bool(getattr(self._tok, "chat_template", None))
+        specials = {self._tok.bos_token_id, *self._tok.all_special_ids, *self.eos_token_ids}
+        self.special_ids = tuple(sorted(i for i in specials if i is not None))  # bos, eos, chat markers...
 
     def encode(self, text: str) -> list[int]:
         return self._tok.encode(text, add_special_tokens=False)
@@ -46,6 +48,7 @@ class ByteTokenizer:
     def __init__(self, vocab_size: int = 258):
         self.vocab_size = vocab_size
         self.eos_token_ids = (1,)
+        self.special_ids = (0, 1)
         self.has_chat_template = False
 
     def encode(self, text: str) -> list[int]:
