@@ -3,7 +3,8 @@
 Public API:
 
     import mirror_rt
-    engine = mirror_rt.load()                      # the embedded SmolLM2-135M-Instruct, int8 self-draft
+    engine = mirror_rt.load()                      # the embedded SmolLM2-135M-Instruct, int8 self-draft (torch)
+    engine = mirror_rt.load_bundle(mirror_rt.default_bundle())  # the same model as an ONNX bundle: ~4x faster
     result = engine.generate("What is the capital of France?", mode="mirror", max_new_tokens=64)
     print(result.text, result.stats["tokens_per_s"])
     for piece in engine.stream("Tell me a story", temperature=0.7, seed=1):
@@ -16,7 +17,7 @@ import sys
 import warnings
 
 __version__ = "0.1.0"
-__all__ = ["load", "load_bundle", "Engine", "GenerationConfig", "SamplingConfig", "__version__"]
+__all__ = ["load", "load_bundle", "default_bundle", "Engine", "GenerationConfig", "SamplingConfig", "__version__"]
 
 from mirror_rt.runtime.config import GenerationConfig
 from mirror_rt.runtime.engine import Engine, GenerationError
@@ -114,6 +115,37 @@ def load_bundle(bundle: str, *, target_device: str = "cpu", draft_device: str = 
     names = {"target": f"{bundle} ({type(target).__name__})", "draft": f"{draft_source} ({type(draft).__name__})"}
     return Engine(target, load_tokenizer(__import__("pathlib").Path(bundle), manifest), draft, names,
                   (cores[0], cores[1]) if pinned else None)
+
+
+def default_bundle(cache_dir: str | None = None, progress: bool = True, log=_stderr):
+    """The default model's ONNX bundle in the cache (`mirror-rt export` defaults), exported on first use.
+
+    `mirror-rt run` without --model/--bundle runs this bundle: ONNX Runtime graphs decode the default
+    model about 4x faster on CPU than torch eager, and Mirror then beats target-only decoding. The
+    export (~30 s here) writes into a temporary folder renamed at the end, so an interrupted export
+    leaves nothing half-written behind. The folder name carries the mirror-rt version.
+    """
+    import shutil
+    from pathlib import Path
+
+    from mirror_rt.exporters.export import export_bundle
+    from mirror_rt.exporters.manifest import BundleError, read_manifest
+    from mirror_rt.models.default_model import cache_dir as resolve_cache
+    from mirror_rt.models.default_model import default_model_folder
+
+    folder = resolve_cache(cache_dir) / "bundles" / f"smollm2-135m-instruct-onnx-{__version__}"
+    try:
+        read_manifest(folder, verify=False)
+        return folder
+    except BundleError:
+        pass
+    log(f"mirror-rt: exporting the default model to ONNX once (about 30 s), into {folder}")
+    partial = Path(f"{folder}.partial")
+    shutil.rmtree(partial, ignore_errors=True)
+    export_bundle(str(default_model_folder(cache_dir, log)), partial, progress=progress)
+    shutil.rmtree(folder, ignore_errors=True)
+    partial.rename(folder)
+    return folder
 
 
 def _in_worker_thread(folder, manifest, role, device, strict, budget):

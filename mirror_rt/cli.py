@@ -74,7 +74,9 @@ def build_parser() -> argparse.ArgumentParser:
     run.add_argument("--dtype", default="float32", help="float32 | bfloat16 | float16 | float64")
     run.add_argument("--threads", type=_positive_int, help="torch threads (default: all cores)")
     run.add_argument("--cache-dir", help="model cache folder (default: $MIRROR_RT_CACHE or ~/.cache/mirror-rt)")
-    run.add_argument("--bundle", help="run an exported bundle (mirror-rt export) instead of --model")
+    run.add_argument("--bundle", help="run an exported bundle (mirror-rt export) instead of --model (default "
+                     "model: its ONNX bundle, exported once into the cache)")
+    run.add_argument("--torch", action="store_true", help="run the default model in torch, not its ONNX bundle")
     run.add_argument("--draft-bundle", help="take the draft from another bundle (default: --bundle's)")
     run.add_argument("--target", default="cpu", help="target device with --bundle: cpu, cuda, cuda:1, gpu, npu, "
                                                      "openvino:CPU, ort:cpu, ort:qnn, torch:cpu...")
@@ -307,8 +309,9 @@ def cmd_run(args) -> int:
     from mirror_rt.runtime.config import make_config
 
     config = make_config(**options)  # validate before loading anything
-    if args.bundle:
-        engine = mirror_rt.load_bundle(args.bundle, target_device=args.target, draft_device=args.draft,
+    bundle = args.bundle or _default_bundle(args)
+    if bundle:
+        engine = mirror_rt.load_bundle(bundle, target_device=args.target, draft_device=args.draft,
                                        draft_bundle=args.draft_bundle, strict_devices=args.strict_devices,
                                        mode=config.mode, draft_precision=args.draft_precision)
     else:
@@ -332,6 +335,26 @@ def cmd_run(args) -> int:
         if args.stats:
             print(format_stats(gen.stats), file=sys.stderr)
     return 0
+
+
+def _default_bundle(args) -> str | None:
+    """The default model's cached ONNX bundle when `run` names no model and no torch-only option, else None.
+
+    Falls back to torch (None) with a one-line warning when the bundle cannot be made here.
+    """
+    torch_only = (args.model, args.draft_model != "int8", args.device != "cpu", args.dtype != "float32",
+                  args.threads, args.exit_layer, args.kappa != 8, args.draft_streams, args.torch)
+    if any(torch_only):
+        return None
+    import mirror_rt
+    from mirror_rt.exporters.export import ExportError
+
+    try:
+        return str(mirror_rt.default_bundle(args.cache_dir))
+    except (ImportError, ExportError, OSError) as exc:
+        print(f"mirror-rt: warning: no ONNX bundle of the default model ({exc}); running it in torch",
+              file=sys.stderr)
+        return None
 
 
 def format_stats(stats: dict) -> str:

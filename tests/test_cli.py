@@ -5,7 +5,6 @@ import subprocess
 import sys
 
 import pytest
-
 from conftest import write_hf_folder
 
 
@@ -66,3 +65,66 @@ def test_vocabulary_mismatch(tmp_path):
     t, d = write_hf_folder(tmp_path / "t", 64), write_hf_folder(tmp_path / "d", 70)
     assert_one_line_error(run_cli("run", "w3", "--model", str(t), "--draft-model", str(d)),
                           "vocabulary mismatch")
+
+
+def test_default_model_runs_its_onnx_bundle(monkeypatch):
+    """`run` with no model and no torch-only option takes the default model's bundle; otherwise torch."""
+    import mirror_rt
+    from mirror_rt import cli
+
+    calls = []
+    monkeypatch.setattr(mirror_rt, "default_bundle", lambda cache=None: calls.append(cache) or "/bundle")
+    parse = cli.build_parser().parse_args
+    assert cli._default_bundle(parse(["run", "hi", "--cache-dir", "/c"])) == "/bundle" and calls == ["/c"]
+    for extra in (["--model", "tiny"], ["--torch"], ["--device", "cuda"], ["--draft-model", "target"],
+                  ["--exit-layer", "3"], ["--kappa", "2"], ["--dtype", "bfloat16"], ["--threads", "1"]):
+        assert cli._default_bundle(parse(["run", "hi", *extra])) is None, extra
+    assert len(calls) == 1
+
+
+def test_default_bundle_falls_back_to_torch_with_a_warning(monkeypatch, capsys):
+    from mirror_rt.exporters.export import ExportError
+
+    import mirror_rt
+    from mirror_rt import cli
+
+    def broken(cache=None):
+        raise ExportError("no exporter here")
+
+    monkeypatch.setattr(mirror_rt, "default_bundle", broken)
+    assert cli._default_bundle(cli.build_parser().parse_args(["run", "hi"])) is None
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "warning" in err[0] and "no exporter here" in err[0] and "torch" in err[0]
+
+
+def test_default_bundle_is_exported_once_and_never_half(tmp_path, monkeypatch):
+    """An interrupted export leaves no bundle behind; a finished one is reused without exporting again."""
+    from mirror_rt.exporters import export as export_module
+    from mirror_rt.exporters.manifest import read_manifest
+    from mirror_rt.models import default_model
+
+    import mirror_rt
+
+    monkeypatch.setattr(default_model, "default_model_folder", lambda cache=None, log=None: "tiny")
+    real, calls = export_module.export_bundle, []
+
+    def interrupted(model, out, **kw):
+        calls.append(model)
+        out.mkdir(parents=True)
+        (out / "draft.onnx").write_text("half written")
+        raise KeyboardInterrupt
+
+    def quiet(message):
+        pass
+
+    monkeypatch.setattr(export_module, "export_bundle", interrupted)
+    with pytest.raises(KeyboardInterrupt):
+        mirror_rt.default_bundle(str(tmp_path), progress=False, log=quiet)
+    assert not [p for p in (tmp_path / "bundles").iterdir() if not p.name.endswith(".partial")]
+
+    monkeypatch.setattr(export_module, "export_bundle", lambda model, out, **kw: calls.append(model) or
+                        real(model, out, kappa=2, **kw))
+    folder = mirror_rt.default_bundle(str(tmp_path), progress=False, log=quiet)
+    assert read_manifest(folder).n_layers > 0 and calls == ["tiny", "tiny"]
+    assert mirror_rt.default_bundle(str(tmp_path), progress=False, log=quiet) == folder and len(calls) == 2
+    assert [p.name for p in (tmp_path / "bundles").iterdir()] == [folder.name]
