@@ -122,9 +122,11 @@ def default_bundle(cache_dir: str | None = None, progress: bool = True, log=_std
 
     `mirror-rt run` without --model/--bundle runs this bundle: ONNX Runtime graphs decode the default
     model about 4x faster on CPU than torch eager, and Mirror then beats target-only decoding. The
-    export (~30 s here) writes into a temporary folder renamed at the end, so an interrupted export
-    leaves nothing half-written behind. The folder name carries the mirror-rt version.
+    export (~30 s here) writes into a temporary folder of this process, renamed at the end and removed
+    if the export fails, so an interrupted export leaves nothing behind. The folder name carries the
+    mirror-rt version.
     """
+    import os
     import shutil
     from pathlib import Path
 
@@ -140,11 +142,16 @@ def default_bundle(cache_dir: str | None = None, progress: bool = True, log=_std
     except BundleError:
         pass
     log(f"mirror-rt: exporting the default model to ONNX once (about 30 s), into {folder}")
-    partial = Path(f"{folder}.partial")
-    shutil.rmtree(partial, ignore_errors=True)
-    export_bundle(str(default_model_folder(cache_dir, log)), partial, progress=progress)
-    shutil.rmtree(folder, ignore_errors=True)
-    partial.rename(folder)
+    partial = Path(f"{folder}.partial-{os.getpid()}")  # one per process: two first runs never share one
+    try:
+        export_bundle(str(default_model_folder(cache_dir, log)), partial, progress=progress)
+        try:
+            read_manifest(folder, verify=False)  # another process finished first: keep its bundle
+        except BundleError:
+            shutil.rmtree(folder, ignore_errors=True)
+            partial.rename(folder)
+    finally:
+        shutil.rmtree(partial, ignore_errors=True)
     return folder
 
 
