@@ -33,6 +33,7 @@ from mirror_rt.exporters.split import (
     graph_spec,
     kv_names,
 )
+from mirror_rt.models.ss_draft import stream_qkv
 from mirror_rt.models.transformer import apply_rope
 from torch import nn
 
@@ -79,14 +80,7 @@ class StreamDraftGraph(nn.Module):
         attn, mlp = layer.self_attn, layer.mlp
         T, R, S = h.shape[0], s.shape[0], self.n_streams
         x = torch.cat([layer.input_layernorm(h), layer.input_layernorm(s).reshape(R * S, -1)])
-        q, k, v = attn.q_proj(x), attn.k_proj(x), attn.v_proj(x)
-        q = torch.cat([q[:T], q[T:] + extra.q(x[T:])])
-        v = torch.cat([v[:T], v[T:] + extra.v(x[T:])])
-        q = q.reshape(-1, self.n_heads, self.head_dim).transpose(0, 1)
-        k = k.reshape(-1, self.n_kv_heads, self.head_dim).transpose(0, 1)
-        v = v.reshape(-1, self.n_kv_heads, self.head_dim).transpose(0, 1)
-        if attn.qk_norm:
-            q, k = attn.q_norm(q), attn.k_norm(k)
+        q, k, v = stream_qkv(attn, extra, x, T, self.draft.config)
         every = torch.cat([positions, stream_positions])
         cos = torch.index_select(self.plain.rope_cos, 0, every)
         sin = torch.index_select(self.plain.rope_sin, 0, every)

@@ -91,16 +91,7 @@ class StreamDraft(nn.Module):
         attn, c = layer.self_attn, self.config
         T, S = xh.shape[0], self.n_streams
         rows = torch.cat([xh, xs.reshape(T * S, -1)])  # [T + T*S, hidden]: main rows, then streams
-        q = attn.q_proj(rows)
-        k = attn.k_proj(rows)
-        v = attn.v_proj(rows)
-        q = torch.cat([q[:T], q[T:] + extra.q(rows[T:])])
-        v = torch.cat([v[:T], v[T:] + extra.v(rows[T:])])
-        q = q.view(-1, c.n_heads, c.head_dim).transpose(0, 1)
-        k = k.view(-1, c.n_kv_heads, c.head_dim).transpose(0, 1)
-        v = v.view(-1, c.n_kv_heads, c.head_dim).transpose(0, 1)
-        if attn.qk_norm:
-            q, k = attn.q_norm(q), attn.k_norm(k)
+        q, k, v = stream_qkv(attn, extra, rows, T, c)
         cos, sin = self._rope(start, T, S, xh)
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
         keys, values = cache.write(i, k[:, :T], v[:, :T])  # main keys only: [KVH, L+T, D]
@@ -118,6 +109,23 @@ class StreamDraft(nn.Module):
         angles = torch.outer(torch.cat([main, streams]), self.base.inv_freq.to(like.device))
         angles = torch.cat((angles, angles), dim=-1)
         return angles.cos().to(like.dtype), angles.sin().to(like.dtype)
+
+
+def stream_qkv(attn, extra, rows: torch.Tensor, n_main: int, config):
+    """Queries, keys, values [heads, rows, head_dim] of `rows` [n_main main rows, then stream rows].
+
+    Main and stream rows share every base product; stream rows add their LoRA deltas on q and v.
+    Shared by `StreamDraft` and its ONNX graphs (exporters.ss_graph), so both compute the same thing.
+    """
+    q, k, v = attn.q_proj(rows), attn.k_proj(rows), attn.v_proj(rows)
+    q = torch.cat([q[:n_main], q[n_main:] + extra.q(rows[n_main:])])
+    v = torch.cat([v[:n_main], v[n_main:] + extra.v(rows[n_main:])])
+    q = q.reshape(-1, config.n_heads, config.head_dim).transpose(0, 1)
+    k = k.reshape(-1, config.n_kv_heads, config.head_dim).transpose(0, 1)
+    v = v.reshape(-1, config.n_kv_heads, config.head_dim).transpose(0, 1)
+    if attn.qk_norm:
+        q, k = attn.q_norm(q), attn.k_norm(k)
+    return q, k, v
 
 
 def stream_mask(start: int, T: int, S: int, device=None) -> torch.Tensor:

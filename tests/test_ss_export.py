@@ -47,6 +47,17 @@ def ss_bundles(tmp_path_factory):
     return draft, {(w, kv): _export(root / f"{w}-{kv}", root / "streams", w, kv) for w, kv in BUNDLES}
 
 
+def _assert_streams_equal(draft, torch_draft, atol: float):
+    """The backend draft's main and stream logits over PROMPT, then WINDOW, equal torch's; returns torch's main."""
+    cache = draft.new_cache(32)
+    first, second = draft.forward_streams(PROMPT, cache), draft.forward_streams(WINDOW, cache)
+    with torch.no_grad():
+        main, streams = torch_draft.forward_streams(torch.tensor(PROMPT + WINDOW), torch_draft.base.new_cache(32))
+    np.testing.assert_allclose(np.concatenate([first[0], second[0]]), main.numpy(), atol=atol, rtol=0)
+    np.testing.assert_allclose(np.concatenate([first[1], second[1]]), streams.numpy(), atol=atol, rtol=0)
+    return main
+
+
 @pytest.mark.parametrize("kv", ["shared", "explicit"])
 def test_ss_graph_equals_torch(ss_bundles, kv):
     """Main and stream logits of the fp32 graph equal StreamDraft.forward_streams: prompt, then a window."""
@@ -54,12 +65,7 @@ def test_ss_graph_equals_torch(ss_bundles, kv):
     draft = load_bundle(bundles["fp32", kv], "ort:cpu", "ort:cpu", strict=True, threads=1).draft
     assert draft.graph.shared_kv == (kv == "shared")
     assert draft.n_streams == 2
-    cache = draft.new_cache(32)
-    first, second = draft.forward_streams(PROMPT, cache), draft.forward_streams(WINDOW, cache)
-    with torch.no_grad():
-        main, streams = torch_draft.forward_streams(torch.tensor(PROMPT + WINDOW), torch_draft.base.new_cache(32))
-    np.testing.assert_allclose(np.concatenate([first[0], second[0]]), main.numpy(), atol=1e-4, rtol=0)
-    np.testing.assert_allclose(np.concatenate([first[1], second[1]]), streams.numpy(), atol=1e-4, rtol=0)
+    main = _assert_streams_equal(draft, torch_draft, atol=1e-4)
     prefill = draft.forward_last(PROMPT, draft.new_cache(32))  # last_rows 1: one position's streams
     np.testing.assert_allclose(prefill, main.numpy()[len(PROMPT) - 1:len(PROMPT)], atol=1e-4, rtol=0)
 
@@ -70,12 +76,7 @@ def test_openvino_loads_the_explicit_ss_graph(ss_bundles):
     torch_draft, bundles = ss_bundles
     draft = load_bundle(bundles["fp32", "explicit"], "ort:cpu", "openvino:CPU", strict=True, threads=1).draft
     assert type(draft).__name__ == "OVStreamDraft" and draft.n_streams == 2
-    cache = draft.new_cache(32)
-    first, second = draft.forward_streams(PROMPT, cache), draft.forward_streams(WINDOW, cache)
-    with torch.no_grad():
-        main, streams = torch_draft.forward_streams(torch.tensor(PROMPT + WINDOW), torch_draft.base.new_cache(32))
-    np.testing.assert_allclose(np.concatenate([first[0], second[0]]), main.numpy(), atol=1e-3, rtol=0)
-    np.testing.assert_allclose(np.concatenate([first[1], second[1]]), streams.numpy(), atol=1e-3, rtol=0)
+    _assert_streams_equal(draft, torch_draft, atol=1e-3)
 
 
 def test_ss_int8_graph_keeps_stream_weights_fp32(ss_bundles):
