@@ -232,18 +232,23 @@ class ORTSplitTarget:
     def new_cache(self, capacity: int) -> ORTCache:
         return ORTCache([self.prefix, self.suffix], min(capacity, self.max_seq_len))
 
-    def forward_prefix_only(self, tokens: Sequence[int], cache: ORTCache) -> None:
-        """Layers 0..exit-1 over tokens [T], no early exit; the hidden state waits for `forward_suffix`."""
+    def forward_prefix_only(self, tokens: Sequence[int], cache: ORTCache) -> dict:
+        """Layers 0..exit-1 over tokens [T], no early exit; the hidden state waits for `forward_suffix`.
+
+        Returns the prefix graph's outputs (with "exit_hidden" when it computes an attention adapter's first stage).
+        """
         if cache.hidden is not None:
             raise RuntimeError("forward_prefix called again before forward_suffix")
         ids = np.asarray(tokens, dtype=np.int64)
         cache.check_room(len(ids))
-        cache.hidden = cache.run(0, self.prefix, ids)["hidden"]
+        out = cache.run(0, self.prefix, ids)
+        cache.hidden = out["hidden"]
+        return out
 
     def forward_prefix(self, tokens: Sequence[int], cache: ORTCache) -> tuple[np.ndarray, np.ndarray]:
         """Layers 0..exit-1 over tokens [T] -> early-exit (ids [T, kappa], log-probs [T, kappa])."""
-        self.forward_prefix_only(tokens, cache)
-        head, _ = self.exit.run(cache.hidden, [])
+        out = self.forward_prefix_only(tokens, cache)
+        head, _ = self.exit.run(out.get("exit_hidden", out["hidden"]), [])
         return head["exit_ids"], head["exit_logprobs"]
 
     def forward_suffix(self, cache: ORTCache, last_rows: int | None = None) -> np.ndarray:

@@ -14,9 +14,8 @@ from typing import Sequence
 
 import numpy as np
 import torch
-
 from mirror_rt.devices.torch_backend import TorchModel
-from mirror_rt.models.exit_adapter import check_compatible, exit_logits
+from mirror_rt.models.exit_adapter import cached_exit_logits, check_compatible
 
 
 class TorchSplitTarget(TorchModel):
@@ -45,7 +44,10 @@ class TorchSplitTarget(TorchModel):
         ids = torch.as_tensor(list(tokens), dtype=torch.long, device=self.device)
         h = self.model.run_layers(self.model.embed(ids), cache, 0, self.exit_layer, cache_first=0)
         self._hidden = h
-        logprobs = torch.log_softmax(exit_logits(self.model, h, self.exit_adapter).float(), dim=-1)
+        last = self.exit_layer - 1  # an attention adapter reads this layer's keys (this window's rows written)
+        logits = cached_exit_logits(self.model, h, self.exit_adapter, cache.keys[last], cache.values[last],
+                                    cache.length)
+        logprobs = torch.log_softmax(logits.float(), dim=-1)
         top = torch.topk(logprobs, self.kappa, dim=-1)
         return top.indices.cpu().numpy(), top.values.cpu().numpy()
 

@@ -35,6 +35,7 @@ from mirror_rt.exporters.split import (
     PRESENT_NAMES,
     ROLES,
     graph_spec,
+    mixes_exit,
     with_exit_adapter,
 )
 from mirror_rt.models.vocab_prune import PrunedHeadDraft, load_kept
@@ -178,8 +179,8 @@ def run_export(cfg: ExportConfig, progress: bool = True) -> Path:
             model = draft.model if role == "draft" else target.model
             if role == "draft" and kept is not None:  # after the weights were chosen: q4_1 reads the plain draft
                 model = PrunedHeadDraft(model, kept)
-            if role == "target_exit" and cfg.fmt != "torch":  # the exit graph carries the adapter
-                model = with_exit_adapter(model, adapter)
+            if role in _ADAPTER_ROLES and cfg.fmt != "torch":  # the exit graph carries the adapter
+                model = with_exit_adapter(model, adapter if role == "target_exit" or _attends(adapter) else None)
             entries.append(_export_role(cfg, limits, streams if role == "draft" and streams else model, role, folder))
             bar.update()
         bar.set_postfix_str("tokenizer")
@@ -191,6 +192,13 @@ def run_export(cfg: ExportConfig, progress: bool = True) -> Path:
                                draft_vocab=_copy_vocab(cfg, kept, folder)), folder)
         bar.update()
     return folder
+
+
+_ADAPTER_ROLES = ("target_prefix", "target_exit")  # an attention adapter's first stage runs in the prefix
+
+
+def _attends(adapter) -> bool:
+    return adapter is not None and adapter.config.attention
 
 
 def _load_adapter(cfg: ExportConfig, model, limits: Limits):
@@ -215,7 +223,7 @@ def _copy_adapter(cfg: ExportConfig, adapter, folder: Path) -> dict | None:
     for source, name in zip(adapter_paths(cfg.exit_adapter), names):
         shutil.copyfile(source, folder / name)
     c = adapter.config
-    return {"file": names[0], "config": names[1], "exit_layer": c.exit_layer, "rank": c.rank,
+    return {"file": names[0], "config": names[1], "exit_layer": c.exit_layer, "rank": c.rank, "attention": c.attention,
             "model_fingerprint": c.model_fingerprint, "in_graph": cfg.fmt != "torch",  # in target_exit
             "files": hash_files(folder, names)}
 
@@ -268,7 +276,7 @@ def _prepare_folder(out_dir: Path) -> Path:
 def _export_role(cfg: ExportConfig, limits: Limits, model, role: str, folder: Path) -> GraphEntry:
     weights = {"draft": cfg.draft_weights, "target_exit": cfg.exit_weights}.get(role, cfg.weights)
     spec = graph_spec(role, model.config.n_layers, limits.exit_layer, cfg.kappa, cfg.static,
-                      limits.table_len, limits.max_window, shared_kv=cfg.kv == "shared")
+                      limits.table_len, limits.max_window, shared_kv=cfg.kv == "shared", exit_mix=mixes_exit(model))
     if cfg.fmt == "openvino":
         from mirror_rt.exporters.openvino import export_openvino_graph
 

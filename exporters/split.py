@@ -5,7 +5,9 @@ function of tensors, so torch.onnx and ov.convert_model can trace it: the target
 (embeddings and layers 0..exit-1, returning the exit hidden state), the target exit (a
 stateless graph: hidden state -> the target's own final norm and LM head, after a trained
 exit adapter when the model carries one (see `with_exit_adapter`) -> top-kappa ids and
-log-probs), the target suffix (layers exit..N-1, final norm, LM head) and the full model
+log-probs; an attention adapter's first stage, which reads the last prefix layer's keys,
+is computed by the prefix graph as a second output, "exit_hidden", that the exit graph takes
+in place of the hidden state), the target suffix (layers exit..N-1, final norm, LM head) and the full model
 (the draft). The exit is its own graph so that a forward without it (target-only decoding)
 never pays for the vocabulary-wide head at the exit layer. It does not know file formats,
 weights compression or devices.
@@ -27,7 +29,7 @@ from mirror_rt.exporters.shared_kv import (
     shared_kv_rope_attention,
 )
 from mirror_rt.models.exit_adapter import exit_logits
-from mirror_rt.models.transformer import Transformer, apply_rope
+from mirror_rt.models.transformer import Transformer, apply_rope, grouped_attention
 from torch import nn
 
 ROLES = ("target_prefix", "target_exit", "target_suffix", "draft")
@@ -50,6 +52,7 @@ class GraphSpec:
     context: int = 0  # KV positions of a static graph (max_context + max_window)
     window: int = 0  # tokens per call of a static graph
     shared_kv: bool = False  # KV in preallocated buffers written in place (exporters.shared_kv; ONNX Runtime)
+    exit_mix: bool = False  # target_prefix also returns "exit_hidden": an attention exit adapter's first stage
 
     @property
     def takes_tokens(self) -> bool:
@@ -84,7 +87,8 @@ def input_names(spec: GraphSpec) -> list[str]:
 
 def output_names(spec: GraphSpec) -> list[str]:
     """Graph output names, in the order `SplitGraph.forward` returns them."""
-    head = {"target_prefix": ["hidden"], "target_exit": ["exit_ids", "exit_logprobs"]}.get(spec.role, ["logits"])
+    head = {"target_prefix": ["hidden"] + (["exit_hidden"] if spec.exit_mix else []),
+            "target_exit": ["exit_ids", "exit_logprobs"]}.get(spec.role, ["logits"])
     return head + kv_names(spec.n_layers, PRESENT_NAMES)
 
 
@@ -113,6 +117,12 @@ class ExitAdaptedTarget(nn.Module):
 
     def logits(self, h: torch.Tensor) -> torch.Tensor:
         return self.target.logits(h)
+
+
+def mixes_exit(model) -> bool:
+    """True when `model` carries an attention exit adapter, whose first stage the prefix graph computes."""
+    adapter = getattr(model, "exit_adapter", None)
+    return adapter is not None and adapter.config.attention
 
 
 def with_exit_adapter(model: Transformer, exit_adapter) -> nn.Module:
@@ -179,7 +189,7 @@ class SplitGraph(nn.Module):
             block = self.model.layers[spec.first + i]
             h, k, v = self._block(block, h, (cos, sin), kv[2 * i], kv[2 * i + 1], mask, positions, total_len)
             presents += [k, v]
-        return (*self._head(h, last_rows), *presents)
+        return (*self._head(h, last_rows, presents, positions), *presents)
 
     def _fused_layers(self, h, kv, positions, total_len, last_rows) -> tuple:
         """The layers of a fused shared-KV graph (see __init__); same outputs as the unfused path."""
@@ -197,23 +207,34 @@ class SplitGraph(nn.Module):
                                                                                 dim=-1)
             h = h + block.mlp.down_proj(F.silu(gate) * up)
             presents += [keys, values]
-        return (*self._head(h.squeeze(0), last_rows), *presents)
+        return (*self._head(h.squeeze(0), last_rows, presents, positions), *presents)
 
     def _mask(self, positions: torch.Tensor, n_keys) -> torch.Tensor:
         """[T, S] bool: query at position p sees keys 0..p."""
         keys = torch.arange(n_keys, dtype=torch.long)
         return keys[None, :] <= positions[:, None]
 
-    def _head(self, h: torch.Tensor, last_rows: torch.Tensor | None) -> tuple:
+    def _head(self, h: torch.Tensor, last_rows: torch.Tensor | None, presents: list, positions) -> tuple:
         if self.spec.role == "target_prefix":
-            return (h,)
+            return (h, self._exit_mix(h, presents[-2], presents[-1], positions)) if self.spec.exit_mix else (h,)
         if last_rows is not None:  # the LM head over the last rows only (prefill needs one)
             h = h[h.shape[0] - last_rows[0]:]
         return (self.model.logits(h),)
 
+    def _exit_mix(self, h, keys, values, positions) -> torch.Tensor:
+        """The attention adapter's first stage over the last prefix layer's keys/values [1, KVH, S, D].
+
+        Key slots past a query's position are masked, so stale slots of a shared or static buffer never count.
+        """
+        rope = (torch.index_select(self.rope_cos, 0, positions), torch.index_select(self.rope_sin, 0, positions))
+        return self.exit_adapter.mix(h, keys[0], values[0], rope, self._mask(positions, keys.shape[2]))
+
     def _exit(self, h: torch.Tensor) -> tuple:
-        """Exit hidden h [T, hidden] -> top-kappa (ids [T, kappa] int64, log-probs [T, kappa])."""
-        logprobs = F.log_softmax(exit_logits(self.model, h, self.exit_adapter).float(), dim=-1)  # [T, vocab]
+        """Exit hidden h [T, hidden] (an attention adapter's first stage when it has one) -> top-kappa
+        (ids [T, kappa] int64, log-probs [T, kappa])."""
+        adapter = self.exit_adapter
+        mixed = adapter is not None and adapter.config.attention
+        logprobs = F.log_softmax(exit_logits(self.model, h, adapter, mixed).float(), dim=-1)  # [T, vocab]
         values, ids = torch.topk(logprobs, self.spec.kappa, dim=-1)  # [T, kappa] each
         return ids, values
 
@@ -231,7 +252,7 @@ class SplitGraph(nn.Module):
             out, keys, values = shared_kv_attention(q, k, v, past_k, past_v, total_len, self.n_heads, self.n_kv_heads)
         else:
             keys, values = self._write(past_k, k, positions), self._write(past_v, v, positions)
-            out = _grouped_attention(q, keys, values, mask)  # [T, H*D]
+            out = grouped_attention(q, keys[0], values[0], mask)  # [T, H*D]
         x = x + attn.o_proj(out)
         x = x + block.mlp(block.post_attention_layernorm(x))
         return x, keys, values
@@ -257,30 +278,13 @@ def _side_by_side(*linears: nn.Linear) -> nn.Linear:
     return fused
 
 
-def _grouped_attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor,
-                       mask: torch.Tensor) -> torch.Tensor:
-    """q [H, T, D] over keys/values [1, KVH, S, D] with mask [T, S] -> [T, H*D].
-
-    Grouped-query attention without copying K and V once per query head: the rep query
-    heads sharing a KV head are stacked as rep*T rows against it (head h = kvh*rep + r, as
-    in the torch model). Traced graphs would otherwise materialise [1, H, S, D] copies of
-    the whole cache on every call (measured: most of the context-dependent cost).
-    """
-    H, T, D = q.shape
-    kvh = keys.shape[1]
-    rep = H // kvh
-    grouped = q.reshape(1, kvh, rep * T, D)  # rows r*T + t of kv head kvh
-    out = F.scaled_dot_product_attention(grouped, keys, values, attn_mask=mask.repeat(rep, 1))
-    return out.reshape(H, T, D).transpose(0, 1).reshape(T, H * D)
-
-
 def graph_spec(role: str, n_layers: int, exit_layer: int, kappa: int, static: bool = False,
-               context: int = 0, window: int = 0, shared_kv: bool = False) -> GraphSpec:
-    """The spec of `role` for a model of `n_layers` cut at `exit_layer`."""
+               context: int = 0, window: int = 0, shared_kv: bool = False, exit_mix: bool = False) -> GraphSpec:
+    """The spec of `role` for a model of `n_layers` cut at `exit_layer` (`exit_mix`: see GraphSpec)."""
     first, last = {"target_prefix": (0, exit_layer), "target_exit": (exit_layer, exit_layer),
                    "target_suffix": (exit_layer, n_layers), "draft": (0, n_layers)}[role]
     return GraphSpec(role, first, last, kappa if role == "target_exit" else 0, static, context, window,
-                     shared_kv and role != "target_exit")
+                     shared_kv and role != "target_exit", exit_mix and role == "target_prefix")
 
 
 def example_inputs(model: Transformer, spec: GraphSpec, tokens: int = 3, past: int = 2) -> tuple:

@@ -127,12 +127,15 @@ def _add_training(sub) -> None:
     draft.add_argument("--seed", type=int, default=0)
     draft.add_argument("--cache-dir")
     draft.add_argument("--out", required=True, help="folder for streams.safetensors / streams.json (resumes)")
-    exit_ = sub.add_parser("train-exit", help="train a low-rank early-exit adapter distilled from the final layer")
+    exit_ = sub.add_parser("train-exit", help="train an early-exit adapter (an attention read of the exit layer's "
+                           "keys + a low-rank map) distilled from the final layer")
     exit_.add_argument("--target", help="target model (default: SmolLM2-135M-Instruct)")
     exit_.add_argument("--exit-layer", type=_positive_int, help="default N/2")
-    exit_.add_argument("--rank", type=_positive_int, default=64)
+    exit_.add_argument("--rank", type=_positive_int, default=512)
+    exit_.add_argument("--no-attention", dest="attention", action="store_false",
+                       help="per-position low-rank map only (no read of earlier positions; weaker)")
     exit_.add_argument("--data", nargs="*", help="SpecBench-format jsonl (default: the dev set beside the repo)")
-    exit_.add_argument("--steps", type=_positive_int, default=400)
+    exit_.add_argument("--steps", type=_positive_int, default=600)
     exit_.add_argument("--seed", type=int, default=0)
     exit_.add_argument("--out", help="adapter path (default: in the cache)")
     prune = sub.add_parser("prune-vocab", help="keep the target's most frequent tokens for a draft's LM head")
@@ -163,7 +166,8 @@ def cmd_prune_vocab(args) -> int:
 def cmd_train_exit(args) -> int:
     from mirror_rt.models.exit_training import train_exit_main
 
-    report = train_exit_main(args.target, args.exit_layer, args.data, args.steps, args.rank, args.out, args.seed)
+    report = train_exit_main(args.target, args.exit_layer, args.data, args.steps, args.rank, args.out, args.seed,
+                             attention=args.attention)
     print(json.dumps(report, indent=2))
     return 0
 

@@ -1,10 +1,17 @@
-"""A small trained early-exit adapter: a low-rank residual map on the hidden state at layer ℓe.
+"""A small trained early-exit adapter: a low-rank residual map on the hidden state at layer ℓe,
+optionally after one attention read of the exit layer's own cached keys and values.
 
 The exit logits are `model.logits(adapter(h))`: the adapter rewrites the exit hidden state in
-its RMS-normalized form, n = norm(h), h' = scale * n + up(down(n)) (the final norm that follows
+its RMS-normalized form, n = norm(h), x = scale * n (+ attention, below), h' = x + up(down(x)) (the final norm that follows
 ignores the overall scale, so working at unit scale keeps training well conditioned whatever the
 residual stream's magnitude at ℓe), and the target's *own* final norm and LM head (frozen,
-shared, never copied) map h' to logits. It only changes which tokens the early exit proposes,
+shared, never copied) map h' to logits.
+
+With `attention`, x also gets o(attend(q(norm_a(h)), K, V)): a new query per position over the
+keys and values that layer ℓe-1 (the last prefix layer) already cached, so the adapter sees the
+context without a cache of its own (measured on SmolLM2-135M at ℓe = 15: held-out top-8 57% without,
+73% with). The two stages are split so graphs can place them: `mix` (needs the KV; the prefix
+graph) then `project` (per position; the exit graph). The adapter only changes which tokens the early exit proposes,
 so it decides which branches the draft precomputes, never the committed text.
 
 Stored as two small files next to each other: `<name>.safetensors` (the weights) and
@@ -20,12 +27,11 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 import torch
+from mirror_rt.models.transformer import RMSNorm, apply_rope, grouped_attention
 from torch import nn
 
-from mirror_rt.models.transformer import RMSNorm
-
 ADAPTER_KIND = "mirror-rt-exit-adapter"
-ADAPTER_VERSION = 1
+ADAPTER_VERSION = 2  # 2: optional attention (version 1 files load as attention-free)
 
 
 class AdapterError(ValueError):
@@ -42,10 +48,16 @@ class ExitAdapterConfig:
     norm_eps: float = 1e-5  # epsilon of the adapter's input RMSNorm
     model_fingerprint: str = ""  # model_fingerprint(target.config) it was trained for
     notes: dict = field(default_factory=dict)  # training record: data, steps, coverage (informative)
+    attention: bool = False  # read layer ℓe-1's cached keys/values (then the head geometry below is set)
+    n_heads: int = 0  # query heads of the attention read (the target's)
+    n_kv_heads: int = 0  # key/value heads of the target's cache
+    head_dim: int = 0
 
     def __post_init__(self):
         if self.rank < 1 or self.hidden_size < 1 or self.exit_layer < 1:
             raise AdapterError(f"exit adapter: rank, hidden_size and exit_layer must be >= 1, got {self}")
+        if self.attention and min(self.n_heads, self.n_kv_heads, self.head_dim) < 1:
+            raise AdapterError(f"exit adapter: attention needs n_heads, n_kv_heads and head_dim, got {self}")
 
 
 def model_fingerprint(config) -> str:
@@ -55,7 +67,8 @@ def model_fingerprint(config) -> str:
 
 
 class ExitAdapter(nn.Module):
-    """h [T, hidden] -> h' [T, hidden]; `up` starts at zero and `scale` at one, so a new adapter leaves the exit as is."""
+    """h [T, hidden] -> h' [T, hidden]; `up` and `o_proj` start at zero and `scale` at one, so a new adapter
+    leaves the exit as is."""
 
     def __init__(self, config: ExitAdapterConfig):
         super().__init__()
@@ -66,26 +79,93 @@ class ExitAdapter(nn.Module):
         self.scale = nn.Parameter(torch.ones(config.hidden_size))
         nn.init.normal_(self.down.weight, std=config.hidden_size ** -0.5)
         nn.init.zeros_(self.up.weight)
+        if config.attention:
+            self.attn_norm = RMSNorm(config.hidden_size, config.norm_eps)
+            self.q_proj = nn.Linear(config.hidden_size, config.n_heads * config.head_dim, bias=False)
+            self.o_proj = nn.Linear(config.n_heads * config.head_dim, config.hidden_size, bias=False)
+            nn.init.zeros_(self.o_proj.weight)
 
     @classmethod
-    def for_model(cls, model, exit_layer: int, rank: int = 64) -> ExitAdapter:
-        """An identity adapter for `model` at `exit_layer`, in the model's dtype."""
+    def for_model(cls, model, exit_layer: int, rank: int = 64, attention: bool = False) -> ExitAdapter:
+        """An identity adapter for `model` at `exit_layer`, in the model's dtype.
+
+        With `attention`, the query starts as layer ℓe-1's own (norm and q projection), which reads its keys.
+        """
         c = model.config
+        heads = dict(n_heads=c.n_heads, n_kv_heads=c.n_kv_heads, head_dim=c.head_dim) if attention else {}
         config = ExitAdapterConfig(exit_layer=exit_layer, hidden_size=c.hidden_size, rank=rank, norm_eps=c.norm_eps,
-                                   model_fingerprint=model_fingerprint(c))
-        return cls(config).to(model.embed_tokens.weight.dtype)
+                                   model_fingerprint=model_fingerprint(c), attention=attention, **heads)
+        adapter = cls(config).to(model.embed_tokens.weight.dtype)
+        if attention:
+            last = model.layers[exit_layer - 1]
+            with torch.no_grad():
+                adapter.attn_norm.weight.copy_(last.input_layernorm.weight)
+                adapter.q_proj.weight.copy_(last.self_attn.q_proj.weight)
+        return adapter
+
+    def mix(self, h: torch.Tensor, keys=None, values=None, rope=None, mask=None) -> torch.Tensor:
+        """First stage: h [T, hidden] -> x [T, hidden].
+
+        With attention: keys/values [KVH, S, D] of layer ℓe-1 (RoPE applied, as cached), rope = (cos, sin)
+        [T, D] at the window's positions, mask [T, S] bool (True: visible).
+        """
+        x = self.scale * self.norm(h)
+        if not self.config.attention:
+            return x
+        c = self.config
+        q = self.q_proj(self.attn_norm(h)).reshape(-1, c.n_heads, c.head_dim).transpose(0, 1)  # [H, T, D]
+        q = apply_rope(q, *rope)
+        return x + self.o_proj(grouped_attention(q, keys, values, mask))
+
+    def project(self, x: torch.Tensor) -> torch.Tensor:
+        """Second stage, per position: x [T, hidden] -> h' [T, hidden] (what the final norm and LM head read)."""
+        return x + self.up(self.down(x))
 
     def forward(self, h: torch.Tensor) -> torch.Tensor:
-        n = self.norm(h)
-        return self.scale * n + self.up(self.down(n))
+        """Both stages of an attention-free adapter."""
+        if self.config.attention:
+            raise AdapterError("exit adapter: an attention adapter needs the exit layer's keys (use mix, then project)")
+        return self.project(self.mix(h))
 
     def num_parameters(self) -> int:
         return sum(p.numel() for p in self.parameters())
 
 
-def exit_logits(model, h: torch.Tensor, adapter: ExitAdapter | None = None) -> torch.Tensor:
-    """Early-exit logits [T, vocab] of hidden h [T, hidden]: the target's norm + LM head, after the adapter if any."""
-    return model.logits(h if adapter is None else adapter(h))
+def exit_rope(model, positions: torch.Tensor, dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    """(cos, sin) [T, head_dim] of the target's RoPE at `positions` [T] (as Transformer.run_layers computes them)."""
+    angles = torch.outer(positions.to(torch.float64), model.inv_freq.to(torch.float64))
+    angles = torch.cat((angles, angles), dim=-1)
+    return angles.cos().to(dtype), angles.sin().to(dtype)
+
+
+def exit_logits(model, h: torch.Tensor, adapter: ExitAdapter | None = None, mixed: bool = False) -> torch.Tensor:
+    """Early-exit logits [T, vocab] of hidden h [T, hidden]: the target's norm + LM head, after the adapter if any.
+
+    `mixed`: h is already the adapter's first stage (`mix`), so only `project` is left.
+    """
+    if adapter is None:
+        return model.logits(h)
+    return model.logits(adapter.project(h) if mixed else adapter(h))
+
+
+def cached_exit_logits(model, h: torch.Tensor, adapter: ExitAdapter | None = None, keys=None, values=None,
+                       start: int = 0) -> torch.Tensor:
+    """Early-exit logits [T, vocab] of h [T, hidden] at positions start..start+T-1.
+
+    An attention adapter also reads keys/values [KVH, >= start+T, D] of layer ℓe-1 (its cache, this
+    window's rows written); others ignore them.
+    """
+    if adapter is None or not adapter.config.attention:
+        return exit_logits(model, h, adapter)
+    return exit_logits(model, cached_mix(model, adapter, h, keys, values, start), adapter, mixed=True)
+
+
+def cached_mix(model, adapter: ExitAdapter, h: torch.Tensor, keys, values, start: int = 0) -> torch.Tensor:
+    """An attention adapter's first stage for h [T, hidden] at positions start.. (keys/values as above)."""
+    T = h.shape[0]
+    positions = torch.arange(start, start + T, device=h.device)
+    mask = torch.arange(start + T, device=h.device)[None, :] <= positions[:, None]
+    return adapter.mix(h, keys[:, :start + T], values[:, :start + T], exit_rope(model, positions, h.dtype), mask)
 
 
 def check_compatible(adapter: ExitAdapter, model, exit_layer: int, where: str = "exit adapter") -> None:
@@ -128,8 +208,8 @@ def load_exit_adapter(path, model=None, exit_layer: int | None = None) -> ExitAd
         state = load_file(str(weights))
     except (OSError, json.JSONDecodeError) as exc:
         raise AdapterError(f"{meta if not meta.is_file() else weights}: unreadable ({type(exc).__name__})") from None
-    if record.pop("kind", None) != ADAPTER_KIND or record.pop("version", None) != ADAPTER_VERSION:
-        raise AdapterError(f"{meta}: not a mirror-rt exit adapter (version {ADAPTER_VERSION})")
+    if record.pop("kind", None) != ADAPTER_KIND or record.pop("version", None) not in (1, ADAPTER_VERSION):
+        raise AdapterError(f"{meta}: not a mirror-rt exit adapter (versions 1..{ADAPTER_VERSION})")
     adapter = ExitAdapter(ExitAdapterConfig(**record))
     adapter.load_state_dict(state)
     adapter.eval().requires_grad_(False)

@@ -20,7 +20,6 @@ from pathlib import Path
 
 import torch
 import torch.nn.functional as F
-
 from mirror_rt.models.transformer import apply_rope
 
 DATA_VERSION = 2  # 2: prompt positions recorded too
@@ -158,6 +157,20 @@ def data_key(model, data_files, max_new_tokens: int, max_prompt_tokens: int) -> 
     return digest.hexdigest()[:16]
 
 
+def shared_prefix_len(prompts: list[list[int]]) -> int:
+    """Tokens every prompt starts with (the chat template's head), leaving each at least one position."""
+    return min(len(os.path.commonprefix(prompts)), min(len(p) for p in prompts) - 1)
+
+
+def cached_answers(model, tokenizer, data_files, folder: Path, max_new_tokens: int,
+                   max_prompt_tokens: int) -> tuple[list[list[int]], list[list[int]]] | None:
+    """(prompt ids, greedy answer ids) per question from the answers `collect` cached, or None when absent."""
+    prompts = first_turn_prompts(tokenizer, data_files, max_prompt_tokens)
+    key = data_key(model, data_files, max_new_tokens, max_prompt_tokens)
+    answers = _read_answers(folder / f"{key}.answers.jsonl", prompts)
+    return None if answers is None else ([p for _, p in prompts], answers)
+
+
 def _batches(order, size):
     return [order[i:i + size] for i in range(0, len(order), size)]
 
@@ -176,7 +189,7 @@ def collect(model, tokenizer, data_files, exit_layer: int, folder: Path, max_new
     forced = _read_answers(answers_path, prompts)
     eos = tuple(getattr(tokenizer, "eos_token_ids", ()))
     order = sorted(range(len(prompts)), key=lambda i: len(prompts[i][1]))  # similar lengths share a batch
-    skip = min(len(os.path.commonprefix([p for _, p in prompts])), min(len(p) for _, p in prompts) - 1)
+    skip = shared_prefix_len([p for _, p in prompts])
     results = {}
     desc = "exit data (forced)" if forced else "exit data (generating)"
     with tqdm(total=len(prompts), desc=desc, unit="answer", disable=not progress) as bar:

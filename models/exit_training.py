@@ -7,6 +7,10 @@ top-k (renormalized) plus cross-entropy on the final argmax (the token Mirror mu
 AdamW, warmup + cosine, seeded batch order; a checkpoint every `save_every` steps is resumed
 when present. The target is frozen: only the adapter's ~2·hidden·rank weights learn.
 Coverage = share of held-out positions whose final argmax is in the exit's top-1 / top-8.
+
+Attention adapters (the default) train on whole sequences (`exit_sequences`): each step takes
+`SEQS_PER_STEP` training questions, computes the adapter's attention over all their positions and
+the loss on `batch_size` of them drawn at random; evaluation uses the same held-out answers.
 """
 
 from __future__ import annotations
@@ -14,13 +18,25 @@ from __future__ import annotations
 import math
 import time
 from dataclasses import asdict, dataclass, replace
+from functools import partial
 from pathlib import Path
 
 import torch
 import torch.nn.functional as F
-
 from mirror_rt.models.exit_adapter import ExitAdapter, exit_logits, save_exit_adapter
-from mirror_rt.models.exit_data import ExitData, collect
+from mirror_rt.models.exit_data import (
+    ExitData,
+    cached_answers,
+    collect,
+    shared_prefix_len,
+)
+from mirror_rt.models.exit_sequences import (
+    ExitSequence,
+    evaluate_sequences,
+    mixed_rows,
+    sequence_data,
+    split_sequences,
+)
 
 DEFAULT_DATA = Path(__file__).resolve().parents[1].parent / "shared" / "data" / "specbench-dev.jsonl"
 
@@ -32,13 +48,14 @@ class TrainExitConfig:
     target: str | None = None  # model reference (None: the default model)
     exit_layer: int | None = None  # None: N // 2
     data: tuple[str, ...] = ()  # SpecBench-format jsonl files; () = DEFAULT_DATA
-    steps: int = 300  # optimizer steps
-    rank: int = 64  # adapter rank
-    lr: float = 1e-2  # AdamW peak learning rate
+    steps: int = 600  # optimizer steps
+    rank: int = 512  # adapter rank
+    attention: bool = True  # read layer ℓe-1's cached keys (models.exit_adapter); False: per position only
+    lr: float | None = None  # AdamW peak learning rate (None: 3e-3 with attention, 1e-2 without)
     seed: int = 0  # adapter init and batch order
     out: str | None = None  # adapter path (.safetensors + .json); None: <cache>/exit-adapters/<model>-l<exit>
     resume: bool = True  # continue from the checkpoint next to `out` when present
-    batch_size: int = 256  # positions per step
+    batch_size: int = 512  # positions per step
     save_every: int = 50  # checkpoint period in steps
     max_new_tokens: int = 96  # tokens per generated answer
     max_prompt_tokens: int = 128  # first-turn text cut to this many tokens
@@ -47,6 +64,8 @@ class TrainExitConfig:
     cache: str | None = None  # cache folder (None: MIRROR_RT_CACHE or ~/.cache/mirror-rt)
 
     def __post_init__(self):
+        if self.lr is None:
+            object.__setattr__(self, "lr", 3e-3 if self.attention else 1e-2)
         for name in ("steps", "rank", "batch_size", "save_every", "max_new_tokens", "max_prompt_tokens"):
             if getattr(self, name) < 1:
                 raise ValueError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(self, name)}")
@@ -54,14 +73,43 @@ class TrainExitConfig:
             raise ValueError(f"--hold-out-every must be >= 2, got {self.hold_out_every}")
 
 
+SEQS_PER_STEP = 8  # questions per step of an attention adapter
+
+
 def distill_loss(model, adapter: ExitAdapter, batch: ExitData) -> torch.Tensor:
     """KL(final top-k || exit) + CE(final argmax) over a batch of positions (scalar)."""
     h = batch.hidden.to(model.embed_tokens.weight.dtype)
-    logq = F.log_softmax(exit_logits(model, h, adapter).float(), dim=-1)  # [B, vocab]
-    p_log = F.log_softmax(batch.top_logprobs, dim=-1)  # final top-k renormalized, [B, k]
-    q_top = logq.gather(1, batch.top_ids)
+    return _kl_ce(exit_logits(model, h, adapter), batch.top_ids, batch.top_logprobs)
+
+
+def _kl_ce(logits: torch.Tensor, top_ids: torch.Tensor, top_logprobs: torch.Tensor) -> torch.Tensor:
+    logq = F.log_softmax(logits.float(), dim=-1)  # [B, vocab]
+    p_log = F.log_softmax(top_logprobs, dim=-1)  # final top-k renormalized, [B, k]
+    q_top = logq.gather(1, top_ids)
     kl = (p_log.exp() * (p_log - q_top)).sum(-1).mean()
     return kl - q_top[:, 0].mean()
+
+
+def sequence_loss(model, adapter: ExitAdapter, seqs: list[ExitSequence], positions: int,
+                  gen: torch.Generator) -> torch.Tensor:
+    """The loss of `distill_loss` on `positions` rows drawn from SEQS_PER_STEP random training sequences."""
+    per_seq = max(1, positions // SEQS_PER_STEP)
+    logits, ids, logprobs = [], [], []
+    for i in torch.randint(len(seqs), (SEQS_PER_STEP,), generator=gen).tolist():
+        seq = seqs[i]
+        rows = seq.trained_rows()
+        rows = rows[torch.randperm(len(rows), generator=gen)[:per_seq]]
+        logits.append(model.logits(adapter.project(mixed_rows(model, adapter, seq)[rows])))
+        ids.append(seq.top_ids[rows])
+        logprobs.append(seq.top_logprobs[rows])
+    return _kl_ce(torch.cat(logits), torch.cat(ids), torch.cat(logprobs))
+
+
+def _batch_loss(model, adapter, train, cfg: TrainExitConfig, gen: torch.Generator) -> torch.Tensor:
+    if isinstance(train, ExitData):
+        index = torch.randint(len(train), (min(cfg.batch_size, len(train)),), generator=gen)
+        return distill_loss(model, adapter, train.select(index))
+    return sequence_loss(model, adapter, train, cfg.batch_size, gen)
 
 
 @torch.inference_mode()
@@ -91,9 +139,10 @@ def _lr_at(step: int, steps: int, peak: float) -> float:
     return peak * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * (step - warmup) / max(1, steps - warmup))))
 
 
-def fit(model, adapter: ExitAdapter, train: ExitData, cfg: TrainExitConfig, checkpoint: Path | None,
-        progress: bool = True) -> list[float]:
-    """Train `adapter` in place for cfg.steps; returns the loss per step (resumed steps included)."""
+def fit(model, adapter: ExitAdapter, train: ExitData | list[ExitSequence], cfg: TrainExitConfig,
+        checkpoint: Path | None, progress: bool = True) -> list[float]:
+    """Train `adapter` in place for cfg.steps on positions (ExitData) or, for attention adapters, sequences;
+    returns the loss per step (resumed steps included)."""
     from tqdm import tqdm
 
     model.requires_grad_(False)  # the target is frozen: no gradient buffers for its 49152 x hidden head
@@ -105,8 +154,7 @@ def fit(model, adapter: ExitAdapter, train: ExitData, cfg: TrainExitConfig, chec
         for step in range(len(losses), cfg.steps):
             for group in optimizer.param_groups:
                 group["lr"] = _lr_at(step, cfg.steps, cfg.lr)
-            index = torch.randint(len(train), (min(cfg.batch_size, len(train)),), generator=gen)
-            loss = distill_loss(model, adapter, train.select(index))
+            loss = _batch_loss(model, adapter, train, cfg, gen)
             optimizer.zero_grad(set_to_none=True)
             loss.backward()
             optimizer.step()
@@ -120,7 +168,7 @@ def fit(model, adapter: ExitAdapter, train: ExitData, cfg: TrainExitConfig, chec
 
 def _run_key(cfg: TrainExitConfig) -> dict:
     """The settings a checkpoint must share to be resumed (not `steps`: a run may be extended)."""
-    keep = ("target", "exit_layer", "data", "rank", "lr", "seed", "batch_size", "max_new_tokens",
+    keep = ("target", "exit_layer", "data", "rank", "attention", "lr", "seed", "batch_size", "max_new_tokens",
             "max_prompt_tokens", "hold_out_every")
     return {k: v for k, v in asdict(cfg).items() if k in keep}
 
@@ -162,33 +210,46 @@ def train_exit(cfg: TrainExitConfig, progress: bool = True, log=print) -> dict:
     started = time.perf_counter()
     data = collect(model, loaded.tokenizer, files, exit_layer, cache_dir(cfg.cache) / "exit-data",
                    cfg.max_new_tokens, cfg.max_prompt_tokens, progress=progress)
+    if cfg.attention:  # whole sequences: the adapter reads earlier positions' keys
+        prompts, answers = cached_answers(model, loaded.tokenizer, files, cache_dir(cfg.cache) / "exit-data",
+                                          cfg.max_new_tokens, cfg.max_prompt_tokens)
+        data = sequence_data(model, prompts, answers, exit_layer, shared_prefix_len(prompts), progress=progress)
+        train, held_out = split_sequences(data, cfg.hold_out_every)
+        evaluate = partial(evaluate_sequences, model, held_out=held_out)
+        sizes = (sum(len(s.trained_rows()) for s in train), sum(len(s.answer_rows()) for s in held_out))
+    else:
+        train, held_out = data.split(cfg.hold_out_every)
+        evaluate = partial(evaluate_exit, model, exit_layer, held_out=held_out)
+        sizes = len(train), len(held_out)
     collected = time.perf_counter()
-    train, held_out = data.split(cfg.hold_out_every)
-    log(f"train-exit: {len(train)} training / {len(held_out)} held-out positions at exit layer {exit_layer}")
+    log(f"train-exit: {sizes[0]} training / {sizes[1]} held-out positions at exit layer {exit_layer}")
     out = Path(cfg.out) if cfg.out else _default_out(cfg, loaded.source, exit_layer)
     torch.manual_seed(cfg.seed)
-    adapter = ExitAdapter.for_model(model, exit_layer, cfg.rank)
-    before = evaluate_exit(model, exit_layer, None, held_out)
+    adapter = ExitAdapter.for_model(model, exit_layer, cfg.rank, attention=cfg.attention)
+    before = evaluate(None)
     losses = fit(model, adapter, train, cfg, out.with_name(out.stem + ".ckpt.pt"), progress)
     adapter.eval().requires_grad_(False)
-    after = evaluate_exit(model, exit_layer, adapter, held_out)
+    after = evaluate(adapter)
     trained = time.perf_counter()
     notes = {"data": [Path(f).name for f in files], "steps": len(losses), "final_loss": _mean_tail(losses),
+             "attention": cfg.attention, "batch_size": cfg.batch_size,
              "held_out_before": before, "held_out_after": after, "seed": cfg.seed, "lr": cfg.lr}
     adapter.config = replace(adapter.config, notes=notes)
     weights, meta = save_exit_adapter(adapter, out)
     out.with_name(out.stem + ".ckpt.pt").unlink(missing_ok=True)
     return {"adapter": str(weights), "config": str(meta), "exit_layer": exit_layer, "rank": cfg.rank,
+            "attention": cfg.attention,
             "parameters": adapter.num_parameters(), "bytes": weights.stat().st_size, "before": before,
             "after": after, "first_loss": _mean_head(losses), "final_loss": _mean_tail(losses),
-            "train_positions": len(train), "data_s": round(collected - started, 1),
+            "train_positions": sizes[0], "data_s": round(collected - started, 1),
             "train_s": round(trained - collected, 1)}
 
 
 def _default_out(cfg: TrainExitConfig, source: str, exit_layer: int) -> Path:
     from mirror_rt.models.default_model import cache_dir
 
-    return cache_dir(cfg.cache) / "exit-adapters" / f"{Path(source).name}-layer{exit_layer}-rank{cfg.rank}"
+    kind = "attn" if cfg.attention else "rank"
+    return cache_dir(cfg.cache) / "exit-adapters" / f"{Path(source).name}-layer{exit_layer}-{kind}{cfg.rank}"
 
 
 def _mean_head(losses: list[float], n: int = 10) -> float:
@@ -199,8 +260,8 @@ def _mean_tail(losses: list[float], n: int = 20) -> float:
     return sum(losses[-n:]) / max(1, len(losses[-n:]))
 
 
-def train_exit_main(target: str | None = None, exit_layer: int | None = None, data=None, steps: int = 300,
-                    rank: int = 64, out: str | None = None, seed: int = 0, resume: bool = True,
+def train_exit_main(target: str | None = None, exit_layer: int | None = None, data=None, steps: int = 600,
+                    rank: int = 512, out: str | None = None, seed: int = 0, resume: bool = True,
                     progress: bool = True, **options) -> dict:
     """CLI entry (`mirror-rt train-exit`): train and return the report (before/after coverage, sizes, times).
 

@@ -13,10 +13,9 @@ import math
 
 import torch
 import torch.nn.functional as F
-from torch import nn
-
 from mirror_rt.models.config import ModelConfig
 from mirror_rt.runtime.kv_cache import KVCache
+from torch import nn
 
 
 class RMSNorm(nn.Module):
@@ -55,6 +54,21 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
     half = x.shape[-1] // 2
     rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
     return x * cos + rotated * sin
+
+
+def grouped_attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """q [H, T, D] over keys/values [KVH, S, D] with mask [T, S] (True: visible) -> [T, H*D].
+
+    The rep = H / KVH query heads sharing a KV head are stacked as rep*T rows against it (head h =
+    kvh*rep + r, as in the target), so no per-head copy of the cache is made (and it traces to plain ops).
+    """
+    H, T, D = q.shape
+    kvh = keys.shape[0]
+    rep = H // kvh
+    grouped = q.reshape(kvh, rep * T, D)
+    out = F.scaled_dot_product_attention(grouped.unsqueeze(0), keys.unsqueeze(0), values.unsqueeze(0),
+                                         attn_mask=mask.repeat(rep, 1))
+    return out[0].reshape(H, T, D).transpose(0, 1).reshape(T, H * D)
 
 
 class Attention(nn.Module):
