@@ -232,11 +232,12 @@ class ORTSplitTarget:
     def new_cache(self, capacity: int) -> ORTCache:
         return ORTCache([self.prefix, self.suffix], min(capacity, self.max_seq_len))
 
-    def forward_prefix_only(self, tokens: Sequence[int], cache: ORTCache) -> dict:
-        """Layers 0..exit-1 over tokens [T], no early exit; the hidden state waits for `forward_suffix`.
+    def forward_prefix_only(self, tokens: Sequence[int], cache: ORTCache) -> None:
+        """Layers 0..exit-1 over tokens [T], no early exit; the hidden state waits for `forward_suffix`."""
+        self._run_prefix(tokens, cache)
 
-        Returns the prefix graph's outputs (with "exit_hidden" when it computes an attention adapter's first stage).
-        """
+    def _run_prefix(self, tokens: Sequence[int], cache: ORTCache) -> dict:
+        """The prefix graph's outputs (with "exit_hidden" when it computes an attention adapter's first stage)."""
         if cache.hidden is not None:
             raise RuntimeError("forward_prefix called again before forward_suffix")
         ids = np.asarray(tokens, dtype=np.int64)
@@ -247,7 +248,7 @@ class ORTSplitTarget:
 
     def forward_prefix(self, tokens: Sequence[int], cache: ORTCache) -> tuple[np.ndarray, np.ndarray]:
         """Layers 0..exit-1 over tokens [T] -> early-exit (ids [T, kappa], log-probs [T, kappa])."""
-        out = self.forward_prefix_only(tokens, cache)
+        out = self._run_prefix(tokens, cache)
         head, _ = self.exit.run(out.get("exit_hidden", out["hidden"]), [])
         return head["exit_ids"], head["exit_logprobs"]
 

@@ -201,11 +201,12 @@ class OVSplitTarget:
         requests = [self.prefix.new_request(), self.suffix.new_request()]
         return OVCache(requests, min(capacity, self.max_seq_len), bool(self.prefix.window))
 
-    def forward_prefix_only(self, tokens: Sequence[int], cache: OVCache) -> dict:
-        """Layers 0..exit-1 over tokens [T], no early exit; the hidden state waits for `forward_suffix`.
+    def forward_prefix_only(self, tokens: Sequence[int], cache: OVCache) -> None:
+        """Layers 0..exit-1 over tokens [T], no early exit; the hidden state waits for `forward_suffix`."""
+        self._run_prefix(tokens, cache)
 
-        Returns the prefix graph's outputs (with "exit_hidden" when it computes an attention adapter's first stage).
-        """
+    def _run_prefix(self, tokens: Sequence[int], cache: OVCache) -> dict:
+        """The prefix graph's outputs (with "exit_hidden" when it computes an attention adapter's first stage)."""
         if cache.hidden is not None:
             raise RuntimeError("forward_prefix called again before forward_suffix")
         ids = np.asarray(tokens, dtype=np.int64)
@@ -217,7 +218,7 @@ class OVSplitTarget:
 
     def forward_prefix(self, tokens: Sequence[int], cache: OVCache) -> tuple[np.ndarray, np.ndarray]:
         """Layers 0..exit-1 over tokens [T] -> early-exit (ids [T, kappa], log-probs [T, kappa])."""
-        out = self.forward_prefix_only(tokens, cache)
+        out = self._run_prefix(tokens, cache)
         out = self.exit.run(self.exit_request, out.get("exit_hidden", out["hidden"]), 0)
         return out["exit_ids"], out["exit_logprobs"]
 

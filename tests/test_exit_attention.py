@@ -114,13 +114,15 @@ def test_attention_adapter_changes_only_branches(seed):
     assert [t for step in got for t in step] == expected
 
 
-BACKENDS = [("onnx", "shared", "onnxruntime", "ort:cpu"), ("onnx", "explicit", "onnxruntime", "ort:cpu"),
-            ("openvino", None, "openvino", "openvino:CPU")]
+BACKENDS = [("onnx", {"kv": "shared"}, "onnxruntime", "ort:cpu"), ("onnx", {"kv": "explicit"}, "onnxruntime", "ort:cpu"),
+            ("openvino", {}, "openvino", "openvino:CPU"),
+            ("openvino", {"static": True, "max_context": 48, "max_window": 4}, "openvino", "openvino:CPU")]
 
 
-@pytest.mark.parametrize("fmt,kv,module,device", BACKENDS)
-def test_bundle_exit_equals_torch(tmp_path, fmt, kv, module, device):
-    """The exported prefix + exit graphs give the torch split's top-kappa over two windows."""
+@pytest.mark.parametrize("fmt,options,module,device", BACKENDS)
+def test_bundle_exit_equals_torch(tmp_path, fmt, options, module, device):
+    """The exported prefix + exit graphs give the torch split's top-kappa over two windows (static graphs:
+    fixed windows over a fixed-size KV buffer whose later slots must stay masked)."""
     if importlib.util.find_spec(module) is None:
         pytest.skip(f"{module} not installed")
     model = load_checkpoint("tiny", log=lambda *a: None).model
@@ -129,8 +131,7 @@ def test_bundle_exit_equals_torch(tmp_path, fmt, kv, module, device):
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         folder = export_bundle("tiny", tmp_path / fmt, fmt=fmt, kappa=4, exit_adapter=str(tmp_path / "exit"),
-                               exit_weights="fp32", draft_weights="fp32", progress=False,
-                               **({"kv": kv} if kv else {}))
+                               exit_weights="fp32", draft_weights="fp32", progress=False, **options)
     assert read_manifest(folder).exit_adapter["attention"]
     bundle = load_bundle(folder, device, device, strict=True, threads=1)
     got_ids, got_lp = two_windows(bundle.target)
