@@ -2,12 +2,12 @@
 optionally after one attention read of the exit layer's own cached keys and values.
 
 The exit logits are `model.logits(adapter(h))`: the adapter rewrites the exit hidden state in
-its RMS-normalized form, n = norm(h), x = scale * n (+ attention, below), h' = x + up(down(x)) (the final norm that follows
+its RMS-normalized form, n = norm(h), h' = scale * n + up(down(n)) (the final norm that follows
 ignores the overall scale, so working at unit scale keeps training well conditioned whatever the
 residual stream's magnitude at ℓe), and the target's *own* final norm and LM head (frozen,
 shared, never copied) map h' to logits.
 
-With `attention`, x also gets o(attend(q(norm_a(h)), K, V)): a new query per position over the
+With `attention`, x = scale * n + o(attend(q(norm_a(h)), K, V)) and h' = x + up(down(x)): a new query per position over the
 keys and values that layer ℓe-1 (the last prefix layer) already cached, so the adapter sees the
 context without a cache of its own (measured on SmolLM2-135M at ℓe = 15: held-out top-8 57% without,
 73% with). The two stages are split so graphs can place them: `mix` (needs the KV; the prefix
@@ -104,28 +104,27 @@ class ExitAdapter(nn.Module):
         return adapter
 
     def mix(self, h: torch.Tensor, keys=None, values=None, rope=None, mask=None) -> torch.Tensor:
-        """First stage: h [T, hidden] -> x [T, hidden].
+        """First stage of an attention adapter: h [T, hidden] -> x [T, hidden].
 
-        With attention: keys/values [KVH, S, D] of layer ℓe-1 (RoPE applied, as cached), rope = (cos, sin)
-        [T, D] at the window's positions, mask [T, S] bool (True: visible).
+        keys/values [KVH, S, D] of layer ℓe-1 (RoPE applied, as cached), rope = (cos, sin) [T, D] at the
+        window's positions, mask [T, S] bool (True: visible).
         """
-        x = self.scale * self.norm(h)
-        if not self.config.attention:
-            return x
         c = self.config
+        x = self.scale * self.norm(h)
         q = self.q_proj(self.attn_norm(h)).reshape(-1, c.n_heads, c.head_dim).transpose(0, 1)  # [H, T, D]
         q = apply_rope(q, *rope)
         return x + self.o_proj(grouped_attention(q, keys, values, mask))
 
     def project(self, x: torch.Tensor) -> torch.Tensor:
-        """Second stage, per position: x [T, hidden] -> h' [T, hidden] (what the final norm and LM head read)."""
+        """Second stage of an attention adapter, per position: x [T, hidden] -> h' [T, hidden]."""
         return x + self.up(self.down(x))
 
     def forward(self, h: torch.Tensor) -> torch.Tensor:
-        """Both stages of an attention-free adapter."""
+        """An attention-free adapter: scale * n + up(down(n)), n = norm(h) (as version 1 files were trained)."""
         if self.config.attention:
             raise AdapterError("exit adapter: an attention adapter needs the exit layer's keys (use mix, then project)")
-        return self.project(self.mix(h))
+        n = self.norm(h)
+        return self.scale * n + self.up(self.down(n))
 
     def num_parameters(self) -> int:
         return sum(p.numel() for p in self.parameters())

@@ -84,6 +84,29 @@ def test_attention_adapter_files_and_refusals(tmp_path):
         loaded(torch.zeros(2, model.config.hidden_size, dtype=torch.float64))
 
 
+def test_version_1_files_keep_their_formula(tmp_path):
+    """An adapter saved before attention existed (version 1) loads and computes scale*n + up(down(n)) as trained."""
+    import json
+
+    model = tiny_target(seed=1)
+    torch.manual_seed(0)
+    adapter = ExitAdapter.for_model(model, 2, rank=8)
+    with torch.no_grad():
+        adapter.up.weight.normal_(0.0, 0.5)
+        adapter.scale.mul_(1.7)
+    weights, meta = save_exit_adapter(adapter, tmp_path / "old")
+    record = json.loads(meta.read_text())
+    for key in ("attention", "n_heads", "n_kv_heads", "head_dim"):
+        record.pop(key)
+    meta.write_text(json.dumps(dict(record, version=1)))
+    loaded = load_exit_adapter(weights, model)
+    h = torch.randn(5, model.config.hidden_size, dtype=torch.float64)
+    n = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + model.config.norm_eps)
+    expected = loaded.scale * n + loaded.up(loaded.down(n))
+    assert not loaded.config.attention
+    torch.testing.assert_close(loaded(h), expected)
+
+
 def test_sequence_training_lowers_loss_and_raises_coverage():
     """A few dozen steps on whole sequences of the tiny target's own text: loss falls, coverage does not drop."""
     model = tiny_target(seed=2)
