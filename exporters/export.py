@@ -179,8 +179,8 @@ def run_export(cfg: ExportConfig, progress: bool = True) -> Path:
             model = draft.model if role == "draft" else target.model
             if role == "draft" and kept is not None:  # after the weights were chosen: q4_1 reads the plain draft
                 model = PrunedHeadDraft(model, kept)
-            if role in _ADAPTER_ROLES and cfg.fmt != "torch":  # the exit graph carries the adapter
-                model = with_exit_adapter(model, adapter if role == "target_exit" or _attends(adapter) else None)
+            if role in ("target_prefix", "target_exit") and cfg.fmt != "torch":  # the exit graph carries the
+                model = with_exit_adapter(model, adapter)  # adapter; an attention one's first stage: the prefix
             entries.append(_export_role(cfg, limits, streams if role == "draft" and streams else model, role, folder))
             bar.update()
         bar.set_postfix_str("tokenizer")
@@ -192,13 +192,6 @@ def run_export(cfg: ExportConfig, progress: bool = True) -> Path:
                                draft_vocab=_copy_vocab(cfg, kept, folder)), folder)
         bar.update()
     return folder
-
-
-_ADAPTER_ROLES = ("target_prefix", "target_exit")  # an attention adapter's first stage runs in the prefix
-
-
-def _attends(adapter) -> bool:
-    return adapter is not None and adapter.config.attention
 
 
 def _load_adapter(cfg: ExportConfig, model, limits: Limits):

@@ -28,7 +28,7 @@ from mirror_rt.exporters.shared_kv import (
     shared_kv_attention,
     shared_kv_rope_attention,
 )
-from mirror_rt.models.exit_adapter import exit_logits
+from mirror_rt.models.exit_adapter import attends, exit_logits
 from mirror_rt.models.transformer import Transformer, apply_rope, grouped_attention
 from torch import nn
 
@@ -121,8 +121,7 @@ class ExitAdaptedTarget(nn.Module):
 
 def mixes_exit(model) -> bool:
     """True when `model` carries an attention exit adapter, whose first stage the prefix graph computes."""
-    adapter = getattr(model, "exit_adapter", None)
-    return adapter is not None and adapter.config.attention
+    return attends(getattr(model, "exit_adapter", None))
 
 
 def with_exit_adapter(model: Transformer, exit_adapter) -> nn.Module:
@@ -232,9 +231,8 @@ class SplitGraph(nn.Module):
     def _exit(self, h: torch.Tensor) -> tuple:
         """Exit hidden h [T, hidden] (an attention adapter's first stage when it has one) -> top-kappa
         (ids [T, kappa] int64, log-probs [T, kappa])."""
-        adapter = self.exit_adapter
-        mixed = adapter is not None and adapter.config.attention
-        logprobs = F.log_softmax(exit_logits(self.model, h, adapter, mixed).float(), dim=-1)  # [T, vocab]
+        mixed = attends(self.exit_adapter)
+        logprobs = F.log_softmax(exit_logits(self.model, h, self.exit_adapter, mixed).float(), dim=-1)  # [T, vocab]
         values, ids = torch.topk(logprobs, self.spec.kappa, dim=-1)  # [T, kappa] each
         return ids, values
 

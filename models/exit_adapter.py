@@ -92,7 +92,7 @@ class ExitAdapter(nn.Module):
         With `attention`, the query starts as layer ℓe-1's own (norm and q projection), which reads its keys.
         """
         c = model.config
-        heads = dict(n_heads=c.n_heads, n_kv_heads=c.n_kv_heads, head_dim=c.head_dim) if attention else {}
+        heads = {"n_heads": c.n_heads, "n_kv_heads": c.n_kv_heads, "head_dim": c.head_dim} if attention else {}
         config = ExitAdapterConfig(exit_layer=exit_layer, hidden_size=c.hidden_size, rank=rank, norm_eps=c.norm_eps,
                                    model_fingerprint=model_fingerprint(c), attention=attention, **heads)
         adapter = cls(config).to(model.embed_tokens.weight.dtype)
@@ -130,6 +130,11 @@ class ExitAdapter(nn.Module):
         return sum(p.numel() for p in self.parameters())
 
 
+def attends(adapter: ExitAdapter | None) -> bool:
+    """True for an attention adapter (it needs layer ℓe-1's keys: `mix`, then `project`)."""
+    return adapter is not None and adapter.config.attention
+
+
 def exit_rope(model, positions: torch.Tensor, dtype) -> tuple[torch.Tensor, torch.Tensor]:
     """(cos, sin) [T, head_dim] of the target's RoPE at `positions` [T] (as Transformer.run_layers computes them)."""
     angles = torch.outer(positions.to(torch.float64), model.inv_freq.to(torch.float64))
@@ -154,7 +159,7 @@ def cached_exit_logits(model, h: torch.Tensor, adapter: ExitAdapter | None = Non
     An attention adapter also reads keys/values [KVH, >= start+T, D] of layer ℓe-1 (its cache, this
     window's rows written); others ignore them.
     """
-    if adapter is None or not adapter.config.attention:
+    if not attends(adapter):
         return exit_logits(model, h, adapter)
     return exit_logits(model, cached_mix(model, adapter, h, keys, values, start), adapter, mixed=True)
 

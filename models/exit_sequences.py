@@ -64,10 +64,16 @@ def split_sequences(seqs: list[ExitSequence], every: int = 5) -> tuple[list[Exit
     return [s for s in seqs if s.question % every != every - 1], held
 
 
-def mixed_rows(model, adapter: ExitAdapter, seq: ExitSequence) -> torch.Tensor:
-    """The adapter's first stage at every row of `seq` [T, hidden]."""
+def exit_logits_at(model, adapter: ExitAdapter | None, seq: ExitSequence, rows: torch.Tensor) -> torch.Tensor:
+    """Early-exit logits [len(rows), vocab] at `rows` of `seq` (None: the untrained exit).
+
+    The adapter's attention runs over the whole sequence (every row's keys); the LM head only at `rows`.
+    """
     dtype = model.embed_tokens.weight.dtype
-    return cached_mix(model, adapter, seq.hidden.to(dtype), seq.keys.to(dtype), seq.values.to(dtype))
+    if adapter is None:
+        return model.logits(seq.hidden[rows].to(dtype))
+    mixed = cached_mix(model, adapter, seq.hidden.to(dtype), seq.keys.to(dtype), seq.values.to(dtype))
+    return model.logits(adapter.project(mixed[rows]))
 
 
 @torch.inference_mode()
@@ -76,11 +82,7 @@ def evaluate_sequences(model, adapter: ExitAdapter | None, held_out: list[ExitSe
     hits1 = hits8 = n = 0
     for seq in held_out:
         rows = seq.answer_rows()
-        if adapter is None:
-            logits = model.logits(seq.hidden[rows].to(model.embed_tokens.weight.dtype))
-        else:
-            logits = model.logits(adapter.project(mixed_rows(model, adapter, seq)[rows]))
-        top = torch.topk(logits.float(), 8, dim=-1).indices
+        top = torch.topk(exit_logits_at(model, adapter, seq, rows).float(), 8, dim=-1).indices
         target = seq.top_ids[rows, :1]
         hits1 += (top[:, :1] == target).sum().item()
         hits8 += (top == target).any(-1).sum().item()

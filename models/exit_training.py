@@ -33,7 +33,7 @@ from mirror_rt.models.exit_data import (
 from mirror_rt.models.exit_sequences import (
     ExitSequence,
     evaluate_sequences,
-    mixed_rows,
+    exit_logits_at,
     sequence_data,
     split_sequences,
 )
@@ -99,7 +99,7 @@ def sequence_loss(model, adapter: ExitAdapter, seqs: list[ExitSequence], positio
         seq = seqs[i]
         rows = seq.trained_rows()
         rows = rows[torch.randperm(len(rows), generator=gen)[:per_seq]]
-        logits.append(model.logits(adapter.project(mixed_rows(model, adapter, seq)[rows])))
+        logits.append(exit_logits_at(model, adapter, seq, rows))
         ids.append(seq.top_ids[rows])
         logprobs.append(seq.top_logprobs[rows])
     return _kl_ce(torch.cat(logits), torch.cat(ids), torch.cat(logprobs))
@@ -208,16 +208,14 @@ def train_exit(cfg: TrainExitConfig, progress: bool = True, log=print) -> dict:
         raise ValueError(f"--exit-layer must be in 1..{n - 1} for a {n}-layer target, got {exit_layer}")
     files = [str(f) for f in (cfg.data or (DEFAULT_DATA,))]
     started = time.perf_counter()
-    data = collect(model, loaded.tokenizer, files, exit_layer, cache_dir(cfg.cache) / "exit-data",
-                   cfg.max_new_tokens, cfg.max_prompt_tokens, progress=progress)
+    folder, settings = cache_dir(cfg.cache) / "exit-data", (cfg.max_new_tokens, cfg.max_prompt_tokens)
     if cfg.attention:  # whole sequences: the adapter reads earlier positions' keys
-        prompts, answers = cached_answers(model, loaded.tokenizer, files, cache_dir(cfg.cache) / "exit-data",
-                                          cfg.max_new_tokens, cfg.max_prompt_tokens)
-        data = sequence_data(model, prompts, answers, exit_layer, shared_prefix_len(prompts), progress=progress)
+        data = _sequences(model, loaded.tokenizer, files, exit_layer, folder, settings, progress)
         train, held_out = split_sequences(data, cfg.hold_out_every)
         evaluate = partial(evaluate_sequences, model, held_out=held_out)
         sizes = (sum(len(s.trained_rows()) for s in train), sum(len(s.answer_rows()) for s in held_out))
     else:
+        data = collect(model, loaded.tokenizer, files, exit_layer, folder, *settings, progress=progress)
         train, held_out = data.split(cfg.hold_out_every)
         evaluate = partial(evaluate_exit, model, exit_layer, held_out=held_out)
         sizes = len(train), len(held_out)
@@ -243,6 +241,16 @@ def train_exit(cfg: TrainExitConfig, progress: bool = True, log=print) -> dict:
             "after": after, "first_loss": _mean_head(losses), "final_loss": _mean_tail(losses),
             "train_positions": sizes[0], "data_s": round(collected - started, 1),
             "train_s": round(trained - collected, 1)}
+
+
+def _sequences(model, tokenizer, files, exit_layer: int, folder: Path, settings: tuple, progress: bool):
+    """Whole sequences of the cached answers; `collect` generates and caches them on the first run."""
+    cached = cached_answers(model, tokenizer, files, folder, *settings)
+    if cached is None:
+        collect(model, tokenizer, files, exit_layer, folder, *settings, progress=progress)
+        cached = cached_answers(model, tokenizer, files, folder, *settings)
+    prompts, answers = cached
+    return sequence_data(model, prompts, answers, exit_layer, shared_prefix_len(prompts), progress=progress)
 
 
 def _default_out(cfg: TrainExitConfig, source: str, exit_layer: int) -> Path:
