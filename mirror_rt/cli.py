@@ -144,6 +144,19 @@ def _add_training(sub) -> None:
     prune.add_argument("--size", type=_positive_int, required=True, help="token ids to keep")
     prune.add_argument("--out", required=True, help="kept-ids file to write (.json; mirror-rt export --draft-vocab)")
     prune.add_argument("--cache-dir")
+    evaluate = sub.add_parser("eval-draft", help="bundles' drafts on held-out target text: acceptance per position, "
+                              "mean accepted length, forwards and ms per window, side by side")
+    evaluate.add_argument("--bundle", action="append", required=True, help="a bundle (repeat to compare; "
+                          "the first is the reference of `rollout vs first`)")
+    evaluate.add_argument("--target", help="target model whose greedy answers are the text (default: SmolLM2-135M-Instruct)")
+    evaluate.add_argument("--data", nargs="*", help="SpecBench-format jsonl (default: the dev set beside the repo)")
+    evaluate.add_argument("--gamma", type=_positive_int, action="append", help="window length (repeatable; default 4 and 7)")
+    evaluate.add_argument("--questions", type=_positive_int, default=24, help="held-out questions (default 24)")
+    evaluate.add_argument("--stride", type=_positive_int, default=8, help="answer tokens between window starts")
+    evaluate.add_argument("--oracle-streams", action="store_true", help="also run SS drafts with the text as "
+                          "their stream guesses: what perfect streams would cost here")
+    evaluate.add_argument("--json", action="store_true")
+    evaluate.add_argument("--cache-dir")
 
 
 def cmd_train_draft(args) -> int:
@@ -160,6 +173,15 @@ def cmd_prune_vocab(args) -> int:
 
     report = prune_vocab_main(args.target, args.data, args.size, args.out, cache=args.cache_dir)
     print(json.dumps(report, indent=2))
+    return 0
+
+
+def cmd_eval_draft(args) -> int:
+    from mirror_rt.runtime.draft_eval import eval_draft_main, format_rows
+
+    rows = eval_draft_main(args.bundle, args.target, args.data, tuple(args.gamma or (4, 7)), args.questions,
+                           args.stride, cache=args.cache_dir, oracle_streams=args.oracle_streams)
+    print(json.dumps(rows, indent=2) if args.json else format_rows(rows))
     return 0
 
 
@@ -413,7 +435,7 @@ def main(argv=None) -> int:
     try:
         commands = {"run": cmd_run, "bench": cmd_bench, "simulate": cmd_simulate, "export": cmd_export,
                     "train-draft": cmd_train_draft, "train-exit": cmd_train_exit, "prune-vocab": cmd_prune_vocab,
-                    "devices": cmd_devices}
+                    "eval-draft": cmd_eval_draft, "devices": cmd_devices}
         return commands[args.command](args)
     except KeyboardInterrupt:
         print("\nmirror-rt: interrupted", file=sys.stderr)

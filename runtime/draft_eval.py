@@ -1,0 +1,184 @@
+"""How good and how costly a draft is: `mirror-rt eval-draft`.
+
+On the target's own greedy text (the held-out answers of `train-draft` / `train-exit`), windows
+start every `stride` answer tokens. From each start the draft rolls out gamma greedy tokens
+exactly as the runtime drafts: the first forward feeds the last committed token, a fully
+accepted window never feeds its last token, and an SS draft (one with `forward_streams`) feeds
+its confident stream guesses with the next token and keeps those its main stream confirms.
+Per window: accepted = the longest prefix of the rollout equal to the text (what greedy SD
+accepts), its forwards and their wall time. The drafts are measured side by side (each question
+is run by every draft in turn) on the calling thread, pinned to one core like the draft worker.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+
+import numpy as np
+from mirror_rt.runtime.draft_worker import confident_guesses
+
+
+@dataclass
+class DraftRow:
+    """Totals of one (draft, gamma) pair."""
+
+    name: str
+    gamma: int
+    windows: int = 0
+    reached: list[int] = field(default_factory=list)  # [gamma] windows whose position i was drafted after i matches
+    matched: list[int] = field(default_factory=list)  # [gamma] of them, position i matched too
+    accepted: int = 0  # sum of accepted tokens
+    forwards: int = 0
+    forward_ms: list[float] = field(default_factory=list)
+
+    def __post_init__(self):
+        self.reached = self.reached or [0] * self.gamma
+        self.matched = self.matched or [0] * self.gamma
+
+    def add(self, accepted: int, times: list[float]) -> None:
+        self.windows += 1
+        self.accepted += accepted
+        for i in range(min(accepted + 1, self.gamma)):
+            self.reached[i] += 1
+            self.matched[i] += int(i < accepted)
+        self.forwards += len(times)
+        self.forward_ms += [1000 * t for t in times]
+
+    def summary(self) -> dict:
+        n = max(1, self.windows)
+        return {"draft": self.name, "gamma": self.gamma, "windows": self.windows,
+                "acceptance_per_position": [round(m / r, 3) if r else None for m, r in zip(self.matched, self.reached)],
+                "mean_accepted_length": round(1 + self.accepted / n, 3),  # accepted + the target's own token
+                "forwards_per_window": round(self.forwards / n, 3),
+                "ms_per_forward": round(float(np.mean(self.forward_ms)), 2) if self.forward_ms else None,
+                "ms_per_window": round(sum(self.forward_ms) / n, 2)}
+
+
+def greedy_rollout(draft, cache, last_token: int, gamma: int, min_probability: float = 0.2,
+                   oracle: list[int] | None = None):
+    """`gamma` greedy draft tokens after `last_token` (cache: the text before it) -> (tokens, forward seconds).
+
+    Leaves in the cache what the rollout fed (the caller rolls back). With streams, a forward feeds
+    the newest token plus the guesses still useful (never past the window) and keeps the confirmed ones.
+    `oracle`: the text after `last_token`; an SS draft then guesses it (n_s tokens) instead of its streams'
+    choice: the cost of a rollout whose stream guesses are always right when the draft agrees with the text.
+    """
+    streams = hasattr(draft, "forward_streams")
+    tokens, guesses, times = [], [], []
+    while len(tokens) < gamma:
+        feed = [last_token if not tokens else tokens[-1]] + guesses
+        start = time.perf_counter()
+        main, stream_rows = draft.forward_streams(feed, cache) if streams else (draft.forward(feed, cache), None)
+        times.append(time.perf_counter() - start)
+        n = 0
+        while n < len(guesses) and int(np.argmax(main[n])) == guesses[n]:
+            n += 1
+        if n < len(guesses):
+            cache.rollback(cache.length - (len(guesses) - n))
+        tokens += guesses[:n] + [int(np.argmax(main[n]))]
+        room = gamma - len(tokens) - 1  # the window's last token is never fed, so never guessed after
+        if not streams or room <= 0:
+            guesses = []
+        elif oracle is not None:
+            guesses = oracle[len(tokens):len(tokens) + min(room, draft.n_streams)]
+        else:
+            guesses = confident_guesses(stream_rows[n], min_probability)[:room]
+    return tokens[:gamma], times
+
+
+def accepted_length(tokens: list[int], text: list[int]) -> int:
+    """Leading draft tokens equal to the text (greedy acceptance). Example: [5, 9, 2] vs [5, 9, 4] -> 2."""
+    n = 0
+    while n < min(len(tokens), len(text)) and tokens[n] == text[n]:
+        n += 1
+    return n
+
+
+def evaluate_question(draft, ids: list[int], first_answer: int, rows: list[DraftRow], stride: int,
+                      oracle: bool = False) -> None:
+    """Windows starting at answer positions first_answer, first_answer + stride, ... (each gamma of `rows`)."""
+    longest = max(r.gamma for r in rows)
+    cache = draft.new_cache(len(ids) + longest + 2)
+    for start in range(first_answer, len(ids) - longest + 1, stride):
+        if start - 1 > cache.length:
+            draft.forward(ids[cache.length:start - 1], cache)  # the text before the window's last committed token
+        for row in rows:
+            text = ids[start:start + row.gamma]
+            tokens, times = greedy_rollout(draft, cache, ids[start - 1], row.gamma, oracle=text if oracle else None)
+            cache.rollback(start - 1)
+            row.add(accepted_length(tokens, text), times)
+
+
+def evaluate_drafts(drafts: dict, sequences: list[tuple[list[int], int]], gammas=(4, 7), stride: int = 8,
+                    progress: bool = True, oracle: frozenset = frozenset()) -> list[dict]:
+    """Rows (see DraftRow.summary) for every draft (by name) and gamma; `rollout_vs_first` compares each
+    row's time per window with the first draft's at the same gamma. Drafts named in `oracle` guess the text."""
+    from tqdm import tqdm
+
+    rows = {name: [DraftRow(name, g) for g in gammas] for name in drafts}
+    for ids, first in tqdm(sequences, desc="eval-draft", unit="question", disable=not progress):
+        for name, draft in drafts.items():
+            if len(ids) - first >= max(gammas):
+                evaluate_question(draft, ids, first, rows[name], stride, oracle=name in oracle)
+    out = [row.summary() for name in drafts for row in rows[name]]
+    first_name = next(iter(drafts))
+    reference = {r["gamma"]: r["ms_per_window"] for r in out if r["draft"] == first_name}
+    for r in out:
+        base = reference[r["gamma"]]
+        r["rollout_vs_first"] = round(r["ms_per_window"] / base, 3) if base else None
+    return out
+
+
+def format_rows(rows: list[dict]) -> str:
+    """A markdown table of `evaluate_drafts` rows."""
+    head = ("| draft | gamma | windows | acceptance per position | mean accepted length | forwards per window "
+            "| ms per forward | ms per window | rollout vs first |\n|---|---|---|---|---|---|---|---|---|")
+    lines = [head]
+    for r in rows:
+        acceptance = " ".join("-" if a is None else f"{a:.2f}" for a in r["acceptance_per_position"])
+        lines.append(f"| {r['draft']} | {r['gamma']} | {r['windows']} | {acceptance} | {r['mean_accepted_length']:.2f} "
+                     f"| {r['forwards_per_window']:.2f} | {r['ms_per_forward']} | {r['ms_per_window']:.1f} "
+                     f"| {r['rollout_vs_first']:.2f}x |")
+    return "\n".join(lines)
+
+
+def eval_draft_main(bundles: list[str], target: str | None = None, data=None, gammas=(4, 7), questions: int = 24,
+                    stride: int = 8, cache: str | None = None, progress: bool = True,
+                    oracle_streams: bool = False) -> list[dict]:
+    """CLI entry (`mirror-rt eval-draft`): each bundle's draft on the held-out target answers, side by side.
+
+    `oracle_streams`: also run each SS draft with the text as its stream guesses (the best its streams
+    could do on this machine: the cost of the stream rows, with every useful guess right)."""
+    import os
+    from pathlib import Path
+
+    from mirror_rt.devices.registry import WorkerBudget, load_model
+    from mirror_rt.exporters.manifest import read_manifest
+    from mirror_rt.models.default_model import cache_dir
+    from mirror_rt.models.exit_training import DEFAULT_DATA
+    from mirror_rt.models.loading import load_checkpoint
+    from mirror_rt.models.ss_data import answer_sequences, split
+
+    checkpoint = load_checkpoint(target, cache=cache, log=lambda *a: None)
+    vocab = checkpoint.model.config.vocab_size
+    manifests = {folder: read_manifest(Path(folder), verify=False) for folder in bundles}  # bad paths fail first
+    for folder, manifest in manifests.items():
+        if manifest.draft_config["vocab_size"] != vocab:
+            raise ValueError(f"{folder}: the draft has {manifest.draft_config['vocab_size']} tokens, "
+                             f"the target {vocab}")
+    files = [str(f) for f in (data or (DEFAULT_DATA,))]
+    sequences = answer_sequences(checkpoint.model, checkpoint.tokenizer, files, cache_dir(cache) / "exit-data",
+                                 progress=progress)  # on every core, before the pinning below
+    _, held_out = split(sequences)
+    cores = sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else []
+    budget = WorkerBudget(threads=1, cpus=(cores[-1],) if cores else None)  # the draft worker's share
+    drafts, oracle = {}, set()
+    for folder, manifest in manifests.items():
+        draft = load_model(Path(folder), manifest, "draft", "cpu", budget=budget)
+        streams = hasattr(draft, "forward_streams")
+        drafts[folder + (" (streams)" if streams else "")] = draft
+        if streams and oracle_streams:
+            oracle.add(folder + " (oracle streams)")
+            drafts[folder + " (oracle streams)"] = draft
+    return evaluate_drafts(drafts, held_out[:questions], gammas, stride, progress, frozenset(oracle))

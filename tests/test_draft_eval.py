@@ -1,0 +1,95 @@
+"""`mirror-rt eval-draft`: rollouts as the runtime drafts them, acceptance against the text, side by side."""
+
+import pytest
+import torch
+from conftest import perturbed_copy, tiny_target
+from mirror_rt.devices.torch_backend import TorchModel
+from mirror_rt.devices.torch_streams import TorchStreamDraft
+from mirror_rt.models.ss_draft import StreamDraft
+from mirror_rt.runtime.draft_eval import (
+    DraftRow,
+    accepted_length,
+    evaluate_drafts,
+    greedy_rollout,
+)
+from mirror_rt.runtime.reference import generate
+
+
+def _greedy(model, context, n):
+    return [t for step in generate(TorchModel(model), context, n) for t in step]
+
+
+def _sure_streams(base, seed):
+    """Streams with random weights made confident (large embeddings), so their guesses are fed."""
+    draft = StreamDraft(base, n_streams=2, n_stream_layers=2, rank=4)
+    gen = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        draft.stream_embed.copy_(torch.randn(draft.stream_embed.shape, generator=gen, dtype=draft.stream_embed.dtype) * 3)
+    return TorchStreamDraft(draft)
+
+
+@pytest.mark.parametrize("seed", range(3))
+def test_rollout_is_the_drafts_greedy_continuation(seed):
+    """Plain, SS and oracle-guessing rollouts all give the draft's own greedy tokens; the cache is left
+    holding the context plus what was fed, so rolling back restores the context exactly."""
+    base = tiny_target(seed=seed)
+    context = [(seed * 5 + i * 7) % 90 + 2 for i in range(8)]
+    expected = _greedy(base, context, 7)
+    text = expected[:1] + [(expected[1] + 1) % 97] + expected[2:]  # the oracle's first guess is wrong
+    for draft, oracle in [(TorchModel(base), None), (_sure_streams(base, seed), None), (_sure_streams(base, seed), text)]:
+        cache = draft.new_cache(32)
+        draft.forward(context[:-1], cache)
+        tokens, times = greedy_rollout(draft, cache, context[-1], 7, oracle=oracle)
+        assert tokens == expected and 1 <= len(times) <= 7
+        cache.rollback(len(context) - 1)
+        again, _ = greedy_rollout(draft, cache, context[-1], 7)
+        assert again == expected
+
+
+def test_oracle_guesses_save_forwards_and_plain_costs_gamma():
+    base = tiny_target(seed=4)
+    context = [3, 14, 15, 92, 65, 35]
+    expected = _greedy(base, context, 7)
+    counts = {}
+    for name, draft, oracle in [("plain", TorchModel(base), None), ("oracle", _sure_streams(base, 4), expected)]:
+        cache = draft.new_cache(32)
+        draft.forward(context[:-1], cache)
+        counts[name] = len(greedy_rollout(draft, cache, context[-1], 7, oracle=oracle)[1])
+    # oracle, 2 streams: 1 token, then 3 per forward (the window's last token is never guessed): 1 + 3 + 3
+    assert counts == {"plain": 7, "oracle": 3}
+
+
+def test_accepted_length_and_row_totals():
+    assert accepted_length([5, 9, 2], [5, 9, 4]) == 2
+    assert accepted_length([5, 9], [5, 9]) == 2 and accepted_length([1], [2]) == 0
+    row = DraftRow("d", gamma=3)
+    row.add(3, [0.01] * 3)
+    row.add(1, [0.02] * 3)
+    row.add(0, [0.01] * 3)
+    s = row.summary()
+    # position 1: 3 windows reached, 2 matched; position 2: 2 reached, 1 matched; position 3: 1 reached, 1 matched
+    assert s["acceptance_per_position"] == [round(2 / 3, 3), 0.5, 1.0]
+    assert s["mean_accepted_length"] == round(1 + 4 / 3, 3) and s["forwards_per_window"] == 3.0
+    assert s["ms_per_window"] == pytest.approx(40.0)
+
+
+def test_side_by_side_rows_on_greedy_text():
+    """The target itself as a draft accepts every window of its own greedy text; a noisy copy does not."""
+    target = tiny_target(seed=0)
+    prompts = [[2, 7, 19, 40], [11, 3, 5], [60, 61, 62, 63, 64]]
+    sequences = [(p + _greedy(target, p, 24), len(p)) for p in prompts]
+    drafts = {"self": TorchModel(target), "noisy": TorchModel(perturbed_copy(target, noise=0.6, seed=2))}
+    rows = evaluate_drafts(drafts, sequences, gammas=(4,), stride=3, progress=False)
+    self_row, noisy = rows
+    assert self_row["draft"] == "self" and self_row["mean_accepted_length"] == 5.0
+    assert self_row["acceptance_per_position"] == [1.0] * 4 and self_row["rollout_vs_first"] == 1.0
+    assert noisy["windows"] == self_row["windows"] == 3 * len(range(0, 24 - 4 + 1, 3))
+    assert noisy["mean_accepted_length"] < 5.0
+
+
+def test_cli_refuses_a_missing_bundle(capsys):
+    from mirror_rt.cli import main
+
+    assert main(["eval-draft", "--bundle", "/nonexistent/bundle", "--target", "tiny"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith("mirror-rt: error:") and "/nonexistent/bundle" in err[0]
