@@ -153,6 +153,8 @@ def _add_training(sub) -> None:
     evaluate.add_argument("--gamma", type=_positive_int, action="append", help="window length (repeatable; default 4 and 7)")
     evaluate.add_argument("--questions", type=_positive_int, default=24, help="held-out questions (default 24)")
     evaluate.add_argument("--stride", type=_positive_int, default=8, help="answer tokens between window starts")
+    evaluate.add_argument("--draft-lookup", type=_count, default=3, help="prompt-lookup guesses per forward, as "
+                          "in run (default 3; 0: off)")
     evaluate.add_argument("--oracle-streams", action="store_true", help="also run SS drafts with the text as "
                           "their stream guesses: what perfect streams would cost here")
     evaluate.add_argument("--json", action="store_true")
@@ -180,7 +182,8 @@ def cmd_eval_draft(args) -> int:
     from mirror_rt.runtime.draft_eval import eval_draft_main, format_rows
 
     rows = eval_draft_main(args.bundle, args.target, args.data, tuple(args.gamma or (4, 7)), args.questions,
-                           args.stride, cache=args.cache_dir, oracle_streams=args.oracle_streams)
+                           args.stride, cache=args.cache_dir, oracle_streams=args.oracle_streams,
+                           lookup=args.draft_lookup)
     print(json.dumps(rows, indent=2) if args.json else format_rows(rows))
     return 0
 

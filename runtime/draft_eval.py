@@ -2,9 +2,11 @@
 
 On the target's own greedy text (the held-out answers of `train-draft` / `train-exit`), windows
 start every `stride` answer tokens. From each start the draft rolls out gamma greedy tokens
-exactly as the runtime drafts: the first forward feeds the last committed token, a fully
-accepted window never feeds its last token, and an SS draft (one with `forward_streams`) feeds
-its confident stream guesses with the next token and keeps those its main stream confirms.
+as the draft worker drafts: the first forward feeds the last committed token, a fully accepted
+window never feeds its last token, and a forward also feeds guesses (an SS draft's confident
+stream guesses, else prompt-lookup guesses) and keeps those the draft's main stream confirms.
+Unlike Mirror's worker, whose line runs on past the window, a rollout here ends at the window
+(vanilla SD's rollout), so guesses never reach past it.
 Per window: accepted = the longest prefix of the rollout equal to the text (what greedy SD
 accepts), its forwards and their wall time. The drafts are measured side by side (each question
 is run by every draft in turn) on the calling thread, pinned to one core like the draft worker.
@@ -17,6 +19,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 from mirror_rt.runtime.draft_worker import confident_guesses
+from mirror_rt.runtime.lookup import lookup_guesses
 
 
 @dataclass
@@ -55,19 +58,22 @@ class DraftRow:
                 "ms_per_window": round(sum(self.forward_ms) / n, 2)}
 
 
-def greedy_rollout(draft, cache, last_token: int, gamma: int, min_probability: float = 0.2,
+def greedy_rollout(draft, cache, context: list[int], gamma: int, lookup: int = 0, min_probability: float = 0.2,
                    oracle: list[int] | None = None):
-    """`gamma` greedy draft tokens after `last_token` (cache: the text before it) -> (tokens, forward seconds).
+    """`gamma` greedy draft tokens after `context` (the cache holds all of it but its last token)
+    -> (tokens, forward seconds).
 
-    Leaves in the cache what the rollout fed (the caller rolls back). With streams, a forward feeds
-    the newest token plus the guesses still useful (never past the window) and keeps the confirmed ones.
-    `oracle`: the text after `last_token`; an SS draft then guesses it (n_s tokens) instead of its streams'
+    Leaves in the cache what the rollout fed (the caller rolls back). As the draft worker does, a
+    forward feeds the newest token plus guesses still useful inside the window (an SS draft's
+    confident stream guesses, else up to `lookup` prompt-lookup guesses) and keeps the confirmed ones.
+    `oracle`: the text after `context`; an SS draft then guesses it (n_s tokens) instead of its streams'
     choice: the cost of a rollout whose stream guesses are always right when the draft agrees with the text.
     """
     streams = hasattr(draft, "forward_streams")
-    tokens, guesses, times = [], [], []
+    tokens, times = [], []
+    guesses = lookup_guesses(context, min(lookup, gamma - 1)) if lookup else []
     while len(tokens) < gamma:
-        feed = [last_token if not tokens else tokens[-1]] + guesses
+        feed = [context[-1] if not tokens else tokens[-1]] + guesses
         start = time.perf_counter()
         main, stream_rows = draft.forward_streams(feed, cache) if streams else (draft.forward(feed, cache), None)
         times.append(time.perf_counter() - start)
@@ -78,12 +84,12 @@ def greedy_rollout(draft, cache, last_token: int, gamma: int, min_probability: f
             cache.rollback(cache.length - (len(guesses) - n))
         tokens += guesses[:n] + [int(np.argmax(main[n]))]
         room = gamma - len(tokens) - 1  # the window's last token is never fed, so never guessed after
-        if not streams or room <= 0:
-            guesses = []
-        elif oracle is not None:
-            guesses = oracle[len(tokens):len(tokens) + min(room, draft.n_streams)]
-        else:
-            guesses = confident_guesses(stream_rows[n], min_probability)[:room]
+        guesses = []
+        if room > 0 and streams:
+            guesses = (oracle[len(tokens):len(tokens) + min(room, draft.n_streams)] if oracle is not None
+                       else confident_guesses(stream_rows[n], min_probability)[:room])
+        if room > 0 and lookup and not guesses:
+            guesses = lookup_guesses(context + tokens, min(lookup, room))
     return tokens[:gamma], times
 
 
@@ -96,7 +102,7 @@ def accepted_length(tokens: list[int], text: list[int]) -> int:
 
 
 def evaluate_question(draft, ids: list[int], first_answer: int, rows: list[DraftRow], stride: int,
-                      oracle: bool = False) -> None:
+                      oracle: bool = False, lookup: int = 0) -> None:
     """Windows starting at answer positions first_answer, first_answer + stride, ... (each gamma of `rows`)."""
     longest = max(r.gamma for r in rows)
     cache = draft.new_cache(len(ids) + longest + 2)
@@ -105,13 +111,14 @@ def evaluate_question(draft, ids: list[int], first_answer: int, rows: list[Draft
             draft.forward(ids[cache.length:start - 1], cache)  # the text before the window's last committed token
         for row in rows:
             text = ids[start:start + row.gamma]
-            tokens, times = greedy_rollout(draft, cache, ids[start - 1], row.gamma, oracle=text if oracle else None)
+            tokens, times = greedy_rollout(draft, cache, ids[:start], row.gamma, lookup,
+                                           oracle=text if oracle else None)
             cache.rollback(start - 1)
             row.add(accepted_length(tokens, text), times)
 
 
 def evaluate_drafts(drafts: dict, sequences: list[tuple[list[int], int]], gammas=(4, 7), stride: int = 8,
-                    progress: bool = True, oracle: frozenset = frozenset()) -> list[dict]:
+                    progress: bool = True, oracle: frozenset = frozenset(), lookup: int = 0) -> list[dict]:
     """Rows (see DraftRow.summary) for every draft (by name) and gamma; `rollout_vs_first` compares each
     row's time per window with the first draft's at the same gamma. Drafts named in `oracle` guess the text."""
     from tqdm import tqdm
@@ -120,7 +127,7 @@ def evaluate_drafts(drafts: dict, sequences: list[tuple[list[int], int]], gammas
     for ids, first in tqdm(sequences, desc="eval-draft", unit="question", disable=not progress):
         for name, draft in drafts.items():
             if len(ids) - first >= max(gammas):
-                evaluate_question(draft, ids, first, rows[name], stride, oracle=name in oracle)
+                evaluate_question(draft, ids, first, rows[name], stride, name in oracle, lookup)
     out = [row.summary() for name in drafts for row in rows[name]]
     first_name = next(iter(drafts))
     reference = {r["gamma"]: r["ms_per_window"] for r in out if r["draft"] == first_name}
@@ -145,11 +152,12 @@ def format_rows(rows: list[dict]) -> str:
 
 def eval_draft_main(bundles: list[str], target: str | None = None, data=None, gammas=(4, 7), questions: int = 24,
                     stride: int = 8, cache: str | None = None, progress: bool = True,
-                    oracle_streams: bool = False) -> list[dict]:
+                    oracle_streams: bool = False, lookup: int = 3) -> list[dict]:
     """CLI entry (`mirror-rt eval-draft`): each bundle's draft on the held-out target answers, side by side.
 
     `oracle_streams`: also run each SS draft with the text as its stream guesses (the best its streams
-    could do on this machine: the cost of the stream rows, with every useful guess right)."""
+    could do on this machine: the cost of the stream rows, with every useful guess right).
+    `lookup`: prompt-lookup guesses per forward, as `mirror-rt run --draft-lookup` (0: off)."""
     import os
     from pathlib import Path
 
@@ -181,4 +189,4 @@ def eval_draft_main(bundles: list[str], target: str | None = None, data=None, ga
         if streams and oracle_streams:
             oracle.add(folder + " (oracle streams)")
             drafts[folder + " (oracle streams)"] = draft
-    return evaluate_drafts(drafts, held_out[:questions], gammas, stride, progress, frozenset(oracle))
+    return evaluate_drafts(drafts, held_out[:questions], gammas, stride, progress, frozenset(oracle), lookup)

@@ -39,10 +39,10 @@ def test_rollout_is_the_drafts_greedy_continuation(seed):
     for draft, oracle in [(TorchModel(base), None), (_sure_streams(base, seed), None), (_sure_streams(base, seed), text)]:
         cache = draft.new_cache(32)
         draft.forward(context[:-1], cache)
-        tokens, times = greedy_rollout(draft, cache, context[-1], 7, oracle=oracle)
+        tokens, times = greedy_rollout(draft, cache, context, 7, oracle=oracle)
         assert tokens == expected and 1 <= len(times) <= 7
         cache.rollback(len(context) - 1)
-        again, _ = greedy_rollout(draft, cache, context[-1], 7)
+        again, _ = greedy_rollout(draft, cache, context, 7, lookup=3)
         assert again == expected
 
 
@@ -54,9 +54,30 @@ def test_oracle_guesses_save_forwards_and_plain_costs_gamma():
     for name, draft, oracle in [("plain", TorchModel(base), None), ("oracle", _sure_streams(base, 4), expected)]:
         cache = draft.new_cache(32)
         draft.forward(context[:-1], cache)
-        counts[name] = len(greedy_rollout(draft, cache, context[-1], 7, oracle=oracle)[1])
+        counts[name] = len(greedy_rollout(draft, cache, context, 7, oracle=oracle)[1])
     # oracle, 2 streams: 1 token, then 3 per forward (the window's last token is never guessed): 1 + 3 + 3
     assert counts == {"plain": 7, "oracle": 3}
+
+
+@pytest.mark.parametrize("seed", [11, 5, 6])
+def test_prompt_lookup_guesses_keep_the_tokens_and_save_forwards_when_right(seed):
+    """Lookup guesses from a context that repeats itself: always the draft's own greedy tokens; with
+    lookup off a rollout costs gamma forwards. Seed 11's model repeats one token, so every guess is right."""
+    base = tiny_target(seed=seed)
+    prompt = [4, 8, 15, 16, 23, 42]
+    context = prompt + _greedy(base, prompt, 12) + prompt
+    expected = _greedy(base, context, 7)
+    forwards = {}
+    for lookup in (0, 3):
+        draft = TorchModel(base)
+        cache = draft.new_cache(64)
+        draft.forward(context[:-1], cache)
+        tokens, times = greedy_rollout(draft, cache, context, 7, lookup=lookup)
+        assert tokens == expected
+        forwards[lookup] = len(times)
+    assert forwards[0] == 7
+    if seed == 11:
+        assert forwards[3] == 3  # 1 + 3 guesses; 1 + 1 (the latest match runs into the end); the last token
 
 
 def test_accepted_length_and_row_totals():
