@@ -114,3 +114,16 @@ def test_cli_refuses_a_missing_bundle(capsys):
     assert main(["eval-draft", "--bundle", "/nonexistent/bundle", "--target", "tiny"]) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and err[0].startswith("mirror-rt: error:") and "/nonexistent/bundle" in err[0]
+
+
+def test_cli_refuses_a_draft_of_another_vocabulary(tmp_path, capsys):
+    """A bundle of a 64-token model against the 258-token `tiny` target: one line naming both sizes."""
+    from conftest import write_hf_folder
+    from mirror_rt.cli import main
+    from mirror_rt.exporters.export import export_bundle
+
+    bundle = export_bundle(str(write_hf_folder(tmp_path / "hf", vocab_size=64)), tmp_path / "b", fmt="torch",
+                           progress=False)
+    assert main(["eval-draft", "--bundle", str(bundle), "--target", "tiny"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err == [f"mirror-rt: error: {bundle}: the draft has 64 tokens, the target 258"]
