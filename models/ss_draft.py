@@ -15,9 +15,9 @@ from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
-from torch import nn
-
 from mirror_rt.models.transformer import Transformer, apply_rope
+from mirror_rt.runtime.lookup import verify_guesses
+from torch import nn
 
 
 class LoRA(nn.Module):
@@ -148,20 +148,6 @@ def stream_mask(start: int, T: int, S: int, device=None) -> torch.Tensor:
     same = (stream_p[:, None] == stream_p[None, :]) & (stream_j[None, :] <= stream_j[:, None])
     mask[T:, L:] = same  # its own position's streams with index <= j
     return mask
-
-
-def verify_guesses(main_rows, guesses: list[int]) -> int:
-    """How many stream guesses the main rows confirm (greedy).
-
-    Args:
-        main_rows: [len(guesses) + 1, vocab] main logits; row i predicts the token after guess i-1
-            (row 0: after the last line token).
-    Example: guesses [5, 9], row argmaxes [5, 2, 7] -> 1 (5 confirmed, 9 rejected for 2).
-    """
-    n = 0
-    while n < len(guesses) and int(main_rows[n].argmax()) == guesses[n]:
-        n += 1
-    return n
 
 
 @torch.inference_mode()

@@ -18,9 +18,8 @@ import time
 from dataclasses import dataclass, field
 
 import numpy as np
-from mirror_rt.models.ss_draft import verify_guesses
 from mirror_rt.runtime.draft_worker import confident_guesses
-from mirror_rt.runtime.lookup import lookup_guesses
+from mirror_rt.runtime.lookup import lookup_guesses, verify_guesses
 
 
 @dataclass

@@ -25,7 +25,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 from mirror_rt.runtime.branches import exit_distribution, rank_roots, top_alternatives
-from mirror_rt.runtime.lookup import lookup_guesses
+from mirror_rt.runtime.lookup import lookup_guesses, verify_guesses
 from mirror_rt.runtime.messages import STOP, EarlyExit, Fault, Verdict, Window
 from mirror_rt.runtime.reference import prefill_logits
 from mirror_rt.runtime.sampling import SamplingConfig, choose
@@ -136,7 +136,7 @@ class DraftWorker:
                     self._handle(message)
                 elif not self._speculate_one():
                     self._handle(self._get())
-        except Exception as exc:  # the target must hear of any failure, never hang on it
+        except Exception as exc:  # noqa: BLE001 -- the target must hear of any failure, never hang on it
             self._put(Fault(f"{type(exc).__name__}: {exc}"))
 
     # --- messages ----------------------------------------------------------------------
@@ -299,9 +299,7 @@ class DraftWorker:
         out = self._feed(feed, streams=streams)
         main, stream_rows = out if streams else (out, None)
         offset = len(feed) - len(guesses) - 1  # the row that predicts the token after `full`
-        n = 0
-        while n < len(guesses) and int(np.argmax(main[offset + n])) == guesses[n]:
-            n += 1
+        n = verify_guesses(main[offset:], guesses)
         if n < len(guesses):  # rejected guesses leave the cache
             self.cache.rollback(self.cache.length - (len(guesses) - n))
             del self.cache_tokens[self.cache.length:]

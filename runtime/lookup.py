@@ -28,3 +28,17 @@ def lookup_guesses(tokens: list[int], max_guesses: int, max_ngram: int = 3, min_
             follow = int(starts[-1]) + n
             return [int(t) for t in text[follow:follow + max_guesses]]
     return []
+
+
+def verify_guesses(main_rows, guesses: list[int]) -> int:
+    """How many guesses (prompt-lookup or SS stream) the main rows confirm (greedy).
+
+    Args:
+        main_rows: [len(guesses) + 1, vocab] main logits; row i predicts the token after guess i-1
+            (row 0: after the last line token).
+    Example: guesses [5, 9], row argmaxes [5, 2, 7] -> 1 (5 confirmed, 9 rejected for 2).
+    """
+    n = 0
+    while n < len(guesses) and int(main_rows[n].argmax()) == guesses[n]:
+        n += 1
+    return n

@@ -7,7 +7,6 @@ from mirror_rt.models.ss_draft import (
     StreamDraft,
     stream_mask,
     stream_rollout,
-    verify_guesses,
 )
 from mirror_rt.runtime.reference import generate
 
@@ -61,13 +60,6 @@ def test_confident_guesses_keep_the_leading_likely_streams():
     assert confident_guesses(rows, 0.5) == [0]  # the second stream is unlikely: the third is dropped too
     assert confident_guesses(rows, 0.95) == []
     assert confident_guesses(rows[1:2], 0.5) == []
-
-
-def test_verify_guesses_counts_confirmed_prefix():
-    """Row i's argmax confirms guess i; the first disagreement ends the run."""
-    rows = torch.zeros(3, 10)
-    rows[0, 5] = rows[1, 9] = rows[2, 1] = 1.0
-    assert verify_guesses(rows, [5, 9]) == 2 and verify_guesses(rows, [5, 8]) == 1 and verify_guesses(rows, []) == 0
 
 
 def _pattern_data(n=24, length=40, seed=0):
