@@ -8,7 +8,8 @@ this protocol; the runtime core imports none of them.
 
 from __future__ import annotations
 
-from typing import Protocol, Sequence
+from collections.abc import Sequence
+from typing import Protocol
 
 import numpy as np
 

@@ -6,11 +6,10 @@ backends; everything else (weights, KV cache) stays on the device.
 
 from __future__ import annotations
 
-from typing import Sequence
+from collections.abc import Sequence
 
 import numpy as np
 import torch
-
 from mirror_rt.models.transformer import Transformer
 from mirror_rt.runtime.kv_cache import KVCache
 

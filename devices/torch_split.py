@@ -10,7 +10,7 @@ changes which branches the draft precomputes, never the output). The hidden stat
 
 from __future__ import annotations
 
-from typing import Sequence
+from collections.abc import Sequence
 
 import numpy as np
 import torch

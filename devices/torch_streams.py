@@ -6,11 +6,10 @@ streams' logits, which the Mirror draft worker uses to confirm several tokens pe
 
 from __future__ import annotations
 
-from typing import Sequence
+from collections.abc import Sequence
 
 import numpy as np
 import torch
-
 from mirror_rt.devices.torch_backend import TorchModel
 
 

@@ -17,7 +17,7 @@ import sys
 import warnings
 
 __version__ = "0.1.0"
-__all__ = ["load", "load_bundle", "default_bundle", "Engine", "GenerationConfig", "SamplingConfig", "__version__"]
+__all__ = ["Engine", "GenerationConfig", "SamplingConfig", "__version__", "default_bundle", "load", "load_bundle"]
 
 from mirror_rt.runtime.config import GenerationConfig
 from mirror_rt.runtime.engine import Engine, GenerationError

@@ -393,9 +393,9 @@ def format_stats(stats: dict) -> str:
     """Human-readable stats block."""
     acc = " ".join(f"{a:.2f}" for a in stats.get("acceptance_per_position", []))
     lines = [
-        f"mode {stats['mode']}: {stats['new_tokens']} tokens in {stats['wall_time_s']:.2f} s = "
-        f"{stats['tokens_per_s']:.1f} tokens/s (decode {stats['decode_tokens_per_s']:.1f} tokens/s, "
-        f"first token {stats['time_to_first_token_s'] * 1000:.0f} ms)",
+        (f"mode {stats['mode']}: {stats['new_tokens']} tokens in {stats['wall_time_s']:.2f} s = "
+         f"{stats['tokens_per_s']:.1f} tokens/s (decode {stats['decode_tokens_per_s']:.1f} tokens/s, "
+         f"first token {stats['time_to_first_token_s'] * 1000:.0f} ms)"),
         f"steps {stats['steps']}, mean accepted length {stats['mean_accepted_length']:.2f} tokens per target forward",
     ]
     if acc:

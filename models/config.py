@@ -70,7 +70,7 @@ class ModelConfig:
                                           "(supported: none, linear, llama3)")
 
     @classmethod
-    def from_hf(cls, hf: dict) -> "ModelConfig":
+    def from_hf(cls, hf: dict) -> ModelConfig:
         """Build from a parsed Hugging Face `config.json`."""
         arch = hf.get("model_type", "?")
         if arch not in SUPPORTED_ARCHITECTURES:
@@ -109,14 +109,14 @@ class ModelConfig:
         return d
 
     @classmethod
-    def from_dict(cls, d: dict) -> "ModelConfig":
+    def from_dict(cls, d: dict) -> ModelConfig:
         """Inverse of `to_dict`."""
         d = dict(d)
         d["eos_token_ids"] = tuple(d.get("eos_token_ids", ()))
         return cls(**d)
 
     @classmethod
-    def from_name(cls, name: str) -> "ModelConfig":
+    def from_name(cls, name: str) -> ModelConfig:
         """A named preset (see `PRESETS`)."""
         if name not in PRESETS:
             raise ValueError(f"unknown model preset '{name}' (known: {', '.join(PRESETS)})")

@@ -218,9 +218,9 @@ def _stack(results: dict) -> ExitData:
 def _write_answers(path: Path, prompts, answers, tokenizer) -> None:
     tmp = path.with_suffix(".tmp")
     with open(tmp, "w") as f:
-        for (qid, prompt), answer in zip(prompts, answers):
-            f.write(json.dumps({"question_id": qid, "prompt_tokens": len(prompt), "answer_ids": answer,
-                                "answer": tokenizer.decode(answer)}) + "\n")
+        f.writelines(json.dumps({"question_id": qid, "prompt_tokens": len(prompt), "answer_ids": answer,
+                                 "answer": tokenizer.decode(answer)}) + "\n"
+                     for (qid, prompt), answer in zip(prompts, answers))
     tmp.replace(path)
 
 

@@ -14,9 +14,12 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
-
 from mirror_rt.models.config import PRESETS, ModelConfig, UnsupportedArchitecture
-from mirror_rt.models.default_model import DEFAULT_MODEL, cache_dir, default_model_folder
+from mirror_rt.models.default_model import (
+    DEFAULT_MODEL,
+    cache_dir,
+    default_model_folder,
+)
 from mirror_rt.models.gguf import convert_gguf
 from mirror_rt.models.tokenizer import ByteTokenizer, HFTokenizer
 from mirror_rt.models.transformer import Transformer, random_model

@@ -15,7 +15,6 @@ from pathlib import Path
 
 import torch
 import torch.nn.functional as F
-
 from mirror_rt.models.ss_draft import StreamDraft
 
 

@@ -13,11 +13,10 @@ after d_j (row 0 predicts d_1).
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Sequence
 
 import numpy as np
-
 from mirror_rt.runtime.sampling import sample
 
 

@@ -20,8 +20,9 @@ FORMAT_BACKENDS = {"openvino": ("openvino:CPU",), "onnx": ("ort:cpu", "openvino:
 def bundle_runners(methods: list[str], bundle: str, draft_bundle: str | None = None,
                    draft_precision: str | None = None, log=print) -> list:
     """Runners for the `ar`, `sd` and `mirror` entries of `methods` over `bundle`."""
-    import mirror_rt
     from mirror_rt.exporters.manifest import read_manifest
+
+    import mirror_rt
 
     manifest = read_manifest(bundle, verify=False)
     runners = []
@@ -39,8 +40,14 @@ def bundle_runners(methods: list[str], bundle: str, draft_bundle: str | None = N
 
 
 def _ar_runners(bundle: str, manifest, log) -> list:
-    from mirror_rt.devices.registry import WorkerBudget, available_devices, is_available, load_model, \
-        load_tokenizer, parse_device
+    from mirror_rt.devices.registry import (
+        WorkerBudget,
+        available_devices,
+        is_available,
+        load_model,
+        load_tokenizer,
+        parse_device,
+    )
     from mirror_rt.runtime.engine import Engine
 
     cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)

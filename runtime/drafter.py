@@ -9,11 +9,10 @@ fully accepted window costs no extra forward.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Sequence
 
 import numpy as np
-
 from mirror_rt.runtime.acceptance import Verdict
 from mirror_rt.runtime.reference import prefill_logits
 from mirror_rt.runtime.sampling import SamplingConfig, choose

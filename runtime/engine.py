@@ -9,8 +9,8 @@ the engine never sees logits.
 from __future__ import annotations
 
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass, field
-from typing import Iterator
 
 from mirror_rt.runtime.config import GenerationConfig, make_config
 from mirror_rt.runtime.metrics import Metrics

@@ -11,7 +11,6 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import numpy as np
-
 from mirror_rt.runtime.acceptance import Verdict  # noqa: F401  (re-exported: part of the protocol)
 
 

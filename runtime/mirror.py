@@ -14,8 +14,8 @@ from __future__ import annotations
 
 import queue
 import time
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
-from typing import Iterator, Sequence
 
 import numpy as np
 from mirror_rt.runtime.acceptance import accept_greedy, accept_sampled

@@ -8,10 +8,9 @@ time and stops after `max_new_tokens` or when the context is full; stop conditio
 
 from __future__ import annotations
 
-from typing import Iterator, Sequence
+from collections.abc import Iterator, Sequence
 
 import numpy as np
-
 from mirror_rt.runtime.metrics import Metrics
 from mirror_rt.runtime.sampling import SamplingConfig, choose
 

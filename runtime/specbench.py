@@ -47,7 +47,7 @@ class Answer:
                 "model_id": self.model_id, "choices": [choice], "tstamp": time.time(), "stats": self.stats}
 
     @classmethod
-    def from_json(cls, d: dict) -> "Answer":
+    def from_json(cls, d: dict) -> Answer:
         c = d["choices"][0]
         return cls(d["question_id"], d.get("category", ""), d.get("model_id", ""), list(c["turns"]),
                    list(c["new_tokens"]), list(c["wall_time"]), [list(a) for a in c.get("accept_lengths", [])],

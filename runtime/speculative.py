@@ -8,7 +8,7 @@ stop conditions (EOS, stop strings) belong to the caller.
 
 from __future__ import annotations
 
-from typing import Iterator, Sequence
+from collections.abc import Iterator, Sequence
 
 from mirror_rt.runtime.drafter import ModelDrafter
 from mirror_rt.runtime.metrics import Metrics

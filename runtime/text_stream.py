@@ -9,7 +9,7 @@ nothing printed is ever taken back. It knows nothing about models or speculation
 
 from __future__ import annotations
 
-from typing import Sequence
+from collections.abc import Sequence
 
 
 class TextStream:

@@ -7,10 +7,9 @@ the cache back to committed-except-the-new-last, i.e. it keeps last and d_1..d_A
 
 from __future__ import annotations
 
-from typing import Sequence
+from collections.abc import Sequence
 
 import numpy as np
-
 from mirror_rt.runtime.acceptance import Verdict, accept_greedy, accept_sampled
 from mirror_rt.runtime.drafter import Draft
 from mirror_rt.runtime.reference import prefill_logits

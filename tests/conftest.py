@@ -13,7 +13,6 @@ from pathlib import Path
 
 import pytest
 import torch
-
 from mirror_rt.devices.torch_backend import TorchModel
 from mirror_rt.models.config import ModelConfig
 from mirror_rt.models.transformer import random_model

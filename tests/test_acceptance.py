@@ -4,7 +4,6 @@ import math
 
 import numpy as np
 import pytest
-
 from mirror_rt.runtime.acceptance import Verdict, accept_greedy, accept_sampled
 from mirror_rt.runtime.sampling import sample
 
@@ -70,7 +69,7 @@ def test_sampling_reproduces_target_distribution():
 def test_distribution_test_has_power():
     """Accepting every draft token (a wrong rule) yields q, which the same test rejects."""
     p, q = random_dists(8, 2, seed=1), random_dists(8, 1, seed=2)
-    always = lambda draft, q_, p_, rng: Verdict(0, len(draft), 0)  # noqa: E731
+    always = lambda draft, q_, p_, rng: Verdict(0, len(draft), 0)
     counts = first_tokens(always, p, q, 40_000, seed=3)
     assert chi2(counts, p[0]) > 10 * chi2_threshold(7)
 

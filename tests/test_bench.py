@@ -5,9 +5,15 @@ import subprocess
 import sys
 
 import pytest
-
 from mirror_rt.runtime import report
-from mirror_rt.runtime.specbench import Answer, DataError, pick_evenly, read_answers, read_questions, write_answers
+from mirror_rt.runtime.specbench import (
+    Answer,
+    DataError,
+    pick_evenly,
+    read_answers,
+    read_questions,
+    write_answers,
+)
 
 
 def write_questions(path, rows):

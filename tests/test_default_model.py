@@ -3,7 +3,6 @@
 Marked slow: the first run on a machine fetches the model (~93 MB) and converts it once.
 """
 
-import json
 import subprocess
 import sys
 

@@ -10,20 +10,29 @@ import warnings
 import numpy as np
 import pytest
 import torch
+from conftest import perturbed_copy, tiny_target
 from mirror_rt.devices.registry import load_bundle
 from mirror_rt.devices.torch_backend import TorchModel
 from mirror_rt.devices.torch_split import TorchSplitTarget
 from mirror_rt.exporters.export import ExportError, export_bundle
 from mirror_rt.exporters.manifest import read_manifest
-from mirror_rt.models.exit_adapter import AdapterError, ExitAdapter, load_exit_adapter, save_exit_adapter
+from mirror_rt.models.exit_adapter import (
+    AdapterError,
+    ExitAdapter,
+    load_exit_adapter,
+    save_exit_adapter,
+)
 from mirror_rt.models.exit_data import ExitData, decode_batch
-from mirror_rt.models.exit_training import TrainExitConfig, evaluate_exit, fit, train_exit_main
+from mirror_rt.models.exit_training import (
+    TrainExitConfig,
+    evaluate_exit,
+    fit,
+    train_exit_main,
+)
 from mirror_rt.models.loading import load_checkpoint
 from mirror_rt.runtime.metrics import Metrics
 from mirror_rt.runtime.mirror import MirrorSettings, mirror_generate
 from mirror_rt.runtime.reference import generate
-
-from conftest import perturbed_copy, tiny_target
 
 PROMPTS = [[5, 17, 42, 9, 80], [33, 61, 2, 14], [7, 7, 19, 50, 23, 11], [90, 3], [44, 45, 46], [12, 70, 8]]
 

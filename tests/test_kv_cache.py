@@ -2,10 +2,8 @@
 
 import pytest
 import torch
-
-from mirror_rt.runtime.kv_cache import CacheFull, KVCache
-
 from conftest import tiny_target
+from mirror_rt.runtime.kv_cache import CacheFull, KVCache
 
 
 def test_rollback_then_refeed_equals_fresh_prefill():

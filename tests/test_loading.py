@@ -3,11 +3,10 @@
 import json
 
 import pytest
-
-import mirror_rt
+from conftest import write_hf_folder
 from mirror_rt.models.loading import ModelError, load_checkpoint
 
-from conftest import write_hf_folder
+import mirror_rt
 
 
 def test_hf_folder_loads(tmp_path):

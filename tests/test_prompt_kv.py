@@ -7,6 +7,7 @@ import warnings
 
 import numpy as np
 import pytest
+from conftest import perturbed_copy, tiny_target
 from mirror_rt.devices.registry import DeviceError, available_devices, load_bundle
 from mirror_rt.devices.torch_backend import TorchModel
 from mirror_rt.devices.torch_split import TorchSplitTarget
@@ -16,8 +17,6 @@ from mirror_rt.runtime.metrics import Metrics
 from mirror_rt.runtime.mirror import MirrorSettings, mirror_generate
 from mirror_rt.runtime.reference import generate
 from mirror_rt.runtime.speculative import speculative_generate
-
-from conftest import perturbed_copy, tiny_target
 
 PROMPT = [5, 17, 42, 9, 80, 33, 61, 2, 14, 7, 7, 19, 3]
 needs_ort = pytest.mark.skipif(not available_devices()["onnxruntime"], reason="onnxruntime not installed")

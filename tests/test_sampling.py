@@ -2,7 +2,6 @@
 
 import numpy as np
 import pytest
-
 from mirror_rt.runtime.sampling import SamplingConfig, choose, probabilities
 
 

@@ -5,7 +5,6 @@ import subprocess
 import sys
 
 import pytest
-
 from mirror_rt.runtime.simulate import SimConfig, predict
 
 

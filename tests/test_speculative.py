@@ -1,13 +1,11 @@
 """Vanilla speculative decoding equals the reference decoder (greedy) token for token."""
 
 import pytest
-
+from conftest import perturbed_copy, tiny_target
 from mirror_rt.devices.torch_backend import TorchModel
 from mirror_rt.runtime.metrics import Metrics
 from mirror_rt.runtime.reference import generate
 from mirror_rt.runtime.speculative import speculative_generate
-
-from conftest import perturbed_copy, tiny_target
 
 
 def flat(steps):
@@ -63,5 +61,5 @@ def test_sampling_runs_and_is_seeded():
     target = tiny_target(seed=5, scale=3.0)
     draft = perturbed_copy(target, noise=0.3, seed=9)
     s = SamplingConfig(temperature=1.0)
-    run = lambda seed: flat(speculative_generate(TorchModel(target), TorchModel(draft), [4, 5], 30, 3, s, seed))  # noqa: E731
+    run = lambda seed: flat(speculative_generate(TorchModel(target), TorchModel(draft), [4, 5], 30, 3, s, seed))
     assert run(1) == run(1) and run(1) != run(2)

@@ -3,11 +3,9 @@
 import pytest
 import torch
 import transformers
-
+from conftest import tiny_target
 from mirror_rt.models.config import ModelConfig
 from mirror_rt.models.transformer import Transformer
-
-from conftest import tiny_target
 
 
 @pytest.mark.parametrize("arch,extra", [("llama", {}), ("mistral", {}), ("qwen2", {}),
