@@ -1,4 +1,5 @@
-"""The `mirror-rt` command line: argument parsing and dispatch only.
+"""The `mirror-rt` command line: argument parsing and dispatch only (training and evaluation subcommands:
+`cli_training`; argument types: `cli_args`).
 
 Every user error ends as one line on stderr (`mirror-rt: error: ...`) and exit code 2;
 Ctrl-C exits with 130 after the committed text was printed.
@@ -10,36 +11,10 @@ import argparse
 import json
 import sys
 
+from mirror_rt.cli_args import budget, count, log, number, positive_int
+from mirror_rt.cli_training import COMMANDS as TRAINING_COMMANDS
+from mirror_rt.cli_training import add_training
 from mirror_rt.runtime.config import MODES
-
-
-def _whole(text: str, minimum: int, expected: str = "a whole number") -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected {expected}, got '{text}'") from None
-    if value < minimum:
-        raise argparse.ArgumentTypeError(f"must be >= {minimum}, got {value}")
-    return value
-
-
-def _positive_int(text: str) -> int:
-    return _whole(text, 1)
-
-
-def _number(text: str) -> float:
-    try:
-        return float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a number, got '{text}'") from None
-
-
-def _count(text: str) -> int:
-    return _whole(text, 0)
-
-
-def _budget(text: str) -> int | None:
-    return None if text == "auto" else _whole(text, 0, "'auto' or a whole number")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -52,18 +27,18 @@ def build_parser() -> argparse.ArgumentParser:
                      help="draft: int8 (an int8 copy of the target, default), target (oracle draft), "
                           "or an HF folder, .gguf file or preset")
     run.add_argument("--mode", default="mirror", help=f"decoding mode: {', '.join(MODES)} (default: mirror)")
-    run.add_argument("--gamma", type=_positive_int, default=4, help="draft tokens per window (default 4)")
-    run.add_argument("--kappa", type=_positive_int, default=8, help="early-exit candidates per position (mirror)")
-    run.add_argument("--exit-layer", type=_positive_int, help="early-exit layer (mirror; default N/2)")
-    run.add_argument("--branch-budget", type=_budget, default=None,
+    run.add_argument("--gamma", type=positive_int, default=4, help="draft tokens per window (default 4)")
+    run.add_argument("--kappa", type=positive_int, default=8, help="early-exit candidates per position (mirror)")
+    run.add_argument("--exit-layer", type=positive_int, help="early-exit layer (mirror; default N/2)")
+    run.add_argument("--branch-budget", type=budget, default=None,
                      help="side branches precomputed per step: auto (as many as fit) or N")
-    run.add_argument("--draft-lookup", type=_count, default=3,
+    run.add_argument("--draft-lookup", type=count, default=3,
                      help="mirror, greedy: prompt-lookup guesses the draft checks per forward (0: off)")
     run.add_argument("--early-exit", default="auto", choices=("auto", "on", "off"),
                      help="mirror: send early-exit candidates (auto: only while the draft has time to use them)")
-    run.add_argument("--max-new-tokens", type=_positive_int, default=256)
-    run.add_argument("--temperature", type=_number, default=0.0, help="0 = greedy (default)")
-    run.add_argument("--top-p", type=_number, default=1.0)
+    run.add_argument("--max-new-tokens", type=positive_int, default=256)
+    run.add_argument("--temperature", type=number, default=0.0, help="0 = greedy (default)")
+    run.add_argument("--top-p", type=number, default=1.0)
     run.add_argument("--top-k", type=int, default=0)
     run.add_argument("--seed", type=int, default=0)
     run.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
@@ -72,7 +47,7 @@ def build_parser() -> argparse.ArgumentParser:
     run.add_argument("--json", action="store_true", help="print one JSON object with text and stats")
     run.add_argument("--device", default="cpu", help="torch device for both models (cpu, cuda, cuda:1)")
     run.add_argument("--dtype", default="float32", help="float32 | bfloat16 | float16 | float64")
-    run.add_argument("--threads", type=_positive_int, help="torch threads (default: all cores)")
+    run.add_argument("--threads", type=positive_int, help="torch threads (default: all cores)")
     run.add_argument("--cache-dir", help="model cache folder (default: $MIRROR_RT_CACHE or ~/.cache/mirror-rt)")
     run.add_argument("--bundle", help="run an exported bundle (mirror-rt export) instead of --model (default "
                      "model: its ONNX bundle, exported once into the cache)")
@@ -87,7 +62,7 @@ def build_parser() -> argparse.ArgumentParser:
     run.add_argument("--draft-streams", help="trained SS streams (mirror-rt train-draft --out) over the draft")
     _add_export(sub)
     sub.add_parser("devices", help="list the devices each backend sees on this machine")
-    _add_training(sub)
+    add_training(sub)
     _add_bench(sub)
     simulate = sub.add_parser("simulate", help="predict AR / SD / Mirror speed from costs (latency model)")
     simulate.add_argument("--config", default="qwen3-14b-m2ultra",
@@ -114,95 +89,12 @@ def cmd_simulate(args) -> int:
     return 0
 
 
-def _add_training(sub) -> None:
-    draft = sub.add_parser("train-draft", help="train Speculative Streaming streams for a draft (distillation)")
-    draft.add_argument("--target", help="target model (default: SmolLM2-135M-Instruct)")
-    draft.add_argument("--init", default="self", help="the draft: self (the target), layers:K, or a model path")
-    draft.add_argument("--streams", type=_positive_int, default=2, help="lookahead streams")
-    draft.add_argument("--stream-layers", type=_positive_int, default=2, help="top layers with streams")
-    draft.add_argument("--rank", type=_positive_int, default=16, help="LoRA rank of the stream rows")
-    draft.add_argument("--data", nargs="*", help="SpecBench-format jsonl (default: the dev set beside the repo)")
-    draft.add_argument("--steps", type=_positive_int, default=300)
-    draft.add_argument("--lr", type=_number, default=2e-3)
-    draft.add_argument("--seed", type=int, default=0)
-    draft.add_argument("--cache-dir")
-    draft.add_argument("--out", required=True, help="folder for streams.safetensors / streams.json (resumes)")
-    exit_ = sub.add_parser("train-exit", help="train an early-exit adapter (an attention read of the exit layer's "
-                           "keys + a low-rank map) distilled from the final layer")
-    exit_.add_argument("--target", help="target model (default: SmolLM2-135M-Instruct)")
-    exit_.add_argument("--exit-layer", type=_positive_int, help="default N/2")
-    exit_.add_argument("--rank", type=_positive_int, default=512)
-    exit_.add_argument("--no-attention", dest="attention", action="store_false",
-                       help="per-position low-rank map only (no read of earlier positions; weaker)")
-    exit_.add_argument("--data", nargs="*", help="SpecBench-format jsonl (default: the dev set beside the repo)")
-    exit_.add_argument("--steps", type=_positive_int, default=600)
-    exit_.add_argument("--seed", type=int, default=0)
-    exit_.add_argument("--out", help="adapter path (default: in the cache)")
-    prune = sub.add_parser("prune-vocab", help="keep the target's most frequent tokens for a draft's LM head")
-    prune.add_argument("--target", help="target model (default: SmolLM2-135M-Instruct)")
-    prune.add_argument("--data", nargs="*", help="SpecBench-format jsonl (default: the dev set beside the repo)")
-    prune.add_argument("--size", type=_positive_int, required=True, help="token ids to keep")
-    prune.add_argument("--out", required=True, help="kept-ids file to write (.json; mirror-rt export --draft-vocab)")
-    prune.add_argument("--cache-dir")
-    evaluate = sub.add_parser("eval-draft", help="bundles' drafts on held-out target text: acceptance per position, "
-                              "mean accepted length, forwards and ms per window, side by side")
-    evaluate.add_argument("--bundle", action="append", required=True, help="a bundle (repeat to compare; "
-                          "the first is the reference of `rollout vs first`)")
-    evaluate.add_argument("--target", help="target model whose greedy answers are the text (default: SmolLM2-135M-Instruct)")
-    evaluate.add_argument("--data", nargs="*", help="SpecBench-format jsonl (default: the dev set beside the repo)")
-    evaluate.add_argument("--gamma", type=_positive_int, action="append", help="window length (repeatable; default 4 and 7)")
-    evaluate.add_argument("--questions", type=_positive_int, default=24, help="held-out questions (default 24)")
-    evaluate.add_argument("--stride", type=_positive_int, default=8, help="answer tokens between window starts")
-    evaluate.add_argument("--draft-lookup", type=_count, default=3, help="prompt-lookup guesses per forward, as "
-                          "in run (default 3; 0: off)")
-    evaluate.add_argument("--oracle-streams", action="store_true", help="also run SS drafts with the text as "
-                          "their stream guesses: what perfect streams would cost here")
-    evaluate.add_argument("--json", action="store_true")
-    evaluate.add_argument("--cache-dir")
-
-
-def cmd_train_draft(args) -> int:
-    from mirror_rt.models.ss_training import train_draft_main
-
-    report = train_draft_main(args.target, args.init, args.streams, args.stream_layers, args.rank, args.data,
-                              args.steps, args.out, args.seed, args.lr, cache=args.cache_dir, log=_log)
-    print(json.dumps(report, indent=2))
-    return 0
-
-
-def cmd_prune_vocab(args) -> int:
-    from mirror_rt.models.vocab_prune import prune_vocab_main
-
-    report = prune_vocab_main(args.target, args.data, args.size, args.out, cache=args.cache_dir)
-    print(json.dumps(report, indent=2))
-    return 0
-
-
-def cmd_eval_draft(args) -> int:
-    from mirror_rt.runtime.draft_eval import eval_draft_main, format_rows
-
-    rows = eval_draft_main(args.bundle, args.target, args.data, tuple(args.gamma or (4, 7)), args.questions,
-                           args.stride, cache=args.cache_dir, oracle_streams=args.oracle_streams,
-                           lookup=args.draft_lookup)
-    print(json.dumps(rows, indent=2) if args.json else format_rows(rows))
-    return 0
-
-
-def cmd_train_exit(args) -> int:
-    from mirror_rt.models.exit_training import train_exit_main
-
-    report = train_exit_main(args.target, args.exit_layer, args.data, args.steps, args.rank, args.out, args.seed,
-                             attention=args.attention)
-    print(json.dumps(report, indent=2))
-    return 0
-
-
 def _add_export(sub) -> None:
     export = sub.add_parser("export", help="split a model into target prefix / suffix and draft graphs (a bundle)")
     export.add_argument("--model", help="target: HF folder, .gguf file or preset (default: SmolLM2-135M-Instruct)")
     export.add_argument("--draft", help="draft model (default: the target itself, with --draft-weights)")
-    export.add_argument("--exit-layer", type=_positive_int, help="early-exit layer (default N/2)")
-    export.add_argument("--kappa", type=_positive_int, default=8, help="early-exit candidates per position")
+    export.add_argument("--exit-layer", type=positive_int, help="early-exit layer (default N/2)")
+    export.add_argument("--kappa", type=positive_int, default=8, help="early-exit candidates per position")
     export.add_argument("--format", default="onnx", help="onnx (default: exact and fastest on CPU here) | openvino | torch")
     export.add_argument("--weights", default="fp32", help="target weights: fp32 | fp16 | int8 | int4")
     export.add_argument("--draft-weights", default="auto",
@@ -219,8 +111,8 @@ def _add_export(sub) -> None:
     export.add_argument("--draft-vocab", help="kept token ids (mirror-rt prune-vocab --out): the draft's LM head "
                         "over those rows only, -inf elsewhere (onnx, openvino; the output never changes)")
     export.add_argument("--static", action="store_true", help="fixed shapes (NPUs need them)")
-    export.add_argument("--max-context", type=_positive_int, help="context limit of the bundle")
-    export.add_argument("--max-window", type=_positive_int, help="window limit (with --static)")
+    export.add_argument("--max-context", type=positive_int, help="context limit of the bundle")
+    export.add_argument("--max-window", type=positive_int, help="window limit (with --static)")
     export.add_argument("--out", required=True, help="bundle folder to write")
 
 
@@ -250,15 +142,15 @@ def _add_bench(sub) -> None:
     bench = sub.add_parser("bench", help="SpecBench-style evaluation of ar / sd / mirror and peers")
     bench.add_argument("--data", required=True, help="questions (SpecBench jsonl: question_id, category, turns)")
     bench.add_argument("--categories", help="comma-separated categories to keep")
-    bench.add_argument("--limit", type=_positive_int, help="number of questions, picked evenly across categories")
+    bench.add_argument("--limit", type=positive_int, help="number of questions, picked evenly across categories")
     bench.add_argument("--methods", default="ar,sd,mirror", help="comma-separated: ar,sd,mirror,"
                        "mirror-no-lookup,hf-assisted,ov-genai,ov-genai-sd")
-    bench.add_argument("--temperature", type=_number, default=0.0)
-    bench.add_argument("--repeats", type=_positive_int, default=1, help="runs per turn (median wall time kept)")
-    bench.add_argument("--max-new-tokens", type=_positive_int, default=128)
-    bench.add_argument("--gamma", type=_positive_int, default=4)
-    bench.add_argument("--branch-budget", type=_budget, default=None)
-    bench.add_argument("--draft-lookup", type=_count, default=3, help="mirror: prompt-lookup guesses per forward")
+    bench.add_argument("--temperature", type=number, default=0.0)
+    bench.add_argument("--repeats", type=positive_int, default=1, help="runs per turn (median wall time kept)")
+    bench.add_argument("--max-new-tokens", type=positive_int, default=128)
+    bench.add_argument("--gamma", type=positive_int, default=4)
+    bench.add_argument("--branch-budget", type=budget, default=None)
+    bench.add_argument("--draft-lookup", type=count, default=3, help="mirror: prompt-lookup guesses per forward")
     bench.add_argument("--model", help="target (default: SmolLM2-135M-Instruct)")
     bench.add_argument("--draft-model", default="int8", help="draft (default: int8 copy of the target)")
     bench.add_argument("--bundle", help="run ar / sd / mirror from this exported bundle (all its backends)")
@@ -290,13 +182,13 @@ def cmd_bench(args) -> int:
         from mirror_rt.runtime.bench_methods import OURS
 
         ours = [m for m in methods if m in OURS]
-        runners = bundle_runners(ours, args.bundle, args.draft_bundle, args.draft_precision, log=_log)
+        runners = bundle_runners(ours, args.bundle, args.draft_bundle, args.draft_precision, log=log)
         peers = [m for m in methods if m not in ours]
         engine = mirror_rt.load(args.model, "target", cache_dir=args.cache_dir) if peers else None
-        runners += build_runners(peers, engine, engine.names.get("target") if engine else None, log=_log)
+        runners += build_runners(peers, engine, engine.names.get("target") if engine else None, log=log)
     else:
         engine = mirror_rt.load(args.model, args.draft_model, cache_dir=args.cache_dir)
-        runners = build_runners(methods, engine, engine.names.get("target"), log=_log)
+        runners = build_runners(methods, engine, engine.names.get("target"), log=log)
     answers = run_bench(runners, questions, BenchSettings(config=config, repeats=args.repeats))
     ar_names = [r.name for r in runners if r.name.startswith("ar-")]
     from mirror_rt.runtime.report import mean_speed
@@ -320,10 +212,6 @@ def format_profile(answers) -> str:
                 phases.setdefault(k, []).append(v)
     return "mirror, ms per step (mean over turns): " + ", ".join(
         f"{k} {sum(v) / len(v):.1f}" for k, v in phases.items())
-
-
-def _log(message: str) -> None:
-    print(message, file=sys.stderr, flush=True)
 
 
 def cmd_run(args) -> int:
@@ -437,8 +325,7 @@ def main(argv=None) -> int:
     _one_line_warnings()
     try:
         commands = {"run": cmd_run, "bench": cmd_bench, "simulate": cmd_simulate, "export": cmd_export,
-                    "train-draft": cmd_train_draft, "train-exit": cmd_train_exit, "prune-vocab": cmd_prune_vocab,
-                    "eval-draft": cmd_eval_draft, "devices": cmd_devices}
+                    "devices": cmd_devices, **TRAINING_COMMANDS}
         return commands[args.command](args)
     except KeyboardInterrupt:
         print("\nmirror-rt: interrupted", file=sys.stderr)

@@ -1,0 +1,39 @@
+"""Argument types and the log line shared by the `mirror-rt` subcommands."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+
+def whole(text: str, minimum: int, expected: str = "a whole number") -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected {expected}, got '{text}'") from None
+    if value < minimum:
+        raise argparse.ArgumentTypeError(f"must be >= {minimum}, got {value}")
+    return value
+
+
+def positive_int(text: str) -> int:
+    return whole(text, 1)
+
+
+def number(text: str) -> float:
+    try:
+        return float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number, got '{text}'") from None
+
+
+def count(text: str) -> int:
+    return whole(text, 0)
+
+
+def budget(text: str) -> int | None:
+    return None if text == "auto" else whole(text, 0, "'auto' or a whole number")
+
+
+def log(message: str) -> None:
+    print(message, file=sys.stderr, flush=True)
