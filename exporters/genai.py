@@ -19,7 +19,7 @@ from pathlib import Path
 
 import torch
 import torch.nn.functional as F
-from mirror_rt.models.transformer import Transformer, apply_rope
+from mirror_rt.models.transformer import Transformer, apply_rope, rope_tables
 from torch import nn
 
 # Bump when the exported graph changes, so cached folders from older exporters are rebuilt.
@@ -42,11 +42,9 @@ class GenAIDecoder(nn.Module):
         super().__init__()
         c = model.config
         self.model, self.n_heads, self.n_kv_heads, self.head_dim = model, c.n_heads, c.n_kv_heads, c.head_dim
-        angles = torch.outer(torch.arange(c.max_seq_len, dtype=torch.float64), model.inv_freq.to(torch.float64))
-        angles = torch.cat((angles, angles), dim=-1)
-        dtype = model.embed_tokens.weight.dtype
-        self.register_buffer("rope_cos", angles.cos().to(dtype), persistent=False)
-        self.register_buffer("rope_sin", angles.sin().to(dtype), persistent=False)
+        cos, sin = rope_tables(model.inv_freq, torch.arange(c.max_seq_len), model.embed_tokens.weight.dtype)
+        self.register_buffer("rope_cos", cos, persistent=False)
+        self.register_buffer("rope_sin", sin, persistent=False)
 
     def forward(self, input_ids, attention_mask, position_ids, *past):
         T, S = input_ids.shape[1], past[0].shape[2]

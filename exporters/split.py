@@ -29,7 +29,12 @@ from mirror_rt.exporters.shared_kv import (
     shared_kv_rope_attention,
 )
 from mirror_rt.models.exit_adapter import attends, exit_logits
-from mirror_rt.models.transformer import Transformer, apply_rope, grouped_attention
+from mirror_rt.models.transformer import (
+    Transformer,
+    apply_rope,
+    grouped_attention,
+    rope_tables,
+)
 from torch import nn
 
 ROLES = ("target_prefix", "target_exit", "target_suffix", "draft")
@@ -146,12 +151,9 @@ class SplitGraph(nn.Module):
         self.model, self.spec = model, spec
         self.exit_adapter = getattr(model, "exit_adapter", None)  # set by with_exit_adapter
         self.n_heads, self.n_kv_heads, self.head_dim = c.n_heads, c.n_kv_heads, c.head_dim
-        positions = torch.arange(table_len, dtype=torch.float64)
-        angles = torch.outer(positions, model.inv_freq.to(torch.float64))  # as the torch model does
-        angles = torch.cat((angles, angles), dim=-1)
-        dtype = model.embed_tokens.weight.dtype
-        self.register_buffer("rope_cos", angles.cos().to(dtype), persistent=False)
-        self.register_buffer("rope_sin", angles.sin().to(dtype), persistent=False)
+        cos, sin = rope_tables(model.inv_freq, torch.arange(table_len), model.embed_tokens.weight.dtype)
+        self.register_buffer("rope_cos", cos, persistent=False)
+        self.register_buffer("rope_sin", sin, persistent=False)
         # Shared-KV graphs of models without q/k norms: RoPE inside the attention op, and the
         # projections reading the same input fused (q|k|v, gate|up), so a layer is ~12 nodes.
         self.fused = spec.shared_kv and spec.has_kv and not c.qk_norm

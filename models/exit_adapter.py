@@ -27,7 +27,12 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 import torch
-from mirror_rt.models.transformer import RMSNorm, apply_rope, grouped_attention
+from mirror_rt.models.transformer import (
+    RMSNorm,
+    apply_rope,
+    grouped_attention,
+    rope_tables,
+)
 from torch import nn
 
 ADAPTER_KIND = "mirror-rt-exit-adapter"
@@ -135,13 +140,6 @@ def attends(adapter: ExitAdapter | None) -> bool:
     return adapter is not None and adapter.config.attention
 
 
-def exit_rope(model, positions: torch.Tensor, dtype) -> tuple[torch.Tensor, torch.Tensor]:
-    """(cos, sin) [T, head_dim] of the target's RoPE at `positions` [T] (as Transformer.run_layers computes them)."""
-    angles = torch.outer(positions.to(torch.float64), model.inv_freq.to(torch.float64))
-    angles = torch.cat((angles, angles), dim=-1)
-    return angles.cos().to(dtype), angles.sin().to(dtype)
-
-
 def exit_logits(model, h: torch.Tensor, adapter: ExitAdapter | None = None, mixed: bool = False) -> torch.Tensor:
     """Early-exit logits [T, vocab] of hidden h [T, hidden]: the target's norm + LM head, after the adapter if any.
 
@@ -169,7 +167,7 @@ def cached_mix(model, adapter: ExitAdapter, h: torch.Tensor, keys, values, start
     T = h.shape[0]
     positions = torch.arange(start, start + T, device=h.device)
     mask = torch.arange(start + T, device=h.device)[None, :] <= positions[:, None]
-    return adapter.mix(h, keys[:, :start + T], values[:, :start + T], exit_rope(model, positions, h.dtype), mask)
+    return adapter.mix(h, keys[:, :start + T], values[:, :start + T], rope_tables(model.inv_freq, positions, h.dtype), mask)
 
 
 def check_compatible(adapter: ExitAdapter, model, exit_layer: int, where: str = "exit adapter") -> None:

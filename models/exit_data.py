@@ -20,7 +20,7 @@ from pathlib import Path
 
 import torch
 import torch.nn.functional as F
-from mirror_rt.models.transformer import apply_rope
+from mirror_rt.models.transformer import apply_rope, rope_tables
 
 DATA_VERSION = 2  # 2: prompt positions recorded too
 
@@ -68,9 +68,8 @@ def first_turn_prompts(tokenizer, data_files, max_prompt_tokens: int = 192) -> l
 
 def _rope(model, positions: torch.Tensor, dtype):
     """cos, sin [B, 1, T, head_dim] for positions [B, T] (as Transformer.run_layers computes them)."""
-    angles = positions.to(torch.float64)[..., None] * model.inv_freq.to(torch.float64)
-    angles = torch.cat((angles, angles), dim=-1).unsqueeze(1)
-    return angles.cos().to(dtype), angles.sin().to(dtype)
+    cos, sin = rope_tables(model.inv_freq, positions, dtype)
+    return cos.unsqueeze(1), sin.unsqueeze(1)
 
 
 def _forward(model, ids, start: int, pad, kv, exit_layer: int):

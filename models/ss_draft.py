@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
-from mirror_rt.models.transformer import Transformer, apply_rope
+from mirror_rt.models.transformer import Transformer, apply_rope, rope_tables
 from mirror_rt.runtime.lookup import verify_guesses
 from torch import nn
 
@@ -104,11 +104,9 @@ class StreamDraft(nn.Module):
 
     def _rope(self, start: int, T: int, S: int, like):
         """Positions: main row p at start+p; stream j of row p at start+p+1+j (the slot it predicts from)."""
-        main = torch.arange(start, start + T, dtype=torch.float64, device=like.device)
-        streams = (main[:, None] + 1 + torch.arange(S, dtype=torch.float64, device=like.device)[None]).reshape(-1)
-        angles = torch.outer(torch.cat([main, streams]), self.base.inv_freq.to(like.device))
-        angles = torch.cat((angles, angles), dim=-1)
-        return angles.cos().to(like.dtype), angles.sin().to(like.dtype)
+        main = torch.arange(start, start + T, device=like.device)
+        streams = (main[:, None] + 1 + torch.arange(S, device=like.device)[None]).reshape(-1)
+        return rope_tables(self.base.inv_freq, torch.cat([main, streams]), like.dtype)
 
 
 def stream_qkv(attn, extra, rows: torch.Tensor, n_main: int, config):

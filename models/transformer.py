@@ -49,6 +49,17 @@ def rope_inv_freq(config: ModelConfig) -> torch.Tensor:
     return inv
 
 
+def rope_tables(inv_freq: torch.Tensor, positions: torch.Tensor, dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    """RoPE (cos, sin) [..., head_dim] at `positions` [...]: angles in float64, then cast to `dtype`.
+
+    The one formula every path uses (torch layers, exported graphs' tables, SS streams, exit adapters),
+    so their rotations agree to the bit.
+    """
+    angles = positions.to(torch.float64)[..., None] * inv_freq.to(device=positions.device, dtype=torch.float64)
+    angles = torch.cat((angles, angles), dim=-1)
+    return angles.cos().to(dtype), angles.sin().to(dtype)
+
+
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     """Rotate x [heads, T, head_dim] by cos/sin [T, head_dim] (HF half-rotation layout)."""
     half = x.shape[-1] // 2
@@ -157,10 +168,7 @@ class Transformer(nn.Module):
         last = self.config.n_layers if last is None else last
         cache_first = first if cache_first is None else cache_first
         T, start = h.shape[0], cache.length
-        positions = torch.arange(start, start + T, device=h.device, dtype=torch.float64)
-        angles = torch.outer(positions, self.inv_freq.to(h.device))  # [T, head_dim/2]
-        angles = torch.cat((angles, angles), dim=-1)
-        rope = (angles.cos().to(h.dtype), angles.sin().to(h.dtype))
+        rope = rope_tables(self.inv_freq, torch.arange(start, start + T, device=h.device), h.dtype)
         mask = None
         if T > 1:  # query i (position start+i) sees keys 0..start+i
             keys = torch.arange(start + T, device=h.device)
