@@ -30,6 +30,7 @@ import torch
 from mirror_rt.models.transformer import (
     RMSNorm,
     apply_rope,
+    causal_mask,
     grouped_attention,
     rope_tables,
 )
@@ -165,9 +166,8 @@ def cached_exit_logits(model, h: torch.Tensor, adapter: ExitAdapter | None = Non
 def cached_mix(model, adapter: ExitAdapter, h: torch.Tensor, keys, values, start: int = 0) -> torch.Tensor:
     """An attention adapter's first stage for h [T, hidden] at positions start.. (keys/values as above)."""
     T = h.shape[0]
-    positions = torch.arange(start, start + T, device=h.device)
-    mask = torch.arange(start + T, device=h.device)[None, :] <= positions[:, None]
-    return adapter.mix(h, keys[:, :start + T], values[:, :start + T], rope_tables(model.inv_freq, positions, h.dtype), mask)
+    rope = rope_tables(model.inv_freq, torch.arange(start, start + T, device=h.device), h.dtype)
+    return adapter.mix(h, keys[:, :start + T], values[:, :start + T], rope, causal_mask(start, T, h.device))
 
 
 def check_compatible(adapter: ExitAdapter, model, exit_layer: int, where: str = "exit adapter") -> None:

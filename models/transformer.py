@@ -60,6 +60,12 @@ def rope_tables(inv_freq: torch.Tensor, positions: torch.Tensor, dtype) -> tuple
     return angles.cos().to(dtype), angles.sin().to(dtype)
 
 
+def causal_mask(start: int, T: int, device=None) -> torch.Tensor:
+    """[T, start+T] bool (True: visible): query i, at position start+i, sees keys 0..start+i."""
+    keys = torch.arange(start + T, device=device)
+    return keys[None, :] <= (start + torch.arange(T, device=device))[:, None]
+
+
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     """Rotate x [heads, T, head_dim] by cos/sin [T, head_dim] (HF half-rotation layout)."""
     half = x.shape[-1] // 2
@@ -169,10 +175,7 @@ class Transformer(nn.Module):
         cache_first = first if cache_first is None else cache_first
         T, start = h.shape[0], cache.length
         rope = rope_tables(self.inv_freq, torch.arange(start, start + T, device=h.device), h.dtype)
-        mask = None
-        if T > 1:  # query i (position start+i) sees keys 0..start+i
-            keys = torch.arange(start + T, device=h.device)
-            mask = keys[None, :] <= (start + torch.arange(T, device=h.device))[:, None]
+        mask = causal_mask(start, T, h.device) if T > 1 else None  # one query sees every key anyway
         for i in range(first, last):
             h = self.layers[i](h, rope, cache, i - cache_first, mask)
         return h
