@@ -23,17 +23,6 @@ class Cache(Protocol):
     def rollback(self, length: int) -> None: ...  # forget positions >= length
 
 
-def pin_thread(cpu: int | None) -> None:
-    """Pin the calling thread to one core (Linux; a no-op elsewhere or for None)."""
-    import os
-
-    if cpu is not None and hasattr(os, "sched_setaffinity"):
-        try:
-            os.sched_setaffinity(0, {cpu})
-        except OSError:
-            pass
-
-
 class CacheBounds:
     """Checks shared by backend caches (subclasses provide `length` and `capacity`)."""
 
@@ -69,3 +58,54 @@ class LoadedModel(Protocol):
     def forward(self, tokens: Sequence[int], cache: Cache) -> np.ndarray:
         """tokens [T] at positions cache.length.. -> logits [T, vocab]; advances the cache by T."""
         ...
+
+
+class SplitTarget:
+    """The verbs every split target shares: prefix (with or without the early exit), suffix, forward.
+
+    A backend subclass provides three primitives over its own graphs and cache:
+    `_prefix_outputs(ids, cache)` (the prefix graph's outputs: "hidden", and "exit_hidden" when it
+    computes an attention exit adapter's first stage; advances the prefix half of the cache),
+    `_exit(hidden)` (the stateless exit graph: ids [T, kappa], log-probs [T, kappa]) and
+    `_suffix(hidden, cache, last_rows)` (the suffix graph's logits; advances the suffix half).
+    The cache carries the pending hidden state between prefix and suffix (`cache.hidden`).
+
+    Limitations:
+    - `forward_suffix` must follow each `forward_prefix` before the next prefix call.
+    """
+
+    def forward_prefix_only(self, tokens: Sequence[int], cache) -> None:
+        """Layers 0..exit-1 over tokens [T], no early exit; the hidden state waits for `forward_suffix`."""
+        self._run_prefix(tokens, cache)
+
+    def _run_prefix(self, tokens: Sequence[int], cache) -> dict:
+        if cache.hidden is not None:
+            raise RuntimeError("forward_prefix called again before forward_suffix")
+        ids = np.asarray(tokens, dtype=np.int64)
+        cache.check_room(len(ids))
+        out = self._prefix_outputs(ids, cache)
+        cache.hidden = out["hidden"]
+        return out
+
+    def forward_prefix(self, tokens: Sequence[int], cache) -> tuple[np.ndarray, np.ndarray]:
+        """Layers 0..exit-1 over tokens [T] -> early-exit (ids [T, kappa], log-probs [T, kappa])."""
+        out = self._run_prefix(tokens, cache)
+        return self._exit(out.get("exit_hidden", out["hidden"]))
+
+    def forward_suffix(self, cache, last_rows: int | None = None) -> np.ndarray:
+        """Layers exit..N-1 over the pending hidden state -> logits [T, vocab] (or its last `last_rows`)."""
+        if cache.hidden is None:
+            raise RuntimeError("forward_suffix called without a pending forward_prefix")
+        hidden, cache.hidden = cache.hidden, None
+        logits = self._suffix(hidden, cache, last_rows)
+        return logits[-last_rows:] if last_rows else logits
+
+    def forward(self, tokens: Sequence[int], cache) -> np.ndarray:
+        """tokens [T] -> logits [T, vocab] (prefix then suffix, no early exit); advances the cache by T."""
+        self.forward_prefix_only(tokens, cache)
+        return self.forward_suffix(cache)
+
+    def forward_last(self, tokens: Sequence[int], cache) -> np.ndarray:
+        """As `forward`, but logits of the last position only ([1, vocab]; prefill)."""
+        self.forward_prefix_only(tokens, cache)
+        return self.forward_suffix(cache, last_rows=1)

@@ -20,7 +20,8 @@ from collections.abc import Sequence
 from pathlib import Path
 
 import numpy as np
-from mirror_rt.devices.base import CacheBounds, pin_thread
+from mirror_rt.devices.base import CacheBounds, SplitTarget
+from mirror_rt.runtime.affinity import pin
 
 PREFILL_CHUNK = 64  # prompt tokens per pipelined prefill stage
 LAST_ROWS = "last_rows"  # optional graph input (exporters.split.LAST_ROWS): logits rows from the window's end
@@ -214,13 +215,11 @@ class ORTStreamDraft(ORTModel):
         return head["logits"], head[STREAM_LOGITS]
 
 
-class ORTSplitTarget:
+class ORTSplitTarget(SplitTarget):
     """The target as prefix + suffix sessions with a stateless early-exit session, one cache for both.
 
     `forward` never runs the exit session: target-only decoding pays for the prefix and suffix only.
-
-    Limitations:
-    - `forward_suffix` must follow each `forward_prefix` before the next prefix call.
+    The verbs come from `devices.base.SplitTarget`; this class runs its three graphs.
     """
 
     def __init__(self, prefix: ORTGraph, exit_graph: ORTGraph, suffix: ORTGraph, vocab_size: int, max_seq_len: int,
@@ -232,43 +231,15 @@ class ORTSplitTarget:
     def new_cache(self, capacity: int) -> ORTCache:
         return ORTCache([self.prefix, self.suffix], min(capacity, self.max_seq_len))
 
-    def forward_prefix_only(self, tokens: Sequence[int], cache: ORTCache) -> None:
-        """Layers 0..exit-1 over tokens [T], no early exit; the hidden state waits for `forward_suffix`."""
-        self._run_prefix(tokens, cache)
+    def _prefix_outputs(self, ids: np.ndarray, cache: ORTCache) -> dict:
+        return cache.run(0, self.prefix, ids)
 
-    def _run_prefix(self, tokens: Sequence[int], cache: ORTCache) -> dict:
-        """The prefix graph's outputs (with "exit_hidden" when it computes an attention adapter's first stage)."""
-        if cache.hidden is not None:
-            raise RuntimeError("forward_prefix called again before forward_suffix")
-        ids = np.asarray(tokens, dtype=np.int64)
-        cache.check_room(len(ids))
-        out = cache.run(0, self.prefix, ids)
-        cache.hidden = out["hidden"]
-        return out
-
-    def forward_prefix(self, tokens: Sequence[int], cache: ORTCache) -> tuple[np.ndarray, np.ndarray]:
-        """Layers 0..exit-1 over tokens [T] -> early-exit (ids [T, kappa], log-probs [T, kappa])."""
-        out = self._run_prefix(tokens, cache)
-        head, _ = self.exit.run(out.get("exit_hidden", out["hidden"]), [])
+    def _exit(self, hidden: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        head, _ = self.exit.run(hidden, [])
         return head["exit_ids"], head["exit_logprobs"]
 
-    def forward_suffix(self, cache: ORTCache, last_rows: int | None = None) -> np.ndarray:
-        """Layers exit..N-1 over the pending hidden state -> logits [T, vocab] (or its last `last_rows`)."""
-        if cache.hidden is None:
-            raise RuntimeError("forward_suffix called without a pending forward_prefix")
-        hidden, cache.hidden = cache.hidden, None
-        logits = cache.run(1, self.suffix, hidden, last_rows)["logits"]
-        return logits[-last_rows:] if last_rows else logits
-
-    def forward(self, tokens: Sequence[int], cache: ORTCache) -> np.ndarray:
-        """tokens [T] -> logits [T, vocab] (prefix then suffix, no early exit); advances the cache by T."""
-        self.forward_prefix_only(tokens, cache)
-        return self.forward_suffix(cache)
-
-    def forward_last(self, tokens: Sequence[int], cache: ORTCache) -> np.ndarray:
-        """As `forward`, but logits of the last position only ([1, vocab]; prefill)."""
-        self.forward_prefix_only(tokens, cache)
-        return self.forward_suffix(cache, last_rows=1)
+    def _suffix(self, hidden: np.ndarray, cache: ORTCache, last_rows: int | None) -> np.ndarray:
+        return cache.run(1, self.suffix, hidden, last_rows)["logits"]
 
     def prefill_pipelined(self, tokens: Sequence[int], cache: ORTCache, cpu: int | None,
                           chunk: int = PREFILL_CHUNK) -> np.ndarray:
@@ -306,7 +277,7 @@ class ORTSplitTarget:
         return result["logits"]
 
     def _suffix_chunks(self, handoff: queue.Queue, cache: ORTCache, cpu: int | None, result: dict) -> None:
-        pin_thread(cpu)
+        pin(cpu)
         while (hidden := handoff.get()) is not None:
             if "error" in result:
                 continue  # drain until the end marker

@@ -16,7 +16,7 @@ from collections.abc import Sequence
 from pathlib import Path
 
 import numpy as np
-from mirror_rt.devices.base import CacheBounds
+from mirror_rt.devices.base import CacheBounds, SplitTarget
 
 LAST_ROWS = "last_rows"  # optional graph input (exporters.split.LAST_ROWS): logits rows from the window's end
 STREAM_LOGITS = "stream_logits"  # second output of SS draft graphs (exporters.ss_graph.STREAM_LOGITS)
@@ -181,13 +181,13 @@ class OVStreamDraft(OVModel):
         return out["logits"], out[STREAM_LOGITS]
 
 
-class OVSplitTarget:
+class OVSplitTarget(SplitTarget):
     """The target as prefix + suffix graphs with a stateless early-exit graph, one cache for both.
 
     `forward` never runs the exit graph: target-only decoding pays for the prefix and suffix only.
+    The verbs come from `devices.base.SplitTarget`; this class runs its three graphs.
 
     Limitations:
-    - `forward_suffix` must follow each `forward_prefix` before the next prefix call;
     - one exit request serves every cache, so calls must not overlap (one target worker).
     """
 
@@ -201,42 +201,16 @@ class OVSplitTarget:
         requests = [self.prefix.new_request(), self.suffix.new_request()]
         return OVCache(requests, min(capacity, self.max_seq_len), bool(self.prefix.window))
 
-    def forward_prefix_only(self, tokens: Sequence[int], cache: OVCache) -> None:
-        """Layers 0..exit-1 over tokens [T], no early exit; the hidden state waits for `forward_suffix`."""
-        self._run_prefix(tokens, cache)
-
-    def _run_prefix(self, tokens: Sequence[int], cache: OVCache) -> dict:
-        """The prefix graph's outputs (with "exit_hidden" when it computes an attention adapter's first stage)."""
-        if cache.hidden is not None:
-            raise RuntimeError("forward_prefix called again before forward_suffix")
-        ids = np.asarray(tokens, dtype=np.int64)
-        cache.check_room(len(ids))
+    def _prefix_outputs(self, ids: np.ndarray, cache: OVCache) -> dict:
         out = self.prefix.run(cache.requests[0], ids, cache.length)
-        cache.hidden = out["hidden"]
         cache.filled[0] += len(ids)
         return out
 
-    def forward_prefix(self, tokens: Sequence[int], cache: OVCache) -> tuple[np.ndarray, np.ndarray]:
-        """Layers 0..exit-1 over tokens [T] -> early-exit (ids [T, kappa], log-probs [T, kappa])."""
-        out = self._run_prefix(tokens, cache)
-        out = self.exit.run(self.exit_request, out.get("exit_hidden", out["hidden"]), 0)
+    def _exit(self, hidden: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        out = self.exit.run(self.exit_request, hidden, 0)
         return out["exit_ids"], out["exit_logprobs"]
 
-    def forward_suffix(self, cache: OVCache, last_rows: int | None = None) -> np.ndarray:
-        """Layers exit..N-1 over the pending hidden state -> logits [T, vocab] (or its last `last_rows`)."""
-        if cache.hidden is None:
-            raise RuntimeError("forward_suffix called without a pending forward_prefix")
-        out = self.suffix.run(cache.requests[1], cache.hidden, cache.filled[1], last_rows)
-        cache.filled[1] += len(cache.hidden)
-        cache.hidden = None
-        return out["logits"][-last_rows:] if last_rows else out["logits"]
-
-    def forward(self, tokens: Sequence[int], cache: OVCache) -> np.ndarray:
-        """tokens [T] -> logits [T, vocab] (prefix then suffix, no early exit); advances the cache by T."""
-        self.forward_prefix_only(tokens, cache)
-        return self.forward_suffix(cache)
-
-    def forward_last(self, tokens: Sequence[int], cache: OVCache) -> np.ndarray:
-        """As `forward`, but logits of the last position only ([1, vocab]; prefill)."""
-        self.forward_prefix_only(tokens, cache)
-        return self.forward_suffix(cache, last_rows=1)
+    def _suffix(self, hidden: np.ndarray, cache: OVCache, last_rows: int | None) -> np.ndarray:
+        out = self.suffix.run(cache.requests[1], hidden, cache.filled[1], last_rows)
+        cache.filled[1] += len(hidden)
+        return out["logits"]

@@ -10,11 +10,11 @@ Fastest CPU order (measured on the default model, 1 thread): onnxruntime, openvi
 
 from __future__ import annotations
 
-import os
 import warnings
 from dataclasses import dataclass
 from pathlib import Path
-from typing import NamedTuple
+
+from mirror_rt.runtime.affinity import pin, restore
 
 BACKEND_ALIASES = {"torch": "torch", "pt": "torch", "openvino": "openvino", "ov": "openvino",
                    "ort": "onnxruntime", "onnxruntime": "onnxruntime"}
@@ -169,40 +169,11 @@ class WorkerBudget:
 
     def apply(self) -> None:
         """Pin the calling thread to `cpus` (Linux; ignored elsewhere) and set torch's threads."""
-        if self.cpus and hasattr(os, "sched_setaffinity"):
-            os.sched_setaffinity(0, set(self.cpus))
+        pin(self.cpus)
         if self.threads:
             import torch
 
             torch.set_num_threads(self.threads)
-
-
-class LoadedBundle(NamedTuple):
-    """What `load_bundle` returns (unpacks as target, draft, tokenizer, manifest)."""
-
-    target: object  # split-target LoadedModel: forward, forward_prefix(_only), forward_suffix
-    draft: object  # LoadedModel
-    tokenizer: object  # HFTokenizer or ByteTokenizer
-    manifest: object  # exporters.manifest.BundleManifest
-
-
-def load_bundle(bundle_dir, target_device: str = "cpu", draft_device: str = "cpu", strict: bool = False,
-                threads: int | tuple[int, int] | None = None, verify: bool = True) -> LoadedBundle:
-    """Load a bundle's target (prefix, exit, suffix) and draft onto two devices (see module docstring).
-
-    Args:
-        threads: one budget for both models, or (target threads, draft threads).
-        verify: check every file's sha256 against the manifest (about 1 s for the default bundle).
-    """
-    from mirror_rt.exporters.manifest import read_manifest
-
-    folder = Path(bundle_dir)
-    manifest = read_manifest(folder, verify=verify)
-    target_threads, draft_threads = threads if isinstance(threads, tuple) else (threads, threads)
-    target = load_model(folder, manifest, "target", target_device, strict, WorkerBudget(target_threads))
-    draft = load_model(folder, manifest, "draft", draft_device, strict, WorkerBudget(draft_threads))
-    draft.same_model_as_target = draft_copies_target(manifest, manifest)
-    return LoadedBundle(target, draft, load_tokenizer(folder, manifest), manifest)
 
 
 def load_model(folder: Path, manifest, role: str, device: str | DeviceSpec, strict: bool = False,
@@ -304,14 +275,11 @@ def _wide_graphs(paths, kv_shape, cpus: tuple[int, ...]) -> list:
     thread may run on all of them (they inherit that mask), then the caller's own pin is restored."""
     from mirror_rt.devices.onnxruntime_backend import ORTGraph
 
-    pinned = os.sched_getaffinity(0) if hasattr(os, "sched_setaffinity") else None
-    if pinned is not None:
-        os.sched_setaffinity(0, set(cpus))
+    previous = pin(cpus)
     try:
         return [ORTGraph(p, "cpu", kv_shape, len(cpus)) for p in paths]
     finally:
-        if pinned is not None:
-            os.sched_setaffinity(0, pinned)
+        restore(previous)
 
 
 def _load_torch(paths, manifest, config, spec: DeviceSpec, budget: WorkerBudget):

@@ -13,10 +13,10 @@ import statistics
 from dataclasses import dataclass, replace
 from pathlib import Path
 
-from mirror_rt.runtime import report
+from mirror_rt.evaluation import report
+from mirror_rt.evaluation.specbench import Answer, Question, write_answers
 from mirror_rt.runtime.config import GenerationConfig
 from mirror_rt.runtime.engine import GenerationError
-from mirror_rt.runtime.specbench import Answer, Question, write_answers
 
 
 class EngineRunner:
@@ -24,6 +24,7 @@ class EngineRunner:
 
     def __init__(self, name: str, engine, mode: str, threads: int | None = None, **options):
         self.name, self.engine, self.mode, self.threads, self.options = name, engine, mode, threads, options
+        self.label = describe(engine.names, mode)  # path and precision, for the report
 
     def answer(self, messages: list[dict], config: GenerationConfig):
         target = self.engine.target
@@ -35,6 +36,15 @@ class EngineRunner:
                 target.set_threads(previous)
         s = gen.stats
         return gen.text, s["new_tokens"], s["wall_time_s"], s.get("accept_lengths", []), s
+
+
+def describe(names: dict, mode: str) -> str:
+    """`onnx bundle, fp32 target + q4_1 draft`: the path an engine runs and each role's precision."""
+    path = names.get("path", "engine")
+    target = names.get("target_precision", "?")
+    if mode == "ar":
+        return f"{path}, {target} target"
+    return f"{path}, {target} target + {names.get('draft_precision', target)} draft"
 
 
 @dataclass(frozen=True)
@@ -55,7 +65,8 @@ def run_bench(runners: list, questions: list[Question], settings: BenchSettings,
     from tqdm import tqdm
 
     for runner in runners:  # warm-up: first-call costs (allocation, JIT) stay out of the figures
-        runner.answer([{"role": "user", "content": "Hello"}], replace(settings.config, max_new_tokens=settings.warmup_tokens))
+        warmup = replace(settings.config, max_new_tokens=settings.warmup_tokens)
+        runner.answer([{"role": "user", "content": "Hello"}], warmup)
     answers: dict[str, list[Answer]] = {r.name: [] for r in runners}
     total = len(questions) * len(runners)
     with tqdm(total=total, desc="bench", unit="answer", disable=not progress) as bar:
@@ -89,8 +100,11 @@ def _answer_question(runner, question: Question, settings: BenchSettings) -> Ans
 
 
 def write_results(out_dir: Path, answers: dict[str, list[Answer]], baseline: str, reference: str | None,
-                  command: str) -> dict:
-    """Answer files, summary.json, report.md and speedup.png; returns the summary."""
+                  command: str, labels: dict[str, str] | None = None) -> dict:
+    """Answer files, summary.json, report.md and speedup.png; returns the summary.
+
+    `labels`: per method, the path and precision it ran (a column of the report).
+    """
     out_dir.mkdir(parents=True, exist_ok=True)
     (out_dir / "answers").mkdir(exist_ok=True)
     for method, items in answers.items():
@@ -98,11 +112,12 @@ def write_results(out_dir: Path, answers: dict[str, list[Answer]], baseline: str
     summary = report.summarize(answers, baseline)
     mismatches = report.count_mismatches(answers, reference) if reference else {}
     methods = list(answers)
-    doc = {"command": command, "baseline": baseline, "summary": summary,
+    labels = labels or {}
+    doc = {"command": command, "baseline": baseline, "paths": labels, "summary": summary,
            "mismatches": {m: len(v) for m, v in mismatches.items()},
            "mismatch_list": {m: v for m, v in mismatches.items() if v}}
     (out_dir / "summary.json").write_text(json.dumps(doc, indent=2))
-    table = report.markdown_table(summary, methods)
+    table = report.markdown_table(summary, methods, labels)
     lines = [f"Command: `{command}`", "", f"Baseline (speedup 1.0): `{baseline}`", "", table]
     if reference:
         lines.append("Greedy output mismatches against `" + reference + "`: " +

@@ -1,4 +1,8 @@
-"""Bench runners over exported bundles: `ar` on every backend and thread count, `sd`, `mirror`.
+"""Bench runners: what `mirror-rt bench` runs, over exported bundles or torch eager.
+
+`bench_runners` makes the same choice as `mirror-rt run` (devices.engines.load_engine): our
+methods run the given bundle, else the default model's cached bundle unless torch is asked for,
+so the bench measures what users run. Peers run on the target's model folder.
 
 `ar` loads the bundle's target once per (backend, threads) pair that can run the bundle's
 format on this machine — OpenVINO bundles on OpenVINO; ONNX bundles on ONNX Runtime and on
@@ -12,7 +16,7 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
-from mirror_rt.runtime.bench import EngineRunner
+from mirror_rt.evaluation.bench import EngineRunner
 
 FORMAT_BACKENDS = {"openvino": ("openvino:CPU",), "onnx": ("ort:cpu", "openvino:CPU"), "torch": ("torch:cpu",)}
 
@@ -20,9 +24,8 @@ FORMAT_BACKENDS = {"openvino": ("openvino:CPU",), "onnx": ("ort:cpu", "openvino:
 def bundle_runners(methods: list[str], bundle: str, draft_bundle: str | None = None,
                    draft_precision: str | None = None, log=print) -> list:
     """Runners for the `ar`, `sd` and `mirror` entries of `methods` over `bundle`."""
+    from mirror_rt.devices.engines import load_bundle
     from mirror_rt.exporters.manifest import read_manifest
-
-    import mirror_rt
 
     manifest = read_manifest(bundle, verify=False)
     runners = []
@@ -30,8 +33,8 @@ def bundle_runners(methods: list[str], bundle: str, draft_bundle: str | None = N
         runners += _ar_runners(bundle, manifest, log)
     for mode in ("sd", "mirror"):
         if mode in methods or (mode == "mirror" and "mirror-no-lookup" in methods):
-            engine = mirror_rt.load_bundle(bundle, draft_bundle=draft_bundle, mode=mode, verify=False,
-                                           draft_precision=draft_precision)
+            engine = load_bundle(bundle, draft_bundle=draft_bundle, mode=mode, verify=False,
+                                 draft_precision=draft_precision)
             if mode in methods:
                 runners.append(EngineRunner(mode, engine, mode))
             if mode == "mirror" and "mirror-no-lookup" in methods:  # ablation on the same engine
@@ -65,5 +68,51 @@ def _ar_runners(bundle: str, manifest, log) -> list:
         for threads in sorted({1, cores}):
             target = load_model(Path(bundle), manifest, "target", device, True, WorkerBudget(threads))
             backend = device.split(":")[0].replace("openvino", "ov")
-            runners.append(EngineRunner(f"ar-{backend}-{threads}t", Engine(target, tokenizer), "ar"))
+            names = {"path": f"{graph_format} bundle on {device}, {threads} thread{'s' * (threads > 1)}",
+                     "target_precision": manifest.graph("target_prefix").precision}
+            runners.append(EngineRunner(f"ar-{backend}-{threads}t", Engine(target, tokenizer, names=names), "ar"))
     return runners
+
+
+def bench_runners(methods: list[str], *, bundle: str | None = None, draft_bundle: str | None = None,
+                  torch: bool = False, model: str | None = None, draft_model: str | None = None,
+                  draft_precision: str | None = None, cache_dir: str | None = None, log=print) -> list:
+    """Runners for `methods`: ours on the engine `run` would pick, peers on the target's folder.
+
+    Torch eager runs when asked for (`torch`, or a `model` / `draft_model` with no `bundle`); then
+    ours share one torch engine. With a bundle (given or default), `model` only names the peers' target.
+    """
+    from mirror_rt.devices.engines import default_bundle, load_torch
+    from mirror_rt.evaluation.bench_methods import KNOWN_METHODS, OURS, build_runners
+    from mirror_rt.models.loading import resolve_folder
+
+    unknown = [m for m in methods if m not in KNOWN_METHODS]
+    if unknown:
+        raise ValueError(f"unknown bench method(s): {', '.join(unknown)} (known: {', '.join(KNOWN_METHODS)})")
+    if bundle is None and not torch and draft_model is None and model is None:
+        bundle = str(default_bundle(cache_dir, log=log))
+    if bundle is None:
+        engine = load_torch(model, draft_model or "int8", cache_dir=cache_dir, log=log)
+        return build_runners(methods, engine, engine.names.get("target"), log=log)
+    ours = [m for m in methods if m in OURS]
+    runners = bundle_runners(ours, bundle, draft_bundle, draft_precision, log=log)
+    peers = [m for m in methods if m not in OURS]
+    if peers:
+        tokenizer = runners[0].engine.tokenizer if runners else _bundle_tokenizer(bundle)
+        folder = model if model and not os.path.exists(model) else str(resolve_folder(model, cache_dir, log=log))
+        runners += build_runners(peers, _Peers(tokenizer), folder, log=log)
+    return runners
+
+
+class _Peers:
+    """What peer runners take from an engine: only its tokenizer."""
+
+    def __init__(self, tokenizer):
+        self.tokenizer = tokenizer
+
+
+def _bundle_tokenizer(bundle: str):
+    from mirror_rt.devices.registry import load_tokenizer
+    from mirror_rt.exporters.manifest import read_manifest
+
+    return load_tokenizer(Path(bundle), read_manifest(bundle, verify=False))

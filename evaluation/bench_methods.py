@@ -13,7 +13,7 @@ from __future__ import annotations
 import os
 import time
 
-from mirror_rt.runtime.bench import EngineRunner
+from mirror_rt.evaluation.bench import EngineRunner
 
 KNOWN_METHODS = ("ar", "sd", "mirror", "mirror-no-lookup", "hf-assisted", "ov-genai", "ov-genai-sd")
 OURS = ("ar", "sd", "mirror", "mirror-no-lookup")  # run by our engines (over a bundle: bench_engines)
@@ -44,6 +44,8 @@ class HFAssistedRunner:
     """transformers' `generate(assistant_model=...)`: greedy, batch 1."""
 
     name = "hf-assisted"
+
+    label = "transformers eager, fp32 target + int8 assistant"
 
     def __init__(self, target, assistant, tokenizer, threads: int):
         self.target, self.assistant, self.tokenizer, self.threads = target, assistant, tokenizer, threads
@@ -98,6 +100,8 @@ class OVGenAIRunner:
 
     def __init__(self, name: str, pipe, tokenizer, speculative: bool, stats: dict):
         self.name, self.pipe, self.tokenizer, self.speculative, self.stats = name, pipe, tokenizer, speculative, stats
+        self.label = (f"openvino genai, {stats['weights']} weights, {stats['inference_precision']} compute, "
+                      f"{stats['kv_cache_precision']} KV")
 
     def answer(self, messages, config):
         import numpy as np

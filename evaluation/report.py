@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from collections import defaultdict
 
-from mirror_rt.runtime.specbench import Answer
+from mirror_rt.evaluation.specbench import Answer
 
 
 def question_speed(answer: Answer) -> float:
@@ -61,11 +61,12 @@ def _round(x, digits: int = 3):
     return None if x is None else round(x, digits)
 
 
-def markdown_table(summary: dict, methods: list[str]) -> str:
-    """One table: a row per category and method."""
-    head = ("| category | method | questions | tokens/s | speedup | mean accepted length | reuse hit rate | "
-            "hidden draft share | ms per step: predicted (§5) / predicted (pipelined) / measured |")
-    lines = [head, "|" + "---|" * 9]
+def markdown_table(summary: dict, methods: list[str], labels: dict[str, str] | None = None) -> str:
+    """One table: a row per category and method; `labels` gives each method's path and precision."""
+    labels = labels or {}
+    head = ("| category | method | path / precision | questions | tokens/s | speedup | mean accepted length | "
+            "reuse hit rate | hidden draft share | ms per step: predicted (§5) / predicted (pipelined) / measured |")
+    lines = [head, "|" + "---|" * 10]
     categories = sorted(c for c in summary if c != "overall") + ["overall"]
     for category in categories:
         for m in methods:
@@ -75,7 +76,7 @@ def markdown_table(summary: dict, methods: list[str]) -> str:
             pipelined = f.get("predicted_step_ms_pipelined")
             model = (f"{f['predicted_step_ms']:.1f} / {_fmt(pipelined)} / {f['measured_step_ms']:.1f}"
                      if f["predicted_step_ms"] is not None else "")
-            lines.append(f"| {category} | {m} | {f['questions']} | {f['tokens_per_s']:.1f} | "
+            lines.append(f"| {category} | {m} | {labels.get(m, '')} | {f['questions']} | {f['tokens_per_s']:.1f} | "
                          f"{_fmt(f['speedup'], 'x')} | {_fmt(f['mean_accepted_length'])} | "
                          f"{_fmt(f['reuse_hit_rate'])} | {_fmt(f['hidden_draft_share'])} | {model} |")
     return "\n".join(lines) + "\n"

@@ -20,6 +20,22 @@ class DataError(ValueError):
     """A malformed question file (one-line message naming the file and line)."""
 
 
+def question_files(data, command: str) -> list[str]:
+    """The question files given to `command` (one path or several), each checked to exist.
+
+    Raises DataError with one line when none is given (paths never default to files outside the
+    installed package) or one is missing.
+    """
+    files = [] if data is None else [data] if isinstance(data, (str, Path)) else list(data)
+    if not files:
+        raise DataError(f"{command} needs question files: pass --data FILE.jsonl (SpecBench format: "
+                        "question_id, category, turns; e.g. ../shared/data/specbench-dev.jsonl)")
+    missing = [str(f) for f in files if not Path(f).is_file()]
+    if missing:
+        raise DataError(f"question file not found: {missing[0]}")
+    return [str(f) for f in files]
+
+
 @dataclass(frozen=True)
 class Question:
     question_id: int | str

@@ -8,7 +8,7 @@ with `auto` weights: q4_1 in ONNX bundles of models whose weights are Q4_1 block
 default model: the draft then computes with the model's own weights), int8 otherwise.
 Default exit: int8 weights, whatever the target's: the exit only picks which draft branches
 are precomputed, never the output. `--draft-vocab` gives the draft graph an LM head over a kept set of
-ids (models.vocab_prune; the file is copied into the bundle). It does not run graphs;
+ids (models.pruned_head; the file is copied into the bundle). It does not run graphs;
 `devices.registry.load_bundle` does.
 """
 
@@ -38,7 +38,7 @@ from mirror_rt.exporters.split import (
     mixes_exit,
     with_exit_adapter,
 )
-from mirror_rt.models.vocab_prune import PrunedHeadDraft, load_kept
+from mirror_rt.models.pruned_head import PrunedHeadDraft, load_kept
 
 FORMATS = ("openvino", "onnx", "torch")
 WEIGHTS = ("fp32", "fp16", "int8", "int4", "q4_1")
@@ -156,9 +156,15 @@ def export_bundle(model_ref: str | None, out_dir, draft_ref: str | None = None, 
 
 
 def run_export(cfg: ExportConfig, progress: bool = True) -> Path:
-    """Export `cfg`; steps: load, validate, four graphs, tokenizer, manifest."""
+    """Export `cfg`; steps: check the output folder, load, validate, four graphs, tokenizer, manifest."""
+    from mirror_rt.exporters.paths import OutputPathError, check_writable
     from mirror_rt.models.loading import load_checkpoint
     from tqdm import tqdm
+
+    try:
+        check_writable(cfg.out_dir)  # before any model is loaded
+    except OutputPathError as exc:
+        raise ExportError(str(exc)) from None
 
     with tqdm(total=len(ROLES) + 3, desc="export", unit="step", disable=not progress) as bar:  # closed on errors too
         bar.set_postfix_str("loading models")
@@ -225,7 +231,7 @@ def _load_streams(cfg: ExportConfig, draft_model):
     """The --draft-streams over the draft, checked before any conversion (or None)."""
     if cfg.draft_streams is None:
         return None
-    from mirror_rt.models.ss_training import load_streams
+    from mirror_rt.models.ss_draft import load_streams
 
     try:
         return load_streams(draft_model, Path(cfg.draft_streams))

@@ -69,7 +69,7 @@ class BundleManifest:
     # so a draft may start from the target's prompt KV instead of its own prefill.
     draft_of_target: bool = False
     # Pruned draft vocabulary (optional; absent = the full LM head): {"file" (the kept ids, JSON of
-    # models.vocab_prune), "size" (kept ids), "files": {name: sha256}}. The draft graph computes its head
+    # models.pruned_head), "size" (kept ids), "files": {name: sha256}}. The draft graph computes its head
     # over those rows and still returns vocab_size logits, -inf outside them. Not written when None.
     draft_vocab: dict | None = None
 

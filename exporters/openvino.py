@@ -74,7 +74,7 @@ def _input_shapes(config, spec: GraphSpec) -> dict:
     if spec.takes_last_rows:
         shapes[LAST_ROWS] = ov.PartialShape([1])
     kv = ov.PartialShape([1, config.n_kv_heads, S, config.head_dim])
-    return shapes | {name: kv for name in state_pairs(spec)}
+    return shapes | dict.fromkeys(state_pairs(spec), kv)
 
 
 def compress_weights(ov_model, config, weights: str, table_len: int, symmetric: bool = False):

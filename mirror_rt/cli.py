@@ -14,6 +14,7 @@ import sys
 from mirror_rt.cli_args import budget, count, log, number, positive_int
 from mirror_rt.cli_training import COMMANDS as TRAINING_COMMANDS
 from mirror_rt.cli_training import add_training
+from mirror_rt.devices.engines import TORCH_OPTIONS
 from mirror_rt.runtime.config import MODES
 
 
@@ -23,12 +24,11 @@ def build_parser() -> argparse.ArgumentParser:
     run = sub.add_parser("run", help="generate text for a prompt (argument or stdin)")
     run.add_argument("prompt", nargs="?", help="the prompt; read from stdin when omitted")
     run.add_argument("--model", help="target: HF folder, .gguf file or preset (default: SmolLM2-135M-Instruct)")
-    run.add_argument("--draft-model", default="int8",
-                     help="draft: int8 (an int8 copy of the target, default), target (oracle draft), "
-                          "or an HF folder, .gguf file or preset")
+    run.add_argument("--draft-model", help="torch draft: int8 (an int8 copy of the target, default), target "
+                     "(oracle draft), or an HF folder, .gguf file or preset")
     run.add_argument("--mode", default="mirror", help=f"decoding mode: {', '.join(MODES)} (default: mirror)")
     run.add_argument("--gamma", type=positive_int, default=4, help="draft tokens per window (default 4)")
-    run.add_argument("--kappa", type=positive_int, default=8, help="early-exit candidates per position (mirror)")
+    run.add_argument("--kappa", type=positive_int, help="torch: early-exit candidates per position (mirror; default 8)")
     run.add_argument("--exit-layer", type=positive_int, help="early-exit layer (mirror; default N/2)")
     run.add_argument("--branch-budget", type=budget, default=None,
                      help="side branches precomputed per step: auto (as many as fit) or N")
@@ -45,8 +45,8 @@ def build_parser() -> argparse.ArgumentParser:
     run.add_argument("--no-chat", action="store_true", help="do not apply the chat template")
     run.add_argument("--stats", action="store_true", help="print speed and acceptance statistics (stderr)")
     run.add_argument("--json", action="store_true", help="print one JSON object with text and stats")
-    run.add_argument("--device", default="cpu", help="torch device for both models (cpu, cuda, cuda:1)")
-    run.add_argument("--dtype", default="float32", help="float32 | bfloat16 | float16 | float64")
+    run.add_argument("--device", help="torch device of the target (cpu by default, cuda, cuda:1)")
+    run.add_argument("--dtype", help="torch target dtype: float32 (default) | bfloat16 | float16 | float64")
     run.add_argument("--threads", type=positive_int, help="torch threads (default: all cores)")
     run.add_argument("--cache-dir", help="model cache folder (default: $MIRROR_RT_CACHE or ~/.cache/mirror-rt)")
     run.add_argument("--bundle", help="run an exported bundle (mirror-rt export) instead of --model (default "
@@ -72,7 +72,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def cmd_simulate(args) -> int:
-    from mirror_rt.runtime.simulate import load_config, predict
+    from mirror_rt.evaluation.simulate import load_config, predict
 
     cfg = load_config(args.config)
     result = predict(cfg)
@@ -95,7 +95,8 @@ def _add_export(sub) -> None:
     export.add_argument("--draft", help="draft model (default: the target itself, with --draft-weights)")
     export.add_argument("--exit-layer", type=positive_int, help="early-exit layer (default N/2)")
     export.add_argument("--kappa", type=positive_int, default=8, help="early-exit candidates per position")
-    export.add_argument("--format", default="onnx", help="onnx (default: exact and fastest on CPU here) | openvino | torch")
+    export.add_argument("--format", default="onnx",
+                        help="onnx (default: exact and fastest on CPU here) | openvino | torch")
     export.add_argument("--weights", default="fp32", help="target weights: fp32 | fp16 | int8 | int4")
     export.add_argument("--draft-weights", default="auto",
                         help="draft weights: auto (default: q4_1 where the weights are Q4_1 blocks exactly and the "
@@ -151,9 +152,12 @@ def _add_bench(sub) -> None:
     bench.add_argument("--gamma", type=positive_int, default=4)
     bench.add_argument("--branch-budget", type=budget, default=None)
     bench.add_argument("--draft-lookup", type=count, default=3, help="mirror: prompt-lookup guesses per forward")
-    bench.add_argument("--model", help="target (default: SmolLM2-135M-Instruct)")
-    bench.add_argument("--draft-model", default="int8", help="draft (default: int8 copy of the target)")
-    bench.add_argument("--bundle", help="run ar / sd / mirror from this exported bundle (all its backends)")
+    bench.add_argument("--model", help="target (default: SmolLM2-135M-Instruct); without --bundle, ours then run it "
+                       "in torch eager; with one, it only names the peers' target")
+    bench.add_argument("--draft-model", help="torch draft (default: int8 copy of the target); runs torch eager")
+    bench.add_argument("--bundle", help="run ar / sd / mirror from this exported bundle (all its backends; "
+                       "default: what `run` runs, the default model's cached ONNX bundle)")
+    bench.add_argument("--torch", action="store_true", help="run ours in torch eager, not the default bundle")
     bench.add_argument("--draft-bundle", help="take sd / mirror's draft from this bundle")
     bench.add_argument("--draft-precision", choices=("f32", "bf16"), help="OpenVINO draft compute precision")
     bench.add_argument("--seed", type=int, default=0)
@@ -166,37 +170,28 @@ def cmd_bench(args) -> int:
     import shlex
     from pathlib import Path
 
-    import mirror_rt
-    from mirror_rt.runtime.bench import BenchSettings, run_bench, write_results
-    from mirror_rt.runtime.bench_methods import build_runners
+    from mirror_rt.evaluation.bench import BenchSettings, run_bench, write_results
+    from mirror_rt.evaluation.bench_engines import bench_runners
+    from mirror_rt.evaluation.specbench import read_questions
     from mirror_rt.runtime.config import make_config
-    from mirror_rt.runtime.specbench import read_questions
 
     categories = args.categories.split(",") if args.categories else None
     questions = read_questions(args.data, categories, args.limit)
     config = make_config(max_new_tokens=args.max_new_tokens, temperature=args.temperature, gamma=args.gamma,
                          seed=args.seed, branch_budget=args.branch_budget, draft_lookup=args.draft_lookup)
     methods = [m.strip() for m in args.methods.split(",") if m.strip()]
-    if args.bundle:
-        from mirror_rt.runtime.bench_engines import bundle_runners
-        from mirror_rt.runtime.bench_methods import OURS
-
-        ours = [m for m in methods if m in OURS]
-        runners = bundle_runners(ours, args.bundle, args.draft_bundle, args.draft_precision, log=log)
-        peers = [m for m in methods if m not in ours]
-        engine = mirror_rt.load(args.model, "target", cache_dir=args.cache_dir) if peers else None
-        runners += build_runners(peers, engine, engine.names.get("target") if engine else None, log=log)
-    else:
-        engine = mirror_rt.load(args.model, args.draft_model, cache_dir=args.cache_dir)
-        runners = build_runners(methods, engine, engine.names.get("target"), log=log)
+    runners = bench_runners(methods, bundle=args.bundle, draft_bundle=args.draft_bundle, torch=args.torch,
+                            model=args.model, draft_model=args.draft_model, draft_precision=args.draft_precision,
+                            cache_dir=args.cache_dir, log=log)
     answers = run_bench(runners, questions, BenchSettings(config=config, repeats=args.repeats))
     ar_names = [r.name for r in runners if r.name.startswith("ar-")]
-    from mirror_rt.runtime.report import mean_speed
+    from mirror_rt.evaluation.report import mean_speed
 
     baseline = max(ar_names, key=lambda n: mean_speed(answers[n])) if ar_names else runners[0].name
     reference = ar_names[0] if ar_names and config.sampling.greedy else None
     command = "mirror-rt " + " ".join(shlex.quote(a) for a in sys.argv[1:])
-    doc = write_results(Path(args.out), answers, baseline, reference, command)
+    doc = write_results(Path(args.out), answers, baseline, reference, command,
+                        {r.name: getattr(r, "label", "") for r in runners})
     print((Path(args.out) / "report.md").read_text())
     if args.profile and "mirror" in answers:
         print(format_profile(answers["mirror"]))
@@ -215,7 +210,7 @@ def format_profile(answers) -> str:
 
 
 def cmd_run(args) -> int:
-    import mirror_rt
+    from mirror_rt.devices.engines import load_engine
 
     prompt = args.prompt
     if prompt is None:
@@ -229,15 +224,8 @@ def cmd_run(args) -> int:
     from mirror_rt.runtime.config import make_config
 
     config = make_config(**options)  # validate before loading anything
-    bundle = args.bundle or _default_bundle(args)
-    if bundle:
-        engine = mirror_rt.load_bundle(bundle, target_device=args.target, draft_device=args.draft,
-                                       draft_bundle=args.draft_bundle, strict_devices=args.strict_devices,
-                                       mode=config.mode, draft_precision=args.draft_precision)
-    else:
-        engine = mirror_rt.load(args.model, args.draft_model, device=args.device, dtype=args.dtype,
-                                cache_dir=args.cache_dir, threads=args.threads, exit_layer=args.exit_layer,
-                                kappa=args.kappa, draft_streams=args.draft_streams)
+    engine = load_engine(args.bundle, torch=args.torch, torch_options=torch_options(args), mode=config.mode,
+                         **bundle_options(args))
     gen = engine.stream(prompt, config, chat=not args.no_chat)
     try:
         for piece in gen:
@@ -257,24 +245,15 @@ def cmd_run(args) -> int:
     return 0
 
 
-def _default_bundle(args) -> str | None:
-    """The default model's cached ONNX bundle when `run` names no model and no torch-only option, else None.
+def torch_options(args) -> dict:
+    """The torch-only options of `run` / `serve` (None where not given: they then choose no engine)."""
+    return {name: getattr(args, name) for name in TORCH_OPTIONS}
 
-    Falls back to torch (None) with a one-line warning when the bundle cannot be made here.
-    """
-    torch_only = (args.model, args.draft_model != "int8", args.device != "cpu", args.dtype != "float32",
-                  args.threads, args.exit_layer, args.kappa != 8, args.draft_streams, args.torch)
-    if any(torch_only):
-        return None
-    import mirror_rt
-    from mirror_rt.exporters.export import ExportError
 
-    try:
-        return str(mirror_rt.default_bundle(args.cache_dir))
-    except (ImportError, ExportError, OSError) as exc:
-        print(f"mirror-rt: warning: no ONNX bundle of the default model ({exc}); running it in torch",
-              file=sys.stderr)
-        return None
+def bundle_options(args) -> dict:
+    """Bundle placement and cache options of `run` / `serve`, as `load_engine` takes them."""
+    return dict(target_device=args.target, draft_device=args.draft, draft_bundle=args.draft_bundle,
+                strict_devices=args.strict_devices, draft_precision=args.draft_precision, cache_dir=args.cache_dir)
 
 
 def format_stats(stats: dict) -> str:

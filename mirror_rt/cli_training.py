@@ -14,7 +14,8 @@ def add_training(sub) -> None:
     draft.add_argument("--streams", type=positive_int, default=2, help="lookahead streams")
     draft.add_argument("--stream-layers", type=positive_int, default=2, help="top layers with streams")
     draft.add_argument("--rank", type=positive_int, default=16, help="LoRA rank of the stream rows")
-    draft.add_argument("--data", nargs="*", help="SpecBench-format jsonl (default: the dev set beside the repo)")
+    draft.add_argument("--data", nargs="+", required=True,
+                       help="SpecBench-format jsonl question files (e.g. ../shared/data/specbench-dev.jsonl)")
     draft.add_argument("--steps", type=positive_int, default=300)
     draft.add_argument("--lr", type=number, default=2e-3)
     draft.add_argument("--seed", type=int, default=0)
@@ -27,13 +28,15 @@ def add_training(sub) -> None:
     exit_.add_argument("--rank", type=positive_int, default=512)
     exit_.add_argument("--no-attention", dest="attention", action="store_false",
                        help="per-position low-rank map only (no read of earlier positions; weaker)")
-    exit_.add_argument("--data", nargs="*", help="SpecBench-format jsonl (default: the dev set beside the repo)")
+    exit_.add_argument("--data", nargs="+", required=True,
+                       help="SpecBench-format jsonl question files (e.g. ../shared/data/specbench-dev.jsonl)")
     exit_.add_argument("--steps", type=positive_int, default=600)
     exit_.add_argument("--seed", type=int, default=0)
     exit_.add_argument("--out", help="adapter path (default: in the cache)")
     prune = sub.add_parser("prune-vocab", help="keep the target's most frequent tokens for a draft's LM head")
     prune.add_argument("--target", help="target model (default: SmolLM2-135M-Instruct)")
-    prune.add_argument("--data", nargs="*", help="SpecBench-format jsonl (default: the dev set beside the repo)")
+    prune.add_argument("--data", nargs="+", required=True,
+                       help="SpecBench-format jsonl question files (e.g. ../shared/data/specbench-dev.jsonl)")
     prune.add_argument("--size", type=positive_int, required=True, help="token ids to keep")
     prune.add_argument("--out", required=True, help="kept-ids file to write (.json; mirror-rt export --draft-vocab)")
     prune.add_argument("--cache-dir")
@@ -41,9 +44,12 @@ def add_training(sub) -> None:
                               "mean accepted length, forwards and ms per window, side by side")
     evaluate.add_argument("--bundle", action="append", required=True, help="a bundle (repeat to compare; "
                           "the first is the reference of `rollout vs first`)")
-    evaluate.add_argument("--target", help="target model whose greedy answers are the text (default: SmolLM2-135M-Instruct)")
-    evaluate.add_argument("--data", nargs="*", help="SpecBench-format jsonl (default: the dev set beside the repo)")
-    evaluate.add_argument("--gamma", type=positive_int, action="append", help="window length (repeatable; default 4 and 7)")
+    evaluate.add_argument("--target",
+                          help="target model whose greedy answers are the text (default: SmolLM2-135M-Instruct)")
+    evaluate.add_argument("--data", nargs="+", required=True,
+                          help="SpecBench-format jsonl question files (e.g. ../shared/data/specbench-dev.jsonl)")
+    evaluate.add_argument("--gamma", type=positive_int, action="append",
+                          help="window length (repeatable; default 4 and 7)")
     evaluate.add_argument("--questions", type=positive_int, default=24, help="held-out questions (default 24)")
     evaluate.add_argument("--stride", type=positive_int, default=8, help="answer tokens between window starts")
     evaluate.add_argument("--draft-lookup", type=count, default=3, help="prompt-lookup guesses per forward, as "
@@ -55,7 +61,7 @@ def add_training(sub) -> None:
 
 
 def cmd_train_draft(args) -> int:
-    from mirror_rt.models.ss_training import train_draft_main
+    from mirror_rt.training.ss_training import train_draft_main
 
     report = train_draft_main(args.target, args.init, args.streams, args.stream_layers, args.rank, args.data,
                               args.steps, args.out, args.seed, args.lr, cache=args.cache_dir, log=log)
@@ -64,7 +70,7 @@ def cmd_train_draft(args) -> int:
 
 
 def cmd_prune_vocab(args) -> int:
-    from mirror_rt.models.vocab_prune import prune_vocab_main
+    from mirror_rt.training.vocab_prune import prune_vocab_main
 
     report = prune_vocab_main(args.target, args.data, args.size, args.out, cache=args.cache_dir)
     print(json.dumps(report, indent=2))
@@ -72,7 +78,7 @@ def cmd_prune_vocab(args) -> int:
 
 
 def cmd_eval_draft(args) -> int:
-    from mirror_rt.runtime.draft_eval import eval_draft_main, format_rows
+    from mirror_rt.training.draft_eval import eval_draft_main, format_rows
 
     rows = eval_draft_main(args.bundle, args.target, args.data, tuple(args.gamma or (4, 7)), args.questions,
                            args.stride, cache=args.cache_dir, oracle_streams=args.oracle_streams,
@@ -82,7 +88,7 @@ def cmd_eval_draft(args) -> int:
 
 
 def cmd_train_exit(args) -> int:
-    from mirror_rt.models.exit_training import train_exit_main
+    from mirror_rt.training.exit_training import train_exit_main
 
     report = train_exit_main(args.target, args.exit_layer, args.data, args.steps, args.rank, args.out, args.seed,
                              attention=args.attention)

@@ -7,8 +7,8 @@ ignores the overall scale, so working at unit scale keeps training well conditio
 residual stream's magnitude at ℓe), and the target's *own* final norm and LM head (frozen,
 shared, never copied) map h' to logits.
 
-With `attention`, x = scale * n + o(attend(q(norm_a(h)), K, V)) and h' = x + up(down(x)): a new query per position over the
-keys and values that layer ℓe-1 (the last prefix layer) already cached, so the adapter sees the
+With `attention`, x = scale * n + o(attend(q(norm_a(h)), K, V)) and h' = x + up(down(x)): a new query per
+position over the keys and values that layer ℓe-1 (the last prefix layer) already cached, so the adapter sees the
 context without a cache of its own (measured on SmolLM2-135M at ℓe = 15: held-out top-8 57% without,
 73% with). The two stages are split so graphs can place them: `mix` (needs the KV; the prefix
 graph) then `project` (per position; the exit graph). The adapter only changes which tokens the early exit proposes,
@@ -202,18 +202,23 @@ def save_exit_adapter(adapter: ExitAdapter, path) -> tuple[Path, Path]:
 
 def load_exit_adapter(path, model=None, exit_layer: int | None = None) -> ExitAdapter:
     """Read an adapter; with `model`, check it fits (and cast it to the model's dtype and device)."""
+    from safetensors import SafetensorError
     from safetensors.torch import load_file
 
     weights, meta = adapter_paths(path)
     try:
         record = json.loads(meta.read_text())
         state = load_file(str(weights))
-    except (OSError, json.JSONDecodeError) as exc:
+    except (OSError, json.JSONDecodeError, SafetensorError) as exc:
         raise AdapterError(f"{meta if not meta.is_file() else weights}: unreadable ({type(exc).__name__})") from None
-    if record.pop("kind", None) != ADAPTER_KIND or record.pop("version", None) not in (1, ADAPTER_VERSION):
+    if (not isinstance(record, dict) or record.pop("kind", None) != ADAPTER_KIND
+            or record.pop("version", None) not in (1, ADAPTER_VERSION)):
         raise AdapterError(f"{meta}: not a mirror-rt exit adapter (versions 1..{ADAPTER_VERSION})")
-    adapter = ExitAdapter(ExitAdapterConfig(**record))
-    adapter.load_state_dict(state)
+    try:
+        adapter = ExitAdapter(ExitAdapterConfig(**record))
+        adapter.load_state_dict(state)
+    except (TypeError, ValueError, RuntimeError) as exc:
+        raise AdapterError(f"{weights}: weights do not match the adapter's config ({type(exc).__name__})") from None
     adapter.eval().requires_grad_(False)
     if model is not None:
         check_compatible(adapter, model, adapter.config.exit_layer if exit_layer is None else exit_layer, str(meta))

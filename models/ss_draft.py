@@ -13,6 +13,9 @@ and proposes the next ones (stream rows at the last accepted position).
 
 from __future__ import annotations
 
+import json
+from pathlib import Path
+
 import torch
 import torch.nn.functional as F
 from mirror_rt.models.transformer import Transformer, apply_rope, rope_tables
@@ -169,3 +172,36 @@ def stream_rollout(draft: StreamDraft, context: list[int], k: int) -> tuple[list
         guesses = [int(t) for t in streams[offset + n].argmax(-1)]
         feed = [tokens[-1]]
     return tokens[:k], forwards
+
+
+def stream_config(draft: StreamDraft) -> dict:
+    return {"n_streams": draft.n_streams, "n_stream_layers": draft.config.n_layers - draft.first,
+            "rank": draft.stream_layers[0].q.a.out_features, "base_vocab_size": draft.config.vocab_size,
+            "base_layers": draft.config.n_layers, "hidden_size": draft.config.hidden_size}
+
+
+def load_streams(base, folder: Path) -> StreamDraft:
+    """A StreamDraft over `base` with the trained stream weights of `folder` (checked against base)."""
+    from safetensors import SafetensorError
+    from safetensors.torch import load_file
+
+    folder = Path(folder)
+    try:
+        cfg = json.loads((folder / "streams.json").read_text())
+        shape = (cfg["base_vocab_size"], cfg["base_layers"], cfg["hidden_size"])
+        sizes = (int(cfg["n_streams"]), int(cfg["n_stream_layers"]), int(cfg["rank"]))
+        state = load_file(str(folder / "streams.safetensors"))
+    except (OSError, ValueError, KeyError, TypeError, SafetensorError) as exc:
+        raise ValueError(f"{folder}: not mirror-rt SS streams (streams.json + streams.safetensors; "
+                         f"{type(exc).__name__})") from None
+    c = base.config
+    if shape != (c.vocab_size, c.n_layers, c.hidden_size):
+        raise ValueError(f"{folder}: streams were trained for another draft shape")
+    draft = StreamDraft(base, *sizes)
+    try:
+        missing = draft.load_state_dict(state, strict=False)
+    except RuntimeError:
+        raise ValueError(f"{folder}: stream weights do not match their config") from None
+    if missing.unexpected_keys or any(not k.startswith("base.") for k in missing.missing_keys):
+        raise ValueError(f"{folder}: stream weights do not match their config")
+    return draft

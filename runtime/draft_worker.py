@@ -24,6 +24,7 @@ import time
 from dataclasses import dataclass, field
 
 import numpy as np
+from mirror_rt.runtime.affinity import pin
 from mirror_rt.runtime.branches import exit_distribution, rank_roots, top_alternatives
 from mirror_rt.runtime.lookup import lookup_guesses, verify_guesses
 from mirror_rt.runtime.messages import STOP, EarlyExit, Fault, Verdict, Window
@@ -117,7 +118,7 @@ class DraftWorker:
 
     def _run(self) -> None:
         try:
-            if _pin(self.settings.cpu) is not None and hasattr(self.draft, "set_threads"):
+            if pin(self.settings.cpu) is not None and hasattr(self.draft, "set_threads"):
                 self.draft.set_threads(1)  # one core each: the two workers must not contend
             if self.cache is None:  # else the cache came prefilled (adopted from the target)
                 self.cache = self.draft.new_cache(self.capacity)
@@ -374,27 +375,3 @@ def _softmax(logits: np.ndarray) -> np.ndarray:
     x = np.asarray(logits, dtype=np.float64)
     e = np.exp(x - x.max())
     return e / e.sum()
-
-
-def _pin(cpu: int | None):
-    """Pin the calling thread to one core (Linux: pid 0 is the calling thread).
-
-    Returns the previous affinity (to restore with `_unpin`), or None when nothing changed.
-    """
-    import os
-
-    if cpu is None or not hasattr(os, "sched_setaffinity"):
-        return None
-    previous = os.sched_getaffinity(0)
-    try:
-        os.sched_setaffinity(0, {cpu})
-    except OSError:
-        return None
-    return previous
-
-
-def _unpin(previous) -> None:
-    import os
-
-    if previous is not None:
-        os.sched_setaffinity(0, previous)

@@ -100,7 +100,8 @@ class Engine:
             return speculative_generate(self.target, draft, ids, config.max_new_tokens,
                                         config.num_draft_tokens, config.sampling, config.seed, metrics)
         if not hasattr(self.target, "forward_prefix"):
-            raise GenerationError("mode 'mirror' needs a target split at its early exit (load it with mirror_rt.load)")
+            raise GenerationError("mode 'mirror' needs a target split at its early exit "
+                                  "(load a bundle, or a torch model through its split target)")
         target_cpu, draft_cpu = self.cpus or (None, None)
         settings = MirrorSettings(gamma=config.num_draft_tokens, sampling=config.sampling, seed=config.seed,
                                   branch_budget=config.branch_budget, min_window=config.min_window,

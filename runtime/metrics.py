@@ -64,7 +64,8 @@ class Metrics:
             "wall_time_s": round(wall, 4),
             "time_to_first_token_s": round((self.first_token_at or end) - self.start, 4),
             "tokens_per_s": round(self.new_tokens / wall, 2) if wall > 0 else 0.0,
-            "decode_tokens_per_s": round((self.new_tokens - 1) / decode, 2) if decode > 0 and self.new_tokens > 1 else 0.0,
+            "decode_tokens_per_s": (round((self.new_tokens - 1) / decode, 2)
+                                    if decode > 0 and self.new_tokens > 1 else 0.0),
             "steps": self.steps,
             "mean_accepted_length": round(self.committed / self.steps, 3) if self.steps else 0.0,
             "acceptance_per_position": [round(a / p, 3) if p else 0.0

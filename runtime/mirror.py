@@ -19,7 +19,8 @@ from dataclasses import dataclass
 
 import numpy as np
 from mirror_rt.runtime.acceptance import accept_greedy, accept_sampled
-from mirror_rt.runtime.draft_worker import DraftSettings, DraftWorker, _pin, _unpin
+from mirror_rt.runtime.affinity import pin, restore
+from mirror_rt.runtime.draft_worker import DraftSettings, DraftWorker
 from mirror_rt.runtime.messages import EarlyExit, Fault, Start, Window
 from mirror_rt.runtime.metrics import Metrics
 from mirror_rt.runtime.mirror_stats import mirror_summary
@@ -70,7 +71,7 @@ def mirror_generate(target, draft, prompt: Sequence[int], max_new_tokens: int, s
         lookup=settings.lookup, stream_confidence=settings.stream_confidence))
     step = _TargetStep(target, settings, metrics, worker)
     share = settings.share_prompt_kv and adopts_target_kv(draft)
-    previous_affinity = _pin(settings.target_cpu)
+    previous_affinity = pin(settings.target_cpu)
     previous_threads = _set_threads(target, 1 if settings.target_cpu is not None else None)
     try:
         if share:  # the target prefills on both cores, then the draft starts from its KV
@@ -92,7 +93,7 @@ def mirror_generate(target, draft, prompt: Sequence[int], max_new_tokens: int, s
             yield tokens
     finally:
         worker.stop()
-        _unpin(previous_affinity)
+        restore(previous_affinity)
         _set_threads(target, previous_threads)
         metrics.extra = mirror_summary(metrics, worker.stats, step.counters)
 
@@ -138,7 +139,8 @@ class _TargetStep:
         with self.metrics.stage("target_suffix"):
             logits = self.target.forward_suffix(self.cache)  # [k+1, vocab]
             verdict = self._accept(tokens, window, logits, length)
-        self.suffix_s = 0.8 * self.suffix_s + 0.2 * (time.perf_counter() - t1) if self.suffix_s else time.perf_counter() - t1
+        suffix_s = time.perf_counter() - t1
+        self.suffix_s = 0.8 * self.suffix_s + 0.2 * suffix_s if self.suffix_s else suffix_s
         self.counters["busy"].append((t0, time.perf_counter()))
         # Phase 4: commit, tell the draft, roll back the rejected positions
         self.cache.rollback(base + 1 + verdict.num_accepted)

@@ -31,9 +31,10 @@ def adopts_target_kv(draft) -> bool:
     return getattr(draft, "same_model_as_target", False) and hasattr(draft, "adopt")
 
 
-def generate(target, prompt: Sequence[int], max_new_tokens: int, sampling: SamplingConfig = SamplingConfig(),
+def generate(target, prompt: Sequence[int], max_new_tokens: int, sampling: SamplingConfig | None = None,
              seed: int = 0, metrics: Metrics | None = None) -> Iterator[list[int]]:
-    """Yield [token] per step: the target's own continuation of `prompt`."""
+    """Yield [token] per step: the target's own continuation of `prompt` (greedy when `sampling` is None)."""
+    sampling = sampling or SamplingConfig()
     metrics = metrics or Metrics()
     rng = np.random.default_rng(seed)
     budget = token_budget(len(prompt), max_new_tokens, target.max_seq_len)

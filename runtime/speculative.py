@@ -18,9 +18,10 @@ from mirror_rt.runtime.verifier import Verifier
 
 
 def speculative_generate(target, draft, prompt: Sequence[int], max_new_tokens: int, gamma: int,
-                         sampling: SamplingConfig = SamplingConfig(), seed: int = 0,
+                         sampling: SamplingConfig | None = None, seed: int = 0,
                          metrics: Metrics | None = None) -> Iterator[list[int]]:
-    """Yield the tokens committed at each step (accepted + correction or bonus)."""
+    """Yield the tokens committed at each step (accepted + correction or bonus); greedy when `sampling` is None."""
+    sampling = sampling or SamplingConfig()
     metrics = metrics or Metrics()
     budget = token_budget(len(prompt), max_new_tokens, target.max_seq_len)
     if budget == 0:

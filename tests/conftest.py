@@ -10,6 +10,7 @@ import copy
 import json
 import os
 from pathlib import Path
+from typing import NamedTuple
 
 import pytest
 import torch
@@ -139,3 +140,22 @@ def random_transition(vocab: int, seed: int, concentration: float = 0.8):
     import numpy as np
 
     return np.random.default_rng(seed).dirichlet(np.ones(vocab) * concentration, size=vocab)
+
+
+class BundleParts(NamedTuple):
+    """A loaded bundle taken apart: what tests of graphs and backends look at."""
+
+    target: object
+    draft: object
+    tokenizer: object
+    manifest: object
+
+
+def load_parts(folder, target_device: str = "cpu", draft_device: str = "cpu", strict: bool = False,
+               threads: int | None = None) -> BundleParts:
+    """The one `load_bundle` (an Engine), unpacked as (target, draft, tokenizer, manifest)."""
+    from mirror_rt.devices.engines import load_bundle
+
+    engine = load_bundle(str(folder), target_device=target_device, draft_device=draft_device,
+                         strict_devices=strict, threads=threads, mode="ar")
+    return BundleParts(engine.target, engine.draft, engine.tokenizer, engine.manifest)

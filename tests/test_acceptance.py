@@ -69,7 +69,8 @@ def test_sampling_reproduces_target_distribution():
 def test_distribution_test_has_power():
     """Accepting every draft token (a wrong rule) yields q, which the same test rejects."""
     p, q = random_dists(8, 2, seed=1), random_dists(8, 1, seed=2)
-    always = lambda draft, q_, p_, rng: Verdict(0, len(draft), 0)
+    def always(draft, q_, p_, rng):
+        return Verdict(0, len(draft), 0)
     counts = first_tokens(always, p, q, 40_000, seed=3)
     assert chi2(counts, p[0]) > 10 * chi2_threshold(7)
 

@@ -5,8 +5,8 @@ import subprocess
 import sys
 
 import pytest
-from mirror_rt.runtime import report
-from mirror_rt.runtime.specbench import (
+from mirror_rt.evaluation import report
+from mirror_rt.evaluation.specbench import (
     Answer,
     DataError,
     pick_evenly,
@@ -41,12 +41,14 @@ def test_answer_file_round_trip(tmp_path):
     a = Answer(7, "math", "mirror", ["x", "y"], [10, 20], [0.5, 1.0], [[2, 3], [1]], [{"reuse_hit_rate": 0.5}])
     write_answers(tmp_path / "a.jsonl", [a])
     (b,) = read_answers(tmp_path / "a.jsonl")
-    assert (b.question_id, b.turns, b.new_tokens, b.wall_time, b.accept_lengths) == (7, ["x", "y"], [10, 20], [0.5, 1.0], [[2, 3], [1]])
+    assert (b.question_id, b.turns, b.new_tokens, b.wall_time, b.accept_lengths) == (
+        7, ["x", "y"], [10, 20], [0.5, 1.0], [[2, 3], [1]])
 
 
 def test_speedup_as_specbench_computes_it():
     """Per question tokens/s, mean over questions, ratio of means (hand-computed)."""
-    base = [Answer(1, "m", "ar", new_tokens=[10], wall_time=[1.0]), Answer(2, "m", "ar", new_tokens=[30], wall_time=[1.0])]
+    base = [Answer(1, "m", "ar", new_tokens=[10], wall_time=[1.0]),
+            Answer(2, "m", "ar", new_tokens=[30], wall_time=[1.0])]
     fast = [Answer(1, "m", "sd", new_tokens=[10], wall_time=[0.5], accept_lengths=[[2, 3]]),
             Answer(2, "m", "sd", new_tokens=[30], wall_time=[0.5], accept_lengths=[[5]])]
     summary = report.summarize({"ar": base, "sd": fast}, "ar")

@@ -67,32 +67,69 @@ def test_vocabulary_mismatch(tmp_path):
                           "vocabulary mismatch")
 
 
-def test_default_model_runs_its_onnx_bundle(monkeypatch):
-    """`run` with no model and no torch-only option takes the default model's bundle; otherwise torch."""
-    import mirror_rt
-    from mirror_rt import cli
+def _record_engine_choices(monkeypatch) -> list:
+    """Replace the three engine loaders by recorders; returns the list of (loader, argument) calls."""
+    from mirror_rt.devices import engines
 
     calls = []
-    monkeypatch.setattr(mirror_rt, "default_bundle", lambda cache=None: calls.append(cache) or "/bundle")
-    parse = cli.build_parser().parse_args
-    assert cli._default_bundle(parse(["run", "hi", "--cache-dir", "/c"])) == "/bundle" and calls == ["/c"]
+    monkeypatch.setattr(engines, "default_bundle", lambda cache=None, log=None: calls.append(("default", cache))
+                        or "/bundle")
+    monkeypatch.setattr(engines, "load_bundle", lambda bundle, **kw: calls.append(("bundle", bundle)) or "engine")
+    monkeypatch.setattr(engines, "load_torch", lambda **kw: calls.append(("torch", kw)) or "engine")
+    return calls
+
+
+def _run_choice(calls, argv) -> list:
+    from mirror_rt.devices.engines import load_engine
+
+    from mirror_rt import cli
+
+    args = cli.build_parser().parse_args(["run", "hi", *argv])
+    calls.clear()
+    load_engine(args.bundle, torch=args.torch, torch_options=cli.torch_options(args), **cli.bundle_options(args))
+    return list(calls)
+
+
+def test_default_model_runs_its_onnx_bundle(monkeypatch):
+    """`run` with no model and no torch-only option takes the default model's bundle; otherwise torch."""
+    calls = _record_engine_choices(monkeypatch)
+    assert _run_choice(calls, ["--cache-dir", "/c"]) == [("default", "/c"), ("bundle", "/bundle")]
+    assert _run_choice(calls, ["--bundle", "/b"]) == [("bundle", "/b")]
     for extra in (["--model", "tiny"], ["--torch"], ["--device", "cuda"], ["--draft-model", "target"],
-                  ["--exit-layer", "3"], ["--kappa", "2"], ["--dtype", "bfloat16"], ["--threads", "1"]):
-        assert cli._default_bundle(parse(["run", "hi", *extra])) is None, extra
-    assert len(calls) == 1
+                  ["--exit-layer", "3"], ["--kappa", "2"], ["--dtype", "bfloat16"], ["--threads", "1"],
+                  ["--device", "cpu"], ["--dtype", "float32"], ["--kappa", "8"], ["--draft-model", "int8"]):
+        assert [c[0] for c in _run_choice(calls, extra)] == ["torch"], extra  # asked for, even at a default value
+
+
+def test_api_load_takes_the_same_default(monkeypatch):
+    """`mirror_rt.load()` with no arguments is the default bundle; torch=True or a torch option is torch eager."""
+    import mirror_rt
+
+    calls = _record_engine_choices(monkeypatch)
+    mirror_rt.load()
+    assert [c[0] for c in calls] == ["default", "bundle"]
+    for kwargs in ({"torch": True}, {"model": "tiny"}, {"threads": 1}):
+        calls.clear()
+        mirror_rt.load(**kwargs)
+        assert [c[0] for c in calls] == ["torch"], kwargs
+
+
+def test_bundle_with_a_torch_option_is_refused_in_one_line():
+    assert_one_line_error(run_cli("run", "hi", "--bundle", "/nowhere", "--dtype", "bfloat16"),
+                          "applies to torch eager only")
 
 
 def test_default_bundle_falls_back_to_torch_with_a_warning(monkeypatch, capsys):
+    from mirror_rt.devices import engines
     from mirror_rt.exporters.export import ExportError
 
-    import mirror_rt
-    from mirror_rt import cli
+    calls = _record_engine_choices(monkeypatch)
 
-    def broken(cache=None):
+    def broken(cache=None, log=None):
         raise ExportError("no exporter here")
 
-    monkeypatch.setattr(mirror_rt, "default_bundle", broken)
-    assert cli._default_bundle(cli.build_parser().parse_args(["run", "hi"])) is None
+    monkeypatch.setattr(engines, "default_bundle", broken)
+    assert [c[0] for c in _run_choice(calls, [])] == ["torch"]
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and "warning" in err[0] and "no exporter here" in err[0] and "torch" in err[0]
 

@@ -17,13 +17,13 @@ import warnings
 import numpy as np
 import pytest
 import torch
+from conftest import load_parts
 from mirror_rt.devices.registry import (
     DeviceError,
     DeviceFallbackWarning,
     DeviceSpec,
     WorkerBudget,
     available_devices,
-    load_bundle,
     parse_device,
     resolve,
 )
@@ -80,7 +80,7 @@ def reference():
 
 
 def _load(bundles, fmt, device):
-    return load_bundle(bundles[fmt], device, device, strict=True, threads=1)
+    return load_parts(bundles[fmt], device, device, strict=True, threads=1)
 
 
 @pytest.mark.parametrize("text,expected", [
@@ -140,10 +140,10 @@ def test_load_bundle_falls_back_and_strict_fails(bundles):
     if HAVE["torch"][1:] or "NPU" in HAVE["openvino"]:
         pytest.skip("this machine has an accelerator")
     with pytest.warns(DeviceFallbackWarning):
-        target = load_bundle(bundles[fmt], "cuda", "npu", threads=1).target
+        target = load_parts(bundles[fmt], "cuda", "npu", threads=1).target
     assert target.forward([3, 4], target.new_cache(8)).shape == (2, target.vocab_size)
     with pytest.raises(DeviceError):
-        load_bundle(bundles[fmt], "cuda", "npu", strict=True)
+        load_parts(bundles[fmt], "cuda", "npu", strict=True)
 
 
 @pytest.mark.parametrize("fmt,device", CASES)
@@ -181,7 +181,7 @@ def _exit_topk(reference, tokens, exit_layer: int) -> torch.return_types.topk:
 @pytest.mark.parametrize("fmt,device", GRAPH_CASES)
 def test_int8_exit_top1_agrees_with_torch(int8_exit_bundles, reference, fmt, device):
     """The default int8 exit graph picks torch's exit top-1 at >= 90% of positions; logits stay exact."""
-    target, _, _, manifest = load_bundle(int8_exit_bundles[fmt], device, device, strict=True, threads=1)
+    target, _, _, manifest = load_parts(int8_exit_bundles[fmt], device, device, strict=True, threads=1)
     assert manifest.graph("target_exit").precision == "int8"
     assert manifest.graph("target_prefix").precision == "fp32"
     tokens = PROMPT + _flat(generate(target, PROMPT, 40))
@@ -214,7 +214,7 @@ def test_forward_does_not_run_the_exit_graph(bundles, fmt, device):
 @pytest.mark.parametrize("fmt,device", GRAPH_CASES)
 def test_mirror_with_int8_exit_equals_reference(int8_exit_bundles, fmt, device):
     """Mirror over a bundle with the int8 exit yields exactly the target's greedy tokens."""
-    target, draft, _, _ = load_bundle(int8_exit_bundles[fmt], device, device, strict=True, threads=1)
+    target, draft, _, _ = load_parts(int8_exit_bundles[fmt], device, device, strict=True, threads=1)
     expected = _flat(generate(target, PROMPT, 24))
     assert _flat(mirror_generate(target, draft, PROMPT, 24, MirrorSettings(gamma=3), Metrics())) == expected
 

@@ -6,13 +6,13 @@ from conftest import perturbed_copy, tiny_target
 from mirror_rt.devices.torch_backend import TorchModel
 from mirror_rt.devices.torch_streams import TorchStreamDraft
 from mirror_rt.models.ss_draft import StreamDraft
-from mirror_rt.runtime.draft_eval import (
+from mirror_rt.runtime.reference import generate
+from mirror_rt.training.draft_eval import (
     DraftRow,
     accepted_length,
     evaluate_drafts,
     greedy_rollout,
 )
-from mirror_rt.runtime.reference import generate
 
 
 def _greedy(model, context, n):
@@ -24,7 +24,8 @@ def _sure_streams(base, seed):
     draft = StreamDraft(base, n_streams=2, n_stream_layers=2, rank=4)
     gen = torch.Generator().manual_seed(seed)
     with torch.no_grad():
-        draft.stream_embed.copy_(torch.randn(draft.stream_embed.shape, generator=gen, dtype=draft.stream_embed.dtype) * 3)
+        embed = draft.stream_embed
+        embed.copy_(torch.randn(embed.shape, generator=gen, dtype=embed.dtype) * 3)
     return TorchStreamDraft(draft)
 
 
@@ -36,7 +37,8 @@ def test_rollout_is_the_drafts_greedy_continuation(seed):
     context = [(seed * 5 + i * 7) % 90 + 2 for i in range(8)]
     expected = _greedy(base, context, 7)
     text = expected[:1] + [(expected[1] + 1) % 97] + expected[2:]  # the oracle's first guess is wrong
-    for draft, oracle in [(TorchModel(base), None), (_sure_streams(base, seed), None), (_sure_streams(base, seed), text)]:
+    cases = [(TorchModel(base), None), (_sure_streams(base, seed), None), (_sure_streams(base, seed), text)]
+    for draft, oracle in cases:
         cache = draft.new_cache(32)
         draft.forward(context[:-1], cache)
         tokens, times = greedy_rollout(draft, cache, context, 7, oracle=oracle)
@@ -108,12 +110,28 @@ def test_side_by_side_rows_on_greedy_text():
     assert noisy["mean_accepted_length"] < 5.0
 
 
-def test_cli_refuses_a_missing_bundle(capsys):
+def _questions(tmp_path):
+    path = tmp_path / "q.jsonl"
+    path.write_text('{"question_id": 1, "category": "c", "turns": ["hi"]}\n')
+    return str(path)
+
+
+def test_cli_refuses_a_missing_bundle(tmp_path, capsys):
     from mirror_rt.cli import main
 
-    assert main(["eval-draft", "--bundle", "/nonexistent/bundle", "--target", "tiny"]) == 2
+    assert main(["eval-draft", "--bundle", "/nonexistent/bundle", "--target", "tiny",
+                 "--data", _questions(tmp_path)]) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and err[0].startswith("mirror-rt: error:") and "/nonexistent/bundle" in err[0]
+
+
+def test_cli_refuses_missing_question_files(tmp_path, capsys):
+    """Data never defaults to a path outside the package: a missing file is one line, before any model loads."""
+    from mirror_rt.cli import main
+
+    assert main(["eval-draft", "--bundle", "/b", "--target", "tiny", "--data", str(tmp_path / "none.jsonl")]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err == [f"mirror-rt: error: question file not found: {tmp_path / 'none.jsonl'}"]
 
 
 def test_cli_refuses_a_draft_of_another_vocabulary(tmp_path, capsys):
@@ -125,6 +143,6 @@ def test_cli_refuses_a_draft_of_another_vocabulary(tmp_path, capsys):
 
     bundle = export_bundle(str(write_hf_folder(tmp_path / "hf", vocab_size=64)), tmp_path / "b", fmt="torch",
                            progress=False)
-    assert main(["eval-draft", "--bundle", str(bundle), "--target", "tiny"]) == 2
+    assert main(["eval-draft", "--bundle", str(bundle), "--target", "tiny", "--data", _questions(tmp_path)]) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert err == [f"mirror-rt: error: {bundle}: the draft has 64 tokens, the target 258"]

@@ -10,8 +10,7 @@ import warnings
 import numpy as np
 import pytest
 import torch
-from conftest import perturbed_copy, tiny_target
-from mirror_rt.devices.registry import load_bundle
+from conftest import load_parts, perturbed_copy, tiny_target
 from mirror_rt.devices.torch_backend import TorchModel
 from mirror_rt.devices.torch_split import TorchSplitTarget
 from mirror_rt.exporters.export import ExportError, export_bundle
@@ -22,17 +21,17 @@ from mirror_rt.models.exit_adapter import (
     load_exit_adapter,
     save_exit_adapter,
 )
-from mirror_rt.models.exit_data import ExitData, decode_batch
-from mirror_rt.models.exit_training import (
+from mirror_rt.models.loading import load_checkpoint
+from mirror_rt.runtime.metrics import Metrics
+from mirror_rt.runtime.mirror import MirrorSettings, mirror_generate
+from mirror_rt.runtime.reference import generate
+from mirror_rt.training.exit_data import ExitData, decode_batch
+from mirror_rt.training.exit_training import (
     TrainExitConfig,
     evaluate_exit,
     fit,
     train_exit_main,
 )
-from mirror_rt.models.loading import load_checkpoint
-from mirror_rt.runtime.metrics import Metrics
-from mirror_rt.runtime.mirror import MirrorSettings, mirror_generate
-from mirror_rt.runtime.reference import generate
 
 PROMPTS = [[5, 17, 42, 9, 80], [33, 61, 2, 14], [7, 7, 19, 50, 23, 11], [90, 3], [44, 45, 46], [12, 70, 8]]
 
@@ -151,7 +150,7 @@ def test_openvino_bundle_carries_adapter(tmp_path):
                                draft_weights="fp32", progress=False, **extra)
     manifest = read_manifest(folder)
     assert manifest.exit_adapter["in_graph"] and manifest.exit_adapter["rank"] == 8
-    bundle = load_bundle(folder, "openvino:CPU", "openvino:CPU", strict=True, threads=1)
+    bundle = load_parts(folder, "openvino:CPU", "openvino:CPU", strict=True, threads=1)
     prompt = [5, 17, 42, 9, 80, 33, 61, 2, 14, 99, 7]
     ov_ids, ov_lp = bundle.target.forward_prefix(prompt, bundle.target.new_cache(32))
     ref = TorchSplitTarget(model, 2, kappa=4, exit_adapter=adapter)

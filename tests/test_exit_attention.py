@@ -8,8 +8,7 @@ import warnings
 import numpy as np
 import pytest
 import torch
-from conftest import perturbed_copy, tiny_target
-from mirror_rt.devices.registry import load_bundle
+from conftest import load_parts, perturbed_copy, tiny_target
 from mirror_rt.devices.torch_backend import TorchModel
 from mirror_rt.devices.torch_split import TorchSplitTarget
 from mirror_rt.exporters.export import export_bundle
@@ -20,16 +19,16 @@ from mirror_rt.models.exit_adapter import (
     load_exit_adapter,
     save_exit_adapter,
 )
-from mirror_rt.models.exit_sequences import (
-    evaluate_sequences,
-    sequence_data,
-    split_sequences,
-)
-from mirror_rt.models.exit_training import TrainExitConfig, fit
 from mirror_rt.models.loading import load_checkpoint
 from mirror_rt.runtime.metrics import Metrics
 from mirror_rt.runtime.mirror import MirrorSettings, mirror_generate
 from mirror_rt.runtime.reference import generate
+from mirror_rt.training.exit_sequences import (
+    evaluate_sequences,
+    sequence_data,
+    split_sequences,
+)
+from mirror_rt.training.exit_training import TrainExitConfig, fit
 
 PROMPT = [5, 17, 42, 9, 80, 33, 61, 2, 14, 91, 7]
 WINDOW = [12, 70, 8, 44]
@@ -137,7 +136,8 @@ def test_attention_adapter_changes_only_branches(seed):
     assert [t for step in got for t in step] == expected
 
 
-BACKENDS = [("onnx", {"kv": "shared"}, "onnxruntime", "ort:cpu"), ("onnx", {"kv": "explicit"}, "onnxruntime", "ort:cpu"),
+BACKENDS = [("onnx", {"kv": "shared"}, "onnxruntime", "ort:cpu"),
+            ("onnx", {"kv": "explicit"}, "onnxruntime", "ort:cpu"),
             ("openvino", {}, "openvino", "openvino:CPU"),
             ("openvino", {"static": True, "max_context": 48, "max_window": 4}, "openvino", "openvino:CPU")]
 
@@ -156,7 +156,7 @@ def test_bundle_exit_equals_torch(tmp_path, fmt, options, module, device):
         folder = export_bundle("tiny", tmp_path / fmt, fmt=fmt, kappa=4, exit_adapter=str(tmp_path / "exit"),
                                exit_weights="fp32", draft_weights="fp32", progress=False, **options)
     assert read_manifest(folder).exit_adapter["attention"]
-    bundle = load_bundle(folder, device, device, strict=True, threads=1)
+    bundle = load_parts(folder, device, device, strict=True, threads=1)
     got_ids, got_lp = two_windows(bundle.target)
     ids, lp = two_windows(TorchSplitTarget(model, 2, kappa=4, exit_adapter=adapter))
     _, plain_lp = two_windows(TorchSplitTarget(model, 2, kappa=4))

@@ -15,7 +15,8 @@ import warnings
 import numpy as np
 import pytest
 import torch
-from mirror_rt.devices.registry import available_devices, load_bundle
+from conftest import load_parts
+from mirror_rt.devices.registry import available_devices
 from mirror_rt.exporters.export import ExportError, export_bundle
 from mirror_rt.exporters.manifest import BundleError, read_manifest
 from mirror_rt.exporters.openvino import int4_group_size
@@ -74,7 +75,7 @@ def test_unknown_format_version_refused(torch_bundle, tmp_path, version):
     data = json.loads((folder / "manifest.json").read_text())
     (folder / "manifest.json").write_text(json.dumps(data | {"format_version": version}))
     with pytest.raises(BundleError, match=rf"manifest\.json.*format version {version} is not supported") as info:
-        load_bundle(folder)
+        load_parts(folder)
     assert "\n" not in str(info.value)
 
 
@@ -83,7 +84,7 @@ def test_missing_file_refused(torch_bundle, tmp_path):
     folder = _copy(torch_bundle, tmp_path)
     (folder / "target.safetensors").unlink()
     with pytest.raises(BundleError, match=r"target\.safetensors: missing"):
-        load_bundle(folder)
+        load_parts(folder)
 
 
 def test_corrupt_file_refused(torch_bundle, tmp_path):
@@ -94,14 +95,14 @@ def test_corrupt_file_refused(torch_bundle, tmp_path):
     data[-1] ^= 0xFF
     path.write_bytes(bytes(data))
     with pytest.raises(BundleError, match=r"target\.safetensors: corrupt") as info:
-        load_bundle(folder)
+        load_parts(folder)
     assert "\n" not in str(info.value)
 
 
 def test_missing_manifest_refused(tmp_path):
     """A folder without manifest.json is not a bundle."""
     with pytest.raises(BundleError, match=r"manifest\.json: missing"):
-        load_bundle(tmp_path)
+        load_parts(tmp_path)
 
 
 @pytest.mark.parametrize("kwargs,flag", [
@@ -133,7 +134,7 @@ def test_int4_group_size_divides_smollm2_widths():
 @needs_openvino
 def test_static_bundle_runs_on_openvino_cpu(static_bundle):
     """Fixed-shape graphs: chunked prefill, padded windows, O(1) rollback, logits equal torch."""
-    target, draft, _, manifest = load_bundle(static_bundle, "openvino:CPU", "openvino:CPU", strict=True,
+    target, draft, _, manifest = load_parts(static_bundle, "openvino:CPU", "openvino:CPU", strict=True,
                                              threads=1)
     assert manifest.static and manifest.max_window == 4
     model = load_checkpoint("tiny").model
@@ -169,7 +170,7 @@ def test_default_bundle_exports_fast_and_matches_torch(default_model, tmp_path):
     start = time.perf_counter()
     folder = export_bundle(None, tmp_path / "default", fmt="openvino", progress=False)
     assert time.perf_counter() - start < 300
-    target, draft, tokenizer, manifest = load_bundle(folder, "openvino:CPU", "openvino:CPU", strict=True)
+    target, draft, tokenizer, manifest = load_parts(folder, "openvino:CPU", "openvino:CPU", strict=True)
     assert manifest.exit_layer == 15 and manifest.graph("draft").precision == "int8"
     assert manifest.graph("target_exit").precision == "int8"
     assert (folder / "openvino_tokenizer.xml").exists()
@@ -233,7 +234,7 @@ def test_onnx_exit_is_its_own_int8_graph(onnx_int8_bundle):
 
 def test_onnx_int8_draft_agrees_with_fp32(onnx_int8_bundle):
     """The int8 draft picks the fp32 model's greedy token at >= 90% of positions; SD equals AR."""
-    target, draft, _, _ = load_bundle(onnx_int8_bundle, "ort:cpu", "ort:cpu", strict=True, threads=1)
+    target, draft, _, _ = load_parts(onnx_int8_bundle, "ort:cpu", "ort:cpu", strict=True, threads=1)
     model = load_checkpoint("tiny").model
     tokens = PROMPT + [t for step in generate(target, PROMPT, 32) for t in step]
     with torch.inference_mode():
@@ -249,7 +250,7 @@ def test_onnx_int8_draft_agrees_with_fp32(onnx_int8_bundle):
 def test_shared_kv_graphs_match_torch_with_bias_and_qk_norm(tmp_path, model_type):
     """Shared-KV ONNX graphs of families with attention biases or q/k norms equal torch: prompt, then a window."""
     from conftest import write_hf_folder
-    
+
 
     folder = write_hf_folder(tmp_path / model_type, vocab_size=64, model_type=model_type, seed=3)
     with warnings.catch_warnings():
@@ -259,7 +260,7 @@ def test_shared_kv_graphs_match_torch_with_bias_and_qk_norm(tmp_path, model_type
     reference = load_checkpoint(str(folder)).model
     prompt, window = [5, 17, 42, 9, 33, 61, 2], [7, 8, 9]
     expected = reference(torch.tensor(prompt + window), reference.new_cache(32)).numpy()
-    loaded = load_bundle(bundle, "ort:cpu", "ort:cpu", strict=True, threads=1)
+    loaded = load_parts(bundle, "ort:cpu", "ort:cpu", strict=True, threads=1)
     for model in (loaded.target, loaded.draft):
         cache = model.new_cache(32)
         logits = np.concatenate([model.forward(prompt, cache), model.forward(window, cache)])
@@ -278,6 +279,6 @@ def test_q4_1_draft_bundle(tmp_path):
             for n in nodes if n.op_type == "MatMulNBits"]
     n_layers = ModelConfig.from_name("tiny").n_layers
     assert sorted(bits) == [4] * (4 * n_layers) + [8]
-    target, draft, _, _ = load_bundle(bundle, "ort:cpu", "ort:cpu", strict=True, threads=1)
+    target, draft, _, _ = load_parts(bundle, "ort:cpu", "ort:cpu", strict=True, threads=1)
     speculative = [t for step in speculative_generate(target, draft, PROMPT, 24, 3) for t in step]
     assert speculative == [t for step in generate(target, PROMPT, 24) for t in step]

@@ -6,7 +6,7 @@ from types import SimpleNamespace
 
 import pytest
 from conftest import write_hf_folder
-from mirror_rt.runtime.bench_methods import build_runners
+from mirror_rt.evaluation.bench_methods import build_runners
 from mirror_rt.runtime.config import make_config
 
 F32 = {"INFERENCE_PRECISION_HINT": "f32", "KV_CACHE_PRECISION": "f32", "INFERENCE_NUM_THREADS": 1}

@@ -7,8 +7,8 @@ import warnings
 
 import numpy as np
 import pytest
-from conftest import perturbed_copy, tiny_target
-from mirror_rt.devices.registry import DeviceError, available_devices, load_bundle
+from conftest import load_parts, perturbed_copy, tiny_target
+from mirror_rt.devices.registry import DeviceError, available_devices
 from mirror_rt.devices.torch_backend import TorchModel
 from mirror_rt.devices.torch_split import TorchSplitTarget
 from mirror_rt.exporters.export import export_bundle
@@ -39,7 +39,7 @@ def onnx_bundle(request, tmp_path_factory):
 @needs_ort
 @pytest.mark.parametrize("chunk", [1, 4, 64])
 def test_pipelined_prefill_equals_forward(onnx_bundle, chunk):
-    target, _, _, _ = load_bundle(onnx_bundle, "ort:cpu", "ort:cpu", strict=True, threads=1)
+    target, _, _, _ = load_parts(onnx_bundle, "ort:cpu", "ort:cpu", strict=True, threads=1)
     plain_cache, piped_cache = target.new_cache(64), target.new_cache(64)
     plain = target.forward(PROMPT, plain_cache)
     piped = target.prefill_pipelined(PROMPT, piped_cache, cpu=None, chunk=chunk)
@@ -99,7 +99,7 @@ def test_prompt_sessions_only_when_a_second_copy_fits(onnx_bundle, monkeypatch, 
 
 @needs_ort
 def test_pipelined_prefill_reraises_suffix_errors(onnx_bundle, monkeypatch):
-    target, _, _, _ = load_bundle(onnx_bundle, "ort:cpu", "ort:cpu", strict=True, threads=1)
+    target, _, _, _ = load_parts(onnx_bundle, "ort:cpu", "ort:cpu", strict=True, threads=1)
 
     def broken(*args, **kwargs):
         raise RuntimeError("suffix exploded")
@@ -113,7 +113,7 @@ def test_pipelined_prefill_reraises_suffix_errors(onnx_bundle, monkeypatch):
 @needs_ort
 def test_adopted_kv_equals_the_drafts_own_prefill(onnx_bundle):
     """All layers land in order: an fp32 self-draft over the target's KV computes what its own prefill gives."""
-    target, draft, _, manifest = load_bundle(onnx_bundle, "ort:cpu", "ort:cpu", strict=True, threads=1)
+    target, draft, _, manifest = load_parts(onnx_bundle, "ort:cpu", "ort:cpu", strict=True, threads=1)
     assert manifest.draft_of_target and draft.same_model_as_target
     target_cache = target.new_cache(64)
     target.forward(PROMPT, target_cache)
@@ -128,7 +128,7 @@ def test_adopted_kv_equals_the_drafts_own_prefill(onnx_bundle):
 @pytest.mark.parametrize("mode", ["mirror", "sd"])
 def test_decoding_with_adopted_kv_equals_reference(onnx_bundle, monkeypatch, mode):
     """Mirror and vanilla SD start a draft that is the target's copy from the target's prompt KV, once."""
-    target, draft, _, _ = load_bundle(onnx_bundle, "ort:cpu", "ort:cpu", strict=True, threads=1)
+    target, draft, _, _ = load_parts(onnx_bundle, "ort:cpu", "ort:cpu", strict=True, threads=1)
     calls = []
     adopt = draft.adopt
     monkeypatch.setattr(draft, "adopt", lambda cache, capacity: calls.append(cache.length) or adopt(cache, capacity))
@@ -185,9 +185,9 @@ def test_forward_last_equals_the_last_row_of_forward(onnx_bundle, ov_bundle, fmt
     folder = onnx_bundle if fmt == "onnx" else ov_bundle
     if read_manifest(folder).kv_layout.get("shared") and not device.startswith("ort:"):
         with pytest.raises(DeviceError, match="shared buffers .* only ONNX Runtime runs"):
-            load_bundle(folder, device, device, strict=True, threads=1)
+            load_parts(folder, device, device, strict=True, threads=1)
         return
-    target, draft, _, _ = load_bundle(folder, device, device, strict=True, threads=1)
+    target, draft, _, _ = load_parts(folder, device, device, strict=True, threads=1)
     assert target.suffix.takes_last_rows and draft.graph.takes_last_rows and not target.prefix.takes_last_rows
     for model in (target, draft):
         full_cache, last_cache = model.new_cache(64), model.new_cache(64)

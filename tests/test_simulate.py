@@ -5,7 +5,7 @@ import subprocess
 import sys
 
 import pytest
-from mirror_rt.runtime.simulate import SimConfig, predict
+from mirror_rt.evaluation.simulate import SimConfig, predict
 
 
 def test_hand_computed_case():

@@ -61,5 +61,8 @@ def test_sampling_runs_and_is_seeded():
     target = tiny_target(seed=5, scale=3.0)
     draft = perturbed_copy(target, noise=0.3, seed=9)
     s = SamplingConfig(temperature=1.0)
-    run = lambda seed: flat(speculative_generate(TorchModel(target), TorchModel(draft), [4, 5], 30, 3, s, seed))
+
+    def run(seed):
+        return flat(speculative_generate(TorchModel(target), TorchModel(draft), [4, 5], 30, 3, s, seed))
+
     assert run(1) == run(1) and run(1) != run(2)

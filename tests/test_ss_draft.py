@@ -76,7 +76,8 @@ def _pattern_data(n=24, length=40, seed=0):
 
 
 def test_training_lowers_loss_and_round_trips(tmp_path):
-    from mirror_rt.models.ss_training import load_streams, stream_loss, train_streams
+    from mirror_rt.models.ss_draft import load_streams
+    from mirror_rt.training.ss_training import stream_loss, train_streams
 
     base = tiny_target(seed=4)
     draft = StreamDraft(base, n_streams=2, n_stream_layers=2, rank=8)
@@ -95,7 +96,7 @@ def test_training_lowers_loss_and_round_trips(tmp_path):
 
 
 def test_training_is_deterministic_and_resumes(tmp_path):
-    from mirror_rt.models.ss_training import train_streams
+    from mirror_rt.training.ss_training import train_streams
 
     data = _pattern_data(n=8)
     full = train_streams(StreamDraft(tiny_target(seed=5), rank=4), data, 20, tmp_path / "a", seed=3,
@@ -109,7 +110,7 @@ def test_training_is_deterministic_and_resumes(tmp_path):
 
 def test_replay_counts_forwards():
     """Perfect guesses (2 streams): 1 forward for the first token, then 3 tokens per forward."""
-    from mirror_rt.models.ss_training import _replay
+    from mirror_rt.training.ss_training import _replay
 
     ids = list(range(10, 40))
     guess = torch.tensor([[ids[t + 2], ids[t + 3]] if t + 3 < len(ids) else [0, 0] for t in range(len(ids))])

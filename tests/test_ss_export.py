@@ -5,12 +5,13 @@ import warnings
 import numpy as np
 import pytest
 import torch
-from mirror_rt.devices.registry import available_devices, load_bundle
+from conftest import load_parts
+from mirror_rt.devices.registry import available_devices
 from mirror_rt.exporters.export import ExportError, export_bundle
 from mirror_rt.models.loading import load_checkpoint
 from mirror_rt.models.ss_draft import StreamDraft
-from mirror_rt.models.ss_training import save_checkpoint
 from mirror_rt.runtime.reference import generate
+from mirror_rt.training.ss_training import save_checkpoint
 
 pytestmark = pytest.mark.skipif(not available_devices()["onnxruntime"], reason="onnxruntime not installed")
 
@@ -62,7 +63,7 @@ def _assert_streams_equal(draft, torch_draft, atol: float):
 def test_ss_graph_equals_torch(ss_bundles, kv):
     """Main and stream logits of the fp32 graph equal StreamDraft.forward_streams: prompt, then a window."""
     torch_draft, bundles = ss_bundles
-    draft = load_bundle(bundles["fp32", kv], "ort:cpu", "ort:cpu", strict=True, threads=1).draft
+    draft = load_parts(bundles["fp32", kv], "ort:cpu", "ort:cpu", strict=True, threads=1).draft
     assert draft.graph.shared_kv == (kv == "shared")
     assert draft.n_streams == 2
     main = _assert_streams_equal(draft, torch_draft, atol=1e-4)
@@ -74,7 +75,7 @@ def test_ss_graph_equals_torch(ss_bundles, kv):
 def test_openvino_loads_the_explicit_ss_graph(ss_bundles):
     """OpenVINO's CPU plugin runs the explicit-KV SS graph (made stateful at load): the same logits as torch."""
     torch_draft, bundles = ss_bundles
-    draft = load_bundle(bundles["fp32", "explicit"], "ort:cpu", "openvino:CPU", strict=True, threads=1).draft
+    draft = load_parts(bundles["fp32", "explicit"], "ort:cpu", "openvino:CPU", strict=True, threads=1).draft
     assert type(draft).__name__ == "OVStreamDraft" and draft.n_streams == 2
     _assert_streams_equal(draft, torch_draft, atol=1e-3)
 
@@ -99,7 +100,7 @@ def test_mirror_with_onnx_ss_draft_equals_reference(ss_bundles, weights, kv):
     KV: a copy of the target's shared buffers)."""
     from mirror_rt.runtime.mirror import MirrorSettings, mirror_generate
 
-    loaded = load_bundle(ss_bundles[1][weights, kv], "ort:cpu", "ort:cpu", strict=True, threads=1)
+    loaded = load_parts(ss_bundles[1][weights, kv], "ort:cpu", "ort:cpu", strict=True, threads=1)
     loaded.draft.same_model_as_target = True
     expected = [t for step in generate(loaded.target, PROMPT, 40) for t in step]
     for gamma in (2, 5):

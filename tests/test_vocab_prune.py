@@ -1,5 +1,5 @@
-"""Draft vocabulary pruning (models.vocab_prune): a vocabulary-pruned draft maps ids back exactly, in torch,
-in exported ONNX / OpenVINO draft graphs, and Mirror over it still equals the reference decoder."""
+"""Draft vocabulary pruning (training.vocab_prune, models.pruned_head): a vocabulary-pruned draft maps ids back
+exactly, in torch, in exported ONNX / OpenVINO draft graphs, and Mirror over it still equals the reference decoder."""
 
 import json
 import warnings
@@ -7,23 +7,18 @@ import warnings
 import numpy as np
 import pytest
 import torch
-from mirror_rt.devices.registry import available_devices, load_bundle
+from conftest import load_parts
+from mirror_rt.devices.registry import available_devices
 from mirror_rt.devices.torch_backend import TorchModel
 from mirror_rt.devices.torch_split import TorchSplitTarget
 from mirror_rt.exporters.export import ExportError, export_bundle
 from mirror_rt.exporters.manifest import BundleManifest, read_manifest
 from mirror_rt.models.loading import load_checkpoint
-from mirror_rt.models.vocab_prune import (
-    PrunedHeadDraft,
-    choose_kept,
-    coverage,
-    load_kept,
-    save_kept,
-    token_counts,
-)
+from mirror_rt.models.pruned_head import PrunedHeadDraft, load_kept, save_kept
 from mirror_rt.runtime.mirror import MirrorSettings, mirror_generate
 from mirror_rt.runtime.reference import generate
 from mirror_rt.runtime.sampling import SamplingConfig, probabilities
+from mirror_rt.training.vocab_prune import choose_kept, coverage, token_counts
 
 PROMPT, WINDOW = [5, 17, 42, 9, 33, 61, 2], [7, 8, 9]
 VOCAB = 258  # the tiny preset
@@ -165,7 +160,7 @@ def _prompt_then_window(draft):
 @pytest.mark.parametrize("name", ["fp32", "int8", "q4_1", "fp32-explicit"])
 def test_onnx_draft_graph_equals_torch(bundles, tiny, kept, name):
     """fp32: the graph's logits equal PrunedHeadDraft's (-inf at the same ids); quantized: argmax always kept."""
-    draft = load_bundle(bundles[name], "ort:cpu", "ort:cpu", strict=True, threads=1).draft
+    draft = load_parts(bundles[name], "ort:cpu", "ort:cpu", strict=True, threads=1).draft
     got = _prompt_then_window(draft)
     expected = _torch_logits(tiny, kept, PROMPT + WINDOW)
     assert got.shape == expected.shape
@@ -191,7 +186,7 @@ def test_quantized_pruned_head_keeps_head_bits(bundles):
 @onnx_only
 @pytest.mark.parametrize("name", ["fp32", "int8", "fp32-explicit"])
 def test_mirror_with_pruned_onnx_draft_equals_reference(bundles, name):
-    loaded = load_bundle(bundles[name], "ort:cpu", "ort:cpu", strict=True, threads=1)
+    loaded = load_parts(bundles[name], "ort:cpu", "ort:cpu", strict=True, threads=1)
     expected = flat(generate(loaded.target, PROMPT, 40))
     for gamma in (2, 5):
         got = flat(mirror_generate(loaded.target, loaded.draft, PROMPT, 40, MirrorSettings(gamma=gamma)))
@@ -213,7 +208,7 @@ def test_manifest_records_the_kept_ids(bundles, kept):
 @pytest.mark.skipif(not available_devices()["openvino"], reason="openvino not installed")
 def test_openvino_draft_graph_equals_torch(tmp_path, tiny, kept):
     folder = _export(tmp_path / "ov", _kept_file(tmp_path, kept), fmt="openvino", draft_weights="fp32")
-    draft = load_bundle(folder, "openvino:CPU", "openvino:CPU", strict=True, threads=1).draft
+    draft = load_parts(folder, "openvino:CPU", "openvino:CPU", strict=True, threads=1).draft
     got, expected = _prompt_then_window(draft), _torch_logits(tiny, kept, PROMPT + WINDOW)
     assert np.array_equal(np.isneginf(got), np.isneginf(expected))
     np.testing.assert_allclose(got, expected, atol=1e-3, rtol=0)

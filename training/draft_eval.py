@@ -158,12 +158,13 @@ def eval_draft_main(bundles: list[str], target: str | None = None, data=None, ga
     from pathlib import Path
 
     from mirror_rt.devices.registry import WorkerBudget, load_model
+    from mirror_rt.evaluation.specbench import question_files
     from mirror_rt.exporters.manifest import read_manifest
     from mirror_rt.models.default_model import cache_dir
-    from mirror_rt.models.exit_training import DEFAULT_DATA
     from mirror_rt.models.loading import load_checkpoint
-    from mirror_rt.models.ss_data import answer_sequences, split
+    from mirror_rt.training.ss_data import answer_sequences, split
 
+    files = question_files(data, "eval-draft")  # inputs are checked before any model loads
     checkpoint = load_checkpoint(target, cache=cache, log=lambda *a: None)
     vocab = checkpoint.model.config.vocab_size
     manifests = {folder: read_manifest(Path(folder), verify=False) for folder in bundles}  # bad paths fail first
@@ -171,7 +172,6 @@ def eval_draft_main(bundles: list[str], target: str | None = None, data=None, ga
         if manifest.draft_config["vocab_size"] != vocab:
             raise ValueError(f"{folder}: the draft has {manifest.draft_config['vocab_size']} tokens, "
                              f"the target {vocab}")
-    files = [str(f) for f in (data or (DEFAULT_DATA,))]
     sequences = answer_sequences(checkpoint.model, checkpoint.tokenizer, files, cache_dir(cache) / "exit-data",
                                  progress=progress)  # on every core, before the pinning below
     _, held_out = split(sequences)

@@ -54,7 +54,7 @@ class ExitData:
 
 def first_turn_prompts(tokenizer, data_files, max_prompt_tokens: int = 192) -> list[tuple[str, list[int]]]:
     """(question_id, prompt ids) per question, in file order, first turn cut to `max_prompt_tokens` tokens."""
-    from mirror_rt.runtime.specbench import read_questions
+    from mirror_rt.evaluation.specbench import read_questions
 
     prompts = []
     for path in data_files:
@@ -107,8 +107,9 @@ def _forward(model, ids, start: int, pad, kv, exit_layer: int):
 @torch.inference_mode()
 def decode_batch(model, prompts, exit_layer: int, max_new_tokens: int, forced=None, eos_ids=(), top_k: int = 64,
                  skip: int | None = None):
-    """Greedy (or `forced`) decoding of a batch; per row (answer ids, hidden [n, H], top ids [n, k], log-probs [n, k],
-    prompt positions p). With `skip`, the first p rows are prompt positions skip..len-2 (teacher-forced), then the answer's.
+    """Greedy (or `forced`) decoding of a batch; per row (answer ids, hidden [n, H], top ids [n, k], log-probs
+    [n, k], prompt positions p). With `skip`, the first p rows are prompt positions skip..len-2 (teacher-forced),
+    then the answer's.
     """
     c = model.config
     B, P = len(prompts), max(len(p) for p in prompts)
@@ -130,7 +131,10 @@ def decode_batch(model, prompts, exit_layer: int, max_new_tokens: int, forced=No
         for b in range(B):
             if live[b]:
                 answer, hs, tid, tlp = rows[b]
-                answer.append(nxt[b]), hs.append(exit_h[b].half()), tid.append(top.indices[b]), tlp.append(top.values[b])
+                answer.append(nxt[b])
+                hs.append(exit_h[b].half())
+                tid.append(top.indices[b])
+                tlp.append(top.values[b])
                 live[b] = (nxt[b] not in eos_ids) if forced is None else t + 1 < len(forced[b])
         if not any(live) or t + 1 == steps:
             break
@@ -181,7 +185,8 @@ def collect(model, tokenizer, data_files, exit_layer: int, folder: Path, max_new
     from tqdm import tqdm
 
     key = data_key(model, data_files, max_new_tokens, max_prompt_tokens)
-    answers_path, features_path = folder / f"{key}.answers.jsonl", folder / f"{key}.layer{exit_layer}.v{DATA_VERSION}.safetensors"
+    answers_path = folder / f"{key}.answers.jsonl"
+    features_path = folder / f"{key}.layer{exit_layer}.v{DATA_VERSION}.safetensors"
     if features_path.is_file():
         return ExitData(**load_file(str(features_path)))
     prompts = first_turn_prompts(tokenizer, data_files, max_prompt_tokens)

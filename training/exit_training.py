@@ -24,21 +24,20 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 from mirror_rt.models.exit_adapter import ExitAdapter, exit_logits, save_exit_adapter
-from mirror_rt.models.exit_data import (
+from mirror_rt.training.checkpoints import load_state, save_state
+from mirror_rt.training.exit_data import (
     ExitData,
     cached_answers,
     collect,
     shared_prefix_len,
 )
-from mirror_rt.models.exit_sequences import (
+from mirror_rt.training.exit_sequences import (
     ExitSequence,
     evaluate_sequences,
     exit_logits_at,
     sequence_data,
     split_sequences,
 )
-
-DEFAULT_DATA = Path(__file__).resolve().parents[1].parent / "shared" / "data" / "specbench-dev.jsonl"
 
 
 @dataclass(frozen=True)
@@ -47,7 +46,7 @@ class TrainExitConfig:
 
     target: str | None = None  # model reference (None: the default model)
     exit_layer: int | None = None  # None: N // 2
-    data: tuple[str, ...] = ()  # SpecBench-format jsonl files; () = DEFAULT_DATA
+    data: tuple[str, ...] = ()  # SpecBench-format jsonl files (required)
     steps: int = 600  # optimizer steps
     rank: int = 512  # adapter rank
     attention: bool = True  # read layer ℓe-1's cached keys (models.exit_adapter); False: per position only
@@ -174,17 +173,14 @@ def _run_key(cfg: TrainExitConfig) -> dict:
 
 
 def _save_checkpoint(path: Path, adapter, optimizer, gen, losses, cfg) -> None:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_suffix(".tmp")
-    torch.save({"adapter": adapter.state_dict(), "optimizer": optimizer.state_dict(), "generator": gen.get_state(),
-                "losses": losses, "key": _run_key(cfg)}, tmp)
-    tmp.replace(path)
+    save_state(path, {"adapter": adapter.state_dict(), "optimizer": optimizer.state_dict(),
+                      "generator": gen.get_state(), "losses": losses, "key": _run_key(cfg)})
 
 
 def _resume(path: Path, adapter, optimizer, gen, cfg) -> list[float]:
     if not path.is_file():
         return []
-    state = torch.load(path, weights_only=False)
+    state = load_state(path, ("adapter", "optimizer", "generator", "losses", "key"))
     if state["key"] != _run_key(cfg):
         return []  # another run's checkpoint: start over (it is overwritten at the first save)
     adapter.load_state_dict(state["adapter"])
@@ -195,9 +191,14 @@ def _resume(path: Path, adapter, optimizer, gen, cfg) -> list[float]:
 
 def train_exit(cfg: TrainExitConfig, progress: bool = True, log=print) -> dict:
     """Collect (or reuse) the data, train, evaluate before/after on held-out questions, save; returns a report."""
+    from mirror_rt.evaluation.specbench import question_files
+    from mirror_rt.exporters.paths import check_writable
     from mirror_rt.models.default_model import cache_dir
     from mirror_rt.models.loading import load_checkpoint
 
+    files = question_files(cfg.data, "train-exit")  # inputs and the output are checked before any model loads
+    if cfg.out:
+        check_writable(cfg.out, folder=False)
     if cfg.threads:
         torch.set_num_threads(cfg.threads)
     loaded = load_checkpoint(cfg.target, log=lambda *a: None, cache=cfg.cache)
@@ -206,7 +207,6 @@ def train_exit(cfg: TrainExitConfig, progress: bool = True, log=print) -> dict:
     exit_layer = n // 2 if cfg.exit_layer is None else cfg.exit_layer
     if not 1 <= exit_layer < n:
         raise ValueError(f"--exit-layer must be in 1..{n - 1} for a {n}-layer target, got {exit_layer}")
-    files = [str(f) for f in (cfg.data or (DEFAULT_DATA,))]
     started = time.perf_counter()
     folder, settings = cache_dir(cfg.cache) / "exit-data", (cfg.max_new_tokens, cfg.max_prompt_tokens)
     if cfg.attention:  # whole sequences: the adapter reads earlier positions' keys

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from mirror_rt.models import exit_data
+from mirror_rt.training import exit_data
 
 
 def answer_sequences(model, tokenizer, data_files, folder: Path, max_new_tokens: int = 96,

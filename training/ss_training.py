@@ -15,7 +15,8 @@ from pathlib import Path
 
 import torch
 import torch.nn.functional as F
-from mirror_rt.models.ss_draft import StreamDraft
+from mirror_rt.models.ss_draft import StreamDraft, load_streams, stream_config
+from mirror_rt.training.checkpoints import load_state, save_state
 
 
 def stream_parameters(draft: StreamDraft) -> dict[str, torch.Tensor]:
@@ -38,7 +39,8 @@ def stream_loss(draft: StreamDraft, tokens: torch.Tensor, first_answer: int) -> 
 
 
 def train_streams(draft: StreamDraft, sequences: list[tuple[list[int], int]], steps: int, out_dir: Path,
-                  lr: float = 2e-3, seed: int = 0, window: int = 160, save_every: int = 50, progress=True) -> list[float]:
+                  lr: float = 2e-3, seed: int = 0, window: int = 160, save_every: int = 50,
+                  progress=True) -> list[float]:
     """Train for `steps` steps on (token ids, index of the first answer token) pairs; returns losses."""
     from tqdm import tqdm
 
@@ -73,32 +75,10 @@ def save_checkpoint(draft: StreamDraft, optimizer, out_dir: Path, step: int) -> 
     from safetensors.torch import save_file
 
     out_dir.mkdir(parents=True, exist_ok=True)
-    save_file({n: p.detach().contiguous() for n, p in stream_parameters(draft).items()}, str(out_dir / "streams.safetensors"))
+    weights = {n: p.detach().contiguous() for n, p in stream_parameters(draft).items()}
+    save_file(weights, str(out_dir / "streams.safetensors"))
     (out_dir / "streams.json").write_text(json.dumps(stream_config(draft) | {"step": step}, indent=2))
-    torch.save({"optimizer": optimizer.state_dict(), "step": step}, out_dir / "optimizer.pt")
-
-
-def stream_config(draft: StreamDraft) -> dict:
-    return {"n_streams": draft.n_streams, "n_stream_layers": draft.config.n_layers - draft.first,
-            "rank": draft.stream_layers[0].q.a.out_features, "base_vocab_size": draft.config.vocab_size,
-            "base_layers": draft.config.n_layers, "hidden_size": draft.config.hidden_size}
-
-
-def load_streams(base, folder: Path) -> StreamDraft:
-    """A StreamDraft over `base` with the trained stream weights of `folder` (checked against base)."""
-    from safetensors.torch import load_file
-
-    folder = Path(folder)
-    cfg = json.loads((folder / "streams.json").read_text())
-    c = base.config
-    if (cfg["base_vocab_size"], cfg["base_layers"], cfg["hidden_size"]) != (c.vocab_size, c.n_layers, c.hidden_size):
-        raise ValueError(f"{folder}: streams were trained for another draft shape")
-    draft = StreamDraft(base, cfg["n_streams"], cfg["n_stream_layers"], cfg["rank"])
-    state = load_file(str(folder / "streams.safetensors"))
-    missing = draft.load_state_dict(state, strict=False)
-    if missing.unexpected_keys or any(not k.startswith("base.") for k in missing.missing_keys):
-        raise ValueError(f"{folder}: stream weights do not match their config")
-    return draft
+    save_state(out_dir / "optimizer.pt", {"optimizer": optimizer.state_dict(), "step": step})
 
 
 def _resume(draft: StreamDraft, optimizer, out_dir: Path) -> int:
@@ -107,7 +87,7 @@ def _resume(draft: StreamDraft, optimizer, out_dir: Path) -> int:
         return 0
     trained = load_streams(draft.base, out_dir)
     draft.load_state_dict(trained.state_dict(), strict=False)
-    state = torch.load(state_file, weights_only=True)
+    state = load_state(state_file, ("optimizer", "step"))
     optimizer.load_state_dict(state["optimizer"])
     return int(state["step"])
 
@@ -162,14 +142,16 @@ def train_draft_main(target: str | None = None, init: str = "self", streams: int
     """CLI entry (`mirror-rt train-draft`): data, train the streams, evaluate before/after on held-out text."""
     import time
 
+    from mirror_rt.evaluation.specbench import question_files
+    from mirror_rt.exporters.paths import check_writable
     from mirror_rt.models.default_model import cache_dir
-    from mirror_rt.models.exit_training import DEFAULT_DATA
     from mirror_rt.models.loading import load_checkpoint
-    from mirror_rt.models.ss_data import answer_sequences, split
+    from mirror_rt.training.ss_data import answer_sequences, split
 
+    files = question_files(data, "train-draft")  # inputs and the output are checked before any model loads
+    check_writable(out)
     target_ckpt = load_checkpoint(target, cache=cache, log=lambda *a: None)
     base = _init_base(init, target_ckpt, cache)
-    files = [str(f) for f in (data or (DEFAULT_DATA,))]
     t0 = time.perf_counter()
     sequences = answer_sequences(target_ckpt.model, target_ckpt.tokenizer, files, cache_dir(cache) / "exit-data",
                                  max_new_tokens, progress=progress)

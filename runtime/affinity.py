@@ -1,0 +1,34 @@
+"""Thread placement: pin the calling thread to cores, and put it back.
+
+On Linux `os.sched_setaffinity(0, cores)` pins only the calling thread, and the thread pools a
+backend creates afterwards inherit that mask; elsewhere (or without permission) pinning is a
+no-op. Every place that pins (the Mirror workers, model loading, pipelined prefill) uses these two
+functions, so a failure to pin never stops decoding.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Iterable
+
+
+def pin(cores: int | Iterable[int] | None) -> set[int] | None:
+    """Pin the calling thread to `cores` (one core or several); returns the previous mask for
+    `restore`, or None when nothing changed (None given, no support, or refused)."""
+    if cores is None or not hasattr(os, "sched_setaffinity"):
+        return None
+    wanted = {cores} if isinstance(cores, int) else set(cores)
+    if not wanted:
+        return None
+    previous = os.sched_getaffinity(0)
+    try:
+        os.sched_setaffinity(0, wanted)
+    except OSError:
+        return None
+    return previous
+
+
+def restore(previous: set[int] | None) -> None:
+    """Undo `pin` (a None from `pin` undoes nothing)."""
+    if previous is not None:
+        os.sched_setaffinity(0, previous)

@@ -1,0 +1,36 @@
+"""The house: README's Layout table, the installed packages and the folders on disk agree."""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+import pytest
+
+tomllib = pytest.importorskip("tomllib")  # Python 3.11+
+
+ROOT = Path(__file__).resolve().parents[1]
+NOT_CODE = {"tests", "docs", "build", "dist"}
+
+
+def package_dirs() -> dict[str, str]:
+    return tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["setuptools"]["package-dir"]
+
+
+def test_readme_layout_table_matches_the_installed_packages():
+    """Every row `| folder/ | package |` is a package-dir mapping, and every mapping has a row."""
+    readme = (ROOT / "README.md").read_text()
+    layout = readme[readme.index("## Layout"):]
+    rows = dict(re.findall(r"^\| `(\w+)/` \| `(mirror_rt(?:\.\w+)?)` \|", layout, re.M))
+    assert rows == {folder: package for package, folder in package_dirs().items()}
+
+
+def test_every_code_folder_installs():
+    """A top-level folder holding Python code is a mapped package (with its __init__.py): no orphan rooms."""
+    mapping = package_dirs()
+    folders = {p.name for p in ROOT.iterdir()
+               if p.is_dir() and not p.name.startswith(".") and p.name not in NOT_CODE and any(p.glob("*.py"))}
+    assert folders == set(mapping.values())
+    setuptools = tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["setuptools"]
+    assert sorted(setuptools["packages"]) == sorted(mapping)
+    assert all((ROOT / folder / "__init__.py").is_file() for folder in folders)
