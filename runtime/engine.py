@@ -3,11 +3,14 @@
 It prepares the prompt (chat template when the model has one), checks the context and the
 vocabularies, picks the decoder for the mode (`ar` reference, `sd` vanilla speculative),
 and turns committed tokens into text through `TextStream`. The decoders never see text;
-the engine never sees logits.
+the engine never sees logits. The cancel hook: `Generation.cancel()` (any thread) ends the
+generation at the next step boundary; closing the decoder stops its workers (Mirror's draft
+thread included), and the next generation starts from fresh caches.
 """
 
 from __future__ import annotations
 
+import threading
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass, field
@@ -31,11 +34,21 @@ class Generation:
     pieces: Iterator[str]
     text: str = ""  # the full text so far
     tokens: list[int] = field(default_factory=list)  # generated ids (EOS excluded)
-    stop_reason: str | None = None  # eos | stop_string | max_new_tokens | context
+    stop_reason: str | None = None  # eos | stop_string | max_new_tokens | context | cancelled
     stats: dict = field(default_factory=dict)  # Metrics.summary() plus mode and models
+    steps: list[tuple[float, int]] = field(default_factory=list)  # (perf_counter, tokens committed) per step
+    cancel_event: threading.Event = field(default_factory=threading.Event)
 
     def __iter__(self):
         return self.pieces
+
+    def cancel(self) -> None:
+        """Stop at the next step boundary (safe from any thread); the stop reason becomes `cancelled`."""
+        self.cancel_event.set()
+
+    @property
+    def cancelled(self) -> bool:
+        return self.cancel_event.is_set()
 
 
 class Engine:
@@ -116,7 +129,11 @@ class Engine:
         steps = self._decoder(ids, config, metrics)
         try:
             for tokens in steps:
-                metrics.first_token_at = metrics.first_token_at or time.perf_counter()
+                now = time.perf_counter()
+                metrics.first_token_at = metrics.first_token_at or now
+                gen.steps.append((now, len(tokens)))
+                if gen.cancelled:  # the step's tokens are dropped: a cancelled request wants nothing more
+                    break
                 for token in tokens:
                     piece = text.push(token)
                     if piece:
@@ -124,14 +141,14 @@ class Engine:
                         yield piece
                     if text.done:
                         break
-                if text.done:
+                if text.done or gen.cancelled:
                     break
-            piece = text.flush()
+            piece = "" if gen.cancelled else text.flush()
             if piece:
                 gen.text += piece
                 yield piece
         finally:
-            steps.close()
+            steps.close()  # stops the decoder's workers (Mirror: the draft thread) before returning
             self._finish(gen, text, ids, config, metrics)
 
     def _finish(self, gen: Generation, text: TextStream, ids, config, metrics: Metrics) -> None:
@@ -139,7 +156,8 @@ class Engine:
         gen.tokens = list(text.tokens)
         metrics.new_tokens = len(gen.tokens) + (text.stop_reason == "eos")
         room = self.target.max_seq_len - len(ids)
-        gen.stop_reason = text.stop_reason or ("context" if room < config.max_new_tokens else "max_new_tokens")
+        gen.stop_reason = "cancelled" if gen.cancelled and not text.stop_reason else (
+            text.stop_reason or ("context" if room < config.max_new_tokens else "max_new_tokens"))
         gen.stats = {"mode": config.mode, **self.names, **metrics.summary(), "stop_reason": gen.stop_reason}
         if config.mode in ("sd", "mirror") and self.draft is None:
             gen.stats["draft"] = "target (oracle draft)"
