@@ -9,6 +9,7 @@ fully accepted window costs no extra forward.
 
 from __future__ import annotations
 
+import time
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -41,6 +42,7 @@ class ModelDrafter:
         self.cache = None
         self.pending: list[int] = []  # committed tokens not yet in the draft cache
         self.window: list[int] = []  # the last proposal (needed by commit)
+        self.forward_seconds: list[float] = []  # wall time of each draft forward (metrics)
 
     def prefill(self, prompt: Sequence[int], capacity: int) -> None:
         """Fill the draft cache with the prompt."""
@@ -58,7 +60,9 @@ class ModelDrafter:
         tokens, rows = [], []
         feed = self.pending + [last_token]
         for _ in range(k):
+            t0 = time.perf_counter()
             logits = self.draft.forward(feed, self.cache)
+            self.forward_seconds.append(time.perf_counter() - t0)
             token, q = choose(logits[-1], self.sampling, self.rng)
             tokens.append(token)
             rows.append(q)

@@ -37,6 +37,7 @@ class Generation:
     stop_reason: str | None = None  # eos | stop_string | max_new_tokens | context | cancelled
     stats: dict = field(default_factory=dict)  # Metrics.summary() plus mode and models
     steps: list[tuple[float, int]] = field(default_factory=list)  # (perf_counter, tokens committed) per step
+    durations: dict[str, list[float]] = field(default_factory=dict)  # Metrics.durations, once finished
     cancel_event: threading.Event = field(default_factory=threading.Event)
 
     def __iter__(self):
@@ -159,5 +160,6 @@ class Engine:
         gen.stop_reason = "cancelled" if gen.cancelled and not text.stop_reason else (
             text.stop_reason or ("context" if room < config.max_new_tokens else "max_new_tokens"))
         gen.stats = {"mode": config.mode, **self.names, **metrics.summary(), "stop_reason": gen.stop_reason}
+        gen.durations = metrics.durations
         if config.mode in ("sd", "mirror") and self.draft is None:
             gen.stats["draft"] = "target (oracle draft)"

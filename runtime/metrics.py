@@ -26,6 +26,9 @@ class Metrics:
     proposed_at: list[int] = field(default_factory=list)  # [gamma] windows with a j-th token
     accepted_at: list[int] = field(default_factory=list)  # [gamma] of those, accepted
     stage_seconds: dict[str, float] = field(default_factory=dict)
+    # every duration of each stage, plus "draft_forward" (seconds per draft forward) and, for
+    # speculative modes, "target_verify" (seconds per verified window): histograms of the server
+    durations: dict[str, list[float]] = field(default_factory=dict)
     events: list[str] = field(default_factory=list)  # faults and fallbacks, in order
     extra: dict = field(default_factory=dict)  # mode-specific figures (Mirror: reuse, overlap, phases)
     start: float = field(default_factory=time.perf_counter)
@@ -39,7 +42,9 @@ class Metrics:
         try:
             yield
         finally:
-            self.stage_seconds[name] = self.stage_seconds.get(name, 0.0) + time.perf_counter() - t0
+            elapsed = time.perf_counter() - t0
+            self.stage_seconds[name] = self.stage_seconds.get(name, 0.0) + elapsed
+            self.durations.setdefault(name, []).append(elapsed)
 
     def record_step(self, num_proposed: int, num_accepted: int) -> None:
         """One verified window: `num_accepted` of `num_proposed` draft tokens, plus one more."""

@@ -96,6 +96,8 @@ def mirror_generate(target, draft, prompt: Sequence[int], max_new_tokens: int, s
         restore(previous_affinity)
         _set_threads(target, previous_threads)
         metrics.extra = mirror_summary(metrics, worker.stats, step.counters)
+        metrics.durations["draft_forward"] = [end - start for start, end in worker.stats.busy]
+        metrics.durations["target_verify"] = [end - start for start, end in step.counters["busy"]]
 
 
 class _TargetStep:

@@ -43,8 +43,13 @@ def mirror_summary(metrics, draft_stats, counters: dict) -> dict:
     predicted = t_prefix + t_rendezvous + max(t_suffix, t_rollout) + p_miss * t_fresh
     pipelined = t_rendezvous + max(t_prefix + t_suffix, t_rollout) + p_miss * t_fresh
     decode = sum(stage.get(k, 0.0) for k in ("target_wait", "target_prefix", "target_suffix")) / steps
+    hidden = overlap_seconds(draft_stats.busy, counters["busy"])
     return {
         "reuse_hit_rate": round(hits / decided, 3) if decided else 0.0,
+        "reuse_hits": hits,  # verdicts whose next window was precomputed (main line or side branch)
+        "reuse_checks": decided,  # verdicts checked against the precomputed windows
+        "draft_busy_s": round(draft_busy, 4),
+        "draft_hidden_s": round(hidden, 4),  # draft time that ran while the target computed
         "main_line_hits": draft_stats.main_hits,
         "side_branch_hits": draft_stats.side_hits,
         "misses": draft_stats.misses,
@@ -52,8 +57,7 @@ def mirror_summary(metrics, draft_stats, counters: dict) -> dict:
         "side_branches_rolled": draft_stats.branches_rolled,
         "early_exit_coverage": round(counters["exit_covered"] / counters["corrections"], 3)
         if counters["corrections"] else None,
-        "hidden_draft_share": round(overlap_seconds(draft_stats.busy, counters["busy"]) / draft_busy, 3)
-        if draft_busy else 0.0,
+        "hidden_draft_share": round(hidden / draft_busy, 3) if draft_busy else 0.0,
         "phase_ms_per_step": {"target_prefix": round(1e3 * t_prefix, 2), "target_suffix": round(1e3 * t_suffix, 2),
                               "rendezvous_wait": round(1e3 * wait / steps, 2),
                               "draft_rollout": round(1e3 * t_rollout, 2),

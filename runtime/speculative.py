@@ -36,6 +36,7 @@ def speculative_generate(target, draft, prompt: Sequence[int], max_new_tokens: i
         else:
             drafter.prefill(prompt, capacity)
     produced = 1
+    metrics.durations["draft_forward"] = drafter.forward_seconds  # filled as the draft runs
     yield [last]
     while produced < budget:
         # Phase 0: how far to speculate (never past the budget, so never past the cache)
