@@ -29,7 +29,7 @@ from mirror_rt.runtime.branches import exit_distribution, rank_roots, top_altern
 from mirror_rt.runtime.lookup import lookup_guesses, verify_guesses
 from mirror_rt.runtime.messages import STOP, EarlyExit, Fault, Verdict, Window
 from mirror_rt.runtime.reference import prefill_logits
-from mirror_rt.runtime.sampling import SamplingConfig, choose
+from mirror_rt.runtime.sampling import SamplingConfig, choose, keyed_rng
 
 
 @dataclass(frozen=True)
@@ -87,7 +87,6 @@ class DraftWorker:
         self.inbox: queue.Queue = queue.Queue(maxsize=8)
         self.outbox: queue.Queue = queue.Queue(maxsize=2)
         self.stats = DraftStats()
-        self.rng = np.random.default_rng(settings.seed + 1_000_003)
         self.stop_event = threading.Event()
         self.thread = threading.Thread(target=self._run, name="mirror-draft", daemon=True)
         self.committed: list[int] = []
@@ -202,7 +201,8 @@ class DraftWorker:
     def _send_window(self, reused: bool) -> None:
         """Send up to gamma line tokens, drafting fresh ones first if fewer than min_window."""
         t0 = time.perf_counter()
-        need = min(self.k_cap, max(1, self.settings.min_window))
+        # sampling sends full windows: their length then never depends on timing, so a seed repeats exactly
+        need = min(self.k_cap, max(1, self.settings.min_window)) if self.settings.sampling.greedy else self.k_cap
         while len(self.line.tokens) < need:
             self._extend(self.line, self.committed)
         self.stats.fresh_s += time.perf_counter() - t0
@@ -265,7 +265,8 @@ class DraftWorker:
         if self.settings.sampling.greedy and self.settings.lookup:
             return self._extend_with_lookup(line, context)
         logits = self._logits_after(context + line.tokens)
-        token, q = choose(logits, self.settings.sampling, self.rng)
+        position = len(context) + len(line.tokens)  # keyed: the same token whenever this context is drafted
+        token, q = choose(logits, self.settings.sampling, keyed_rng(self.settings.seed, 1, position))
         _append(line, token, q, logits if q is None else q)
 
     def _extend_with_streams(self, line: Line, context: list[int]) -> None:

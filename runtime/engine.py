@@ -72,7 +72,9 @@ class Engine:
                                   f"draft has {draft.vocab_size}")
 
     def prompt_ids(self, prompt, chat: bool = True) -> list[int]:
-        """Token ids for a string (chat template applied if chat) or a list of chat messages."""
+        """Token ids for a string (chat template applied if chat), a list of chat messages, or token ids."""
+        if isinstance(prompt, list) and prompt and all(isinstance(t, int) for t in prompt):
+            return list(prompt)
         if isinstance(prompt, list):
             return self.tokenizer.chat_prompt(prompt)
         if chat and self.tokenizer.has_chat_template:
@@ -129,7 +131,7 @@ class Engine:
         text = TextStream(self.tokenizer, eos, config.stop_strings)
         steps = self._decoder(ids, config, metrics)
         try:
-            for tokens in steps:
+            for tokens in () if gen.cancelled else steps:  # cancelled before the start: not even a prefill
                 now = time.perf_counter()
                 metrics.first_token_at = metrics.first_token_at or now
                 gen.steps.append((now, len(tokens)))

@@ -75,6 +75,8 @@ class Metrics:
             "mean_accepted_length": round(self.committed / self.steps, 3) if self.steps else 0.0,
             "acceptance_per_position": [round(a / p, 3) if p else 0.0
                                         for a, p in zip(self.accepted_at, self.proposed_at)],
+            "proposed_per_position": list(self.proposed_at),  # windows with a j-th draft token
+            "accepted_per_position": list(self.accepted_at),  # of them, accepted
             "stage_seconds": {k: round(v, 4) for k, v in self.stage_seconds.items()},
             "events": list(self.events),
             "accept_lengths": list(self.accept_lengths),

@@ -25,7 +25,7 @@ from mirror_rt.runtime.messages import EarlyExit, Fault, Start, Window
 from mirror_rt.runtime.metrics import Metrics
 from mirror_rt.runtime.mirror_stats import mirror_summary
 from mirror_rt.runtime.reference import adopts_target_kv, prefill_logits, token_budget
-from mirror_rt.runtime.sampling import SamplingConfig, choose, probabilities
+from mirror_rt.runtime.sampling import SamplingConfig, choose, keyed_rng, probabilities
 
 
 @dataclass(frozen=True)
@@ -105,7 +105,6 @@ class _TargetStep:
 
     def __init__(self, target, settings: MirrorSettings, metrics: Metrics, worker: DraftWorker):
         self.target, self.settings, self.metrics, self.worker = target, settings, metrics, worker
-        self.rng = np.random.default_rng(settings.seed)
         self.cache = None
         self.suffix_s = 0.0  # running mean of the suffix time (tells the draft when to expect the verdict)
         self.wait_s = 0.0  # running mean of the rendezvous wait (the draft is the bottleneck when large)
@@ -120,7 +119,7 @@ class _TargetStep:
                 logits = self.target.prefill_pipelined(prompt, self.cache, helper_cpu)[-1]
             else:
                 logits = prefill_logits(self.target, prompt, self.cache)
-        return choose(logits, self.settings.sampling, self.rng)[0]
+        return choose(logits, self.settings.sampling, self._rng(len(prompt)))[0]
 
     def run(self, last: int, length: int, k_max: int) -> list[int]:
         """One Mirror step; on any draft failure, fall back and do a target-only step."""
@@ -168,7 +167,11 @@ class _TargetStep:
             logits = self.target.forward([last], self.cache)
         self.metrics.record_step(0, 0)
         self.counters["fallback_steps"] += 1
-        return [choose(logits[-1], self.settings.sampling, self.rng)[0]]
+        return [choose(logits[-1], self.settings.sampling, self._rng(self.cache.length))[0]]
+
+    def _rng(self, position: int) -> np.random.Generator:
+        """The target's draws for the token(s) from `position` on (runtime.sampling.keyed_rng, stream 2)."""
+        return keyed_rng(self.settings.seed, 2, position)
 
     def _take_window(self, length: int, k_max: int) -> Window:
         # Phase 1: the rendezvous; the window must continue exactly the committed text
@@ -188,7 +191,7 @@ class _TargetStep:
         if self.settings.sampling.greedy:
             return accept_greedy(tokens, logits, length)
         p = probabilities(logits, self.settings.sampling)
-        return accept_sampled(tokens, window.q[:len(tokens)], p, self.rng, length)
+        return accept_sampled(tokens, window.q[:len(tokens)], p, self._rng(length), length)
 
     def _send(self, message) -> None:
         if not self.alive:

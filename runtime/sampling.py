@@ -68,6 +68,16 @@ def sample(p: np.ndarray, rng: np.random.Generator) -> int:
     return int(min(np.searchsorted(cdf, u, side="right"), len(p) - 1))
 
 
+def keyed_rng(seed: int, stream: int, position: int) -> np.random.Generator:
+    """A generator that depends only on (seed, stream, position), never on how many draws came before.
+
+    Mirror draws this way so that a seeded request repeats exactly however the draft's precomputation
+    was timed: the draft's token at position t uses stream 1, the target's window starting at t stream 2.
+    Streams and positions never repeat within a request, so the draws stay independent (lossless).
+    """
+    return np.random.default_rng((seed & 0xFFFFFFFFFFFF, stream, position))
+
+
 def choose(logits: np.ndarray, config: SamplingConfig, rng: np.random.Generator):
     """Pick a token from one logits row [vocab]; returns (token, probs or None when greedy)."""
     if config.greedy:

@@ -205,3 +205,28 @@ def test_lookup_guesses_change_cost_not_output():
     kept, fed = map(int, runs[3][1].extra["lookup_guesses_kept"].split("/"))
     assert 0 < kept <= fed  # the guesses were used, so this test exercises them
     assert runs[0][1].extra["lookup_guesses_kept"] == "0/0"
+
+
+class SlowDraft(TorchModel):
+    """A draft whose forwards take a while: precomputation then lands at other moments."""
+
+    def forward(self, tokens, cache):
+        time.sleep(0.004)
+        return super().forward(tokens, cache)
+
+
+@pytest.mark.parametrize("seed", [0, 1])
+def test_seeded_sampling_repeats_whatever_the_timing(seed):
+    """With a seed, sampled Mirror output is the same whether the draft is fast or slow and whatever it
+    precomputed (keyed draws, full windows): the same request repeats exactly."""
+    target = tiny_target(seed=seed, scale=3.0)
+    draft = perturbed_copy(target, noise=0.3, seed=seed + 50)
+    settings = dict(gamma=4, sampling=SamplingConfig(temperature=1.0), seed=11)
+    fast, _ = run_mirror(TorchSplitTarget(target), TorchModel(draft), [3, 4, 5], 40, **settings)
+    slow_draft, _ = run_mirror(TorchSplitTarget(target), SlowDraft(draft), [3, 4, 5], 40, **settings)
+    slow_target, metrics = run_mirror(SlowSuffix(target), TorchModel(draft), [3, 4, 5], 40, **settings)
+    branches, _ = run_mirror(SlowSuffix(target), TorchModel(draft), [3, 4, 5], 40, branch_budget=2, **settings)
+    assert len(metrics.proposed_at) > 1  # windows of several tokens were verified
+    assert fast == slow_draft == slow_target == branches
+    other, _ = run_mirror(TorchSplitTarget(target), TorchModel(draft), [3, 4, 5], 40, **{**settings, "seed": 12})
+    assert other != fast
