@@ -16,6 +16,7 @@ import threading
 import warnings
 from pathlib import Path
 
+from mirror_rt.models.default_model import DEFAULT_MODEL
 from mirror_rt.runtime.engine import Engine, GenerationError
 
 # Options only the torch eager engine understands: setting any of them asks for torch.
@@ -50,10 +51,16 @@ def load_engine(bundle: str | None = None, *, torch: bool = False, torch_options
                               "(drop it, or drop the bundle)")
     if bundle is None and not torch and not asked:
         bundle = _default_bundle_or_none(cache_dir, log)
+        default = bundle is not None
+    else:
+        default = False
     if bundle is not None:
-        return load_bundle(str(bundle), target_device=target_device, draft_device=draft_device,
-                           draft_bundle=draft_bundle, strict_devices=strict_devices, mode=mode,
-                           draft_precision=draft_precision)
+        engine = load_bundle(str(bundle), target_device=target_device, draft_device=draft_device,
+                             draft_bundle=draft_bundle, strict_devices=strict_devices, mode=mode,
+                             draft_precision=draft_precision)
+        if default:
+            engine.names["model"] = DEFAULT_MODEL
+        return engine
     return load_torch(**options, cache_dir=cache_dir, log=log)
 
 
@@ -96,7 +103,8 @@ def load_torch(model: str | None = None, draft_model: str | None = "int8", *, de
     if device.startswith("cuda") and not torch.cuda.is_available():
         raise GenerationError(f"device '{device}' requested but torch sees no CUDA device")
     target = load_checkpoint(model, dtype, cache_dir, log)
-    names = {"target": target.source, "path": f"torch eager ({device})", "target_precision": _dtype_name(dtype)}
+    names = {"model": Path(target.source).name, "target": target.source, "path": f"torch eager ({device})",
+             "target_precision": _dtype_name(dtype), "target_device": f"torch:{device}", "draft_device": "torch:cpu"}
     draft = _load_draft(draft_model or "int8", target, dtype, cache_dir, log)
     names["draft_precision"] = "int8" if draft_model in (None, "int8") else names["target_precision"]
     if draft is not None:
@@ -155,13 +163,15 @@ def load_bundle(bundle: str, *, target_device: str = "cpu", draft_device: str = 
     target = _in_worker_thread(bundle, manifest, "target", target_device, strict_devices, target_budget)
     draft = _in_worker_thread(draft_source, draft_manifest, "draft", draft_device, strict_devices, draft_budget)
     draft.same_model_as_target = draft_copies_target(manifest, draft_manifest)
-    names = {"target": f"{bundle} ({type(target).__name__})", "draft": f"{draft_source} ({type(draft).__name__})",
-             "path": f"{manifest.graph_format} bundle",
+    names = {"model": Path(bundle).name, "target": f"{bundle} ({type(target).__name__})",
+             "draft": f"{draft_source} ({type(draft).__name__})", "path": f"{manifest.graph_format} bundle",
+             "target_device": target.placement.actual, "draft_device": draft.placement.actual,
              "target_precision": manifest.graph("target_prefix").precision,
              "draft_precision": draft_manifest.graph("draft").precision}
     engine = Engine(target, load_tokenizer(Path(bundle), manifest), draft, names,
                     (cores[0], cores[1]) if pinned else None)
     engine.manifest = manifest
+    engine.placement = {"target": target.placement, "draft": draft.placement}
     return engine
 
 

@@ -149,6 +149,15 @@ def resolve(spec: DeviceSpec | str, strict: bool = False, graph_format: str | No
 
 
 @dataclass(frozen=True)
+class Placement:
+    """Where a loaded model runs: what was asked for and what it got (`LoadedModel.placement`)."""
+
+    requested: str  # the device string given ("cuda", "npu", "cpu", "ort:cpu"...)
+    actual: str  # the backend:device it runs on
+    fell_back: bool  # the requested device was unusable here (a DeviceFallbackWarning was shown)
+
+
+@dataclass(frozen=True)
 class WorkerBudget:
     """The compute share of one worker (target or draft).
 
@@ -183,7 +192,11 @@ def load_model(folder: Path, manifest, role: str, device: str | DeviceSpec, stri
     The target's exit graph runs on the target's device under the target's budget.
     """
     graph_format = manifest.graph("draft" if role == "draft" else "target_prefix").format
-    spec = resolve(device, strict, graph_format)
+    with warnings.catch_warnings(record=True) as caught:  # noted on the model, then shown as usual
+        warnings.simplefilter("always", DeviceFallbackWarning)
+        spec = resolve(device, strict, graph_format)
+    for warning in caught:
+        warnings.warn(warning.message, warning.category, stacklevel=2)
     if manifest.kv_layout.get("shared") and spec.backend != "onnxruntime":
         raise DeviceError(f"this bundle keeps its KV in shared buffers (--kv shared), which only ONNX Runtime "
                           f"runs, not {spec}; pick an ort: device, or export for OpenVINO (--format openvino, "
@@ -194,7 +207,9 @@ def load_model(folder: Path, manifest, role: str, device: str | DeviceSpec, stri
     entries = [manifest.graph(r) for r in roles]
     paths = [Path(folder) / e.file for e in entries]
     loader = {"openvino": _load_openvino, "onnxruntime": _load_onnxruntime, "torch": _load_torch}[spec.backend]
-    return loader(paths, manifest, config, spec, budget)
+    model = loader(paths, manifest, config, spec, budget)
+    model.placement = Placement(str(device), str(spec), any(w.category is DeviceFallbackWarning for w in caught))
+    return model
 
 
 def draft_copies_target(target_manifest, draft_manifest) -> bool:

@@ -11,7 +11,7 @@ import argparse
 import json
 import sys
 
-from mirror_rt.cli_args import budget, count, log, number, positive_int
+from mirror_rt.cli_args import budget, count, log, number, port_number, positive_int, positive_number
 from mirror_rt.cli_training import COMMANDS as TRAINING_COMMANDS
 from mirror_rt.cli_training import add_training
 from mirror_rt.devices.engines import TORCH_OPTIONS
@@ -23,19 +23,7 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", required=True)
     run = sub.add_parser("run", help="generate text for a prompt (argument or stdin)")
     run.add_argument("prompt", nargs="?", help="the prompt; read from stdin when omitted")
-    run.add_argument("--model", help="target: HF folder, .gguf file or preset (default: SmolLM2-135M-Instruct)")
-    run.add_argument("--draft-model", help="torch draft: int8 (an int8 copy of the target, default), target "
-                     "(oracle draft), or an HF folder, .gguf file or preset")
-    run.add_argument("--mode", default="mirror", help=f"decoding mode: {', '.join(MODES)} (default: mirror)")
-    run.add_argument("--gamma", type=positive_int, default=4, help="draft tokens per window (default 4)")
-    run.add_argument("--kappa", type=positive_int, help="torch: early-exit candidates per position (mirror; default 8)")
-    run.add_argument("--exit-layer", type=positive_int, help="early-exit layer (mirror; default N/2)")
-    run.add_argument("--branch-budget", type=budget, default=None,
-                     help="side branches precomputed per step: auto (as many as fit) or N")
-    run.add_argument("--draft-lookup", type=count, default=3,
-                     help="mirror, greedy: prompt-lookup guesses the draft checks per forward (0: off)")
-    run.add_argument("--early-exit", default="auto", choices=("auto", "on", "off"),
-                     help="mirror: send early-exit candidates (auto: only while the draft has time to use them)")
+    add_engine_options(run)
     run.add_argument("--max-new-tokens", type=positive_int, default=256)
     run.add_argument("--temperature", type=number, default=0.0, help="0 = greedy (default)")
     run.add_argument("--top-p", type=number, default=1.0)
@@ -45,21 +33,6 @@ def build_parser() -> argparse.ArgumentParser:
     run.add_argument("--no-chat", action="store_true", help="do not apply the chat template")
     run.add_argument("--stats", action="store_true", help="print speed and acceptance statistics (stderr)")
     run.add_argument("--json", action="store_true", help="print one JSON object with text and stats")
-    run.add_argument("--device", help="torch device of the target (cpu by default, cuda, cuda:1)")
-    run.add_argument("--dtype", help="torch target dtype: float32 (default) | bfloat16 | float16 | float64")
-    run.add_argument("--threads", type=positive_int, help="torch threads (default: all cores)")
-    run.add_argument("--cache-dir", help="model cache folder (default: $MIRROR_RT_CACHE or ~/.cache/mirror-rt)")
-    run.add_argument("--bundle", help="run an exported bundle (mirror-rt export) instead of --model (default "
-                     "model: its ONNX bundle, exported once into the cache)")
-    run.add_argument("--torch", action="store_true", help="run the default model in torch, not its ONNX bundle")
-    run.add_argument("--draft-bundle", help="take the draft from another bundle (default: --bundle's)")
-    run.add_argument("--target", default="cpu", help="target device with --bundle: cpu, cuda, cuda:1, gpu, npu, "
-                                                     "openvino:CPU, ort:cpu, ort:qnn, torch:cpu...")
-    run.add_argument("--draft", default="cpu", help="draft device with --bundle (same forms)")
-    run.add_argument("--strict-devices", action="store_true", help="fail instead of falling back to a CPU backend")
-    run.add_argument("--draft-precision", choices=("f32", "bf16"), help="OpenVINO draft compute precision "
-                     "(bf16: faster on bf16 CPUs; the output never changes, only acceptance)")
-    run.add_argument("--draft-streams", help="trained SS streams (mirror-rt train-draft --out) over the draft")
     _add_export(sub)
     sub.add_parser("devices", help="list the devices each backend sees on this machine")
     add_training(sub)
@@ -68,7 +41,79 @@ def build_parser() -> argparse.ArgumentParser:
     simulate.add_argument("--config", default="qwen3-14b-m2ultra",
                           help="a JSON file of costs and rates, or a preset (default: the paper's setting)")
     simulate.add_argument("--json", action="store_true")
+    _add_serve(sub)
     return parser
+
+
+def add_engine_options(parser) -> None:
+    """What runs where, and how it decodes: the options `run` and `serve` share."""
+    parser.add_argument("--mode", default="mirror", help=f"decoding mode: {', '.join(MODES)} (default: mirror)")
+    parser.add_argument("--gamma", type=positive_int, default=4, help="draft tokens per window (default 4)")
+    parser.add_argument("--branch-budget", type=budget, default=None,
+                        help="side branches precomputed per step: auto (as many as fit) or N")
+    parser.add_argument("--draft-lookup", type=count, default=3,
+                        help="mirror, greedy: prompt-lookup guesses the draft checks per forward (0: off)")
+    parser.add_argument("--early-exit", default="auto", choices=("auto", "on", "off"),
+                        help="mirror: send early-exit candidates (auto: only while the draft has time to use them)")
+    parser.add_argument("--model", help="target: HF folder, .gguf file or preset (default: SmolLM2-135M-Instruct)")
+    parser.add_argument("--draft-model", help="torch draft: int8 (an int8 copy of the target, default), target "
+                        "(oracle draft), or an HF folder, .gguf file or preset")
+    parser.add_argument("--kappa", type=positive_int,
+                        help="torch: early-exit candidates per position (mirror; default 8)")
+    parser.add_argument("--exit-layer", type=positive_int, help="early-exit layer (mirror; default N/2)")
+    parser.add_argument("--device", help="torch device of the target (cpu by default, cuda, cuda:1)")
+    parser.add_argument("--dtype", help="torch target dtype: float32 (default) | bfloat16 | float16 | float64")
+    parser.add_argument("--threads", type=positive_int, help="torch threads (default: all cores)")
+    parser.add_argument("--cache-dir", help="model cache folder (default: $MIRROR_RT_CACHE or ~/.cache/mirror-rt)")
+    parser.add_argument("--bundle", help="run an exported bundle (mirror-rt export) instead of --model (default "
+                        "model: its ONNX bundle, exported once into the cache)")
+    parser.add_argument("--torch", action="store_true", help="run the default model in torch, not its ONNX bundle")
+    parser.add_argument("--draft-bundle", help="take the draft from another bundle (default: --bundle's)")
+    parser.add_argument("--target", default="cpu", help="target device with --bundle: cpu, cuda, cuda:1, gpu, npu, "
+                                                           "openvino:CPU, ort:cpu, ort:qnn, torch:cpu...")
+    parser.add_argument("--draft", default="cpu", help="draft device with --bundle (same forms)")
+    parser.add_argument("--strict-devices", action="store_true", help="fail instead of falling back to a CPU backend")
+    parser.add_argument("--draft-precision", choices=("f32", "bf16"), help="OpenVINO draft compute precision "
+                        "(bf16: faster on bf16 CPUs; the output never changes, only acceptance)")
+    parser.add_argument("--draft-streams", help="trained SS streams (mirror-rt train-draft --out) over the draft")
+
+
+def _add_serve(sub) -> None:
+    serve = sub.add_parser("serve", help="an OpenAI-compatible HTTP server (chat and text completions, "
+                           "Prometheus /metrics)")
+    add_engine_options(serve)
+    serve.add_argument("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1)")
+    serve.add_argument("--port", type=port_number, default=8000, help="port (default 8000)")
+    serve.add_argument("--api-key", help="require 'Authorization: Bearer KEY' on /v1/* (default: "
+                       "$MIRROR_RT_API_KEY; none when unset)")
+    serve.add_argument("--max-queued", type=count, default=16,
+                       help="requests waiting beyond the one running; more are refused with 503 (default 16)")
+    serve.add_argument("--request-timeout", type=positive_number,
+                       help="seconds a generation may run before it is stopped with an error (default: no limit)")
+    serve.add_argument("--served-model-name", help="the model name clients send (default: the model's name)")
+    serve.add_argument("--drain-timeout", type=positive_number, default=30.0,
+                       help="on SIGTERM / Ctrl-C, seconds admitted requests may take to finish (default 30)")
+
+
+def cmd_serve(args) -> int:
+    import os
+
+    from mirror_rt.devices.engines import load_engine
+    from mirror_rt.runtime.config import make_config
+    from mirror_rt.serving.app import ServerSettings
+    from mirror_rt.serving.server import serve
+
+    defaults = make_config(mode=args.mode, gamma=args.gamma, branch_budget=args.branch_budget,
+                           early_exit=args.early_exit, draft_lookup=args.draft_lookup)
+    settings = ServerSettings(served_model_name=args.served_model_name,
+                              api_key=args.api_key or os.environ.get("MIRROR_RT_API_KEY") or None,
+                              max_queued=args.max_queued, request_timeout_s=args.request_timeout, defaults=defaults)
+
+    def load():
+        return load_engine(args.bundle, torch=args.torch, torch_options=torch_options(args), mode=args.mode,
+                           **bundle_options(args))
+
+    return serve(settings, load, args.host, args.port, args.drain_timeout)
 
 
 def cmd_simulate(args) -> int:
@@ -304,7 +349,7 @@ def main(argv=None) -> int:
     _one_line_warnings()
     try:
         commands = {"run": cmd_run, "bench": cmd_bench, "simulate": cmd_simulate, "export": cmd_export,
-                    "devices": cmd_devices, **TRAINING_COMMANDS}
+                    "devices": cmd_devices, "serve": cmd_serve, **TRAINING_COMMANDS}
         return commands[args.command](args)
     except KeyboardInterrupt:
         print("\nmirror-rt: interrupted", file=sys.stderr)

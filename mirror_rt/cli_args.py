@@ -27,6 +27,20 @@ def number(text: str) -> float:
         raise argparse.ArgumentTypeError(f"expected a number, got '{text}'") from None
 
 
+def positive_number(text: str) -> float:
+    value = number(text)
+    if not value > 0 or value != value or value == float("inf"):
+        raise argparse.ArgumentTypeError(f"must be a positive number, got '{text}'")
+    return value
+
+
+def port_number(text: str) -> int:
+    value = whole(text, 1, "a port number")
+    if value > 65535:
+        raise argparse.ArgumentTypeError(f"must be a port number (1..65535), got {value}")
+    return value
+
+
 def count(text: str) -> int:
     return whole(text, 0)
 

@@ -97,7 +97,6 @@ def mirror_generate(target, draft, prompt: Sequence[int], max_new_tokens: int, s
         _set_threads(target, previous_threads)
         metrics.extra = mirror_summary(metrics, worker.stats, step.counters)
         metrics.durations["draft_forward"] = [end - start for start, end in worker.stats.busy]
-        metrics.durations["target_verify"] = [end - start for start, end in step.counters["busy"]]
 
 
 class _TargetStep:
@@ -143,6 +142,8 @@ class _TargetStep:
         suffix_s = time.perf_counter() - t1
         self.suffix_s = 0.8 * self.suffix_s + 0.2 * suffix_s if self.suffix_s else suffix_s
         self.counters["busy"].append((t0, time.perf_counter()))
+        if tokens:  # a verification of draft tokens (a window of 0 is a plain target step)
+            self.metrics.durations.setdefault("target_verify", []).append(time.perf_counter() - t0)
         # Phase 4: commit, tell the draft, roll back the rejected positions
         self.cache.rollback(base + 1 + verdict.num_accepted)
         self._send(verdict)

@@ -45,7 +45,7 @@ def speculative_generate(target, draft, prompt: Sequence[int], max_new_tokens: i
         with metrics.stage("draft_propose"):
             draft = drafter.propose(last, k, len(prompt) + produced)
         # Phase 2: the target scores [last] + window in one forward and decides
-        with metrics.stage("target_verify"):
+        with metrics.stage("target_verify" if k else "target_forward"):  # a window of 0 is a plain step
             verdict = verifier.verify(last, draft)
         # Phase 3: the draft rolls back to the accepted prefix
         drafter.commit(verdict)

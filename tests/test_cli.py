@@ -3,6 +3,7 @@
 import json
 import subprocess
 import sys
+from types import SimpleNamespace
 
 import pytest
 from conftest import write_hf_folder
@@ -74,8 +75,9 @@ def _record_engine_choices(monkeypatch) -> list:
     calls = []
     monkeypatch.setattr(engines, "default_bundle", lambda cache=None, log=None: calls.append(("default", cache))
                         or "/bundle")
-    monkeypatch.setattr(engines, "load_bundle", lambda bundle, **kw: calls.append(("bundle", bundle)) or "engine")
-    monkeypatch.setattr(engines, "load_torch", lambda **kw: calls.append(("torch", kw)) or "engine")
+    monkeypatch.setattr(engines, "load_bundle", lambda bundle, **kw: calls.append(("bundle", bundle))
+                        or SimpleNamespace(names={}))
+    monkeypatch.setattr(engines, "load_torch", lambda **kw: calls.append(("torch", kw)) or SimpleNamespace(names={}))
     return calls
 
 

@@ -1,0 +1,262 @@
+"""The OpenAI-compatible app: routes, admission, streaming, and the engine it serves.
+
+`create_app(settings, load)` returns a FastAPI app whose lifespan loads the engine in the
+background (`/health` answers 503 until it is ready) and starts the scheduler's engine thread.
+Routes: `POST /v1/chat/completions`, `POST /v1/completions`, `GET /v1/models` (behind the API
+key when one is set), `GET /health`, `GET /metrics`, `GET /version`, `POST /tokenize`,
+`POST /detokenize` (never behind the key). A request is validated, tokenized and checked
+against the context in the event loop, then queued; a full queue answers 503 with Retry-After.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import secrets
+import threading
+import uuid
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from mirror_rt.runtime.config import GenerationConfig, make_config
+from mirror_rt.serving import protocol
+from mirror_rt.serving.errors import APIError, error_response, install_handlers
+from mirror_rt.serving.metrics import ServerMetrics
+from mirror_rt.serving.records import RequestRecord
+from mirror_rt.serving.responses import Reply, collect, now, race_disconnect, stream
+from mirror_rt.serving.scheduler import Draining, Job, Overloaded, Scheduler
+
+log = logging.getLogger("mirror_rt.serve")
+
+
+@dataclass(frozen=True)
+class ServerSettings:
+    """What the server adds to an engine."""
+
+    served_model_name: str | None = None  # None: the engine's model name
+    api_key: str | None = None  # guards /v1/* when set
+    max_queued: int = 16  # requests waiting beyond the one running
+    request_timeout_s: float | None = None  # a generation running longer is stopped with an error
+    defaults: GenerationConfig = field(default_factory=lambda: GenerationConfig(mode="mirror"))  # mode, gamma...
+    temperature: float = 1.0  # OpenAI's default when a request names none
+    retry_after_s: int = 1  # Retry-After of a 503
+
+
+class ServerState:
+    """The engine, its scheduler and metrics, and where the server is in its life."""
+
+    def __init__(self, settings: ServerSettings):
+        self.settings = settings
+        self.status = "loading"  # loading | ready | draining | failed
+        self.error: str | None = None
+        self.engine = self.scheduler = None
+        self.metrics: ServerMetrics | None = None
+        self.model_name = settings.served_model_name or "mirror-rt"
+
+    def attach(self, engine) -> None:
+        """Serve `engine`: metrics, the engine thread, ready."""
+        self.engine = engine
+        self.model_name = self.settings.served_model_name or engine.names.get("model", "mirror-rt")
+        self.metrics = ServerMetrics(self.model_name)
+        self.metrics.placement(getattr(engine, "placement", {}))
+        self.metrics.spec_enabled.labels(self.model_name).set(int(self.settings.defaults.mode != "ar"))
+        self.metrics.set_load(0, 0)
+        self.scheduler = Scheduler(engine, self.settings.max_queued, self.settings.request_timeout_s,
+                                   on_change=self.metrics.set_load, on_finish=self._finished)
+        self.status = "ready"
+
+    def _finished(self, job: Job) -> None:
+        job.record = record = RequestRecord.from_job(job, self.engine.names)
+        self.metrics.finished(record)
+        log.info(record.log_line())
+
+    def require_ready(self) -> None:
+        if self.status != "ready":
+            what = {"loading": "the model is still loading", "draining": "the server is shutting down"}
+            raise APIError(503, what.get(self.status, f"the engine failed to load: {self.error}"),
+                           headers={"Retry-After": str(self.settings.retry_after_s)})
+
+
+def create_app(settings: ServerSettings, load: Callable[[], object]) -> FastAPI:
+    """The app; `load()` builds the engine (run in a background thread at startup)."""
+    state = ServerState(settings)
+
+    @contextlib.asynccontextmanager
+    async def lifespan(app: FastAPI):
+        threading.Thread(target=_load, args=(state, load), name="mirror-load", daemon=True).start()
+        yield
+        if state.scheduler is not None:
+            state.scheduler.close()
+
+    app = FastAPI(title="mirror-rt", lifespan=lifespan, docs_url=None, redoc_url=None)
+    app.state.mirror = state
+    install_handlers(app)
+    _add_status_routes(app, state)
+    _add_completion_routes(app, state)
+    _add_token_routes(app, state)
+    return app
+
+
+def _load(state: ServerState, load) -> None:
+    try:
+        state.attach(load())
+        log.info("engine ready: %s", state.model_name)
+    except BaseException as exc:  # noqa: BLE001 -- reported by /health and every request
+        state.status, state.error = "failed", f"{type(exc).__name__}: {exc}"
+        log.error("the engine failed to load: %s", state.error)
+
+
+def _add_status_routes(app: FastAPI, state: ServerState) -> None:
+    @app.get("/health")
+    async def health():
+        alive = state.scheduler is not None and state.scheduler.alive()
+        if state.status == "ready" and alive:
+            return {"status": "ok"}
+        body = APIError(503, state.error or f"not ready: {state.status}").body()
+        body["error"]["type"] = "unavailable_error"  # llama-server's type for a server not ready
+        return JSONResponse(body, status_code=503)
+
+    @app.get("/metrics")
+    async def metrics():
+        text = state.metrics.render() if state.metrics else b""
+        return Response(text, media_type="text/plain; version=0.0.4; charset=utf-8")
+
+    @app.get("/version")
+    async def version():
+        from importlib.metadata import PackageNotFoundError
+        from importlib.metadata import version as package_version
+
+        try:
+            return {"version": package_version("mirror-rt")}
+        except PackageNotFoundError:
+            return {"version": "unknown"}
+
+    @app.get("/v1/models")
+    async def models(request: Request):
+        _check_key(request, state)
+        state.require_ready()
+        return {"object": "list", "data": [{"id": state.model_name, "object": "model", "created": now(),
+                                            "owned_by": "mirror-rt", "max_model_len": state.engine.target.max_seq_len}]}
+
+
+def _add_completion_routes(app: FastAPI, state: ServerState) -> None:
+    @app.post("/v1/chat/completions")
+    async def chat(request: Request):
+        return await _complete(request, state, chat=True)
+
+    @app.post("/v1/completions")
+    async def completions(request: Request):
+        return await _complete(request, state, chat=False)
+
+
+async def _complete(request: Request, state: ServerState, chat: bool):
+    _check_key(request, state)
+    body = await _json(request)
+    req = protocol.parse(protocol.ChatRequest if chat else protocol.CompletionRequest, body)
+    state.require_ready()
+    if req.model is not None and req.model != state.model_name:
+        raise APIError(404, f"The model `{req.model}` does not exist.", "model")
+    engine = state.engine
+    prompt = engine.prompt_ids(req.chat()) if chat else engine.prompt_ids(req.text_or_ids(), chat=False)
+    if not prompt:
+        raise APIError(400, "the prompt is empty", "messages" if chat else "prompt")
+    job = Job(f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}", prompt, _config(req, len(prompt), state),
+              asyncio.get_running_loop())
+    _admit(job, state)
+    reply = Reply(job.id, state.model_name, chat, req.include_usage(), now())
+    timeout = state.settings.request_timeout_s
+    if req.stream:
+        return StreamingResponse(_streamed(job, reply, state), media_type="text/event-stream",
+                                 headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+    result = await race_disconnect(request, collect(job, reply, timeout), lambda: state.scheduler.cancel(job))
+    return Response(status_code=499) if result is None else result
+
+
+async def _streamed(job: Job, reply: Reply, state: ServerState):
+    try:
+        async for chunk in stream(job, reply, state.settings.request_timeout_s):
+            yield chunk
+    finally:  # normal end, or the client went away (Starlette cancels this generator on disconnect)
+        if job.record is None:
+            state.scheduler.cancel(job)
+
+
+def _admit(job: Job, state: ServerState) -> None:
+    retry = {"Retry-After": str(state.settings.retry_after_s)}
+    try:
+        state.scheduler.submit(job)
+    except Overloaded:
+        state.metrics.rejected("queue_full")
+        raise APIError(503, f"the server is busy: one request running and {state.settings.max_queued} waiting; "
+                            "retry later", headers=retry) from None
+    except Draining:
+        state.metrics.rejected("draining")
+        raise APIError(503, "the server is shutting down", headers=retry) from None
+
+
+def _config(req: protocol.Sampling, prompt_tokens: int, state: ServerState) -> GenerationConfig:
+    """The request's generation settings over the server's defaults; a 400 when it cannot fit."""
+    context = state.engine.target.max_seq_len
+    requested = req.requested_tokens()
+    if prompt_tokens + (requested or 1) > context:
+        raise protocol.context_error(context, prompt_tokens, requested or 0)
+    defaults = state.settings.defaults
+    mode = "ar" if req.disable_spec_decode else (req.mode or defaults.mode)
+    return make_config(defaults, max_new_tokens=requested or context - prompt_tokens, mode=mode,
+                       temperature=state.settings.temperature if req.temperature is None else req.temperature,
+                       top_p=1.0 if req.top_p is None else req.top_p,
+                       seed=secrets.randbits(31) if req.seed is None else req.seed,
+                       stop_strings=req.stop_strings(), gamma=req.num_assistant_tokens or defaults.num_draft_tokens,
+                       ignore_eos=bool(req.ignore_eos))
+
+
+def _check_key(request: Request, state: ServerState) -> None:
+    key = state.settings.api_key
+    if not key:
+        return
+    given = request.headers.get("authorization", "")
+    token = given[7:] if given.lower().startswith("bearer ") else ""
+    if not secrets.compare_digest(token.encode(), key.encode()):
+        raise APIError(401, "Invalid API key" if token else "Missing API key: send 'Authorization: Bearer <key>'")
+
+
+async def _json(request: Request):
+    import json
+
+    raw = await request.body()
+    try:
+        return json.loads(raw)
+    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+        raise APIError(400, f"the request body is not valid JSON ({exc})") from None
+
+
+def _add_token_routes(app: FastAPI, state: ServerState) -> None:
+    @app.post("/tokenize")
+    async def tokenize(request: Request):
+        body = await _json(request)
+        state.require_ready()
+        engine = state.engine
+        if isinstance(body, dict) and isinstance(body.get("messages"), list):
+            req = protocol.parse(protocol.ChatRequest, body)
+            ids = engine.prompt_ids(req.chat())
+        elif isinstance(body, dict) and isinstance(body.get("prompt"), str):
+            ids = engine.prompt_ids(body["prompt"], chat=False)
+        else:
+            raise APIError(400, "send 'prompt' (a string) or 'messages' (a list)", "prompt")
+        return {"count": len(ids), "max_model_len": engine.target.max_seq_len, "tokens": ids, "token_strs": None}
+
+    @app.post("/detokenize")
+    async def detokenize(request: Request):
+        body = await _json(request)
+        state.require_ready()
+        tokens = body.get("tokens") if isinstance(body, dict) else None
+        vocab = state.engine.target.vocab_size
+        if not isinstance(tokens, list) or not all(type(t) is int and 0 <= t < vocab for t in tokens):
+            raise APIError(400, f"'tokens' must be a list of token ids in 0..{vocab - 1}", "tokens")
+        return {"prompt": state.engine.tokenizer.decode(tokens)}
+
+
+__all__ = ["ServerSettings", "ServerState", "create_app", "error_response"]

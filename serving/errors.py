@@ -1,0 +1,67 @@
+"""Errors over HTTP: vLLM's envelope everywhere, one line each.
+
+Body: `{"error": {"message": str, "type": str, "param": str | null, "code": <HTTP status>}}`, the
+shape OpenAI clients read (`body["error"]["message"]`); types are vLLM's names. Every failure
+path of the app ends here: our own `APIError`, FastAPI's request validation (400, never its
+default 422 body), Starlette's 404/405 for unknown routes, and any other exception (500, the
+server keeps serving).
+"""
+
+from __future__ import annotations
+
+import logging
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse
+from starlette.exceptions import HTTPException
+
+TYPES = {400: "BadRequestError", 401: "AuthenticationError", 404: "NotFoundError", 405: "BadRequestError",
+         413: "BadRequestError", 500: "InternalServerError", 503: "ServiceUnavailableError",
+         504: "TimeoutError"}
+log = logging.getLogger("mirror_rt.serve")
+
+
+class APIError(Exception):
+    """A request that ends with an error status; `headers` go on the response (e.g. Retry-After)."""
+
+    def __init__(self, status: int, message: str, param: str | None = None, headers: dict | None = None):
+        super().__init__(message)
+        self.status, self.message, self.param, self.headers = status, message, param, headers or {}
+
+    def body(self) -> dict:
+        return envelope(self.status, self.message, self.param)
+
+
+def envelope(status: int, message: str, param: str | None = None) -> dict:
+    """The error body for `status`."""
+    return {"error": {"message": message, "type": TYPES.get(status, "InternalServerError"), "param": param,
+                      "code": status}}
+
+
+def error_response(error: APIError) -> JSONResponse:
+    return JSONResponse(error.body(), status_code=error.status, headers=error.headers)
+
+
+def install_handlers(app: FastAPI) -> None:
+    """Route every failure through the envelope."""
+
+    @app.exception_handler(APIError)
+    async def api_error(request: Request, exc: APIError):
+        return error_response(exc)
+
+    @app.exception_handler(RequestValidationError)
+    async def invalid(request: Request, exc: RequestValidationError):
+        first = exc.errors()[0] if exc.errors() else {}
+        param = ".".join(str(p) for p in first.get("loc", ())[1:]) or None
+        return error_response(APIError(400, f"invalid request: {first.get('msg', 'malformed body')}", param))
+
+    @app.exception_handler(HTTPException)
+    async def http_error(request: Request, exc: HTTPException):
+        message = "not found" if exc.status_code == 404 else str(exc.detail)
+        return error_response(APIError(exc.status_code, f"{message}: {request.method} {request.url.path}"))
+
+    @app.exception_handler(Exception)
+    async def internal(request: Request, exc: Exception):
+        log.exception("unhandled error on %s %s", request.method, request.url.path)
+        return error_response(APIError(500, f"internal error: {type(exc).__name__}: {exc}"))

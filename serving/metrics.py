@@ -1,0 +1,130 @@
+"""Prometheus metrics of the server: vLLM's names under the `mirror_rt:` prefix, plus speculation's own.
+
+Scrapers built for vLLM work by swapping the prefix `vllm:` -> `mirror_rt:`; every series carries
+`model_name`. Counters are declared without `_total` (prometheus_client appends it). Buckets are
+vLLM's. Inter-token latency is observed per token, not per SSE chunk: a step that commits k
+tokens after a gap d counts k observations of d / k. One registry per app (never the global
+one), so several apps in one process (tests, Ray replicas) never collide.
+"""
+
+from __future__ import annotations
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, disable_created_metrics, generate_latest
+
+disable_created_metrics()  # no `_created` series beside each counter and histogram (as vLLM)
+
+PREFIX = "mirror_rt:"
+TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0,
+                20.0, 40.0, 80.0, 160.0, 640.0, 2560.0)
+ITL_BUCKETS = (0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0,
+               20.0, 40.0, 80.0)
+LATENCY_BUCKETS = (0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0, 60.0, 120.0,
+                   240.0, 480.0, 960.0, 1920.0, 7680.0)
+STEP_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0)
+FINISH_REASONS = ("stop", "length", "abort", "error")
+
+
+class ServerMetrics:
+    """Every metric of one server, labelled with its model name."""
+
+    def __init__(self, model_name: str, registry: CollectorRegistry | None = None):
+        self.registry = registry or CollectorRegistry()
+        self.model_name = model_name
+        self._gauges()
+        self._counters()
+        self._histograms()
+        for reason in FINISH_REASONS:  # present from the first scrape, at 0
+            self.request_success.labels(model_name, reason)
+
+    def _gauges(self) -> None:
+        g = self._make(Gauge)
+        self.running = g("num_requests_running", "Requests generating now (0 or 1: one engine)")
+        self.waiting = g("num_requests_waiting", "Requests queued behind the running one")
+        self.spec_enabled = g("spec_decode_enabled", "1 when the server's default mode speculates (sd, mirror)")
+
+    def _counters(self) -> None:
+        c = self._make(Counter)
+        self.prompt_tokens = c("prompt_tokens", "Prompt tokens of requests that ran")
+        self.generation_tokens = c("generation_tokens", "Tokens generated (usage.completion_tokens summed)")
+        self.request_success = c("request_success", "Requests ended, by finish reason", ["finished_reason"])
+        self.request_rejected = c("request_rejected", "Requests refused before running, by reason", ["reason"])
+        self.drafts = c("spec_decode_num_drafts", "Draft windows verified by the target (one per verify step)")
+        self.draft_tokens = c("spec_decode_num_draft_tokens", "Draft tokens verified")
+        self.accepted_tokens = c("spec_decode_num_accepted_tokens", "Draft tokens accepted")
+        self.accepted_per_pos = c("spec_decode_num_accepted_tokens_per_pos", "Draft tokens accepted at each "
+                                  "window position", ["position"])
+        self.draft_hidden = c("draft_hidden_seconds", "Draft time that ran while the target computed (Mirror)")
+        self.reuse_hits = c("reuse_hits", "Verdicts whose next window was precomputed (Mirror)")
+        self.reuse_checks = c("reuse_checks", "Verdicts checked against the precomputed windows (Mirror)")
+        self.draft_faults = c("draft_faults", "Requests whose draft failed; decoding fell back to the target")
+        self.device_fallback = c("device_fallback", "Roles loaded on another device than requested",
+                                 ["role", "requested", "actual"])
+
+    def _histograms(self) -> None:
+        h = self._make(Histogram)
+        self.ttft = h("time_to_first_token_seconds", "Arrival to first token", buckets=TTFT_BUCKETS)
+        self.itl = h("inter_token_latency_seconds", "Time per generated token after the first (per token)",
+                     buckets=ITL_BUCKETS)
+        self.e2e = h("e2e_request_latency_seconds", "Arrival to end", buckets=LATENCY_BUCKETS)
+        self.queue_time = h("request_queue_time_seconds", "Arrival to start of generation", buckets=LATENCY_BUCKETS)
+        self.draft_step = h("draft_step_seconds", "One draft forward", buckets=STEP_BUCKETS)
+        self.target_verify = h("target_verify_seconds", "One target verification of a draft window",
+                               buckets=STEP_BUCKETS)
+
+    def _make(self, kind):
+        def make(name, doc, labels=(), **kw):
+            return kind(PREFIX + name, doc, ["model_name", *labels], registry=self.registry, **kw)
+        return make
+
+    def render(self) -> bytes:
+        return generate_latest(self.registry)
+
+    # --- updates -------------------------------------------------------------------------
+
+    def set_load(self, running: int, waiting: int) -> None:
+        self.running.labels(self.model_name).set(running)
+        self.waiting.labels(self.model_name).set(waiting)
+
+    def rejected(self, reason: str) -> None:
+        self.request_rejected.labels(self.model_name, reason).inc()
+
+    def placement(self, placements: dict) -> None:
+        """Count the roles that fell back at load (`devices.registry.Placement` per role)."""
+        for role, where in placements.items():
+            if where.fell_back:
+                self.device_fallback.labels(self.model_name, role, where.requested, where.actual).inc()
+
+    def finished(self, record) -> None:
+        """One request's end (`serving.records.RequestRecord`)."""
+        m = self.model_name
+        self.request_success.labels(m, record.finish_reason).inc()
+        self.e2e.labels(m).observe(record.e2e_s)
+        if record.queue_s is not None:
+            self.queue_time.labels(m).observe(record.queue_s)
+        if not record.ran:
+            return
+        self.prompt_tokens.labels(m).inc(record.prompt_tokens)
+        self.generation_tokens.labels(m).inc(record.completion_tokens)
+        if record.ttft_s is not None:
+            self.ttft.labels(m).observe(record.ttft_s)
+        for gap in record.token_gaps():
+            self.itl.labels(m).observe(gap)
+        self._speculation(record)
+
+    def _speculation(self, record) -> None:
+        m, stats = self.model_name, record.stats
+        proposed, accepted = stats.get("proposed_per_position", []), stats.get("accepted_per_position", [])
+        self.drafts.labels(m).inc(proposed[0] if proposed else 0)
+        self.draft_tokens.labels(m).inc(sum(proposed))
+        self.accepted_tokens.labels(m).inc(sum(accepted))
+        for position, count in enumerate(accepted):
+            self.accepted_per_pos.labels(m, str(position)).inc(count)
+        for seconds in record.durations.get("draft_forward", ()):
+            self.draft_step.labels(m).observe(seconds)
+        for seconds in record.durations.get("target_verify", ()):
+            self.target_verify.labels(m).observe(seconds)
+        self.draft_hidden.labels(m).inc(stats.get("draft_hidden_s", 0.0))
+        self.reuse_hits.labels(m).inc(stats.get("reuse_hits", 0))
+        self.reuse_checks.labels(m).inc(stats.get("reuse_checks", 0))
+        if record.draft_fault:
+            self.draft_faults.labels(m).inc()

@@ -1,0 +1,159 @@
+"""The OpenAI request bodies mirror-rt honours, validated strictly, and what they ask of the engine.
+
+Fields are checked for type and range (strict: "5" is not a number, NaN is not a temperature);
+unknown fields are ignored, as vLLM and OpenAI's own servers do. Fields OpenAI defines that change
+what is generated but that mirror-rt does not implement (n > 1, logprobs, non-text response
+formats, penalties, tools...) are refused with a 400 naming the parameter rather than ignored.
+Per-request extensions (sent as extra body fields): `mode` (ar | sd | mirror),
+`num_assistant_tokens` (the window gamma; OpenVINO Model Server's name) and
+`disable_spec_decode` (true: target-only for this request), and vLLM's `ignore_eos`.
+"""
+
+from __future__ import annotations
+
+from typing import Literal
+
+from mirror_rt.serving.errors import APIError
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
+
+MODES = ("ar", "sd", "mirror")
+
+
+class Strict(BaseModel):
+    model_config = ConfigDict(extra="ignore", strict=True)
+
+
+class StreamOptions(Strict):
+    include_usage: bool | None = None
+
+
+class TextPart(Strict):
+    type: Literal["text"]
+    text: str
+
+
+class Message(Strict):
+    role: Literal["system", "developer", "user", "assistant"]
+    content: str | list[TextPart] | None = None
+
+    def text(self) -> str:
+        if isinstance(self.content, list):
+            return "".join(part.text for part in self.content)
+        return self.content or ""
+
+
+class ResponseFormat(Strict):
+    type: str
+
+
+class Sampling(Strict):
+    """Fields shared by chat and text completions."""
+
+    model: str | None = None
+    max_tokens: int | None = Field(None, ge=1)
+    max_completion_tokens: int | None = Field(None, ge=1)
+    temperature: float | None = Field(None, ge=0.0, le=2.0, allow_inf_nan=False)
+    top_p: float | None = Field(None, gt=0.0, le=1.0, allow_inf_nan=False)
+    seed: int | None = None
+    stop: str | list[str] | None = None
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    n: int | None = Field(None, ge=1)
+    logprobs: bool | int | None = None
+    top_logprobs: int | None = Field(None, ge=0)
+    presence_penalty: float | None = Field(None, allow_inf_nan=False)
+    frequency_penalty: float | None = Field(None, allow_inf_nan=False)
+    logit_bias: dict | None = None
+    mode: Literal["ar", "sd", "mirror"] | None = None
+    num_assistant_tokens: int | None = Field(None, ge=1, le=64)
+    disable_spec_decode: bool | None = None
+    ignore_eos: bool | None = None  # vLLM's extension: keep generating past end-of-sequence (load tests)
+
+    def refuse_unsupported(self) -> None:
+        """A 400 naming the first parameter that asks for something not implemented."""
+        checks = [("n", self.n not in (None, 1), "only n=1 is supported (one choice per request)"),
+                  ("logprobs", bool(self.logprobs) or bool(self.top_logprobs), "logprobs are not supported"),
+                  ("presence_penalty", bool(self.presence_penalty), "presence_penalty is not supported"),
+                  ("frequency_penalty", bool(self.frequency_penalty), "frequency_penalty is not supported"),
+                  ("logit_bias", bool(self.logit_bias), "logit_bias is not supported"),
+                  ("stop", isinstance(self.stop, list) and "" in self.stop, "stop strings must not be empty"),
+                  ("stop", self.stop == "", "stop strings must not be empty")]
+        for param, failed, message in checks:
+            if failed:
+                raise APIError(400, message, param)
+
+    def stop_strings(self) -> tuple[str, ...]:
+        if self.stop is None:
+            return ()
+        return (self.stop,) if isinstance(self.stop, str) else tuple(self.stop)
+
+    def include_usage(self) -> bool:
+        """vLLM's rule: once `stream_options` is sent, usage is included unless it says false."""
+        return self.stream_options is not None and self.stream_options.include_usage is not False
+
+    def requested_tokens(self) -> int | None:
+        return self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
+
+
+class ChatRequest(Sampling):
+    messages: list[Message] = Field(min_length=1)
+    response_format: ResponseFormat | None = None
+    tools: list | None = None
+
+    def refuse_unsupported(self) -> None:
+        super().refuse_unsupported()
+        if self.response_format is not None and self.response_format.type != "text":
+            raise APIError(400, f"response_format '{self.response_format.type}' is not supported (only 'text')",
+                           "response_format")
+        if self.tools:
+            raise APIError(400, "tools are not supported", "tools")
+
+    def chat(self) -> list[dict]:
+        roles = {"developer": "system"}
+        return [{"role": roles.get(m.role, m.role), "content": m.text()} for m in self.messages]
+
+
+class CompletionRequest(Sampling):
+    prompt: str | list[str] | list[int]
+    echo: bool | None = None
+    suffix: str | None = None
+    best_of: int | None = Field(None, ge=1)
+
+    def refuse_unsupported(self) -> None:
+        super().refuse_unsupported()
+        if isinstance(self.prompt, list) and self.prompt and isinstance(self.prompt[0], str) and len(self.prompt) != 1:
+            raise APIError(400, "only one prompt per request is supported", "prompt")
+        if self.prompt in ("", []):
+            raise APIError(400, "the prompt is empty", "prompt")
+        for param, value in (("echo", self.echo), ("suffix", self.suffix), ("best_of", self.best_of not in (None, 1))):
+            if value:
+                raise APIError(400, f"{param} is not supported", param)
+
+    def text_or_ids(self) -> str | list[int]:
+        if isinstance(self.prompt, list) and self.prompt and isinstance(self.prompt[0], str):
+            return self.prompt[0]
+        return self.prompt
+
+
+def parse(model: type[Sampling], body) -> Sampling:
+    """Validate a decoded JSON body; a 400 naming the first bad field otherwise."""
+    if not isinstance(body, dict):
+        raise APIError(400, "the request body must be a JSON object")
+    try:
+        request = model.model_validate(body)
+    except ValidationError as exc:
+        first = exc.errors()[0]
+        param = ".".join(str(p) for p in first["loc"]) or None
+        raise APIError(400, f"invalid value for '{param}': {first['msg']}", param) from None
+    request.refuse_unsupported()
+    return request
+
+
+def context_error(context: int, prompt_tokens: int, requested: int) -> APIError:
+    """vLLM's sentence for a prompt and output that do not fit (clients parse its first clause)."""
+    total = prompt_tokens + requested
+    return APIError(400, f"This model's maximum context length is {context} tokens. However, you requested "
+                         f"{requested} output tokens and your prompt contains at least {prompt_tokens} input tokens, "
+                         f"for a total of at least {total} tokens. Please reduce the length of the input prompt or "
+                         f"the number of requested output tokens. (parameter=input_tokens, value={prompt_tokens})",
+                    "input_tokens")

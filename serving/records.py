@@ -1,0 +1,96 @@
+"""What one finished request measured: for its response, the metrics and the access log.
+
+A `RequestRecord` is built once from a scheduler job at its end. Times are perf_counter
+seconds from the request's arrival. The response figures follow llama-server's `timings`
+(`prompt_n`, `prompt_ms`, `predicted_n`, `predicted_ms`, `predicted_per_second`, `draft_n`,
+`draft_n_accepted`) plus a `mirror_rt` object with what only speculation knows.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+FINISH = {"eos": "stop", "stop_string": "stop", "max_new_tokens": "length", "context": "length"}
+
+
+@dataclass
+class RequestRecord:
+    """One request's figures (a request that never ran has `ran` False)."""
+
+    id: str
+    outcome: str  # done | cancelled | timeout | error
+    finish_reason: str  # stop | length | abort | error
+    e2e_s: float
+    queue_s: float | None
+    ran: bool
+    prompt_tokens: int = 0
+    completion_tokens: int = 0
+    ttft_s: float | None = None
+    steps: list = field(default_factory=list)  # (perf_counter, tokens) per decode step
+    stats: dict = field(default_factory=dict)  # Generation.stats
+    durations: dict = field(default_factory=dict)  # Generation.durations
+    names: dict = field(default_factory=dict)  # Engine.names (devices, path, precision)
+
+    @classmethod
+    def from_job(cls, job, names: dict) -> RequestRecord:
+        gen = job.generation
+        queue_s = None if job.started is None else job.started - job.arrived
+        e2e = (job.finished or job.arrived) - job.arrived
+        reason = {"cancelled": "abort", "timeout": "error", "error": "error"}.get(job.outcome)
+        if gen is None or not gen.stats:
+            return cls(job.id, job.outcome, reason or "error", e2e, queue_s, False, names=names)
+        stats = gen.stats
+        first = gen.steps[0][0] - job.arrived if gen.steps else None
+        return cls(job.id, job.outcome, reason or FINISH.get(gen.stop_reason, "stop"), e2e, queue_s, True,
+                   stats["prompt_tokens"], stats["new_tokens"], first, list(gen.steps), stats, gen.durations, names)
+
+    @property
+    def draft_fault(self) -> bool:
+        return any(str(e).startswith("fallback to target-only") for e in self.stats.get("events", ()))
+
+    def token_gaps(self) -> list[float]:
+        """Inter-token latency per token: a step of k tokens after a gap d gives k times d / k."""
+        gaps = []
+        for (before, _), (after, count) in zip(self.steps, self.steps[1:]):
+            if count:
+                gaps += [(after - before) / count] * count
+        return gaps
+
+    def timings(self) -> dict:
+        """llama-server's per-response figures, with the draft counts."""
+        s = self.stats
+        prompt_ms = 1e3 * s.get("time_to_first_token_s", 0.0)
+        predicted_ms = max(0.0, 1e3 * s.get("wall_time_s", 0.0) - prompt_ms)
+        n = self.completion_tokens
+        return {"prompt_n": self.prompt_tokens, "prompt_ms": round(prompt_ms, 3),
+                "prompt_per_second": round(1e3 * self.prompt_tokens / prompt_ms, 2) if prompt_ms else None,
+                "predicted_n": n, "predicted_ms": round(predicted_ms, 3),
+                "predicted_per_token_ms": round(predicted_ms / (n - 1), 3) if n > 1 else None,
+                "predicted_per_second": round(1e3 * (n - 1) / predicted_ms, 2) if n > 1 and predicted_ms else None,
+                "draft_n": sum(s.get("proposed_per_position", [])),
+                "draft_n_accepted": sum(s.get("accepted_per_position", []))}
+
+    def speculation(self) -> dict:
+        """What only speculation knows: acceptance per position, reuse, hidden draft time, devices."""
+        s, mode = self.stats, self.stats.get("mode")
+        mirror = mode == "mirror"
+        return {"mode": mode, "mean_accepted_length": s.get("mean_accepted_length"),
+                "acceptance_per_position": s.get("acceptance_per_position", []),
+                "reuse_hit_rate": s.get("reuse_hit_rate") if mirror else None,
+                "hidden_draft_share": s.get("hidden_draft_share") if mirror else None,
+                "draft_forwards_per_token": s.get("draft_forwards_per_token") if mirror else None,
+                "devices": {"target": self.names.get("target_device"),
+                            "draft": self.names.get("draft_device") if mode != "ar" else None},
+                "path": self.names.get("path"),
+                "precision": {"target": self.names.get("target_precision"),
+                              "draft": self.names.get("draft_precision") if mode != "ar" else None},
+                "queue_ms": round(1e3 * self.queue_s, 3) if self.queue_s is not None else None,
+                "events": list(s.get("events", []))}
+
+    def log_line(self) -> str:
+        """The access-log line: id, tokens, TTFT, tokens/s, finish reason."""
+        ttft = f"{1e3 * self.ttft_s:.0f} ms" if self.ttft_s is not None else "-"
+        rate = self.completion_tokens / self.e2e_s if self.e2e_s > 0 else 0.0
+        note = "" if self.outcome in ("done", "cancelled") else f" ({self.outcome})"
+        return (f"{self.id} prompt_tokens={self.prompt_tokens} completion_tokens={self.completion_tokens} "
+                f"ttft={ttft} tokens_per_s={rate:.1f} finish_reason={self.finish_reason}{note}")

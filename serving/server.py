@@ -1,0 +1,112 @@
+"""`mirror-rt serve`: uvicorn over the app, one worker, with a drain on SIGTERM / Ctrl-C.
+
+The socket opens at once and the engine loads behind it (`/health` says 503 until ready); a log
+line then gives the URL, the model, the mode, the device each role got (fallbacks included) and
+whether a key is required. The first SIGTERM or Ctrl-C drains: new requests get 503, requests
+already admitted (running or queued) finish, and whatever is left at the deadline is cancelled;
+then the server stops and the process exits 0. A second signal stops at once.
+"""
+
+from __future__ import annotations
+
+import logging
+import sys
+import threading
+import time
+
+from mirror_rt.serving.app import ServerSettings, ServerState, create_app
+
+log = logging.getLogger("mirror_rt.serve")
+
+
+def configure_logging() -> None:
+    """`mirror-rt serve: ...` lines on stderr (access log included)."""
+    if not log.handlers:
+        handler = logging.StreamHandler(sys.stderr)
+        handler.setFormatter(logging.Formatter("mirror-rt serve: %(message)s"))
+        log.addHandler(handler)
+        log.setLevel(logging.INFO)
+        log.propagate = False
+
+
+def describe(state: ServerState, url: str) -> str:
+    """The start-up line: where, what, how, on which devices, and whether a key is required."""
+    engine, settings = state.engine, state.settings
+    roles = []
+    for role in ("target", "draft"):
+        where = getattr(engine, "placement", {}).get(role)
+        device = engine.names.get(f"{role}_device", "?")
+        note = f" (asked for {where.requested}: not available, fell back)" if where and where.fell_back else ""
+        roles.append(f"{role} on {device}{note}")
+    key = "API key required" if settings.api_key else "no API key"
+    return (f"serving {state.model_name} at {url}/v1 ({engine.names.get('path', 'engine')}), mode "
+            f"{settings.defaults.mode}, {', '.join(roles)}; {key}; queue {settings.max_queued}")
+
+
+class DrainingServer:
+    """uvicorn.Server with a drain: the first signal stops admissions and waits for the admitted work."""
+
+    def __init__(self, app, host: str, port: int, drain_s: float):
+        import uvicorn
+
+        config = uvicorn.Config(app, host=host, port=port, log_level="warning", access_log=False,
+                                timeout_graceful_shutdown=5, lifespan="on")
+        self.server = uvicorn.Server(config)
+        self.server.handle_exit = self.handle_exit  # no re-raise of the signal at exit: exit code 0
+        self.state: ServerState = app.state.mirror
+        self.drain_s, self.draining = drain_s, False
+
+    def run(self) -> None:
+        self.server.run()
+
+    def handle_exit(self, sig, frame) -> None:
+        if self.draining:  # a second signal: stop now
+            self.server.force_exit = self.server.should_exit = True
+            return
+        self.draining = True
+        threading.Thread(target=self.drain, name="mirror-drain", daemon=True).start()
+
+    def drain(self) -> None:
+        state, scheduler = self.state, self.state.scheduler
+        state.status = "draining"
+        log.info("draining: no new requests; up to %g s for the admitted ones", self.drain_s)
+        if scheduler is not None:
+            scheduler.close(cancel_waiting=False)
+            deadline = time.monotonic() + self.drain_s
+            while not scheduler.idle() and time.monotonic() < deadline:
+                time.sleep(0.05)
+            if not scheduler.idle():
+                log.info("drain deadline reached: cancelling what is left")
+                scheduler.cancel_all()
+                end = time.monotonic() + 5
+                while not scheduler.idle() and time.monotonic() < end:
+                    time.sleep(0.05)
+            time.sleep(0.2)  # the last events reach their streams
+        self.server.should_exit = True
+
+
+def serve(settings: ServerSettings, load, host: str = "127.0.0.1", port: int = 8000, drain_s: float = 30.0) -> int:
+    """Run the server until a signal drains it; returns the exit code (2 when the engine cannot load)."""
+    configure_logging()
+    url = f"http://{host}:{port}"
+    app = create_app(settings, load)
+    server = DrainingServer(app, host, port, drain_s)
+    threading.Thread(target=_announce, args=(server, url), name="mirror-announce", daemon=True).start()
+    log.info("listening on %s (loading the engine; /health answers 503 until it is ready)", url)
+    server.run()
+    if server.state.status == "failed":
+        print(f"mirror-rt: error: the engine failed to load: {server.state.error}", file=sys.stderr)
+        return 2
+    log.info("stopped")
+    return 0
+
+
+def _announce(server: DrainingServer, url: str) -> None:
+    """Log the start-up line once the engine is ready; stop the server if it failed to load."""
+    state = server.state
+    while state.status == "loading":
+        time.sleep(0.05)
+    if state.status == "failed":
+        server.server.should_exit = True
+    elif state.engine is not None:
+        log.info(describe(state, url))

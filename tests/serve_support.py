@@ -1,0 +1,154 @@
+"""Test support for the server: a real uvicorn server on a free port, engine wrappers, a metrics scraper."""
+
+from __future__ import annotations
+
+import socket
+import threading
+import time
+
+import httpx
+
+
+class RunningServer:
+    """The app under uvicorn in a background thread, on a socket bound to a free port."""
+
+    def __init__(self, app):
+        import uvicorn
+
+        self.app, self.state = app, app.state.mirror
+        self.sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+        self.sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        self.sock.bind(("127.0.0.1", 0))
+        self.port = self.sock.getsockname()[1]
+        self.url = f"http://127.0.0.1:{self.port}"
+        config = uvicorn.Config(app, log_level="warning", access_log=False, lifespan="on",
+                                timeout_graceful_shutdown=2)
+        self.server = uvicorn.Server(config)
+        self.thread = threading.Thread(target=self.server.run, kwargs={"sockets": [self.sock]}, daemon=True)
+        self.thread.start()
+
+    def wait_ready(self, timeout: float = 60.0) -> RunningServer:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            try:
+                if httpx.get(self.url + "/health", timeout=2).status_code == 200:
+                    return self
+            except httpx.TransportError:
+                pass
+            time.sleep(0.05)
+        raise TimeoutError(f"server at {self.url} not ready after {timeout} s")
+
+    def stop(self) -> None:
+        self.server.should_exit = True
+        self.thread.join(timeout=10)
+        self.sock.close()
+
+    def client(self, **kwargs):
+        from openai import OpenAI
+
+        return OpenAI(base_url=self.url + "/v1", api_key=kwargs.pop("api_key", "unused"), max_retries=0,
+                      timeout=kwargs.pop("timeout", 60), **kwargs)
+
+
+def start(engine, **settings) -> RunningServer:
+    """A ready server over `engine` with `ServerSettings(**settings)`."""
+    from mirror_rt.serving.app import ServerSettings, create_app
+
+    return RunningServer(create_app(ServerSettings(**settings), lambda: engine)).wait_ready()
+
+
+class Delayed:
+    """A model whose forwards take at least `delay` seconds more (so a request runs long enough to be hit)."""
+
+    def __init__(self, model, delay: float):
+        self.inner, self.delay = model, delay
+
+    def __getattr__(self, name):
+        return getattr(self.inner, name)
+
+    def forward(self, tokens, cache, *args, **kwargs):
+        time.sleep(self.delay)
+        return self.inner.forward(tokens, cache, *args, **kwargs)
+
+    def forward_suffix(self, cache, *args, **kwargs):
+        time.sleep(self.delay)
+        return self.inner.forward_suffix(cache, *args, **kwargs)
+
+
+class Faulty:
+    """A model that raises on its `after`-th forward (counted over its whole life)."""
+
+    def __init__(self, model, after: int):
+        self.inner, self.after, self.calls = model, after, 0
+
+    def __getattr__(self, name):
+        return getattr(self.inner, name)
+
+    def forward(self, tokens, cache, *args, **kwargs):
+        self.calls += 1
+        if self.calls >= self.after:
+            raise RuntimeError("injected fault")
+        return self.inner.forward(tokens, cache, *args, **kwargs)
+
+    def forward_suffix(self, cache, *args, **kwargs):
+        self.calls += 1
+        if self.calls >= self.after:
+            raise RuntimeError("injected fault")
+        return self.inner.forward_suffix(cache, *args, **kwargs)
+
+
+class Swapped:
+    """Context manager: `engine.<role>` replaced by `wrapper(model)` for the duration."""
+
+    def __init__(self, engine, role: str, wrapper):
+        self.engine, self.role, self.wrapper = engine, role, wrapper
+
+    def __enter__(self):
+        self.original = getattr(self.engine, self.role)
+        setattr(self.engine, self.role, self.wrapper(self.original))
+        return getattr(self.engine, self.role)
+
+    def __exit__(self, *exc):
+        setattr(self.engine, self.role, self.original)
+
+
+def scrape(url: str) -> dict[tuple[str, tuple], float]:
+    """/metrics parsed by prometheus_client: {(sample name, sorted labels without model_name): value}."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    text = httpx.get(url + "/metrics", timeout=10).text
+    out = {}
+    for family in text_string_to_metric_families(text):
+        for sample in family.samples:
+            labels = tuple(sorted((k, v) for k, v in sample.labels.items() if k != "model_name"))
+            out[(sample.name, labels)] = sample.value
+    return out
+
+
+def metric(samples: dict, name: str, **labels) -> float:
+    return samples.get(("mirror_rt:" + name, tuple(sorted(labels.items()))), 0.0)
+
+
+def wait_for(predicate, timeout: float = 2.0, every: float = 0.02) -> bool:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if predicate():
+            return True
+        time.sleep(every)
+    return predicate()
+
+
+def tiny_engine():
+    """The tiny preset in float64 (greedy equality stays exact whatever the window sizes) with a noisy
+    float64 copy as the draft, named as `load_torch` names its engines."""
+    from conftest import perturbed_copy, tiny_target
+    from mirror_rt.devices.torch_backend import TorchModel
+    from mirror_rt.devices.torch_split import TorchSplitTarget
+    from mirror_rt.models.tokenizer import ByteTokenizer
+    from mirror_rt.runtime.engine import Engine
+
+    target = tiny_target(seed=4, vocab_size=258)
+    draft = perturbed_copy(target, noise=0.2, seed=5)
+    names = {"model": "tiny", "path": "torch eager (cpu)", "target_precision": "fp64", "draft_precision": "fp64",
+             "target_device": "torch:cpu", "draft_device": "torch:cpu"}
+    return Engine(TorchSplitTarget(target), ByteTokenizer(258), TorchModel(draft), names)

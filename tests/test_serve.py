@@ -1,0 +1,223 @@
+"""`mirror-rt serve` as clients use it: a real uvicorn server on a free port, the official openai client
+(max_retries=0) and raw HTTP where the client hides what matters. Greedy text over HTTP equals the
+reference decoder's (`Engine.generate(mode="ar")` on an identical engine) in every mode."""
+
+from __future__ import annotations
+
+import json
+
+import httpx
+import pytest
+from serve_support import start, tiny_engine
+
+pytest.importorskip("fastapi")
+openai = pytest.importorskip("openai")
+
+PROMPT = "hello there"
+MESSAGES = [{"role": "user", "content": PROMPT}]
+
+
+@pytest.fixture(scope="module")
+def engine():
+    return tiny_engine()
+
+
+@pytest.fixture(scope="module")
+def reference():
+    """An identical engine the server never touches: the oracle of the equality tests."""
+    return tiny_engine()
+
+
+@pytest.fixture(scope="module")
+def server(engine):
+    running = start(engine, max_queued=4)
+    yield running
+    running.stop()
+
+
+def ar_text(reference, prompt, chat: bool, max_new: int) -> str:
+    return reference.generate(prompt, mode="ar", max_new_tokens=max_new, chat=chat).text
+
+
+@pytest.mark.parametrize("mode", ["ar", "sd", "mirror"])
+def test_greedy_chat_and_completion_equal_the_reference(server, reference, mode):
+    client = server.client()
+    chat = client.chat.completions.create(model="tiny", messages=MESSAGES, max_tokens=40, temperature=0,
+                                          extra_body={"mode": mode})
+    text = client.completions.create(model="tiny", prompt=PROMPT, max_tokens=40, temperature=0,
+                                     extra_body={"mode": mode})
+    assert chat.choices[0].message.content == ar_text(reference, MESSAGES, True, 40)
+    assert text.choices[0].text == ar_text(reference, PROMPT, False, 40)
+    assert chat.model == "tiny" and chat.object == "chat.completion" and text.object == "text_completion"
+    extra = chat.model_extra
+    assert extra["mirror_rt"]["mode"] == mode
+    assert 0 <= extra["timings"]["draft_n_accepted"] <= extra["timings"]["draft_n"]
+    assert (extra["timings"]["draft_n"] > 0) == (mode != "ar")
+
+
+def test_stream_joined_equals_the_answer_and_ends_with_usage(server):
+    client = server.client()
+    whole = client.chat.completions.create(model="tiny", messages=MESSAGES, max_tokens=30, temperature=0)
+    chunks = list(client.chat.completions.create(model="tiny", messages=MESSAGES, max_tokens=30, temperature=0,
+                                                 stream=True, stream_options={"include_usage": True}))
+    text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    assert text == whole.choices[0].message.content
+    assert chunks[0].choices[0].delta.role == "assistant"
+    finish = [c for c in chunks if c.choices and c.choices[0].finish_reason]
+    assert len(finish) == 1 and finish[0].choices[0].finish_reason == whole.choices[0].finish_reason
+    assert "timings" in finish[0].model_extra and "mirror_rt" in finish[0].model_extra
+    last = chunks[-1]
+    assert last.choices == [] and last.usage.completion_tokens == whole.usage.completion_tokens
+    assert last.usage.prompt_tokens == whole.usage.prompt_tokens
+    assert last.usage.total_tokens == last.usage.prompt_tokens + last.usage.completion_tokens
+
+
+def test_raw_stream_is_sse_ending_with_done(server):
+    body = {"model": "tiny", "prompt": PROMPT, "max_tokens": 6, "temperature": 0, "stream": True}
+    with httpx.stream("POST", server.url + "/v1/completions", json=body, timeout=30) as response:
+        assert response.status_code == 200 and response.headers["content-type"].startswith("text/event-stream")
+        lines = [line for line in response.iter_lines() if line]
+    assert lines[-1] == "data: [DONE]" and all(line.startswith("data: ") for line in lines)
+    events = [json.loads(line[6:]) for line in lines[:-1]]
+    assert events[-1]["choices"][0]["finish_reason"] == "length" and "usage" not in events[-1]
+
+
+def test_max_completion_tokens_wins_and_counts_exactly(server):
+    client = server.client()
+    answer = client.chat.completions.create(model="tiny", messages=MESSAGES, temperature=0, max_tokens=50,
+                                            max_completion_tokens=5, extra_body={"ignore_eos": True})
+    assert answer.choices[0].finish_reason == "length" and answer.usage.completion_tokens == 5
+
+
+def test_stop_string_cuts_the_text(server, reference):
+    """Target-only sampling with a seed is reproducible: the text up to the first stop string, then stop."""
+    full = reference.generate(PROMPT, mode="ar", max_new_tokens=40, chat=False, temperature=1.0, seed=3).text
+    cut = next(i for i in range(3, len(full) - 2) if full.index(full[i:i + 2]) == i)  # a first occurrence
+    stop = full[cut:cut + 2]
+    answer = server.client().completions.create(model="tiny", prompt=PROMPT, max_tokens=40, temperature=1.0,
+                                                seed=3, stop=[stop, "never-there"], extra_body={"mode": "ar"})
+    assert answer.choices[0].text == full[:cut] and answer.choices[0].finish_reason == "stop"
+
+
+def test_sampled_request_with_a_seed_repeats(server):
+    client = server.client()
+
+    def sample(seed):
+        return client.completions.create(model="tiny", prompt=PROMPT, max_tokens=30, temperature=1.0, top_p=0.95,
+                                         seed=seed).choices[0].text
+
+    assert sample(7) == sample(7)
+    assert len({sample(7), sample(8), sample(9)}) > 1
+
+
+def test_disable_spec_decode_and_num_assistant_tokens(server):
+    client = server.client()
+    plain = client.completions.create(model="tiny", prompt=PROMPT, max_tokens=20, temperature=0,
+                                      extra_body={"mode": "mirror", "disable_spec_decode": True})
+    assert plain.model_extra["mirror_rt"]["mode"] == "ar" and plain.model_extra["timings"]["draft_n"] == 0
+    wide = client.completions.create(model="tiny", prompt=PROMPT, max_tokens=20, temperature=0,
+                                     extra_body={"mode": "sd", "num_assistant_tokens": 2})
+    assert len(wide.model_extra["mirror_rt"]["acceptance_per_position"]) <= 2
+
+
+def test_models_health_version_tokenize(server, reference):
+    client = server.client()
+    assert [m.id for m in client.models.list().data] == ["tiny"]
+    assert httpx.get(server.url + "/health").json() == {"status": "ok"}
+    assert "version" in httpx.get(server.url + "/version").json()
+    tokens = httpx.post(server.url + "/tokenize", json={"prompt": PROMPT}).json()
+    assert tokens["tokens"] == reference.prompt_ids(PROMPT, chat=False) and tokens["count"] == len(tokens["tokens"])
+    assert tokens["max_model_len"] == reference.target.max_seq_len
+    assert httpx.post(server.url + "/detokenize", json={"tokens": tokens["tokens"]}).json() == {"prompt": PROMPT}
+
+
+BAD = [
+    ("malformed json", b'{"messages": [', 400, None),
+    ("not an object", b"[1, 2]", 400, None),
+    ("no messages", {"model": "tiny"}, 400, "messages"),
+    ("wrong type", {"messages": MESSAGES, "max_tokens": "5"}, 400, "max_tokens"),
+    ("negative max tokens", {"messages": MESSAGES, "max_tokens": -1}, 400, "max_tokens"),
+    ("temperature NaN", b'{"messages": [{"role": "user", "content": "hi"}], "temperature": NaN}', 400, "temperature"),
+    ("top_p above 1", {"messages": MESSAGES, "top_p": 1.5}, 400, "top_p"),
+    ("n of 2", {"messages": MESSAGES, "n": 2}, 400, "n"),
+    ("json response format", {"messages": MESSAGES, "response_format": {"type": "json_object"}}, 400,
+     "response_format"),
+    ("logprobs", {"messages": MESSAGES, "logprobs": True}, 400, "logprobs"),
+    ("unknown mode", {"messages": MESSAGES, "mode": "fast"}, 400, "mode"),
+    ("unknown model", {"model": "gpt-4", "messages": MESSAGES}, 404, "model"),
+    ("beyond the context", {"messages": [{"role": "user", "content": "x" * 300}], "max_tokens": 10}, 400,
+     "input_tokens"),
+]
+
+
+@pytest.mark.parametrize("case, body, status, param", BAD, ids=[b[0] for b in BAD])
+def test_bad_input_gets_the_envelope(server, case, body, status, param):
+    kwargs = {"content": body, "headers": {"content-type": "application/json"}} if isinstance(body, bytes) else {
+        "json": body}
+    response = httpx.post(server.url + "/v1/chat/completions", timeout=30, **kwargs)
+    assert response.status_code == status, response.text
+    error = response.json()["error"]
+    assert error["code"] == status and error["param"] == param and error["message"] and error["type"]
+
+
+def test_context_overflow_uses_vllms_sentence(server):
+    with pytest.raises(openai.BadRequestError) as caught:
+        server.client().chat.completions.create(model="tiny", messages=[{"role": "user", "content": "x" * 250}],
+                                                max_tokens=20)
+    assert caught.value.status_code == 400
+    message = caught.value.body["message"]
+    assert message.startswith("This model's maximum context length is 256 tokens. However, you requested 20 output")
+    assert message.endswith("(parameter=input_tokens, value=250)")
+
+
+def test_unknown_fields_are_ignored_and_unknown_routes_are_enveloped(server):
+    ok = httpx.post(server.url + "/v1/completions", json={"prompt": PROMPT, "max_tokens": 3, "whatever": {"x": 1}})
+    assert ok.status_code == 200
+    missing = httpx.get(server.url + "/v1/nothing-here")
+    assert missing.status_code == 404 and missing.json()["error"]["code"] == 404
+
+
+def test_api_key_guards_v1_only(engine):
+    guarded = start(engine, api_key="s3cret")
+    try:
+        with pytest.raises(openai.AuthenticationError):
+            guarded.client(api_key="wrong").models.list()
+        response = httpx.post(guarded.url + "/v1/completions", json={"prompt": "hi", "max_tokens": 2})
+        assert response.status_code == 401 and response.json()["error"]["type"] == "AuthenticationError"
+        assert guarded.client(api_key="s3cret").completions.create(model="tiny", prompt="hi", max_tokens=2)
+        assert httpx.get(guarded.url + "/metrics").status_code == 200  # never behind the key
+        assert httpx.get(guarded.url + "/health").status_code == 200
+    finally:
+        guarded.stop()
+
+
+def test_health_is_503_while_loading(engine):
+    import threading
+
+    from mirror_rt.serving.app import ServerSettings, create_app
+    from serve_support import RunningServer
+
+    release = threading.Event()
+
+    def slow_load():
+        release.wait(30)
+        return engine
+
+    server = RunningServer(create_app(ServerSettings(), slow_load))
+    try:
+        for _ in range(100):
+            try:
+                response = httpx.get(server.url + "/health", timeout=2)
+                break
+            except httpx.TransportError:
+                import time
+
+                time.sleep(0.05)
+        assert response.status_code == 503 and response.json()["error"]["type"] == "unavailable_error"
+        busy = httpx.post(server.url + "/v1/completions", json={"prompt": "hi"})
+        assert busy.status_code == 503 and "loading" in busy.json()["error"]["message"]
+        release.set()
+        server.wait_ready(10)
+    finally:
+        release.set()
+        server.stop()

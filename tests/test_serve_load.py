@@ -1,0 +1,193 @@
+"""The server under load and misbehaving clients: a full queue answers 503 at once, a client that leaves
+(streaming, waiting for a whole answer, or still queued) stops its generation within a step and frees
+the engine, a draft fault still gives the right answer, and /metrics adds up."""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import httpx
+import pytest
+from serve_support import Delayed, Faulty, Swapped, metric, scrape, start, tiny_engine, wait_for
+
+pytest.importorskip("fastapi")
+pytest.importorskip("openai")
+
+PROMPT = "hello there"
+
+
+@pytest.fixture(scope="module")
+def engine():
+    return tiny_engine()
+
+
+@pytest.fixture(scope="module")
+def reference():
+    return tiny_engine()
+
+
+@pytest.fixture(scope="module")
+def server(engine):
+    running = start(engine, max_queued=1, request_timeout_s=30)
+    yield running
+    running.stop()
+
+
+def ar_text(reference, max_new: int) -> str:
+    return reference.generate(PROMPT, mode="ar", max_new_tokens=max_new, chat=False, ignore_eos=True).text
+
+
+def body(max_tokens: int, stream: bool = False, **extra) -> dict:
+    return {"model": "tiny", "prompt": PROMPT, "max_tokens": max_tokens, "temperature": 0, "ignore_eos": True,
+            "stream": stream, **extra}
+
+
+def idle(server) -> bool:
+    samples = scrape(server.url)
+    return metric(samples, "num_requests_running") == 0 and metric(samples, "num_requests_waiting") == 0
+
+
+def test_overload_answers_503_at_once_and_serves_the_admitted(server, engine, reference):
+    """max_queued=1: of 5 concurrent requests one runs, one waits, three get 503 with Retry-After at once."""
+    results, started = [None] * 5, time.monotonic()
+
+    def call(i):
+        t0 = time.monotonic()
+        r = httpx.post(server.url + "/v1/completions", json=body(150), timeout=60)
+        results[i] = (r.status_code, time.monotonic() - t0, r)
+
+    with Swapped(engine, "target", lambda t: Delayed(t, 0.02)):  # a request now takes about a second
+        before = scrape(server.url)
+        threads = [threading.Thread(target=call, args=(i,)) for i in range(5)]
+        for t in threads:
+            t.start()
+            time.sleep(0.03)  # arrival order: the first runs, the second queues
+        for t in threads:
+            t.join(60)
+    codes = sorted(code for code, _, _ in results)
+    assert codes == [200, 200, 503, 503, 503], codes
+    for code, seconds, response in results:
+        if code == 503:
+            assert seconds < 1.0 and response.headers["retry-after"] == "1"
+            assert response.json()["error"]["type"] == "ServiceUnavailableError"
+        else:
+            assert response.json()["choices"][0]["text"] == ar_text(reference, 150)
+    after = scrape(server.url)
+    assert metric(after, "request_rejected_total", reason="queue_full") - metric(
+        before, "request_rejected_total", reason="queue_full") == 3
+    assert time.monotonic() - started < 30 and wait_for(lambda: idle(server))
+
+
+def test_stream_disconnect_stops_the_generation(server, engine, reference):
+    """Close a stream after 2 chunks: within 2 s nothing runs, abort +1, fewer tokens made than asked."""
+    before = scrape(server.url)
+    with Swapped(engine, "target", lambda t: Delayed(t, 0.01)):
+        with httpx.stream("POST", server.url + "/v1/completions", json=body(200, stream=True), timeout=30) as r:
+            chunks = 0
+            for line in r.iter_lines():
+                chunks += line.startswith("data: ")
+                if chunks == 2:
+                    break
+        assert wait_for(lambda: idle(server), timeout=2.0)
+    after = scrape(server.url)
+    assert metric(after, "request_success_total", finished_reason="abort") - metric(
+        before, "request_success_total", finished_reason="abort") == 1
+    made = metric(after, "generation_tokens_total") - metric(before, "generation_tokens_total")
+    assert 0 < made < 100
+    answer = httpx.post(server.url + "/v1/completions", json=body(30), timeout=30).json()
+    assert answer["choices"][0]["text"] == ar_text(reference, 30)  # nothing of the cancelled request leaks
+
+
+def test_disconnect_while_waiting_for_a_whole_answer(server, engine):
+    """A non-streamed request whose client times out is cancelled too (the ASGI disconnect event)."""
+    before = scrape(server.url)
+    with Swapped(engine, "target", lambda t: Delayed(t, 0.01)):
+        with pytest.raises(httpx.ReadTimeout):
+            httpx.post(server.url + "/v1/completions", json=body(200), timeout=0.5)
+        assert wait_for(lambda: idle(server), timeout=2.0)
+    after = scrape(server.url)
+    assert metric(after, "request_success_total", finished_reason="abort") - metric(
+        before, "request_success_total", finished_reason="abort") == 1
+    assert metric(after, "generation_tokens_total") - metric(before, "generation_tokens_total") < 150
+
+
+def test_a_queued_request_whose_client_left_never_runs(server, engine):
+    before = scrape(server.url)
+    with Swapped(engine, "target", lambda t: Delayed(t, 0.02)):  # the first runs for about a second
+        first = threading.Thread(target=lambda: httpx.post(server.url + "/v1/completions", json=body(150),
+                                                           timeout=60))
+        first.start()
+        assert wait_for(lambda: metric(scrape(server.url), "num_requests_running") == 1)
+        with pytest.raises(httpx.ReadTimeout):  # queued behind the first, then gone
+            httpx.post(server.url + "/v1/completions", json=body(40, prompt="another prompt"), timeout=0.3)
+        assert wait_for(lambda: metric(scrape(server.url), "num_requests_waiting") == 0, timeout=2.0)
+        first.join(60)
+    assert wait_for(lambda: idle(server))
+    after = scrape(server.url)
+    assert metric(after, "request_success_total", finished_reason="abort") - metric(
+        before, "request_success_total", finished_reason="abort") == 1
+    prompt_tokens = metric(after, "prompt_tokens_total") - metric(before, "prompt_tokens_total")
+    assert prompt_tokens == len(PROMPT)  # only the first request ran (the byte tokenizer: one token a byte)
+
+
+def test_draft_fault_mid_request_gives_the_full_answer(server, engine, reference):
+    before = scrape(server.url)
+    with Swapped(engine, "draft", lambda d: Faulty(d, after=4)):
+        answer = httpx.post(server.url + "/v1/completions", json=body(40, mode="mirror"), timeout=30).json()
+    assert answer["choices"][0]["text"] == ar_text(reference, 40)
+    assert answer["usage"]["completion_tokens"] == 40
+    assert any("fallback to target-only" in e for e in answer["mirror_rt"]["events"])
+    after = scrape(server.url)
+    assert metric(after, "draft_faults_total") - metric(before, "draft_faults_total") == 1
+
+
+def test_engine_failure_mid_stream_is_an_error_event_and_the_server_goes_on(server, engine, reference):
+    with Swapped(engine, "target", lambda t: Faulty(t, after=6)):
+        with httpx.stream("POST", server.url + "/v1/completions", json=body(40, stream=True, mode="ar"),
+                          timeout=30) as r:
+            lines = [line for line in r.iter_lines() if line]
+    assert r.status_code == 200 and lines[-1] == "data: [DONE]"
+    assert '"error"' in lines[-2] and "injected fault" in lines[-2]
+    failed = httpx.post(server.url + "/v1/completions", json=body(10), timeout=30)
+    assert failed.status_code == 200 and failed.json()["choices"][0]["text"] == ar_text(reference, 10)
+
+
+def test_request_timeout_ends_a_long_generation_with_an_error(engine):
+    slow = start(engine, request_timeout_s=0.3)
+    try:
+        with Swapped(engine, "target", lambda t: Delayed(t, 0.02)):
+            response = httpx.post(slow.url + "/v1/completions", json=body(200), timeout=30)
+        assert response.status_code == 504 and "timeout" in response.json()["error"]["message"]
+        assert wait_for(lambda: idle(slow))
+    finally:
+        slow.stop()
+
+
+@pytest.mark.parametrize("mode", ["sd", "mirror"])
+def test_metrics_add_up(server, mode):
+    """Counters move exactly as the responses say: tokens, drafts, accepted per position, draft_n sums."""
+    before = scrape(server.url)
+    answers = [httpx.post(server.url + "/v1/completions", json={**body(n), "mode": mode}, timeout=30).json()
+               for n in (12, 25, 40)]
+    after = scrape(server.url)
+
+    def delta(name, **labels):
+        return metric(after, name, **labels) - metric(before, name, **labels)
+
+    assert delta("generation_tokens_total") == sum(a["usage"]["completion_tokens"] for a in answers)
+    assert delta("prompt_tokens_total") == sum(a["usage"]["prompt_tokens"] for a in answers)
+    drafted, accepted = delta("spec_decode_num_draft_tokens_total"), delta("spec_decode_num_accepted_tokens_total")
+    assert drafted == sum(a["timings"]["draft_n"] for a in answers) > 0
+    assert accepted == sum(a["timings"]["draft_n_accepted"] for a in answers) <= drafted
+    positions = {dict(k[1])["position"] for k in after if k[0].endswith("accepted_tokens_per_pos_total")}
+    assert sum(delta("spec_decode_num_accepted_tokens_per_pos_total", position=p) for p in positions) == accepted
+    assert delta("spec_decode_num_drafts_total") == delta("target_verify_seconds_count") > 0
+    assert delta("request_success_total", finished_reason="length") == 3
+    assert delta("time_to_first_token_seconds_count") == 3 and delta("e2e_request_latency_seconds_count") == 3
+    itl = delta("inter_token_latency_seconds_count")
+    assert itl <= sum(a["usage"]["completion_tokens"] - 1 for a in answers) + 3  # per token, not per chunk
+    assert itl >= sum(a["usage"]["completion_tokens"] - 1 for a in answers) - 3
+    if mode == "mirror":
+        assert delta("reuse_checks_total") >= delta("reuse_hits_total") >= 0
+        assert delta("draft_hidden_seconds_total") >= 0 and delta("draft_step_seconds_count") > 0
