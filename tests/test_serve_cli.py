@@ -1,0 +1,99 @@
+"""`mirror-rt serve` as a user starts it: the default engine (the cached default bundle, what `run` uses),
+the start-up line, greedy text over HTTP equal to target-only decoding, and a drain on SIGTERM that
+finishes the request in flight, answers 503 to new ones and exits 0."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import httpx
+import pytest
+
+pytest.importorskip("fastapi")
+pytestmark = pytest.mark.slow
+
+QUESTION = [{"role": "user", "content": "Name three primary colors and say one thing about each."}]
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def wait_for_line(path: Path, needle: str, proc, timeout: float) -> str:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        for line in path.read_text().splitlines():
+            if needle in line:
+                return line
+        if proc.poll() is not None:
+            raise AssertionError(f"server exited {proc.returncode}: {path.read_text()[-2000:]}")
+        time.sleep(0.2)
+    raise AssertionError(f"no '{needle}' after {timeout} s: {path.read_text()[-2000:]}")
+
+
+@pytest.fixture(scope="module")
+def default_ar_text(cache_dir):
+    from mirror_rt.devices.engines import load_engine
+
+    engine = load_engine(cache_dir=cache_dir, mode="ar", log=lambda *a: None)
+    return engine.generate(QUESTION, mode="ar", max_new_tokens=96).text
+
+
+def test_serve_drains_on_sigterm_and_exits_0(tmp_path, cache_dir, default_ar_text):
+    port, log = free_port(), tmp_path / "serve.log"
+    env = dict(os.environ, MIRROR_RT_CACHE=cache_dir)
+    with open(log, "w") as err:
+        proc = subprocess.Popen([sys.executable, "-m", "mirror_rt.cli", "serve", "--port", str(port),
+                                 "--drain-timeout", "60"], stderr=err, stdout=subprocess.DEVNULL, env=env)
+    try:
+        line = wait_for_line(log, "serving ", proc, timeout=600)
+        assert f"http://127.0.0.1:{port}/v1" in line and "smollm2-135m-instruct" in line and "mode mirror" in line
+        assert "target on ort:cpu" in line and "draft on ort:cpu" in line and "no API key" in line
+        url = f"http://127.0.0.1:{port}"
+        events, first = [], threading.Event()
+
+        def stream():
+            body = {"messages": QUESTION, "max_tokens": 96, "temperature": 0, "stream": True}
+            with httpx.stream("POST", url + "/v1/chat/completions", json=body, timeout=120) as response:
+                for raw in response.iter_lines():
+                    if raw.startswith("data: "):
+                        events.append(raw[6:])
+                        first.set()
+
+        reader = threading.Thread(target=stream)
+        reader.start()
+        assert first.wait(120)
+        proc.send_signal(signal.SIGTERM)
+        time.sleep(0.3)
+        refused = httpx.post(url + "/v1/chat/completions", json={"messages": QUESTION, "max_tokens": 4}, timeout=30)
+        assert refused.status_code == 503 and refused.json()["error"]["code"] == 503
+        assert httpx.get(url + "/health", timeout=10).status_code == 503
+        reader.join(120)
+        assert proc.wait(timeout=90) == 0
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert events[-1] == "[DONE]"
+    chunks = [json.loads(e) for e in events[:-1]]
+    text = "".join(c["choices"][0]["delta"].get("content") or "" for c in chunks if c["choices"])
+    assert text == default_ar_text  # the request in flight finished, lossless through HTTP
+    assert chunks[-1]["choices"][0]["finish_reason"] in ("stop", "length")
+    assert "draining" in log.read_text() and "stopped" in log.read_text()
+
+
+def test_serve_refuses_a_bad_model_in_one_line(tmp_path):
+    result = subprocess.run([sys.executable, "-m", "mirror_rt.cli", "serve", "--model", str(tmp_path / "none"),
+                             "--port", str(free_port())], capture_output=True, text=True, timeout=120)
+    assert result.returncode == 2
+    errors = [line for line in result.stderr.splitlines() if line.startswith("mirror-rt: error:")]
+    assert len(errors) == 1 and "model not found" in errors[0]
