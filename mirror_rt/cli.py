@@ -11,7 +11,9 @@ import argparse
 import json
 import sys
 
-from mirror_rt.cli_args import budget, count, log, number, port_number, positive_int, positive_number
+from mirror_rt.cli_args import budget, count, number, port_number, positive_int, positive_number
+from mirror_rt.cli_bench import COMMANDS as BENCH_COMMANDS
+from mirror_rt.cli_bench import add_bench
 from mirror_rt.cli_training import COMMANDS as TRAINING_COMMANDS
 from mirror_rt.cli_training import add_training
 from mirror_rt.devices.engines import TORCH_OPTIONS
@@ -36,7 +38,7 @@ def build_parser() -> argparse.ArgumentParser:
     _add_export(sub)
     sub.add_parser("devices", help="list the devices each backend sees on this machine")
     add_training(sub)
-    _add_bench(sub)
+    add_bench(sub)
     simulate = sub.add_parser("simulate", help="predict AR / SD / Mirror speed from costs (latency model)")
     simulate.add_argument("--config", default="qwen3-14b-m2ultra",
                           help="a JSON file of costs and rates, or a preset (default: the paper's setting)")
@@ -184,76 +186,6 @@ def cmd_devices(args) -> int:
     return 0
 
 
-def _add_bench(sub) -> None:
-    bench = sub.add_parser("bench", help="SpecBench-style evaluation of ar / sd / mirror and peers")
-    bench.add_argument("--data", required=True, help="questions (SpecBench jsonl: question_id, category, turns)")
-    bench.add_argument("--categories", help="comma-separated categories to keep")
-    bench.add_argument("--limit", type=positive_int, help="number of questions, picked evenly across categories")
-    bench.add_argument("--methods", default="ar,sd,mirror", help="comma-separated: ar,sd,mirror,"
-                       "mirror-no-lookup,hf-assisted,ov-genai,ov-genai-sd")
-    bench.add_argument("--temperature", type=number, default=0.0)
-    bench.add_argument("--repeats", type=positive_int, default=1, help="runs per turn (median wall time kept)")
-    bench.add_argument("--max-new-tokens", type=positive_int, default=128)
-    bench.add_argument("--gamma", type=positive_int, default=4)
-    bench.add_argument("--branch-budget", type=budget, default=None)
-    bench.add_argument("--draft-lookup", type=count, default=3, help="mirror: prompt-lookup guesses per forward")
-    bench.add_argument("--model", help="target (default: SmolLM2-135M-Instruct); without --bundle, ours then run it "
-                       "in torch eager; with one, it only names the peers' target")
-    bench.add_argument("--draft-model", help="torch draft (default: int8 copy of the target); runs torch eager")
-    bench.add_argument("--bundle", help="run ar / sd / mirror from this exported bundle (all its backends; "
-                       "default: what `run` runs, the default model's cached ONNX bundle)")
-    bench.add_argument("--torch", action="store_true", help="run ours in torch eager, not the default bundle")
-    bench.add_argument("--draft-bundle", help="take sd / mirror's draft from this bundle")
-    bench.add_argument("--draft-precision", choices=("f32", "bf16"), help="OpenVINO draft compute precision")
-    bench.add_argument("--seed", type=int, default=0)
-    bench.add_argument("--profile", action="store_true", help="print mirror's time per phase per step")
-    bench.add_argument("--cache-dir")
-    bench.add_argument("--out", required=True, help="output folder")
-
-
-def cmd_bench(args) -> int:
-    import shlex
-    from pathlib import Path
-
-    from mirror_rt.evaluation.bench import BenchSettings, run_bench, write_results
-    from mirror_rt.evaluation.bench_engines import bench_runners
-    from mirror_rt.evaluation.specbench import read_questions
-    from mirror_rt.runtime.config import make_config
-
-    categories = args.categories.split(",") if args.categories else None
-    questions = read_questions(args.data, categories, args.limit)
-    config = make_config(max_new_tokens=args.max_new_tokens, temperature=args.temperature, gamma=args.gamma,
-                         seed=args.seed, branch_budget=args.branch_budget, draft_lookup=args.draft_lookup)
-    methods = [m.strip() for m in args.methods.split(",") if m.strip()]
-    runners = bench_runners(methods, bundle=args.bundle, draft_bundle=args.draft_bundle, torch=args.torch,
-                            model=args.model, draft_model=args.draft_model, draft_precision=args.draft_precision,
-                            cache_dir=args.cache_dir, log=log)
-    answers = run_bench(runners, questions, BenchSettings(config=config, repeats=args.repeats))
-    ar_names = [r.name for r in runners if r.name.startswith("ar-")]
-    from mirror_rt.evaluation.report import mean_speed
-
-    baseline = max(ar_names, key=lambda n: mean_speed(answers[n])) if ar_names else runners[0].name
-    reference = ar_names[0] if ar_names and config.sampling.greedy else None
-    command = "mirror-rt " + " ".join(shlex.quote(a) for a in sys.argv[1:])
-    doc = write_results(Path(args.out), answers, baseline, reference, command,
-                        {r.name: getattr(r, "label", "") for r in runners})
-    print((Path(args.out) / "report.md").read_text())
-    if args.profile and "mirror" in answers:
-        print(format_profile(answers["mirror"]))
-    return 1 if any(doc["mismatches"].get(m) for m in ("sd", "mirror")) else 0
-
-
-def format_profile(answers) -> str:
-    """Mirror's mean time per phase per step over all turns."""
-    phases: dict[str, list[float]] = {}
-    for a in answers:
-        for s in a.stats:
-            for k, v in s.get("phase_ms_per_step", {}).items():
-                phases.setdefault(k, []).append(v)
-    return "mirror, ms per step (mean over turns): " + ", ".join(
-        f"{k} {sum(v) / len(v):.1f}" for k, v in phases.items())
-
-
 def cmd_run(args) -> int:
     from mirror_rt.devices.engines import load_engine
 
@@ -348,8 +280,8 @@ def main(argv=None) -> int:
     args = parser.parse_args(argv)
     _one_line_warnings()
     try:
-        commands = {"run": cmd_run, "bench": cmd_bench, "simulate": cmd_simulate, "export": cmd_export,
-                    "devices": cmd_devices, "serve": cmd_serve, **TRAINING_COMMANDS}
+        commands = {"run": cmd_run, "simulate": cmd_simulate, "export": cmd_export, "devices": cmd_devices,
+                    "serve": cmd_serve, **BENCH_COMMANDS, **TRAINING_COMMANDS}
         return commands[args.command](args)
     except KeyboardInterrupt:
         print("\nmirror-rt: interrupted", file=sys.stderr)

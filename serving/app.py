@@ -166,7 +166,7 @@ async def _complete(request: Request, state: ServerState, chat: bool):
     job = Job(f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}", prompt, _config(req, len(prompt), state),
               asyncio.get_running_loop())
     _admit(job, state)
-    reply = Reply(job.id, state.model_name, chat, req.include_usage(), now())
+    reply = Reply(job.id, state.model_name, chat, req.include_usage(), now(), req.continuous_usage(), len(prompt))
     timeout = state.settings.request_timeout_s
     if req.stream:
         return StreamingResponse(_streamed(job, reply, state), media_type="text/event-stream",

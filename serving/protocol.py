@@ -25,6 +25,7 @@ class Strict(BaseModel):
 
 class StreamOptions(Strict):
     include_usage: bool | None = None
+    continuous_usage_stats: bool | None = None  # vLLM's: every chunk carries the usage so far
 
 
 class TextPart(Strict):
@@ -90,6 +91,9 @@ class Sampling(Strict):
     def include_usage(self) -> bool:
         """vLLM's rule: once `stream_options` is sent, usage is included unless it says false."""
         return self.stream_options is not None and self.stream_options.include_usage is not False
+
+    def continuous_usage(self) -> bool:
+        return self.stream_options is not None and bool(self.stream_options.continuous_usage_stats)
 
     def requested_tokens(self) -> int | None:
         return self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens

@@ -27,6 +27,8 @@ class Reply:
     chat: bool  # chat.completion(s) or text_completion
     include_usage: bool = False
     created: int = 0
+    continuous_usage: bool = False  # vLLM's continuous_usage_stats: usage so far on every chunk
+    prompt_tokens: int = 0
 
     @property
     def object(self) -> str:
@@ -68,7 +70,7 @@ async def collect(job, reply: Reply, timeout_s: float | None) -> dict:
     while True:
         kind, value = await job.events.get()
         if kind == "text":
-            pieces.append(value)
+            pieces.append(value[0])
         elif kind == "end":
             break
     record = job.record
@@ -86,12 +88,15 @@ async def stream(job, reply: Reply, timeout_s: float | None):
         yield sse(reply.body([first], chunk=True))
     while True:
         kind, value = await job.events.get()
-        texts = [value] if kind == "text" else []
+        texts, made = ([value[0]], value[1]) if kind == "text" else ([], 0)
         while kind == "text" and not job.events.empty():  # a step's tokens go out as one chunk
             kind, value = job.events.get_nowait()
-            texts += [value] if kind == "text" else []
+            if kind == "text":
+                texts.append(value[0])
+                made = value[1]
         if texts:
-            yield sse(reply.body([reply.choice("".join(texts), None, delta=True)], chunk=True))
+            extra = {"usage": partial_usage(reply.prompt_tokens, made)} if reply.continuous_usage else {}
+            yield sse(reply.body([reply.choice("".join(texts), None, delta=True)], chunk=True, **extra))
         if kind == "end":
             break
     for event in final_events(job, reply, timeout_s):
@@ -108,6 +113,11 @@ def final_events(job, reply: Reply, timeout_s: float | None) -> list[bytes]:
     if reply.include_usage:
         events.append(sse(reply.body([], chunk=True, usage=usage(record), **figures)))
     return events + [b"data: [DONE]\n\n"]
+
+
+def partial_usage(prompt_tokens: int, completion_tokens: int) -> dict:
+    return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
+            "total_tokens": prompt_tokens + completion_tokens}
 
 
 def sse(payload: dict) -> bytes:

@@ -159,7 +159,7 @@ class Scheduler:
                 timer.start()
             for piece in gen:
                 job.first_text_at = job.first_text_at or time.perf_counter()
-                job.post("text", piece)
+                job.post("text", (piece, sum(count for _, count in gen.steps)))  # text, tokens committed so far
         except Exception as exc:  # noqa: BLE001 -- any engine failure ends this request, never the server
             job.error = exc
             self._end(job, "error")

@@ -221,3 +221,14 @@ def test_health_is_503_while_loading(engine):
     finally:
         release.set()
         server.stop()
+
+
+def test_continuous_usage_counts_tokens_per_chunk(server):
+    """vLLM's stream_options.continuous_usage_stats: each chunk's usage is the tokens committed so far, so a
+    load client can turn chunk gaps into per-token latency."""
+    chunks = list(server.client().completions.create(
+        model="tiny", prompt=PROMPT, max_tokens=30, temperature=0, stream=True, extra_body={"ignore_eos": True},
+        stream_options={"include_usage": True, "continuous_usage_stats": True}))
+    counts = [c.usage.completion_tokens for c in chunks if c.choices and c.choices[0].text]
+    assert counts == sorted(counts) and counts[-1] <= 30 and len(counts) >= 2
+    assert chunks[-1].usage.completion_tokens == 30 and chunks[-1].choices == []

@@ -191,3 +191,22 @@ def test_metrics_add_up(server, mode):
     if mode == "mirror":
         assert delta("reuse_checks_total") >= delta("reuse_hits_total") >= 0
         assert delta("draft_hidden_seconds_total") >= 0 and delta("draft_step_seconds_count") > 0
+
+
+def test_bench_serve_client_reports_the_run(server, engine):
+    """The load client (evaluation.serve_bench) against this server: every request done, per-token ITL, the
+    acceptance from /metrics, and a burst past the queue refused with 503."""
+    import asyncio
+
+    from mirror_rt.evaluation.serve_bench import load_run
+
+    prompts = [[{"role": "user", "content": f"question {i}"}] for i in range(4)]
+    with Swapped(engine, "target", lambda t: Delayed(t, 0.005)):
+        report = asyncio.run(load_run(server.url, prompts, [1, 2], 20, burst_size=5, api_key=None,
+                                      log=lambda *a: None))
+    assert [level["completed"] for level in report["levels"]] == [4, 4]
+    assert all(level["failed"] == 0 and level["output_throughput"] > 0 for level in report["levels"])
+    assert all(level["median_itl_ms"] is not None and level["mean_accepted_length"] >= 1
+               for level in report["levels"])
+    assert report["burst"]["admitted"] + report["burst"]["refused_503"] == 5
+    assert report["burst"]["refused_503"] >= 3 and report["burst"]["other_failures"] == 0

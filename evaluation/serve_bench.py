@@ -1,0 +1,202 @@
+"""`mirror-rt bench-serve`: load an OpenAI-compatible server and report what vLLM's `bench serve` reports.
+
+One asyncio process on `openai.AsyncOpenAI` (max_retries=0), streaming chat completions of the
+questions' first turns, greedy with `ignore_eos` so every request makes `max_tokens` tokens. Per
+concurrency level: completed and failed requests, request and output throughput, TTFT, TPOT and
+ITL percentiles, end-to-end latency. ITL is per token: each chunk's gap is divided over the tokens
+it carries (vLLM's `stream_options.continuous_usage_stats`), since one chunk can carry several
+accepted tokens. Acceptance comes from the server's /metrics, scraped before and after. A burst
+beyond the queue counts the 503s and how fast they came. Nothing here imports the server.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import statistics
+import time
+from dataclasses import dataclass, field
+
+
+@dataclass
+class Result:
+    """One request as the client saw it (seconds from its start)."""
+
+    ok: bool
+    status: int = 200
+    ttft: float | None = None
+    e2e: float = 0.0
+    tokens: int = 0
+    token_gaps: list[float] = field(default_factory=list)  # per generated token after the first
+    text: str = ""
+
+
+async def one_request(client, model: str, messages: list, max_tokens: int) -> Result:
+    """A streamed chat completion; per-token gaps from the usage each chunk carries."""
+    import openai
+
+    start = time.perf_counter()
+    result, last_at, last_count, pieces = Result(ok=False), None, 0, []
+    try:
+        stream = await client.chat.completions.create(
+            model=model, messages=messages, max_tokens=max_tokens, temperature=0, stream=True,
+            stream_options={"include_usage": True, "continuous_usage_stats": True}, extra_body={"ignore_eos": True})
+        async for chunk in stream:
+            now = time.perf_counter()
+            count = chunk.usage.completion_tokens if chunk.usage else last_count
+            if chunk.choices and chunk.choices[0].delta.content:
+                pieces.append(chunk.choices[0].delta.content)
+                if result.ttft is None:
+                    result.ttft = now - start
+                elif count > last_count:
+                    result.token_gaps += [(now - last_at) / (count - last_count)] * (count - last_count)
+                last_at, last_count = now, count
+            if chunk.usage and not chunk.choices:
+                result.tokens = chunk.usage.completion_tokens
+        result.ok = result.tokens > 0
+    except openai.APIStatusError as exc:
+        result.status = exc.status_code
+    except openai.APIError:
+        result.status = 0
+    result.e2e, result.text = time.perf_counter() - start, "".join(pieces)
+    return result
+
+
+async def run_level(client, model: str, prompts: list, max_tokens: int, concurrency: int) -> tuple[list, float]:
+    """All prompts with at most `concurrency` in flight; (results, wall seconds)."""
+    gate = asyncio.Semaphore(concurrency)
+
+    async def gated(messages):
+        async with gate:
+            return await one_request(client, model, messages, max_tokens)
+
+    start = time.perf_counter()
+    results = await asyncio.gather(*(gated(m) for m in prompts))
+    return list(results), time.perf_counter() - start
+
+
+def percentile(values: list[float], q: float) -> float | None:
+    if not values:
+        return None
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, max(0, round(q / 100 * (len(ordered) - 1))))]
+
+
+def summarize(results: list[Result], wall: float, concurrency: int) -> dict:
+    """vLLM BenchmarkMetrics-style figures (ms), for one level."""
+    done = [r for r in results if r.ok]
+    ttft = [1e3 * r.ttft for r in done if r.ttft is not None]
+    itl = [1e3 * g for r in done for g in r.token_gaps]
+    tpot = [1e3 * (r.e2e - r.ttft) / (r.tokens - 1) for r in done if r.tokens > 1 and r.ttft is not None]
+    output = sum(r.tokens for r in done)
+
+    def ms(values, q):
+        value = percentile(values, q)
+        return None if value is None else round(value, 1)
+
+    return {"concurrency": concurrency, "completed": len(done), "failed": len(results) - len(done),
+            "duration_s": round(wall, 2), "request_throughput": round(len(done) / wall, 3),
+            "output_throughput": round(output / wall, 1), "median_ttft_ms": ms(ttft, 50), "p95_ttft_ms": ms(ttft, 95),
+            "median_itl_ms": ms(itl, 50), "p95_itl_ms": ms(itl, 95),
+            "mean_tpot_ms": round(statistics.fmean(tpot), 1) if tpot else None,
+            "median_e2el_ms": ms([1e3 * r.e2e for r in done], 50)}
+
+
+async def burst(client, model: str, messages: list, max_tokens: int, size: int) -> dict:
+    """`size` requests at once: how many were refused (503), how fast, and the admitted ones' TTFT."""
+    results = await asyncio.gather(*(one_request(client, model, messages, max_tokens) for _ in range(size)))
+    refused = [r for r in results if r.status == 503]
+    admitted = [r for r in results if r.ok]
+    return {"burst": size, "admitted": len(admitted), "refused_503": len(refused),
+            "other_failures": size - len(admitted) - len(refused),
+            "max_refusal_ms": round(1e3 * max((r.e2e for r in refused), default=0.0), 1),
+            "max_admitted_ttft_ms": round(1e3 * max((r.ttft for r in admitted if r.ttft), default=0.0), 1)}
+
+
+def speculation(before: dict, after: dict) -> dict:
+    """Acceptance over the run from the /metrics counters (PromQL's rate ratios, as deltas)."""
+    def delta(name):
+        return after.get(name, 0.0) - before.get(name, 0.0)
+
+    drafts, drafted = delta("spec_decode_num_drafts_total"), delta("spec_decode_num_draft_tokens_total")
+    accepted = delta("spec_decode_num_accepted_tokens_total")
+    return {"acceptance_rate": round(accepted / drafted, 3) if drafted else None,
+            "mean_accepted_length": round(1 + accepted / drafts, 3) if drafts else None}
+
+
+def scrape_totals(url: str) -> dict:
+    """Counter totals of the server's /metrics, summed over labels, without the `mirror_rt:` prefix."""
+    import httpx
+    from prometheus_client.parser import text_string_to_metric_families
+
+    totals: dict[str, float] = {}
+    text = httpx.get(url.rstrip("/") + "/metrics", timeout=10).text
+    for family in text_string_to_metric_families(text):
+        for sample in family.samples:
+            name = sample.name.split(":", 1)[-1]
+            totals[name] = totals.get(name, 0.0) + sample.value
+    return totals
+
+
+async def load_run(url: str, prompts: list, levels: list[int], max_tokens: int, burst_size: int,
+                   api_key: str | None, log=print) -> dict:
+    """Every concurrency level, then the burst; returns the report."""
+    from openai import AsyncOpenAI
+
+    client = AsyncOpenAI(base_url=url.rstrip("/") + "/v1", api_key=api_key or "unused", max_retries=0, timeout=600)
+    model = (await client.models.list()).data[0].id
+    await one_request(client, model, prompts[0], 8)  # warm-up
+    report = {"url": url, "model": model, "max_tokens": max_tokens, "prompts": len(prompts), "levels": []}
+    for concurrency in levels:
+        before = scrape_totals(url)
+        results, wall = await run_level(client, model, prompts, max_tokens, concurrency)
+        level = summarize(results, wall, concurrency) | speculation(before, scrape_totals(url))
+        log(format_level(level))
+        report["levels"].append(level)
+    if burst_size:
+        report["burst"] = await burst(client, model, prompts[0], max_tokens, burst_size)
+        log(format_burst(report["burst"]))
+    return report
+
+
+def format_level(level: dict) -> str:
+    return (f"concurrency {level['concurrency']}: {level['completed']} done, {level['failed']} failed, "
+            f"{level['request_throughput']:.2f} req/s, {level['output_throughput']:.1f} tok/s, TTFT p50/p95 "
+            f"{level['median_ttft_ms']}/{level['p95_ttft_ms']} ms, ITL p50/p95 {level['median_itl_ms']}/"
+            f"{level['p95_itl_ms']} ms, TPOT {level['mean_tpot_ms']} ms, acceptance {level['acceptance_rate']}, "
+            f"mean accepted length {level['mean_accepted_length']}")
+
+
+def format_burst(b: dict) -> str:
+    return (f"burst of {b['burst']}: {b['admitted']} admitted, {b['refused_503']} refused with 503 (slowest "
+            f"refusal {b['max_refusal_ms']} ms), {b['other_failures']} other failures; slowest admitted TTFT "
+            f"{b['max_admitted_ttft_ms']} ms")
+
+
+async def compare_with_run(url: str, prompts: list, max_tokens: int, mode: str, api_key: str | None,
+                           cache_dir: str | None = None, log=print) -> dict:
+    """Single stream, side by side: each prompt through HTTP, then through the engine `run` uses, in this
+    process while the server idles. Tokens/s of each (prefill included) and whether the texts match."""
+    from mirror_rt.devices.engines import load_engine
+    from openai import AsyncOpenAI
+
+    engine = load_engine(mode=mode, cache_dir=cache_dir, log=lambda *a: None)
+    client = AsyncOpenAI(base_url=url.rstrip("/") + "/v1", api_key=api_key or "unused", max_retries=0, timeout=600)
+    model = (await client.models.list()).data[0].id
+    engine.generate(prompts[0], mode=mode, max_new_tokens=8)  # warm-up of both
+    await one_request(client, model, prompts[0], 8)
+    http_rates, run_rates, same = [], [], 0
+    for messages in prompts:
+        over_http = await one_request(client, model, messages, max_tokens)
+        gen = engine.generate(messages, mode=mode, max_new_tokens=max_tokens, ignore_eos=True)
+        http_rates.append(over_http.tokens / over_http.e2e)
+        run_rates.append(gen.stats["new_tokens"] / gen.stats["wall_time_s"])
+        same += over_http.text == gen.text
+    result = {"mode": mode, "prompts": len(prompts), "http_tokens_per_s": round(statistics.fmean(http_rates), 2),
+              "run_tokens_per_s": round(statistics.fmean(run_rates), 2), "same_text": same,
+              "precision": f"{engine.names.get('target_precision')} target, "
+                           f"{engine.names.get('draft_precision')} draft"}
+    result["http_vs_run"] = round(result["http_tokens_per_s"] / result["run_tokens_per_s"], 3)
+    log(f"single stream ({mode}, {result['precision']}): {result['http_tokens_per_s']} tok/s over HTTP, "
+        f"{result['run_tokens_per_s']} tok/s in process (run), ratio {result['http_vs_run']}; same text "
+        f"{same}/{len(prompts)}")
+    return result

@@ -1,0 +1,128 @@
+"""`mirror-rt bench` and `mirror-rt bench-serve`: parsers and commands (the work is in mirror_rt.evaluation)."""
+
+from __future__ import annotations
+
+import json
+import sys
+
+from mirror_rt.cli_args import budget, count, log, number, positive_int
+
+
+def _add_bench(sub) -> None:
+    bench = sub.add_parser("bench", help="SpecBench-style evaluation of ar / sd / mirror and peers")
+    bench.add_argument("--data", required=True, help="questions (SpecBench jsonl: question_id, category, turns)")
+    bench.add_argument("--categories", help="comma-separated categories to keep")
+    bench.add_argument("--limit", type=positive_int, help="number of questions, picked evenly across categories")
+    bench.add_argument("--methods", default="ar,sd,mirror", help="comma-separated: ar,sd,mirror,"
+                       "mirror-no-lookup,hf-assisted,ov-genai,ov-genai-sd")
+    bench.add_argument("--temperature", type=number, default=0.0)
+    bench.add_argument("--repeats", type=positive_int, default=1, help="runs per turn (median wall time kept)")
+    bench.add_argument("--max-new-tokens", type=positive_int, default=128)
+    bench.add_argument("--gamma", type=positive_int, default=4)
+    bench.add_argument("--branch-budget", type=budget, default=None)
+    bench.add_argument("--draft-lookup", type=count, default=3, help="mirror: prompt-lookup guesses per forward")
+    bench.add_argument("--model", help="target (default: SmolLM2-135M-Instruct); without --bundle, ours then run it "
+                       "in torch eager; with one, it only names the peers' target")
+    bench.add_argument("--draft-model", help="torch draft (default: int8 copy of the target); runs torch eager")
+    bench.add_argument("--bundle", help="run ar / sd / mirror from this exported bundle (all its backends; "
+                       "default: what `run` runs, the default model's cached ONNX bundle)")
+    bench.add_argument("--torch", action="store_true", help="run ours in torch eager, not the default bundle")
+    bench.add_argument("--draft-bundle", help="take sd / mirror's draft from this bundle")
+    bench.add_argument("--draft-precision", choices=("f32", "bf16"), help="OpenVINO draft compute precision")
+    bench.add_argument("--seed", type=int, default=0)
+    bench.add_argument("--profile", action="store_true", help="print mirror's time per phase per step")
+    bench.add_argument("--cache-dir")
+    bench.add_argument("--out", required=True, help="output folder")
+
+
+def cmd_bench(args) -> int:
+    import shlex
+    from pathlib import Path
+
+    from mirror_rt.evaluation.bench import BenchSettings, run_bench, write_results
+    from mirror_rt.evaluation.bench_engines import bench_runners
+    from mirror_rt.evaluation.specbench import read_questions
+    from mirror_rt.runtime.config import make_config
+
+    categories = args.categories.split(",") if args.categories else None
+    questions = read_questions(args.data, categories, args.limit)
+    config = make_config(max_new_tokens=args.max_new_tokens, temperature=args.temperature, gamma=args.gamma,
+                         seed=args.seed, branch_budget=args.branch_budget, draft_lookup=args.draft_lookup)
+    methods = [m.strip() for m in args.methods.split(",") if m.strip()]
+    runners = bench_runners(methods, bundle=args.bundle, draft_bundle=args.draft_bundle, torch=args.torch,
+                            model=args.model, draft_model=args.draft_model, draft_precision=args.draft_precision,
+                            cache_dir=args.cache_dir, log=log)
+    answers = run_bench(runners, questions, BenchSettings(config=config, repeats=args.repeats))
+    ar_names = [r.name for r in runners if r.name.startswith("ar-")]
+    from mirror_rt.evaluation.report import mean_speed
+
+    baseline = max(ar_names, key=lambda n: mean_speed(answers[n])) if ar_names else runners[0].name
+    reference = ar_names[0] if ar_names and config.sampling.greedy else None
+    command = "mirror-rt " + " ".join(shlex.quote(a) for a in sys.argv[1:])
+    doc = write_results(Path(args.out), answers, baseline, reference, command,
+                        {r.name: getattr(r, "label", "") for r in runners})
+    print((Path(args.out) / "report.md").read_text())
+    if args.profile and "mirror" in answers:
+        print(format_profile(answers["mirror"]))
+    return 1 if any(doc["mismatches"].get(m) for m in ("sd", "mirror")) else 0
+
+
+def format_profile(answers) -> str:
+    """Mirror's mean time per phase per step over all turns."""
+    phases: dict[str, list[float]] = {}
+    for a in answers:
+        for s in a.stats:
+            for k, v in s.get("phase_ms_per_step", {}).items():
+                phases.setdefault(k, []).append(v)
+    return "mirror, ms per step (mean over turns): " + ", ".join(
+        f"{k} {sum(v) / len(v):.1f}" for k, v in phases.items())
+
+
+def _add_bench_serve(sub) -> None:
+    load = sub.add_parser("bench-serve", help="load a running server (OpenAI API): throughput, TTFT, ITL per "
+                          "token, acceptance, a burst past the queue")
+    load.add_argument("--url", default="http://127.0.0.1:8000", help="the server (default http://127.0.0.1:8000)")
+    load.add_argument("--data", required=True, help="questions (SpecBench jsonl); their first turns are the prompts")
+    load.add_argument("--limit", type=positive_int, default=16, help="questions, picked evenly across categories")
+    load.add_argument("--concurrency", default="1,2,4", help="comma-separated levels (default 1,2,4)")
+    load.add_argument("--max-tokens", type=positive_int, default=64, help="tokens per request (ignore_eos)")
+    load.add_argument("--burst", type=count, default=0, help="then send this many at once (0: no burst)")
+    load.add_argument("--compare-run", action="store_true", help="also single-stream each prompt in this process "
+                      "through the engine `run` uses (the server idle meanwhile): HTTP overhead")
+    load.add_argument("--mode", default="mirror", help="the server's mode, for --compare-run (default mirror)")
+    load.add_argument("--api-key", help="the server's key (default: $MIRROR_RT_API_KEY)")
+    load.add_argument("--cache-dir")
+    load.add_argument("--json", help="write the report here too")
+
+
+def cmd_bench_serve(args) -> int:
+    import asyncio
+    import os
+
+    from mirror_rt.evaluation.serve_bench import compare_with_run, load_run
+    from mirror_rt.evaluation.specbench import read_questions
+
+    questions = read_questions(args.data, None, args.limit)
+    prompts = [[{"role": "user", "content": q.turns[0]}] for q in questions]
+    levels = [int(c) for c in args.concurrency.split(",") if c.strip()]
+    if not levels or min(levels) < 1:
+        raise ValueError(f"--concurrency needs whole numbers >= 1, got '{args.concurrency}'")
+    key = args.api_key or os.environ.get("MIRROR_RT_API_KEY")
+    report = {}
+    if args.compare_run:
+        report["single_stream"] = asyncio.run(compare_with_run(args.url, prompts, args.max_tokens, args.mode, key,
+                                                               args.cache_dir, log=log))
+    report |= asyncio.run(load_run(args.url, prompts, levels, args.max_tokens, args.burst, key, log=log))
+    if args.json:
+        from pathlib import Path
+
+        Path(args.json).write_text(json.dumps(report, indent=2))
+    return 0 if all(level["failed"] == 0 for level in report["levels"]) else 1
+
+
+COMMANDS = {"bench": cmd_bench, "bench-serve": cmd_bench_serve}
+
+
+def add_bench(sub) -> None:
+    _add_bench(sub)
+    _add_bench_serve(sub)
