@@ -24,6 +24,7 @@ from mirror_rt.devices.registry import (
     DeviceSpec,
     WorkerBudget,
     available_devices,
+    fastest_cpu,
     parse_device,
     resolve,
 )
@@ -140,8 +141,11 @@ def test_load_bundle_falls_back_and_strict_fails(bundles):
     if HAVE["torch"][1:] or "NPU" in HAVE["openvino"]:
         pytest.skip("this machine has an accelerator")
     with pytest.warns(DeviceFallbackWarning):
-        target = load_parts(bundles[fmt], "cuda", "npu", threads=1).target
+        target, draft, _, _ = load_parts(bundles[fmt], "cuda", "npu", threads=1)
     assert target.forward([3, 4], target.new_cache(8)).shape == (2, target.vocab_size)
+    assert target.placement.requested == "cuda" and target.placement.fell_back
+    assert draft.placement.requested == "npu" and draft.placement.fell_back
+    assert target.placement.actual == draft.placement.actual == str(fastest_cpu(fmt))
     with pytest.raises(DeviceError):
         load_parts(bundles[fmt], "cuda", "npu", strict=True)
 

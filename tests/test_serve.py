@@ -232,3 +232,16 @@ def test_continuous_usage_counts_tokens_per_chunk(server):
     counts = [c.usage.completion_tokens for c in chunks if c.choices and c.choices[0].text]
     assert counts == sorted(counts) and counts[-1] <= 30 and len(counts) >= 2
     assert chunks[-1].usage.completion_tokens == 30 and chunks[-1].choices == []
+
+
+def test_device_fallbacks_are_counted_once_per_role():
+    from mirror_rt.devices.registry import Placement
+    from mirror_rt.serving.metrics import ServerMetrics
+    from prometheus_client.parser import text_string_to_metric_families
+
+    metrics = ServerMetrics("m")
+    metrics.placement({"target": Placement("cuda", "ort:cpu", True), "draft": Placement("cpu", "ort:cpu", False)})
+    samples = [s for f in text_string_to_metric_families(metrics.render().decode()) for s in f.samples
+               if s.name == "mirror_rt:device_fallback_total"]
+    assert [(s.labels["role"], s.labels["requested"], s.labels["actual"], s.value) for s in samples] == [
+        ("target", "cuda", "ort:cpu", 1.0)]
