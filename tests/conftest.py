@@ -159,3 +159,19 @@ def load_parts(folder, target_device: str = "cpu", draft_device: str = "cpu", st
     engine = load_bundle(str(folder), target_device=target_device, draft_device=draft_device,
                          strict_devices=strict, threads=threads, mode="ar")
     return BundleParts(engine.target, engine.draft, engine.tokenizer, engine.manifest)
+
+
+@pytest.fixture(scope="module")
+def engine():
+    """A tiny float64 engine for a module's server (tests.serve_support.tiny_engine)."""
+    from serve_support import tiny_engine
+
+    return tiny_engine()
+
+
+@pytest.fixture(scope="module")
+def reference():
+    """An identical engine no server touches: the oracle of the serving tests' equality checks."""
+    from serve_support import tiny_engine
+
+    return tiny_engine()

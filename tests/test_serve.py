@@ -8,24 +8,13 @@ import json
 
 import httpx
 import pytest
-from serve_support import start, tiny_engine
+from serve_support import start
 
 pytest.importorskip("fastapi")
 openai = pytest.importorskip("openai")
 
 PROMPT = "hello there"
 MESSAGES = [{"role": "user", "content": PROMPT}]
-
-
-@pytest.fixture(scope="module")
-def engine():
-    return tiny_engine()
-
-
-@pytest.fixture(scope="module")
-def reference():
-    """An identical engine the server never touches: the oracle of the equality tests."""
-    return tiny_engine()
 
 
 @pytest.fixture(scope="module")

@@ -9,22 +9,12 @@ import time
 
 import httpx
 import pytest
-from serve_support import Delayed, Faulty, Swapped, metric, scrape, start, tiny_engine, wait_for
+from serve_support import Delayed, Faulty, Swapped, metric, scrape, start, wait_for
 
 pytest.importorskip("fastapi")
 pytest.importorskip("openai")
 
 PROMPT = "hello there"
-
-
-@pytest.fixture(scope="module")
-def engine():
-    return tiny_engine()
-
-
-@pytest.fixture(scope="module")
-def reference():
-    return tiny_engine()
 
 
 @pytest.fixture(scope="module")
