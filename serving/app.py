@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import json
 import logging
 import secrets
 import threading
@@ -23,7 +24,7 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from mirror_rt.runtime.config import GenerationConfig, make_config
 from mirror_rt.serving import protocol
-from mirror_rt.serving.errors import APIError, error_response, install_handlers
+from mirror_rt.serving.errors import APIError, install_handlers
 from mirror_rt.serving.metrics import ServerMetrics
 from mirror_rt.serving.records import RequestRecord
 from mirror_rt.serving.responses import Reply, collect, now, race_disconnect, stream
@@ -224,8 +225,6 @@ def _check_key(request: Request, state: ServerState) -> None:
 
 
 async def _json(request: Request):
-    import json
-
     raw = await request.body()
     try:
         return json.loads(raw)
@@ -257,6 +256,3 @@ def _add_token_routes(app: FastAPI, state: ServerState) -> None:
         if not isinstance(tokens, list) or not all(type(t) is int and 0 <= t < vocab for t in tokens):
             raise APIError(400, f"'tokens' must be a list of token ids in 0..{vocab - 1}", "tokens")
         return {"prompt": state.engine.tokenizer.decode(tokens)}
-
-
-__all__ = ["ServerSettings", "ServerState", "create_app", "error_response"]
