@@ -93,6 +93,18 @@ def _add_serve(sub) -> None:
     serve.add_argument("--served-model-name", help="the model name clients send (default: the model's name)")
     serve.add_argument("--drain-timeout", type=positive_number, default=30.0,
                        help="on SIGTERM / Ctrl-C, seconds admitted requests may take to finish (default 30)")
+    ray = serve.add_argument_group("replicas on Ray Serve (pip install \"mirror-rt[cluster]\")")
+    ray.add_argument("--replicas", type=positive_int, default=1, help="engines behind Ray Serve's proxy, each on "
+                     "its own devices (default 1: one process, no Ray); --max-queued then waits at the proxy")
+    ray.add_argument("--ray-address", help="join a running Ray cluster (auto, ray://host:10001); default: start one")
+    ray.add_argument("--min-replicas", type=count, help="autoscale between --min-replicas and --max-replicas")
+    ray.add_argument("--max-replicas", type=positive_int)
+    ray.add_argument("--target-ongoing-requests", type=positive_number,
+                     help="autoscaling: requests per replica to aim at (default 1: one stream each)")
+    ray.add_argument("--placement-timeout", type=positive_int, default=60,
+                     help="seconds a replica may wait for its resources before serve fails (default 60)")
+    ray.add_argument("--metrics-export-port", type=port_number,
+                     help="local Ray: the port serving every replica's metrics (default: Ray picks one)")
 
 
 def cmd_serve(args) -> int:
@@ -113,7 +125,26 @@ def cmd_serve(args) -> int:
         return load_engine(args.bundle, torch=args.torch, torch_options=torch_options(args), mode=args.mode,
                            **bundle_options(args))
 
+    autoscaling = (args.min_replicas, args.max_replicas, args.target_ongoing_requests) != (None, None, None)
+    if args.replicas > 1 or args.ray_address or autoscaling:
+        return _serve_on_ray(args, settings, load)
     return serve(settings, load, args.host, args.port, args.drain_timeout)
+
+
+def _serve_on_ray(args, settings, load) -> int:
+    """`serve` on Ray Serve replicas: each asks for the devices its roles run on."""
+    from mirror_rt.serving.cluster import ClusterSettings, replica_resources, require_ray, serve_replicas
+
+    require_ray()
+    torch_engine = args.bundle is None and (args.torch or any(v is not None for v in torch_options(args).values()))
+    target, draft = (args.device or "cpu", "cpu") if torch_engine else (args.target, args.draft)
+    cluster = ClusterSettings(
+        replicas=args.replicas, address=args.ray_address, min_replicas=args.min_replicas,
+        max_replicas=args.max_replicas, target_ongoing_requests=args.target_ongoing_requests,
+        actor_options=replica_resources(args.mode, target, draft, args.threads), max_queued=args.max_queued,
+        host=args.host, port=args.port, placement_timeout_s=args.placement_timeout, drain_s=args.drain_timeout,
+        metrics_export_port=args.metrics_export_port)
+    return serve_replicas(settings, cluster, load)
 
 
 def cmd_simulate(args) -> int:
