@@ -94,8 +94,8 @@ def _add_serve(sub) -> None:
     serve.add_argument("--drain-timeout", type=positive_number, default=30.0,
                        help="on SIGTERM / Ctrl-C, seconds admitted requests may take to finish (default 30)")
     ray = serve.add_argument_group("replicas on Ray Serve (pip install \"mirror-rt[cluster]\")")
-    ray.add_argument("--replicas", type=positive_int, default=1, help="engines behind Ray Serve's proxy, each on "
-                     "its own devices (default 1: one process, no Ray); --max-queued then waits at the proxy")
+    ray.add_argument("--replicas", type=positive_int, help="run N engines on Ray Serve, each on its own devices, "
+                     "behind its proxy (default: one process, no Ray); --max-queued then waits at the proxy")
     ray.add_argument("--ray-address", help="join a running Ray cluster (auto, ray://host:10001); default: start one")
     ray.add_argument("--min-replicas", type=count, help="autoscale between --min-replicas and --max-replicas")
     ray.add_argument("--max-replicas", type=positive_int)
@@ -126,7 +126,7 @@ def cmd_serve(args) -> int:
                            **bundle_options(args))
 
     autoscaling = (args.min_replicas, args.max_replicas, args.target_ongoing_requests) != (None, None, None)
-    if args.replicas > 1 or args.ray_address or autoscaling:
+    if args.replicas is not None or args.ray_address or autoscaling:
         return _serve_on_ray(args, settings, load)
     return serve(settings, load, args.host, args.port, args.drain_timeout)
 
@@ -139,7 +139,7 @@ def _serve_on_ray(args, settings, load) -> int:
     torch_engine = args.bundle is None and (args.torch or any(v is not None for v in torch_options(args).values()))
     target, draft = (args.device or "cpu", "cpu") if torch_engine else (args.target, args.draft)
     cluster = ClusterSettings(
-        replicas=args.replicas, address=args.ray_address, min_replicas=args.min_replicas,
+        replicas=args.replicas or 1, address=args.ray_address, min_replicas=args.min_replicas,
         max_replicas=args.max_replicas, target_ongoing_requests=args.target_ongoing_requests,
         actor_options=replica_resources(args.mode, target, draft, args.threads), max_queued=args.max_queued,
         host=args.host, port=args.port, placement_timeout_s=args.placement_timeout, drain_s=args.drain_timeout,

@@ -233,12 +233,14 @@ def stop(local: bool, drain: bool = True) -> None:
         serve.delete(APP, _blocking=drain)
 
 
-def metrics_url(host: str) -> str | None:
-    """Where this node's Ray serves the metrics of its replicas (Prometheus text)."""
+def metrics_url() -> str | None:
+    """Where the local Ray serves the metrics of its replicas (Prometheus text); None on a cluster."""
     import ray
 
-    ports = [n.get("MetricsExportPort") for n in ray.nodes() if n.get("Alive") and n.get("MetricsExportPort")]
-    return f"http://{host}:{ports[0]}/metrics" if ports else None
+    nodes = [n for n in ray.nodes() if n.get("Alive") and n.get("MetricsExportPort")]
+    if len(nodes) != 1:
+        return None
+    return f"http://{nodes[0]['NodeManagerAddress']}:{nodes[0]['MetricsExportPort']}/metrics"
 
 
 def serve_replicas(settings: ServerSettings, cluster: ClusterSettings, load) -> int:
@@ -287,7 +289,7 @@ def describe(settings: ServerSettings, cluster: ClusterSettings, options: dict) 
     if scaling:
         count = (f"{scaling['initial_replicas']} replicas (autoscaling {scaling['min_replicas']}.."
                  f"{scaling['max_replicas']}, target {scaling['target_ongoing_requests']:g} ongoing each)")
-    metrics = metrics_url(cluster.host) or "each Ray node's metrics export port"
+    metrics = metrics_url() or "each Ray node's metrics export port"
     key = "API key required" if settings.api_key else "no API key"
     return (f"serving {count} at http://{cluster.host}:{cluster.port}/v1 (Ray Serve), mode {settings.defaults.mode}; "
             f"each replica asks for {cluster.actor_options}; {key}; queue {cluster.max_queued} at the proxy; "

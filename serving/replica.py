@@ -7,12 +7,16 @@ routes to a replica only after its constructor and a first health check pass), t
 (its Serve tag, which is also the `replica` label of its metrics), and every metric update is
 recorded through `ray.serve.metrics` too (Ray adds the `deployment`, `replica` and `application`
 labels; the names become `ray_mirror_rt_*`). `check_health` fails once the engine thread is dead,
-so Serve replaces the replica.
+so Serve replaces the replica. Before loading, a replica that asked for whole CPUs pins its process
+to that many cores of its node, chosen by its rank on the node, so the engine's workers (which take
+the cores they may run on) use what Ray reserved for them and two replicas never share a core
+(assuming this deployment is the node's only CPU-heavy work).
 """
 
 from __future__ import annotations
 
 import asyncio
+import os
 
 from mirror_rt.serving.app import ServerSettings, create_app
 from mirror_rt.serving.proxy import REPLICA_HEADER
@@ -45,6 +49,35 @@ def health_problem(state) -> str | None:
     if state.status == "ready" and not state.scheduler.alive():
         return "the engine thread is dead"
     return None
+
+
+def own_cores(cores: list[int], num_cpus: int, local_rank: int) -> list[int] | None:
+    """The cores of the replica of rank `local_rank` on its node: `num_cpus` of `cores` after those of the
+    lower ranks (wrapping round when the node has fewer); None when it should not pin (no whole CPU asked
+    for, or all of them)."""
+    if num_cpus < 1 or num_cpus >= len(cores):
+        return None
+    first = local_rank * num_cpus
+    return [cores[(first + i) % len(cores)] for i in range(num_cpus)]
+
+
+def pin_process(cores: list[int]) -> None:
+    """Every thread of this process on `cores` (threads started later inherit it); Linux only."""
+    for task in os.listdir("/proc/self/task"):
+        try:
+            os.sched_setaffinity(int(task), cores)
+        except (OSError, ValueError):  # a thread that ended meanwhile
+            pass
+
+
+def pin_replica(num_cpus: float, rank) -> list[int] | None:
+    """Pin this replica's process to its own cores (`own_cores`); the cores, or None when it did not."""
+    if rank is None or not hasattr(os, "sched_setaffinity") or not os.path.isdir("/proc/self/task"):
+        return None
+    cores = own_cores(sorted(os.sched_getaffinity(0)), int(num_cpus), rank.local_rank)
+    if cores is not None:
+        pin_process(cores)
+    return cores
 
 
 # --- Ray's metrics as a `serving.metrics.Sink` --------------------------------------------------
@@ -103,6 +136,7 @@ def replica_deployment(options: dict):
 
         async def __init__(self, settings: ServerSettings, load):
             self.settings = settings
+            pin_replica(options.get("ray_actor_options", {}).get("num_cpus", 0), serve.get_replica_context().rank)
             self.engine = await asyncio.to_thread(load)
             self.state = None
 

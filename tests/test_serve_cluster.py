@@ -154,6 +154,25 @@ def test_both_replicas_answer_and_greedy_text_equals_the_reference(ray_cluster, 
     assert text == expected
 
 
+@pytest.mark.skipif(len(os.sched_getaffinity(0)) < 2 if hasattr(os, "sched_getaffinity") else True,
+                    reason="needs Linux and two cores")
+def test_each_replica_runs_on_its_own_core(ray_cluster):
+    """One CPU each: the two replica processes are pinned to different cores (every thread, the engine's too)."""
+    pids = [int(p) for p in os.listdir("/proc") if p.isdigit() and _is_replica(p)]
+    assert len(pids) == 2
+    masks = [{frozenset(os.sched_getaffinity(int(t))) for t in os.listdir(f"/proc/{pid}/task")} for pid in pids]
+    assert all(len(mask) == 1 for mask in masks)  # every thread of a replica on the same core
+    cores = sorted(os.sched_getaffinity(0))
+    assert {next(iter(mask)) for mask in masks} == {frozenset({cores[0]}), frozenset({cores[1]})}
+
+
+def _is_replica(pid: str) -> bool:
+    try:
+        return f"ServeReplica:{cluster.APP}:{cluster.DEPLOYMENT}" in Path(f"/proc/{pid}/cmdline").read_text()
+    except OSError:
+        return False
+
+
 def test_metrics_of_both_replicas_reach_one_scrape_with_their_label(ray_cluster, reference):
     """Ray's metrics export holds each replica's series under `replica`, names as `ray_mirror_rt_*`."""
     _, url, metrics_url = ray_cluster

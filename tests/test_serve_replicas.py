@@ -22,7 +22,7 @@ pytest.importorskip("fastapi")
 
 from mirror_rt.serving.cluster import ClusterError, ClusterSettings, deployment_options, replica_resources  # noqa: E402
 from mirror_rt.serving.proxy import REPLICA_HEADER, ReplicaLoss  # noqa: E402
-from mirror_rt.serving.replica import ReplicaHeader, health_problem  # noqa: E402
+from mirror_rt.serving.replica import ReplicaHeader, health_problem, own_cores  # noqa: E402
 
 SCOPE = {"type": "http", "method": "POST", "path": "/v1/completions", "headers": []}
 BODY = b'{"prompt": "hello"}'
@@ -219,6 +219,19 @@ def test_health_fails_for_a_failed_load_or_a_dead_engine_thread():
 ])
 def test_a_replica_asks_for_the_devices_its_roles_run_on(mode, target, draft, threads, expected):
     assert replica_resources(mode, target, draft, threads) == expected
+
+
+@pytest.mark.parametrize("cores, num_cpus, rank, expected", [
+    ([0, 1], 1, 0, [0]),
+    ([0, 1], 1, 1, [1]),
+    ([0, 1, 2, 3], 2, 1, [2, 3]),
+    ([0, 1, 2, 3], 2, 2, [0, 1]),  # more replicas than the node holds: they wrap round
+    ([4, 5, 6], 1, 2, [6]),  # the cores this process may use, not 0..n-1
+    ([0, 1], 2, 0, None),  # the whole node: nothing to choose
+    ([0, 1], 0, 0, None),  # no whole CPU asked for
+])
+def test_a_replica_takes_its_own_cores_by_its_rank_on_the_node(cores, num_cpus, rank, expected):
+    assert own_cores(cores, num_cpus, rank) == expected
 
 
 def test_a_cuda_index_is_refused_with_replicas():
