@@ -12,6 +12,7 @@ import json
 import sys
 
 from mirror_rt.cli_args import budget, count, log, number, port_number, positive_int, positive_number
+from mirror_rt.cli_replicas import add_replica_options, cluster_settings, serve_on_ray, wants_ray
 from mirror_rt.cli_training import COMMANDS as TRAINING_COMMANDS
 from mirror_rt.cli_training import add_training
 from mirror_rt.devices.engines import TORCH_OPTIONS
@@ -93,27 +94,24 @@ def _add_serve(sub) -> None:
     serve.add_argument("--served-model-name", help="the model name clients send (default: the model's name)")
     serve.add_argument("--drain-timeout", type=positive_number, default=30.0,
                        help="on SIGTERM / Ctrl-C, seconds admitted requests may take to finish (default 30)")
-    ray = serve.add_argument_group("replicas on Ray Serve (pip install \"mirror-rt[cluster]\")")
-    ray.add_argument("--replicas", type=positive_int, help="run N engines on Ray Serve, each on its own devices, "
-                     "behind its proxy (default: one process, no Ray); --max-queued then waits at the proxy")
-    ray.add_argument("--ray-address", help="join a running Ray cluster (auto, ray://host:10001); default: start one")
-    ray.add_argument("--min-replicas", type=count, help="autoscale between --min-replicas and --max-replicas")
-    ray.add_argument("--max-replicas", type=positive_int)
-    ray.add_argument("--target-ongoing-requests", type=positive_number,
-                     help="autoscaling: requests per replica to aim at (default 1: one stream each)")
-    ray.add_argument("--placement-timeout", type=positive_int, default=60,
-                     help="seconds a replica may wait for its resources before serve fails (default 60)")
-    ray.add_argument("--metrics-export-port", type=port_number,
-                     help="local Ray: the port serving every replica's metrics (default: Ray picks one)")
-
+    add_replica_options(serve)
 
 def cmd_serve(args) -> int:
+    from mirror_rt.serving.server import serve
+
+    settings, load = serve_parts(args)
+    if wants_ray(args):
+        return serve_on_ray(args, settings, load, _torch_engine(args))
+    return serve(settings, load, args.host, args.port, args.drain_timeout)
+
+
+def serve_parts(args):
+    """`serve`'s ServerSettings and the function that loads its engine (in a replica, with replicas)."""
     import os
 
     from mirror_rt.devices.engines import load_engine
     from mirror_rt.runtime.config import make_config
     from mirror_rt.serving.app import ServerSettings
-    from mirror_rt.serving.server import serve
 
     defaults = make_config(mode=args.mode, gamma=args.gamma, branch_budget=args.branch_budget,
                            early_exit=args.early_exit, draft_lookup=args.draft_lookup)
@@ -125,26 +123,25 @@ def cmd_serve(args) -> int:
         return load_engine(args.bundle, torch=args.torch, torch_options=torch_options(args), mode=args.mode,
                            **bundle_options(args))
 
-    autoscaling = (args.min_replicas, args.max_replicas, args.target_ongoing_requests) != (None, None, None)
-    if args.replicas is not None or args.ray_address or autoscaling:
-        return _serve_on_ray(args, settings, load)
-    return serve(settings, load, args.host, args.port, args.drain_timeout)
+    return settings, load
 
 
-def _serve_on_ray(args, settings, load) -> int:
-    """`serve` on Ray Serve replicas: each asks for the devices its roles run on."""
-    from mirror_rt.serving.cluster import ClusterSettings, replica_resources, require_ray, serve_replicas
+def ray_serve_app(args: dict):
+    """A Ray Serve application builder: `import_path: mirror_rt.cli:ray_serve_app` in a RayService's
+    serveConfigV2 (KubeRay), with `args: {options: "<mirror-rt serve options>"}`; the replicas are the
+    ones `mirror-rt serve --replicas` runs."""
+    import shlex
 
-    require_ray()
-    torch_engine = args.bundle is None and (args.torch or any(v is not None for v in torch_options(args).values()))
-    target, draft = (args.device or "cpu", "cpu") if torch_engine else (args.target, args.draft)
-    cluster = ClusterSettings(
-        replicas=args.replicas or 1, address=args.ray_address, min_replicas=args.min_replicas,
-        max_replicas=args.max_replicas, target_ongoing_requests=args.target_ongoing_requests,
-        actor_options=replica_resources(args.mode, target, draft, args.threads), max_queued=args.max_queued,
-        host=args.host, port=args.port, placement_timeout_s=args.placement_timeout, drain_s=args.drain_timeout,
-        metrics_export_port=args.metrics_export_port)
-    return serve_replicas(settings, cluster, load)
+    from mirror_rt.serving.cluster import build
+
+    parsed = build_parser().parse_args(["serve", *shlex.split(args.get("options", ""))])
+    settings, load = serve_parts(parsed)
+    return build(settings, cluster_settings(parsed, _torch_engine(parsed)), load)
+
+
+def _torch_engine(args) -> bool:
+    """Whether `load_engine` runs torch eager for these options (else a bundle, the default one included)."""
+    return args.bundle is None and (args.torch or any(v is not None for v in torch_options(args).values()))
 
 
 def cmd_simulate(args) -> int:

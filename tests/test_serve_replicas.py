@@ -294,3 +294,17 @@ def test_the_cli_serves_two_replicas_on_a_local_ray_and_stops_on_sigterm(tmp_pat
     lines = said()
     assert process.returncode == 0 and lines[-1] == "mirror-rt serve: stopped"
     assert "serving 2 replicas at" in lines[0] and "{'num_cpus': 1, 'num_gpus': 0}" in lines[0]
+
+
+def test_kuberay_builds_the_same_app_from_serve_options():
+    """`mirror_rt.cli:ray_serve_app` (a RayService's import_path) turns `mirror-rt serve` options into the app."""
+    serve = pytest.importorskip("ray.serve")
+    from mirror_rt.cli import build_parser, ray_serve_app
+    from mirror_rt.cli_replicas import cluster_settings
+
+    options = "--torch --model tiny --mode mirror --replicas 3 --max-queued 5 --device cuda"
+    assert isinstance(ray_serve_app({"options": options}), serve.Application)
+    parsed = build_parser().parse_args(["serve", *options.split()])
+    settings = cluster_settings(parsed, torch_engine=True)
+    assert (settings.replicas, settings.max_queued) == (3, 5)
+    assert settings.actor_options == {"num_cpus": 1, "num_gpus": 1}  # the CUDA target, the draft on a core
