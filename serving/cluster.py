@@ -8,8 +8,11 @@ a custom resource for an NPU or Intel GPU role (`intel_npu`: Ray reserves "NPU" 
 (`max_ongoing_requests`); the rest wait at the proxy up to `max_queued`, beyond which the proxy
 answers 503 with Retry-After. Ray is imported lazily: the package works without the `cluster` extra.
 Limitations:
-- a bundle's target in ar / sd mode uses every core its node has (bundles take no `--threads`);
-- Serve's `max_queued_requests` counts per proxy (one proxy per node by default).
+- replicas pin themselves to cores by their rank on the node (`serving.replica`), which assumes this
+  deployment is the only CPU-heavy work on its nodes;
+- Serve's `max_queued_requests` counts per proxy (one proxy per node by default), loosely under bursts;
+- `/health` and `/metrics` through the proxy take a replica's slot like any request, and answer for
+  that replica only (Ray's metrics export has every replica's).
 """
 
 from __future__ import annotations

@@ -84,7 +84,8 @@ def pin_replica(num_cpus: float, rank) -> list[int] | None:
 
 
 class RayFamily:
-    """One metric in `ray.serve.metrics`, with prometheus_client's `.labels(...)` calling style."""
+    """One metric in `ray.serve.metrics`, with prometheus_client's `.labels(...)` calling style; the class
+    is a `serving.metrics.Sink` (a replica's metrics also go to Ray's export)."""
 
     def __init__(self, kind: str, name: str, doc: str, label_names: list, buckets: tuple | None):
         from ray.serve import metrics
@@ -117,11 +118,6 @@ class RayChild:
         self.metric.observe(value, tags=self.tags)
 
 
-def ray_sink(kind: str, name: str, doc: str, label_names: list, buckets: tuple | None) -> RayFamily:
-    """`serving.metrics.Sink` for a replica: the metric also goes to Ray's export."""
-    return RayFamily(kind, name, doc, label_names, buckets)
-
-
 # --- the deployment ------------------------------------------------------------------------------
 
 
@@ -142,7 +138,7 @@ def replica_deployment(options: dict):
 
         def __serve_build_asgi_app__(self):
             engine, tag = self.engine, serve.get_replica_context().replica_tag
-            app = create_app(self.settings, lambda: engine, metrics_sink=ray_sink)
+            app = create_app(self.settings, lambda: engine, metrics_sink=RayFamily)
             app.add_middleware(ReplicaHeader, replica=tag)
             self.state = app.state.mirror
             return app
