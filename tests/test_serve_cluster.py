@@ -234,8 +234,8 @@ def test_a_replica_killed_mid_stream_ends_its_stream_cleanly_and_comes_back(ray_
 def test_a_replica_lost_before_answering_is_retried_with_the_right_answer(ray_cluster, reference, cues):
     """A replica's process exits in the middle of a non-streamed generation: the proxy sends the request
     again, the other replica answers it in full, and the lost replica is replaced."""
-    _, url, _ = ray_cluster
-    before = live_replicas()
+    _, url, metrics_url = ray_cluster
+    before, retries = live_replicas(), proxy_retries(metrics_url)
     (cues / "crash").touch()
     response = httpx.post(url + "/v1/completions", json=body(80), timeout=60)
     assert not (cues / "crash").exists()  # a replica took the cue
@@ -243,6 +243,18 @@ def test_a_replica_lost_before_answering_is_retried_with_the_right_answer(ray_cl
     assert response.headers[HEADER] in before  # the replica that did not take the cue
     gone = before - {response.headers[HEADER]}
     assert len(gone) == 1 and not wait_two_running(gone) & gone
+    deadline = time.monotonic() + 20
+    while proxy_retries(metrics_url) == retries and time.monotonic() < deadline:
+        time.sleep(0.5)
+    assert proxy_retries(metrics_url) == retries + 1
+
+
+def proxy_retries(metrics_url: str) -> float:
+    """`ray_mirror_rt_proxy_retries_total` in Ray's export (0 before the first)."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    families = text_string_to_metric_families(httpx.get(metrics_url, timeout=10).text)
+    return sum(s.value for f in families for s in f.samples if s.name == "ray_mirror_rt_proxy_retries_total")
 
 
 def test_a_dead_engine_thread_fails_the_health_check_and_the_replica_is_replaced(ray_cluster, reference, cues):
