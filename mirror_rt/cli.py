@@ -14,6 +14,7 @@ import sys
 from mirror_rt.cli_args import budget, count, number, port_number, positive_int, positive_number
 from mirror_rt.cli_bench import COMMANDS as BENCH_COMMANDS
 from mirror_rt.cli_bench import add_bench
+from mirror_rt.cli_replicas import add_replica_options, cluster_settings, serve_on_ray, wants_ray
 from mirror_rt.cli_training import COMMANDS as TRAINING_COMMANDS
 from mirror_rt.cli_training import add_training
 from mirror_rt.devices.engines import TORCH_OPTIONS
@@ -95,15 +96,24 @@ def _add_serve(sub) -> None:
     serve.add_argument("--served-model-name", help="the model name clients send (default: the model's name)")
     serve.add_argument("--drain-timeout", type=positive_number, default=30.0,
                        help="on SIGTERM / Ctrl-C, seconds admitted requests may take to finish (default 30)")
-
+    add_replica_options(serve)
 
 def cmd_serve(args) -> int:
+    from mirror_rt.serving.server import serve
+
+    settings, load = serve_parts(args)
+    if wants_ray(args):
+        return serve_on_ray(args, settings, load, _torch_engine(args))
+    return serve(settings, load, args.host, args.port, args.drain_timeout)
+
+
+def serve_parts(args):
+    """`serve`'s ServerSettings and the function that loads its engine (in a replica, with replicas)."""
     import os
 
     from mirror_rt.devices.engines import load_engine
     from mirror_rt.runtime.config import make_config
     from mirror_rt.serving.app import ServerSettings
-    from mirror_rt.serving.server import serve
 
     defaults = make_config(mode=args.mode, gamma=args.gamma, branch_budget=args.branch_budget,
                            early_exit=args.early_exit, draft_lookup=args.draft_lookup)
@@ -115,7 +125,25 @@ def cmd_serve(args) -> int:
         return load_engine(args.bundle, torch=args.torch, torch_options=torch_options(args), mode=args.mode,
                            **bundle_options(args))
 
-    return serve(settings, load, args.host, args.port, args.drain_timeout)
+    return settings, load
+
+
+def ray_serve_app(args: dict):
+    """A Ray Serve application builder: `import_path: mirror_rt.cli:ray_serve_app` in a RayService's
+    serveConfigV2 (KubeRay), with `args: {options: "<mirror-rt serve options>"}`; the replicas are the
+    ones `mirror-rt serve --replicas` runs."""
+    import shlex
+
+    from mirror_rt.serving.cluster import build
+
+    parsed = build_parser().parse_args(["serve", *shlex.split(args.get("options", ""))])
+    settings, load = serve_parts(parsed)
+    return build(settings, cluster_settings(parsed, _torch_engine(parsed)), load)
+
+
+def _torch_engine(args) -> bool:
+    """Whether `load_engine` runs torch eager for these options (else a bundle, the default one included)."""
+    return args.bundle is None and (args.torch or any(v is not None for v in torch_options(args).values()))
 
 
 def cmd_simulate(args) -> int:

@@ -25,7 +25,7 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from mirror_rt.runtime.config import GenerationConfig, make_config
 from mirror_rt.serving import protocol
 from mirror_rt.serving.errors import APIError, install_handlers
-from mirror_rt.serving.metrics import ServerMetrics
+from mirror_rt.serving.metrics import ServerMetrics, Sink
 from mirror_rt.serving.records import RequestRecord
 from mirror_rt.serving.responses import Reply, collect, now, race_disconnect, stream
 from mirror_rt.serving.scheduler import Draining, Job, Overloaded, Scheduler
@@ -49,8 +49,8 @@ class ServerSettings:
 class ServerState:
     """The engine, its scheduler and metrics, and where the server is in its life."""
 
-    def __init__(self, settings: ServerSettings):
-        self.settings = settings
+    def __init__(self, settings: ServerSettings, metrics_sink: Sink | None = None):
+        self.settings, self.metrics_sink = settings, metrics_sink
         self.status = "loading"  # loading | ready | draining | failed
         self.error: str | None = None
         self.engine = self.scheduler = None
@@ -61,7 +61,7 @@ class ServerState:
         """Serve `engine`: metrics, the engine thread, ready."""
         self.engine = engine
         self.model_name = self.settings.served_model_name or engine.names.get("model", "mirror-rt")
-        self.metrics = ServerMetrics(self.model_name)
+        self.metrics = ServerMetrics(self.model_name, sink=self.metrics_sink)
         self.metrics.placement(getattr(engine, "placement", {}))
         self.metrics.spec_enabled.labels(self.model_name).set(int(self.settings.defaults.mode != "ar"))
         self.metrics.set_load(0, 0)
@@ -81,9 +81,10 @@ class ServerState:
                            headers={"Retry-After": str(self.settings.retry_after_s)})
 
 
-def create_app(settings: ServerSettings, load: Callable[[], object]) -> FastAPI:
-    """The app; `load()` builds the engine (run in a background thread at startup)."""
-    state = ServerState(settings)
+def create_app(settings: ServerSettings, load: Callable[[], object], metrics_sink: Sink | None = None) -> FastAPI:
+    """The app; `load()` builds the engine (run in a background thread at startup); every metric
+    update also reaches `metrics_sink`'s families when one is given (`serving.metrics.Sink`)."""
+    state = ServerState(settings, metrics_sink)
 
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI):

@@ -4,10 +4,13 @@ Scrapers built for vLLM work by swapping the prefix `vllm:` -> `mirror_rt:`; eve
 `model_name`. Counters are declared without `_total` (prometheus_client appends it). Buckets are
 vLLM's. Inter-token latency is observed per token, not per SSE chunk: a step that commits k
 tokens after a gap d counts k observations of d / k. One registry per app (never the global
-one), so several apps in one process (tests, Ray replicas) never collide.
+one), so several apps in one process (tests, Ray replicas) never collide. A `sink` makes a
+second family per metric that receives every update too (a Ray replica exports through it).
 """
 
 from __future__ import annotations
+
+from collections.abc import Callable
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, disable_created_metrics, generate_latest
 
@@ -22,14 +25,39 @@ LATENCY_BUCKETS = (0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.
                    240.0, 480.0, 960.0, 1920.0, 7680.0)
 STEP_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0)
 FINISH_REASONS = ("stop", "length", "abort", "error")
+# sink(kind, name, doc, label names, buckets) -> a family with .labels(*values).inc/set/observe;
+# kind is "counter" | "gauge" | "histogram", name has no prefix, buckets is None but for histograms.
+Sink = Callable[[str, str, str, list, "tuple | None"], object]
+
+
+class Tee:
+    """Metric families (or their labelled children) updated together."""
+
+    def __init__(self, *parts):
+        self.parts = parts
+
+    def labels(self, *values) -> Tee:
+        return Tee(*(part.labels(*values) for part in self.parts))
+
+    def inc(self, amount: float = 1) -> None:
+        for part in self.parts:
+            part.inc(amount)
+
+    def set(self, value: float) -> None:
+        for part in self.parts:
+            part.set(value)
+
+    def observe(self, value: float) -> None:
+        for part in self.parts:
+            part.observe(value)
 
 
 class ServerMetrics:
     """Every metric of one server, labelled with its model name."""
 
-    def __init__(self, model_name: str, registry: CollectorRegistry | None = None):
+    def __init__(self, model_name: str, registry: CollectorRegistry | None = None, sink: Sink | None = None):
         self.registry = registry or CollectorRegistry()
-        self.model_name = model_name
+        self.model_name, self.sink = model_name, sink
         self._gauges()
         self._counters()
         self._histograms()
@@ -73,7 +101,11 @@ class ServerMetrics:
 
     def _make(self, kind):
         def make(name, doc, labels=(), **kw):
-            return kind(PREFIX + name, doc, ["model_name", *labels], registry=self.registry, **kw)
+            names = ["model_name", *labels]
+            family = kind(PREFIX + name, doc, names, registry=self.registry, **kw)
+            if self.sink is None:
+                return family
+            return Tee(family, self.sink(kind.__name__.lower(), name, doc, names, kw.get("buckets")))
         return make
 
     def render(self) -> bytes:

@@ -152,3 +152,55 @@ def tiny_engine():
     names = {"model": "tiny", "path": "torch eager (cpu)", "target_precision": "fp64", "draft_precision": "fp64",
              "target_device": "torch:cpu", "draft_device": "torch:cpu"}
     return Engine(TorchSplitTarget(target), ByteTokenizer(258), TorchModel(draft), names)
+
+
+class Mortal:
+    """An engine that dies on cue, for the replica tests: a file `crash` in `cues` makes the process exit
+    after `after` pieces of the next generation; a file `stop` ends the engine thread as the next one
+    starts (the replica lives on, its engine dead). Whoever removes a cue takes it, so one replica dies."""
+
+    def __init__(self, engine, cues: str, after: int = 2):
+        self.engine, self.cues, self.after = engine, cues, after
+
+    def __getattr__(self, name):
+        return getattr(self.engine, name)
+
+    def stream(self, prompt, config=None, *args, **kwargs):
+        if self._take("stop"):
+            raise SystemExit("the engine thread stops on cue")
+        generation = self.engine.stream(prompt, config, *args, **kwargs)
+        return Crashing(generation, self.after) if self._take("crash") else generation
+
+    def _take(self, cue: str) -> bool:
+        import os
+
+        try:
+            os.remove(os.path.join(self.cues, cue))
+            return True
+        except FileNotFoundError:
+            return False
+
+
+class Crashing:
+    """A generation whose process exits after `after` pieces (a replica lost mid-request)."""
+
+    def __init__(self, generation, after: int):
+        self.generation, self.after = generation, after
+
+    def __getattr__(self, name):
+        return getattr(self.generation, name)
+
+    def __iter__(self):
+        import os
+
+        for count, piece in enumerate(self.generation):
+            if count == self.after:
+                os._exit(1)
+            yield piece
+
+
+def replica_engine(cues: str, delay: float = 0.02):
+    """The tiny engine as a replica runs it in the tests: forwards slowed by `delay`, dying on cue."""
+    engine = tiny_engine()
+    engine.target = Delayed(engine.target, delay)
+    return Mortal(engine, cues)

@@ -1,0 +1,299 @@
+"""`mirror-rt serve --replicas N`: the app on Ray Serve, one engine per replica, behind Serve's proxy.
+
+One engine owns one target device and one draft device and serves one stream at a time; more
+throughput means more device pairs, so Ray Serve runs the single server's app (`serving.replica`)
+as replicas that each request the resources of their roles: `num_gpus` for a CUDA target,
+a custom resource for an NPU or Intel GPU role (`intel_npu`: Ray reserves "NPU" for Ascend chips),
+`num_cpus` for the CPU workers. A replica holds one generation running and one ready to start
+(`max_ongoing_requests`); the rest wait at the proxy up to `max_queued`, beyond which the proxy
+answers 503 with Retry-After. Ray is imported lazily: the package works without the `cluster` extra.
+Limitations:
+- replicas pin themselves to cores by their rank on the node (`serving.replica`), which assumes this
+  deployment is the only CPU-heavy work on its nodes;
+- Serve's `max_queued_requests` counts per proxy (one proxy per node by default), loosely under bursts;
+- `/health` and `/metrics` through the proxy take a replica's slot like any request, and answer for
+  that replica only (Ray's metrics export has every replica's).
+"""
+
+from __future__ import annotations
+
+import math
+import signal
+import time
+from dataclasses import dataclass, field, replace
+
+from mirror_rt.serving.app import ServerSettings
+from mirror_rt.serving.proxy import PROXY_CALLBACK
+from mirror_rt.serving.replica import DEPLOYMENT, replica_deployment
+from mirror_rt.serving.server import configure_logging, log
+
+APP = "mirror-rt"
+INSTALL = 'pip install "mirror-rt[cluster]"'
+REPLICA_QUEUE = 1  # a replica holds one generation running and this many ready to start
+OBJECT_STORE = 256 * 2**20  # a local Ray's object store: requests and answers are small
+# Device kinds that are Ray custom resources (named by us: Ray reserves "NPU" for Ascend chips).
+CUSTOM_RESOURCES = {"npu": "intel_npu", "gpu": "intel_gpu", "qnn": "qnn_npu"}
+
+
+class ClusterError(ValueError):
+    """The cluster cannot serve as asked (no Ray, a replica that cannot be placed, a failed deploy)."""
+
+
+@dataclass(frozen=True)
+class ClusterSettings:
+    """How the app is spread over Ray Serve replicas."""
+
+    replicas: int = 1  # replicas to run (the initial count when autoscaling)
+    address: str | None = None  # None: start a local Ray; "auto" or "ray://host:port": join that cluster
+    min_replicas: int | None = None  # any of these three set: Serve's autoscaling_config
+    max_replicas: int | None = None
+    target_ongoing_requests: float | None = None  # autoscaling target per replica (default 1: one stream each)
+    actor_options: dict = field(default_factory=lambda: {"num_cpus": 1})  # per replica (`replica_resources`)
+    max_queued: int = 16  # requests waiting at the proxy beyond what the replicas hold; 503 beyond
+    retry_after_s: int = 1  # Retry-After of the proxy's 503
+    host: str = "127.0.0.1"  # the proxy's address
+    port: int = 8000
+    placement_timeout_s: int = 60  # a replica unplaced this long is an error (when we start Serve)
+    drain_s: float = 30.0  # graceful shutdown: admitted requests may take this long to finish
+    health_check_period_s: float = 10.0
+    metrics_export_port: int | None = None  # local Ray: where it serves every replica's metrics
+
+    def __post_init__(self):
+        if self.replicas < 1:
+            raise ClusterError(f"replicas must be >= 1, got {self.replicas}")
+        low, high = self.min_replicas, self.max_replicas
+        if low is not None and high is not None and low > high:
+            raise ClusterError(f"--min-replicas {low} is more than --max-replicas {high}")
+
+    @property
+    def autoscaling(self) -> bool:
+        return (self.min_replicas, self.max_replicas, self.target_ongoing_requests) != (None, None, None)
+
+
+def require_ray():
+    """`ray` and `ray.serve`, or a one-line ClusterError naming the extra to install."""
+    try:
+        import ray
+        from ray import serve
+    except ImportError:
+        raise ClusterError(f"serving replicas needs Ray Serve: {INSTALL}") from None
+    return ray, serve
+
+
+# --- what a replica asks for ----------------------------------------------------------------------
+
+
+def replica_resources(mode: str, target_device: str, draft_device: str, threads: int | None = None) -> dict:
+    """`ray_actor_options` for one replica: a GPU for a CUDA role, a custom resource for an NPU or
+    Intel GPU role, and a CPU per compute thread of each CPU worker (Mirror runs target and draft
+    in two workers at once; ar runs the target alone; sd runs both in turn in one)."""
+    from mirror_rt.devices.registry import parse_device
+
+    roles = [target_device] if mode == "ar" else [target_device, draft_device]
+    gpus, resources, cpu_roles = 0, {}, 0
+    for text in roles:
+        spec = parse_device(text)
+        if spec.device == "cuda":
+            if spec.index is not None:
+                raise ClusterError(f"with replicas, name the CUDA device without an index ('{text}' -> 'cuda'): "
+                                   "Ray gives each replica its own GPU")
+            gpus = 1  # both roles on CUDA share the replica's one GPU
+        elif spec.device.lower() in CUSTOM_RESOURCES:
+            resources[CUSTOM_RESOURCES[spec.device.lower()]] = 1
+        else:
+            cpu_roles += 1
+    workers = cpu_roles if mode == "mirror" else min(cpu_roles, 1)
+    options = {"num_cpus": workers * (threads or 1), "num_gpus": gpus}
+    return {**options, "resources": resources} if resources else options
+
+
+def deployment_options(cluster: ClusterSettings) -> dict:
+    """`serve.deployment` options: replicas or autoscaling, resources, limits, health, drain."""
+    options = dict(ray_actor_options=dict(cluster.actor_options), max_ongoing_requests=1 + REPLICA_QUEUE,
+                   max_queued_requests=cluster.max_queued,
+                   backpressure_config={"retry_after_s": cluster.retry_after_s},
+                   health_check_period_s=cluster.health_check_period_s, graceful_shutdown_timeout_s=cluster.drain_s,
+                   max_constructor_retry_count=1)  # an engine that fails to load fails again: report it
+    if not cluster.autoscaling:
+        return {**options, "num_replicas": cluster.replicas}
+    low = cluster.min_replicas if cluster.min_replicas is not None else 1
+    high = cluster.max_replicas if cluster.max_replicas is not None else max(low, cluster.replicas)
+    scaling = {"min_replicas": low, "max_replicas": high, "initial_replicas": min(max(cluster.replicas, low), high),
+               "target_ongoing_requests": cluster.target_ongoing_requests or 1}
+    return {**options, "autoscaling_config": scaling}
+
+
+def build(settings: ServerSettings, cluster: ClusterSettings, load):
+    """The Serve application: `load()` runs in each replica to build its engine."""
+    require_ray()
+    replica_settings = replace(settings, max_queued=REPLICA_QUEUE)  # Serve never sends a replica more
+    return replica_deployment(deployment_options(cluster)).bind(replica_settings, load)
+
+
+# --- a Ray to run on --------------------------------------------------------------------------------
+
+
+def start(cluster: ClusterSettings, custom_resources: dict | None = None) -> bool:
+    """Start a local Ray (True) or join `cluster.address` (False), then Serve."""
+    ray, _ = require_ray()
+    local = cluster.address is None
+    if local:
+        ray.init(resources=custom_resources or {}, include_dashboard=False, object_store_memory=OBJECT_STORE,
+                 _metrics_export_port=cluster.metrics_export_port)
+    else:
+        ray.init(address=cluster.address)
+    start_serve(cluster)
+    return local
+
+
+def start_serve(cluster: ClusterSettings) -> None:
+    """Serve on the Ray this process is connected to; its proxies answer through `serving.proxy` and a
+    replica unplaced for `placement_timeout_s` is reported, and a replica failing its health check
+    stops at once (its engine is dead: waiting for its requests would only hang them), all three only
+    when this call starts Serve."""
+    _, serve = require_ray()
+    env = {"RAY_SERVE_HTTP_PROXY_CALLBACK_IMPORT_PATH": PROXY_CALLBACK,
+           "RAY_SERVE_SLOW_STARTUP_WARNING_S": str(cluster.placement_timeout_s),
+           "RAY_SERVE_SLOW_STARTUP_WARNING_PERIOD_S": str(cluster.placement_timeout_s),
+           "RAY_SERVE_FORCE_STOP_UNHEALTHY_REPLICAS": "1"}
+    serve.start(http_options={"host": cluster.host, "port": cluster.port},
+                controller_options={"runtime_env": {"env_vars": env}})
+
+
+def local_resources(actor_options: dict) -> dict:
+    """The custom resources a local Ray should declare: those the replicas ask for that this machine has."""
+    from mirror_rt.devices.registry import available_devices
+
+    wanted = actor_options.get("resources", {})
+    if not wanted:
+        return {}
+    found = available_devices()
+    have = {"intel_npu": any(d.startswith("NPU") for d in found.get("openvino", [])),
+            "intel_gpu": any(d.startswith("GPU") for d in found.get("openvino", [])),
+            "qnn_npu": "qnn" in found.get("onnxruntime", [])}
+    return {name: 1 for name in wanted if have.get(name)}
+
+
+def check_fits(actor_options: dict, replicas: int) -> None:
+    """On a local Ray (nothing will join it): a ClusterError at once when `replicas` cannot all be placed."""
+    import ray
+
+    need = {"CPU": actor_options.get("num_cpus", 1), "GPU": actor_options.get("num_gpus", 0),
+            **actor_options.get("resources", {})}
+    need = {name: amount for name, amount in need.items() if amount}
+    room = 0
+    for node in ray.nodes():
+        if node.get("Alive"):
+            have = node.get("Resources", {})
+            room += min((math.floor(have.get(name, 0) / amount) for name, amount in need.items()), default=replicas)
+    if room < replicas:
+        offered = {name: ray.cluster_resources().get(name, 0) for name in need}
+        raise ClusterError(f"cannot place {replicas} replicas: each needs {need}, this machine offers {offered} "
+                           f"(room for {room})")
+
+
+# --- deploy, wait, serve until a signal ------------------------------------------------------------
+
+
+def deploy(app, name: str = APP, route_prefix: str = "/") -> None:
+    """Deploy and wait until every replica serves; a ClusterError (one line) when that cannot happen."""
+    _, serve = require_ray()
+    serve.run_many([serve.RunTarget(target=app, name=name, route_prefix=route_prefix)],
+                   wait_for_applications_running=False)
+    while True:
+        status = serve.status().applications.get(name)
+        if status is not None and status.status == "RUNNING":
+            return
+        deployment = status.deployments.get(DEPLOYMENT) if status is not None else None
+        message = deployment.message if deployment is not None else ""
+        if status is not None and status.status == "DEPLOY_FAILED":
+            raise ClusterError(f"the replicas failed to start: {_last_line(message or status.message)}")
+        if "to be scheduled" in message:
+            raise ClusterError(f"a replica cannot be placed: {_last_line(message)}")
+        time.sleep(0.2)
+
+
+def _last_line(message: str) -> str:
+    """The line that says what went wrong (Serve's messages end with the exception)."""
+    lines = [line.strip() for line in message.strip().splitlines() if line.strip()]
+    return lines[-1] if lines else "no reason given"
+
+
+def stop(local: bool, drain: bool = True) -> None:
+    """Take the app down, its replicas draining first unless `drain` is False (a failed start: a
+    replica still waiting for resources would hold the exit for the whole drain time); a local Ray
+    goes with it."""
+    import ray
+    from ray import serve
+
+    if local:
+        try:
+            if drain:
+                serve.shutdown()
+        finally:
+            ray.shutdown()
+    else:
+        serve.delete(APP, _blocking=drain)
+
+
+def metrics_url() -> str | None:
+    """Where the local Ray serves the metrics of its replicas (Prometheus text); None on a cluster."""
+    import ray
+
+    nodes = [n for n in ray.nodes() if n.get("Alive") and n.get("MetricsExportPort")]
+    if len(nodes) != 1:
+        return None
+    return f"http://{nodes[0]['NodeManagerAddress']}:{nodes[0]['MetricsExportPort']}/metrics"
+
+
+def serve_replicas(settings: ServerSettings, cluster: ClusterSettings, load) -> int:
+    """Serve on replicas until SIGTERM / Ctrl-C, then drain and take them down; returns the exit code.
+    A signal while deploying takes down what was started; a second signal while draining stops at once."""
+    configure_logging()
+    local = start(cluster, local_resources(cluster.actor_options) if cluster.address is None else None)
+    previous = signal.signal(signal.SIGTERM, _interrupt)  # after ray.init, which installs its own
+    try:
+        try:
+            options = deployment_options(cluster)
+            if local:
+                initial = options.get("autoscaling_config", {}).get("initial_replicas", cluster.replicas)
+                check_fits(cluster.actor_options, initial)
+            deploy(build(settings, cluster, load))
+        except BaseException:
+            stop(local, drain=False)
+            raise
+        log.info(describe(settings, cluster, options))
+        try:
+            _wait_for_signal()
+            log.info("draining: the replicas finish their admitted requests (up to %g s)", cluster.drain_s)
+        finally:
+            stop(local)
+    finally:
+        signal.signal(signal.SIGTERM, signal.SIG_DFL if previous is None else previous)
+    log.info("stopped")
+    return 0
+
+
+def _interrupt(signum, frame):
+    raise KeyboardInterrupt  # SIGTERM stops as Ctrl-C does
+
+
+def _wait_for_signal() -> None:
+    try:
+        while True:
+            time.sleep(3600)
+    except KeyboardInterrupt:
+        pass
+
+
+def describe(settings: ServerSettings, cluster: ClusterSettings, options: dict) -> str:
+    """The start-up line: where, how many replicas, what each asks for, and where the metrics are."""
+    scaling, count = options.get("autoscaling_config"), f"{cluster.replicas} replicas"
+    if scaling:
+        count = (f"{scaling['initial_replicas']} replicas (autoscaling {scaling['min_replicas']}.."
+                 f"{scaling['max_replicas']}, target {scaling['target_ongoing_requests']:g} ongoing each)")
+    metrics = metrics_url() or "each Ray node's metrics export port"
+    key = "API key required" if settings.api_key else "no API key"
+    return (f"serving {count} at http://{cluster.host}:{cluster.port}/v1 (Ray Serve), mode {settings.defaults.mode}; "
+            f"each replica asks for {cluster.actor_options}; {key}; queue {cluster.max_queued} at the proxy; "
+            f"metrics of every replica: {metrics}")

@@ -1,0 +1,170 @@
+"""Ray Serve's HTTP proxy, made to answer as the single server does: one ASGI middleware.
+
+Serve loads it into every proxy through `RAY_SERVE_HTTP_PROXY_CALLBACK_IMPORT_PATH`
+(`PROXY_CALLBACK`, set by `serving.cluster` when it starts Serve). A response that no replica
+sent (replicas name themselves in `x-mirror-rt-replica`) is the proxy's own: its errors
+(backpressure 503 with Retry-After, 408, no replica available) get the app's error envelope. A
+request whose replica was lost before it sent anything (the proxy sends nothing then) is sent
+once more, so a non-streamed request survives a replica's death with the same answer; a stream
+cut after its 200 ends with the single server's failure events (an SSE error, then `[DONE]`).
+The middleware knows nothing of engines; it only reads and writes ASGI messages.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import re
+
+from mirror_rt.serving.errors import envelope
+
+REPLICA_HEADER = b"x-mirror-rt-replica"
+PROXY_CALLBACK = "mirror_rt.serving.proxy:middlewares"
+RETRIES = 1  # a request whose replica died before answering is sent once more
+LOST = "the replica serving this request was lost"
+log = logging.getLogger("ray.serve")
+
+
+def middlewares() -> list:
+    """Serve's proxy callback: the middlewares its HTTP proxy wraps itself in."""
+    from starlette.middleware import Middleware
+
+    return [Middleware(ReplicaLoss)]
+
+
+class ReplicaLoss:
+    """Retry what a lost replica never answered; envelope the proxy's own errors; close cut streams."""
+
+    def __init__(self, app, retries: int = RETRIES):
+        self.app, self.retries = app, retries
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        body = await _read_body(receive)
+        if body is None:  # the client left before its request was read
+            return None
+        client = Client(body, receive)
+        for attempt in range(self.retries + 1):
+            reply = Reply(send)
+            try:
+                await self.app(scope, client.receive_again(), reply.send)
+            except Exception as exc:  # noqa: BLE001 -- the proxy's failure; decided below like a silent end
+                reply.error = f"{type(exc).__name__}: {exc}"
+            if client.gone:  # the proxy stopped because the client left: nobody to answer
+                return None
+            if reply.started or attempt == self.retries:
+                return await reply.finish()
+            log.warning("mirror-rt: %s before answering %s %s; sending it again", LOST, scope.get("method"),
+                        scope.get("path"))
+            _count_retry()
+        return None
+
+
+class Reply:
+    """One attempt's response on its way to the client."""
+
+    def __init__(self, send):
+        self.client_send, self.started, self.ended = send, False, False
+        self.event_stream, self.error = False, None
+        self.rewrite: dict | None = None  # the proxy's own error response, held until its body is read
+
+    async def send(self, message) -> None:
+        kind = message["type"]
+        if kind == "http.response.start":
+            headers = dict(message.get("headers", []))
+            self.event_stream = headers.get(b"content-type", b"").startswith(b"text/event-stream")
+            if REPLICA_HEADER not in headers and message["status"] >= 400:
+                self.rewrite = {"status": message["status"], "headers": message.get("headers", []), "body": b""}
+                return
+            self.started = True
+        elif kind == "http.response.body" and self.rewrite is not None:
+            self.rewrite["body"] += message.get("body", b"")
+            if not message.get("more_body", False):
+                await self._send_enveloped()
+            return
+        elif kind == "http.response.body":
+            self.ended = not message.get("more_body", False)
+        await self.client_send(message)
+
+    async def _send_enveloped(self) -> None:
+        """The proxy's own error, in the app's envelope (Retry-After and the like kept)."""
+        status, text = self.rewrite["status"], self.rewrite["body"].decode(errors="replace").strip()
+        body = json.dumps(envelope(status, _proxy_message(status, text))).encode()
+        keep = [(k, v) for k, v in self.rewrite["headers"] if k.lower() not in (b"content-type", b"content-length")]
+        headers = [*keep, (b"content-type", b"application/json"), (b"content-length", str(len(body)).encode())]
+        self.rewrite, self.started = None, True
+        await self.client_send({"type": "http.response.start", "status": status, "headers": headers})
+        await self.client_send({"type": "http.response.body", "body": body, "more_body": False})
+        self.ended = True
+
+    async def finish(self) -> None:
+        """End what the attempt left open: an error answer, or a cut stream's closing events."""
+        if self.ended:
+            return
+        if not self.started:
+            self.rewrite = {"status": 500, "headers": [], "body": f"{LOST} ({self.error or 'no answer'})".encode()}
+            return await self._send_enveloped()
+        closing = b""
+        if self.event_stream:
+            event = envelope(500, f"{LOST} while streaming; the text above is incomplete")
+            closing = b"data: " + json.dumps(event).encode() + b"\n\ndata: [DONE]\n\n"
+        await self.client_send({"type": "http.response.body", "body": closing, "more_body": False})
+        self.ended = True
+
+
+def _proxy_message(status: int, text: str) -> str:
+    queue = re.search(r"max_queued_requests=(\d+)", text)
+    if status == 503 and "backpressure" in text and queue:
+        return f"the server is busy: every replica is at its limit and {queue[1]} requests wait; retry later"
+    return text or f"the proxy answered {status}"
+
+
+class Client:
+    """The client's side: its buffered body, replayed to each attempt, and whether it has left."""
+
+    def __init__(self, body: bytes, receive):
+        self.body, self.receive, self.gone = body, receive, False
+
+    def receive_again(self):
+        """A `receive` for one attempt: the body once, then the client's next message (its disconnect)."""
+        sent = False
+
+        async def receive():
+            nonlocal sent
+            if not sent:
+                sent = True
+                return {"type": "http.request", "body": self.body, "more_body": False}
+            message = await self.receive()
+            self.gone = self.gone or message["type"] == "http.disconnect"
+            return message
+
+        return receive
+
+
+async def _read_body(receive) -> bytes | None:
+    """The whole request body, or None when the client disconnected first."""
+    chunks = []
+    while True:
+        message = await receive()
+        if message["type"] == "http.disconnect":
+            return None
+        chunks.append(message.get("body", b""))
+        if not message.get("more_body", False):
+            return b"".join(chunks)
+
+
+def _count_retry() -> None:
+    """`ray_mirror_rt_proxy_retries_total` on the proxy's node (only when Ray runs this proxy)."""
+    global _retries
+    try:
+        if _retries is None:
+            from ray.util.metrics import Counter
+
+            _retries = Counter("mirror_rt_proxy_retries", "Requests sent again because their replica was lost")
+        _retries.inc(1)
+    except ImportError:
+        pass
+
+
+_retries = None

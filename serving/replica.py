@@ -1,0 +1,153 @@
+"""One Ray Serve replica: the single server's app over the replica's own engine.
+
+`replica_deployment(options)` builds the deployment class when a cluster is asked for (Ray is
+imported there, never at module import). A replica loads its engine in its constructor (Serve
+routes to a replica only after its constructor and a first health check pass), then serves
+`create_app`'s routes unchanged, plus: every response names the replica in `x-mirror-rt-replica`
+(its Serve tag, which is also the `replica` label of its metrics), and every metric update is
+recorded through `ray.serve.metrics` too (Ray adds the `deployment`, `replica` and `application`
+labels; the names become `ray_mirror_rt_*`). `check_health` fails once the engine thread is dead,
+so Serve replaces the replica. Before loading, a replica that asked for whole CPUs pins its process
+to that many cores of its node, chosen by its rank on the node, so the engine's workers (which take
+the cores they may run on) use what Ray reserved for them and two replicas never share a core
+(assuming this deployment is the node's only CPU-heavy work).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+
+from mirror_rt.serving.app import ServerSettings, create_app
+from mirror_rt.serving.proxy import REPLICA_HEADER
+
+DEPLOYMENT = "MirrorReplica"
+
+
+class ReplicaHeader:
+    """ASGI middleware: `x-mirror-rt-replica: <tag>` on every response."""
+
+    def __init__(self, app, replica: str):
+        self.app, self.header = app, (REPLICA_HEADER, replica.encode())
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+
+        async def send_named(message):
+            if message["type"] == "http.response.start":
+                message = {**message, "headers": [*message.get("headers", []), self.header]}
+            await send(message)
+
+        return await self.app(scope, receive, send_named)
+
+
+def health_problem(state) -> str | None:
+    """Why a replica's app cannot serve (`serving.app.ServerState`), or None when it can."""
+    if state.status == "failed":
+        return f"the engine failed to load: {state.error}"
+    if state.status == "ready" and not state.scheduler.alive():
+        return "the engine thread is dead"
+    return None
+
+
+def own_cores(cores: list[int], num_cpus: int, local_rank: int) -> list[int] | None:
+    """The cores of the replica of rank `local_rank` on its node: `num_cpus` of `cores` after those of the
+    lower ranks (wrapping round when the node has fewer); None when it should not pin (no whole CPU asked
+    for, or all of them)."""
+    if num_cpus < 1 or num_cpus >= len(cores):
+        return None
+    first = local_rank * num_cpus
+    return [cores[(first + i) % len(cores)] for i in range(num_cpus)]
+
+
+def pin_process(cores: list[int]) -> None:
+    """Every thread of this process on `cores` (threads started later inherit it); Linux only."""
+    for task in os.listdir("/proc/self/task"):
+        try:
+            os.sched_setaffinity(int(task), cores)
+        except (OSError, ValueError):  # a thread that ended meanwhile
+            pass
+
+
+def pin_replica(num_cpus: float, rank) -> list[int] | None:
+    """Pin this replica's process to its own cores (`own_cores`); the cores, or None when it did not."""
+    if rank is None or not hasattr(os, "sched_setaffinity") or not os.path.isdir("/proc/self/task"):
+        return None
+    cores = own_cores(sorted(os.sched_getaffinity(0)), int(num_cpus), rank.local_rank)
+    if cores is not None:
+        pin_process(cores)
+    return cores
+
+
+# --- Ray's metrics as a `serving.metrics.Sink` --------------------------------------------------
+
+
+class RayFamily:
+    """One metric in `ray.serve.metrics`, with prometheus_client's `.labels(...)` calling style; the class
+    is a `serving.metrics.Sink` (a replica's metrics also go to Ray's export)."""
+
+    def __init__(self, kind: str, name: str, doc: str, label_names: list, buckets: tuple | None):
+        from ray.serve import metrics
+
+        name, keys = "mirror_rt_" + name, tuple(label_names)
+        if kind == "histogram":
+            self.metric = metrics.Histogram(name, doc, boundaries=list(buckets), tag_keys=keys)
+        else:
+            self.metric = {"counter": metrics.Counter, "gauge": metrics.Gauge}[kind](name, doc, tag_keys=keys)
+        self.label_names = label_names
+
+    def labels(self, *values) -> RayChild:
+        return RayChild(self.metric, dict(zip(self.label_names, map(str, values))))
+
+
+class RayChild:
+    """A Ray metric with its tag values bound."""
+
+    def __init__(self, metric, tags: dict):
+        self.metric, self.tags = metric, tags
+
+    def inc(self, amount: float = 1) -> None:
+        if amount > 0:  # Ray's counters refuse 0
+            self.metric.inc(amount, tags=self.tags)
+
+    def set(self, value: float) -> None:
+        self.metric.set(value, tags=self.tags)
+
+    def observe(self, value: float) -> None:
+        self.metric.observe(value, tags=self.tags)
+
+
+# --- the deployment ------------------------------------------------------------------------------
+
+
+def replica_deployment(options: dict):
+    """The Serve deployment of the app, with `serve.deployment` options (resources, limits...)."""
+    from ray import serve
+
+    @serve.deployment(name=DEPLOYMENT, **options)
+    @serve.ingress()
+    class MirrorReplica:
+        """One engine behind the app; Serve runs as many as the deployment asks for."""
+
+        async def __init__(self, settings: ServerSettings, load):
+            self.settings = settings
+            pin_replica(options.get("ray_actor_options", {}).get("num_cpus", 0), serve.get_replica_context().rank)
+            self.engine = await asyncio.to_thread(load)
+            self.state = None
+
+        def __serve_build_asgi_app__(self):
+            engine, tag = self.engine, serve.get_replica_context().replica_tag
+            app = create_app(self.settings, lambda: engine, metrics_sink=RayFamily)
+            app.add_middleware(ReplicaHeader, replica=tag)
+            self.state = app.state.mirror
+            return app
+
+        async def check_health(self):
+            while self.state is None or self.state.status == "loading":  # the app attaches its engine
+                await asyncio.sleep(0.05)
+            problem = health_problem(self.state)
+            if problem:
+                raise RuntimeError(problem)
+
+    return MirrorReplica
