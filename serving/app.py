@@ -75,6 +75,8 @@ class ServerState:
         log.info(record.log_line())
 
     def require_ready(self) -> None:
+        if self.status == "ready" and not self.scheduler.alive():
+            self.status, self.error = "failed", "the engine thread stopped"
         if self.status != "ready":
             what = {"loading": "the model is still loading", "draining": "the server is shutting down"}
             raise APIError(503, what.get(self.status, f"the engine failed to load: {self.error}"),

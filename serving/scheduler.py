@@ -162,6 +162,10 @@ class Scheduler:
             job.error = exc
             self._end(job, "error")
             return
+        except BaseException as exc:  # SystemExit and the like end the thread, never leave the client waiting
+            job.error = exc
+            self._end(job, "error")
+            raise
         finally:
             if timer is not None:
                 timer.cancel()

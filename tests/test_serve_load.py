@@ -200,3 +200,33 @@ def test_bench_serve_client_reports_the_run(server, engine):
                for level in report["levels"])
     assert report["burst"]["admitted"] + report["burst"]["refused_503"] == 5
     assert report["burst"]["refused_503"] >= 3 and report["burst"]["other_failures"] == 0
+
+
+class Exiting:
+    """A target whose forward raises SystemExit (the engine thread then ends)."""
+
+    def __init__(self, model):
+        self.inner = model
+
+    def __getattr__(self, name):
+        return getattr(self.inner, name)
+
+    def forward(self, *args, **kwargs):
+        raise SystemExit("engine thread ends")
+
+    forward_suffix = forward
+
+
+@pytest.mark.filterwarnings("ignore::pytest.PytestUnhandledThreadExceptionWarning")
+def test_an_engine_thread_that_dies_answers_its_client_and_health_goes_503(engine):
+    """Nothing hangs: the running request gets a 500, /health turns 503, later requests are refused."""
+    dying = start(engine)
+    try:
+        with Swapped(engine, "target", Exiting):
+            response = httpx.post(dying.url + "/v1/completions", json=body(10), timeout=30)
+        assert response.status_code == 500 and "SystemExit" in response.json()["error"]["message"]
+        assert wait_for(lambda: httpx.get(dying.url + "/health").status_code == 503)
+        later = httpx.post(dying.url + "/v1/completions", json=body(10), timeout=30)
+        assert later.status_code == 503 and "engine thread stopped" in later.json()["error"]["message"]
+    finally:
+        dying.stop()
