@@ -1,0 +1,90 @@
+"""Static-shape windows of a torch Transformer, optionally compiled (`--compile`).
+
+A window of T rows runs padded to the next of WINDOW_SIZES (1, 2, 4, ... 64): the padding rows take the
+positions after the real ones, write KV slots past them that nothing commits (the cache advances by T;
+the next window overwrites them) and their outputs are dropped. KV is written at device-side positions
+and attention reads every slot of the cache under a mask built on the device, so a compiled window has
+one shape per size: `torch.compile(mode="reduce-overhead")` records CUDA graphs on CUDA; on the CPU
+inductor compiles it. Longer windows (prompts) take the same layout eagerly, unpadded.
+Caches come from a pool of storages reused request after request (a CUDA graph holds their addresses):
+a storage holds a power-of-two number of slots (at least the capacity, plus padding room), so a few
+storage sizes serve every request.
+Limitations: a storage serves one live cache; the pool hands out a free one (a cache no longer
+referenced frees its storage), so several live caches of one model take several storages.
+"""
+
+from __future__ import annotations
+
+import weakref
+
+import torch
+from mirror_rt.models.transformer import MAX_PAD, Transformer
+from mirror_rt.runtime.kv_cache import CacheFull, KVCache
+
+WINDOW_SIZES = (1, 2, 4, 8, 16, 32, 64)  # padded window lengths; longer windows (prompts) run unpadded
+MIN_SLOTS = 256  # smallest storage (slots): short requests share one size
+
+
+def window_size(rows: int) -> int | None:
+    """The padded length of a window of `rows` rows, or None (a prompt: run unpadded)."""
+    return next((size for size in WINDOW_SIZES if size >= rows), None)
+
+
+class StaticWindows:
+    """Static-shape forwards of one model on its device, compiled or eager, with their cache pool."""
+
+    def __init__(self, model: Transformer, compile: bool = False):
+        self.model = model
+        self.compiled = None
+        if compile:
+            cuda = model.embed_tokens.weight.device.type == "cuda"
+            torch._dynamo.config.cache_size_limit = max(torch._dynamo.config.cache_size_limit, 64)
+            self.compiled = torch.compile(model.window_at, mode="reduce-overhead" if cuda else None,
+                                          dynamic=False, fullgraph=True)
+        self.free: dict[int, list[tuple[torch.Tensor, torch.Tensor]]] = {}  # storages by slot count
+        self.sizes_run: set[tuple[int, int, int]] = set()  # (first, last, size) windows run so far
+
+    def new_cache(self, capacity: int) -> KVCache:
+        """An empty cache of `capacity` positions over a pooled storage (power-of-two slots + padding room)."""
+        slots = max(MIN_SLOTS, 1 << (capacity - 1).bit_length()) + MAX_PAD
+        free = self.free.setdefault(slots, [])
+        keys, values = free.pop() if free else self._storage(slots)
+        cache = KVCache.over(keys, values, capacity)
+        weakref.finalize(cache, free.append, (keys, values))  # the storage returns when the cache is dropped
+        self.model.ensure_rope(slots)
+        return cache
+
+    def _storage(self, slots: int) -> tuple[torch.Tensor, torch.Tensor]:
+        c, p = self.model.config, self.model.embed_tokens.weight
+        keys, values = (torch.zeros(c.n_layers, c.n_kv_heads, slots, c.head_dim, dtype=p.dtype, device=p.device)
+                        for _ in range(2))
+        if self.compiled is not None:  # the graphs may keep this address (no copy per call, no recompile)
+            torch._dynamo.mark_static_address(keys)
+            torch._dynamo.mark_static_address(values)
+        return keys, values
+
+    def run(self, x: torch.Tensor, rows: int, cache: KVCache, first: int, last: int,
+            last_rows: int | None = None) -> torch.Tensor:
+        """Layers first..last-1 over a window of `rows` positions at cache.length.. (no advance).
+
+        Args:
+            x: token ids [rows] (first == 0), or what the window's prefix returned (first > 0).
+            last_rows: logits of the window's last rows only (when `last` is the last layer).
+        Returns: hidden rows (padded to the window size: the suffix takes them as they are), or the real
+            rows' logits [rows or last_rows, vocab] when `last` is the last layer.
+        """
+        start = cache.length
+        if start + rows > cache.capacity:
+            raise CacheFull(f"KV cache full: {start + rows} positions needed, capacity {cache.capacity}")
+        size = window_size(rows)
+        if size is None:  # a prompt: the same layout, eager and unpadded
+            positions = torch.arange(start, start + rows, device=x.device)
+            return self.model.window_at(x, positions, cache, first, last, head_rows=last_rows)
+        if first == 0 and size > rows:
+            x = torch.cat([x, x.new_zeros(size - rows)])  # padding ids: their rows are dropped
+        positions = torch.arange(start, start + size, device=x.device)
+        self.sizes_run.add((first, last, size))
+        out = (self.compiled or self.model.window_at)(x, positions, cache, first, last)
+        if last < self.model.config.n_layers:
+            return out
+        return out[rows - last_rows:rows] if last_rows else out[:rows]

@@ -1,0 +1,125 @@
+"""The device boundary: greedy verify reads back k+1 ids, the early exit kappa ids and log-probs per row,
+and no vocabulary-sized row ever crosses (mirror-sd.md §4). CPU torch models return tensors just as
+CUDA ones do, so the same reads are counted here."""
+
+from __future__ import annotations
+
+import threading
+
+import numpy as np
+import pytest
+import torch
+from conftest import perturbed_copy, tiny_target
+from mirror_rt.devices.torch_backend import TorchModel
+from mirror_rt.devices.torch_split import TorchSplitTarget
+from mirror_rt.runtime.acceptance import accept_greedy
+from mirror_rt.runtime.metrics import Metrics
+from mirror_rt.runtime.mirror import MirrorSettings, mirror_generate
+from mirror_rt.runtime.reference import generate
+from mirror_rt.runtime.sampling import SamplingConfig
+from mirror_rt.runtime.speculative import speculative_generate
+from mirror_rt.runtime.transfer import PendingRead, counters, record_shapes, to_host
+
+PROMPT = [5, 17, 42, 9, 80, 33]
+GAMMA, KAPPA = 4, 3
+
+
+def flat(steps):
+    return [t for step in steps for t in step]
+
+
+@pytest.fixture
+def pair():
+    target = tiny_target(seed=3)
+    return target, perturbed_copy(target, noise=0.4, seed=7)
+
+
+def _largest(shapes) -> int:
+    return max(int(np.prod(shape)) for shape, _ in shapes)
+
+
+@pytest.mark.parametrize("static", [False, True])
+def test_greedy_sd_reads_ids_only(pair, static):
+    """Per verify: k+1 ids; prefill: one id; nothing vocabulary-sized (padded static windows alike)."""
+    target, draft = pair
+    model = TorchModel(target, static=static)
+    vocab = model.vocab_size
+    with record_shapes() as shapes:
+        got = flat(speculative_generate(model, TorchModel(draft), PROMPT, 30, GAMMA))
+    assert got == flat(generate(TorchModel(target), PROMPT, 30))
+    target_reads = [shape for shape, _ in shapes if len(shape) == 1]
+    assert target_reads and all(1 <= n <= GAMMA + 1 for (n,) in target_reads)
+    assert _largest(shapes) < vocab  # no vocabulary-sized row through the boundary
+
+
+def test_greedy_mirror_target_reads_exit_rows_and_ids_only(pair):
+    """The target thread reads [k+1, kappa] exit ids and log-probs and k+1 verify ids per step, nothing more."""
+    target, draft = pair
+    split = TorchSplitTarget(target, kappa=KAPPA)
+    metrics = Metrics()
+    with record_shapes() as shapes:
+        got = flat(mirror_generate(split, TorchModel(draft), PROMPT, 30,
+                                   MirrorSettings(gamma=GAMMA, early_exit="on"), metrics))
+    metrics.finish()
+    metrics.new_tokens = len(got)
+    assert got == flat(generate(TorchModel(target), PROMPT, 30))
+    assert any(len(shape) == 2 and shape[1] == KAPPA for shape, _ in shapes)  # the exit was read
+    assert _largest(shapes) <= (GAMMA + 1) * KAPPA < split.vocab_size
+    per_step = (GAMMA + 1) * (8 * KAPPA + 4 * KAPPA + 8)  # exit ids (int64) + log-probs (fp32) + verify ids
+    summary = metrics.summary()
+    assert 0 < summary["device_to_host_bytes_per_token"] <= per_step
+
+
+def test_sampled_verify_reads_a_few_probabilities_not_rows(pair):
+    """Sampling reads p and q at the drafted tokens and one id: still nothing vocabulary-sized."""
+    target, draft = pair
+    with record_shapes() as shapes:
+        flat(speculative_generate(TorchModel(target), TorchModel(draft), PROMPT, 20, GAMMA,
+                                  SamplingConfig(temperature=1.0), seed=1))
+    assert shapes and _largest(shapes) <= GAMMA + 1
+
+
+def test_the_count_sees_a_vocabulary_row_when_one_is_read():
+    """The check above can fail: reading a logits row is recorded with its size and bytes."""
+    logits = torch.zeros(3, 97)
+    before = counters()
+    with record_shapes() as shapes:
+        to_host(logits[-1])
+    assert shapes == [((97,), "cpu")] and counters()[0] - before[0] == 97 * 4
+
+
+def test_greedy_ids_read_only_argmaxes():
+    logits = torch.zeros(4, 50)
+    logits[torch.arange(4), torch.tensor([5, 7, 3, 4])] = 1.0
+    with record_shapes() as shapes:
+        verdict = accept_greedy([5, 7, 9], logits)
+    assert (verdict.num_accepted, verdict.next_token) == (2, 3) and shapes == [((4,), "cpu")]
+
+
+def test_host_arrays_cost_nothing():
+    """ONNX Runtime / OpenVINO logits are host arrays: deciding on them reads nothing across a device."""
+    logits = np.zeros((2, 10))
+    logits[0, 3] = logits[1, 4] = 1.0
+    with record_shapes() as shapes:
+        assert accept_greedy([3], logits).next_token == 4
+    assert shapes == []
+
+
+def test_counters_are_per_thread():
+    seen = {}
+
+    def other():
+        before = counters()
+        to_host(torch.zeros(10))
+        seen["delta"] = counters()[0] - before[0]
+
+    mine = counters()
+    thread = threading.Thread(target=other)
+    thread.start()
+    thread.join()
+    assert seen["delta"] == 40 and counters() == mine
+
+
+def test_pending_read_on_cpu_reads_at_once():
+    ids, values = PendingRead(torch.tensor([[1, 2]]), torch.tensor([[0.5, 0.25]])).result()
+    assert ids.tolist() == [[1, 2]] and values.tolist() == [[0.5, 0.25]]
