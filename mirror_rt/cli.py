@@ -45,17 +45,21 @@ def build_parser() -> argparse.ArgumentParser:
     run.add_argument("--no-chat", action="store_true", help="do not apply the chat template")
     run.add_argument("--stats", action="store_true", help="print speed and acceptance statistics (stderr)")
     run.add_argument("--json", action="store_true", help="print one JSON object with text and stats")
-    run.add_argument("--device", help="torch device of the target (cpu by default, cuda, cuda:1)")
-    run.add_argument("--dtype", help="torch target dtype: float32 (default) | bfloat16 | float16 | float64")
+    run.add_argument("--device", help="torch device of the target (cpu by default, cuda, cuda:1; as --target)")
+    run.add_argument("--dtype", help="torch target dtype: bf16 on CUDA (fp16 without bf16), else fp32 by default; "
+                     "float32 | bfloat16 | float16 | float64 (or fp32, bf16, fp16)")
+    run.add_argument("--compile", action="store_true", default=None,
+                     help="torch: static-shape windows under torch.compile (CUDA graphs on CUDA, inductor on CPU)")
     run.add_argument("--threads", type=positive_int, help="torch threads (default: all cores)")
     run.add_argument("--cache-dir", help="model cache folder (default: $MIRROR_RT_CACHE or ~/.cache/mirror-rt)")
     run.add_argument("--bundle", help="run an exported bundle (mirror-rt export) instead of --model (default "
                      "model: its ONNX bundle, exported once into the cache)")
     run.add_argument("--torch", action="store_true", help="run the default model in torch, not its ONNX bundle")
     run.add_argument("--draft-bundle", help="take the draft from another bundle (default: --bundle's)")
-    run.add_argument("--target", default="cpu", help="target device with --bundle: cpu, cuda, cuda:1, gpu, npu, "
-                                                     "openvino:CPU, ort:cpu, ort:qnn, torch:cpu...")
-    run.add_argument("--draft", default="cpu", help="draft device with --bundle (same forms)")
+    run.add_argument("--target", default="cpu", help="target device: cpu, cuda, cuda:1, gpu, npu, openvino:CPU, "
+                     "ort:cpu, ort:qnn, torch:cpu...; without --bundle, cuda runs the target in torch on the GPU")
+    run.add_argument("--draft", default="cpu", help="draft device (same forms; the default bundle's draft, or "
+                     "--draft-bundle's, with a CUDA target)")
     run.add_argument("--strict-devices", action="store_true", help="fail instead of falling back to a CPU backend")
     run.add_argument("--draft-precision", choices=("f32", "bf16"), help="OpenVINO draft compute precision "
                      "(bf16: faster on bf16 CPUs; the output never changes, only acceptance)")
@@ -269,6 +273,11 @@ def format_stats(stats: dict) -> str:
         lines.append(f"acceptance per position: {acc}")
     if stats.get("draft"):
         lines.append(f"draft: {stats['draft']}")
+    if stats.get("placement"):
+        lines.append(f"placement: {stats['placement']}")
+    if stats.get("device_reads_per_step"):
+        lines.append(f"device->host {stats['device_to_host_bytes_per_token']:.0f} bytes per token, "
+                     f"{stats['device_reads_per_step']:.2f} reads (syncs) per step")
     if "reuse_hit_rate" in stats:
         phases = ", ".join(f"{k} {v:.1f}" for k, v in stats["phase_ms_per_step"].items())
         lines.append(f"reuse hit rate {stats['reuse_hit_rate']:.2f} (main {stats['main_line_hits']}, side "
