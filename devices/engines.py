@@ -324,6 +324,17 @@ def default_bundle(cache_dir: str | None = None, progress: bool = True, log=_std
     return folder
 
 
+def placements_here() -> list[str]:
+    """Where `run` (mirror) puts its workers on this machine: the default bundle, and `--target cuda` with a GPU."""
+    import torch
+
+    cores = sorted(available_cores())
+    lines = [f"run (mirror): {plan('ort:cpu', 'ort:cpu', 'mirror', cores).describe()}"]
+    if torch.cuda.device_count():
+        lines.append(f"run --target cuda (mirror): {plan('torch:cuda:0', 'ort:cpu', 'mirror', cores).describe()}")
+    return lines
+
+
 def available_cores() -> set:
     """The cores this process may run on."""
     return os.sched_getaffinity(0) if hasattr(os, "sched_getaffinity") else set(range(os.cpu_count() or 1))

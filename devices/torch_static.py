@@ -84,6 +84,9 @@ class StaticWindows:
             x = torch.cat([x, x.new_zeros(size - rows)])  # padding ids: their rows are dropped
         positions = torch.arange(start, start + size, device=x.device)
         self.sizes_run.add((first, last, size))
+        if self.compiled is not None and first == 0:
+            # a new window: the previous window's graph outputs are dead (a suffix still reads its prefix's)
+            torch.compiler.cudagraph_mark_step_begin()
         out = (self.compiled or self.model.window_at)(x, positions, cache, first, last)
         if last < self.model.config.n_layers:
             return out

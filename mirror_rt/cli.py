@@ -65,7 +65,13 @@ def build_parser() -> argparse.ArgumentParser:
                      "(bf16: faster on bf16 CPUs; the output never changes, only acceptance)")
     run.add_argument("--draft-streams", help="trained SS streams (mirror-rt train-draft --out) over the draft")
     _add_export(sub)
-    sub.add_parser("devices", help="list the devices each backend sees on this machine")
+    devices = sub.add_parser("devices", help="list the devices each backend sees here and where run places its workers")
+    devices.add_argument("--check", action="store_true", help="run every device pair found here (random-weight "
+                         "SmolLM2 presets, offline): equality, tokens/s, device reads, launches, peak memory")
+    devices.add_argument("--models", help="presets to check (default: smollm2-135m, plus smollm2-1.7b with CUDA)")
+    devices.add_argument("--max-new-tokens", type=positive_int, default=48, help="tokens per run (default 48)")
+    devices.add_argument("--compile", action="store_true", help="check the compiled path (torch.compile) too")
+    devices.add_argument("--out", default="devices-check.json", help="JSON file of the check")
     add_training(sub)
     _add_bench(sub)
     simulate = sub.add_parser("simulate", help="predict AR / SD / Mirror speed from costs (latency model)")
@@ -137,9 +143,19 @@ def cmd_export(args) -> int:
 
 
 def cmd_devices(args) -> int:
+    from mirror_rt.devices.engines import placements_here
     from mirror_rt.devices.registry import format_devices
 
     print(format_devices())
+    print("\n".join(f"placement, {line}" for line in placements_here()))
+    if not args.check:
+        return 0
+    from mirror_rt.evaluation.device_check import format_check, run_check, write_check
+
+    models = args.models.split(",") if args.models else None
+    doc = run_check(models, args.max_new_tokens, args.compile, log=log)
+    print(format_check(doc))
+    print(f"written to {write_check(doc, args.out)}")
     return 0
 
 

@@ -1,11 +1,12 @@
 """The device boundary, counted: everything a decoder reads back from a model's output tensors.
 
 Backends keep their outputs where they were computed (torch: a tensor on the model's device); the runtime
-reads them only through `to_host` / `host_ids` / `host_floats`, which count the bytes and the reads (each
-read of a device tensor is a copy and a synchronization). Counters are per thread, since the target and
-the draft workers run in their own threads: a request's figures are the difference of its thread's
-counters before and after (`Metrics`). Host arrays (numpy: ONNX Runtime and OpenVINO outputs) are
-already on the host and cost nothing here. `record_shapes` keeps the shape of every read (tests, checks).
+reads them only through `to_host` / `host_ids` / `host_floats` / `PendingRead`, which count the bytes and
+the reads of tensors on an accelerator (each such read is a copy and a synchronization). Counters are per
+thread, since the target and the draft workers run in their own threads: a request's figures are the
+difference of its thread's counters before and after (`Metrics`). Tensors on the CPU and host arrays
+(ONNX Runtime and OpenVINO outputs) cross no device and count nothing, but `record_shapes` keeps the
+shape of every tensor read, CPU included: the same boundary, checked on a machine without a GPU.
 """
 
 from __future__ import annotations
@@ -20,13 +21,15 @@ _local = threading.local()
 
 
 def counters() -> tuple[int, int]:
-    """(bytes, reads) read back by the calling thread so far."""
+    """(bytes, reads) the calling thread read back from accelerators so far."""
     return getattr(_local, "bytes", 0), getattr(_local, "reads", 0)
 
 
-def _count(tensor: torch.Tensor) -> None:
-    _local.bytes = getattr(_local, "bytes", 0) + tensor.numel() * tensor.element_size()
-    _local.reads = getattr(_local, "reads", 0) + 1
+def _count(tensor: torch.Tensor, sync: bool = True) -> None:
+    """Count one tensor read; `sync`: it waits for the device (copies completed together count one)."""
+    if tensor.device.type != "cpu":
+        _local.bytes = getattr(_local, "bytes", 0) + tensor.numel() * tensor.element_size()
+        _local.reads = getattr(_local, "reads", 0) + sync
     shapes = getattr(_local, "shapes", None)
     if shapes is not None:
         shapes.append((tuple(tensor.shape), str(tensor.device)))
@@ -84,8 +87,8 @@ class PendingRead:
         self.event = None
         if tensors and tensors[0].device.type == "cuda":
             self.host = []
-            for t in tensors:
-                _count(t)
+            for i, t in enumerate(tensors):
+                _count(t, sync=i == 0)  # one event: one synchronization for all of them
                 self.host.append(torch.empty(t.shape, dtype=t.dtype, pin_memory=True).copy_(t, non_blocking=True))
             self.event = torch.cuda.Event()
             self.event.record()
