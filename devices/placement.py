@@ -36,9 +36,10 @@ class Placement:
                f"draft {_side(self.draft, self.draft_cpus, self.draft_threads)}"
 
 
-def is_accelerator(device: str) -> bool:
-    """Whether a device string names something other than the CPU (`cuda`, `torch:cuda:1`, `openvino:NPU`...)."""
-    parts = device.lower().split(":")
+def is_accelerator(device) -> bool:
+    """Whether a device (string or DeviceSpec) names something other than the CPU (`cuda`, `torch:cuda:1`,
+    `openvino:NPU`...)."""
+    parts = str(device).lower().split(":")
     name = parts[1] if len(parts) > 1 and parts[0] in ("torch", "pt", "openvino", "ov", "ort", "onnxruntime") \
         else parts[0]
     return name not in ("cpu", "")
@@ -49,7 +50,7 @@ def plan(target: str, draft: str, mode: str, cores: list[int], threads: int | No
 
     `threads`: a fixed thread count for both workers, unpinned (the bench's and tests' override).
     """
-    n = len(cores)
+    n, target, draft = len(cores), str(target), str(draft)
     if threads is not None:
         return Placement(target, draft, None, None, threads, threads)
     if is_accelerator(target):

@@ -152,7 +152,11 @@ class Transformer(nn.Module):
 
     RoPE tables (`rope_cos`, `rope_sin` [positions, head_dim]) are precomputed at the weights' dtype from
     the inverse frequencies kept in fp32 (fp64 for fp64 weights): a cast or a move of the model derives
-    them again instead of rounding them (a bf16 `inv_freq` would shift every angle).
+    them again instead of rounding them (a bf16 `inv_freq` would shift every angle). With bf16 / fp16
+    weights the LM head also runs from an fp32 copy of its (bf16) weights, so logits carry 24 mantissa
+    bits, not 8: bf16 logits tie often (the target's top two share one bf16 value), and a tie breaks
+    differently in windows of different lengths, so speculative output would leave `ar`'s at ties.
+    The copy costs the head's size again in memory (SmolLM2-135M: 113 MB; 1.7B: 400 MB).
     """
 
     def __init__(self, config: ModelConfig):
@@ -164,9 +168,10 @@ class Transformer(nn.Module):
         self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
         if config.tie_embeddings:
             self.lm_head.weight = self.embed_tokens.weight
-        for name in ("inv_freq", "rope_cos", "rope_sin"):
+        for name in ("inv_freq", "rope_cos", "rope_sin", "head32"):
             self.register_buffer(name, None, persistent=False)
         self._derive_rope(min(config.max_seq_len, ROPE_TABLE) + MAX_PAD)
+        self._head_key = None  # (pointer, version) of the LM head weight head32 was copied from
 
     def _apply(self, fn, recurse=True):
         """`.to()`, `.cuda()`, `.half()`...: the RoPE tables follow the weights, derived again, never cast."""
@@ -245,8 +250,22 @@ class Transformer(nn.Module):
         return self.logits(h if head_rows is None else h[-head_rows:])
 
     def logits(self, h: torch.Tensor) -> torch.Tensor:
-        """Final norm and LM head: hidden [T, hidden] -> logits [T, vocab]."""
-        return self.lm_head(self.norm(h))
+        """Final norm and LM head: hidden [T, hidden] -> logits [T, vocab] (fp32 for bf16 / fp16 weights)."""
+        weight = self.lm_head.weight  # a method, not a tensor, in torch's dynamically quantized Linear
+        if not isinstance(weight, torch.Tensor) or weight.dtype not in (torch.bfloat16, torch.float16):
+            return self.lm_head(self.norm(h))
+        if not torch.compiler.is_compiling():
+            self._refresh_head()
+        return F.linear(self.norm(h).float(), self.head32)
+
+    def _refresh_head(self) -> None:
+        """Copy the LM head to fp32 when its weights changed (loaded, initialized, moved) since the last copy."""
+        weight = self.lm_head.weight
+        key = (weight.data_ptr(), weight._version)
+        if key != self._head_key:
+            with torch.no_grad():
+                self.head32 = weight.detach().float()
+            self._head_key = key
 
     @torch.inference_mode()
     def forward(self, tokens: torch.Tensor, cache: KVCache, last_rows: int | None = None) -> torch.Tensor:

@@ -79,3 +79,17 @@ def test_low_precision_target_is_lossless_at_its_precision(dtype):
                 step = 2.0 ** -7 if dtype == "bf16" else 2.0 ** -10
                 top = engine.target.forward(ids + expected[:index], engine.target.new_cache(len(ids) + index + 1))
                 assert top2_margin(engine.target, ids, expected, index) <= 2 * step * top[-1].abs().max().item()
+
+
+def test_low_precision_logits_come_from_an_fp32_copy_of_the_current_head():
+    """bf16 weights, fp32 logits (no ties from 8-bit mantissas); the copy follows in-place weight changes."""
+    model = tiny_target(seed=0).to(torch.bfloat16)
+    with torch.inference_mode():
+        logits = model(torch.tensor([5, 6]), model.new_cache(4))
+    assert logits.dtype == torch.float32 and model.head32.dtype == torch.float32
+    with torch.no_grad():
+        model.lm_head.weight.mul_(2)  # exact in bf16
+    with torch.inference_mode():
+        again = model(torch.tensor([5, 6]), model.new_cache(4))
+    torch.testing.assert_close(again, 2 * logits)
+    assert tiny_target(seed=0).head32 is None  # fp32 / fp64 models keep no copy

@@ -124,3 +124,34 @@ def test_cpu_torch_engine_reports_its_placement():
     engine = engines.load_torch("tiny", "int8", log=lambda *a: None)
     assert engine.names["placement"] == plan("torch:cpu", "torch:cpu", "mirror",
                                              sorted(engines.available_cores())).describe()
+
+
+@pytest.fixture(scope="module")
+def onnx_bundle(tmp_path_factory):
+    from mirror_rt.exporters.export import export_bundle
+
+    pytest.importorskip("onnxruntime")
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        return export_bundle("tiny", tmp_path_factory.mktemp("draft") / "b", fmt="onnx", progress=False)
+
+
+@pytest.mark.parametrize("mode", ["sd", "mirror"])
+def test_torch_target_with_a_bundle_draft(onnx_bundle, mode):
+    """The CUDA pairing, on the CPU: a torch target with the ONNX Runtime draft of a bundle (placed by plan),
+    lossless, the draft prefilling itself (its KV lives in another backend)."""
+    engine = engines.load_engine(target_device="torch:cpu", draft_device="cpu", draft_bundle=str(onnx_bundle),
+                                 torch_options={"model": "tiny"}, mode=mode, log=lambda *a: None)
+    assert type(engine.draft).__name__ == "ORTModel" and not engine.draft.same_model_as_target
+    cores = sorted(engines.available_cores())
+    assert engine.names["placement"] == plan("torch:cpu", "ort:cpu", mode, cores).describe()
+    ar = engine.generate("hello there", mode="ar", max_new_tokens=24, chat=False)
+    assert engine.generate("hello there", mode=mode, max_new_tokens=24, chat=False).tokens == ar.tokens
+
+
+def test_bundle_draft_of_another_vocabulary_is_refused(onnx_bundle, tmp_path):
+    from conftest import write_hf_folder
+
+    folder = write_hf_folder(tmp_path / "m", vocab_size=64)
+    with pytest.raises(engines.GenerationError, match="vocabulary mismatch"):
+        engines.load_torch(str(folder), draft_bundle=str(onnx_bundle), log=lambda *a: None)
