@@ -266,8 +266,8 @@ def cmd_run(args) -> int:
 
 
 def torch_options(args) -> dict:
-    """The torch-only options of `run` / `serve` (None where not given: they then choose no engine)."""
-    return {name: getattr(args, name) for name in TORCH_OPTIONS}
+    """The torch-only options of `run` / `serve` (None where not given or not offered: they choose no engine)."""
+    return {name: getattr(args, name, None) for name in TORCH_OPTIONS}
 
 
 def bundle_options(args) -> dict:
@@ -289,6 +289,9 @@ def format_stats(stats: dict) -> str:
         lines.append(f"acceptance per position: {acc}")
     if stats.get("draft"):
         lines.append(f"draft: {stats['draft']}")
+    if stats.get("target_precision"):
+        lines.append(f"path: {stats.get('path', '?')}, target {stats['target_precision']}"
+                     + (f", draft {stats['draft_precision']}" if stats.get("draft_precision") else ""))
     if stats.get("placement"):
         lines.append(f"placement: {stats['placement']}")
     if stats.get("device_reads_per_step"):
