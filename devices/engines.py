@@ -244,8 +244,10 @@ def load_bundle(bundle: str, *, target_device: str = "cpu", draft_device: str = 
             a missing device falls back to the fastest CPU backend with a warning.
         draft_bundle: take the draft from another bundle (same vocabulary) instead.
         strict_devices: refuse to fall back.
-        mode: the mode the engine will mostly run: mirror gives each worker one core (2+ cores),
-            ar/sd give the target every core. With mirror on ONNX Runtime CPU the target also holds a
+        mode: the mode the engine will mostly run (devices.placement): mirror with both models on the CPU
+            gives each worker one core (2+ cores), ar/sd give the target every core, and a target on an
+            accelerator is not pinned while a CPU draft gets every core. With mirror on ONNX Runtime CPU the
+            target also holds a
             second pair of sessions over both cores for prompts, where a second copy of its weights
             takes at most a quarter of the available memory.
         draft_precision: OpenVINO CPU compute precision of the draft (`bf16` is faster on CPUs with

@@ -65,13 +65,7 @@ def build_parser() -> argparse.ArgumentParser:
                      "(bf16: faster on bf16 CPUs; the output never changes, only acceptance)")
     run.add_argument("--draft-streams", help="trained SS streams (mirror-rt train-draft --out) over the draft")
     _add_export(sub)
-    devices = sub.add_parser("devices", help="list the devices each backend sees here and where run places its workers")
-    devices.add_argument("--check", action="store_true", help="run every device pair found here (random-weight "
-                         "SmolLM2 presets, offline): equality, tokens/s, device reads, launches, peak memory")
-    devices.add_argument("--models", help="presets to check (default: smollm2-135m, plus smollm2-1.7b with CUDA)")
-    devices.add_argument("--max-new-tokens", type=positive_int, default=48, help="tokens per run (default 48)")
-    devices.add_argument("--compile", action="store_true", help="check the compiled path (torch.compile) too")
-    devices.add_argument("--out", default="devices-check.json", help="JSON file of the check")
+    _add_devices(sub)
     add_training(sub)
     _add_bench(sub)
     simulate = sub.add_parser("simulate", help="predict AR / SD / Mirror speed from costs (latency model)")
@@ -79,6 +73,16 @@ def build_parser() -> argparse.ArgumentParser:
                           help="a JSON file of costs and rates, or a preset (default: the paper's setting)")
     simulate.add_argument("--json", action="store_true")
     return parser
+
+
+def _add_devices(sub) -> None:
+    devices = sub.add_parser("devices", help="list the devices each backend sees here and where run places its workers")
+    devices.add_argument("--check", action="store_true", help="run every device pair found here (random-weight "
+                         "SmolLM2 presets, offline): equality, tokens/s, device reads, launches, peak memory")
+    devices.add_argument("--models", help="presets to check (default: smollm2-135m, plus smollm2-1.7b with CUDA)")
+    devices.add_argument("--max-new-tokens", type=positive_int, default=48, help="tokens per run (default 48)")
+    devices.add_argument("--compile", action="store_true", help="check the compiled path (torch.compile) instead")
+    devices.add_argument("--out", default="devices-check.json", help="JSON file of the check")
 
 
 def cmd_simulate(args) -> int:

@@ -141,3 +141,27 @@ def test_records_are_per_thread():
 def test_pending_read_on_cpu_reads_at_once():
     ids, values = PendingRead(torch.tensor([[1, 2]]), torch.tensor([[0.5, 0.25]])).result()
     assert ids.tolist() == [[1, 2]] and values.tolist() == [[0.5, 0.25]]
+
+
+def test_an_asynchronous_target_queues_its_suffix_before_reading_its_exit(pair):
+    """A CUDA target (simulated: `asynchronous`) launches prefix and exit, queues the suffix, then reads the
+    exit back and sends it; the output is unchanged."""
+    target, draft = pair
+    split = TorchSplitTarget(target, kappa=KAPPA)
+    split.asynchronous = True
+    calls = []
+    launch, suffix = split.launch_prefix, split.forward_suffix
+
+    def launch_prefix(tokens, cache):
+        pending = launch(tokens, cache)
+        result = pending.result
+        pending.result = lambda: calls.append("read exit") or result()
+        calls.append("launch prefix")
+        return pending
+
+    split.launch_prefix = launch_prefix
+    split.forward_suffix = lambda cache, *a: calls.append("queue suffix") or suffix(cache, *a)
+    got = flat(mirror_generate(split, TorchModel(draft), PROMPT, 30, MirrorSettings(gamma=GAMMA, early_exit="on")))
+    assert got == flat(generate(TorchModel(target), PROMPT, 30))
+    step = calls.index("launch prefix")
+    assert calls[step:step + 3] == ["launch prefix", "queue suffix", "read exit"]
