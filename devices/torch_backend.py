@@ -11,7 +11,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 import torch
-from mirror_rt.devices.torch_static import StaticWindows
+from mirror_rt.devices.torch_static import VERIFY_ROWS, StaticWindows
 from mirror_rt.models.transformer import Transformer
 from mirror_rt.runtime.kv_cache import KVCache
 
@@ -79,6 +79,12 @@ class TorchModel:
         logits = self.static.run(ids, len(ids), cache, 0, self.model.config.n_layers, last_rows)
         cache.advance(len(ids))
         return logits
+
+    def warm_up(self) -> None:
+        """Compile the windows decoding runs (`compile`): one-token steps and verify windows."""
+        if self.static is not None:
+            n = self.model.config.n_layers
+            self.static.warm_up([(0, n, 1), (0, n, VERIFY_ROWS)])
 
     def forward_last(self, tokens: Sequence[int], cache: KVCache) -> torch.Tensor:
         """As `forward`, but logits of the last position only ([1, vocab]; prefill)."""

@@ -17,6 +17,7 @@ from collections.abc import Sequence
 import numpy as np
 import torch
 from mirror_rt.devices.torch_backend import TorchModel
+from mirror_rt.devices.torch_static import VERIFY_ROWS
 from mirror_rt.models.exit_adapter import cached_exit_logits, check_compatible
 from mirror_rt.runtime.transfer import PendingRead
 
@@ -39,6 +40,13 @@ class TorchSplitTarget(TorchModel):
             p = self.model.embed_tokens.weight
             exit_adapter = exit_adapter.to(device=p.device, dtype=p.dtype).eval()
         self.exit_adapter = exit_adapter  # models.exit_adapter.ExitAdapter or None (untrained exit)
+
+    def warm_up(self) -> None:
+        """Compile the windows decoding runs (`compile`): one-token steps, verify windows whole and split."""
+        super().warm_up()
+        if self.static is not None:
+            n, e = self.model.config.n_layers, self.exit_layer
+            self.static.warm_up([(0, e, VERIFY_ROWS), (e, n, VERIFY_ROWS)])
 
     @torch.inference_mode()
     def launch_prefix(self, tokens: Sequence[int], cache) -> PendingRead:

@@ -1,14 +1,16 @@
 """Static-shape windows of a torch Transformer, optionally compiled (`--compile`).
 
-A window of T rows runs padded to the next of WINDOW_SIZES (1, 2, 4, ... 64): the padding rows take the
-positions after the real ones, write KV slots past them that nothing commits (the cache advances by T;
-the next window overwrites them) and their outputs are dropped. KV is written at device-side positions
-and attention reads every slot of the cache under a mask built on the device, so a compiled window has
-one shape per size: `torch.compile(mode="reduce-overhead")` records CUDA graphs on CUDA; on the CPU
-inductor compiles it. Longer windows (prompts) take the same layout eagerly, unpadded.
-Caches come from a pool of storages reused request after request (a CUDA graph holds their addresses):
-a storage holds a power-of-two number of slots (at least the capacity, plus padding room), so a few
-storage sizes serve every request.
+A window of T rows runs padded to a fixed size: 1 (target-only steps) or VERIFY_ROWS (every verify window
+of gamma <= 7; longer ones to 16, 32 or 64). The padding rows take the positions after the real ones, write
+KV slots past them that nothing commits (the cache advances by T; the next window overwrites them) and
+their outputs are dropped. KV is written at device-side positions and attention reads every slot of the
+cache under a mask built on the device, so a compiled window has one shape per size:
+`torch.compile(mode="reduce-overhead")` records CUDA graphs on CUDA; on the CPU inductor compiles it.
+Longer windows (prompts) take the same layout eagerly, unpadded. `warm_up` compiles the sizes a request
+uses before the first one. Caches come from a pool of storages reused request after request (a CUDA graph
+holds their addresses); a storage holds a power-of-two number of slots (at least the capacity, plus
+padding room), and the slot count is a symbolic size of the compiled code, so a new storage size
+records a new CUDA graph without compiling again.
 Limitations: a storage serves one live cache; the pool hands out a free one (a cache no longer
 referenced frees its storage), so several live caches of one model take several storages.
 """
@@ -21,7 +23,8 @@ import torch
 from mirror_rt.models.transformer import MAX_PAD, Transformer
 from mirror_rt.runtime.kv_cache import CacheFull, KVCache
 
-WINDOW_SIZES = (1, 2, 4, 8, 16, 32, 64)  # padded window lengths; longer windows (prompts) run unpadded
+VERIFY_ROWS = 8  # the verify window's padded length: gamma + 1 <= 8 (gamma <= 7)
+WINDOW_SIZES = (1, VERIFY_ROWS, 16, 32, 64)  # padded window lengths; longer windows (prompts) run unpadded
 MIN_SLOTS = 256  # smallest storage (slots): short requests share one size
 
 
@@ -40,7 +43,7 @@ class StaticWindows:
             cuda = model.embed_tokens.weight.device.type == "cuda"
             torch._dynamo.config.cache_size_limit = max(torch._dynamo.config.cache_size_limit, 64)
             self.compiled = torch.compile(model.window_at, mode="reduce-overhead" if cuda else None,
-                                          dynamic=False, fullgraph=True)
+                                          fullgraph=True)  # window rows static (mark_static), slots symbolic
         self.free: dict[int, list[tuple[torch.Tensor, torch.Tensor]]] = {}  # storages by slot count
         self.sizes_run: set[tuple[int, int, int]] = set()  # (first, last, size) windows run so far
 
@@ -58,10 +61,25 @@ class StaticWindows:
         c, p = self.model.config, self.model.embed_tokens.weight
         keys, values = (torch.zeros(c.n_layers, c.n_kv_heads, slots, c.head_dim, dtype=p.dtype, device=p.device)
                         for _ in range(2))
-        if self.compiled is not None:  # the graphs may keep this address (no copy per call, no recompile)
-            torch._dynamo.mark_static_address(keys)
-            torch._dynamo.mark_static_address(values)
+        if self.compiled is not None:
+            # no copy per call (CUDA graphs read it in place; another storage re-records, it never recompiles)
+            # and any slot count (a symbolic size of the compiled code)
+            for storage in (keys, values):
+                torch._dynamo.mark_static_address(storage, guard=False)
+                torch._dynamo.mark_dynamic(storage, 2)
         return keys, values
+
+    def warm_up(self, windows: list[tuple[int, int, int]]) -> None:
+        """Compile (and record) windows before the first request: (first layer, last layer, rows) each."""
+        if self.compiled is None:
+            return
+        p = self.model.embed_tokens.weight
+        cache = self.new_cache(MIN_SLOTS)  # a scratch cache: nothing is committed
+        with torch.inference_mode():
+            for first, last, rows in windows:
+                x = torch.zeros(rows, dtype=torch.long, device=p.device) if first == 0 else \
+                    torch.zeros(rows, self.model.config.hidden_size, dtype=p.dtype, device=p.device)
+                self.run(x, rows, cache, first, last)
 
     def run(self, x: torch.Tensor, rows: int, cache: KVCache, first: int, last: int,
             last_rows: int | None = None) -> torch.Tensor:
@@ -84,9 +102,11 @@ class StaticWindows:
             x = torch.cat([x, x.new_zeros(size - rows)])  # padding ids: their rows are dropped
         positions = torch.arange(start, start + size, device=x.device)
         self.sizes_run.add((first, last, size))
-        if self.compiled is not None and first == 0:
-            # a new window: the previous window's graph outputs are dead (a suffix still reads its prefix's)
-            torch.compiler.cudagraph_mark_step_begin()
+        if self.compiled is not None:
+            if first == 0:  # a new window: the previous window's graph outputs are dead (a suffix reads its prefix's)
+                torch.compiler.cudagraph_mark_step_begin()
+            torch._dynamo.mark_static(x, 0)  # one graph per window size, never a symbolic row count
+            torch._dynamo.mark_static(positions, 0)
         out = (self.compiled or self.model.window_at)(x, positions, cache, first, last)
         if last < self.model.config.n_layers:
             return out
