@@ -46,7 +46,8 @@ class TorchSplitTarget(TorchModel):
         super().warm_up()
         if self.static is not None:
             n, e = self.model.config.n_layers, self.exit_layer
-            self.static.warm_up([(0, e, VERIFY_ROWS), (e, n, VERIFY_ROWS)])
+            # one-row split windows too: Mirror verifies [last] alone when one token is left to generate
+            self.static.warm_up([(first, last, rows) for first, last in ((0, e), (e, n)) for rows in (1, VERIFY_ROWS)])
 
     @torch.inference_mode()
     def launch_prefix(self, tokens: Sequence[int], cache) -> PendingRead:
