@@ -177,9 +177,14 @@ def load_torch(model: str | None = None, draft_model: str | None = None, *, devi
     names |= {"target": target.source, "path": f"torch {'compiled' if compile else 'eager'} ({device})",
               "target_precision": DTYPE_NAMES[dtype], "placement": placement.describe()}
     split = TorchSplitTarget(target.model, exit_layer, kappa or 8, device, compile=bool(compile))
-    if compile:
+    if compile:  # compiled code is specialized on torch's thread count: warm up at the mode's
         log(f"mirror-rt: compiling the target's windows for {device} (torch.compile, once per process)")
-        split.warm_up()
+        previous = torch.get_num_threads()
+        torch.set_num_threads(placement.target_threads or previous)
+        try:
+            split.warm_up()
+        finally:
+            torch.set_num_threads(previous)
     return Engine(split, target.tokenizer, draft, names, placement.worker_cores if pin else None)
 
 

@@ -1,16 +1,17 @@
 """Static-shape windows of a torch Transformer, optionally compiled (`--compile`).
 
 A window of T rows runs padded to a fixed size: 1 (target-only steps) or VERIFY_ROWS (every verify window
-of gamma <= 7; longer ones to 16, 32 or 64). The padding rows take the positions after the real ones, write
+of gamma <= 7); longer windows (prompts, gamma > 7) run the same layout eagerly, unpadded, so their many
+lengths compile nothing. The padding rows take the positions after the real ones, write
 KV slots past them that nothing commits (the cache advances by T; the next window overwrites them) and
 their outputs are dropped. KV is written at device-side positions and attention reads every slot of the
 cache under a mask built on the device, so a compiled window has one shape per size:
 `torch.compile(mode="reduce-overhead")` records CUDA graphs on CUDA; on the CPU inductor compiles it.
-Longer windows (prompts) take the same layout eagerly, unpadded. `warm_up` compiles the sizes a request
-uses before the first one. Caches come from a pool of storages reused request after request (a CUDA graph
-holds their addresses); a storage holds a power-of-two number of slots (at least the capacity, plus
-padding room), and the slot count is a symbolic size of the compiled code, so a new storage size
-records a new CUDA graph without compiling again.
+`warm_up` compiles both sizes before the first request (compiled code is also specialized on torch's
+thread count: warm up at the count decoding runs with). Caches come from a pool of storages reused
+request after request (a CUDA graph holds their addresses); a storage holds a power-of-two number of
+slots (at least the capacity, plus padding room), and the slot count is a symbolic size of the compiled
+code, so a new storage size records a new CUDA graph without compiling again.
 Limitations: a storage serves one live cache; the pool hands out a free one (a cache no longer
 referenced frees its storage), so several live caches of one model take several storages.
 """
@@ -24,7 +25,7 @@ from mirror_rt.models.transformer import MAX_PAD, Transformer
 from mirror_rt.runtime.kv_cache import CacheFull, KVCache
 
 VERIFY_ROWS = 8  # the verify window's padded length: gamma + 1 <= 8 (gamma <= 7)
-WINDOW_SIZES = (1, VERIFY_ROWS, 16, 32, 64)  # padded window lengths; longer windows (prompts) run unpadded
+WINDOW_SIZES = (1, VERIFY_ROWS)  # padded window lengths; longer windows (prompts) run eagerly, unpadded
 MIN_SLOTS = 256  # smallest storage (slots): short requests share one size
 
 
@@ -95,7 +96,7 @@ class StaticWindows:
         if start + rows > cache.capacity:
             raise CacheFull(f"KV cache full: {start + rows} positions needed, capacity {cache.capacity}")
         size = window_size(rows)
-        if size is None:  # a prompt: the same layout, eager and unpadded
+        if size is None:  # a prompt (or a gamma > 7 window): the same layout, eager and unpadded
             positions = torch.arange(start, start + rows, device=x.device)
             return self.model.window_at(x, positions, cache, first, last, head_rows=last_rows)
         if first == 0 and size > rows:

@@ -1,6 +1,6 @@
 """Static-shape windows (`devices.torch_static`) and `--compile` on the CPU (inductor).
 
-Windows run padded to 1 or 8 rows (16, 32, 64 for longer ones) with KV written at device-side positions
+Windows run padded to 1 or 8 rows (longer ones eagerly, unpadded) with KV written at device-side positions
 and attention over every slot under a mask; padding rows are never committed. Greedy output must equal the eager
 reference token for token (tiny float64 models: their rounding differences are far below any margin).
 """
@@ -32,7 +32,7 @@ def flat(steps):
     return [t for step in steps for t in step]
 
 
-@pytest.mark.parametrize("rows,size", [(1, 1), (2, 8), (5, 8), (8, 8), (9, 16), (64, 64), (65, None), (300, None)])
+@pytest.mark.parametrize("rows,size", [(1, 1), (2, 8), (5, 8), (8, 8), (9, None), (300, None)])
 def test_window_sizes(rows, size):
     assert window_size(rows) == size and (size is None or size in WINDOW_SIZES)
 
@@ -44,7 +44,7 @@ def test_static_logits_equal_eager_and_padding_is_never_committed():
     eager, static = TorchModel(target), TorchModel(target, static=True)
     eager_cache, static_cache = eager.new_cache(64), static.new_cache(64)
     np.testing.assert_allclose(static.forward(PROMPT, static_cache), eager.forward(PROMPT, eager_cache), atol=1e-9)
-    for window in ([7, 8, 9], [11], [12, 13, 14, 15, 16]):
+    for window in ([7, 8, 9], [11], [12, 13, 14, 15, 16], list(range(30, 42))):  # 12 rows: eager, unpadded
         np.testing.assert_allclose(static.forward(window, static_cache), eager.forward(window, eager_cache),
                                    atol=1e-9)
         assert static_cache.length == eager_cache.length
