@@ -46,7 +46,8 @@ class LoadedModel(Protocol):
     Optional capabilities the runtime uses where a backend has them (looked up with getattr):
     - `forward_last(tokens, cache)`: as `forward`, logits of the last position only ([1, vocab]; prefill);
     - `adopt(target_cache, capacity)`: a new cache holding a target cache's positions, for a draft that is
-      the target at another precision (`same_model_as_target`, set by the bundle loaders);
+      the target at another precision (`same_model_as_target`, set by the bundle loaders only where
+      `can_adopt(target)` says the draft reads that target's caches: same backend and KV layout);
     - `prefill_pipelined(tokens, cache, cpu)` on split targets: the prompt over this core and `cpu`.
     """
 

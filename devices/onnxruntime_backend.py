@@ -174,9 +174,16 @@ class ORTModel:
         """As `forward`, but logits of the last position only ([1, vocab]; prefill)."""
         return self.forward(tokens, cache, last_rows=1)
 
+    def can_adopt(self, target) -> bool:
+        """Whether `adopt` takes `target`'s caches: an ONNX Runtime target, and shared buffers only from shared."""
+        graph = getattr(target, "prefix", getattr(target, "graph", None))
+        return isinstance(graph, ORTGraph) and (graph.shared_kv or not self.graph.shared_kv)
+
     def adopt(self, target_cache: ORTCache, capacity: int) -> ORTCache:
         """A cache holding the split target's KV, all layers in order (explicit arrays are shared: never
         written; shared buffers are copied: both models go on writing theirs)."""
+        if not isinstance(target_cache, ORTCache):
+            raise ValueError(f"cannot adopt a {type(target_cache).__name__} (another backend's KV cache)")
         if target_cache.hidden is not None:
             raise RuntimeError("cannot adopt a target cache with a pending forward_suffix")
         layers = [a for kv in target_cache.kv for a in kv]

@@ -21,8 +21,13 @@ BACKEND_ALIASES = {"torch": "torch", "pt": "torch", "openvino": "openvino", "ov"
 # Bare device names -> backends that may serve them, best first.
 GENERIC = {"cpu": ("onnxruntime", "openvino", "torch"), "cuda": ("torch", "onnxruntime"),
            "gpu": ("openvino",), "npu": ("openvino",), "qnn": ("onnxruntime",)}
-FORMAT_BACKENDS = {"openvino": ("openvino",), "onnx": ("onnxruntime", "openvino"), "torch": ("torch",)}
+FORMAT_BACKENDS = {"openvino": ("openvino",), "onnx": ("onnxruntime", "openvino"), "onnx-shared": ("onnxruntime",),
+                   "torch": ("torch",)}
 CPU_ORDER = GENERIC["cpu"]  # fastest first
+# ONNX Runtime's CUDA provider would run our fp32 graphs with attention (GroupQueryAttention: fp16/bf16 only on
+# CUDA) falling back to the CPU layer by layer and KV buffers bound in host memory: refused, torch serves CUDA.
+ORT_CUDA_REFUSAL = ("ONNX Runtime on CUDA is not supported (fp32 graphs: attention would fall back to the CPU); "
+                    "run the target in torch: --target cuda without --bundle, or a --format torch bundle")
 
 
 class DeviceError(ValueError):
@@ -131,21 +136,56 @@ def fastest_cpu(graph_format: str | None = None, devices: dict | None = None) ->
 
 def resolve(spec: DeviceSpec | str, strict: bool = False, graph_format: str | None = None,
             devices: dict | None = None) -> DeviceSpec:
-    """A concrete spec that exists here and runs `graph_format`; else fallback (or DeviceError)."""
+    """A concrete spec that exists here and runs `graph_format`; else fallback (or DeviceError).
+
+    `graph_format` "onnx-shared" is an ONNX bundle whose KV lives in shared buffers (ONNX Runtime only).
+    The warning names, per candidate backend, what was missing (never that a present device is absent).
+    """
     spec = parse_device(spec) if isinstance(spec, str) else spec
+    if spec.backend == "onnxruntime" and spec.device == "cuda":
+        raise DeviceError(f"device '{spec}': {ORT_CUDA_REFUSAL}")
     devices = available_devices() if devices is None else devices
     backends = GENERIC[spec.device] if spec.backend == "auto" else (spec.backend,)
-    runs = [b for b in backends if graph_format is None or b in FORMAT_BACKENDS[graph_format]]
-    for backend in runs:
+    reasons = []
+    for backend in backends:
         candidate = _concrete(spec, backend)
-        if is_available(candidate, devices):
+        reason = _unusable(candidate, graph_format, devices)
+        if reason is None:
             return candidate
-    reason = (f"cannot run {graph_format} graphs" if not runs else "is not available on this machine")
+        reasons.append(reason)
+    reason = "; ".join(reasons)
     if strict:
-        raise DeviceError(f"device '{spec}' {reason} (strict devices: no fallback)")
+        raise DeviceError(f"device '{spec}' unusable here: {reason} (strict devices: no fallback)")
     fallback = fastest_cpu(graph_format, devices)
-    warnings.warn(f"device '{spec}' {reason}; using '{fallback}' instead", DeviceFallbackWarning, stacklevel=2)
+    warnings.warn(f"device '{spec}' unusable here: {reason}; using '{fallback}' instead", DeviceFallbackWarning,
+                  stacklevel=2)
     return fallback
+
+
+def _unusable(spec: DeviceSpec, graph_format: str | None, devices: dict) -> str | None:
+    """Why `spec` cannot run `graph_format` here, in a few words; None when it can."""
+    plain = "onnx" if graph_format == "onnx-shared" else graph_format
+    if plain and spec.backend not in FORMAT_BACKENDS[plain]:
+        return f"{spec.backend} cannot run {plain} graphs"
+    if spec.backend == "onnxruntime" and spec.device == "cuda":
+        return ORT_CUDA_REFUSAL
+    if not is_available(spec, devices):
+        return _missing(spec, devices)
+    if graph_format == "onnx-shared" and spec.backend != "onnxruntime":
+        return (f"this bundle keeps its KV in shared buffers (--kv shared), which only ONNX Runtime runs, not {spec} "
+                "(export for OpenVINO: --format openvino, plus --static for NPUs, or --kv explicit)")
+    return None
+
+
+def _missing(spec: DeviceSpec, devices: dict) -> str:
+    """What is missing for `spec` (a backend, a provider, a device)."""
+    if not devices.get(spec.backend):
+        return f"{spec.backend} is not installed"
+    if spec.backend == "torch":
+        return f"torch sees no CUDA device{'' if spec.index is None else f' {spec.index}'}"
+    if spec.backend == "onnxruntime":
+        return f"onnxruntime has no {spec.device.upper()} provider (it has {', '.join(devices[spec.backend])})"
+    return f"OpenVINO sees no {spec.device} device (it sees {', '.join(devices[spec.backend])})"
 
 
 @dataclass(frozen=True)
@@ -191,16 +231,11 @@ def load_model(folder: Path, manifest, role: str, device: str | DeviceSpec, stri
 
     The target's exit graph runs on the target's device under the target's budget.
     """
-    graph_format = manifest.graph("draft" if role == "draft" else "target_prefix").format
     with warnings.catch_warnings(record=True) as caught:  # noted on the model, then shown as usual
         warnings.simplefilter("always", DeviceFallbackWarning)
-        spec = resolve(device, strict, graph_format)
+        spec = resolve(device, strict, bundle_format(manifest, role))
     for warning in caught:
         warnings.warn(warning.message, warning.category, stacklevel=2)
-    if manifest.kv_layout.get("shared") and spec.backend != "onnxruntime":
-        raise DeviceError(f"this bundle keeps its KV in shared buffers (--kv shared), which only ONNX Runtime "
-                          f"runs, not {spec}; pick an ort: device, or export for OpenVINO (--format openvino, "
-                          f"plus --static for NPUs) or with --kv explicit")
     budget.apply()
     config = _config(manifest, role)
     roles = ("draft",) if role == "draft" else ("target_prefix", "target_exit", "target_suffix")
@@ -210,6 +245,12 @@ def load_model(folder: Path, manifest, role: str, device: str | DeviceSpec, stri
     model = loader(paths, manifest, config, spec, budget)
     model.placement = Placement(str(device), str(spec), any(w.category is DeviceFallbackWarning for w in caught))
     return model
+
+
+def bundle_format(manifest, role: str) -> str:
+    """The graph format a backend must run for `role`: "onnx-shared" for ONNX graphs over shared KV buffers."""
+    graph_format = manifest.graph("draft" if role == "draft" else "target_prefix").format
+    return "onnx-shared" if graph_format == "onnx" and manifest.kv_layout.get("shared") else graph_format
 
 
 def draft_copies_target(target_manifest, draft_manifest) -> bool:
@@ -223,6 +264,12 @@ def draft_copies_target(target_manifest, draft_manifest) -> bool:
     return draft_manifest is target_manifest or (
         draft_manifest.target_config == target_manifest.target_config
         and draft_manifest.tokenizer.get("sha256") == target_manifest.tokenizer.get("sha256"))
+
+
+def adopts_from(draft, target) -> bool:
+    """Whether `draft.adopt` can take `target`'s caches (same backend and KV layout; see LoadedModel.adopt)."""
+    can_adopt = getattr(draft, "can_adopt", None)
+    return bool(can_adopt and can_adopt(target))
 
 
 def _config(manifest, role: str):

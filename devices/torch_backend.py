@@ -1,27 +1,35 @@
 """Torch backend: runs a `models.transformer.Transformer` on cpu or cuda.
 
-Logits leave the device as host numpy arrays (float32 or float64), matching the other
-backends; everything else (weights, KV cache) stays on the device.
+Logits stay where they were computed: `forward` returns a tensor on the model's device, in the model's
+dtype, and the runtime reads back only what it decides with (`runtime.transfer`: greedy verify reads
+k+1 ids). Weights and KV cache never leave the device. With `static` (implied by `compile`) windows run
+at fixed shapes over a pooled cache (`torch_static`), compiled with `torch.compile` when `compile`.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
 
-import numpy as np
 import torch
+from mirror_rt.devices.torch_static import VERIFY_ROWS, StaticWindows
 from mirror_rt.models.transformer import Transformer
 from mirror_rt.runtime.kv_cache import KVCache
 
 
 class TorchModel:
-    """A `LoadedModel` over a torch Transformer."""
+    """A `LoadedModel` over a torch Transformer.
 
-    def __init__(self, model: Transformer, device: str = "cpu"):
+    `asynchronous`: the device runs queued work while the host goes on (CUDA), so callers may queue
+    more before reading anything back (Mirror's target queues its suffix before reading the early exit).
+    """
+
+    def __init__(self, model: Transformer, device: str = "cpu", compile: bool = False, static: bool = False):
         self.device = torch.device(device)
         self.model = model.to(self.device).eval()
         self.vocab_size = model.config.vocab_size
         self.max_seq_len = model.config.max_seq_len
+        self.asynchronous = self.device.type == "cuda"
+        self.static = StaticWindows(self.model, compile) if compile or static else None
 
     def set_threads(self, threads: int) -> int:
         """Intra-op threads for the calling thread's torch work; returns the previous count.
@@ -33,10 +41,17 @@ class TorchModel:
         return previous
 
     def new_cache(self, capacity: int) -> KVCache:
-        return self.model.new_cache(min(capacity, self.max_seq_len))
+        capacity = min(capacity, self.max_seq_len)
+        return self.static.new_cache(capacity) if self.static else self.model.new_cache(capacity)
+
+    def can_adopt(self, target) -> bool:
+        """Whether `adopt` takes `target`'s caches (a torch target's `KVCache`)."""
+        return isinstance(target, TorchModel)
 
     def adopt(self, target_cache: KVCache, capacity: int) -> KVCache:
         """A new cache holding `target_cache`'s committed positions (see `LoadedModel.adopt`)."""
+        if not isinstance(target_cache, KVCache):
+            raise ValueError(f"cannot adopt a {type(target_cache).__name__} (another backend's KV cache)")
         cache = self.new_cache(capacity)
         n = target_cache.length
         if target_cache.keys.shape[:2] != cache.keys.shape[:2] or target_cache.keys.shape[3] != cache.keys.shape[3]:
@@ -48,10 +63,29 @@ class TorchModel:
         cache.length = n
         return cache
 
+    def ids(self, tokens: Sequence[int]) -> torch.Tensor:
+        """Token ids [T] on the device (on CUDA from pinned memory: the copy does not wait for queued work)."""
+        ids = torch.tensor(list(tokens), dtype=torch.long)
+        if self.device.type != "cuda":
+            return ids
+        return ids.pin_memory().to(self.device, non_blocking=True)
+
     @torch.inference_mode()
-    def forward(self, tokens: Sequence[int], cache: KVCache) -> np.ndarray:
-        ids = torch.as_tensor(list(tokens), dtype=torch.long, device=self.device)
-        logits = self.model(ids, cache)
-        if logits.dtype not in (torch.float32, torch.float64):
-            logits = logits.float()
-        return logits.cpu().numpy()
+    def forward(self, tokens: Sequence[int], cache: KVCache, last_rows: int | None = None) -> torch.Tensor:
+        """tokens [T] at positions cache.length.. -> logits [T, vocab] (or its last `last_rows`) on the device."""
+        ids = self.ids(tokens)
+        if self.static is None:
+            return self.model(ids, cache, last_rows)
+        logits = self.static.run(ids, len(ids), cache, 0, self.model.config.n_layers, last_rows)
+        cache.advance(len(ids))
+        return logits
+
+    def warm_up(self) -> None:
+        """Compile the windows decoding runs (`compile`): one-token steps and verify windows."""
+        if self.static is not None:
+            n = self.model.config.n_layers
+            self.static.warm_up([(0, n, 1), (0, n, VERIFY_ROWS)])
+
+    def forward_last(self, tokens: Sequence[int], cache: KVCache) -> torch.Tensor:
+        """As `forward`, but logits of the last position only ([1, vocab]; prefill)."""
+        return self.forward(tokens, cache, last_rows=1)

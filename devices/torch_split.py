@@ -3,9 +3,11 @@
 `forward_prefix` runs the embeddings and layers 0..exit-1 over a window and returns, per
 position, the early-exit top-kappa ids and log-probs (the target's own final norm and LM
 head applied to the exit hidden state, after a trained `ExitAdapter` when one is given: it
-changes which branches the draft precomputes, never the output). The hidden state stays here until
-`forward_suffix` finishes the window. `forward` composes both, so the object is also a plain
-`LoadedModel` and the same weights serve every mode.
+changes which branches the draft precomputes, never the output); only those kappa ids and
+log-probs per row are read back. `launch_prefix` queues the same work and returns a pending read, so
+a CUDA target queues its suffix before anything comes back. The hidden state stays on the device
+until `forward_suffix` finishes the window. `forward` composes both, so the object is also a plain
+`LoadedModel` and the same weights serve every mode. Static shapes and `compile` as in `TorchModel`.
 """
 
 from __future__ import annotations
@@ -15,15 +17,17 @@ from collections.abc import Sequence
 import numpy as np
 import torch
 from mirror_rt.devices.torch_backend import TorchModel
+from mirror_rt.devices.torch_static import VERIFY_ROWS
 from mirror_rt.models.exit_adapter import cached_exit_logits, check_compatible
+from mirror_rt.runtime.transfer import PendingRead
 
 
 class TorchSplitTarget(TorchModel):
     """A torch target with an early exit after layer `exit_layer` (1-based count of layers)."""
 
     def __init__(self, model, exit_layer: int | None = None, kappa: int = 8, device: str = "cpu",
-                 exit_adapter=None):
-        super().__init__(model, device)
+                 exit_adapter=None, compile: bool = False, static: bool = False):
+        super().__init__(model, device, compile, static)
         n = model.config.n_layers
         self.exit_layer = n // 2 if exit_layer is None else exit_layer
         if not 1 <= self.exit_layer < n:
@@ -36,32 +40,57 @@ class TorchSplitTarget(TorchModel):
             p = self.model.embed_tokens.weight
             exit_adapter = exit_adapter.to(device=p.device, dtype=p.dtype).eval()
         self.exit_adapter = exit_adapter  # models.exit_adapter.ExitAdapter or None (untrained exit)
-        self._hidden = None  # [T, hidden] between prefix and suffix
+
+    def warm_up(self) -> None:
+        """Compile the windows decoding runs (`compile`): one-token steps, verify windows whole and split."""
+        super().warm_up()
+        if self.static is not None:
+            n, e = self.model.config.n_layers, self.exit_layer
+            # one-row split windows too: Mirror verifies [last] alone when one token is left to generate
+            self.static.warm_up([(first, last, rows) for first, last in ((0, e), (e, n)) for rows in (1, VERIFY_ROWS)])
 
     @torch.inference_mode()
+    def launch_prefix(self, tokens: Sequence[int], cache) -> PendingRead:
+        """Layers 0..exit-1 over tokens [T] and the early exit, queued; `result()` -> (ids, log-probs) [T, kappa]."""
+        h, rows = self._run_prefix(tokens, cache)
+        last = self.exit_layer - 1  # an attention adapter reads this layer's keys (this window's rows written)
+        logits = cached_exit_logits(self.model, h[:rows], self.exit_adapter, cache.keys[last], cache.values[last],
+                                    cache.length)
+        top = torch.topk(torch.log_softmax(logits.float(), dim=-1), self.kappa, dim=-1)
+        return PendingRead(top.indices, top.values)
+
     def forward_prefix(self, tokens: Sequence[int], cache) -> tuple[np.ndarray, np.ndarray]:
         """Layers 0..exit-1 over tokens [T]; returns exit top-kappa ids [T, kappa] and log-probs [T, kappa]."""
-        ids = torch.as_tensor(list(tokens), dtype=torch.long, device=self.device)
-        h = self.model.run_layers(self.model.embed(ids), cache, 0, self.exit_layer, cache_first=0)
-        self._hidden = h
-        last = self.exit_layer - 1  # an attention adapter reads this layer's keys (this window's rows written)
-        logits = cached_exit_logits(self.model, h, self.exit_adapter, cache.keys[last], cache.values[last],
-                                    cache.length)
-        logprobs = torch.log_softmax(logits.float(), dim=-1)
-        top = torch.topk(logprobs, self.kappa, dim=-1)
-        return top.indices.cpu().numpy(), top.values.cpu().numpy()
+        ids, logprobs = self.launch_prefix(tokens, cache).result()
+        return ids, logprobs
 
     @torch.inference_mode()
     def forward_prefix_only(self, tokens: Sequence[int], cache) -> None:
         """Layers 0..exit-1 without the early exit (when Mirror switches it off)."""
-        ids = torch.as_tensor(list(tokens), dtype=torch.long, device=self.device)
-        self._hidden = self.model.run_layers(self.model.embed(ids), cache, 0, self.exit_layer, cache_first=0)
+        self._run_prefix(tokens, cache)
+
+    def _run_prefix(self, tokens: Sequence[int], cache) -> tuple[torch.Tensor, int]:
+        """The prefix layers; their output waits in `cache.hidden` as (hidden, rows) until the suffix."""
+        ids = self.ids(tokens)
+        if self.static is None:
+            h = self.model.run_layers(self.model.embed(ids), cache, 0, self.exit_layer, cache_first=0)
+        else:
+            h = self.static.run(ids, len(ids), cache, 0, self.exit_layer)
+        cache.hidden = (h, len(ids))
+        return cache.hidden
 
     @torch.inference_mode()
-    def forward_suffix(self, cache) -> np.ndarray:
-        """Remaining layers, final norm, LM head over the window of the last prefix call -> logits [T, vocab]."""
-        h, self._hidden = self._hidden, None
-        h = self.model.run_layers(h, cache, self.exit_layer, self.model.config.n_layers, cache_first=0)
-        cache.advance(h.shape[0])
-        logits = self.model.logits(h)
-        return (logits if logits.dtype in (torch.float32, torch.float64) else logits.float()).cpu().numpy()
+    def forward_suffix(self, cache, last_rows: int | None = None) -> torch.Tensor:
+        """Remaining layers, final norm, LM head over the window of the last prefix call -> logits [T, vocab]
+        (or its last `last_rows`), on the device."""
+        if cache.hidden is None:
+            raise RuntimeError("forward_suffix called without a pending forward_prefix")
+        (h, rows), cache.hidden = cache.hidden, None
+        n = self.model.config.n_layers
+        if self.static is not None:
+            logits = self.static.run(h, rows, cache, self.exit_layer, n, last_rows)
+        else:
+            h = self.model.run_layers(h, cache, self.exit_layer, n, cache_first=0)
+            logits = self.model.logits(h if last_rows is None else h[-last_rows:])
+        cache.advance(rows)
+        return logits

@@ -9,6 +9,8 @@ format on this machine — OpenVINO bundles on OpenVINO; ONNX bundles on ONNX Ru
 OpenVINO — with 1 thread and with every core, so the fastest target-only variant is the
 baseline. `sd` gives the target every core; `mirror` gives each worker one core;
 `mirror-no-lookup` is Mirror on the same engine with the draft's prompt-lookup guesses off.
+`ar-bf16` (1 thread and every core) and `mirror-bf16` run `--model` (the default model) as a torch bf16
+target, Mirror with the bundle's draft on the other core: the bf16 rows beside GenAI's default bf16.
 """
 
 from __future__ import annotations
@@ -76,11 +78,13 @@ def _ar_runners(bundle: str, manifest, log) -> list:
 
 def bench_runners(methods: list[str], *, bundle: str | None = None, draft_bundle: str | None = None,
                   torch: bool = False, model: str | None = None, draft_model: str | None = None,
-                  draft_precision: str | None = None, cache_dir: str | None = None, log=print) -> list:
+                  draft_precision: str | None = None, compile: bool = False, cache_dir: str | None = None,
+                  log=print) -> list:
     """Runners for `methods`: ours on the engine `run` would pick, peers on the target's folder.
 
     Torch eager runs when asked for (`torch`, or a `model` / `draft_model` with no `bundle`); then
-    ours share one torch engine. With a bundle (given or default), `model` only names the peers' target.
+    ours share one torch engine. With a bundle (given or default), `model` only names the peers' target
+    (and the bf16 rows' target). `compile`: torch targets run static windows under torch.compile.
     """
     from mirror_rt.devices.engines import default_bundle, load_torch
     from mirror_rt.evaluation.bench_methods import KNOWN_METHODS, OURS, build_runners
@@ -92,15 +96,36 @@ def bench_runners(methods: list[str], *, bundle: str | None = None, draft_bundle
     if bundle is None and not torch and draft_model is None and model is None:
         bundle = str(default_bundle(cache_dir, log=log))
     if bundle is None:
-        engine = load_torch(model, draft_model or "int8", cache_dir=cache_dir, log=log)
-        return build_runners(methods, engine, engine.names.get("target"), log=log)
+        engine = load_torch(model, draft_model or "int8", compile=compile, cache_dir=cache_dir, log=log)
+        runners = build_runners(methods, engine, engine.names.get("target"), log=log)
+        return runners + bf16_runners(methods, model, None, draft_model, compile, cache_dir, log)
     ours = [m for m in methods if m in OURS]
     runners = bundle_runners(ours, bundle, draft_bundle, draft_precision, log=log)
+    runners += bf16_runners(methods, model, draft_bundle or bundle, draft_model, compile, cache_dir, log)
     peers = [m for m in methods if m not in OURS]
     if peers:
         tokenizer = runners[0].engine.tokenizer if runners else _bundle_tokenizer(bundle)
         folder = model if model and not os.path.exists(model) else str(resolve_folder(model, cache_dir, log=log))
         runners += build_runners(peers, _Peers(tokenizer), folder, log=log)
+    return runners
+
+
+def bf16_runners(methods: list[str], model: str | None, draft_bundle: str | None, draft_model: str | None,
+                 compile: bool, cache_dir: str | None, log) -> list:
+    """`ar-bf16` (1 thread and every core) and `mirror-bf16` (a core each; the bundle's draft, else the torch
+    draft): `model` as a torch bf16 target."""
+    from mirror_rt.devices.engines import load_torch
+
+    runners = []
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    options = dict(dtype="bfloat16", compile=compile, cache_dir=cache_dir, log=log)
+    if "ar-bf16" in methods:
+        engine = load_torch(model, "target", mode="ar", **options)  # no draft: target-only
+        runners += [EngineRunner(f"ar-bf16-{t}t", engine, "ar", threads=t) for t in sorted({1, cores})]
+    if "mirror-bf16" in methods:
+        bundled = draft_bundle if draft_model is None else None
+        engine = load_torch(model, draft_model, draft_bundle=bundled, mode="mirror", **options)
+        runners.append(EngineRunner("mirror-bf16", engine, "mirror"))
     return runners
 
 

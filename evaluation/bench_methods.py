@@ -1,11 +1,13 @@
 """Method names of `mirror-rt bench` -> runners on one model pair.
 
-`ar` expands into one runner per backend and thread count available (the fastest becomes the
-baseline); `sd` and `mirror` are ours on the same engine; `hf-assisted` is transformers'
-assisted generation with an int8 copy of the target as the assistant (the same kind of
-draft); `ov-genai` is OpenVINO GenAI's own `LLMPipeline` on the target and `ov-genai-sd` the
-same with an int8 (nncf) copy of the target as its draft model. A method whose package is
-missing is skipped with a message, never a crash.
+`ar` expands into one runner per backend and thread count available (the fastest of a precision
+becomes that precision's baseline); `sd` and `mirror` are ours on the same engine; `ar-bf16` and
+`mirror-bf16` run a torch bf16 target (`bench_engines`); `hf-assisted` is transformers' assisted
+generation with an int8 copy of the target as the assistant (the same kind of draft); `ov-genai` is
+OpenVINO GenAI's own `LLMPipeline` on the target at its default precision (bf16 compute and u8 KV on
+CPUs with bf16), `ov-genai-f32` the same asked for f32 compute and KV, and `ov-genai-sd` GenAI with an
+int8 (nncf) copy of the target as its draft model. A method whose package is missing is skipped with
+a message, never a crash. Every runner names its precision (weights / compute / KV).
 """
 
 from __future__ import annotations
@@ -15,8 +17,10 @@ import time
 
 from mirror_rt.evaluation.bench import EngineRunner
 
-KNOWN_METHODS = ("ar", "sd", "mirror", "mirror-no-lookup", "hf-assisted", "ov-genai", "ov-genai-sd")
+KNOWN_METHODS = ("ar", "sd", "mirror", "mirror-no-lookup", "ar-bf16", "mirror-bf16", "hf-assisted", "ov-genai",
+                 "ov-genai-f32", "ov-genai-sd")
 OURS = ("ar", "sd", "mirror", "mirror-no-lookup")  # run by our engines (over a bundle: bench_engines)
+TORCH_BF16 = ("ar-bf16", "mirror-bf16")  # ours on a torch bf16 target (bench_engines.bf16_runners)
 
 
 def build_runners(methods: list[str], engine, model_folder: str | None, log=print) -> list:
@@ -35,6 +39,8 @@ def build_runners(methods: list[str], engine, model_folder: str | None, log=prin
             runners.append(EngineRunner(method, engine, "mirror", draft_lookup=0))
         elif method == "hf-assisted":
             runners.append(_hf_assisted(model_folder, cores, log))
+        elif method in TORCH_BF16:
+            continue  # a second engine: bench_engines.bf16_runners
         else:
             runners.append(_ov_genai(method, model_folder, engine.tokenizer, cores, log))
     return [r for r in runners if r is not None]
@@ -44,8 +50,8 @@ class HFAssistedRunner:
     """transformers' `generate(assistant_model=...)`: greedy, batch 1."""
 
     name = "hf-assisted"
-
-    label = "transformers eager, fp32 target + int8 assistant"
+    label = "transformers eager; target fp32 weights/compute/KV; assistant int8 weights, fp32 activations/KV"
+    precision, target_only = "fp32", False
 
     def __init__(self, target, assistant, tokenizer, threads: int):
         self.target, self.assistant, self.tokenizer, self.threads = target, assistant, tokenizer, threads
@@ -100,8 +106,11 @@ class OVGenAIRunner:
 
     def __init__(self, name: str, pipe, tokenizer, speculative: bool, stats: dict):
         self.name, self.pipe, self.tokenizer, self.speculative, self.stats = name, pipe, tokenizer, speculative, stats
-        self.label = (f"openvino genai, {stats['weights']} weights, {stats['inference_precision']} compute, "
+        self.label = (f"openvino genai; {stats['weights']} weights, {stats['inference_precision']} compute, "
                       f"{stats['kv_cache_precision']} KV")
+        compute = stats["inference_precision"].lower()
+        self.precision = {"f32": "fp32", "bf16": "bf16", "f16": "fp16"}.get(compute, compute)
+        self.target_only = not speculative
 
     def answer(self, messages, config):
         import numpy as np
@@ -157,6 +166,8 @@ def _ov_genai(method: str, model_folder: str | None, tokenizer, threads: int, lo
         return None
     speculative = method == "ov-genai-sd"
     properties = {"INFERENCE_NUM_THREADS": threads}
+    if method == "ov-genai-f32":  # exact: the precision our fp32 rows compute at
+        properties |= {"INFERENCE_PRECISION_HINT": "f32", "KV_CACHE_PRECISION": "f32"}
     no_tokenizer = f"bench: skipping {method}: GenAI's speculative pipeline needs a tokenizer, {model_folder} has none"
     if speculative and not os.path.isfile(os.path.join(model_folder, "tokenizer.json")):
         log(no_tokenizer)  # a preset: checked before exporting anything
@@ -171,8 +182,11 @@ def _ov_genai(method: str, model_folder: str | None, tokenizer, threads: int, lo
         pipe = openvino_genai.LLMPipeline(str(target), "CPU", draft_model=draft, **properties)
     else:
         pipe = openvino_genai.LLMPipeline(str(target), "CPU", **properties)
-    core = ov.Core()  # no hints are passed, so the pipelines compile with the device defaults
+    core = ov.Core()  # hints not passed: the pipelines compile with the device defaults
+    default = {key: core.get_property("CPU", key).to_string()
+               for key in ("INFERENCE_PRECISION_HINT", "KV_CACHE_PRECISION")}
+    asked = default | {k: v for k, v in properties.items() if k in default}
     stats = {"threads": threads, "weights": "fp32 target" + (", int8 draft" if speculative else ""),
-             "inference_precision": core.get_property("CPU", "INFERENCE_PRECISION_HINT").to_string(),
-             "kv_cache_precision": core.get_property("CPU", "KV_CACHE_PRECISION").to_string()}
+             "inference_precision": asked["INFERENCE_PRECISION_HINT"],
+             "kv_cache_precision": asked["KV_CACHE_PRECISION"]}
     return OVGenAIRunner(method, pipe, tokenizer, speculative, stats)

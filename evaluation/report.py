@@ -2,6 +2,9 @@
 
 Speedup (SpecBench): per question, tokens/s = sum(new_tokens) / sum(wall_time) over its
 turns; per method the mean of that over questions; speedup = mean(method) / mean(baseline).
+Every row has a precision (its target's compute precision): its speedup is against the fastest
+target-only row of the same precision (`baselines`), and a second figure against the fastest
+target-only row overall. Greedy text is compared with our target-only row of the same precision.
 Mean accepted length = all committed tokens / all target forwards (steps). Pure functions
 except `write_chart`, which draws a PNG with matplotlib.
 """
@@ -9,6 +12,7 @@ except `write_chart`, which draws a PNG with matplotlib.
 from __future__ import annotations
 
 from collections import defaultdict
+from dataclasses import dataclass
 
 from mirror_rt.evaluation.specbench import Answer
 
@@ -33,8 +37,45 @@ def _mean_stat(answers: list[Answer], key: str) -> float | None:
     return sum(values) / len(values) if values else None
 
 
-def summarize(answers: dict[str, list[Answer]], baseline: str) -> dict:
-    """{category or 'overall': {method: figures}} with speedup against `baseline`."""
+@dataclass(frozen=True)
+class Row:
+    """What the report knows of a method besides its answers."""
+
+    label: str = ""  # the path it runs and its precision (weights / compute / KV)
+    precision: str = "fp32"  # its target's compute precision: rows are compared within one precision
+    target_only: bool = False  # decodes with the target alone (a baseline candidate)
+    ours: bool = False  # one of our engines (its text is the reference of its precision)
+
+
+def baselines(answers: dict[str, list[Answer]], rows: dict[str, Row]) -> tuple[dict[str, str], str]:
+    """({precision: fastest target-only method of that precision}, fastest target-only method overall)."""
+    only = [m for m in answers if rows.get(m, Row()).target_only] or list(answers)[:1]
+    by_precision: dict[str, str] = {}
+    for m in sorted(only, key=lambda m: -mean_speed(answers[m])):
+        by_precision.setdefault(rows.get(m, Row()).precision, m)
+    ordered = dict(sorted(by_precision.items(), key=lambda item: (item[0] != "fp32", item[0])))  # fp32 first
+    return ordered, max(only, key=lambda m: mean_speed(answers[m]))
+
+
+def references(answers: dict[str, list[Answer]], rows: dict[str, Row]) -> dict[str, str]:
+    """Per method, the greedy text it is compared with: our first target-only row of its precision (else of
+    fp32); that row itself is compared with the fp32 one (what the lower precision changes)."""
+    ours = {}
+    for m in answers:
+        row = rows.get(m, Row())
+        if row.target_only and row.ours:
+            ours.setdefault(row.precision, m)
+    fallback = ours.get("fp32") or next(iter(ours.values()), None)
+    out = {m: ours.get(rows.get(m, Row()).precision, fallback) for m in answers}
+    out = {m: fallback if ref == m else ref for m, ref in out.items()}
+    return {m: ref for m, ref in out.items() if ref is not None and ref != m}
+
+
+def summarize(answers: dict[str, list[Answer]], baseline: str | dict[str, str],
+              rows: dict[str, Row] | None = None, fastest: str | None = None) -> dict:
+    """{category or 'overall': {method: figures}}: speedup against the baseline of the method's precision
+    (`baseline`: one method for all, or {precision: method}), and against `fastest` when given."""
+    rows = rows or {}
     groups: dict[str, dict[str, list[Answer]]] = defaultdict(dict)
     for method, items in answers.items():
         for a in items:
@@ -42,19 +83,31 @@ def summarize(answers: dict[str, list[Answer]], baseline: str) -> dict:
         groups["overall"][method] = list(items)
     table = {}
     for category, by_method in groups.items():
-        base = mean_speed(by_method.get(baseline, []))
-        table[category] = {m: {
-            "questions": len(items),
-            "tokens_per_s": round(mean_speed(items), 2),
-            "speedup": round(mean_speed(items) / base, 3) if base else None,
-            "mean_accepted_length": _round(mean_accepted_length(items)),
-            "reuse_hit_rate": _round(_mean_stat(items, "reuse_hit_rate")),
-            "hidden_draft_share": _round(_mean_stat(items, "hidden_draft_share")),
-            "predicted_step_ms": _round(_mean_stat(items, "predicted_step_ms")),
-            "predicted_step_ms_pipelined": _round(_mean_stat(items, "predicted_step_ms_pipelined")),
-            "measured_step_ms": _round(_mean_stat(items, "measured_step_ms")),
-        } for m, items in by_method.items()}
+        speed = {m: mean_speed(items) for m, items in by_method.items()}
+        table[category] = {}
+        for m, items in by_method.items():
+            own = baseline if isinstance(baseline, str) else baseline.get(rows.get(m, Row()).precision)
+            table[category][m] = {"questions": len(items), "tokens_per_s": round(speed[m], 2),
+                                  "speedup": _ratio(speed, m, own), "baseline": own,
+                                  "speedup_vs_fastest": _ratio(speed, m, fastest) if fastest else None,
+                                  **_figures(items)}
     return table
+
+
+def _ratio(speed: dict[str, float], method: str, base: str | None) -> float | None:
+    return round(speed[method] / speed[base], 3) if speed.get(base) else None
+
+
+def _figures(items: list[Answer]) -> dict:
+    """Acceptance and Mirror's figures of one method's answers."""
+    return {
+        "mean_accepted_length": _round(mean_accepted_length(items)),
+        "reuse_hit_rate": _round(_mean_stat(items, "reuse_hit_rate")),
+        "hidden_draft_share": _round(_mean_stat(items, "hidden_draft_share")),
+        "predicted_step_ms": _round(_mean_stat(items, "predicted_step_ms")),
+        "predicted_step_ms_pipelined": _round(_mean_stat(items, "predicted_step_ms_pipelined")),
+        "measured_step_ms": _round(_mean_stat(items, "measured_step_ms")),
+    }
 
 
 def _round(x, digits: int = 3):
@@ -64,9 +117,10 @@ def _round(x, digits: int = 3):
 def markdown_table(summary: dict, methods: list[str], labels: dict[str, str] | None = None) -> str:
     """One table: a row per category and method; `labels` gives each method's path and precision."""
     labels = labels or {}
-    head = ("| category | method | path / precision | questions | tokens/s | speedup | mean accepted length | "
-            "reuse hit rate | hidden draft share | ms per step: predicted (§5) / predicted (pipelined) / measured |")
-    lines = [head, "|" + "---|" * 10]
+    head = ("| category | method | path / precision | questions | tokens/s | speedup (same precision) | "
+            "vs fastest | mean accepted length | reuse hit rate | hidden draft share | "
+            "ms per step: predicted (§5) / predicted (pipelined) / measured |")
+    lines = [head, "|" + "---|" * 11]
     categories = sorted(c for c in summary if c != "overall") + ["overall"]
     for category in categories:
         for m in methods:
@@ -77,7 +131,8 @@ def markdown_table(summary: dict, methods: list[str], labels: dict[str, str] | N
             model = (f"{f['predicted_step_ms']:.1f} / {_fmt(pipelined)} / {f['measured_step_ms']:.1f}"
                      if f["predicted_step_ms"] is not None else "")
             lines.append(f"| {category} | {m} | {labels.get(m, '')} | {f['questions']} | {f['tokens_per_s']:.1f} | "
-                         f"{_fmt(f['speedup'], 'x')} | {_fmt(f['mean_accepted_length'])} | "
+                         f"{_fmt(f['speedup'], 'x')} | {_fmt(f.get('speedup_vs_fastest'), 'x')} | "
+                         f"{_fmt(f['mean_accepted_length'])} | "
                          f"{_fmt(f['reuse_hit_rate'])} | {_fmt(f['hidden_draft_share'])} | {model} |")
     return "\n".join(lines) + "\n"
 
@@ -86,13 +141,15 @@ def _fmt(x, suffix: str = "") -> str:
     return "" if x is None else f"{x:.2f}{suffix}"
 
 
-def count_mismatches(answers: dict[str, list[Answer]], reference: str) -> dict[str, list]:
-    """Per method, the (question_id, turn) whose text differs from the reference method's."""
-    ref = {a.question_id: a.turns for a in answers.get(reference, [])}
+def count_mismatches(answers: dict[str, list[Answer]], reference: str | dict[str, str]) -> dict[str, list]:
+    """Per method, the (question_id, turn) whose text differs from its reference method's (`reference`: one
+    method for all, or {method: its reference}; methods without one are left out)."""
     out = {}
     for method, items in answers.items():
-        if method == reference:
+        ref_name = reference if isinstance(reference, str) else reference.get(method)
+        if ref_name is None or method == ref_name:
             continue
+        ref = {a.question_id: a.turns for a in answers.get(ref_name, [])}
         out[method] = [(a.question_id, i) for a in items for i, text in enumerate(a.turns)
                        if a.question_id in ref and i < len(ref[a.question_id]) and text != ref[a.question_id][i]]
     return out

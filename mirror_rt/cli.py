@@ -11,7 +11,7 @@ import argparse
 import json
 import sys
 
-from mirror_rt.cli_args import budget, count, number, port_number, positive_int, positive_number
+from mirror_rt.cli_args import budget, count, log, number, port_number, positive_int, positive_number
 from mirror_rt.cli_bench import COMMANDS as BENCH_COMMANDS
 from mirror_rt.cli_bench import add_bench
 from mirror_rt.cli_replicas import add_replica_options, cluster_settings, serve_on_ray, wants_ray
@@ -37,7 +37,7 @@ def build_parser() -> argparse.ArgumentParser:
     run.add_argument("--stats", action="store_true", help="print speed and acceptance statistics (stderr)")
     run.add_argument("--json", action="store_true", help="print one JSON object with text and stats")
     _add_export(sub)
-    sub.add_parser("devices", help="list the devices each backend sees on this machine")
+    _add_devices(sub)
     add_training(sub)
     add_bench(sub)
     simulate = sub.add_parser("simulate", help="predict AR / SD / Mirror speed from costs (latency model)")
@@ -64,17 +64,21 @@ def add_engine_options(parser) -> None:
     parser.add_argument("--kappa", type=positive_int,
                         help="torch: early-exit candidates per position (mirror; default 8)")
     parser.add_argument("--exit-layer", type=positive_int, help="early-exit layer (mirror; default N/2)")
-    parser.add_argument("--device", help="torch device of the target (cpu by default, cuda, cuda:1)")
-    parser.add_argument("--dtype", help="torch target dtype: float32 (default) | bfloat16 | float16 | float64")
+    parser.add_argument("--device", help="torch device of the target (cpu by default, cuda, cuda:1; as --target)")
+    parser.add_argument("--dtype", help="torch target dtype: bf16 on CUDA (fp16 without bf16), else fp32 by "
+                        "default; float32 | bfloat16 | float16 | float64 (or fp32, bf16, fp16)")
+    parser.add_argument("--compile", action="store_true", default=None,
+                        help="torch: static-shape windows under torch.compile (CUDA graphs on CUDA, inductor on CPU)")
     parser.add_argument("--threads", type=positive_int, help="torch threads (default: all cores)")
     parser.add_argument("--cache-dir", help="model cache folder (default: $MIRROR_RT_CACHE or ~/.cache/mirror-rt)")
     parser.add_argument("--bundle", help="run an exported bundle (mirror-rt export) instead of --model (default "
                         "model: its ONNX bundle, exported once into the cache)")
     parser.add_argument("--torch", action="store_true", help="run the default model in torch, not its ONNX bundle")
     parser.add_argument("--draft-bundle", help="take the draft from another bundle (default: --bundle's)")
-    parser.add_argument("--target", default="cpu", help="target device with --bundle: cpu, cuda, cuda:1, gpu, npu, "
-                                                           "openvino:CPU, ort:cpu, ort:qnn, torch:cpu...")
-    parser.add_argument("--draft", default="cpu", help="draft device with --bundle (same forms)")
+    parser.add_argument("--target", default="cpu", help="target device: cpu, cuda, cuda:1, gpu, npu, openvino:CPU, "
+                        "ort:cpu, ort:qnn, torch:cpu...; without --bundle, cuda runs the target in torch on the GPU")
+    parser.add_argument("--draft", default="cpu", help="draft device (same forms; the default bundle's draft, or "
+                        "--draft-bundle's, with a CUDA target)")
     parser.add_argument("--strict-devices", action="store_true", help="fail instead of falling back to a CPU backend")
     parser.add_argument("--draft-precision", choices=("f32", "bf16"), help="OpenVINO draft compute precision "
                         "(bf16: faster on bf16 CPUs; the output never changes, only acceptance)")
@@ -97,6 +101,7 @@ def _add_serve(sub) -> None:
     serve.add_argument("--drain-timeout", type=positive_number, default=30.0,
                        help="on SIGTERM / Ctrl-C, seconds admitted requests may take to finish (default 30)")
     add_replica_options(serve)
+
 
 def cmd_serve(args) -> int:
     from mirror_rt.serving.server import serve
@@ -144,6 +149,16 @@ def ray_serve_app(args: dict):
 def _torch_engine(args) -> bool:
     """Whether `load_engine` runs torch eager for these options (else a bundle, the default one included)."""
     return args.bundle is None and (args.torch or any(v is not None for v in torch_options(args).values()))
+
+
+def _add_devices(sub) -> None:
+    devices = sub.add_parser("devices", help="list the devices each backend sees here and where run places its workers")
+    devices.add_argument("--check", action="store_true", help="run every device pair found here (random-weight "
+                         "SmolLM2 presets, offline): equality, tokens/s, device reads, launches, peak memory")
+    devices.add_argument("--models", help="presets to check (default: smollm2-135m, plus smollm2-1.7b with CUDA)")
+    devices.add_argument("--max-new-tokens", type=positive_int, default=48, help="tokens per run (default 48)")
+    devices.add_argument("--compile", action="store_true", help="check the compiled path (torch.compile) instead")
+    devices.add_argument("--out", default="devices-check.json", help="JSON file of the check")
 
 
 def cmd_simulate(args) -> int:
@@ -208,9 +223,19 @@ def cmd_export(args) -> int:
 
 
 def cmd_devices(args) -> int:
+    from mirror_rt.devices.engines import placements_here
     from mirror_rt.devices.registry import format_devices
 
     print(format_devices())
+    print("\n".join(f"placement, {line}" for line in placements_here()))
+    if not args.check:
+        return 0
+    from mirror_rt.evaluation.device_check import format_check, run_check, write_check
+
+    models = args.models.split(",") if args.models else None
+    doc = run_check(models, args.max_new_tokens, args.compile, log=log)
+    print(format_check(doc))
+    print(f"written to {write_check(doc, args.out)}")
     return 0
 
 
@@ -251,8 +276,8 @@ def cmd_run(args) -> int:
 
 
 def torch_options(args) -> dict:
-    """The torch-only options of `run` / `serve` (None where not given: they then choose no engine)."""
-    return {name: getattr(args, name) for name in TORCH_OPTIONS}
+    """The torch-only options of `run` / `serve` (None where not given or not offered: they choose no engine)."""
+    return {name: getattr(args, name, None) for name in TORCH_OPTIONS}
 
 
 def bundle_options(args) -> dict:
@@ -274,6 +299,14 @@ def format_stats(stats: dict) -> str:
         lines.append(f"acceptance per position: {acc}")
     if stats.get("draft"):
         lines.append(f"draft: {stats['draft']}")
+    if stats.get("target_precision"):
+        lines.append(f"path: {stats.get('path', '?')}, target {stats['target_precision']}"
+                     + (f", draft {stats['draft_precision']}" if stats.get("draft_precision") else ""))
+    if stats.get("placement"):
+        lines.append(f"placement: {stats['placement']}")
+    if stats.get("device_reads_per_step"):
+        lines.append(f"device->host {stats['device_to_host_bytes_per_token']:.0f} bytes per token, "
+                     f"{stats['device_reads_per_step']:.2f} reads (syncs) per step")
     if "reuse_hit_rate" in stats:
         phases = ", ".join(f"{k} {v:.1f}" for k, v in stats["phase_ms_per_step"].items())
         lines.append(f"reuse hit rate {stats['reuse_hit_rate']:.2f} (main {stats['main_line_hits']}, side "

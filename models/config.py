@@ -1,7 +1,8 @@
 """Model shape configuration: the one description of a decoder's geometry.
 
 `ModelConfig` is built from a Hugging Face `config.json` (Llama family only) or from a
-named preset (`tiny`, `tiny-draft`, used by tests and the CLI smoke test). It knows
+named preset (`tiny`, `tiny-draft`, used by tests and the CLI smoke test; `smollm2-135m`,
+`smollm2-1.7b`: real geometry for random-weight device checks). It knows
 nothing about weights, devices or caches. Invariant: a config that validates can be
 instantiated by `models.transformer.Transformer` without further checks.
 """
@@ -134,4 +135,12 @@ PRESETS: dict[str, dict] = {
                  n_kv_heads=2, max_seq_len=256, rope_theta=10000.0, eos_token_ids=(1,)),
     "tiny-draft": dict(vocab_size=258, hidden_size=32, intermediate_size=64, n_layers=2, n_heads=2,
                        n_kv_heads=1, max_seq_len=256, rope_theta=10000.0, eos_token_ids=(1,)),
+    # The real geometry of SmolLM2-135M and -1.7B with random weights: `mirror-rt devices --check` times and
+    # checks a machine with them offline (no download), at the shapes that matter for speed and memory.
+    "smollm2-135m": dict(vocab_size=49152, hidden_size=576, intermediate_size=1536, n_layers=30, n_heads=9,
+                         n_kv_heads=3, head_dim=64, max_seq_len=8192, rope_theta=100000.0, tie_embeddings=True,
+                         eos_token_ids=(2,)),
+    "smollm2-1.7b": dict(vocab_size=49152, hidden_size=2048, intermediate_size=8192, n_layers=24, n_heads=32,
+                         n_kv_heads=32, head_dim=64, max_seq_len=8192, rope_theta=130000.0, tie_embeddings=True,
+                         eos_token_ids=(2,)),
 }

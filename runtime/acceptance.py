@@ -17,7 +17,9 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 import numpy as np
-from mirror_rt.runtime.sampling import sample
+import torch
+from mirror_rt.runtime.sampling import as_tensor, greedy_ids, sample
+from mirror_rt.runtime.transfer import host_floats
 
 
 @dataclass(frozen=True)
@@ -30,40 +32,47 @@ class Verdict:
     # committed tokens = window[:num_accepted] + [next_token]
 
 
-def accept_greedy(draft_tokens: Sequence[int], target_logits: np.ndarray, base_length: int = 0) -> Verdict:
+def accept_greedy(draft_tokens: Sequence[int], target_logits, base_length: int = 0) -> Verdict:
     """Longest-prefix match against the target's argmax.
 
     Args:
         draft_tokens: [k] proposed ids.
-        target_logits: [k+1, vocab] target logits over [last, d_1..d_k].
+        target_logits: [k+1, vocab] target logits over [last, d_1..d_k] (host array or device tensor);
+            only their k+1 argmax ids are read back.
     Example:
         draft [5, 7, 9], target argmax rows [5, 7, 3, 4] -> accepted 2, correction 3.
     """
-    target = np.argmax(target_logits, axis=-1)  # [k+1]
+    target = greedy_ids(target_logits)  # [k+1]
     k = len(draft_tokens)
     n = 0
     while n < k and draft_tokens[n] == target[n]:
         n += 1
-    return Verdict(base_length, n, int(target[n]))
+    return Verdict(base_length, n, target[n])
 
 
-def accept_sampled(draft_tokens: Sequence[int], q: np.ndarray, p: np.ndarray,
-                   rng: np.random.Generator, base_length: int = 0) -> Verdict:
-    """Lossless speculative sampling.
+def accept_sampled(draft_tokens: Sequence[int], q, p, rng: np.random.Generator, base_length: int = 0) -> Verdict:
+    """Lossless speculative sampling, computed where p lives.
 
     Args:
         draft_tokens: [k] ids drawn from q.
-        q: [k, vocab] draft distribution at each window position.
-        p: [k+1, vocab] target distribution (same warping as q).
-        rng: the target side's generator.
+        q: [k, vocab] draft distribution at each window position (host array or tensor).
+        p: [k+1, vocab] target distribution (same warping as q), on the target's device.
+        rng: the target side's generator (host uniforms: the same draws on every device).
+    Reads back p and q at the k drafted tokens, then one id (the correction or the bonus).
     """
-    for j, token in enumerate(draft_tokens):
-        pj, qj = p[j, token], q[j, token]
+    count = isinstance(p, torch.Tensor)
+    p, k = as_tensor(p), len(draft_tokens)
+    q = as_tensor(q).to(p.device) if k else None
+    if k:
+        rows = torch.arange(k, device=p.device)
+        ids = torch.as_tensor(list(draft_tokens), device=p.device)
+        p_drafted, q_drafted = host_floats(p[rows, ids], count), host_floats(q[rows, ids], count)
+    for j in range(k):
+        pj, qj = p_drafted[j], q_drafted[j]
         if qj > 0 and rng.random() * qj < pj:  # accept with min(1, p/q), no division
             continue
-        residual = np.maximum(p[j] - q[j], 0.0)
-        total = residual.sum()
-        # total == 0 only if p == q exactly, where rejection has probability 0; fall back to p
-        correction = sample(residual / total if total > 0 else p[j], rng)
+        residual = torch.clamp(p[j] - q[j], min=0.0)
+        # an all-zero residual only if p == q exactly, where rejection has probability 0; fall back to p
+        correction = sample(torch.where(residual.sum() > 0, residual, p[j]), rng, count)
         return Verdict(base_length, j, correction)
-    return Verdict(base_length, len(draft_tokens), sample(p[len(draft_tokens)], rng))
+    return Verdict(base_length, k, sample(p[k], rng, count))

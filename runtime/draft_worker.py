@@ -29,7 +29,8 @@ from mirror_rt.runtime.branches import exit_distribution, rank_roots, top_altern
 from mirror_rt.runtime.lookup import lookup_guesses, verify_guesses
 from mirror_rt.runtime.messages import STOP, EarlyExit, Fault, Verdict, Window
 from mirror_rt.runtime.reference import prefill_logits
-from mirror_rt.runtime.sampling import SamplingConfig, choose, keyed_rng
+from mirror_rt.runtime.sampling import SamplingConfig, choose, greedy_ids, keyed_rng, stack_rows
+from mirror_rt.runtime.transfer import to_host
 
 
 @dataclass(frozen=True)
@@ -207,7 +208,7 @@ class DraftWorker:
             self._extend(self.line, self.committed)
         self.stats.fresh_s += time.perf_counter() - t0
         k = min(self.k_cap, len(self.line.tokens))
-        q = np.stack(self.line.q[:k]) if not self.settings.sampling.greedy else None
+        q = stack_rows(self.line.q[:k]) if not self.settings.sampling.greedy else None
         self.in_flight = k
         self.stats.windows += 1
         self._put(Window(len(self.committed), tuple(self.line.tokens[:k]), q, reused))
@@ -306,14 +307,16 @@ class DraftWorker:
             self.cache.rollback(self.cache.length - (len(guesses) - n))
             del self.cache_tokens[self.cache.length:]
             self.stats.rollbacks += 1
-        for row in main[offset:offset + n + 1]:
-            _append(line, int(np.argmax(row)), None, row)
+        rows = main[offset:offset + n + 1]
+        for token, row in zip(greedy_ids(rows), rows):
+            _append(line, token, None, row)
         return stream_rows, offset, n
 
     def _alternatives(self, row) -> dict[int, float]:
         """The draft's most likely choices at one depth (derived only when roots are ranked)."""
         if not self.settings.alternatives:
             return {}
+        row = to_host(row)  # ranking roots runs on the host (a few rows per step)
         probs = row if not self.settings.sampling.greedy else _softmax(row)
         return top_alternatives(probs, self.settings.alternatives + 1)
 

@@ -16,7 +16,7 @@ from dataclasses import dataclass
 import numpy as np
 from mirror_rt.runtime.acceptance import Verdict
 from mirror_rt.runtime.reference import prefill_logits
-from mirror_rt.runtime.sampling import SamplingConfig, choose
+from mirror_rt.runtime.sampling import SamplingConfig, choose, stack_rows
 
 
 @dataclass(frozen=True)
@@ -25,7 +25,7 @@ class Draft:
 
     base_length: int  # committed length (prompt + generated) the window continues from
     tokens: list[int]  # [k] proposed ids
-    q: np.ndarray | None  # [k, vocab] draft distribution; None when greedy
+    q: object | None  # [k, vocab] draft distribution (a tensor on the draft's device); None when greedy
 
 
 class ModelDrafter:
@@ -69,7 +69,7 @@ class ModelDrafter:
             feed = [token]
         self.pending = [] if k else self.pending + [last_token]
         self.window = tokens
-        q = np.stack(rows) if rows and rows[0] is not None else None
+        q = stack_rows(rows) if rows and rows[0] is not None else None
         return Draft(base_length, tokens, q)
 
     def commit(self, verdict: Verdict) -> None:

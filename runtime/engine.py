@@ -155,7 +155,7 @@ class Engine:
             self._finish(gen, text, ids, config, metrics)
 
     def _finish(self, gen: Generation, text: TextStream, ids, config, metrics: Metrics) -> None:
-        metrics.end = time.perf_counter()
+        metrics.finish()
         gen.tokens = list(text.tokens)
         metrics.new_tokens = len(gen.tokens) + (text.stop_reason == "eos")
         room = self.target.max_seq_len - len(ids)

@@ -25,12 +25,21 @@ class KVCache:
     """
 
     def __init__(self, n_layers: int, n_kv_heads: int, head_dim: int, capacity: int,
-                 dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu"):
-        shape = (n_layers, n_kv_heads, capacity, head_dim)  # [layers, kv_heads, capacity, head_dim]
+                 dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu", slots: int | None = None):
+        shape = (n_layers, n_kv_heads, max(capacity, slots or 0), head_dim)  # [layers, kv_heads, slots, head_dim]
         self.keys = torch.zeros(shape, dtype=dtype, device=device)
         self.values = torch.zeros(shape, dtype=dtype, device=device)
         self.capacity = capacity
         self.length = 0
+        self.hidden = None  # a split target's prefix output waiting for its suffix (the backend's own object)
+
+    @classmethod
+    def over(cls, keys: torch.Tensor, values: torch.Tensor, capacity: int) -> KVCache:
+        """An empty cache over existing storage [layers, kv_heads, slots >= capacity, head_dim] (reused buffers:
+        a compiled model's caches keep their addresses, which CUDA graphs require)."""
+        cache = cls.__new__(cls)
+        cache.keys, cache.values, cache.capacity, cache.length, cache.hidden = keys, values, capacity, 0, None
+        return cache
 
     def room(self) -> int:
         """Positions still free."""
@@ -47,6 +56,13 @@ class KVCache:
         self.keys[layer, :, self.length:end] = k
         self.values[layer, :, self.length:end] = v
         return self.keys[layer, :, :end], self.values[layer, :, :end]
+
+    def write_at(self, layer: int, positions: torch.Tensor, k: torch.Tensor, v: torch.Tensor):
+        """Store k, v [kv_heads, T, head_dim] at slots `positions` [T] (a tensor on the cache's device: no host
+        value sets a shape); returns every slot [kv_heads, slots, head_dim] for attention under a mask."""
+        self.keys[layer].index_copy_(1, positions, k)
+        self.values[layer].index_copy_(1, positions, v)
+        return self.keys[layer], self.values[layer]
 
     def advance(self, num_positions: int) -> None:
         """Commit the positions just written by every layer."""

@@ -10,6 +10,7 @@ its context (summaries, retrieval answers, code edits, lists, names) profits mos
 from __future__ import annotations
 
 import numpy as np
+from mirror_rt.runtime.sampling import greedy_ids
 
 
 def lookup_guesses(tokens: list[int], max_guesses: int, max_ngram: int = 3, min_ngram: int = 2) -> list[int]:
@@ -38,7 +39,8 @@ def verify_guesses(main_rows, guesses: list[int]) -> int:
             (row 0: after the last line token).
     Example: guesses [5, 9], row argmaxes [5, 2, 7] -> 1 (5 confirmed, 9 rejected for 2).
     """
+    choices = greedy_ids(main_rows[:len(guesses)]) if guesses else []
     n = 0
-    while n < len(guesses) and int(main_rows[n].argmax()) == guesses[n]:
+    while n < len(guesses) and choices[n] == guesses[n]:
         n += 1
     return n

@@ -13,6 +13,8 @@ import time
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 
+from mirror_rt.runtime.transfer import counters
+
 
 @dataclass
 class Metrics:
@@ -34,6 +36,9 @@ class Metrics:
     start: float = field(default_factory=time.perf_counter)
     first_token_at: float | None = None
     end: float | None = None
+    # device->host reads of the decoding thread (runtime.transfer) when the request started, and at its end
+    reads_at_start: tuple[int, int] = field(default_factory=counters)
+    reads_at_end: tuple[int, int] | None = None
 
     @contextmanager
     def stage(self, name: str):
@@ -58,9 +63,15 @@ class Metrics:
             self.proposed_at[j] += 1
             self.accepted_at[j] += j < num_accepted
 
+    def finish(self) -> None:
+        """Mark the end of the request (wall time, device reads); call from the decoding thread."""
+        self.end = time.perf_counter()
+        self.reads_at_end = counters()
+
     def summary(self) -> dict:
         """Derived figures (JSON-serialisable)."""
         end = self.end or time.perf_counter()
+        read_bytes, reads = (b - a for a, b in zip(self.reads_at_start, self.reads_at_end or counters()))
         wall = end - self.start
         decode = end - (self.first_token_at or self.start)
         return {
@@ -80,5 +91,8 @@ class Metrics:
             "stage_seconds": {k: round(v, 4) for k, v in self.stage_seconds.items()},
             "events": list(self.events),
             "accept_lengths": list(self.accept_lengths),
+            # target side, read back from the model's device (runtime.transfer); host backends read nothing
+            "device_to_host_bytes_per_token": round(read_bytes / self.new_tokens, 1) if self.new_tokens else 0.0,
+            "device_reads_per_step": round(reads / (self.steps + 1), 2),  # each read of a GPU tensor is a sync
             **self.extra,
         }

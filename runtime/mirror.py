@@ -108,6 +108,8 @@ class _TargetStep:
         self.suffix_s = 0.0  # running mean of the suffix time (tells the draft when to expect the verdict)
         self.wait_s = 0.0  # running mean of the rendezvous wait (the draft is the bottleneck when large)
         self.alive = True
+        # a target that computes while the host goes on (CUDA) queues its suffix before reading its exit back
+        self.ahead = getattr(target, "asynchronous", False) and hasattr(target, "launch_prefix")
         self.counters = {"exit_covered": 0, "corrections": 0, "busy": [], "fallback_steps": 0, "exit_steps": 0}
 
     def prefill(self, prompt: list[int], capacity: int, helper_cpu: int | None = None, share: bool = False) -> int:
@@ -129,15 +131,18 @@ class _TargetStep:
             return self.alone(last)
         tokens = list(window.tokens[:k_max])
         base = self.cache.length
-        # Phase 2: prefix and early exit, sent to the draft at once
+        # Phase 2: prefix and early exit, sent to the draft at once (a device target queues its
+        # suffix first, so it computes while the exit's few ids travel back)
         t0 = time.perf_counter()
         with self.metrics.stage("target_prefix"):
-            ids, logprobs = self._prefix([last] + tokens)
+            exit_rows = self._prefix([last] + tokens)
+            queued = self.target.forward_suffix(self.cache) if self.ahead else None  # [k+1, vocab] on the device
+            ids, logprobs = exit_rows.result() if self.ahead else exit_rows
         self._send(EarlyExit(length, tuple(tokens), ids, logprobs, self.suffix_s))
         # Phase 3: suffix and verification
         t1 = time.perf_counter()
         with self.metrics.stage("target_suffix"):
-            logits = self.target.forward_suffix(self.cache)  # [k+1, vocab]
+            logits = self.target.forward_suffix(self.cache) if queued is None else queued  # [k+1, vocab]
             verdict = self._accept(tokens, window, logits, length)
         suffix_s = time.perf_counter() - t1
         self.suffix_s = 0.8 * self.suffix_s + 0.2 * suffix_s if self.suffix_s else suffix_s
@@ -157,10 +162,12 @@ class _TargetStep:
             self.settings.early_exit == "auto" and self.wait_s <= 0.25 * self.suffix_s)
         if use or not hasattr(self.target, "forward_prefix_only"):
             self.counters["exit_steps"] += 1
+            if self.ahead:
+                return self.target.launch_prefix(tokens, self.cache)  # a pending read (result() later)
             return self.target.forward_prefix(tokens, self.cache)
         self.target.forward_prefix_only(tokens, self.cache)
         empty = np.zeros((len(tokens), 0))
-        return empty.astype(np.int64), empty
+        return _Ready(empty.astype(np.int64), empty) if self.ahead else (empty.astype(np.int64), empty)
 
     def alone(self, last: int) -> list[int]:
         """A target-only step (after a draft failure)."""
@@ -212,6 +219,16 @@ class _TargetStep:
             self.alive = False
             self.metrics.events.append(f"fallback to target-only: {reason}")
             self.worker.stop(timeout=0.05)
+
+
+class _Ready:
+    """Early-exit rows already on the host, read like a pending read (`result()`)."""
+
+    def __init__(self, ids: np.ndarray, logprobs: np.ndarray):
+        self.rows = (ids, logprobs)
+
+    def result(self) -> tuple[np.ndarray, np.ndarray]:
+        return self.rows
 
 
 def _set_threads(model, threads: int | None) -> int | None:

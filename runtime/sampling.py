@@ -1,8 +1,12 @@
-"""Logits to probabilities (temperature, top-k, top-p) and token choice, on host numpy arrays.
+"""Logits to probabilities (temperature, top-k, top-p) and token choice, where the logits live.
 
-Every decoder (reference, speculative, mirror) draws through these functions, so the
-target distribution `p` that speculative sampling must reproduce is defined in one place.
-Greedy (temperature 0) never builds probabilities: it is an argmax over raw logits.
+Every decoder (reference, speculative, mirror, both workers) draws through these functions, so the
+target distribution `p` that speculative sampling must reproduce is defined once, for every backend:
+a host array (ONNX Runtime, OpenVINO) is viewed as a CPU tensor without a copy, a device tensor (torch)
+stays on its device, and only the chosen ids (and under sampling a few probabilities) are read back,
+through `runtime.transfer`. Random draws are uniforms from the caller's numpy generator, made on the
+host, so a seed gives the same draws on every device. Greedy (temperature 0) never builds
+probabilities: it is an argmax over raw logits.
 """
 
 from __future__ import annotations
@@ -10,6 +14,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import numpy as np
+import torch
+from mirror_rt.runtime.transfer import host_ids
 
 
 @dataclass(frozen=True)
@@ -36,36 +42,48 @@ class SamplingConfig:
         return self.temperature == 0
 
 
-def probabilities(logits: np.ndarray, config: SamplingConfig) -> np.ndarray:
-    """Warped distribution per row: logits [T, vocab] -> probs [T, vocab] (float64)."""
-    x = np.asarray(logits, dtype=np.float64) / config.temperature
+def as_tensor(x) -> torch.Tensor:
+    """A model output as a tensor: tensors as they are (on their device), host arrays viewed without a copy."""
+    return x if isinstance(x, torch.Tensor) else torch.from_numpy(np.ascontiguousarray(x))
+
+
+def greedy_ids(logits) -> list[int]:
+    """The argmax of each row of logits [T, vocab] (or of one row [vocab]): T ids are all that is read back."""
+    return host_ids(as_tensor(logits).argmax(-1), count=isinstance(logits, torch.Tensor))
+
+
+def probabilities(logits, config: SamplingConfig) -> torch.Tensor:
+    """Warped distribution per row: logits [T, vocab] -> probs [T, vocab] (float64, on the logits' device)."""
+    x = as_tensor(logits).to(torch.float64) / config.temperature
     if config.top_k and config.top_k < x.shape[-1]:
-        kth = np.partition(x, -config.top_k, axis=-1)[..., -config.top_k][..., None]
-        x = np.where(x < kth, -np.inf, x)
-    x = x - x.max(axis=-1, keepdims=True)
-    p = np.exp(x)
-    p /= p.sum(axis=-1, keepdims=True)
+        kth = torch.topk(x, config.top_k, dim=-1).values[..., -1:]
+        x = x.masked_fill(x < kth, -torch.inf)
+    p = torch.softmax(x, dim=-1)
     if config.top_p < 1.0:
         p = _top_p(p, config.top_p)
     return p
 
 
-def _top_p(p: np.ndarray, top_p: float) -> np.ndarray:
-    order = np.argsort(-p, axis=-1, kind="stable")
-    sorted_p = np.take_along_axis(p, order, axis=-1)
+def _top_p(p: torch.Tensor, top_p: float) -> torch.Tensor:
+    sorted_p, order = torch.sort(p, dim=-1, descending=True, stable=True)
     # keep a token while the mass strictly before it is < top_p (the top token always stays)
-    keep_sorted = (np.cumsum(sorted_p, axis=-1) - sorted_p) < top_p
-    keep = np.zeros_like(keep_sorted)
-    np.put_along_axis(keep, order, keep_sorted, axis=-1)
-    p = np.where(keep, p, 0.0)
-    return p / p.sum(axis=-1, keepdims=True)
+    keep_sorted = (torch.cumsum(sorted_p, dim=-1) - sorted_p) < top_p
+    keep = torch.zeros_like(keep_sorted).scatter(-1, order, keep_sorted)
+    p = torch.where(keep, p, torch.zeros_like(p))
+    return p / p.sum(dim=-1, keepdim=True)
 
 
-def sample(p: np.ndarray, rng: np.random.Generator) -> int:
-    """One token from a probability row p [vocab]."""
-    cdf = np.cumsum(p)
-    u = rng.random() * cdf[-1]
-    return int(min(np.searchsorted(cdf, u, side="right"), len(p) - 1))
+def sample(p, rng: np.random.Generator, count: bool | None = None) -> int:
+    """One token from a probability row p [vocab] (unnormalised is fine): one host uniform, one id read back.
+
+    `count`: whether the id's read crosses the device boundary (default: when p is a tensor).
+    """
+    count = isinstance(p, torch.Tensor) if count is None else count
+    p = as_tensor(p)
+    cdf = torch.cumsum(p.to(torch.float64), dim=0)
+    u = torch.full((1,), rng.random(), dtype=torch.float64, device=cdf.device) * cdf[-1]
+    index = torch.searchsorted(cdf, u, right=True).clamp_(max=p.shape[-1] - 1)
+    return host_ids(index, count=count)[0]
 
 
 def keyed_rng(seed: int, stream: int, position: int) -> np.random.Generator:
@@ -78,9 +96,14 @@ def keyed_rng(seed: int, stream: int, position: int) -> np.random.Generator:
     return np.random.default_rng((seed & 0xFFFFFFFFFFFF, stream, position))
 
 
-def choose(logits: np.ndarray, config: SamplingConfig, rng: np.random.Generator):
-    """Pick a token from one logits row [vocab]; returns (token, probs or None when greedy)."""
+def choose(logits, config: SamplingConfig, rng: np.random.Generator):
+    """Pick a token from one logits row [vocab]; returns (token, probs [vocab] or None when greedy)."""
     if config.greedy:
-        return int(np.argmax(logits)), None
-    p = probabilities(logits[None], config)[0]
-    return sample(p, rng), p
+        return greedy_ids(logits)[0], None
+    p = probabilities(as_tensor(logits)[None], config)[0]
+    return sample(p, rng, count=isinstance(logits, torch.Tensor)), p
+
+
+def stack_rows(rows: list) -> torch.Tensor:
+    """Probability rows (tensors or arrays, [vocab] each) -> [k, vocab] on the first row's device."""
+    return torch.stack([as_tensor(r) for r in rows])

@@ -70,5 +70,5 @@ def test_bench_over_bundle(tiny_bundle, tmp_path):
                    "ar,sd,mirror,mirror-no-lookup", "--max-new-tokens", "16", "--out", str(tmp_path / "out"))
     assert proc.returncode == 0, proc.stderr
     doc = json.loads((tmp_path / "out" / "summary.json").read_text())
-    assert doc["baseline"].startswith("ar-ov-") and set(doc["mismatches"].values()) == {0}
+    assert doc["baselines"]["fp32"].startswith("ar-ov-") and set(doc["mismatches"].values()) == {0}
     assert {"sd", "mirror", "mirror-no-lookup"} <= set(doc["summary"]["overall"])

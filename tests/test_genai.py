@@ -105,3 +105,21 @@ def test_sd_skips_a_model_without_tokenizer(genai, tmp_path, monkeypatch):
     lines = []
     assert build_runners(["ov-genai-sd"], SimpleNamespace(tokenizer=None), "tiny", log=lines.append) == []
     assert "needs a tokenizer" in lines[-1]
+
+
+def test_f32_runner_asks_for_exact_precision_and_equals_our_reference(genai, tmp_path, monkeypatch):
+    """ov-genai-f32 names f32 compute and KV (the precision of our fp32 rows) and generates our greedy text."""
+    from mirror_rt.devices.torch_backend import TorchModel
+    from mirror_rt.models.loading import load_checkpoint
+    from mirror_rt.models.tokenizer import ByteTokenizer
+    from mirror_rt.runtime.reference import generate
+
+    monkeypatch.setenv("MIRROR_RT_CACHE", str(tmp_path / "cache"))
+    tokenizer = ByteTokenizer(258)
+    (runner,) = build_runners(["ov-genai-f32"], SimpleNamespace(tokenizer=tokenizer), "tiny", log=lambda *_: None)
+    assert runner.precision == "fp32" and runner.target_only
+    assert runner.label == "openvino genai; fp32 target weights, f32 compute, f32 KV"
+    text, new_tokens, *_ = runner.answer([{"role": "user", "content": "hello"}], make_config(max_new_tokens=8))
+    expected = [t for chunk in generate(TorchModel(load_checkpoint("tiny").model), tokenizer.encode("hello"), 8)
+                for t in chunk]
+    assert new_tokens == 8 and text == tokenizer.decode(expected)

@@ -210,9 +210,9 @@ def test_lookup_guesses_change_cost_not_output():
 class SlowDraft(TorchModel):
     """A draft whose forwards take a while: precomputation then lands at other moments."""
 
-    def forward(self, tokens, cache):
+    def forward(self, tokens, cache, *args, **kwargs):
         time.sleep(0.004)
-        return super().forward(tokens, cache)
+        return super().forward(tokens, cache, *args, **kwargs)
 
 
 @pytest.mark.parametrize("seed", [0, 1])
@@ -223,10 +223,11 @@ def test_seeded_sampling_repeats_whatever_the_timing(seed):
     draft = perturbed_copy(target, noise=0.3, seed=seed + 50)
     settings = dict(gamma=4, sampling=SamplingConfig(temperature=1.0), seed=11)
     fast, _ = run_mirror(TorchSplitTarget(target), TorchModel(draft), [3, 4, 5], 40, **settings)
-    slow_draft, _ = run_mirror(TorchSplitTarget(target), SlowDraft(draft), [3, 4, 5], 40, **settings)
+    slow_draft, drafted = run_mirror(TorchSplitTarget(target), SlowDraft(draft), [3, 4, 5], 40, **settings)
     slow_target, metrics = run_mirror(SlowSuffix(target), TorchModel(draft), [3, 4, 5], 40, **settings)
     branches, _ = run_mirror(SlowSuffix(target), TorchModel(draft), [3, 4, 5], 40, branch_budget=2, **settings)
     assert len(metrics.proposed_at) > 1  # windows of several tokens were verified
     assert fast == slow_draft == slow_target == branches
+    assert not metrics.events and not drafted.events  # no draft fell back (that would draw the text otherwise)
     other, _ = run_mirror(TorchSplitTarget(target), TorchModel(draft), [3, 4, 5], 40, **{**settings, "seed": 12})
     assert other != fast

@@ -1,0 +1,114 @@
+"""Static-shape windows of a torch Transformer, optionally compiled (`--compile`).
+
+A window of T rows runs padded to a fixed size: 1 (target-only steps) or VERIFY_ROWS (every verify window
+of gamma <= 7); longer windows (prompts, gamma > 7) run the same layout eagerly, unpadded, so their many
+lengths compile nothing. The padding rows take the positions after the real ones, write
+KV slots past them that nothing commits (the cache advances by T; the next window overwrites them) and
+their outputs are dropped. KV is written at device-side positions and attention reads every slot of the
+cache under a mask built on the device, so a compiled window has one shape per size:
+`torch.compile(mode="reduce-overhead")` records CUDA graphs on CUDA; on the CPU inductor compiles it.
+`warm_up` compiles both sizes before the first request (compiled code is also specialized on torch's
+thread count: warm up at the count decoding runs with). Caches come from a pool of storages reused
+request after request (a CUDA graph holds their addresses); a storage holds a power-of-two number of
+slots (at least the capacity, plus padding room), and the slot count is a symbolic size of the compiled
+code, so a new storage size records a new CUDA graph without compiling again.
+Limitations: a storage serves one live cache; the pool hands out a free one (a cache no longer
+referenced frees its storage), so several live caches of one model take several storages.
+"""
+
+from __future__ import annotations
+
+import weakref
+
+import torch
+from mirror_rt.models.transformer import MAX_PAD, Transformer
+from mirror_rt.runtime.kv_cache import CacheFull, KVCache
+
+VERIFY_ROWS = 8  # the verify window's padded length: gamma + 1 <= 8 (gamma <= 7)
+WINDOW_SIZES = (1, VERIFY_ROWS)  # padded window lengths; longer windows (prompts) run eagerly, unpadded
+MIN_SLOTS = 256  # smallest storage (slots): short requests share one size
+
+
+def window_size(rows: int) -> int | None:
+    """The padded length of a window of `rows` rows, or None (a prompt: run unpadded)."""
+    return next((size for size in WINDOW_SIZES if size >= rows), None)
+
+
+class StaticWindows:
+    """Static-shape forwards of one model on its device, compiled or eager, with their cache pool."""
+
+    def __init__(self, model: Transformer, compile: bool = False):
+        self.model = model
+        self.compiled = None
+        if compile:
+            cuda = model.embed_tokens.weight.device.type == "cuda"
+            torch._dynamo.config.cache_size_limit = max(torch._dynamo.config.cache_size_limit, 64)
+            self.compiled = torch.compile(model.window_at, mode="reduce-overhead" if cuda else None,
+                                          fullgraph=True)  # window rows static (mark_static), slots symbolic
+        self.free: dict[int, list[tuple[torch.Tensor, torch.Tensor]]] = {}  # storages by slot count
+        self.sizes_run: set[tuple[int, int, int]] = set()  # (first, last, size) windows run so far
+
+    def new_cache(self, capacity: int) -> KVCache:
+        """An empty cache of `capacity` positions over a pooled storage (power-of-two slots + padding room)."""
+        slots = max(MIN_SLOTS, 1 << (capacity - 1).bit_length()) + MAX_PAD
+        free = self.free.setdefault(slots, [])
+        keys, values = free.pop() if free else self._storage(slots)
+        cache = KVCache.over(keys, values, capacity)
+        weakref.finalize(cache, free.append, (keys, values))  # the storage returns when the cache is dropped
+        self.model.ensure_rope(slots)
+        return cache
+
+    def _storage(self, slots: int) -> tuple[torch.Tensor, torch.Tensor]:
+        c, p = self.model.config, self.model.embed_tokens.weight
+        keys, values = (torch.zeros(c.n_layers, c.n_kv_heads, slots, c.head_dim, dtype=p.dtype, device=p.device)
+                        for _ in range(2))
+        if self.compiled is not None:
+            # no copy per call (CUDA graphs read it in place; another storage re-records, it never recompiles)
+            # and any slot count (a symbolic size of the compiled code)
+            for storage in (keys, values):
+                torch._dynamo.mark_static_address(storage, guard=False)
+                torch._dynamo.mark_dynamic(storage, 2)
+        return keys, values
+
+    def warm_up(self, windows: list[tuple[int, int, int]]) -> None:
+        """Compile (and record) windows before the first request: (first layer, last layer, rows) each."""
+        if self.compiled is None:
+            return
+        p = self.model.embed_tokens.weight
+        cache = self.new_cache(MIN_SLOTS)  # a scratch cache: nothing is committed
+        with torch.inference_mode():
+            for first, last, rows in windows:
+                x = torch.zeros(rows, dtype=torch.long, device=p.device) if first == 0 else \
+                    torch.zeros(rows, self.model.config.hidden_size, dtype=p.dtype, device=p.device)
+                self.run(x, rows, cache, first, last)
+
+    def run(self, x: torch.Tensor, rows: int, cache: KVCache, first: int, last: int,
+            last_rows: int | None = None) -> torch.Tensor:
+        """Layers first..last-1 over a window of `rows` positions at cache.length.. (no advance).
+
+        Args:
+            x: token ids [rows] (first == 0), or what the window's prefix returned (first > 0).
+            last_rows: logits of the window's last rows only (when `last` is the last layer).
+        Returns: hidden rows (padded to the window size: the suffix takes them as they are), or the real
+            rows' logits [rows or last_rows, vocab] when `last` is the last layer.
+        """
+        start = cache.length
+        if start + rows > cache.capacity:
+            raise CacheFull(f"KV cache full: {start + rows} positions needed, capacity {cache.capacity}")
+        size = window_size(rows)
+        if size is None:  # a prompt (or a gamma > 7 window): the same layout, eager and unpadded
+            positions = torch.arange(start, start + rows, device=x.device)
+            return self.model.window_at(x, positions, cache, first, last, head_rows=last_rows)
+        if first == 0 and size > rows:
+            x = torch.cat([x, x.new_zeros(size - rows)])  # padding ids: their rows are dropped
+        positions = torch.arange(start, start + size, device=x.device)
+        self.sizes_run.add((first, last, size))
+        if self.compiled is not None:
+            if first == 0:  # a new window: the previous window's graph outputs are dead (a suffix reads its prefix's)
+                torch.compiler.cudagraph_mark_step_begin()
+            torch._dynamo.mark_static(x, 0)  # one graph per window size, never a symbolic row count
+            torch._dynamo.mark_static(positions, 0)
+        out = (self.compiled or self.model.window_at)(x, positions, cache, first, last)
+        if last < self.model.config.n_layers:
+            return out
+        return out[rows - last_rows:rows] if last_rows else out[:rows]

@@ -1,0 +1,102 @@
+"""The device boundary, counted: everything a decoder reads back from a model's output tensors.
+
+Backends keep their outputs where they were computed (torch: a tensor on the model's device); the runtime
+reads them only through `to_host` / `host_ids` / `host_floats` / `PendingRead`, which count the bytes and
+the reads of tensors on an accelerator (each such read is a copy and a synchronization). Counters are per
+thread, since the target and the draft workers run in their own threads: a request's figures are the
+difference of its thread's counters before and after (`Metrics`). Tensors on the CPU and host arrays
+(ONNX Runtime and OpenVINO outputs) cross no device and count nothing, but `record_shapes` keeps the
+shape of every tensor read, CPU included: the same boundary, checked on a machine without a GPU.
+"""
+
+from __future__ import annotations
+
+import threading
+from contextlib import contextmanager
+
+import numpy as np
+import torch
+
+_local = threading.local()
+
+
+def counters() -> tuple[int, int]:
+    """(bytes, reads) the calling thread read back from accelerators so far."""
+    return getattr(_local, "bytes", 0), getattr(_local, "reads", 0)
+
+
+def _count(tensor: torch.Tensor, sync: bool = True) -> None:
+    """Count one tensor read; `sync`: it waits for the device (copies completed together count one)."""
+    if tensor.device.type != "cpu":
+        _local.bytes = getattr(_local, "bytes", 0) + tensor.numel() * tensor.element_size()
+        _local.reads = getattr(_local, "reads", 0) + sync
+    shapes = getattr(_local, "shapes", None)
+    if shapes is not None:
+        shapes.append((tuple(tensor.shape), str(tensor.device)))
+
+
+def to_host(x) -> np.ndarray:
+    """A model output as a host array (counted when it is a tensor)."""
+    if not isinstance(x, torch.Tensor):
+        return np.asarray(x)
+    _count(x)
+    return x.detach().cpu().numpy()
+
+
+def host_ids(x, count: bool = True) -> list[int]:
+    """Token ids [n] (a tensor or an array) as Python ints: the read a greedy decision needs.
+
+    `count=False`: a tensor computed from host arrays (a numpy model output viewed as a tensor), not a read.
+    """
+    if not isinstance(x, torch.Tensor):
+        return [int(t) for t in np.asarray(x).reshape(-1)]
+    if count:
+        _count(x)
+    return x.reshape(-1).tolist()
+
+
+def host_floats(x, count: bool = True) -> list[float]:
+    """A few values [n] (a tensor or an array) as Python floats (sampling: p and q at the drafted tokens)."""
+    if not isinstance(x, torch.Tensor):
+        return [float(t) for t in np.asarray(x).reshape(-1)]
+    if count:
+        _count(x)
+    return x.reshape(-1).tolist()
+
+
+@contextmanager
+def record_shapes():
+    """Collect (shape, device) of every read in this thread while the block runs; yields the list."""
+    previous = getattr(_local, "shapes", None)
+    _local.shapes = shapes = []
+    try:
+        yield shapes
+    finally:
+        _local.shapes = previous
+
+
+class PendingRead:
+    """Tensors on their way to the host: copies are queued at once, `result()` waits for them only.
+
+    On CUDA the copies go to pinned host buffers behind the work already queued, and an event marks their
+    end, so the caller may queue more work (Mirror: the target's suffix) before it reads anything back.
+    Elsewhere the read happens at once. Counted when made, like any read.
+    """
+
+    def __init__(self, *tensors: torch.Tensor):
+        self.event = None
+        if tensors and tensors[0].device.type == "cuda":
+            self.host = []
+            for i, t in enumerate(tensors):
+                _count(t, sync=i == 0)  # one event: one synchronization for all of them
+                self.host.append(torch.empty(t.shape, dtype=t.dtype, pin_memory=True).copy_(t, non_blocking=True))
+            self.event = torch.cuda.Event()
+            self.event.record()
+        else:
+            self.host = [torch.from_numpy(to_host(t)) for t in tensors]
+
+    def result(self) -> list[np.ndarray]:
+        """The tensors as host arrays (waits for their copies, not for later work)."""
+        if self.event is not None:
+            self.event.synchronize()
+        return [h.numpy() for h in self.host]

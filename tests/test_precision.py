@@ -1,0 +1,95 @@
+"""Precision as a setting: bf16 / fp16 targets, RMSNorm and RoPE tables in fp32, the int8 draft of any target.
+
+"Lossless" means identical to the target at its own precision: `ar` runs the same bf16 target, and sd and
+mirror must equal it, except at an exact tie of the target's bf16 logits, where windows of other lengths
+may round the other way (the first mismatch must then have a top-2 margin of a bf16 rounding step).
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from conftest import tiny_target
+from mirror_rt.devices import engines
+from mirror_rt.evaluation.device_check import first_mismatch, top2_margin
+from mirror_rt.models.quantize import int8_copy
+from mirror_rt.models.transformer import RMSNorm, rope_inv_freq, rope_tables
+
+
+def test_rmsnorm_normalizes_in_fp32():
+    """fp16 would overflow x^2 at SmolLM-sized activations; bf16 equals the fp32 computation rounded once."""
+    norm = RMSNorm(64, 1e-5)
+    x = torch.randn(3, 64) * 400  # x^2 ~ 1.6e5 > fp16 max 65504
+    expected = norm(x)
+    half = norm.to(torch.float16)(x.half())
+    assert torch.isfinite(half).all()
+    torch.testing.assert_close(half.float(), expected, atol=2e-2, rtol=2e-3)
+    bf16 = norm.to(torch.bfloat16)
+    assert torch.equal(bf16(x.bfloat16()), bf16.weight * norm.float()._normalize(x.bfloat16().float()).bfloat16())
+
+
+def test_rope_tables_stay_exact_through_casts():
+    """inv_freq stays fp32 in a bf16 model; the tables are derived at each dtype, never cast from another."""
+    model = tiny_target(seed=0).to(torch.bfloat16)
+    assert model.inv_freq.dtype == torch.float32
+    inv = rope_inv_freq(model.config).float()
+    positions = torch.arange(model.rope_cos.shape[0])
+    assert torch.equal(model.inv_freq, inv)
+    assert torch.equal(model.rope_cos, rope_tables(inv, positions, torch.bfloat16)[0])
+    back = model.to(torch.float32)
+    assert torch.equal(back.rope_sin, rope_tables(inv, positions, torch.float32)[1])  # not bf16 values cast up
+
+
+def test_rope_tables_grow_on_demand():
+    model = tiny_target(seed=0)
+    model.rope_cos = model.rope_cos[:8]
+    model.ensure_rope(100)
+    assert model.rope_cos.shape[0] >= 100
+
+
+def test_default_dtype_by_device(monkeypatch):
+    assert engines.default_dtype("cpu") == "float32"
+    monkeypatch.setattr(torch.cuda, "is_bf16_supported", lambda *a, **k: True)
+    assert engines.default_dtype("cuda:0") == "bfloat16"
+    monkeypatch.setattr(torch.cuda, "is_bf16_supported", lambda *a, **k: False)
+    assert engines.default_dtype("cuda") == "float16"
+
+
+def test_int8_draft_of_a_bf16_target():
+    """The default draft works whatever the target dtype (quantized from fp32 copies of its weights)."""
+    target = tiny_target(seed=0).to(torch.bfloat16)
+    draft = int8_copy(target)
+    assert target.embed_tokens.weight.dtype == torch.bfloat16  # the original is untouched
+    assert draft.embed_tokens.weight.dtype == torch.float32
+    assert draft(torch.tensor([5, 6]), draft.new_cache(4)).shape == (2, target.config.vocab_size)
+
+
+@pytest.mark.parametrize("dtype", ["bf16", "float16"])
+def test_low_precision_target_is_lossless_at_its_precision(dtype):
+    engine = engines.load_torch("tiny", dtype=dtype, log=lambda *a: None)
+    assert engine.names["target_precision"] == {"bf16": "bf16", "float16": "fp16"}[dtype]
+    assert engine.names["draft_precision"] == "int8"
+    for prompt in ("hello world", "the quick brown fox", "abc"):
+        ids = engine.prompt_ids(prompt, chat=False)
+        expected = engine.generate(prompt, mode="ar", max_new_tokens=40, chat=False, ignore_eos=True).tokens
+        for mode in ("sd", "mirror"):
+            got = engine.generate(prompt, mode=mode, max_new_tokens=40, chat=False, ignore_eos=True).tokens
+            index = first_mismatch(expected, got)
+            if index is not None:  # only at a tie of the target's own logits
+                step = 2.0 ** -7 if dtype == "bf16" else 2.0 ** -10
+                top = engine.target.forward(ids + expected[:index], engine.target.new_cache(len(ids) + index + 1))
+                assert top2_margin(engine.target, ids, expected, index) <= 2 * step * top[-1].abs().max().item()
+
+
+def test_low_precision_logits_come_from_an_fp32_copy_of_the_current_head():
+    """bf16 weights, fp32 logits (no ties from 8-bit mantissas); the copy follows in-place weight changes."""
+    model = tiny_target(seed=0).to(torch.bfloat16)
+    with torch.inference_mode():
+        logits = model(torch.tensor([5, 6]), model.new_cache(4))
+    assert logits.dtype == torch.float32 and model.head32.dtype == torch.float32
+    with torch.no_grad():
+        model.lm_head.weight.mul_(2)  # exact in bf16
+    with torch.inference_mode():
+        again = model(torch.tensor([5, 6]), model.new_cache(4))
+    torch.testing.assert_close(again, 2 * logits)
+    assert tiny_target(seed=0).head32 is None  # fp32 / fp64 models keep no copy

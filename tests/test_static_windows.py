@@ -1,0 +1,108 @@
+"""Static-shape windows (`devices.torch_static`) and `--compile` on the CPU (inductor).
+
+Windows run padded to 1 or 8 rows (longer ones eagerly, unpadded) with KV written at device-side positions
+and attention over every slot under a mask; padding rows are never committed. Greedy output must equal the eager
+reference token for token (tiny float64 models: their rounding differences are far below any margin).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import gc
+
+import numpy as np
+import pytest
+import torch
+from conftest import perturbed_copy, tiny_target
+from mirror_rt.devices.torch_backend import TorchModel
+from mirror_rt.devices.torch_split import TorchSplitTarget
+from mirror_rt.devices.torch_static import VERIFY_ROWS, WINDOW_SIZES, window_size
+from mirror_rt.models.config import ModelConfig
+from mirror_rt.models.transformer import random_model
+from mirror_rt.runtime.kv_cache import CacheFull
+from mirror_rt.runtime.metrics import Metrics
+from mirror_rt.runtime.mirror import MirrorSettings, mirror_generate
+from mirror_rt.runtime.reference import generate
+from mirror_rt.runtime.speculative import speculative_generate
+
+PROMPT = [5, 17, 42, 9, 80, 33, 61]
+
+
+def flat(steps):
+    return [t for step in steps for t in step]
+
+
+@pytest.mark.parametrize("rows,size", [(1, 1), (2, 8), (5, 8), (8, 8), (9, None), (300, None)])
+def test_window_sizes(rows, size):
+    assert window_size(rows) == size and (size is None or size in WINDOW_SIZES)
+
+
+def test_static_logits_equal_eager_and_padding_is_never_committed():
+    """A 3-row window (padded to 8) gives the eager logits; the cache advances by 3; the padded slots are
+    overwritten by the next windows, whose logits are again the eager ones."""
+    target = tiny_target(seed=1)
+    eager, static = TorchModel(target), TorchModel(target, static=True)
+    eager_cache, static_cache = eager.new_cache(64), static.new_cache(64)
+    np.testing.assert_allclose(static.forward(PROMPT, static_cache), eager.forward(PROMPT, eager_cache), atol=1e-9)
+    for window in ([7, 8, 9], [11], [12, 13, 14, 15, 16], list(range(30, 42))):  # 12 rows: eager, unpadded
+        np.testing.assert_allclose(static.forward(window, static_cache), eager.forward(window, eager_cache),
+                                   atol=1e-9)
+        assert static_cache.length == eager_cache.length
+    static_cache.rollback(len(PROMPT) + 2)
+    eager_cache.rollback(len(PROMPT) + 2)
+    np.testing.assert_allclose(static.forward([20, 21], static_cache), eager.forward([20, 21], eager_cache),
+                               atol=1e-9)
+    assert static.static.sizes_run == {(0, 4, 1), (0, 4, VERIFY_ROWS)}  # two shapes: 1 and gamma_max + 1
+
+
+@pytest.mark.parametrize("seed", range(3))
+def test_static_greedy_equals_reference_in_every_mode(seed):
+    target = tiny_target(seed=seed)
+    draft = perturbed_copy(target, noise=0.4, seed=seed + 50)
+    expected = flat(generate(TorchModel(target), PROMPT, 40))
+    split = TorchSplitTarget(target, kappa=4, static=True)
+    assert flat(generate(split, PROMPT, 40)) == expected
+    assert flat(speculative_generate(split, TorchModel(draft), PROMPT, 40, 4)) == expected
+    got = flat(mirror_generate(split, TorchModel(draft), PROMPT, 40, MirrorSettings(gamma=5), Metrics()))
+    assert got == expected
+
+
+def test_static_cache_refuses_to_pass_capacity():
+    model = TorchModel(tiny_target(seed=0), static=True)
+    cache = model.new_cache(8)
+    model.forward(PROMPT, cache)
+    with pytest.raises(CacheFull):
+        model.forward([1, 2], cache)
+
+
+def test_storages_are_pooled_and_reused():
+    """A dropped cache's storage serves the next request (a CUDA graph keeps its address); live caches differ."""
+    model = TorchModel(tiny_target(seed=0), static=True)
+    first = model.new_cache(40)
+    second = model.new_cache(100)  # same slot bucket, both alive: two storages
+    assert first.keys.data_ptr() != second.keys.data_ptr()
+    pointer = first.keys.data_ptr()
+    del first
+    gc.collect()
+    assert model.new_cache(50).keys.data_ptr() == pointer
+
+
+@pytest.mark.slow
+def test_compiled_greedy_equals_eager_reference():
+    """`--compile` (inductor on the CPU): ar, sd and mirror over the compiled split target give the eager tokens;
+    the windows compile once at warm-up, and a request over a larger cache storage compiles nothing more
+    (the slot count is symbolic)."""
+    config = dataclasses.replace(ModelConfig.from_name("tiny"), vocab_size=97, max_seq_len=1024)
+    target = random_model(config, seed=2, scale=30.0)
+    draft = perturbed_copy(target, noise=0.4, seed=9)
+    long_prompt = PROMPT * 40  # 280 tokens: a 512-slot storage, not the warm-up's 256
+    expected = {len(p): flat(generate(TorchModel(target), p, 30)) for p in (PROMPT, long_prompt)}
+    compiled = TorchSplitTarget(target, kappa=4, compile=True)
+    compiled.warm_up()
+    graphs = torch._dynamo.utils.counters["stats"]["unique_graphs"]
+    for prompt in (PROMPT, long_prompt):
+        assert flat(generate(compiled, prompt, 30)) == expected[len(prompt)]
+        assert flat(speculative_generate(compiled, TorchModel(draft), prompt, 30, 4)) == expected[len(prompt)]
+        got = flat(mirror_generate(compiled, TorchModel(draft), prompt, 30, MirrorSettings(gamma=4), Metrics()))
+        assert got == expected[len(prompt)]
+    assert torch._dynamo.utils.counters["stats"]["unique_graphs"] == graphs  # no compile after warm-up

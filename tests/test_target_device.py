@@ -1,0 +1,157 @@
+"""`--target cuda` without a bundle, honest fallbacks, ONNX Runtime on CUDA, and placement by device.
+
+No GPU here: CUDA's presence is simulated where the choice depends on it (torch.cuda.device_count), and
+the engine assembly is checked up to the call that would move weights to the GPU.
+"""
+
+from __future__ import annotations
+
+import warnings
+
+import pytest
+import torch
+from mirror_rt.devices import engines
+from mirror_rt.devices.placement import is_accelerator, plan
+from mirror_rt.devices.registry import DeviceError, DeviceFallbackWarning, DeviceSpec, resolve
+
+CPU_ONLY = {"torch": ["cpu"], "openvino": ["CPU"], "onnxruntime": ["cpu"]}
+WITH_NPU = {"torch": ["cpu"], "openvino": ["CPU", "NPU"], "onnxruntime": ["cpu"]}
+
+
+def _fallback_message(*args, **kwargs) -> tuple[DeviceSpec, str]:
+    with pytest.warns(DeviceFallbackWarning) as record:
+        spec = resolve(*args, **kwargs)
+    assert len(record) == 1 and "\n" not in str(record[0].message)
+    return spec, str(record[0].message)
+
+
+def test_cuda_fallback_names_what_is_missing_for_the_bundle():
+    """An ONNX bundle on `cuda`: torch cannot run it and ONNX Runtime on CUDA is refused; never 'not available'."""
+    spec, message = _fallback_message("cuda", graph_format="onnx-shared", devices=CPU_ONLY)
+    assert spec == DeviceSpec("onnxruntime", "cpu")
+    assert "torch cannot run onnx graphs" in message and "ONNX Runtime on CUDA is not supported" in message
+    assert "not available" not in message
+
+
+def test_cuda_fallback_for_torch_graphs_says_torch_sees_no_cuda():
+    spec, message = _fallback_message("cuda:1", graph_format="torch", devices=CPU_ONLY)
+    assert spec == DeviceSpec("torch", "cpu") and "torch sees no CUDA device 1" in message
+
+
+def test_missing_provider_is_named():
+    spec, message = _fallback_message("ort:qnn", graph_format="onnx", devices=CPU_ONLY)
+    assert spec.backend == "onnxruntime" and "onnxruntime has no QNN provider (it has cpu)" in message
+
+
+def test_ort_cuda_is_refused_in_one_line_even_with_the_provider():
+    """ONNX Runtime on CUDA is refused (fp32 graphs), pointing at torch."""
+    with pytest.raises(DeviceError, match="run the target in torch") as info:
+        resolve("ort:cuda", graph_format="onnx", devices={**CPU_ONLY, "onnxruntime": ["cpu", "cuda"]})
+    assert "\n" not in str(info.value)
+
+
+def test_shared_kv_bundle_falls_back_from_an_npu_instead_of_raising():
+    """The default (shared-KV) bundle with --draft npu on a machine with an NPU: ort:cpu, with the reason."""
+    spec, message = _fallback_message("npu", graph_format="onnx-shared", devices=WITH_NPU)
+    assert spec == DeviceSpec("onnxruntime", "cpu") and "shared buffers" in message
+    with pytest.raises(DeviceError, match="shared buffers"):
+        resolve("npu", strict=True, graph_format="onnx-shared", devices=WITH_NPU)
+
+
+def test_target_cuda_without_a_bundle_runs_torch_on_the_gpu(monkeypatch):
+    """`run --target cuda` (no bundle) asks load_torch for cuda:0 with the draft on --draft."""
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
+    seen = {}
+    monkeypatch.setattr(engines, "load_torch", lambda **kw: seen.update(kw) or "engine")
+    assert engines.load_engine(target_device="cuda", draft_device="npu") == "engine"
+    assert seen["device"] == "cuda:0" and seen["draft_device"] == "npu"
+    engines.load_engine(target_device="cuda:1", torch_options={"model": "tiny"})
+    assert seen["device"] == "cuda:1" and seen["model"] == "tiny"
+    with pytest.raises(engines.GenerationError, match="different"):
+        engines.load_engine(target_device="cuda:1", torch_options={"device": "cpu"})
+
+
+def test_target_cuda_without_cuda_warns_plainly_and_runs_the_default_bundle(monkeypatch):
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 0)
+    lines = []
+    assert engines.torch_target("cuda", log=lines.append) is None
+    assert len(lines) == 1 and "torch sees no CUDA device" in lines[0] and "on the CPU" in lines[0]
+    with pytest.raises(DeviceError, match="strict"):
+        engines.torch_target("cuda", strict=True)
+    with pytest.warns(DeviceFallbackWarning, match="torch:cpu"):
+        assert engines.torch_target("torch:cuda") == "cpu"
+    assert not engines.names_torch_device("ort:cpu") and not engines.names_torch_device("npu")
+    assert engines.names_torch_device("torch:cpu") and engines.names_torch_device("cuda:1")
+
+
+def test_torch_draft_on_an_accelerator_says_it_runs_on_the_cpu():
+    with pytest.warns(DeviceFallbackWarning, match="CPU only"):
+        assert engines._torch_draft_device("npu", strict=False) == "torch:cpu"
+    with pytest.raises(DeviceError):
+        engines._torch_draft_device("cuda", strict=True)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert engines._torch_draft_device("cpu", strict=True) == "torch:cpu"
+
+
+@pytest.mark.parametrize("device,expected", [("cpu", False), ("ort:cpu", False), ("torch:cpu", False),
+                                             ("openvino:CPU", False), ("cuda", True), ("torch:cuda:1", True),
+                                             ("npu", True), ("openvino:GPU.1", True), ("ort:qnn", True)])
+def test_is_accelerator(device, expected):
+    assert is_accelerator(device) == expected
+
+
+def test_placement_cuda_target_gives_the_draft_every_core():
+    """A CUDA target is not pinned; the CPU draft gets all 16 cores (not one)."""
+    placement = plan("torch:cuda:0", "ort:cpu", "mirror", list(range(16)))
+    assert placement.target_cpus is None and placement.draft_cpus is None and placement.draft_threads == 16
+    assert placement.worker_cores is None
+    assert placement.describe() == ("target torch:cuda:0 (thread not pinned); "
+                                    "draft ort:cpu, 16 threads (not pinned)")
+
+
+def test_placement_cpu_pair_pins_a_core_each_in_mirror_only():
+    mirror = plan("ort:cpu", "ort:cpu", "mirror", [4, 5, 6])
+    assert mirror.worker_cores == (4, 5) and mirror.target_threads == mirror.draft_threads == 1
+    assert "pinned to core 4" in mirror.describe() and "pinned to core 5" in mirror.describe()
+    sd = plan("ort:cpu", "ort:cpu", "sd", [4, 5, 6])
+    assert sd.worker_cores is None and sd.target_threads == 3
+    assert plan("ort:cpu", "ort:cpu", "mirror", [0]).worker_cores is None  # one core: nothing to split
+    assert plan("ort:cpu", "ort:cpu", "mirror", [0, 1], threads=2).worker_cores is None
+
+
+def test_cpu_torch_engine_reports_its_placement():
+    engine = engines.load_torch("tiny", "int8", log=lambda *a: None)
+    assert engine.names["placement"] == plan("torch:cpu", "torch:cpu", "mirror",
+                                             sorted(engines.available_cores())).describe()
+
+
+@pytest.fixture(scope="module")
+def onnx_bundle(tmp_path_factory):
+    from mirror_rt.exporters.export import export_bundle
+
+    pytest.importorskip("onnxruntime")
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        return export_bundle("tiny", tmp_path_factory.mktemp("draft") / "b", fmt="onnx", progress=False)
+
+
+@pytest.mark.parametrize("mode", ["sd", "mirror"])
+def test_torch_target_with_a_bundle_draft(onnx_bundle, mode):
+    """The CUDA pairing, on the CPU: a torch target with the ONNX Runtime draft of a bundle (placed by plan),
+    lossless, the draft prefilling itself (its KV lives in another backend)."""
+    engine = engines.load_engine(target_device="torch:cpu", draft_device="cpu", draft_bundle=str(onnx_bundle),
+                                 torch_options={"model": "tiny"}, mode=mode, log=lambda *a: None)
+    assert type(engine.draft).__name__ == "ORTModel" and not engine.draft.same_model_as_target
+    cores = sorted(engines.available_cores())
+    assert engine.names["placement"] == plan("torch:cpu", "ort:cpu", mode, cores).describe()
+    ar = engine.generate("hello there", mode="ar", max_new_tokens=24, chat=False)
+    assert engine.generate("hello there", mode=mode, max_new_tokens=24, chat=False).tokens == ar.tokens
+
+
+def test_bundle_draft_of_another_vocabulary_is_refused(onnx_bundle, tmp_path):
+    from conftest import write_hf_folder
+
+    folder = write_hf_folder(tmp_path / "m", vocab_size=64)
+    with pytest.raises(engines.GenerationError, match="vocabulary mismatch"):
+        engines.load_torch(str(folder), draft_bundle=str(onnx_bundle), log=lambda *a: None)
