@@ -272,12 +272,13 @@ def load_bundle(bundle: str, *, target_device: str = "cpu", draft_device: str = 
         threads: compute threads of each worker, unpinned (None: as `mode` places them).
     """
     from mirror_rt.devices.registry import (
+        Placement,
         WorkerBudget,
         adopts_from,
         bundle_format,
         draft_copies_target,
         load_tokenizer,
-        resolve,
+        resolve_noted,
     )
     from mirror_rt.exporters.manifest import read_manifest
 
@@ -287,8 +288,8 @@ def load_bundle(bundle: str, *, target_device: str = "cpu", draft_device: str = 
     if draft_manifest.vocab_size != manifest.vocab_size:
         raise GenerationError(f"vocabulary mismatch: target bundle has {manifest.vocab_size} tokens, "
                               f"draft bundle has {draft_manifest.vocab_size}")
-    target_where = resolve(target_device, strict_devices, bundle_format(manifest, "target"))
-    draft_where = resolve(draft_device, strict_devices, bundle_format(draft_manifest, "draft"))
+    target_where, target_fell = resolve_noted(target_device, strict_devices, bundle_format(manifest, "target"))
+    draft_where, draft_fell = resolve_noted(draft_device, strict_devices, bundle_format(draft_manifest, "draft"))
     cores = sorted(available_cores())
     placement = plan(str(target_where), str(draft_where), mode, cores, threads)
     both = placement.worker_cores  # a core each: the target's prompt may also use the draft's (idle) core
@@ -296,6 +297,8 @@ def load_bundle(bundle: str, *, target_device: str = "cpu", draft_device: str = 
     draft_budget = WorkerBudget(placement.draft_threads, placement.draft_cpus, draft_precision)
     target = _in_worker_thread(bundle, manifest, "target", target_where, strict_devices, target_budget)
     draft = _in_worker_thread(draft_source, draft_manifest, "draft", draft_where, strict_devices, draft_budget)
+    target.placement = Placement(str(target_device), str(target_where), target_fell)  # as asked, not as resolved
+    draft.placement = Placement(str(draft_device), str(draft_where), draft_fell)
     # the draft starts from the target's prompt KV only when it is the target's copy and reads its caches
     draft.same_model_as_target = draft_copies_target(manifest, draft_manifest) and adopts_from(draft, target)
     names = {"model": Path(bundle).name, "target": f"{bundle} ({type(target).__name__})",

@@ -162,6 +162,16 @@ def resolve(spec: DeviceSpec | str, strict: bool = False, graph_format: str | No
     return fallback
 
 
+def resolve_noted(device: DeviceSpec | str, strict: bool = False, graph_format: str | None = None):
+    """`resolve`, also saying whether it fell back: (spec, fell back); the warning is shown as usual."""
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always", DeviceFallbackWarning)
+        spec = resolve(device, strict, graph_format)
+    for warning in caught:
+        warnings.warn(warning.message, warning.category, stacklevel=3)
+    return spec, any(w.category is DeviceFallbackWarning for w in caught)
+
+
 def _unusable(spec: DeviceSpec, graph_format: str | None, devices: dict) -> str | None:
     """Why `spec` cannot run `graph_format` here, in a few words; None when it can."""
     plain = "onnx" if graph_format == "onnx-shared" else graph_format
@@ -231,11 +241,7 @@ def load_model(folder: Path, manifest, role: str, device: str | DeviceSpec, stri
 
     The target's exit graph runs on the target's device under the target's budget.
     """
-    with warnings.catch_warnings(record=True) as caught:  # noted on the model, then shown as usual
-        warnings.simplefilter("always", DeviceFallbackWarning)
-        spec = resolve(device, strict, bundle_format(manifest, role))
-    for warning in caught:
-        warnings.warn(warning.message, warning.category, stacklevel=2)
+    spec, fell_back = resolve_noted(device, strict, bundle_format(manifest, role))
     budget.apply()
     config = _config(manifest, role)
     roles = ("draft",) if role == "draft" else ("target_prefix", "target_exit", "target_suffix")
@@ -243,7 +249,7 @@ def load_model(folder: Path, manifest, role: str, device: str | DeviceSpec, stri
     paths = [Path(folder) / e.file for e in entries]
     loader = {"openvino": _load_openvino, "onnxruntime": _load_onnxruntime, "torch": _load_torch}[spec.backend]
     model = loader(paths, manifest, config, spec, budget)
-    model.placement = Placement(str(device), str(spec), any(w.category is DeviceFallbackWarning for w in caught))
+    model.placement = Placement(str(device), str(spec), fell_back)
     return model
 
 

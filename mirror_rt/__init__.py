@@ -28,21 +28,22 @@ from mirror_rt.runtime.sampling import SamplingConfig
 def load(model: str | None = None, draft_model: str | None = None, *, device: str | None = None,
          dtype: str | None = None, cache_dir: str | None = None, threads: int | None = None,
          exit_layer: int | None = None, kappa: int | None = None, pin: bool = True,
-         draft_streams: str | None = None, torch: bool = False, log=_stderr) -> Engine:
+         draft_streams: str | None = None, compile: bool | None = None, torch: bool = False,
+         log=_stderr) -> Engine:
     """The default engine with no arguments; torch eager with `torch=True` or any torch-only option.
 
     Args:
         model: a Hugging Face folder, a .gguf file, a preset (`tiny`); None: the default model.
         draft_model: `int8` (an int8 copy of the target, torch's default), `target` (the oracle draft),
             or a folder / .gguf / preset.
-        device, dtype, threads, exit_layer, kappa, draft_streams: torch eager settings
+        device, dtype, threads, exit_layer, kappa, draft_streams, compile: torch settings
             (see `mirror_rt.devices.engines.load_torch`).
         cache_dir: where the default model, its bundle and converted GGUF files are kept.
         pin: torch, mirror mode: pin target and draft to different cores.
         torch: run torch eager even when no torch-only option is given.
     """
     options = dict(model=model, draft_model=draft_model, device=device, dtype=dtype, threads=threads,
-                   exit_layer=exit_layer, kappa=kappa, draft_streams=draft_streams)
+                   exit_layer=exit_layer, kappa=kappa, draft_streams=draft_streams, compile=compile)
     if not pin:
         options["pin"] = False
     return load_engine(torch=torch, torch_options=options, cache_dir=cache_dir, log=log)

@@ -5,7 +5,8 @@ Serve loads it into every proxy through `RAY_SERVE_HTTP_PROXY_CALLBACK_IMPORT_PA
 sent (replicas name themselves in `x-mirror-rt-replica`) is the proxy's own: its errors
 (backpressure 503 with Retry-After, 408, no replica available) get the app's error envelope. A
 request whose replica was lost before it sent anything (the proxy sends nothing then) is sent
-once more, so a non-streamed request survives a replica's death with the same answer; a stream
+once more, so a non-streamed request survives a replica's death with the same answer (and so is one
+that a replica refused with `x-mirror-rt-retry` because its engine stopped before answering); a stream
 cut after its 200 ends with the single server's failure events (an SSE error, then `[DONE]`).
 The middleware knows nothing of engines; it only reads and writes ASGI messages.
 """
@@ -19,6 +20,7 @@ import re
 from mirror_rt.serving.errors import envelope
 
 REPLICA_HEADER = b"x-mirror-rt-replica"
+RETRY_HEADER = b"x-mirror-rt-retry"  # a replica whose engine stopped before answering: send it elsewhere
 PROXY_CALLBACK = "mirror_rt.serving.proxy:middlewares"
 RETRIES = 1  # a request whose replica died before answering is sent once more
 LOST = "the replica serving this request was lost"
@@ -68,16 +70,23 @@ class Reply:
         self.client_send, self.started, self.ended = send, False, False
         self.event_stream, self.error = False, None
         self.rewrite: dict | None = None  # the proxy's own error response, held until its body is read
+        self.held: list | None = None  # a replica's "retry elsewhere" answer, sent only by the last attempt
 
     async def send(self, message) -> None:
         kind = message["type"]
         if kind == "http.response.start":
             headers = dict(message.get("headers", []))
             self.event_stream = headers.get(b"content-type", b"").startswith(b"text/event-stream")
+            if RETRY_HEADER in headers:
+                self.held = [message]
+                return
             if REPLICA_HEADER not in headers and message["status"] >= 400:
                 self.rewrite = {"status": message["status"], "headers": message.get("headers", []), "body": b""}
                 return
             self.started = True
+        elif kind == "http.response.body" and self.held is not None:
+            self.held.append(message)
+            return
         elif kind == "http.response.body" and self.rewrite is not None:
             self.rewrite["body"] += message.get("body", b"")
             if not message.get("more_body", False):
@@ -101,6 +110,11 @@ class Reply:
     async def finish(self) -> None:
         """End what the attempt left open: an error answer, or a cut stream's closing events."""
         if self.ended:
+            return
+        if self.held is not None:  # the last attempt: the replica's own answer after all
+            for message in self.held:
+                await self.client_send(message)
+            self.ended = True
             return
         if not self.started:
             self.rewrite = {"status": 500, "headers": [], "body": f"{LOST} ({self.error or 'no answer'})".encode()}

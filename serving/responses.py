@@ -61,6 +61,9 @@ def failure(job, record: RequestRecord, timeout_s: float | None) -> APIError:
     if job.outcome == "cancelled":
         return APIError(503, "the request was cancelled: the server is shutting down", headers={"Retry-After": "1"})
     reason = f"{type(job.error).__name__}: {job.error}" if job.error else "unknown error"
+    if job.error is not None and not isinstance(job.error, Exception):  # SystemExit and the like: the engine stopped
+        return APIError(503, f"the engine stopped before answering ({reason}); retry on another server",
+                        headers={"Retry-After": "1", "x-mirror-rt-retry": "engine-stopped"})
     return APIError(500, f"generation failed: {reason}")
 
 

@@ -219,12 +219,14 @@ class Exiting:
 
 @pytest.mark.filterwarnings("ignore::pytest.PytestUnhandledThreadExceptionWarning")
 def test_an_engine_thread_that_dies_answers_its_client_and_health_goes_503(engine):
-    """Nothing hangs: the running request gets a 500, /health turns 503, later requests are refused."""
+    """Nothing hangs: the running request gets a 503 saying to retry elsewhere (a replica's proxy does), /health
+    turns 503, later requests are refused."""
     dying = start(engine)
     try:
         with Swapped(engine, "target", Exiting):
             response = httpx.post(dying.url + "/v1/completions", json=body(10), timeout=30)
-        assert response.status_code == 500 and "SystemExit" in response.json()["error"]["message"]
+        assert response.status_code == 503 and "SystemExit" in response.json()["error"]["message"]
+        assert response.headers["x-mirror-rt-retry"] == "engine-stopped"
         assert wait_for(lambda: httpx.get(dying.url + "/health").status_code == 503)
         later = httpx.post(dying.url + "/v1/completions", json=body(10), timeout=30)
         assert later.status_code == 503 and "engine thread stopped" in later.json()["error"]["message"]

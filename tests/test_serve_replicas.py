@@ -105,6 +105,18 @@ def test_the_proxys_backpressure_503_gets_the_envelope_and_keeps_retry_after():
     assert len(app.bodies) == 1
 
 
+def test_a_replica_whose_engine_stopped_is_retried_and_its_answer_kept_for_the_last_attempt():
+    """`x-mirror-rt-retry`: the request goes to another replica; a second refusal reaches the client as sent."""
+    retry = (b"x-mirror-rt-retry", b"engine-stopped")
+    refusal = b'{"error": {"message": "the engine stopped", "code": 503}}'
+    app = Downstream([start(503, JSON, NAMED, retry), chunk(refusal)], [start(200, JSON, NAMED), chunk(b'{"ok": 1}')])
+    assert answer(run(app))[::2] == (200, b'{"ok": 1}') and len(app.bodies) == 2
+    twice = Downstream([start(503, JSON, NAMED, retry), chunk(refusal)], [start(503, JSON, NAMED, retry),
+                                                                          chunk(refusal)])
+    status, headers, body = answer(run(twice))
+    assert (status, body, headers[b"x-mirror-rt-retry"]) == (503, refusal, b"engine-stopped")
+
+
 def test_a_replicas_own_error_passes_unchanged_and_is_not_retried():
     error = b'{"error": {"message": "generation failed", "code": 500}}'
     app = Downstream([start(500, JSON, NAMED), chunk(error)])
