@@ -14,6 +14,7 @@ import asyncio
 import contextlib
 import json
 import logging
+import os
 import secrets
 import threading
 import uuid
@@ -44,6 +45,9 @@ class ServerSettings:
     defaults: GenerationConfig = field(default_factory=lambda: GenerationConfig(mode="mirror"))  # mode, gamma...
     temperature: float = 1.0  # OpenAI's default when a request names none
     retry_after_s: int = 1  # Retry-After of a 503
+    # a replica ends its process when its engine thread dies before answering (Serve's proxy then sends the
+    # request to another replica); a single server answers 503 with x-mirror-rt-retry instead
+    exit_on_engine_death: bool = False
 
 
 class ServerState:
@@ -66,7 +70,8 @@ class ServerState:
         self.metrics.spec_enabled.labels(self.model_name).set(int(self.settings.defaults.mode != "ar"))
         self.metrics.set_load(0, 0)
         self.scheduler = Scheduler(engine, self.settings.max_queued, self.settings.request_timeout_s,
-                                   on_change=self.metrics.set_load, on_finish=self._finished)
+                                   on_change=self.metrics.set_load, on_finish=self._finished,
+                                   on_death=_exit_now if self.settings.exit_on_engine_death else None)
         self.status = "ready"
 
     def _finished(self, job: Job) -> None:
@@ -102,6 +107,11 @@ def create_app(settings: ServerSettings, load: Callable[[], object], metrics_sin
     _add_completion_routes(app, state)
     _add_token_routes(app, state)
     return app
+
+
+def _exit_now(error: BaseException) -> None:
+    log.error("the engine thread stopped (%s: %s): ending this replica", type(error).__name__, error)
+    os._exit(1)
 
 
 def _load(state: ServerState, load) -> None:

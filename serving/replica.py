@@ -16,6 +16,7 @@ the cores they may run on) use what Ray reserved for them and two replicas never
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import os
 
 from mirror_rt.serving.app import ServerSettings, create_app
@@ -131,7 +132,8 @@ def replica_deployment(options: dict):
         """One engine behind the app; Serve runs as many as the deployment asks for."""
 
         async def __init__(self, settings: ServerSettings, load):
-            self.settings = settings
+            # an engine thread that dies ends the replica before it answers: the proxy resends the request
+            self.settings = dataclasses.replace(settings, exit_on_engine_death=True)
             pin_replica(options.get("ray_actor_options", {}).get("num_cpus", 0), serve.get_replica_context().rank)
             self.engine = await asyncio.to_thread(load)
             self.state = None

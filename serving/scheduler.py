@@ -62,10 +62,12 @@ class Scheduler:
 
     def __init__(self, engine, max_queued: int, timeout_s: float | None = None,
                  on_change: Callable[[int, int], None] | None = None,
-                 on_finish: Callable[[Job], None] | None = None):
+                 on_finish: Callable[[Job], None] | None = None,
+                 on_death: Callable[[BaseException], None] | None = None):
         self.engine, self.max_queued, self.timeout_s = engine, max_queued, timeout_s
         self.on_change = on_change or (lambda running, waiting: None)
         self.on_finish = on_finish or (lambda job: None)
+        self.on_death = on_death  # called when the engine thread dies (SystemExit and the like), before answering
         self.waiting: collections.deque[Job] = collections.deque()
         self.running: Job | None = None
         self.closed = False
@@ -163,6 +165,8 @@ class Scheduler:
             self._end(job, "error")
             return
         except BaseException as exc:  # SystemExit and the like end the thread, never leave the client waiting
+            if self.on_death is not None:
+                self.on_death(exc)
             job.error = exc
             self._end(job, "error")
             raise
