@@ -20,7 +20,7 @@ class GenerationConfig:
     max_new_tokens: int = 256  # upper bound on generated tokens
     sampling: SamplingConfig = field(default_factory=SamplingConfig)  # temperature, top-k, top-p
     num_draft_tokens: int = 4  # gamma: draft tokens per window
-    mode: str = "sd"  # ar (target only) | sd (vanilla speculative) | mirror
+    mode: str | None = None  # ar (target only) | sd (vanilla speculative) | mirror; None: the engine's default
     seed: int = 0  # seeds every random draw of a request
     stop_strings: tuple[str, ...] = ()  # generation stops before the first occurrence of any
     ignore_eos: bool = False  # keep going past end-of-sequence tokens (benchmarks)
@@ -38,7 +38,7 @@ class GenerationConfig:
             raise ValueError(f"--max-new-tokens must be >= 1, got {self.max_new_tokens}")
         if not 1 <= self.num_draft_tokens <= 64:
             raise ValueError(f"--gamma must be in 1..64, got {self.num_draft_tokens}")
-        if self.mode not in MODES:
+        if self.mode is not None and self.mode not in MODES:
             raise ValueError(f"unknown mode '{self.mode}' (choose from {', '.join(MODES)})")
         if self.branch_budget is not None and self.branch_budget < 0:
             raise ValueError(f"--branch-budget must be 'auto' or >= 0, got {self.branch_budget}")

@@ -13,7 +13,7 @@ from __future__ import annotations
 import threading
 import time
 from collections.abc import Iterator
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from mirror_rt.runtime.config import GenerationConfig, make_config
 from mirror_rt.runtime.metrics import Metrics
@@ -71,6 +71,11 @@ class Engine:
             raise GenerationError(f"vocabulary mismatch: target has {target.vocab_size} tokens, "
                                   f"draft has {draft.vocab_size}")
 
+    @property
+    def default_mode(self) -> str:
+        """The mode of a request that names none: mirror where the target is split at its early exit, else sd."""
+        return "mirror" if hasattr(self.target, "forward_prefix") else "sd"
+
     def prompt_ids(self, prompt, chat: bool = True) -> list[int]:
         """Token ids for a string (chat template applied if chat), a list of chat messages, or token ids."""
         if isinstance(prompt, list) and prompt and all(isinstance(t, int) for t in prompt):
@@ -89,6 +94,8 @@ class Engine:
         top_k, top_p, seed, stop_strings, ignore_eos).
         """
         config = make_config(config, **options)
+        if config.mode is None:
+            config = replace(config, mode=self.default_mode)
         ids = self.prompt_ids(prompt, chat)
         if not ids:
             raise GenerationError("empty prompt")

@@ -48,6 +48,19 @@ def test_api_generate_and_stream_on_preset():
     assert "".join(pieces) == engine.generate("hello", mode="ar", max_new_tokens=12).text
 
 
+def test_a_request_without_a_mode_runs_the_engines_default():
+    from mirror_rt.devices.torch_backend import TorchModel
+    from mirror_rt.runtime.engine import Engine
+
+    engine = mirror_rt.load("tiny", "tiny", log=lambda *_: None)
+    assert mirror_rt.GenerationConfig().mode is None and engine.default_mode == "mirror"
+    result = engine.generate("hello", max_new_tokens=12)
+    assert result.stats["mode"] == "mirror"
+    assert result.tokens == engine.generate("hello", mode="ar", max_new_tokens=12).tokens
+    unsplit = Engine(TorchModel(engine.target.model), engine.tokenizer, engine.draft)  # a plain target: no early exit
+    assert unsplit.default_mode == "sd" and unsplit.generate("hello", max_new_tokens=4).stats["mode"] == "sd"
+
+
 def test_prompt_beyond_context_refused():
     engine = mirror_rt.load("tiny")
     with pytest.raises(ValueError, match="prompt too long: 300 tokens.*256"):
