@@ -251,7 +251,9 @@ def serve_replicas(settings: ServerSettings, cluster: ClusterSettings, load) -> 
     A signal while deploying takes down what was started; a second signal while draining stops at once."""
     configure_logging()
     local = start(cluster, local_resources(cluster.actor_options) if cluster.address is None else None)
-    previous = signal.signal(signal.SIGTERM, _interrupt)  # after ray.init, which installs its own
+    # after ray.init, which installs its own; SIGINT too: a process started in the background of a script
+    # inherits SIGINT ignored, and Python then never raises KeyboardInterrupt
+    previous = {sig: signal.signal(sig, _interrupt) for sig in (signal.SIGTERM, signal.SIGINT)}
     try:
         try:
             options = deployment_options(cluster)
@@ -269,13 +271,14 @@ def serve_replicas(settings: ServerSettings, cluster: ClusterSettings, load) -> 
         finally:
             stop(local)
     finally:
-        signal.signal(signal.SIGTERM, signal.SIG_DFL if previous is None else previous)
+        for sig, handler in previous.items():
+            signal.signal(sig, signal.SIG_DFL if handler is None else handler)
     log.info("stopped")
     return 0
 
 
 def _interrupt(signum, frame):
-    raise KeyboardInterrupt  # SIGTERM stops as Ctrl-C does
+    raise KeyboardInterrupt  # SIGTERM (and SIGINT, even where inherited as ignored) stop as Ctrl-C does
 
 
 def _wait_for_signal() -> None:
@@ -286,11 +289,15 @@ def _wait_for_signal() -> None:
         pass
 
 
+def _replicas(n: int) -> str:
+    return f"{n} replica" if n == 1 else f"{n} replicas"
+
+
 def describe(settings: ServerSettings, cluster: ClusterSettings, options: dict) -> str:
     """The start-up line: where, how many replicas, what each asks for, and where the metrics are."""
-    scaling, count = options.get("autoscaling_config"), f"{cluster.replicas} replicas"
+    scaling, count = options.get("autoscaling_config"), _replicas(cluster.replicas)
     if scaling:
-        count = (f"{scaling['initial_replicas']} replicas (autoscaling {scaling['min_replicas']}.."
+        count = (f"{_replicas(scaling['initial_replicas'])} (autoscaling {scaling['min_replicas']}.."
                  f"{scaling['max_replicas']}, target {scaling['target_ongoing_requests']:g} ongoing each)")
     metrics = metrics_url() or "each Ray node's metrics export port"
     key = "API key required" if settings.api_key else "no API key"
