@@ -2,7 +2,8 @@
 
 Logits stay where they were computed: `forward` returns a tensor on the model's device, in the model's
 dtype, and the runtime reads back only what it decides with (`runtime.transfer`: greedy verify reads
-k+1 ids). Weights and KV cache never leave the device. With `static` (implied by `compile`) windows run
+k+1 ids). Weights and KV cache never leave the device. With `static` (implied by `compile` and by a bf16 /
+fp16 model) windows run
 at fixed shapes over a pooled cache (`torch_static`), compiled with `torch.compile` when `compile`.
 """
 
@@ -11,7 +12,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 import torch
-from mirror_rt.devices.torch_static import VERIFY_ROWS, StaticWindows
+from mirror_rt.devices.torch_static import StaticWindows, low_precision
 from mirror_rt.models.transformer import Transformer
 from mirror_rt.runtime.kv_cache import KVCache
 
@@ -29,7 +30,9 @@ class TorchModel:
         self.vocab_size = model.config.vocab_size
         self.max_seq_len = model.config.max_seq_len
         self.asynchronous = self.device.type == "cuda"
-        self.static = StaticWindows(self.model, compile) if compile or static else None
+        # bf16 / fp16: static windows always, so every decode step has one shape (StaticWindows)
+        static = compile or static or low_precision(self.model)
+        self.static = StaticWindows(self.model, compile) if static else None
 
     def set_threads(self, threads: int) -> int:
         """Intra-op threads for the calling thread's torch work; returns the previous count.
@@ -84,7 +87,7 @@ class TorchModel:
         """Compile the windows decoding runs (`compile`): one-token steps and verify windows."""
         if self.static is not None:
             n = self.model.config.n_layers
-            self.static.warm_up([(0, n, 1), (0, n, VERIFY_ROWS)])
+            self.static.warm_up([(0, n, rows) for rows in self.static.sizes])
 
     def forward_last(self, tokens: Sequence[int], cache: KVCache) -> torch.Tensor:
         """As `forward`, but logits of the last position only ([1, vocab]; prefill)."""

@@ -17,7 +17,6 @@ from collections.abc import Sequence
 import numpy as np
 import torch
 from mirror_rt.devices.torch_backend import TorchModel
-from mirror_rt.devices.torch_static import VERIFY_ROWS
 from mirror_rt.models.exit_adapter import cached_exit_logits, check_compatible
 from mirror_rt.runtime.transfer import PendingRead
 
@@ -42,12 +41,20 @@ class TorchSplitTarget(TorchModel):
         self.exit_adapter = exit_adapter  # models.exit_adapter.ExitAdapter or None (untrained exit)
 
     def warm_up(self) -> None:
-        """Compile the windows decoding runs (`compile`): one-token steps, verify windows whole and split."""
-        super().warm_up()
+        """Compile the windows decoding runs (`compile`): prefix and suffix at each window size."""
         if self.static is not None:
             n, e = self.model.config.n_layers, self.exit_layer
-            # one-row split windows too: Mirror verifies [last] alone when one token is left to generate
-            self.static.warm_up([(first, last, rows) for first, last in ((0, e), (e, n)) for rows in (1, VERIFY_ROWS)])
+            # one-row windows too (where the model has them): Mirror verifies [last] alone at the end
+            self.static.warm_up([(first, last, rows) for first, last in ((0, e), (e, n)) for rows in self.static.sizes])
+
+    @torch.inference_mode()
+    def forward(self, tokens: Sequence[int], cache, last_rows: int | None = None) -> torch.Tensor:
+        """As `TorchModel.forward`; static windows run as prefix then suffix, the very code Mirror's windows
+        run, so a compiled window computes a position's logits the same way in every mode."""
+        if self.static is None:
+            return super().forward(tokens, cache, last_rows)
+        self._run_prefix(tokens, cache)
+        return self.forward_suffix(cache, last_rows)
 
     @torch.inference_mode()
     def launch_prefix(self, tokens: Sequence[int], cache) -> PendingRead:

@@ -7,6 +7,7 @@ KV slots past them that nothing commits (the cache advances by T; the next windo
 their outputs are dropped. KV is written at device-side positions and attention reads every slot of the
 cache under a mask built on the device, so a compiled window has one shape per size:
 `torch.compile(mode="reduce-overhead")` records CUDA graphs on CUDA; on the CPU inductor compiles it.
+A bf16 / fp16 model pads one-token steps to VERIFY_ROWS too (see `StaticWindows`).
 `warm_up` compiles both sizes before the first request (compiled code is also specialized on torch's
 thread count: warm up at the count decoding runs with). Caches come from a pool of storages reused
 request after request (a CUDA graph holds their addresses); a storage holds a power-of-two number of
@@ -26,19 +27,33 @@ from mirror_rt.runtime.kv_cache import CacheFull, KVCache
 
 VERIFY_ROWS = 8  # the verify window's padded length: gamma + 1 <= 8 (gamma <= 7)
 WINDOW_SIZES = (1, VERIFY_ROWS)  # padded window lengths; longer windows (prompts) run eagerly, unpadded
+INVARIANT_SIZES = (VERIFY_ROWS,)  # bf16 / fp16: every decode step at one shape (see StaticWindows)
 MIN_SLOTS = 256  # smallest storage (slots): short requests share one size
 
 
-def window_size(rows: int) -> int | None:
+def window_size(rows: int, sizes: tuple[int, ...] = WINDOW_SIZES) -> int | None:
     """The padded length of a window of `rows` rows, or None (a prompt: run unpadded)."""
-    return next((size for size in WINDOW_SIZES if size >= rows), None)
+    return next((size for size in sizes if size >= rows), None)
+
+
+def low_precision(model: Transformer) -> bool:
+    """Whether the model computes in bf16 / fp16, whose matrix products round differently at different row counts."""
+    return model.embed_tokens.weight.dtype in (torch.bfloat16, torch.float16)
 
 
 class StaticWindows:
-    """Static-shape forwards of one model on its device, compiled or eager, with their cache pool."""
+    """Static-shape forwards of one model on its device, compiled or eager, with their cache pool.
+
+    A bf16 / fp16 model runs every decode step at VERIFY_ROWS rows, one-token steps included: its matrix
+    products round a row differently when the window has another row count, so a verify window and a
+    one-token step would part at near-ties; at one shape a position's logits are the same whichever mode
+    computes them, and speculation stays lossless at the target's precision (fp32 rows are the same at
+    every count here, so fp32 keeps its one-row steps).
+    """
 
     def __init__(self, model: Transformer, compile: bool = False):
         self.model = model
+        self.sizes = INVARIANT_SIZES if low_precision(model) else WINDOW_SIZES
         self.compiled = None
         if compile:
             cuda = model.embed_tokens.weight.device.type == "cuda"
@@ -95,7 +110,7 @@ class StaticWindows:
         start = cache.length
         if start + rows > cache.capacity:
             raise CacheFull(f"KV cache full: {start + rows} positions needed, capacity {cache.capacity}")
-        size = window_size(rows)
+        size = window_size(rows, self.sizes)
         if size is None:  # a prompt (or a gamma > 7 window): the same layout, eager and unpadded
             positions = torch.arange(start, start + rows, device=x.device)
             return self.model.window_at(x, positions, cache, first, last, head_rows=last_rows)
@@ -108,6 +123,7 @@ class StaticWindows:
                 torch.compiler.cudagraph_mark_step_begin()
             torch._dynamo.mark_static(x, 0)  # one graph per window size, never a symbolic row count
             torch._dynamo.mark_static(positions, 0)
+            self.model.refresh_head()  # the fp32 LM head copy a compiled window reads (made eagerly)
         out = (self.compiled or self.model.window_at)(x, positions, cache, first, last)
         if last < self.model.config.n_layers:
             return out

@@ -26,6 +26,7 @@ class EngineRunner:
         self.name, self.engine, self.mode, self.threads, self.options = name, engine, mode, threads, options
         self.label = describe(engine.names, mode)  # path and precision, for the report
         self.precision = engine.names.get("target_precision", "fp32")  # compared within this precision
+        self.target = f"{engine.names.get('path', 'engine')}, {self.precision}"  # the very target it runs
         self.target_only = mode == "ar"
 
     def answer(self, messages: list[dict], config: GenerationConfig):
@@ -61,7 +62,8 @@ def precision_triplet(precision: str) -> str:
 def report_row(runner) -> report.Row:
     """What the report needs of a runner: its label, precision, and whether it is a target-only row of ours."""
     return report.Row(label=getattr(runner, "label", ""), precision=getattr(runner, "precision", "fp32"),
-                      target_only=getattr(runner, "target_only", False), ours=isinstance(runner, EngineRunner))
+                      target_only=getattr(runner, "target_only", False), ours=isinstance(runner, EngineRunner),
+                      target=getattr(runner, "target", ""))
 
 
 @dataclass(frozen=True)
@@ -142,11 +144,10 @@ def write_results(out_dir: Path, answers: dict[str, list[Answer]], rows: dict[st
              ", ".join(f"{p} `{m}`" for p, m in base.items()) + f"; fastest target-only overall: `{fastest}` "
              "(column 'vs fastest')", "", report.markdown_table(summary, methods, labels)]
     if refs:
-        lines.append("Greedy output mismatches against our target-only row of the same precision: " +
-                     ", ".join(f"{m} {len(v)} (vs `{refs[m]}`)" for m, v in mismatches.items()) + ". Rows over an "
-                     "fp32 target must have none; a bf16 target's windows round differently from its one-token "
-                     "steps, so its rows may part at near-ties of its logits (`mirror-rt devices --check` "
-                     "shows the margin).\n")
+        lines.append("Greedy output mismatches against our target-only row over the same target (else of the same "
+                     "precision): " + ", ".join(f"{m} {len(v)} (vs `{refs[m]}`)" for m, v in mismatches.items()) +
+                     ". Our speculative rows must have none against their own target, at every precision; "
+                     "another precision, or a compiled target against an eager one, may round differently.\n")
     (out_dir / "report.md").write_text("\n".join(lines))
     report.write_chart(summary, methods, out_dir / "speedup.png")
     return doc

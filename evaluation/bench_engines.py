@@ -113,19 +113,28 @@ def bench_runners(methods: list[str], *, bundle: str | None = None, draft_bundle
 def bf16_runners(methods: list[str], model: str | None, draft_bundle: str | None, draft_model: str | None,
                  compile: bool, cache_dir: str | None, log) -> list:
     """`ar-bf16` (1 thread and every core) and `mirror-bf16` (a core each; the bundle's draft, else the torch
-    draft): `model` as a torch bf16 target."""
+    draft): `model` as a torch bf16 target, eager unless `compile`; their `-compiled` twins run the same
+    target under torch.compile, so eager and compiled rows interleave in one run."""
+    runners = []
+    for suffix in ("", "-compiled"):
+        compiled = compile or bool(suffix)
+        options = dict(dtype="bfloat16", compile=compiled, cache_dir=cache_dir, log=log)
+        runners += _bf16_variant(methods, suffix, model, draft_bundle, draft_model, options)
+    return runners
+
+
+def _bf16_variant(methods, suffix, model, draft_bundle, draft_model, options) -> list:
     from mirror_rt.devices.engines import load_torch
 
     runners = []
     cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
-    options = dict(dtype="bfloat16", compile=compile, cache_dir=cache_dir, log=log)
-    if "ar-bf16" in methods:
+    if f"ar-bf16{suffix}" in methods:
         engine = load_torch(model, "target", mode="ar", **options)  # no draft: target-only
-        runners += [EngineRunner(f"ar-bf16-{t}t", engine, "ar", threads=t) for t in sorted({1, cores})]
-    if "mirror-bf16" in methods:
+        runners += [EngineRunner(f"ar-bf16{suffix}-{t}t", engine, "ar", threads=t) for t in sorted({1, cores})]
+    if f"mirror-bf16{suffix}" in methods:
         bundled = draft_bundle if draft_model is None else None
         engine = load_torch(model, draft_model, draft_bundle=bundled, mode="mirror", **options)
-        runners.append(EngineRunner("mirror-bf16", engine, "mirror"))
+        runners.append(EngineRunner(f"mirror-bf16{suffix}", engine, "mirror"))
     return runners
 
 

@@ -17,10 +17,10 @@ import time
 
 from mirror_rt.evaluation.bench import EngineRunner
 
-KNOWN_METHODS = ("ar", "sd", "mirror", "mirror-no-lookup", "ar-bf16", "mirror-bf16", "hf-assisted", "ov-genai",
-                 "ov-genai-f32", "ov-genai-sd")
+TORCH_BF16 = ("ar-bf16", "mirror-bf16", "ar-bf16-compiled", "mirror-bf16-compiled")  # bench_engines.bf16_runners
+KNOWN_METHODS = ("ar", "sd", "mirror", "mirror-no-lookup", *TORCH_BF16, "hf-assisted", "ov-genai", "ov-genai-f32",
+                 "ov-genai-sd")
 OURS = ("ar", "sd", "mirror", "mirror-no-lookup")  # run by our engines (over a bundle: bench_engines)
-TORCH_BF16 = ("ar-bf16", "mirror-bf16")  # ours on a torch bf16 target (bench_engines.bf16_runners)
 
 
 def build_runners(methods: list[str], engine, model_folder: str | None, log=print) -> list:

@@ -45,6 +45,7 @@ class Row:
     precision: str = "fp32"  # its target's compute precision: rows are compared within one precision
     target_only: bool = False  # decodes with the target alone (a baseline candidate)
     ours: bool = False  # one of our engines (its text is the reference of its precision)
+    target: str = ""  # which target it decodes with (path and precision): text compared within one target first
 
 
 def baselines(answers: dict[str, list[Answer]], rows: dict[str, Row]) -> tuple[dict[str, str], str]:
@@ -58,17 +59,32 @@ def baselines(answers: dict[str, list[Answer]], rows: dict[str, Row]) -> tuple[d
 
 
 def references(answers: dict[str, list[Answer]], rows: dict[str, Row]) -> dict[str, str]:
-    """Per method, the greedy text it is compared with: our first target-only row of its precision (else of
-    fp32); that row itself is compared with the fp32 one (what the lower precision changes)."""
-    ours = {}
+    """Per method, the greedy text it is compared with: our first target-only row over the same target (the
+    same path and precision: speculation must give its text exactly), else of its precision, else of fp32;
+    a target-only row is compared with the first other one of its precision, else with the fp32 one (what
+    the lower precision, or compiling, changes)."""
+    by_target, by_precision = {}, {}
     for m in answers:
         row = rows.get(m, Row())
         if row.target_only and row.ours:
-            ours.setdefault(row.precision, m)
-    fallback = ours.get("fp32") or next(iter(ours.values()), None)
-    out = {m: ours.get(rows.get(m, Row()).precision, fallback) for m in answers}
-    out = {m: fallback if ref == m else ref for m, ref in out.items()}
+            by_precision.setdefault(row.precision, m)
+            if row.target:
+                by_target.setdefault(row.target, m)
+    fallback = by_precision.get("fp32") or next(iter(by_precision.values()), None)
+    out = {}
+    for m in answers:
+        row = rows.get(m, Row())
+        ref = by_target.get(row.target) if row.target else None
+        if ref is None or ref == m:
+            ref = by_precision.get(row.precision, fallback)
+        out[m] = fallback if ref == m else ref
     return {m: ref for m, ref in out.items() if ref is not None and ref != m}
+
+
+def same_target(rows: dict[str, Row], method: str, reference: str) -> bool:
+    """Whether `method` and its reference decode with the very same target (their texts must be equal)."""
+    a, b = rows.get(method, Row()), rows.get(reference, Row())
+    return a.target == b.target if a.target else a.precision == b.precision
 
 
 def summarize(answers: dict[str, list[Answer]], baseline: str | dict[str, str],

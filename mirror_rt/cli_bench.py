@@ -14,8 +14,9 @@ def _add_bench(sub) -> None:
     bench.add_argument("--categories", help="comma-separated categories to keep")
     bench.add_argument("--limit", type=positive_int, help="number of questions, picked evenly across categories")
     bench.add_argument("--methods", default="ar,sd,mirror", help="comma-separated: ar,sd,mirror,mirror-no-lookup,"
-                       "ar-bf16,mirror-bf16 (a torch bf16 target with the bundle's draft),hf-assisted,ov-genai "
-                       "(GenAI's default precision),ov-genai-f32,ov-genai-sd")
+                       "ar-bf16,mirror-bf16 (a torch bf16 target with the bundle's draft),ar-bf16-compiled,"
+                       "mirror-bf16-compiled (the same under torch.compile, beside the eager rows),hf-assisted,"
+                       "ov-genai (GenAI's default precision),ov-genai-f32,ov-genai-sd")
     bench.add_argument("--compile", action="store_true", help="torch rows (ar-bf16, mirror-bf16, --torch): "
                        "static windows under torch.compile")
     bench.add_argument("--temperature", type=number, default=0.0)
@@ -42,6 +43,7 @@ def cmd_bench(args) -> int:
     import shlex
     from pathlib import Path
 
+    from mirror_rt.evaluation import report
     from mirror_rt.evaluation.bench import BenchSettings, report_row, run_bench, write_results
     from mirror_rt.evaluation.bench_engines import bench_runners
     from mirror_rt.evaluation.specbench import read_questions
@@ -62,8 +64,9 @@ def cmd_bench(args) -> int:
     print((Path(args.out) / "report.md").read_text())
     if args.profile and "mirror" in answers:
         print(format_profile(answers["mirror"]))
-    # ours over an exact (fp32) target must equal ar bit for bit; bf16 rows may part at near-ties (listed)
-    exact = [m for m, row in rows.items() if row.ours and not row.target_only and row.precision in ("fp32", "fp64")]
+    # our speculative rows must equal ar over the same target, token for token, at every precision
+    exact = [m for m, row in rows.items() if row.ours and not row.target_only and m in doc["references"]
+             and report.same_target(rows, m, doc["references"][m])]
     return 1 if any(doc["mismatches"].get(m) for m in exact) else 0
 
 

@@ -254,13 +254,16 @@ class Transformer(nn.Module):
         weight = self.lm_head.weight  # a method, not a tensor, in torch's dynamically quantized Linear
         if not isinstance(weight, torch.Tensor) or weight.dtype not in (torch.bfloat16, torch.float16):
             return self.lm_head(self.norm(h))
-        if not torch.compiler.is_compiling():
-            self._refresh_head()
+        if not torch.compiler.is_compiling():  # compiled callers refresh it before the call (refresh_head)
+            self.refresh_head()
         return F.linear(self.norm(h).float(), self.head32)
 
-    def _refresh_head(self) -> None:
-        """Copy the LM head to fp32 when its weights changed (loaded, initialized, moved) since the last copy."""
+    def refresh_head(self) -> None:
+        """Copy a bf16 / fp16 LM head to fp32 when its weights changed (loaded, initialized, moved) since the
+        last copy."""
         weight = self.lm_head.weight
+        if not isinstance(weight, torch.Tensor) or weight.dtype not in (torch.bfloat16, torch.float16):
+            return
         key = (weight.data_ptr(), weight._version)
         if key != self._head_key:
             with torch.no_grad():

@@ -142,6 +142,21 @@ def test_greedy_text_is_compared_within_a_precision():
     assert counts == {"mirror": [], "ar-bf16-2t": [(1, 0)], "mirror-bf16": []}  # bf16 vs fp32 only for ar-bf16
 
 
+def test_speculative_rows_are_compared_with_ar_over_the_very_same_target():
+    """A compiled bf16 target rounds differently from the eager one: mirror over it is compared with ar over it,
+    the compiled ar with the eager ar (what compiling changes), and only the first pair must agree."""
+    rows = {"ar-bf16-1t": report.Row("t", "bf16", target_only=True, ours=True, target="torch eager, bf16"),
+            "ar-bf16-compiled-1t": report.Row("t", "bf16", target_only=True, ours=True,
+                                              target="torch compiled, bf16"),
+            "mirror-bf16": report.Row("t", "bf16", ours=True, target="torch eager, bf16"),
+            "mirror-bf16-compiled": report.Row("t", "bf16", ours=True, target="torch compiled, bf16")}
+    refs = report.references({m: [] for m in rows}, rows)
+    assert refs == {"ar-bf16-compiled-1t": "ar-bf16-1t", "mirror-bf16": "ar-bf16-1t",
+                    "mirror-bf16-compiled": "ar-bf16-compiled-1t"}
+    assert report.same_target(rows, "mirror-bf16-compiled", "ar-bf16-compiled-1t")
+    assert not report.same_target(rows, "ar-bf16-compiled-1t", "ar-bf16-1t")
+
+
 def test_report_names_both_baselines_and_every_precision(tmp_path):
     from mirror_rt.evaluation.bench import write_results
 
@@ -170,6 +185,29 @@ def test_every_row_names_weights_compute_and_kv():
     assert (genai.precision, genai.target_only) == ("bf16", True)
     f32 = OVGenAIRunner("ov-genai-f32", None, None, False, stats | {"inference_precision": "f32"})
     assert f32.precision == "fp32"
+
+
+def test_compiled_bf16_rows_run_beside_the_eager_ones(monkeypatch):
+    """`-compiled` rows load their own compiled engine; the plain rows stay eager unless --compile."""
+    from mirror_rt.devices import engines
+    from mirror_rt.evaluation.bench_engines import bf16_runners
+
+    loaded, real_load_torch = [], engines.load_torch
+
+    def fake_load_torch(model, draft, **options):  # records the settings, loads the tiny preset eagerly
+        loaded.append((draft, options["compile"], options["dtype"]))
+        return real_load_torch("tiny", draft or "target", mode=options.get("mode"), log=lambda *_: None)
+
+    monkeypatch.setattr(engines, "load_torch", fake_load_torch)
+    methods = ["ar-bf16", "mirror-bf16", "ar-bf16-compiled", "mirror-bf16-compiled"]
+    runners = bf16_runners(methods, None, None, "target", compile=False, cache_dir=None, log=lambda *_: None)
+    names = [r.name for r in runners]
+    assert "mirror-bf16" in names and "mirror-bf16-compiled" in names
+    assert {n for n in names if n.startswith("ar-bf16-compiled-")} and {n for n in names if n.startswith("ar-bf16-1")}
+    assert [c for _, c, _ in loaded] == [False, False, True, True] and {d for *_, d in loaded} == {"bfloat16"}
+    loaded.clear()
+    bf16_runners(["ar-bf16"], None, None, None, compile=True, cache_dir=None, log=lambda *_: None)
+    assert loaded[0][1] is True  # --compile compiles the plain rows too
 
 
 def test_bf16_rows_run_a_torch_bf16_target(tmp_path):

@@ -106,3 +106,20 @@ def test_compiled_greedy_equals_eager_reference():
         got = flat(mirror_generate(compiled, TorchModel(draft), prompt, 30, MirrorSettings(gamma=4), Metrics()))
         assert got == expected[len(prompt)]
     assert torch._dynamo.utils.counters["stats"]["unique_graphs"] == graphs  # no compile after warm-up
+
+
+@pytest.mark.slow
+def test_compiled_bf16_target_reads_its_fp32_head_and_follows_the_eager_target():
+    """A bf16 target under `--compile`: its windows read the fp32 LM head copy (made eagerly before the call,
+    never inside the compiled code) and greedy decoding gives the eager bf16 target's tokens (a model with wide
+    logit margins: bf16 rounding of a fused kernel cannot flip its choices)."""
+    config = dataclasses.replace(ModelConfig.from_name("tiny"), vocab_size=97, max_seq_len=512)
+    target = random_model(config, seed=2, scale=30.0).to(torch.bfloat16)
+    draft = perturbed_copy(target, noise=0.4, seed=9)
+    compiled = TorchSplitTarget(target, kappa=4, compile=True)
+    compiled.warm_up()  # first: no eager call has made the copy yet
+    assert target.head32 is not None and target.head32.dtype == torch.float32
+    expected = flat(generate(TorchModel(target), PROMPT, 24))
+    assert flat(generate(compiled, PROMPT, 24)) == expected
+    got = flat(mirror_generate(compiled, TorchModel(draft), PROMPT, 24, MirrorSettings(gamma=4), Metrics()))
+    assert got == expected

@@ -1,9 +1,11 @@
 """The CUDA target path (skipped without a CUDA device; no OpenVINO, no download).
 
 bf16 equality, `--compile` (CUDA graphs), cancel mid-step, and the device->host transfer bound, on the tiny
-preset and on SmolLM2-135M's real geometry with random weights. Greedy output at bf16 must equal `ar` at
-bf16, except at a tie of the target's own logits: there the first mismatch must have a top-2 margin within
-a percent of the top logit (a real bug, a wrong position or a stale KV slot, moves logits far more).
+preset and on SmolLM2-135M's real geometry with random weights. Greedy sd and mirror at bf16 must equal `ar`
+at bf16 exactly: every decode step of a bf16 target runs at one window shape. Across targets (CUDA against
+CPU, compiled against eager) a mismatch is allowed only at a tie of the target's own logits: there the first
+mismatch must have a top-2 margin within a percent of the top logit (a real bug, a wrong position or a stale
+KV slot, moves logits far more).
 """
 
 from __future__ import annotations
@@ -50,8 +52,9 @@ def bf16_engine(request):
 
 @pytest.mark.parametrize("mode", ["sd", "mirror"])
 def test_bf16_greedy_equals_ar_at_bf16(bf16_engine, mode):
+    assert bf16_engine.target.static is not None and bf16_engine.target.static.sizes == (8,)
     expected = _generate(bf16_engine, "ar").tokens
-    _assert_equal_or_tie(bf16_engine, expected, _generate(bf16_engine, mode).tokens)
+    assert first_mismatch(expected, _generate(bf16_engine, mode).tokens) is None
 
 
 def test_cuda_ar_fp32_equals_cpu_ar_fp32():
