@@ -18,6 +18,7 @@ from pathlib import Path
 
 from mirror_rt.devices.placement import is_accelerator, plan
 from mirror_rt.models.default_model import DEFAULT_MODEL
+from mirror_rt.runtime.affinity import available_cores
 from mirror_rt.runtime.engine import Engine, GenerationError
 
 # Options only the torch engine understands: setting any of them asks for torch.
@@ -356,11 +357,6 @@ def placements_here() -> list[str]:
     if torch.cuda.device_count():
         lines.append(f"run --target cuda (mirror): {plan('torch:cuda:0', 'ort:cpu', 'mirror', cores).describe()}")
     return lines
-
-
-def available_cores() -> set:
-    """The cores this process may run on."""
-    return os.sched_getaffinity(0) if hasattr(os, "sched_getaffinity") else set(range(os.cpu_count() or 1))
 
 
 def _in_worker_thread(folder, manifest, role, device, strict, budget):

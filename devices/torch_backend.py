@@ -3,8 +3,8 @@
 Logits stay where they were computed: `forward` returns a tensor on the model's device, in the model's
 dtype, and the runtime reads back only what it decides with (`runtime.transfer`: greedy verify reads
 k+1 ids). Weights and KV cache never leave the device. With `static` (implied by `compile` and by a bf16 /
-fp16 model) windows run
-at fixed shapes over a pooled cache (`torch_static`), compiled with `torch.compile` when `compile`.
+fp16 model) windows run at fixed shapes over a pooled cache (`torch_static`), compiled with `torch.compile`
+when `compile`.
 """
 
 from __future__ import annotations
@@ -84,10 +84,14 @@ class TorchModel:
         return logits
 
     def warm_up(self) -> None:
-        """Compile the windows decoding runs (`compile`): one-token steps and verify windows."""
+        """Compile the windows decoding runs (`compile`): each layer range at each window size."""
         if self.static is not None:
-            n = self.model.config.n_layers
-            self.static.warm_up([(0, n, rows) for rows in self.static.sizes])
+            self.static.warm_up([(first, last, rows) for first, last in self.layer_ranges()
+                                 for rows in self.static.sizes])
+
+    def layer_ranges(self) -> tuple[tuple[int, int], ...]:
+        """The (first, last) layer ranges a decode window runs through: the whole model."""
+        return ((0, self.model.config.n_layers),)
 
     def forward_last(self, tokens: Sequence[int], cache: KVCache) -> torch.Tensor:
         """As `forward`, but logits of the last position only ([1, vocab]; prefill)."""

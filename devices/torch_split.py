@@ -40,12 +40,10 @@ class TorchSplitTarget(TorchModel):
             exit_adapter = exit_adapter.to(device=p.device, dtype=p.dtype).eval()
         self.exit_adapter = exit_adapter  # models.exit_adapter.ExitAdapter or None (untrained exit)
 
-    def warm_up(self) -> None:
-        """Compile the windows decoding runs (`compile`): prefix and suffix at each window size."""
-        if self.static is not None:
-            n, e = self.model.config.n_layers, self.exit_layer
-            # one-row windows too (where the model has them): Mirror verifies [last] alone at the end
-            self.static.warm_up([(first, last, rows) for first, last in ((0, e), (e, n)) for rows in self.static.sizes])
+    def layer_ranges(self) -> tuple[tuple[int, int], ...]:
+        """Prefix and suffix: every static window runs as both (`forward`), at each size (Mirror verifies
+        [last] alone at the end, so one-row windows too where the model has them)."""
+        return (0, self.exit_layer), (self.exit_layer, self.model.config.n_layers)
 
     @torch.inference_mode()
     def forward(self, tokens: Sequence[int], cache, last_rows: int | None = None) -> torch.Tensor:

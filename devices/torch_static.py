@@ -123,7 +123,8 @@ class StaticWindows:
                 torch.compiler.cudagraph_mark_step_begin()
             torch._dynamo.mark_static(x, 0)  # one graph per window size, never a symbolic row count
             torch._dynamo.mark_static(positions, 0)
-            self.model.refresh_head()  # the fp32 LM head copy a compiled window reads (made eagerly)
+            if last == self.model.config.n_layers:
+                self.model.refresh_head()  # the fp32 LM head copy a compiled window reads (made eagerly)
         out = (self.compiled or self.model.window_at)(x, positions, cache, first, last)
         if last < self.model.config.n_layers:
             return out

@@ -19,6 +19,7 @@ import os
 from pathlib import Path
 
 from mirror_rt.evaluation.bench import EngineRunner
+from mirror_rt.runtime.affinity import available_cores
 
 FORMAT_BACKENDS = {"openvino": ("openvino:CPU",), "onnx": ("ort:cpu", "openvino:CPU"), "torch": ("torch:cpu",)}
 
@@ -55,7 +56,7 @@ def _ar_runners(bundle: str, manifest, log) -> list:
     )
     from mirror_rt.runtime.engine import Engine
 
-    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    cores = len(available_cores())
     graph_format = manifest.graph("target_prefix").format
     tokenizer = load_tokenizer(Path(bundle), manifest)
     devices = available_devices()
@@ -127,7 +128,7 @@ def _bf16_variant(methods, suffix, model, draft_bundle, draft_model, options) ->
     from mirror_rt.devices.engines import load_torch
 
     runners = []
-    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    cores = len(available_cores())
     if f"ar-bf16{suffix}" in methods:
         engine = load_torch(model, "target", mode="ar", **options)  # no draft: target-only
         runners += [EngineRunner(f"ar-bf16{suffix}-{t}t", engine, "ar", threads=t) for t in sorted({1, cores})]

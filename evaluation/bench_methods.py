@@ -16,6 +16,7 @@ import os
 import time
 
 from mirror_rt.evaluation.bench import EngineRunner
+from mirror_rt.runtime.affinity import available_cores
 
 TORCH_BF16 = ("ar-bf16", "mirror-bf16", "ar-bf16-compiled", "mirror-bf16-compiled")  # bench_engines.bf16_runners
 KNOWN_METHODS = ("ar", "sd", "mirror", "mirror-no-lookup", *TORCH_BF16, "hf-assisted", "ov-genai", "ov-genai-f32",
@@ -28,7 +29,7 @@ def build_runners(methods: list[str], engine, model_folder: str | None, log=prin
     unknown = [m for m in methods if m not in KNOWN_METHODS]
     if unknown:
         raise ValueError(f"unknown bench method(s): {', '.join(unknown)} (known: {', '.join(KNOWN_METHODS)})")
-    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    cores = len(available_cores())
     runners = []
     for method in methods:
         if method == "ar":

@@ -19,7 +19,8 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 import torch
-from mirror_rt.devices.engines import available_cores, load_torch
+from mirror_rt.devices.engines import load_torch
+from mirror_rt.runtime.affinity import available_cores
 from mirror_rt.runtime.transfer import host_floats
 
 PROMPT = "The history of the transistor begins with"

@@ -251,19 +251,22 @@ class Transformer(nn.Module):
 
     def logits(self, h: torch.Tensor) -> torch.Tensor:
         """Final norm and LM head: hidden [T, hidden] -> logits [T, vocab] (fp32 for bf16 / fp16 weights)."""
-        weight = self.lm_head.weight  # a method, not a tensor, in torch's dynamically quantized Linear
-        if not isinstance(weight, torch.Tensor) or weight.dtype not in (torch.bfloat16, torch.float16):
+        if not self._low_precision_head():
             return self.lm_head(self.norm(h))
         if not torch.compiler.is_compiling():  # compiled callers refresh it before the call (refresh_head)
             self.refresh_head()
         return F.linear(self.norm(h).float(), self.head32)
 
+    def _low_precision_head(self) -> bool:
+        weight = self.lm_head.weight  # a method, not a tensor, in torch's dynamically quantized Linear
+        return isinstance(weight, torch.Tensor) and weight.dtype in (torch.bfloat16, torch.float16)
+
     def refresh_head(self) -> None:
         """Copy a bf16 / fp16 LM head to fp32 when its weights changed (loaded, initialized, moved) since the
         last copy."""
-        weight = self.lm_head.weight
-        if not isinstance(weight, torch.Tensor) or weight.dtype not in (torch.bfloat16, torch.float16):
+        if not self._low_precision_head():
             return
+        weight = self.lm_head.weight
         key = (weight.data_ptr(), weight._version)
         if key != self._head_key:
             with torch.no_grad():

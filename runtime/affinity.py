@@ -12,6 +12,11 @@ import os
 from collections.abc import Iterable
 
 
+def available_cores() -> set[int]:
+    """The cores this process may run on (every core where the platform cannot say)."""
+    return os.sched_getaffinity(0) if hasattr(os, "sched_getaffinity") else set(range(os.cpu_count() or 1))
+
+
 def pin(cores: int | Iterable[int] | None) -> set[int] | None:
     """Pin the calling thread to `cores` (one core or several); returns the previous mask for
     `restore`, or None when nothing changed (None given, no support, or refused)."""

@@ -19,6 +19,7 @@ import asyncio
 import dataclasses
 import os
 
+from mirror_rt.runtime.affinity import available_cores
 from mirror_rt.serving.app import ServerSettings, create_app
 from mirror_rt.serving.proxy import REPLICA_HEADER
 
@@ -75,7 +76,7 @@ def pin_replica(num_cpus: float, rank) -> list[int] | None:
     """Pin this replica's process to its own cores (`own_cores`); the cores, or None when it did not."""
     if rank is None or not hasattr(os, "sched_setaffinity") or not os.path.isdir("/proc/self/task"):
         return None
-    cores = own_cores(sorted(os.sched_getaffinity(0)), int(num_cpus), rank.local_rank)
+    cores = own_cores(sorted(available_cores()), int(num_cpus), rank.local_rank)
     if cores is not None:
         pin_process(cores)
     return cores

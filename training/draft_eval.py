@@ -18,6 +18,7 @@ import time
 from dataclasses import dataclass, field
 
 import numpy as np
+from mirror_rt.runtime.affinity import available_cores
 from mirror_rt.runtime.draft_worker import confident_guesses
 from mirror_rt.runtime.lookup import lookup_guesses, verify_guesses
 
@@ -154,7 +155,6 @@ def eval_draft_main(bundles: list[str], target: str | None = None, data=None, ga
     `oracle_streams`: also run each SS draft with the text as its stream guesses (the best its streams
     could do on this machine: the cost of the stream rows, with every useful guess right).
     `lookup`: prompt-lookup guesses per forward, as `mirror-rt run --draft-lookup` (0: off)."""
-    import os
     from pathlib import Path
 
     from mirror_rt.devices.registry import WorkerBudget, load_model
@@ -175,7 +175,7 @@ def eval_draft_main(bundles: list[str], target: str | None = None, data=None, ga
     sequences = answer_sequences(checkpoint.model, checkpoint.tokenizer, files, cache_dir(cache) / "exit-data",
                                  progress=progress)  # on every core, before the pinning below
     _, held_out = split(sequences)
-    cores = sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else []
+    cores = sorted(available_cores())
     budget = WorkerBudget(threads=1, cpus=(cores[-1],) if cores else None)  # the draft worker's share
     drafts, oracle = {}, set()
     for folder, manifest in manifests.items():
