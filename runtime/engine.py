@@ -16,6 +16,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass, field, replace
 
 from mirror_rt.runtime.config import GenerationConfig, make_config
+from mirror_rt.runtime.draft_worker import DraftSettings
 from mirror_rt.runtime.metrics import Metrics
 from mirror_rt.runtime.mirror import MirrorSettings, mirror_generate
 from mirror_rt.runtime.reference import generate as reference_generate
@@ -90,8 +91,8 @@ class Engine:
                **options) -> Generation:
         """Start generating; iterate the result for text pieces as they are committed.
 
-        `options` override fields of `config` (max_new_tokens, mode, gamma, temperature,
-        top_k, top_p, seed, stop_strings, ignore_eos).
+        `options` override fields of `config` by their field names (max_new_tokens, mode, gamma,
+        temperature, top_k, top_p, seed, stop_strings, ignore_eos, draft_lookup, ...).
         """
         config = make_config(config, **options)
         if config.mode is None:
@@ -121,16 +122,13 @@ class Engine:
         if config.mode == "sd":
             draft = self.draft or self.target
             return speculative_generate(self.target, draft, ids, config.max_new_tokens,
-                                        config.num_draft_tokens, config.sampling, config.seed, metrics)
+                                        config.gamma, config.sampling, config.seed, metrics)
         if not hasattr(self.target, "forward_prefix"):
             raise GenerationError("mode 'mirror' needs a target split at its early exit "
                                   "(load a bundle, or a torch model through its split target)")
         target_cpu, draft_cpu = self.cpus or (None, None)
-        settings = MirrorSettings(gamma=config.num_draft_tokens, sampling=config.sampling, seed=config.seed,
-                                  branch_budget=config.branch_budget, min_window=config.min_window,
-                                  draft_timeout_s=config.draft_timeout_s, early_exit=config.early_exit,
-                                  target_cpu=target_cpu, draft_cpu=draft_cpu, lookup=config.draft_lookup)
-        return mirror_generate(self.target, self.draft or self.target, ids, config.max_new_tokens, settings, metrics)
+        settings = MirrorSettings(target_cpu=target_cpu, draft=DraftSettings(cpu=draft_cpu))
+        return mirror_generate(self.target, self.draft or self.target, ids, config, settings, metrics)
 
     def _run(self, ids, config: GenerationConfig, gen: Generation) -> Iterator[str]:
         metrics = Metrics(prompt_tokens=len(ids))

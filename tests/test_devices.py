@@ -30,8 +30,9 @@ from mirror_rt.devices.registry import (
 )
 from mirror_rt.exporters.export import export_bundle
 from mirror_rt.models.loading import load_checkpoint
+from mirror_rt.runtime.config import GenerationConfig
 from mirror_rt.runtime.metrics import Metrics
-from mirror_rt.runtime.mirror import MirrorSettings, mirror_generate
+from mirror_rt.runtime.mirror import mirror_generate
 from mirror_rt.runtime.reference import generate
 from mirror_rt.runtime.speculative import speculative_generate
 
@@ -220,7 +221,8 @@ def test_mirror_with_int8_exit_equals_reference(int8_exit_bundles, fmt, device):
     """Mirror over a bundle with the int8 exit yields exactly the target's greedy tokens."""
     target, draft, _, _ = load_parts(int8_exit_bundles[fmt], device, device, strict=True, threads=1)
     expected = _flat(generate(target, PROMPT, 24))
-    assert _flat(mirror_generate(target, draft, PROMPT, 24, MirrorSettings(gamma=3), Metrics())) == expected
+    config = GenerationConfig(max_new_tokens=24, gamma=3)
+    assert _flat(mirror_generate(target, draft, PROMPT, config, metrics=Metrics())) == expected
 
 
 @pytest.mark.parametrize("fmt,device", CASES)

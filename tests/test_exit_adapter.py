@@ -22,8 +22,9 @@ from mirror_rt.models.exit_adapter import (
     save_exit_adapter,
 )
 from mirror_rt.models.loading import load_checkpoint
+from mirror_rt.runtime.config import GenerationConfig
 from mirror_rt.runtime.metrics import Metrics
-from mirror_rt.runtime.mirror import MirrorSettings, mirror_generate
+from mirror_rt.runtime.mirror import mirror_generate
 from mirror_rt.runtime.reference import generate
 from mirror_rt.training.exit_data import ExitData, decode_batch
 from mirror_rt.training.exit_training import (
@@ -107,7 +108,8 @@ def test_adapter_changes_only_branches(seed):
     ids_adapted, _ = adapted.forward_prefix(prompt, adapted.new_cache(16))
     assert not np.array_equal(ids_plain, ids_adapted)
     for split in (plain, adapted):
-        got = flat(mirror_generate(split, TorchModel(draft), prompt, 40, MirrorSettings(gamma=4), Metrics()))
+        config = GenerationConfig(max_new_tokens=40, gamma=4)
+        got = flat(mirror_generate(split, TorchModel(draft), prompt, config, metrics=Metrics()))
         assert got == expected
 
 

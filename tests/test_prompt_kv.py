@@ -13,6 +13,7 @@ from mirror_rt.devices.torch_backend import TorchModel
 from mirror_rt.devices.torch_split import TorchSplitTarget
 from mirror_rt.exporters.export import export_bundle
 from mirror_rt.exporters.manifest import read_manifest
+from mirror_rt.runtime.config import GenerationConfig
 from mirror_rt.runtime.metrics import Metrics
 from mirror_rt.runtime.mirror import MirrorSettings, mirror_generate
 from mirror_rt.runtime.reference import generate
@@ -134,7 +135,8 @@ def test_decoding_with_adopted_kv_equals_reference(onnx_bundle, monkeypatch, mod
     monkeypatch.setattr(draft, "adopt", lambda cache, capacity: calls.append(cache.length) or adopt(cache, capacity))
     expected = flat(generate(target, PROMPT, 30))
     if mode == "mirror":
-        got = flat(mirror_generate(target, draft, PROMPT, 30, MirrorSettings(gamma=3), Metrics()))
+        config = GenerationConfig(max_new_tokens=30, gamma=3)
+        got = flat(mirror_generate(target, draft, PROMPT, config, metrics=Metrics()))
     else:
         got = flat(speculative_generate(target, draft, PROMPT, 30, 3))
     assert got == expected and calls == [len(PROMPT)]
@@ -147,8 +149,9 @@ def test_torch_draft_adopts_and_output_is_unchanged():
     draft.same_model_as_target = True
     expected = flat(generate(TorchModel(target), PROMPT, 40))
     for share in (True, False):
-        got = flat(mirror_generate(TorchSplitTarget(target), draft, PROMPT, 40,
-                                   MirrorSettings(gamma=4, share_prompt_kv=share), Metrics()))
+        config = GenerationConfig(max_new_tokens=40, gamma=4)
+        got = flat(mirror_generate(TorchSplitTarget(target), draft, PROMPT, config,
+                                   MirrorSettings(share_prompt_kv=share), Metrics()))
         assert got == expected
 
 
