@@ -57,6 +57,9 @@ class GenerationConfig:
             raise ValueError("stop strings must not be empty")
 
 
+DEFAULTS = GenerationConfig()  # every default, read by the CLI's flags and the other entry points
+
+
 def make_config(base: GenerationConfig | None = None, **options) -> GenerationConfig:
     """A GenerationConfig from keyword options; sampling fields may be given flat.
 
