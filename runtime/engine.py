@@ -62,12 +62,15 @@ class Engine:
     """
 
     def __init__(self, target, tokenizer, draft=None, names: dict | None = None,
-                 cpus: tuple[int, int] | None = None):
+                 cpus: tuple[int, int] | None = None, placement=None, manifest=None):
         self.target = target  # LoadedModel (with forward_prefix/forward_suffix for mirror mode)
         self.draft = draft  # LoadedModel, or None: the target drafts for itself (oracle draft)
         self.tokenizer = tokenizer
-        self.names = names or {}
+        self.names = names or {}  # path, model, each role's device and precision (stats, logs, reports)
         self.cpus = cpus  # (target core, draft core) for mirror mode, or None: no pinning
+        # where each role runs and what fell back (devices.placement.Placement); None: not assembled by devices/
+        self.placement = placement
+        self.manifest = manifest  # the bundle's exporters.manifest.BundleManifest; None: not a bundle
         if draft is not None and draft.vocab_size != target.vocab_size:
             raise GenerationError(f"vocabulary mismatch: target has {target.vocab_size} tokens, "
                                   f"draft has {draft.vocab_size}")

@@ -18,11 +18,11 @@ import numpy as np
 import pytest
 import torch
 from conftest import load_parts
+from mirror_rt.devices.bundles import WorkerBudget
 from mirror_rt.devices.registry import (
     DeviceError,
     DeviceFallbackWarning,
     DeviceSpec,
-    WorkerBudget,
     available_devices,
     fastest_cpu,
     parse_device,
@@ -141,12 +141,14 @@ def test_load_bundle_falls_back_and_strict_fails(bundles):
     fmt = CASES[-1][0]
     if HAVE["torch"][1:] or "NPU" in HAVE["openvino"]:
         pytest.skip("this machine has an accelerator")
+    from mirror_rt import load_bundle
+
     with pytest.warns(DeviceFallbackWarning):
-        target, draft, _, _ = load_parts(bundles[fmt], "cuda", "npu", threads=1)
+        engine = load_bundle(str(bundles[fmt]), target="cuda", draft="npu", threads=1, mode="ar")
+    target, placement = engine.target, engine.placement
     assert target.forward([3, 4], target.new_cache(8)).shape == (2, target.vocab_size)
-    assert target.placement.requested == "cuda" and target.placement.fell_back
-    assert draft.placement.requested == "npu" and draft.placement.fell_back
-    assert target.placement.actual == draft.placement.actual == str(fastest_cpu(fmt))
+    assert placement.fallbacks == {"target": "cuda", "draft": "npu"}  # as asked, each fell back
+    assert placement.target == placement.draft == str(fastest_cpu(fmt))
     with pytest.raises(DeviceError):
         load_parts(bundles[fmt], "cuda", "npu", strict=True)
 

@@ -56,7 +56,7 @@ def test_prefill_over_prompt_sessions_equals_forward(onnx_bundle):
     """A target loaded with prompt cores runs the prompt through its wider sessions, to the same cache."""
     import os
 
-    from mirror_rt.devices.registry import WorkerBudget, load_model
+    from mirror_rt.devices.bundles import WorkerBudget, load_model
 
     if not hasattr(os, "sched_getaffinity") or len(os.sched_getaffinity(0)) < 2:
         pytest.skip("needs two cores and Linux affinity")
@@ -80,18 +80,18 @@ def test_prompt_sessions_only_when_a_second_copy_fits(onnx_bundle, monkeypatch, 
     """No second pair of sessions where the weights would take over a quarter of the free memory."""
     import os
 
-    from mirror_rt.devices import registry
+    from mirror_rt.devices import bundles
 
     if not hasattr(os, "sched_getaffinity") or len(os.sched_getaffinity(0)) < 2:
         pytest.skip("needs two cores and Linux affinity")
     small = tmp_path / "w"
     small.write_bytes(b"0" * 1024)
     if os.path.exists("/proc/meminfo"):
-        assert registry._second_copy_fits([small]) and not registry._second_copy_fits([small], share=0.0)
-    monkeypatch.setattr(registry, "_second_copy_fits", lambda paths: False)
+        assert bundles._second_copy_fits([small]) and not bundles._second_copy_fits([small], share=0.0)
+    monkeypatch.setattr(bundles, "_second_copy_fits", lambda paths: False)
     cores = tuple(sorted(os.sched_getaffinity(0)))[:2]
-    target = registry.load_model(onnx_bundle, read_manifest(onnx_bundle), "target", "ort:cpu", True,
-                                 registry.WorkerBudget(1, None, None, cores))
+    target = bundles.load_model(onnx_bundle, read_manifest(onnx_bundle), "target", "ort:cpu", True,
+                                bundles.WorkerBudget(1, None, None, cores))
     assert target.prompt_graphs is None
     plain = target.forward(PROMPT, target.new_cache(64))[-1:]
     np.testing.assert_allclose(target.prefill_pipelined(PROMPT, target.new_cache(64), cpu=None), plain,
