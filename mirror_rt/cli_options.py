@@ -56,6 +56,7 @@ REQUEST = ("max_new_tokens", "temperature", "top_p", "top_k", "seed", "stop_stri
 def add_engine_options(parser, names=tuple(ENGINE_HELP)) -> None:
     """The engine flags among `names` (default: all), each an EngineOptions field with its default."""
     values = {name: value for part in vars(ENGINE).values() for name, value in vars(part).items()}
+    parser = parser.add_argument_group("engine: what runs where (devices.options.EngineOptions)")
     for name in names:
         flag = "--" + name.replace("_", "-")
         if name in SWITCHES:  # store_true; compile stays None when not given (a torch-only option)
@@ -68,6 +69,7 @@ def add_engine_options(parser, names=tuple(ENGINE_HELP)) -> None:
 def add_decoding_options(parser, mode: bool = True) -> None:
     """`--mode` (unless `mode` is False: the bench's methods name theirs), `--gamma`, `--branch-budget`,
     `--draft-lookup`, `--early-exit`: GenerationConfig fields with its defaults."""
+    parser = parser.add_argument_group("decoding (runtime.config.GenerationConfig)")
     if mode:
         parser.add_argument("--mode", default=DEFAULTS.mode, help=f"decoding mode: {', '.join(MODES)} (default: the "
                             "engine's, mirror where the target is split at its early exit, as every bundle's is)")
@@ -85,6 +87,7 @@ def add_decoding_options(parser, mode: bool = True) -> None:
 
 def add_request_options(parser) -> None:
     """How much to generate and how to sample: GenerationConfig (and SamplingConfig) fields with their defaults."""
+    parser = parser.add_argument_group("request: how much and how to sample (GenerationConfig, SamplingConfig)")
     sampling = DEFAULTS.sampling
     parser.add_argument("--max-new-tokens", type=positive_int, default=DEFAULTS.max_new_tokens,
                         help="tokens to generate at most (default %(default)s)")
