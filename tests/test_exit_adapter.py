@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import importlib.util
-import inspect
 import json
 import warnings
 
@@ -11,6 +10,7 @@ import numpy as np
 import pytest
 import torch
 from conftest import load_parts, perturbed_copy, tiny_target
+
 from mirror_rt.devices.torch_backend import TorchModel
 from mirror_rt.devices.torch_split import TorchSplitTarget
 from mirror_rt.exporters.export import ExportError, export_bundle
@@ -145,11 +145,10 @@ def test_openvino_bundle_carries_adapter(tmp_path):
     save_exit_adapter(adapter, tmp_path / "exit")
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        # full-precision exit head (where the exit weights are an option), so log-probs compare tightly
-        extra = {"exit_weights": "fp32"} if "exit_weights" in inspect.signature(export_bundle).parameters else {}
-        # fp32 draft: nncf's int8 compression leaves worker threads behind (test_mirror counts threads)
+        # full-precision exit head, so log-probs compare tightly; fp32 draft: nncf's int8 compression leaves
+        # worker threads behind (test_mirror counts threads)
         folder = export_bundle("tiny", tmp_path / "ov", fmt="openvino", kappa=4, exit_adapter=str(tmp_path / "exit"),
-                               draft_weights="fp32", progress=False, **extra)
+                               draft_weights="fp32", exit_weights="fp32", progress=False)
     manifest = read_manifest(folder)
     assert manifest.exit_adapter["in_graph"] and manifest.exit_adapter["rank"] == 8
     bundle = load_parts(folder, "openvino:CPU", "openvino:CPU", strict=True, threads=1)
