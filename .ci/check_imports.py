@@ -1,10 +1,11 @@
 """Check the one-way dependencies between code folders (import-linter contracts in pyproject.toml).
 
-The code folders install as `mirror_rt.<folder>` through setuptools' package-dir mapping, so no
-folder on disk holds the whole `mirror_rt` package and import-linter (grimp) cannot walk it in
-place. This script stages the installed layout as symbolic links in a temporary folder
-(`mirror_rt/` with each mapped folder linked inside it) and runs `lint-imports` over it.
-Exit code: lint-imports' (non-zero when a contract is broken, naming the import).
+The code folders install as `mirror_rt.<folder>` through setuptools' package-dir mapping, and
+`mirror_rt/` holds a symbolic link to each mapped folder (`mirror_rt/runtime -> ../runtime`), so
+the source tree itself has the installed layout: import-linter (grimp), editors and structure
+viewers read `mirror_rt.runtime` from the repository root. This script checks that every mapping
+has its link, then runs `lint-imports` in place.
+Exit code: 1 when a link is missing or wrong, else lint-imports' (non-zero when a contract is broken).
 """
 
 from __future__ import annotations
@@ -12,7 +13,6 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
-import tempfile
 from pathlib import Path
 
 import tomllib
@@ -20,25 +20,28 @@ import tomllib
 ROOT = Path(__file__).resolve().parents[1]
 
 
-def stage(into: Path) -> None:
-    """mirror_rt/ as installed: the facade's files plus a link per mapped code folder."""
+def missing_links() -> list[str]:
+    """The mapped folders without their link in mirror_rt/ (`mirror_rt/<name> -> ../<folder>`)."""
     mapping = tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["setuptools"]["package-dir"]
-    package = into / "mirror_rt"
-    package.mkdir()
-    for path in (ROOT / mapping["mirror_rt"]).glob("*.py"):
-        (package / path.name).symlink_to(path)
+    wrong = []
     for name, folder in mapping.items():
-        if name != "mirror_rt":
-            (package / name.split(".", 1)[1]).symlink_to(ROOT / folder, target_is_directory=True)
+        if name == "mirror_rt":
+            continue
+        link = ROOT / "mirror_rt" / name.split(".", 1)[1]
+        if not link.is_symlink() or link.resolve() != (ROOT / folder).resolve():
+            wrong.append(f"{link.relative_to(ROOT)} -> ../{folder}")
+    return wrong
 
 
 def main() -> int:
-    with tempfile.TemporaryDirectory() as tmp:
-        stage(Path(tmp))
-        env = dict(os.environ, PYTHONPATH=tmp + os.pathsep + os.environ.get("PYTHONPATH", ""))
-        lint = Path(sys.executable).with_name("lint-imports")
-        return subprocess.run([str(lint), "--config", str(ROOT / "pyproject.toml"), "--no-cache"], env=env,
-                              cwd=tmp).returncode
+    wrong = missing_links()
+    if wrong:
+        print(f"check_imports: missing or wrong links (ln -s): {', '.join(wrong)}", file=sys.stderr)
+        return 1
+    env = dict(os.environ, PYTHONPATH=str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    lint = Path(sys.executable).with_name("lint-imports")
+    return subprocess.run([str(lint), "--config", str(ROOT / "pyproject.toml"), "--no-cache"], env=env,
+                          cwd=ROOT).returncode
 
 
 if __name__ == "__main__":

@@ -4,24 +4,31 @@ Both on the CPU in Mirror mode (2+ cores): each worker pinned to a core of its o
 (measured best on 2 cores: the two must not contend). Target on an accelerator (CUDA, GPU, NPU): its
 thread only launches work and waits for results, so it is not pinned, and a CPU draft gets every core.
 `ar` / `sd` run one model at a time: every core for whoever runs. `Placement.describe()` is the line
-`--stats` and `mirror-rt devices` print. Pure: it reads no device, it is told them.
+`--stats` and `mirror-rt devices` print; an engine declares its placement (`Engine.placement`), with the
+devices asked for that were unusable here (`fallbacks`). Pure: it reads no device, it is told them.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 
 @dataclass(frozen=True)
 class Placement:
-    """The compute share of each worker."""
+    """Where each worker runs: its device and compute share, and the roles that fell back."""
 
-    target: str  # the target's device ("torch:cuda:0", "ort:cpu", ...)
-    draft: str  # the draft's device
+    target: str  # the target's device as resolved ("torch:cuda:0", "ort:cpu", ...)
+    draft: str  # the draft's device as resolved
     target_cpus: tuple[int, ...] | None  # cores the target worker is pinned to (None: not pinned)
     draft_cpus: tuple[int, ...] | None  # cores the draft worker is pinned to (None: not pinned)
     target_threads: int | None  # compute threads of the target's backend (None: its default)
     draft_threads: int | None  # compute threads of the draft's backend
+    # role -> the device string asked for ("cuda", "npu") where it was unusable here (a fallback warning was shown)
+    fallbacks: dict[str, str] = field(default_factory=dict)
+
+    def device(self, role: str) -> str:
+        """The device `role` ("target" or "draft") runs on."""
+        return {"target": self.target, "draft": self.draft}[role]
 
     @property
     def worker_cores(self) -> tuple[int, int] | None:
@@ -45,10 +52,17 @@ def is_accelerator(device) -> bool:
     return name not in ("cpu", "")
 
 
-def plan(target: str, draft: str, mode: str, cores: list[int], threads: int | None = None) -> Placement:
+def runs_mirror(mode: str | None) -> bool:
+    """Whether an engine assembled here runs Mirror for requests in `mode` (None: the engine's default mode,
+    Mirror for every engine assembled here: their targets are split at the early exit)."""
+    return mode in (None, "mirror")
+
+
+def plan(target: str, draft: str, mode: str | None, cores: list[int], threads: int | None = None) -> Placement:
     """The placement of a target on `target` and a draft on `draft` for `mode`, given the usable `cores`.
 
-    `threads`: a fixed thread count for both workers, unpinned (the bench's and tests' override).
+    `mode` None: the engine's default (`runs_mirror`). `threads`: a fixed thread count for both workers,
+    unpinned (the bench's and tests' override).
     """
     n, target, draft = len(cores), str(target), str(draft)
     if threads is not None:
@@ -56,7 +70,7 @@ def plan(target: str, draft: str, mode: str, cores: list[int], threads: int | No
     if is_accelerator(target):
         # the target thread launches kernels and waits: the CPU is the draft's (every core)
         return Placement(target, draft, None, None, None, None if is_accelerator(draft) else n)
-    if mode == "mirror" and n >= 2 and not is_accelerator(draft):
+    if runs_mirror(mode) and n >= 2 and not is_accelerator(draft):
         return Placement(target, draft, (cores[0],), (cores[1],), 1, 1)
     return Placement(target, draft, None, None, n, None if is_accelerator(draft) else n)
 

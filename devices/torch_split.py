@@ -17,23 +17,21 @@ from collections.abc import Sequence
 import numpy as np
 import torch
 from mirror_rt.devices.torch_backend import TorchModel
+from mirror_rt.models.config import SplitOptions
 from mirror_rt.models.exit_adapter import cached_exit_logits, check_compatible
 from mirror_rt.runtime.transfer import PendingRead
 
 
 class TorchSplitTarget(TorchModel):
-    """A torch target with an early exit after layer `exit_layer` (1-based count of layers)."""
+    """A torch target with an early exit after layer `exit_layer` (1-based count of layers).
 
-    def __init__(self, model, exit_layer: int | None = None, kappa: int = 8, device: str = "cpu",
+    `exit_layer` and `kappa` None: the model's defaults (`models.config.SplitOptions`).
+    """
+
+    def __init__(self, model, exit_layer: int | None = None, kappa: int | None = None, device: str = "cpu",
                  exit_adapter=None, compile: bool = False, static: bool = False):
         super().__init__(model, device, compile, static)
-        n = model.config.n_layers
-        self.exit_layer = n // 2 if exit_layer is None else exit_layer
-        if not 1 <= self.exit_layer < n:
-            raise ValueError(f"--exit-layer must be in 1..{n - 1} for a {n}-layer target, got {self.exit_layer}")
-        if not 1 <= kappa <= model.config.vocab_size:
-            raise ValueError(f"--kappa must be in 1..{model.config.vocab_size}, got {kappa}")
-        self.kappa = kappa
+        self.exit_layer, self.kappa = SplitOptions(exit_layer, kappa).resolve(model.config)
         if exit_adapter is not None:
             check_compatible(exit_adapter, model, self.exit_layer)
             p = self.model.embed_tokens.weight

@@ -151,3 +151,14 @@ def write_results(out_dir: Path, answers: dict[str, list[Answer]], rows: dict[st
     (out_dir / "report.md").write_text("\n".join(lines))
     report.write_chart(summary, methods, out_dir / "speedup.png")
     return doc
+
+
+def format_profile(answers) -> str:
+    """Mirror's mean time per phase per step over all turns."""
+    phases: dict[str, list[float]] = {}
+    for a in answers:
+        for s in a.stats:
+            for k, v in s.get("phase_ms_per_step", {}).items():
+                phases.setdefault(k, []).append(v)
+    return "mirror, ms per step (mean over turns): " + ", ".join(
+        f"{k} {sum(v) / len(v):.1f}" for k, v in phases.items())

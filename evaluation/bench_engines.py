@@ -27,7 +27,8 @@ FORMAT_BACKENDS = {"openvino": ("openvino:CPU",), "onnx": ("ort:cpu", "openvino:
 def bundle_runners(methods: list[str], bundle: str, draft_bundle: str | None = None,
                    draft_precision: str | None = None, log=print) -> list:
     """Runners for the `ar`, `sd` and `mirror` entries of `methods` over `bundle`."""
-    from mirror_rt.devices.engines import load_bundle
+    from mirror_rt.devices.bundle_engine import load_bundle
+    from mirror_rt.devices.options import EngineOptions
     from mirror_rt.exporters.manifest import read_manifest
 
     manifest = read_manifest(bundle, verify=False)
@@ -36,8 +37,9 @@ def bundle_runners(methods: list[str], bundle: str, draft_bundle: str | None = N
         runners += _ar_runners(bundle, manifest, log)
     for mode in ("sd", "mirror"):
         if mode in methods or (mode == "mirror" and "mirror-no-lookup" in methods):
-            engine = load_bundle(bundle, draft_bundle=draft_bundle, mode=mode, verify=False,
-                                 draft_precision=draft_precision)
+            options = EngineOptions.from_flags(bundle=bundle, draft_bundle=draft_bundle,
+                                               draft_precision=draft_precision)
+            engine = load_bundle(options, mode, verify=False)
             if mode in methods:
                 runners.append(EngineRunner(mode, engine, mode))
             if mode == "mirror" and "mirror-no-lookup" in methods:  # ablation on the same engine
@@ -46,14 +48,8 @@ def bundle_runners(methods: list[str], bundle: str, draft_bundle: str | None = N
 
 
 def _ar_runners(bundle: str, manifest, log) -> list:
-    from mirror_rt.devices.registry import (
-        WorkerBudget,
-        available_devices,
-        is_available,
-        load_model,
-        load_tokenizer,
-        parse_device,
-    )
+    from mirror_rt.devices.bundles import WorkerBudget, load_model, load_tokenizer
+    from mirror_rt.devices.registry import available_devices, is_available, parse_device
     from mirror_rt.runtime.engine import Engine
 
     cores = len(available_cores())
@@ -77,32 +73,33 @@ def _ar_runners(bundle: str, manifest, log) -> list:
     return runners
 
 
-def bench_runners(methods: list[str], *, bundle: str | None = None, draft_bundle: str | None = None,
-                  torch: bool = False, model: str | None = None, draft_model: str | None = None,
-                  draft_precision: str | None = None, compile: bool = False, cache_dir: str | None = None,
-                  log=print) -> list:
+def bench_runners(methods: list[str], options, log=print) -> list:
     """Runners for `methods`: ours on the engine `run` would pick, peers on the target's folder.
 
-    Torch eager runs when asked for (`torch`, or a `model` / `draft_model` with no `bundle`); then
-    ours share one torch engine. With a bundle (given or default), `model` only names the peers' target
-    (and the bf16 rows' target). `compile`: torch targets run static windows under torch.compile.
+    `options` (devices.options.EngineOptions): torch eager runs when asked for (`models.torch`, or a
+    `models.model` / `models.draft_model` with no bundle); then ours share one torch engine. With a bundle
+    (given or default), `models.model` only names the peers' target (and the bf16 rows' target).
+    `precision.compile`: torch targets run static windows under torch.compile.
     """
-    from mirror_rt.devices.engines import default_bundle, load_torch
+    from mirror_rt.devices.engines import default_bundle
+    from mirror_rt.devices.torch_engine import load_torch
     from mirror_rt.evaluation.bench_methods import KNOWN_METHODS, OURS, build_runners
     from mirror_rt.models.loading import resolve_folder
 
     unknown = [m for m in methods if m not in KNOWN_METHODS]
     if unknown:
         raise ValueError(f"unknown bench method(s): {', '.join(unknown)} (known: {', '.join(KNOWN_METHODS)})")
-    if bundle is None and not torch and draft_model is None and model is None:
+    models, compile = options.models, bool(options.precision.compile)
+    bundle, model, draft_model, cache_dir = models.bundle, models.model, models.draft_model, models.cache_dir
+    if bundle is None and not models.torch and draft_model is None and model is None:
         bundle = str(default_bundle(cache_dir, log=log))
     if bundle is None:
-        engine = load_torch(model, draft_model or "int8", compile=compile, cache_dir=cache_dir, log=log)
+        engine = load_torch(options, log=log)
         runners = build_runners(methods, engine, engine.names.get("target"), log=log)
         return runners + bf16_runners(methods, model, None, draft_model, compile, cache_dir, log)
     ours = [m for m in methods if m in OURS]
-    runners = bundle_runners(ours, bundle, draft_bundle, draft_precision, log=log)
-    runners += bf16_runners(methods, model, draft_bundle or bundle, draft_model, compile, cache_dir, log)
+    runners = bundle_runners(ours, bundle, models.draft_bundle, options.precision.draft_precision, log=log)
+    runners += bf16_runners(methods, model, models.draft_bundle or bundle, draft_model, compile, cache_dir, log)
     peers = [m for m in methods if m not in OURS]
     if peers:
         tokenizer = runners[0].engine.tokenizer if runners else _bundle_tokenizer(bundle)
@@ -119,22 +116,25 @@ def bf16_runners(methods: list[str], model: str | None, draft_bundle: str | None
     runners = []
     for suffix in ("", "-compiled"):
         compiled = compile or bool(suffix)
-        options = dict(dtype="bfloat16", compile=compiled, cache_dir=cache_dir, log=log)
-        runners += _bf16_variant(methods, suffix, model, draft_bundle, draft_model, options)
+        options = dict(dtype="bfloat16", compile=compiled, cache_dir=cache_dir)
+        runners += _bf16_variant(methods, suffix, model, draft_bundle, draft_model, options, log)
     return runners
 
 
-def _bf16_variant(methods, suffix, model, draft_bundle, draft_model, options) -> list:
-    from mirror_rt.devices.engines import load_torch
+def _bf16_variant(methods, suffix, model, draft_bundle, draft_model, options, log) -> list:
+    from mirror_rt.devices.options import EngineOptions
+    from mirror_rt.devices.torch_engine import load_torch
 
     runners = []
     cores = len(available_cores())
     if f"ar-bf16{suffix}" in methods:
-        engine = load_torch(model, "target", mode="ar", **options)  # no draft: target-only
+        engine = load_torch(EngineOptions.from_flags(model=model, draft_model="target", **options), "ar",
+                            log)  # no draft: target-only
         runners += [EngineRunner(f"ar-bf16{suffix}-{t}t", engine, "ar", threads=t) for t in sorted({1, cores})]
     if f"mirror-bf16{suffix}" in methods:
         bundled = draft_bundle if draft_model is None else None
-        engine = load_torch(model, draft_model, draft_bundle=bundled, mode="mirror", **options)
+        engine = load_torch(EngineOptions.from_flags(model=model, draft_model=draft_model, draft_bundle=bundled,
+                                                     **options), "mirror", log)
         runners.append(EngineRunner(f"mirror-bf16{suffix}", engine, "mirror"))
     return runners
 
@@ -147,7 +147,7 @@ class _Peers:
 
 
 def _bundle_tokenizer(bundle: str):
-    from mirror_rt.devices.registry import load_tokenizer
+    from mirror_rt.devices.bundles import load_tokenizer
     from mirror_rt.exporters.manifest import read_manifest
 
     return load_tokenizer(Path(bundle), read_manifest(bundle, verify=False))

@@ -19,12 +19,15 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 import torch
-from mirror_rt.devices.engines import load_torch
+from mirror_rt.devices.options import EngineOptions
+from mirror_rt.devices.torch_engine import load_torch
 from mirror_rt.runtime.affinity import available_cores
 from mirror_rt.runtime.transfer import host_floats
 
 PROMPT = "The history of the transistor begins with"
 MODES = ("ar", "sd", "mirror")
+
+CHECK_TOKENS = 48  # tokens per run of the check: enough to time a pair, short enough to check many
 
 
 @dataclass
@@ -68,13 +71,14 @@ def first_mismatch(expected: list[int], got: list[int]) -> int | None:
 def check_pair(model: str, device: str, dtype: str | None, compile: bool, max_new_tokens: int,
                log=print) -> PairCheck:
     """Load the preset on `device` (int8 draft on the CPU), run ar / sd / mirror, measure."""
-    engine = load_torch(model, "int8", device=device, dtype=dtype, compile=compile, log=lambda *a: None)
+    options = EngineOptions.from_flags(model=model, draft_model="int8", device=device, dtype=dtype, compile=compile)
+    engine = load_torch(options, log=lambda *a: None)
     names = engine.names
     check = PairCheck(model, device, "torch:cpu int8 copy", f"{names['target_precision']} / "
                       f"{names['draft_precision']}", compile, names["placement"])
     if device.startswith("cuda"):
         torch.cuda.reset_peak_memory_stats(device)
-    options = dict(max_new_tokens=max_new_tokens, ignore_eos=True, chat=False, gamma=4)
+    options = dict(max_new_tokens=max_new_tokens, ignore_eos=True, chat=False)
     for mode in MODES:
         engine.generate(PROMPT, mode=mode, **(options | {"max_new_tokens": 8}))  # warm-up (compile, allocator)
         gen = engine.generate(PROMPT, mode=mode, **options)
@@ -109,7 +113,7 @@ def launches_per_forward(target, prompt_ids: list[int]) -> int:
     return sum(1 for e in prof.events() if "LaunchKernel" in e.name or "GraphLaunch" in e.name)
 
 
-def run_check(models: list[str] | None = None, max_new_tokens: int = 48, compile: bool = False,
+def run_check(models: list[str] | None = None, max_new_tokens: int = CHECK_TOKENS, compile: bool = False,
               log=print) -> dict:
     """Every pair found here; returns the JSON document (`cuda`: devices found, `pairs`, `cross_device`).
 
@@ -135,7 +139,8 @@ def compare_devices(model: str, cpu: PairCheck, gpu: PairCheck) -> dict:
     index = first_mismatch(cpu.tokens["ar"], gpu.tokens["ar"])
     margin = None
     if index is not None:
-        engine = load_torch(model, "target", device="cpu", dtype="float32", log=lambda *a: None)
+        options = EngineOptions.from_flags(model=model, draft_model="target", device="cpu", dtype="float32")
+        engine = load_torch(options, log=lambda *a: None)
         margin = top2_margin(engine.target, engine.prompt_ids(PROMPT, chat=False), cpu.tokens["ar"], index)
     return {"model": model, "devices": f"{gpu.target} vs cpu", "precision": "fp32", "equal": index is None,
             "first_mismatch": index, "cpu_top2_margin": margin}

@@ -172,14 +172,16 @@ def format_burst(b: dict) -> str:
             f"{b['max_admitted_ttft_ms']} ms")
 
 
-async def compare_with_run(url: str, prompts: list, max_tokens: int, mode: str, api_key: str | None,
+async def compare_with_run(url: str, prompts: list, max_tokens: int, mode: str | None, api_key: str | None,
                            cache_dir: str | None = None, log=print) -> dict:
     """Single stream, side by side: each prompt through HTTP, then through the engine `run` uses, in this
     process while the server idles. Tokens/s of each (prefill included) and whether the texts match."""
     from mirror_rt.devices.engines import load_engine
+    from mirror_rt.devices.options import EngineOptions
     from openai import AsyncOpenAI
 
-    engine = load_engine(mode=mode, cache_dir=cache_dir, log=lambda *a: None)
+    engine = load_engine(EngineOptions.from_flags(cache_dir=cache_dir), mode, log=lambda *a: None)
+    mode = mode or engine.default_mode  # None: the engine's, as the server's
     client = AsyncOpenAI(base_url=url.rstrip("/") + "/v1", api_key=api_key or "unused", max_retries=0, timeout=600)
     model = (await client.models.list()).data[0].id
     engine.generate(prompts[0], mode=mode, max_new_tokens=8)  # warm-up of both

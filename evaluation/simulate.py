@@ -98,3 +98,15 @@ def load_config(ref: str) -> SimConfig:
         return SimConfig(**json.loads(path.read_text()))
     except (json.JSONDecodeError, TypeError) as exc:
         raise ValueError(f"simulate: {path}: {exc}") from None
+
+
+def format_prediction(cfg: SimConfig, result: dict) -> str:
+    """`predict`'s result as the lines `mirror-rt simulate` prints: the setting, then each method's step time."""
+    lines = [f"{result['name']}: gamma {cfg.gamma}, acceptance {cfg.acceptance}, tokens per step "
+             f"{result['tokens_per_step']}, P(reuse hit) {result['p_hit']}"]
+    for method in ("ar", "sd", "mirror"):
+        step = result["ar_ms_per_token"] if method == "ar" else result[f"{method}_ms_per_step"]
+        speedup = 1.0 if method == "ar" else result[f"{method}_speedup"]
+        lines.append(f"  {method:6s} {step:8.2f} ms per step  {result[f'{method}_tokens_per_s']:8.1f} tokens/s  "
+                     f"{speedup:.2f}x")
+    return "\n".join(lines)

@@ -9,7 +9,7 @@ default model: the draft then computes with the model's own weights), int8 other
 Default exit: int8 weights, whatever the target's: the exit only picks which draft branches
 are precomputed, never the output. `--draft-vocab` gives the draft graph an LM head over a kept set of
 ids (models.pruned_head; the file is copied into the bundle). It does not run graphs;
-`devices.registry.load_bundle` does.
+`devices.bundle_engine.load_bundle` does.
 """
 
 from __future__ import annotations
@@ -38,6 +38,7 @@ from mirror_rt.exporters.split import (
     mixes_exit,
     with_exit_adapter,
 )
+from mirror_rt.models.config import SplitOptions
 from mirror_rt.models.pruned_head import PrunedHeadDraft, load_kept
 
 FORMATS = ("openvino", "onnx", "torch")
@@ -57,13 +58,14 @@ class ExportError(ValueError):
 
 @dataclass(frozen=True)
 class ExportConfig:
-    """One export request; CLI flags map one to one onto these fields."""
+    """One export request; CLI flags map one to one onto these fields (`--format` is `fmt`, `--out` is `out_dir`),
+    and the CLI reads their defaults here."""
 
-    model_ref: str | None  # target: preset, HF folder, .gguf, or None for the default model
+    model: str | None  # target: preset, HF folder, .gguf, or None for the default model
     out_dir: Path  # bundle folder (created)
-    draft_ref: str | None = None  # None: the target itself with `draft_weights`
-    exit_layer: int | None = None  # None: N // 2
-    kappa: int = 8  # early-exit top-k per position
+    draft_model: str | None = None  # None: the target itself with `draft_weights`
+    exit_layer: int | None = None  # None: the model's default (models.config.SplitOptions)
+    kappa: int | None = None  # early-exit candidates per position; None: the default (models.config.SplitOptions)
     fmt: str = "onnx"  # "onnx" | "openvino" | "torch" (onnx: exact and fastest on CPU here)
     weights: str = "fp32"  # target weights
     draft_weights: str = "auto"  # draft weights; auto: see the module docstring
@@ -96,8 +98,6 @@ class ExportConfig:
             raise ExportError(f"--kv shared needs --format onnx (got --format {self.fmt})")
         if self.static and self.fmt != "openvino":
             raise ExportError(f"--static needs --format openvino (got --format {self.fmt})")
-        if self.kappa < 1:
-            raise ExportError(f"--kappa must be >= 1, got {self.kappa}")
         if self.draft_streams is not None and self.fmt != "onnx":
             raise ExportError(f"--draft-streams needs --format onnx (got --format {self.fmt}); for OpenVINO, "
                               "export --format onnx --kv explicit: its backend loads that draft graph")
@@ -111,6 +111,7 @@ class Limits:
     """Resolved, validated shape limits of one bundle."""
 
     exit_layer: int
+    kappa: int
     max_context: int
     max_window: int  # 0 = unbounded
 
@@ -122,12 +123,10 @@ class Limits:
 
 def resolve_limits(cfg: ExportConfig, model_config) -> Limits:
     """Defaults filled in and checked against the model; ExportError names the bad option."""
-    n = model_config.n_layers
-    exit_layer = n // 2 if cfg.exit_layer is None else cfg.exit_layer
-    if not 1 <= exit_layer <= n - 1:
-        raise ExportError(f"--exit-layer must be in 1..{n - 1} for a {n}-layer model, got {exit_layer}")
-    if cfg.kappa > model_config.vocab_size:
-        raise ExportError(f"--kappa {cfg.kappa} exceeds the vocabulary ({model_config.vocab_size})")
+    try:
+        exit_layer, kappa = SplitOptions(cfg.exit_layer, cfg.kappa).resolve(model_config)
+    except ValueError as exc:
+        raise ExportError(str(exc)) from None
     context = cfg.max_context or (min(STATIC_DEFAULT_CONTEXT, model_config.max_seq_len) if cfg.static
                                   else model_config.max_seq_len)
     if not 1 <= context <= model_config.max_seq_len:
@@ -139,20 +138,13 @@ def resolve_limits(cfg: ExportConfig, model_config) -> Limits:
                           f"got {window}")
     if window < 0 or window > context:
         raise ExportError(f"--max-window must be in 1..{context} (--max-context), got {window}")
-    return Limits(exit_layer, context, window)
+    return Limits(exit_layer, kappa, context, window)
 
 
-def export_bundle(model_ref: str | None, out_dir, draft_ref: str | None = None, exit_layer: int | None = None,
-                  kappa: int = 8, fmt: str = "onnx", weights: str = "fp32", draft_weights: str = "auto",
-                  static: bool = False, max_context: int | None = None, max_window: int | None = None,
-                  progress: bool = True, exit_adapter: str | None = None, exit_weights: str = "int8",
-                  kv: str | None = None, draft_streams: str | None = None, draft_vocab: str | None = None) -> Path:
-    """Export a bundle (see module docstring); returns the bundle folder."""
-    cfg = ExportConfig(model_ref=model_ref, out_dir=Path(out_dir), draft_ref=draft_ref, exit_layer=exit_layer,
-                       kappa=kappa, fmt=fmt, weights=weights, draft_weights=draft_weights, static=static,
-                       max_context=max_context, max_window=max_window, exit_adapter=exit_adapter,
-                       exit_weights=exit_weights, kv=kv, draft_streams=draft_streams, draft_vocab=draft_vocab)
-    return run_export(cfg, progress=progress)
+def export_bundle(model: str | None, out_dir, progress: bool = True, **options) -> Path:
+    """Export a bundle (see module docstring); `options` are ExportConfig fields (draft_model, fmt, weights, kappa,
+    ...) with ExportConfig's defaults; returns the bundle folder."""
+    return run_export(ExportConfig(model=model, out_dir=Path(out_dir), **options), progress=progress)
 
 
 def run_export(cfg: ExportConfig, progress: bool = True) -> Path:
@@ -168,10 +160,10 @@ def run_export(cfg: ExportConfig, progress: bool = True) -> Path:
 
     with tqdm(total=len(ROLES) + 3, desc="export", unit="step", disable=not progress) as bar:  # closed on errors too
         bar.set_postfix_str("loading models")
-        target = load_checkpoint(cfg.model_ref, log=lambda *a: None)
+        target = load_checkpoint(cfg.model, log=lambda *a: None)
         limits = resolve_limits(cfg, target.model.config)
         adapter = _load_adapter(cfg, target.model, limits)
-        draft = target if cfg.draft_ref is None else load_checkpoint(cfg.draft_ref, log=lambda *a: None)
+        draft = target if cfg.draft_model is None else load_checkpoint(cfg.draft_model, log=lambda *a: None)
         _check_draft(target, draft)
         streams = _load_streams(cfg, draft.model)
         kept = _load_vocab(cfg, draft.model)
@@ -274,7 +266,7 @@ def _prepare_folder(out_dir: Path) -> Path:
 
 def _export_role(cfg: ExportConfig, limits: Limits, model, role: str, folder: Path) -> GraphEntry:
     weights = {"draft": cfg.draft_weights, "target_exit": cfg.exit_weights}.get(role, cfg.weights)
-    spec = graph_spec(role, model.config.n_layers, limits.exit_layer, cfg.kappa, cfg.static,
+    spec = graph_spec(role, model.config.n_layers, limits.exit_layer, limits.kappa, cfg.static,
                       limits.table_len, limits.max_window, shared_kv=cfg.kv == "shared", exit_mix=mixes_exit(model))
     if cfg.fmt == "openvino":
         from mirror_rt.exporters.openvino import export_openvino_graph
@@ -293,7 +285,7 @@ def _export_role(cfg: ExportConfig, limits: Limits, model, role: str, folder: Pa
     elif role == "target_exit":  # TorchSplitTarget computes the exit from the target's own weights
         weights, files = _export_torch(model, role, cfg.weights, folder, shares_target=True)
     else:
-        weights, files = _export_torch(model, role, weights, folder, shares_target=cfg.draft_ref is None)
+        weights, files = _export_torch(model, role, weights, folder, shares_target=cfg.draft_model is None)
     names = [f.name for f in files]
     return GraphEntry(role=role, file=names[0], format=cfg.fmt, precision=weights,
                       device_hint="npu" if cfg.static else "cpu", first_layer=spec.first,
@@ -356,10 +348,10 @@ def _manifest(cfg: ExportConfig, limits: Limits, target, draft, entries, tokeniz
         kv["state"] = "shared buffers [1, KVH, capacity, D] + total_len (GroupQueryAttention)"
     return BundleManifest(
         format_version=FORMAT_VERSION, graphs=tuple(entries), n_layers=c.n_layers, exit_layer=limits.exit_layer,
-        kappa=cfg.kappa, kv_layout=kv, vocab_size=c.vocab_size, tokenizer=tokenizer,
+        kappa=limits.kappa, kv_layout=kv, vocab_size=c.vocab_size, tokenizer=tokenizer,
         max_context=limits.max_context, max_window=limits.max_window, static=cfg.static,
         target_config=c.to_dict(), draft_config=draft.config.to_dict(), exporter_versions=_versions(),
-        draft_of_target=cfg.draft_ref is None)
+        draft_of_target=cfg.draft_model is None)
 
 
 def _versions() -> dict:

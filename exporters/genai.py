@@ -148,9 +148,9 @@ def _init_states_from_batch(ov_model) -> None:
 
 # --- the folder -------------------------------------------------------------------------------
 
-def export_genai_folder(model_ref: str | None, out_dir: str | Path | None = None, weights: str = "fp32",
+def export_genai_folder(model: str | None, out_dir: str | Path | None = None, weights: str = "fp32",
                         cache: str | None = None, log=print) -> Path:
-    """An LLMPipeline folder for `model_ref` (default model, HF folder, GGUF or preset).
+    """An LLMPipeline folder for `model` (default model, HF folder, GGUF or preset).
 
     With `out_dir` None the folder lives in the mirror-rt cache, keyed by model and weights,
     and an existing one is reused. Weights: fp32, or int8 (nncf weight-only compression).
@@ -160,7 +160,7 @@ def export_genai_folder(model_ref: str | None, out_dir: str | Path | None = None
 
     if weights not in GENAI_WEIGHTS:
         raise ValueError(f"unknown GenAI weights '{weights}' (known: {', '.join(GENAI_WEIGHTS)})")
-    source = model_ref if model_ref in PRESETS else str(resolve_folder(model_ref, cache, log))
+    source = model if model in PRESETS else str(resolve_folder(model, cache, log))
     folder = Path(out_dir) if out_dir else cached_folder(source, weights, cache)
     if (folder / "openvino_model.xml").exists():
         return folder

@@ -10,40 +10,41 @@ Public API (re-exports only; engines are assembled in `mirror_rt.devices.engines
         print(piece, end="", flush=True)
     engine = mirror_rt.load(torch=True)            # the same model in torch eager
     engine = mirror_rt.load("path/to/hf-folder")   # any torch-only option runs torch
-    engine = mirror_rt.load_bundle("bundles/smollm2-ov", target_device="cuda", draft_device="npu")
+    engine = mirror_rt.load_bundle("bundles/smollm2-ov", target="cuda", draft="npu")
 """
 
 from __future__ import annotations
 
 __version__ = "0.1.0"
-__all__ = ["Engine", "GenerationConfig", "GenerationError", "SamplingConfig", "__version__", "default_bundle",
-           "load", "load_bundle"]
+__all__ = ["Engine", "EngineOptions", "GenerationConfig", "GenerationError", "SamplingConfig", "__version__",
+           "default_bundle", "load", "load_bundle"]
 
-from mirror_rt.devices.engines import _stderr, default_bundle, load_bundle, load_engine
+from mirror_rt.devices.engines import default_bundle, load_engine
+from mirror_rt.devices.options import EngineOptions
+from mirror_rt.devices.registry import stderr_line
 from mirror_rt.runtime.config import GenerationConfig
 from mirror_rt.runtime.engine import Engine, GenerationError
 from mirror_rt.runtime.sampling import SamplingConfig
 
 
-def load(model: str | None = None, draft_model: str | None = None, *, device: str | None = None,
-         dtype: str | None = None, cache_dir: str | None = None, threads: int | None = None,
-         exit_layer: int | None = None, kappa: int | None = None, pin: bool = True,
-         draft_streams: str | None = None, compile: bool | None = None, torch: bool = False,
-         log=_stderr) -> Engine:
+def load(model: str | None = None, draft_model: str | None = None, *, log=stderr_line, **options) -> Engine:
     """The default engine with no arguments; torch eager with `torch=True` or any torch-only option.
 
     Args:
         model: a Hugging Face folder, a .gguf file, a preset (`tiny`); None: the default model.
         draft_model: `int8` (an int8 copy of the target, torch's default), `target` (the oracle draft),
             or a folder / .gguf / preset.
-        device, dtype, threads, exit_layer, kappa, draft_streams, compile: torch settings
-            (see `mirror_rt.devices.engines.load_torch`).
-        cache_dir: where the default model, its bundle and converted GGUF files are kept.
-        pin: torch, mirror mode: pin target and draft to different cores.
-        torch: run torch eager even when no torch-only option is given.
+        options: the `mirror-rt run` engine flags by their names (`mirror_rt.EngineOptions` fields):
+            device, dtype, threads, exit_layer, kappa, draft_streams, compile (torch-only: any of them runs
+            torch eager), torch, bundle, draft_bundle, target, draft, strict_devices, draft_precision,
+            cache_dir, pin (torch, mirror: pin target and draft to different cores).
     """
-    options = dict(model=model, draft_model=draft_model, device=device, dtype=dtype, threads=threads,
-                   exit_layer=exit_layer, kappa=kappa, draft_streams=draft_streams, compile=compile)
-    if not pin:
-        options["pin"] = False
-    return load_engine(torch=torch, torch_options=options, cache_dir=cache_dir, log=log)
+    return load_engine(EngineOptions.from_flags(model=model, draft_model=draft_model, **options), log=log)
+
+
+def load_bundle(bundle: str, *, mode: str | None = None, verify: bool = True, **options) -> Engine:
+    """An engine over an exported bundle; `options` as `load`'s (target, draft, draft_bundle, strict_devices,
+    draft_precision, threads), `mode` the mode it will mostly run (thread placement; None: Mirror)."""
+    from mirror_rt.devices.bundle_engine import load_bundle as load_options
+
+    return load_options(EngineOptions.from_flags(bundle=bundle, **options), mode, verify)

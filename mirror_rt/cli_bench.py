@@ -5,7 +5,18 @@ from __future__ import annotations
 import json
 import sys
 
-from mirror_rt.cli_args import budget, count, log, number, positive_int
+from mirror_rt.cli_args import count, log, positive_int
+from mirror_rt.cli_options import (
+    add_decoding_options,
+    add_engine_options,
+    add_request_options,
+    engine_options,
+    generation_config,
+)
+from mirror_rt.runtime.config import DEFAULTS
+
+# The engine flags the bench uses: ours run the engine `run` would pick; --model also names the peers' target.
+BENCH_ENGINE = ("model", "draft_model", "bundle", "torch", "draft_bundle", "draft_precision", "compile", "cache_dir")
 
 
 def _add_bench(sub) -> None:
@@ -17,25 +28,11 @@ def _add_bench(sub) -> None:
                        "ar-bf16,mirror-bf16 (a torch bf16 target with the bundle's draft),ar-bf16-compiled,"
                        "mirror-bf16-compiled (the same under torch.compile, beside the eager rows),hf-assisted,"
                        "ov-genai (GenAI's default precision),ov-genai-f32,ov-genai-sd")
-    bench.add_argument("--compile", action="store_true", help="torch rows (ar-bf16, mirror-bf16, --torch): "
-                       "static windows under torch.compile")
-    bench.add_argument("--temperature", type=number, default=0.0)
     bench.add_argument("--repeats", type=positive_int, default=1, help="runs per turn (median wall time kept)")
-    bench.add_argument("--max-new-tokens", type=positive_int, default=128)
-    bench.add_argument("--gamma", type=positive_int, default=4)
-    bench.add_argument("--branch-budget", type=budget, default=None)
-    bench.add_argument("--draft-lookup", type=count, default=3, help="mirror: prompt-lookup guesses per forward")
-    bench.add_argument("--model", help="target (default: SmolLM2-135M-Instruct); without --bundle, ours then run it "
-                       "in torch eager; with one, it only names the peers' target")
-    bench.add_argument("--draft-model", help="torch draft (default: int8 copy of the target); runs torch eager")
-    bench.add_argument("--bundle", help="run ar / sd / mirror from this exported bundle (all its backends; "
-                       "default: what `run` runs, the default model's cached ONNX bundle)")
-    bench.add_argument("--torch", action="store_true", help="run ours in torch eager, not the default bundle")
-    bench.add_argument("--draft-bundle", help="take sd / mirror's draft from this bundle")
-    bench.add_argument("--draft-precision", choices=("f32", "bf16"), help="OpenVINO draft compute precision")
-    bench.add_argument("--seed", type=int, default=0)
+    add_engine_options(bench, BENCH_ENGINE)
+    add_decoding_options(bench, mode=False)
+    add_request_options(bench)
     bench.add_argument("--profile", action="store_true", help="print mirror's time per phase per step")
-    bench.add_argument("--cache-dir")
     bench.add_argument("--out", required=True, help="output folder")
 
 
@@ -44,19 +41,15 @@ def cmd_bench(args) -> int:
     from pathlib import Path
 
     from mirror_rt.evaluation import report
-    from mirror_rt.evaluation.bench import BenchSettings, report_row, run_bench, write_results
+    from mirror_rt.evaluation.bench import BenchSettings, format_profile, report_row, run_bench, write_results
     from mirror_rt.evaluation.bench_engines import bench_runners
     from mirror_rt.evaluation.specbench import read_questions
-    from mirror_rt.runtime.config import make_config
 
     categories = args.categories.split(",") if args.categories else None
     questions = read_questions(args.data, categories, args.limit)
-    config = make_config(max_new_tokens=args.max_new_tokens, temperature=args.temperature, gamma=args.gamma,
-                         seed=args.seed, branch_budget=args.branch_budget, draft_lookup=args.draft_lookup)
+    config = generation_config(args)
     methods = [m.strip() for m in args.methods.split(",") if m.strip()]
-    runners = bench_runners(methods, bundle=args.bundle, draft_bundle=args.draft_bundle, torch=args.torch,
-                            model=args.model, draft_model=args.draft_model, draft_precision=args.draft_precision,
-                            compile=args.compile, cache_dir=args.cache_dir, log=log)
+    runners = bench_runners(methods, engine_options(args), log=log)
     answers = run_bench(runners, questions, BenchSettings(config=config, repeats=args.repeats))
     command = "mirror-rt " + " ".join(shlex.quote(a) for a in sys.argv[1:])
     rows = {r.name: report_row(r) for r in runners}
@@ -70,17 +63,6 @@ def cmd_bench(args) -> int:
     return 1 if any(doc["mismatches"].get(m) for m in exact) else 0
 
 
-def format_profile(answers) -> str:
-    """Mirror's mean time per phase per step over all turns."""
-    phases: dict[str, list[float]] = {}
-    for a in answers:
-        for s in a.stats:
-            for k, v in s.get("phase_ms_per_step", {}).items():
-                phases.setdefault(k, []).append(v)
-    return "mirror, ms per step (mean over turns): " + ", ".join(
-        f"{k} {sum(v) / len(v):.1f}" for k, v in phases.items())
-
-
 def _add_bench_serve(sub) -> None:
     load = sub.add_parser("bench-serve", help="load a running server (OpenAI API): throughput, TTFT, ITL per "
                           "token, acceptance, a burst past the queue")
@@ -92,7 +74,8 @@ def _add_bench_serve(sub) -> None:
     load.add_argument("--burst", type=count, default=0, help="then send this many at once (0: no burst)")
     load.add_argument("--compare-run", action="store_true", help="also single-stream each prompt in this process "
                       "through the engine `run` uses (the server idle meanwhile): HTTP overhead")
-    load.add_argument("--mode", default="mirror", help="the server's mode, for --compare-run (default mirror)")
+    load.add_argument("--mode", default=DEFAULTS.mode, help="the server's mode, for --compare-run (default: the "
+                      "engine's, as the server's)")
     load.add_argument("--api-key", help="the server's key (default: $MIRROR_RT_API_KEY)")
     load.add_argument("--cache-dir")
     load.add_argument("--json", help="write the report here too")

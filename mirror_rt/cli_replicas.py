@@ -4,6 +4,9 @@
 from __future__ import annotations
 
 from mirror_rt.cli_args import count, port_number, positive_int, positive_number
+from mirror_rt.serving.settings import ClusterSettings
+
+CLUSTER = ClusterSettings()  # the replicas' defaults, read by their flags
 
 
 def add_replica_options(serve) -> None:
@@ -13,10 +16,10 @@ def add_replica_options(serve) -> None:
     ray.add_argument("--ray-address", help="join a running Ray cluster (auto, ray://host:10001); default: start one")
     ray.add_argument("--min-replicas", type=count, help="autoscale between --min-replicas and --max-replicas")
     ray.add_argument("--max-replicas", type=positive_int)
-    ray.add_argument("--target-ongoing-requests", type=positive_number,
+    ray.add_argument("--target-ongoing-requests", type=positive_number, default=CLUSTER.target_ongoing_requests,
                      help="autoscaling: requests per replica to aim at (default 1: one stream each)")
-    ray.add_argument("--placement-timeout", type=positive_int, default=60,
-                     help="seconds a replica may wait for its resources before serve fails (default 60)")
+    ray.add_argument("--placement-timeout", type=positive_int, default=CLUSTER.placement_timeout,
+                     help="seconds a replica may wait for its resources before serve fails (default %(default)s)")
     ray.add_argument("--metrics-export-port", type=port_number,
                      help="local Ray: the port serving every replica's metrics (default: Ray picks one)")
 
@@ -27,17 +30,16 @@ def wants_ray(args) -> bool:
     return args.replicas is not None or args.ray_address is not None or autoscaling
 
 
-def cluster_settings(args, torch_engine: bool):
-    """The ClusterSettings of `serve`'s options; each replica asks for the devices its roles run on."""
-    from mirror_rt.serving.cluster import ClusterSettings, replica_resources
+def cluster_settings(args, torch_engine: bool) -> ClusterSettings:
+    """The ClusterSettings of `serve`'s options (each flag its field; not given: the field's default); each
+    replica asks for the devices its roles run on."""
+    from dataclasses import fields
+
+    from mirror_rt.serving.cluster import replica_resources
 
     target, draft = (args.device or "cpu", "cpu") if torch_engine else (args.target, args.draft)
-    return ClusterSettings(
-        replicas=args.replicas or 1, address=args.ray_address, min_replicas=args.min_replicas,
-        max_replicas=args.max_replicas, target_ongoing_requests=args.target_ongoing_requests,
-        actor_options=replica_resources(args.mode, target, draft, args.threads), max_queued=args.max_queued,
-        host=args.host, port=args.port, placement_timeout_s=args.placement_timeout, drain_s=args.drain_timeout,
-        metrics_export_port=args.metrics_export_port)
+    given = {f.name: getattr(args, f.name) for f in fields(ClusterSettings) if getattr(args, f.name, None) is not None}
+    return ClusterSettings(**given, actor_options=replica_resources(args.mode, target, draft, args.threads))
 
 
 def serve_on_ray(args, settings, load, torch_engine: bool) -> int:

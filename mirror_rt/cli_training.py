@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 
 from mirror_rt.cli_args import count, log, number, positive_int
+from mirror_rt.runtime.config import DEFAULTS
 
 
 def add_training(sub) -> None:
@@ -52,8 +53,8 @@ def add_training(sub) -> None:
                           help="window length (repeatable; default 4 and 7)")
     evaluate.add_argument("--questions", type=positive_int, default=24, help="held-out questions (default 24)")
     evaluate.add_argument("--stride", type=positive_int, default=8, help="answer tokens between window starts")
-    evaluate.add_argument("--draft-lookup", type=count, default=3, help="prompt-lookup guesses per forward, as "
-                          "in run (default 3; 0: off)")
+    evaluate.add_argument("--draft-lookup", type=count, default=DEFAULTS.draft_lookup,
+                          help="prompt-lookup guesses per forward, as in run (default %(default)s; 0: off)")
     evaluate.add_argument("--oracle-streams", action="store_true", help="also run SS drafts with the text as "
                           "their stream guesses: what perfect streams would cost here")
     evaluate.add_argument("--json", action="store_true")
@@ -82,7 +83,7 @@ def cmd_eval_draft(args) -> int:
 
     rows = eval_draft_main(args.bundle, args.target, args.data, tuple(args.gamma or (4, 7)), args.questions,
                            args.stride, cache=args.cache_dir, oracle_streams=args.oracle_streams,
-                           lookup=args.draft_lookup)
+                           draft_lookup=args.draft_lookup)
     print(json.dumps(rows, indent=2) if args.json else format_rows(rows))
     return 0
 

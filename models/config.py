@@ -124,6 +124,33 @@ class ModelConfig:
         return cls(**PRESETS[name])
 
 
+DEFAULT_KAPPA = 8  # early-exit candidates per position: enough to cover most corrections, cheap to send
+
+
+@dataclass(frozen=True)
+class SplitOptions:
+    """Where a target splits for Mirror's early exit, and how many candidates the exit sends per position.
+
+    None means "not given": the default for the model, written once in `resolve` (after N // 2 layers;
+    DEFAULT_KAPPA candidates). Torch targets, exported bundles and exit training all resolve it here, so one default
+    and one validation hold for every path.
+    """
+
+    exit_layer: int | None = None  # ℓe: layers in the target's prefix; None: N // 2
+    kappa: int | None = None  # early-exit candidates per position; None: DEFAULT_KAPPA
+
+    def resolve(self, config: ModelConfig) -> tuple[int, int]:
+        """(exit layer, kappa) for a model of `config`; ValueError naming the flag when either cannot be."""
+        n = config.n_layers
+        exit_layer = n // 2 if self.exit_layer is None else self.exit_layer
+        kappa = DEFAULT_KAPPA if self.kappa is None else self.kappa
+        if not 1 <= exit_layer < n:
+            raise ValueError(f"--exit-layer must be in 1..{n - 1} for a {n}-layer model, got {exit_layer}")
+        if not 1 <= kappa <= config.vocab_size:
+            raise ValueError(f"--kappa must be in 1..{config.vocab_size} (the vocabulary), got {kappa}")
+        return exit_layer, kappa
+
+
 def _unsupported_message(arch: str) -> str:
     known = ", ".join(sorted(SUPPORTED_ARCHITECTURES))
     return f"unsupported architecture '{arch}': mirror-rt runs Llama-family models ({known})"

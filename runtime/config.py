@@ -1,7 +1,10 @@
-"""Generation settings: one frozen dataclass, validated on construction.
+"""Per-request decoding settings: one frozen dataclass, validated on construction, the one home of each.
 
-CLI flags map one to one onto these fields. Components take only what they need
-(`sampling` for the verifier and drafter, `num_draft_tokens` for the speculative loop).
+Every setting has one name from flag to field to where it acts (`--gamma` is `gamma` in the CLI,
+here, and in the decoders that read this object directly), one default and one validation, here.
+The CLI, the server (whose OpenAI / OVMS request names are aliases mapped once at its edge),
+the bench and `Engine.generate` all build this object. It knows nothing of models or devices:
+load-time settings (model, devices, precision, kappa, exit layer) live in `devices.options`.
 """
 
 from __future__ import annotations
@@ -11,6 +14,8 @@ from dataclasses import dataclass, field
 from mirror_rt.runtime.sampling import SamplingConfig
 
 MODES = ("ar", "sd", "mirror")
+EARLY_EXIT = ("auto", "on", "off")
+MAX_GAMMA = 64  # the longest window a request may ask for
 
 
 @dataclass(frozen=True)
@@ -19,7 +24,7 @@ class GenerationConfig:
 
     max_new_tokens: int = 256  # upper bound on generated tokens
     sampling: SamplingConfig = field(default_factory=SamplingConfig)  # temperature, top-k, top-p
-    num_draft_tokens: int = 4  # gamma: draft tokens per window
+    gamma: int = 4  # draft tokens per window (the most; Mirror adapts its window in 1..gamma)
     mode: str | None = None  # ar (target only) | sd (vanilla speculative) | mirror; None: the engine's default
     seed: int = 0  # seeds every random draw of a request
     stop_strings: tuple[str, ...] = ()  # generation stops before the first occurrence of any
@@ -36,13 +41,13 @@ class GenerationConfig:
     def validate(self) -> None:
         if self.max_new_tokens < 1:
             raise ValueError(f"--max-new-tokens must be >= 1, got {self.max_new_tokens}")
-        if not 1 <= self.num_draft_tokens <= 64:
-            raise ValueError(f"--gamma must be in 1..64, got {self.num_draft_tokens}")
+        if not 1 <= self.gamma <= MAX_GAMMA:
+            raise ValueError(f"--gamma must be in 1..{MAX_GAMMA}, got {self.gamma}")
         if self.mode is not None and self.mode not in MODES:
             raise ValueError(f"unknown mode '{self.mode}' (choose from {', '.join(MODES)})")
         if self.branch_budget is not None and self.branch_budget < 0:
             raise ValueError(f"--branch-budget must be 'auto' or >= 0, got {self.branch_budget}")
-        if self.early_exit not in ("on", "off", "auto"):
+        if self.early_exit not in EARLY_EXIT:
             raise ValueError(f"--early-exit must be on, off or auto, got {self.early_exit!r}")
         if self.draft_lookup < 0:
             raise ValueError(f"--draft-lookup must be >= 0, got {self.draft_lookup}")
@@ -50,6 +55,9 @@ class GenerationConfig:
             raise ValueError(f"draft timeout must be positive, got {self.draft_timeout_s}")
         if any(not s for s in self.stop_strings):
             raise ValueError("stop strings must not be empty")
+
+
+DEFAULTS = GenerationConfig()  # every default, read by the CLI's flags and the other entry points
 
 
 def make_config(base: GenerationConfig | None = None, **options) -> GenerationConfig:
@@ -62,8 +70,6 @@ def make_config(base: GenerationConfig | None = None, **options) -> GenerationCo
     base = base or GenerationConfig()
     sampling_fields = {f.name for f in dataclasses.fields(SamplingConfig)}
     sampling = {k: options.pop(k) for k in list(options) if k in sampling_fields}
-    if "gamma" in options:
-        options["num_draft_tokens"] = options.pop("gamma")
     known = {f.name for f in dataclasses.fields(GenerationConfig)}
     unknown = set(options) - known
     if unknown:

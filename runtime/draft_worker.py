@@ -26,27 +26,22 @@ from dataclasses import dataclass, field
 import numpy as np
 from mirror_rt.runtime.affinity import pin
 from mirror_rt.runtime.branches import exit_distribution, rank_roots, top_alternatives
+from mirror_rt.runtime.config import GenerationConfig
 from mirror_rt.runtime.lookup import lookup_guesses, verify_guesses
 from mirror_rt.runtime.messages import STOP, EarlyExit, Fault, Verdict, Window
 from mirror_rt.runtime.reference import prefill_logits
-from mirror_rt.runtime.sampling import SamplingConfig, choose, greedy_ids, keyed_rng, stack_rows
+from mirror_rt.runtime.sampling import choose, greedy_ids, keyed_rng, stack_rows
 from mirror_rt.runtime.transfer import to_host
 
 
 @dataclass(frozen=True)
 class DraftSettings:
-    """What the draft worker needs to know."""
+    """The draft worker's runtime-internal knobs; every user setting is the request's GenerationConfig."""
 
-    gamma: int  # maximum window length
-    sampling: SamplingConfig  # must match the target's
-    seed: int = 0
-    branch_budget: int | None = None  # side branches per step; None = auto: forwards that fit before the verdict
+    cpu: int | None = None  # pin the worker thread to this core (Linux)
+    adaptive_gamma: bool = True  # adapt the window cap in 1..gamma online: +2 after a full accept, -1 after a reject
     branch_length: int = 0  # tokens per side branch; 0 = gamma
     alternatives: int = 3  # draft alternatives kept per depth for ranking roots
-    min_window: int = 1  # send a precomputed window once it has this many tokens
-    adaptive_gamma: bool = True  # adapt the window cap online: +2 after a full accept, -1 after a reject
-    cpu: int | None = None  # pin the worker thread to this core (Linux)
-    lookup: int = 3  # greedy: prompt-lookup guesses checked per forward (runtime.lookup); 0 = off
     stream_confidence: float = 0.2  # SS drafts: feed a stream's guess only at this probability or more
 
 
@@ -82,8 +77,9 @@ class Line:
 class DraftWorker:
     """Runs in its own thread; talks to the target only through `inbox` and `outbox`."""
 
-    def __init__(self, draft, prompt: list[int], capacity: int, settings: DraftSettings):
-        self.draft, self.settings = draft, settings
+    def __init__(self, draft, prompt: list[int], capacity: int, config: GenerationConfig,
+                 settings: DraftSettings | None = None):
+        self.draft, self.config, self.settings = draft, config, settings or DraftSettings()
         self.prompt, self.capacity = list(prompt), capacity
         self.inbox: queue.Queue = queue.Queue(maxsize=8)
         self.outbox: queue.Queue = queue.Queue(maxsize=2)
@@ -93,7 +89,7 @@ class DraftWorker:
         self.committed: list[int] = []
         self.line = Line()
         self.in_flight = 0  # length of the window the target is verifying
-        self.k_cap = settings.gamma  # current window cap (adapted online when adaptive_gamma)
+        self.k_cap = config.gamma  # current window cap (adapted online when adaptive_gamma)
         self.branches: dict[tuple[int, int], Line] = {}
         self.exit_rows = None
         self.verdict_due = 0.0  # when the verdict is expected (exit arrival + target suffix time)
@@ -184,7 +180,7 @@ class DraftWorker:
             self.acceptance = 0.9 * self.acceptance + 0.1 * (a / self.in_flight)
             if self.settings.adaptive_gamma:
                 full = a == self.in_flight
-                self.k_cap = min(self.settings.gamma, self.k_cap + 2) if full else max(1, self.k_cap - 1)
+                self.k_cap = min(self.config.gamma, self.k_cap + 2) if full else max(1, self.k_cap - 1)
         self.committed += line.tokens[:a] + [c]
         if len(line.tokens) > a and line.tokens[a] == c:
             self.line = Line(line.tokens[a + 1:], line.q[a + 1:], line.rows[a + 1:], line.guesses)
@@ -203,12 +199,12 @@ class DraftWorker:
         """Send up to gamma line tokens, drafting fresh ones first if fewer than min_window."""
         t0 = time.perf_counter()
         # sampling sends full windows: their length then never depends on timing, so a seed repeats exactly
-        need = min(self.k_cap, max(1, self.settings.min_window)) if self.settings.sampling.greedy else self.k_cap
+        need = min(self.k_cap, max(1, self.config.min_window)) if self.config.sampling.greedy else self.k_cap
         while len(self.line.tokens) < need:
             self._extend(self.line, self.committed)
         self.stats.fresh_s += time.perf_counter() - t0
         k = min(self.k_cap, len(self.line.tokens))
-        q = stack_rows(self.line.q[:k]) if not self.settings.sampling.greedy else None
+        q = stack_rows(self.line.q[:k]) if not self.config.sampling.greedy else None
         self.in_flight = k
         self.stats.windows += 1
         self._put(Window(len(self.committed), tuple(self.line.tokens[:k]), q, reused))
@@ -227,15 +223,14 @@ class DraftWorker:
             self.stats.rollout_s += time.perf_counter() - t0
 
     def _grow_branch(self) -> bool:
-        settings, k = self.settings, self.in_flight
+        budget, k = self.config.branch_budget, self.in_flight
         for (depth, root), branch in self.branches.items():
-            if len(branch.tokens) < self._wanted(branch) and (
-                    settings.branch_budget is not None or self._fits_before_verdict()):
+            if len(branch.tokens) < self._wanted(branch) and (budget is not None or self._fits_before_verdict()):
                 self._extend(branch, self.committed + self.line.tokens[:depth] + [root])
                 return True
-        if settings.branch_budget is not None and len(self.branches) >= settings.branch_budget:
+        if budget is not None and len(self.branches) >= budget:
             return False
-        if settings.branch_budget is None and not self._fits_before_verdict():
+        if budget is None and not self._fits_before_verdict():
             return False
         window = self.line.tokens[:k]
         alternatives = [self._alternatives(row) for row in self.line.rows[:k + 1]]
@@ -253,7 +248,7 @@ class DraftWorker:
         guess and the next window; a side branch holds one window."""
         if line is self.line:
             return self.in_flight + 1 + self.k_cap
-        return self.settings.branch_length or self.settings.gamma
+        return self.settings.branch_length or self.config.gamma
 
     def _fits_before_verdict(self) -> bool:
         """Auto budget: one more forward only if it should end before the verdict is due."""
@@ -261,13 +256,13 @@ class DraftWorker:
 
     def _extend(self, line: Line, context: list[int]) -> None:
         """Draft one more token of `line` (several with SS streams), which continues `context`."""
-        if self.settings.sampling.greedy and hasattr(self.draft, "forward_streams"):
+        if self.config.sampling.greedy and hasattr(self.draft, "forward_streams"):
             return self._extend_with_streams(line, context)
-        if self.settings.sampling.greedy and self.settings.lookup:
+        if self.config.sampling.greedy and self.config.draft_lookup:
             return self._extend_with_lookup(line, context)
         logits = self._logits_after(context + line.tokens)
         position = len(context) + len(line.tokens)  # keyed: the same token whenever this context is drafted
-        token, q = choose(logits, self.settings.sampling, keyed_rng(self.settings.seed, 1, position))
+        token, q = choose(logits, self.config.sampling, keyed_rng(self.config.seed, 1, position))
         _append(line, token, q, logits if q is None else q)
 
     def _extend_with_streams(self, line: Line, context: list[int]) -> None:
@@ -288,7 +283,7 @@ class DraftWorker:
 
     def _lookup(self, line: Line, full: list[int]) -> list[int]:
         """Prompt-lookup guesses the line can still use after its next token ([] when lookup is off)."""
-        room = min(self.settings.lookup, self._wanted(line) - len(line.tokens) - 1)
+        room = min(self.config.draft_lookup, self._wanted(line) - len(line.tokens) - 1)
         return lookup_guesses(full, room) if room > 0 else []
 
     def _feed_with_guesses(self, line: Line, full: list[int], guesses: list[int], streams: bool = False):
@@ -317,7 +312,7 @@ class DraftWorker:
         if not self.settings.alternatives:
             return {}
         row = to_host(row)  # ranking roots runs on the host (a few rows per step)
-        probs = row if not self.settings.sampling.greedy else _softmax(row)
+        probs = row if not self.config.sampling.greedy else _softmax(row)
         return top_alternatives(probs, self.settings.alternatives + 1)
 
     def _rollback_to_prefix(self, context: list[int]) -> None:

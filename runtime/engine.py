@@ -16,6 +16,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass, field, replace
 
 from mirror_rt.runtime.config import GenerationConfig, make_config
+from mirror_rt.runtime.draft_worker import DraftSettings
 from mirror_rt.runtime.metrics import Metrics
 from mirror_rt.runtime.mirror import MirrorSettings, mirror_generate
 from mirror_rt.runtime.reference import generate as reference_generate
@@ -61,12 +62,15 @@ class Engine:
     """
 
     def __init__(self, target, tokenizer, draft=None, names: dict | None = None,
-                 cpus: tuple[int, int] | None = None):
+                 cpus: tuple[int, int] | None = None, placement=None, manifest=None):
         self.target = target  # LoadedModel (with forward_prefix/forward_suffix for mirror mode)
         self.draft = draft  # LoadedModel, or None: the target drafts for itself (oracle draft)
         self.tokenizer = tokenizer
-        self.names = names or {}
+        self.names = names or {}  # path, model, each role's device and precision (stats, logs, reports)
         self.cpus = cpus  # (target core, draft core) for mirror mode, or None: no pinning
+        # where each role runs and what fell back (devices.placement.Placement); None: not assembled by devices/
+        self.placement = placement
+        self.manifest = manifest  # the bundle's exporters.manifest.BundleManifest; None: not a bundle
         if draft is not None and draft.vocab_size != target.vocab_size:
             raise GenerationError(f"vocabulary mismatch: target has {target.vocab_size} tokens, "
                                   f"draft has {draft.vocab_size}")
@@ -90,8 +94,8 @@ class Engine:
                **options) -> Generation:
         """Start generating; iterate the result for text pieces as they are committed.
 
-        `options` override fields of `config` (max_new_tokens, mode, gamma, temperature,
-        top_k, top_p, seed, stop_strings, ignore_eos).
+        `options` override fields of `config` by their field names (max_new_tokens, mode, gamma,
+        temperature, top_k, top_p, seed, stop_strings, ignore_eos, draft_lookup, ...).
         """
         config = make_config(config, **options)
         if config.mode is None:
@@ -121,16 +125,13 @@ class Engine:
         if config.mode == "sd":
             draft = self.draft or self.target
             return speculative_generate(self.target, draft, ids, config.max_new_tokens,
-                                        config.num_draft_tokens, config.sampling, config.seed, metrics)
+                                        config.gamma, config.sampling, config.seed, metrics)
         if not hasattr(self.target, "forward_prefix"):
             raise GenerationError("mode 'mirror' needs a target split at its early exit "
                                   "(load a bundle, or a torch model through its split target)")
         target_cpu, draft_cpu = self.cpus or (None, None)
-        settings = MirrorSettings(gamma=config.num_draft_tokens, sampling=config.sampling, seed=config.seed,
-                                  branch_budget=config.branch_budget, min_window=config.min_window,
-                                  draft_timeout_s=config.draft_timeout_s, early_exit=config.early_exit,
-                                  target_cpu=target_cpu, draft_cpu=draft_cpu, lookup=config.draft_lookup)
-        return mirror_generate(self.target, self.draft or self.target, ids, config.max_new_tokens, settings, metrics)
+        settings = MirrorSettings(target_cpu=target_cpu, draft=DraftSettings(cpu=draft_cpu))
+        return mirror_generate(self.target, self.draft or self.target, ids, config, settings, metrics)
 
     def _run(self, ids, config: GenerationConfig, gen: Generation) -> Iterator[str]:
         metrics = Metrics(prompt_tokens=len(ids))

@@ -1,7 +1,8 @@
 """Per-request metrics: counts per step and time per stage, kept outside the algorithm.
 
 Decoders call `record_step` once per target forward after prefill and wrap stages in
-`stage(name)`; `summary()` turns the counts into the figures the CLI and bench print.
+`stage(name)`; `summary()` turns the counts into the figures the CLI and bench print, and
+`format_stats` a generation's figures into the lines `run --stats` prints.
 Definitions: mean accepted length = tokens committed per decode step (one target forward
 each; 1.0 for target-only decoding); acceptance at position j = accepted / proposed among
 windows that had a j-th draft token.
@@ -96,3 +97,42 @@ class Metrics:
             "device_reads_per_step": round(reads / (self.steps + 1), 2),  # each read of a GPU tensor is a sync
             **self.extra,
         }
+
+
+def format_stats(stats: dict) -> str:
+    """A generation's stats (`Generation.stats`: this summary, the engine's names, Mirror's extras) as the
+    lines `mirror-rt run --stats` prints."""
+    acc = " ".join(f"{a:.2f}" for a in stats.get("acceptance_per_position", []))
+    lines = [
+        (f"mode {stats['mode']}: {stats['new_tokens']} tokens in {stats['wall_time_s']:.2f} s = "
+         f"{stats['tokens_per_s']:.1f} tokens/s (decode {stats['decode_tokens_per_s']:.1f} tokens/s, "
+         f"first token {stats['time_to_first_token_s'] * 1000:.0f} ms)"),
+        f"steps {stats['steps']}, mean accepted length {stats['mean_accepted_length']:.2f} tokens per target forward",
+    ]
+    if acc:
+        lines.append(f"acceptance per position: {acc}")
+    if stats.get("draft"):
+        lines.append(f"draft: {stats['draft']}")
+    if stats.get("target_precision"):
+        lines.append(f"path: {stats.get('path', '?')}, target {stats['target_precision']}"
+                     + (f", draft {stats['draft_precision']}" if stats.get("draft_precision") else ""))
+    if stats.get("placement"):
+        lines.append(f"placement: {stats['placement']}")
+    if stats.get("device_reads_per_step"):
+        lines.append(f"device->host {stats['device_to_host_bytes_per_token']:.0f} bytes per token, "
+                     f"{stats['device_reads_per_step']:.2f} reads (syncs) per step")
+    if "reuse_hit_rate" in stats:
+        phases = ", ".join(f"{k} {v:.1f}" for k, v in stats["phase_ms_per_step"].items())
+        lines.append(f"reuse hit rate {stats['reuse_hit_rate']:.2f} (main {stats['main_line_hits']}, side "
+                     f"{stats['side_branch_hits']}, wrong {stats['misses']}, not ready {stats['not_ready']}); "
+                     f"early-exit coverage {stats['early_exit_coverage']}; hidden draft share "
+                     f"{stats['hidden_draft_share']:.2f}")
+        lines.append(f"draft forwards per token {stats['draft_forwards_per_token']:.2f}; prompt-lookup guesses "
+                     f"kept {stats['lookup_guesses_kept']}")
+        lines.append(f"ms per step: {phases}; latency model {stats['predicted_step_ms']:.1f} ms predicted "
+                     f"(pipelined form {stats['predicted_step_ms_pipelined']:.1f}), "
+                     f"{stats['measured_step_ms']:.1f} ms measured")
+    for event in stats.get("events", []):
+        lines.append(f"event: {event}")
+    lines.append(f"stop: {stats['stop_reason']}")
+    return "\n".join(lines)

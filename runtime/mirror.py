@@ -15,67 +15,52 @@ from __future__ import annotations
 import queue
 import time
 from collections.abc import Iterator, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 from mirror_rt.runtime.acceptance import accept_greedy, accept_sampled
 from mirror_rt.runtime.affinity import pin, restore
+from mirror_rt.runtime.config import GenerationConfig
 from mirror_rt.runtime.draft_worker import DraftSettings, DraftWorker
 from mirror_rt.runtime.messages import EarlyExit, Fault, Start, Window
 from mirror_rt.runtime.metrics import Metrics
 from mirror_rt.runtime.mirror_stats import mirror_summary
 from mirror_rt.runtime.reference import adopts_target_kv, prefill_logits, token_budget
-from mirror_rt.runtime.sampling import SamplingConfig, choose, keyed_rng, probabilities
+from mirror_rt.runtime.sampling import choose, keyed_rng, probabilities
 
 
 @dataclass(frozen=True)
 class MirrorSettings:
-    """Knobs of the Mirror orchestrator."""
+    """Runtime-internal knobs of the Mirror orchestrator; every user setting is the request's GenerationConfig."""
 
-    gamma: int = 4  # maximum window
-    sampling: SamplingConfig = SamplingConfig()
-    seed: int = 0
-    branch_budget: int | None = None  # side branches per step; None = auto (as many as fit)
-    min_window: int = 1  # the draft sends a precomputed window once it has this many tokens
-    adaptive_gamma: bool = True  # the draft adapts its window cap in 1..gamma from acceptance
-    early_exit: str = "auto"  # on | off | auto: off while the draft is the bottleneck (no time for branches)
-    draft_timeout_s: float = 10.0  # a draft silent this long is declared dead
     target_cpu: int | None = None  # pin the target (caller) thread to this core
-    draft_cpu: int | None = None  # pin the draft thread to this core
-    lookup: int = 3  # greedy: prompt-lookup guesses the draft checks per forward (runtime.lookup); 0 = off
-    stream_confidence: float = 0.2  # SS drafts: a stream guess is fed only at this probability or more
+    draft: DraftSettings = field(default_factory=DraftSettings)  # the draft worker's knobs, its core included
     share_prompt_kv: bool = True  # a draft that is the target at another precision starts from its prompt KV
-
-    def __post_init__(self):
-        if self.early_exit not in ("on", "off", "auto"):
-            raise ValueError(f"--early-exit must be on, off or auto, got {self.early_exit!r}")
 
 
 class DraftFailure(Exception):
     """The draft worker is unusable; carries the reason for the stats."""
 
 
-def mirror_generate(target, draft, prompt: Sequence[int], max_new_tokens: int, settings: MirrorSettings,
-                    metrics: Metrics | None = None) -> Iterator[list[int]]:
+def mirror_generate(target, draft, prompt: Sequence[int], config: GenerationConfig,
+                    settings: MirrorSettings | None = None, metrics: Metrics | None = None) -> Iterator[list[int]]:
     """Yield the tokens committed at each step. `target` must offer forward_prefix/forward_suffix."""
+    settings = settings or MirrorSettings()
     metrics = metrics or Metrics()
-    budget = token_budget(len(prompt), max_new_tokens, target.max_seq_len)
+    budget = token_budget(len(prompt), config.max_new_tokens, target.max_seq_len)
     if budget == 0:
         return
     prompt = list(prompt)
     # headroom beyond the committed text: the window in flight, the bonus guess, the next window, SS guesses
-    draft_capacity = len(prompt) + budget + 2 * settings.gamma + 16
-    worker = DraftWorker(draft, prompt, draft_capacity, DraftSettings(
-        gamma=settings.gamma, sampling=settings.sampling, seed=settings.seed, branch_budget=settings.branch_budget,
-        min_window=settings.min_window, adaptive_gamma=settings.adaptive_gamma, cpu=settings.draft_cpu,
-        lookup=settings.lookup, stream_confidence=settings.stream_confidence))
-    step = _TargetStep(target, settings, metrics, worker)
+    draft_capacity = len(prompt) + budget + 2 * config.gamma + 16
+    worker = DraftWorker(draft, prompt, draft_capacity, config, settings.draft)
+    step = _TargetStep(target, config, metrics, worker)
     share = settings.share_prompt_kv and adopts_target_kv(draft)
     previous_affinity = pin(settings.target_cpu)
     previous_threads = _set_threads(target, 1 if settings.target_cpu is not None else None)
     try:
         if share:  # the target prefills on both cores, then the draft starts from its KV
-            last = step.prefill(prompt, len(prompt) + budget, helper_cpu=settings.draft_cpu, share=True)
+            last = step.prefill(prompt, len(prompt) + budget, helper_cpu=settings.draft.cpu, share=True)
             worker.cache = draft.adopt(step.cache, draft_capacity)
             worker.start()
         else:  # both prefill at once, each on its own core
@@ -83,9 +68,9 @@ def mirror_generate(target, draft, prompt: Sequence[int], max_new_tokens: int, s
             last = step.prefill(prompt, len(prompt) + budget)
         yield [last]
         produced, length = 1, len(prompt) + 1
-        worker.inbox.put(Start(last), timeout=settings.draft_timeout_s)
+        worker.inbox.put(Start(last), timeout=config.draft_timeout_s)
         while produced < budget:
-            k_max = min(settings.gamma, budget - produced - 1)
+            k_max = min(config.gamma, budget - produced - 1)
             tokens = step.run(last, length, k_max) if step.alive else step.alone(last)
             produced += len(tokens)
             length += len(tokens)
@@ -102,8 +87,8 @@ def mirror_generate(target, draft, prompt: Sequence[int], max_new_tokens: int, s
 class _TargetStep:
     """The target worker's state: its cache, generator, counters and the draft link."""
 
-    def __init__(self, target, settings: MirrorSettings, metrics: Metrics, worker: DraftWorker):
-        self.target, self.settings, self.metrics, self.worker = target, settings, metrics, worker
+    def __init__(self, target, config: GenerationConfig, metrics: Metrics, worker: DraftWorker):
+        self.target, self.config, self.metrics, self.worker = target, config, metrics, worker
         self.cache = None
         self.suffix_s = 0.0  # running mean of the suffix time (tells the draft when to expect the verdict)
         self.wait_s = 0.0  # running mean of the rendezvous wait (the draft is the bottleneck when large)
@@ -120,7 +105,7 @@ class _TargetStep:
                 logits = self.target.prefill_pipelined(prompt, self.cache, helper_cpu)[-1]
             else:
                 logits = prefill_logits(self.target, prompt, self.cache)
-        return choose(logits, self.settings.sampling, self._rng(len(prompt)))[0]
+        return choose(logits, self.config.sampling, self._rng(len(prompt)))[0]
 
     def run(self, last: int, length: int, k_max: int) -> list[int]:
         """One Mirror step; on any draft failure, fall back and do a target-only step."""
@@ -158,8 +143,8 @@ class _TargetStep:
 
     def _prefix(self, tokens: list[int]):
         """The prefix layers, with the early-exit candidates when they can pay off ([T, 0] when not)."""
-        use = self.settings.early_exit == "on" or (
-            self.settings.early_exit == "auto" and self.wait_s <= 0.25 * self.suffix_s)
+        use = self.config.early_exit == "on" or (
+            self.config.early_exit == "auto" and self.wait_s <= 0.25 * self.suffix_s)
         if use or not hasattr(self.target, "forward_prefix_only"):
             self.counters["exit_steps"] += 1
             if self.ahead:
@@ -175,37 +160,37 @@ class _TargetStep:
             logits = self.target.forward([last], self.cache)
         self.metrics.record_step(0, 0)
         self.counters["fallback_steps"] += 1
-        return [choose(logits[-1], self.settings.sampling, self._rng(self.cache.length))[0]]
+        return [choose(logits[-1], self.config.sampling, self._rng(self.cache.length))[0]]
 
     def _rng(self, position: int) -> np.random.Generator:
         """The target's draws for the token(s) from `position` on (runtime.sampling.keyed_rng, stream 2)."""
-        return keyed_rng(self.settings.seed, 2, position)
+        return keyed_rng(self.config.seed, 2, position)
 
     def _take_window(self, length: int, k_max: int) -> Window:
         # Phase 1: the rendezvous; the window must continue exactly the committed text
         t0 = time.perf_counter()
         with self.metrics.stage("target_wait"):
             try:
-                message = self.worker.outbox.get(timeout=self.settings.draft_timeout_s)
+                message = self.worker.outbox.get(timeout=self.config.draft_timeout_s)
             except queue.Empty:
-                raise DraftFailure(f"draft stalled for more than {self.settings.draft_timeout_s:g} s") from None
+                raise DraftFailure(f"draft stalled for more than {self.config.draft_timeout_s:g} s") from None
         self.wait_s = 0.8 * self.wait_s + 0.2 * (time.perf_counter() - t0)
         if isinstance(message, Fault):
             raise DraftFailure(f"draft failed: {message.reason}")
-        _check_window(message, length, self.settings, self.target.vocab_size)
+        _check_window(message, length, self.config, self.target.vocab_size)
         return message
 
     def _accept(self, tokens, window: Window, logits, length):
-        if self.settings.sampling.greedy:
+        if self.config.sampling.greedy:
             return accept_greedy(tokens, logits, length)
-        p = probabilities(logits, self.settings.sampling)
+        p = probabilities(logits, self.config.sampling)
         return accept_sampled(tokens, window.q[:len(tokens)], p, self._rng(length), length)
 
     def _send(self, message) -> None:
         if not self.alive:
             return
         try:
-            self.worker.inbox.put(message, timeout=self.settings.draft_timeout_s)
+            self.worker.inbox.put(message, timeout=self.config.draft_timeout_s)
         except queue.Full:
             self._fall_back("draft inbox full (draft not reading)")
 
@@ -238,16 +223,16 @@ def _set_threads(model, threads: int | None) -> int | None:
     return model.set_threads(threads)
 
 
-def _check_window(window, length: int, settings: MirrorSettings, vocab_size: int) -> None:
+def _check_window(window, length: int, config: GenerationConfig, vocab_size: int) -> None:
     """Refuse a window that does not continue the committed text or is malformed."""
     if not isinstance(window, Window):
         raise DraftFailure(f"draft sent {type(window).__name__}, expected a window")
     if window.base_length != length:
         raise DraftFailure(f"draft window continues length {window.base_length}, committed is {length}")
     k = len(window.tokens)
-    if not 1 <= k <= settings.gamma:
-        raise DraftFailure(f"draft window has {k} tokens, expected 1..{settings.gamma}")
+    if not 1 <= k <= config.gamma:
+        raise DraftFailure(f"draft window has {k} tokens, expected 1..{config.gamma}")
     if any(not (isinstance(t, (int, np.integer)) and 0 <= t < vocab_size) for t in window.tokens):
         raise DraftFailure("draft window has token ids outside the vocabulary")
-    if not settings.sampling.greedy and (window.q is None or window.q.shape != (k, vocab_size)):
+    if not config.sampling.greedy and (window.q is None or window.q.shape != (k, vocab_size)):
         raise DraftFailure("draft window lacks its q rows [k, vocab] under sampling")

@@ -19,7 +19,6 @@ import secrets
 import threading
 import uuid
 from collections.abc import Callable
-from dataclasses import dataclass, field
 
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
@@ -30,24 +29,9 @@ from mirror_rt.serving.metrics import ServerMetrics, Sink
 from mirror_rt.serving.records import RequestRecord
 from mirror_rt.serving.responses import Reply, collect, now, race_disconnect, stream
 from mirror_rt.serving.scheduler import Draining, Job, Overloaded, Scheduler
+from mirror_rt.serving.settings import ServerSettings
 
 log = logging.getLogger("mirror_rt.serve")
-
-
-@dataclass(frozen=True)
-class ServerSettings:
-    """What the server adds to an engine."""
-
-    served_model_name: str | None = None  # None: the engine's model name
-    api_key: str | None = None  # guards /v1/* when set
-    max_queued: int = 16  # requests waiting beyond the one running
-    request_timeout_s: float | None = None  # a generation running longer is stopped with an error
-    defaults: GenerationConfig = field(default_factory=lambda: GenerationConfig(mode="mirror"))  # mode, gamma...
-    temperature: float = 1.0  # OpenAI's default when a request names none
-    retry_after_s: int = 1  # Retry-After of a 503
-    # a replica ends its process when its engine thread dies before answering (Serve's proxy then sends the
-    # request to another replica); a single server answers 503 with x-mirror-rt-retry instead
-    exit_on_engine_death: bool = False
 
 
 class ServerState:
@@ -66,13 +50,18 @@ class ServerState:
         self.engine = engine
         self.model_name = self.settings.served_model_name or engine.names.get("model", "mirror-rt")
         self.metrics = ServerMetrics(self.model_name, sink=self.metrics_sink)
-        self.metrics.placement(getattr(engine, "placement", {}))
-        self.metrics.spec_enabled.labels(self.model_name).set(int(self.settings.defaults.mode != "ar"))
+        self.metrics.fallbacks(engine.placement)
+        self.metrics.spec_enabled.labels(self.model_name).set(int(self.default_mode != "ar"))
         self.metrics.set_load(0, 0)
-        self.scheduler = Scheduler(engine, self.settings.max_queued, self.settings.request_timeout_s,
+        self.scheduler = Scheduler(engine, self.settings.max_queued, self.settings.request_timeout,
                                    on_change=self.metrics.set_load, on_finish=self._finished,
                                    on_death=_exit_now if self.settings.exit_on_engine_death else None)
         self.status = "ready"
+
+    @property
+    def default_mode(self) -> str:
+        """The mode of a request that names none: the server's `--mode`, else the engine's default."""
+        return self.settings.defaults.mode or self.engine.default_mode
 
     def _finished(self, job: Job) -> None:
         job.record = record = RequestRecord.from_job(job, self.engine.names)
@@ -181,7 +170,7 @@ async def _complete(request: Request, state: ServerState, chat: bool):
               asyncio.get_running_loop())
     _admit(job, state)
     reply = Reply(job.id, state.model_name, chat, req.include_usage(), now(), req.continuous_usage(), len(prompt))
-    timeout = state.settings.request_timeout_s
+    timeout = state.settings.request_timeout
     if req.stream:
         return StreamingResponse(_streamed(job, reply, state), media_type="text/event-stream",
                                  headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
@@ -191,7 +180,7 @@ async def _complete(request: Request, state: ServerState, chat: bool):
 
 async def _streamed(job: Job, reply: Reply, state: ServerState):
     try:
-        async for chunk in stream(job, reply, state.settings.request_timeout_s):
+        async for chunk in stream(job, reply, state.settings.request_timeout):
             yield chunk
     finally:  # normal end, or the client went away (Starlette cancels this generator on disconnect)
         if job.record is None:
@@ -214,17 +203,14 @@ def _admit(job: Job, state: ServerState) -> None:
 def _config(req: protocol.Sampling, prompt_tokens: int, state: ServerState) -> GenerationConfig:
     """The request's generation settings over the server's defaults; a 400 when it cannot fit."""
     context = state.engine.target.max_seq_len
-    requested = req.requested_tokens()
+    given = req.fields()
+    requested = given.get("max_new_tokens")
     if prompt_tokens + (requested or 1) > context:
         raise protocol.context_error(context, prompt_tokens, requested or 0)
-    defaults = state.settings.defaults
-    mode = "ar" if req.disable_spec_decode else (req.mode or defaults.mode)
-    return make_config(defaults, max_new_tokens=requested or context - prompt_tokens, mode=mode,
-                       temperature=state.settings.temperature if req.temperature is None else req.temperature,
-                       top_p=1.0 if req.top_p is None else req.top_p,
-                       seed=secrets.randbits(31) if req.seed is None else req.seed,
-                       stop_strings=req.stop_strings(), gamma=req.num_assistant_tokens or defaults.num_draft_tokens,
-                       ignore_eos=bool(req.ignore_eos))
+    # what a request that names none gets here: the rest of the context, OpenAI's temperature, a fresh seed
+    unnamed = {"max_new_tokens": context - prompt_tokens, "temperature": state.settings.temperature,
+               "seed": secrets.randbits(31)}
+    return make_config(state.settings.defaults, **(unnamed | given))
 
 
 def _check_key(request: Request, state: ServerState) -> None:

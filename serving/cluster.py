@@ -20,12 +20,12 @@ from __future__ import annotations
 import math
 import signal
 import time
-from dataclasses import dataclass, field, replace
+from dataclasses import replace
 
-from mirror_rt.serving.app import ServerSettings
 from mirror_rt.serving.proxy import PROXY_CALLBACK
 from mirror_rt.serving.replica import DEPLOYMENT, replica_deployment
 from mirror_rt.serving.server import configure_logging, log
+from mirror_rt.serving.settings import ClusterError, ClusterSettings, ServerSettings
 
 APP = "mirror-rt"
 INSTALL = 'pip install "mirror-rt[cluster]"'
@@ -33,41 +33,6 @@ REPLICA_QUEUE = 1  # a replica holds one generation running and this many ready 
 OBJECT_STORE = 256 * 2**20  # a local Ray's object store: requests and answers are small
 # Device kinds that are Ray custom resources (named by us: Ray reserves "NPU" for Ascend chips).
 CUSTOM_RESOURCES = {"npu": "intel_npu", "gpu": "intel_gpu", "qnn": "qnn_npu"}
-
-
-class ClusterError(ValueError):
-    """The cluster cannot serve as asked (no Ray, a replica that cannot be placed, a failed deploy)."""
-
-
-@dataclass(frozen=True)
-class ClusterSettings:
-    """How the app is spread over Ray Serve replicas."""
-
-    replicas: int = 1  # replicas to run (the initial count when autoscaling)
-    address: str | None = None  # None: start a local Ray; "auto" or "ray://host:port": join that cluster
-    min_replicas: int | None = None  # any of these three set: Serve's autoscaling_config
-    max_replicas: int | None = None
-    target_ongoing_requests: float | None = None  # autoscaling target per replica (default 1: one stream each)
-    actor_options: dict = field(default_factory=lambda: {"num_cpus": 1})  # per replica (`replica_resources`)
-    max_queued: int = 16  # requests waiting at the proxy beyond what the replicas hold; 503 beyond
-    retry_after_s: int = 1  # Retry-After of the proxy's 503
-    host: str = "127.0.0.1"  # the proxy's address
-    port: int = 8000
-    placement_timeout_s: int = 60  # a replica unplaced this long is an error (when we start Serve)
-    drain_s: float = 30.0  # graceful shutdown: admitted requests may take this long to finish
-    health_check_period_s: float = 10.0
-    metrics_export_port: int | None = None  # local Ray: where it serves every replica's metrics
-
-    def __post_init__(self):
-        if self.replicas < 1:
-            raise ClusterError(f"replicas must be >= 1, got {self.replicas}")
-        low, high = self.min_replicas, self.max_replicas
-        if low is not None and high is not None and low > high:
-            raise ClusterError(f"--min-replicas {low} is more than --max-replicas {high}")
-
-    @property
-    def autoscaling(self) -> bool:
-        return (self.min_replicas, self.max_replicas, self.target_ongoing_requests) != (None, None, None)
 
 
 def require_ray():
@@ -83,10 +48,11 @@ def require_ray():
 # --- what a replica asks for ----------------------------------------------------------------------
 
 
-def replica_resources(mode: str, target_device: str, draft_device: str, threads: int | None = None) -> dict:
+def replica_resources(mode: str | None, target_device: str, draft_device: str, threads: int | None = None) -> dict:
     """`ray_actor_options` for one replica: a GPU for a CUDA role, a custom resource for an NPU or
     Intel GPU role, and a CPU per compute thread of each CPU worker (Mirror runs target and draft
-    in two workers at once; ar runs the target alone; sd runs both in turn in one)."""
+    in two workers at once; ar runs the target alone; sd runs both in turn in one; None: the engine's default)."""
+    from mirror_rt.devices.placement import runs_mirror
     from mirror_rt.devices.registry import parse_device
 
     roles = [target_device] if mode == "ar" else [target_device, draft_device]
@@ -102,17 +68,19 @@ def replica_resources(mode: str, target_device: str, draft_device: str, threads:
             resources[CUSTOM_RESOURCES[spec.device.lower()]] = 1
         else:
             cpu_roles += 1
-    workers = cpu_roles if mode == "mirror" else min(cpu_roles, 1)
+    workers = cpu_roles if runs_mirror(mode) else min(cpu_roles, 1)
     options = {"num_cpus": workers * (threads or 1), "num_gpus": gpus}
     return {**options, "resources": resources} if resources else options
 
 
-def deployment_options(cluster: ClusterSettings) -> dict:
-    """`serve.deployment` options: replicas or autoscaling, resources, limits, health, drain."""
+def deployment_options(cluster: ClusterSettings, server: ServerSettings) -> dict:
+    """`serve.deployment` options: replicas or autoscaling, resources, limits (the server's queue, at the proxy),
+    health, drain."""
     options = dict(ray_actor_options=dict(cluster.actor_options), max_ongoing_requests=1 + REPLICA_QUEUE,
-                   max_queued_requests=cluster.max_queued,
-                   backpressure_config={"retry_after_s": cluster.retry_after_s},
-                   health_check_period_s=cluster.health_check_period_s, graceful_shutdown_timeout_s=cluster.drain_s,
+                   max_queued_requests=server.max_queued,
+                   backpressure_config={"retry_after_s": server.retry_after_s},
+                   health_check_period_s=cluster.health_check_period_s,
+                   graceful_shutdown_timeout_s=server.drain_timeout,
                    max_constructor_retry_count=1)  # an engine that fails to load fails again: report it
     if not cluster.autoscaling:
         return {**options, "num_replicas": cluster.replicas}
@@ -127,36 +95,36 @@ def build(settings: ServerSettings, cluster: ClusterSettings, load):
     """The Serve application: `load()` runs in each replica to build its engine."""
     require_ray()
     replica_settings = replace(settings, max_queued=REPLICA_QUEUE)  # Serve never sends a replica more
-    return replica_deployment(deployment_options(cluster)).bind(replica_settings, load)
+    return replica_deployment(deployment_options(cluster, settings)).bind(replica_settings, load)
 
 
 # --- a Ray to run on --------------------------------------------------------------------------------
 
 
-def start(cluster: ClusterSettings, custom_resources: dict | None = None) -> bool:
-    """Start a local Ray (True) or join `cluster.address` (False), then Serve."""
+def start(cluster: ClusterSettings, server: ServerSettings, custom_resources: dict | None = None) -> bool:
+    """Start a local Ray (True) or join `cluster.ray_address` (False), then Serve on the server's address."""
     ray, _ = require_ray()
-    local = cluster.address is None
+    local = cluster.ray_address is None
     if local:
         ray.init(resources=custom_resources or {}, include_dashboard=False, object_store_memory=OBJECT_STORE,
                  _metrics_export_port=cluster.metrics_export_port)
     else:
-        ray.init(address=cluster.address)
-    start_serve(cluster)
+        ray.init(address=cluster.ray_address)
+    start_serve(cluster, server)
     return local
 
 
-def start_serve(cluster: ClusterSettings) -> None:
+def start_serve(cluster: ClusterSettings, server: ServerSettings) -> None:
     """Serve on the Ray this process is connected to; its proxies answer through `serving.proxy` and a
-    replica unplaced for `placement_timeout_s` is reported, and a replica failing its health check
+    replica unplaced for `placement_timeout` seconds is reported, and a replica failing its health check
     stops at once (its engine is dead: waiting for its requests would only hang them), all three only
     when this call starts Serve."""
     _, serve = require_ray()
     env = {"RAY_SERVE_HTTP_PROXY_CALLBACK_IMPORT_PATH": PROXY_CALLBACK,
-           "RAY_SERVE_SLOW_STARTUP_WARNING_S": str(cluster.placement_timeout_s),
-           "RAY_SERVE_SLOW_STARTUP_WARNING_PERIOD_S": str(cluster.placement_timeout_s),
+           "RAY_SERVE_SLOW_STARTUP_WARNING_S": str(cluster.placement_timeout),
+           "RAY_SERVE_SLOW_STARTUP_WARNING_PERIOD_S": str(cluster.placement_timeout),
            "RAY_SERVE_FORCE_STOP_UNHEALTHY_REPLICAS": "1"}
-    serve.start(http_options={"host": cluster.host, "port": cluster.port},
+    serve.start(http_options={"host": server.host, "port": server.port},
                 controller_options={"runtime_env": {"env_vars": env}})
 
 
@@ -250,13 +218,13 @@ def serve_replicas(settings: ServerSettings, cluster: ClusterSettings, load) -> 
     """Serve on replicas until SIGTERM / Ctrl-C, then drain and take them down; returns the exit code.
     A signal while deploying takes down what was started; a second signal while draining stops at once."""
     configure_logging()
-    local = start(cluster, local_resources(cluster.actor_options) if cluster.address is None else None)
+    local = start(cluster, settings, local_resources(cluster.actor_options) if cluster.ray_address is None else None)
     # after ray.init, which installs its own; SIGINT too: a process started in the background of a script
     # inherits SIGINT ignored, and Python then never raises KeyboardInterrupt
     previous = {sig: signal.signal(sig, _interrupt) for sig in (signal.SIGTERM, signal.SIGINT)}
     try:
         try:
-            options = deployment_options(cluster)
+            options = deployment_options(cluster, settings)
             if local:
                 initial = options.get("autoscaling_config", {}).get("initial_replicas", cluster.replicas)
                 check_fits(cluster.actor_options, initial)
@@ -267,7 +235,7 @@ def serve_replicas(settings: ServerSettings, cluster: ClusterSettings, load) -> 
         log.info(describe(settings, cluster, options))
         try:
             _wait_for_signal()
-            log.info("draining: the replicas finish their admitted requests (up to %g s)", cluster.drain_s)
+            log.info("draining: the replicas finish their admitted requests (up to %g s)", settings.drain_timeout)
         finally:
             stop(local)
     finally:
@@ -301,6 +269,7 @@ def describe(settings: ServerSettings, cluster: ClusterSettings, options: dict) 
                  f"{scaling['max_replicas']}, target {scaling['target_ongoing_requests']:g} ongoing each)")
     metrics = metrics_url() or "each Ray node's metrics export port"
     key = "API key required" if settings.api_key else "no API key"
-    return (f"serving {count} at http://{cluster.host}:{cluster.port}/v1 (Ray Serve), mode {settings.defaults.mode}; "
-            f"each replica asks for {cluster.actor_options}; {key}; queue {cluster.max_queued} at the proxy; "
+    mode = settings.defaults.mode or "the engine's default"
+    return (f"serving {count} at http://{settings.host}:{settings.port}/v1 (Ray Serve), mode {mode}; "
+            f"each replica asks for {cluster.actor_options}; {key}; queue {settings.max_queued} at the proxy; "
             f"metrics of every replica: {metrics}")

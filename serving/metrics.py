@@ -120,11 +120,10 @@ class ServerMetrics:
     def rejected(self, reason: str) -> None:
         self.request_rejected.labels(self.model_name, reason).inc()
 
-    def placement(self, placements: dict) -> None:
-        """Count the roles that fell back at load (`devices.registry.Placement` per role)."""
-        for role, where in placements.items():
-            if where.fell_back:
-                self.device_fallback.labels(self.model_name, role, where.requested, where.actual).inc()
+    def fallbacks(self, placement) -> None:
+        """Count the roles that fell back at load (`devices.placement.Placement.fallbacks`; None: none)."""
+        for role, requested in (placement.fallbacks if placement is not None else {}).items():
+            self.device_fallback.labels(self.model_name, role, requested, placement.device(role)).inc()
 
     def finished(self, record) -> None:
         """One request's end (`serving.records.RequestRecord`)."""

@@ -7,16 +7,18 @@ formats, penalties, tools...) are refused with a 400 naming the parameter rather
 Per-request extensions (sent as extra body fields): `mode` (ar | sd | mirror),
 `num_assistant_tokens` (the window gamma; OpenVINO Model Server's name) and
 `disable_spec_decode` (true: target-only for this request), and vLLM's `ignore_eos`.
+These request names are aliases: `Sampling.fields` maps them, once, onto the runtime's
+`GenerationConfig` fields (`num_assistant_tokens` is `gamma`, `max_completion_tokens` is
+`max_new_tokens`, `stop` is `stop_strings`).
 """
 
 from __future__ import annotations
 
 from typing import Literal
 
+from mirror_rt.runtime.config import MAX_GAMMA, MODES
 from mirror_rt.serving.errors import APIError
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
-
-MODES = ("ar", "sd", "mirror")
 
 
 class Strict(BaseModel):
@@ -65,8 +67,8 @@ class Sampling(Strict):
     presence_penalty: float | None = Field(None, allow_inf_nan=False)
     frequency_penalty: float | None = Field(None, allow_inf_nan=False)
     logit_bias: dict | None = None
-    mode: Literal["ar", "sd", "mirror"] | None = None
-    num_assistant_tokens: int | None = Field(None, ge=1, le=64)
+    mode: Literal[MODES] | None = None
+    num_assistant_tokens: int | None = Field(None, ge=1, le=MAX_GAMMA)
     disable_spec_decode: bool | None = None
     ignore_eos: bool | None = None  # vLLM's extension: keep generating past end-of-sequence (load tests)
 
@@ -97,6 +99,14 @@ class Sampling(Strict):
 
     def requested_tokens(self) -> int | None:
         return self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
+
+    def fields(self) -> dict:
+        """The `GenerationConfig` fields this request sets, by their runtime names (the fields it leaves out
+        are the server's): the one place the OpenAI / OVMS / vLLM request names map to them."""
+        values = {"max_new_tokens": self.requested_tokens(), "temperature": self.temperature, "top_p": self.top_p,
+                  "seed": self.seed, "stop_strings": self.stop_strings() or None, "ignore_eos": self.ignore_eos,
+                  "gamma": self.num_assistant_tokens, "mode": "ar" if self.disable_spec_decode else self.mode}
+        return {name: value for name, value in values.items() if value is not None}
 
 
 class ChatRequest(Sampling):

@@ -14,7 +14,8 @@ import sys
 import threading
 import time
 
-from mirror_rt.serving.app import ServerSettings, ServerState, create_app
+from mirror_rt.serving.app import ServerState, create_app
+from mirror_rt.serving.settings import ServerSettings
 
 log = logging.getLogger("mirror_rt.serve")
 
@@ -32,21 +33,21 @@ def configure_logging() -> None:
 def describe(state: ServerState, url: str) -> str:
     """The start-up line: where, what, how, on which devices, and whether a key is required."""
     engine, settings = state.engine, state.settings
+    fallbacks = engine.placement.fallbacks if engine.placement is not None else {}
     roles = []
     for role in ("target", "draft"):
-        where = getattr(engine, "placement", {}).get(role)
         device = engine.names.get(f"{role}_device", "?")
-        note = f" (asked for {where.requested}: not available, fell back)" if where and where.fell_back else ""
+        note = f" (asked for {fallbacks[role]}: not available, fell back)" if role in fallbacks else ""
         roles.append(f"{role} on {device}{note}")
     key = "API key required" if settings.api_key else "no API key"
     return (f"serving {state.model_name} at {url}/v1 ({engine.names.get('path', 'engine')}), mode "
-            f"{settings.defaults.mode}, {', '.join(roles)}; {key}; queue {settings.max_queued}")
+            f"{state.default_mode}, {', '.join(roles)}; {key}; queue {settings.max_queued}")
 
 
 class DrainingServer:
     """uvicorn.Server with a drain: the first signal stops admissions and waits for the admitted work."""
 
-    def __init__(self, app, host: str, port: int, drain_s: float):
+    def __init__(self, app, host: str, port: int, drain_timeout: float):
         import uvicorn
 
         config = uvicorn.Config(app, host=host, port=port, log_level="warning", access_log=False,
@@ -54,7 +55,7 @@ class DrainingServer:
         self.server = uvicorn.Server(config)
         self.server.handle_exit = self.handle_exit  # no re-raise of the signal at exit: exit code 0
         self.state: ServerState = app.state.mirror
-        self.drain_s, self.draining = drain_s, False
+        self.drain_timeout, self.draining = drain_timeout, False
 
     def run(self) -> None:
         self.server.run()
@@ -69,10 +70,10 @@ class DrainingServer:
     def drain(self) -> None:
         state, scheduler = self.state, self.state.scheduler
         state.status = "draining"
-        log.info("draining: no new requests; up to %g s for the admitted ones", self.drain_s)
+        log.info("draining: no new requests; up to %g s for the admitted ones", self.drain_timeout)
         if scheduler is not None:
             scheduler.close(cancel_waiting=False)
-            deadline = time.monotonic() + self.drain_s
+            deadline = time.monotonic() + self.drain_timeout
             while not scheduler.idle() and time.monotonic() < deadline:
                 time.sleep(0.05)
             if not scheduler.idle():
@@ -85,12 +86,13 @@ class DrainingServer:
         self.server.should_exit = True
 
 
-def serve(settings: ServerSettings, load, host: str = "127.0.0.1", port: int = 8000, drain_s: float = 30.0) -> int:
-    """Run the server until a signal drains it; returns the exit code (2 when the engine cannot load)."""
+def serve(settings: ServerSettings, load) -> int:
+    """Run the server on `settings.host`:`settings.port` until a signal drains it (up to `settings.drain_timeout`);
+    returns the exit code (2 when the engine cannot load)."""
     configure_logging()
-    url = f"http://{host}:{port}"
+    url = f"http://{settings.host}:{settings.port}"
     app = create_app(settings, load)
-    server = DrainingServer(app, host, port, drain_s)
+    server = DrainingServer(app, settings.host, settings.port, settings.drain_timeout)
     threading.Thread(target=_announce, args=(server, url), name="mirror-announce", daemon=True).start()
     log.info("listening on %s (loading the engine; /health answers 503 until it is ready)", url)
     server.run()

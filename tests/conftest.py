@@ -154,10 +154,10 @@ class BundleParts(NamedTuple):
 def load_parts(folder, target_device: str = "cpu", draft_device: str = "cpu", strict: bool = False,
                threads: int | None = None) -> BundleParts:
     """The one `load_bundle` (an Engine), unpacked as (target, draft, tokenizer, manifest)."""
-    from mirror_rt.devices.engines import load_bundle
+    from mirror_rt import load_bundle
 
-    engine = load_bundle(str(folder), target_device=target_device, draft_device=draft_device,
-                         strict_devices=strict, threads=threads, mode="ar")
+    engine = load_bundle(str(folder), target=target_device, draft=draft_device, strict_devices=strict,
+                         threads=threads, mode="ar")
     return BundleParts(engine.target, engine.draft, engine.tokenizer, engine.manifest)
 
 

@@ -13,10 +13,11 @@ from __future__ import annotations
 import warnings
 
 import pytest
-from mirror_rt.devices.engines import load_bundle
 from mirror_rt.devices.registry import DeviceError, available_devices
 from mirror_rt.exporters.export import export_bundle
 from mirror_rt.runtime.engine import GenerationError
+
+from mirror_rt import load_bundle
 
 HAVE = available_devices()
 # (bundle, device) per role; onnx bundles run on ONNX Runtime and (explicit KV only) on OpenVINO
@@ -43,7 +44,7 @@ def bundles(tmp_path_factory):
 def test_pair_works_or_is_refused_in_one_line(bundles, target, draft):
     """sd and mirror over the pair give ar's greedy tokens; a pair that cannot run says why in one line."""
     try:
-        engine = load_bundle(str(bundles[target[0]]), target_device=target[1], draft_device=draft[1],
+        engine = load_bundle(str(bundles[target[0]]), target=target[1], draft=draft[1],
                              draft_bundle=str(bundles[draft[0]]), strict_devices=True, threads=1, verify=False)
     except (DeviceError, GenerationError) as exc:
         assert "\n" not in str(exc) and str(exc)
@@ -61,7 +62,7 @@ def test_mixed_pair_used_to_crash_in_adopt(bundles):
     """The torch target with the ONNX Runtime draft of the same model: the draft prefills itself."""
     if not HAVE["onnxruntime"]:
         pytest.skip("onnxruntime not installed")
-    engine = load_bundle(str(bundles["torch"]), draft_bundle=str(bundles["onnx-shared"]), draft_device="ort:cpu",
+    engine = load_bundle(str(bundles["torch"]), draft_bundle=str(bundles["onnx-shared"]), draft="ort:cpu",
                          strict_devices=True, threads=1, verify=False)
     assert not engine.draft.same_model_as_target
     with pytest.raises(ValueError, match="another backend"):

@@ -189,16 +189,19 @@ def test_every_row_names_weights_compute_and_kv():
 
 def test_compiled_bf16_rows_run_beside_the_eager_ones(monkeypatch):
     """`-compiled` rows load their own compiled engine; the plain rows stay eager unless --compile."""
-    from mirror_rt.devices import engines
+    from mirror_rt.devices import torch_engine
+    from mirror_rt.devices.options import EngineOptions
     from mirror_rt.evaluation.bench_engines import bf16_runners
 
-    loaded, real_load_torch = [], engines.load_torch
+    loaded, real_load_torch = [], torch_engine.load_torch
 
-    def fake_load_torch(model, draft, **options):  # records the settings, loads the tiny preset eagerly
-        loaded.append((draft, options["compile"], options["dtype"]))
-        return real_load_torch("tiny", draft or "target", mode=options.get("mode"), log=lambda *_: None)
+    def fake_load_torch(options, mode=None, log=None):  # records the settings, loads the tiny preset eagerly
+        draft = options.models.draft_model
+        loaded.append((draft, options.precision.compile, options.precision.dtype))
+        tiny = EngineOptions.from_flags(model="tiny", draft_model=draft or "target")
+        return real_load_torch(tiny, mode, log=lambda *_: None)
 
-    monkeypatch.setattr(engines, "load_torch", fake_load_torch)
+    monkeypatch.setattr(torch_engine, "load_torch", fake_load_torch)
     methods = ["ar-bf16", "mirror-bf16", "ar-bf16-compiled", "mirror-bf16-compiled"]
     runners = bf16_runners(methods, None, None, "target", compile=False, cache_dir=None, log=lambda *_: None)
     names = [r.name for r in runners]

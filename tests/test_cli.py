@@ -75,9 +75,10 @@ def _record_engine_choices(monkeypatch) -> list:
     calls = []
     monkeypatch.setattr(engines, "default_bundle", lambda cache=None, log=None: calls.append(("default", cache))
                         or "/bundle")
-    monkeypatch.setattr(engines, "load_bundle", lambda bundle, **kw: calls.append(("bundle", bundle))
+    monkeypatch.setattr(engines, "load_bundle", lambda options, mode=None: calls.append(
+        ("bundle", options.models.bundle)) or SimpleNamespace(names={}))
+    monkeypatch.setattr(engines, "load_torch", lambda options, mode=None, log=None: calls.append(("torch", options))
                         or SimpleNamespace(names={}))
-    monkeypatch.setattr(engines, "load_torch", lambda **kw: calls.append(("torch", kw)) or SimpleNamespace(names={}))
     return calls
 
 
@@ -85,10 +86,11 @@ def _run_choice(calls, argv) -> list:
     from mirror_rt.devices.engines import load_engine
 
     from mirror_rt import cli
+    from mirror_rt.cli_options import engine_options
 
     args = cli.build_parser().parse_args(["run", "hi", *argv])
     calls.clear()
-    load_engine(args.bundle, torch=args.torch, torch_options=cli.torch_options(args), **cli.bundle_options(args))
+    load_engine(engine_options(args))
     return list(calls)
 
 

@@ -18,11 +18,11 @@ import numpy as np
 import pytest
 import torch
 from conftest import load_parts
+from mirror_rt.devices.bundles import WorkerBudget
 from mirror_rt.devices.registry import (
     DeviceError,
     DeviceFallbackWarning,
     DeviceSpec,
-    WorkerBudget,
     available_devices,
     fastest_cpu,
     parse_device,
@@ -30,8 +30,9 @@ from mirror_rt.devices.registry import (
 )
 from mirror_rt.exporters.export import export_bundle
 from mirror_rt.models.loading import load_checkpoint
+from mirror_rt.runtime.config import GenerationConfig
 from mirror_rt.runtime.metrics import Metrics
-from mirror_rt.runtime.mirror import MirrorSettings, mirror_generate
+from mirror_rt.runtime.mirror import mirror_generate
 from mirror_rt.runtime.reference import generate
 from mirror_rt.runtime.speculative import speculative_generate
 
@@ -140,12 +141,14 @@ def test_load_bundle_falls_back_and_strict_fails(bundles):
     fmt = CASES[-1][0]
     if HAVE["torch"][1:] or "NPU" in HAVE["openvino"]:
         pytest.skip("this machine has an accelerator")
+    from mirror_rt import load_bundle
+
     with pytest.warns(DeviceFallbackWarning):
-        target, draft, _, _ = load_parts(bundles[fmt], "cuda", "npu", threads=1)
+        engine = load_bundle(str(bundles[fmt]), target="cuda", draft="npu", threads=1, mode="ar")
+    target, placement = engine.target, engine.placement
     assert target.forward([3, 4], target.new_cache(8)).shape == (2, target.vocab_size)
-    assert target.placement.requested == "cuda" and target.placement.fell_back
-    assert draft.placement.requested == "npu" and draft.placement.fell_back
-    assert target.placement.actual == draft.placement.actual == str(fastest_cpu(fmt))
+    assert placement.fallbacks == {"target": "cuda", "draft": "npu"}  # as asked, each fell back
+    assert placement.target == placement.draft == str(fastest_cpu(fmt))
     with pytest.raises(DeviceError):
         load_parts(bundles[fmt], "cuda", "npu", strict=True)
 
@@ -220,7 +223,8 @@ def test_mirror_with_int8_exit_equals_reference(int8_exit_bundles, fmt, device):
     """Mirror over a bundle with the int8 exit yields exactly the target's greedy tokens."""
     target, draft, _, _ = load_parts(int8_exit_bundles[fmt], device, device, strict=True, threads=1)
     expected = _flat(generate(target, PROMPT, 24))
-    assert _flat(mirror_generate(target, draft, PROMPT, 24, MirrorSettings(gamma=3), Metrics())) == expected
+    config = GenerationConfig(max_new_tokens=24, gamma=3)
+    assert _flat(mirror_generate(target, draft, PROMPT, config, metrics=Metrics())) == expected
 
 
 @pytest.mark.parametrize("fmt,device", CASES)

@@ -44,7 +44,7 @@ def test_rollout_is_the_drafts_greedy_continuation(seed):
         tokens, times = greedy_rollout(draft, cache, context, 7, oracle=oracle)
         assert tokens == expected and 1 <= len(times) <= 7
         cache.rollback(len(context) - 1)
-        again, _ = greedy_rollout(draft, cache, context, 7, lookup=3)
+        again, _ = greedy_rollout(draft, cache, context, 7, draft_lookup=3)
         assert again == expected
 
 
@@ -74,7 +74,7 @@ def test_prompt_lookup_guesses_keep_the_tokens_and_save_forwards_when_right(seed
         draft = TorchModel(base)
         cache = draft.new_cache(64)
         draft.forward(context[:-1], cache)
-        tokens, times = greedy_rollout(draft, cache, context, 7, lookup=lookup)
+        tokens, times = greedy_rollout(draft, cache, context, 7, draft_lookup=lookup)
         assert tokens == expected
         forwards[lookup] = len(times)
     assert forwards[0] == 7

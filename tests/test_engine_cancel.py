@@ -7,7 +7,8 @@ import threading
 import time
 
 import pytest
-from mirror_rt.devices.engines import load_torch
+from mirror_rt.devices.options import EngineOptions
+from mirror_rt.devices.torch_engine import load_torch
 
 
 class SlowSuffix:
@@ -30,7 +31,7 @@ class SlowSuffix:
 
 @pytest.fixture(scope="module")
 def engine():
-    return load_torch("tiny", "int8", log=lambda *a: None)
+    return load_torch(EngineOptions.from_flags(model="tiny", draft_model="int8"), log=lambda *a: None)
 
 
 def draft_threads() -> list[threading.Thread]:

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import importlib.util
-import inspect
 import json
 import warnings
 
@@ -11,6 +10,7 @@ import numpy as np
 import pytest
 import torch
 from conftest import load_parts, perturbed_copy, tiny_target
+
 from mirror_rt.devices.torch_backend import TorchModel
 from mirror_rt.devices.torch_split import TorchSplitTarget
 from mirror_rt.exporters.export import ExportError, export_bundle
@@ -22,8 +22,9 @@ from mirror_rt.models.exit_adapter import (
     save_exit_adapter,
 )
 from mirror_rt.models.loading import load_checkpoint
+from mirror_rt.runtime.config import GenerationConfig
 from mirror_rt.runtime.metrics import Metrics
-from mirror_rt.runtime.mirror import MirrorSettings, mirror_generate
+from mirror_rt.runtime.mirror import mirror_generate
 from mirror_rt.runtime.reference import generate
 from mirror_rt.training.exit_data import ExitData, decode_batch
 from mirror_rt.training.exit_training import (
@@ -107,7 +108,8 @@ def test_adapter_changes_only_branches(seed):
     ids_adapted, _ = adapted.forward_prefix(prompt, adapted.new_cache(16))
     assert not np.array_equal(ids_plain, ids_adapted)
     for split in (plain, adapted):
-        got = flat(mirror_generate(split, TorchModel(draft), prompt, 40, MirrorSettings(gamma=4), Metrics()))
+        config = GenerationConfig(max_new_tokens=40, gamma=4)
+        got = flat(mirror_generate(split, TorchModel(draft), prompt, config, metrics=Metrics()))
         assert got == expected
 
 
@@ -143,11 +145,10 @@ def test_openvino_bundle_carries_adapter(tmp_path):
     save_exit_adapter(adapter, tmp_path / "exit")
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        # full-precision exit head (where the exit weights are an option), so log-probs compare tightly
-        extra = {"exit_weights": "fp32"} if "exit_weights" in inspect.signature(export_bundle).parameters else {}
-        # fp32 draft: nncf's int8 compression leaves worker threads behind (test_mirror counts threads)
+        # full-precision exit head, so log-probs compare tightly; fp32 draft: nncf's int8 compression leaves
+        # worker threads behind (test_mirror counts threads)
         folder = export_bundle("tiny", tmp_path / "ov", fmt="openvino", kappa=4, exit_adapter=str(tmp_path / "exit"),
-                               draft_weights="fp32", progress=False, **extra)
+                               draft_weights="fp32", exit_weights="fp32", progress=False)
     manifest = read_manifest(folder)
     assert manifest.exit_adapter["in_graph"] and manifest.exit_adapter["rank"] == 8
     bundle = load_parts(folder, "openvino:CPU", "openvino:CPU", strict=True, threads=1)

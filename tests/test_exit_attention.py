@@ -20,8 +20,9 @@ from mirror_rt.models.exit_adapter import (
     save_exit_adapter,
 )
 from mirror_rt.models.loading import load_checkpoint
+from mirror_rt.runtime.config import GenerationConfig
 from mirror_rt.runtime.metrics import Metrics
-from mirror_rt.runtime.mirror import MirrorSettings, mirror_generate
+from mirror_rt.runtime.mirror import mirror_generate
 from mirror_rt.runtime.reference import generate
 from mirror_rt.training.exit_sequences import (
     evaluate_sequences,
@@ -132,7 +133,8 @@ def test_attention_adapter_changes_only_branches(seed):
     prompt = [(seed * 7 + i * 13) % 95 + 2 for i in range(6)]
     expected = [t for step in generate(TorchModel(target), prompt, 40) for t in step]
     split = TorchSplitTarget(target, 2, kappa=4, exit_adapter=attention_adapter(target, 2, seed=seed))
-    got = mirror_generate(split, TorchModel(draft), prompt, 40, MirrorSettings(gamma=4), Metrics())
+    config = GenerationConfig(max_new_tokens=40, gamma=4)
+    got = mirror_generate(split, TorchModel(draft), prompt, config, metrics=Metrics())
     assert [t for step in got for t in step] == expected
 
 

@@ -34,3 +34,11 @@ def test_every_code_folder_installs():
     setuptools = tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["setuptools"]
     assert sorted(setuptools["packages"]) == sorted(mapping)
     assert all((ROOT / folder / "__init__.py").is_file() for folder in folders)
+
+
+def test_mirror_rt_links_every_code_folder_for_tools():
+    """mirror_rt/<folder> links to each mapped folder, so tools read the installed layout in the source tree."""
+    links = {p.name: p for p in (ROOT / "mirror_rt").iterdir() if p.is_symlink()}
+    expected = {package.split(".", 1)[1]: folder for package, folder in package_dirs().items() if "." in package}
+    assert set(links) == set(expected)
+    assert all(links[name].resolve() == (ROOT / folder).resolve() for name, folder in expected.items())

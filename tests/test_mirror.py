@@ -2,12 +2,15 @@
 
 import threading
 import time
+from dataclasses import replace
 
 import numpy as np
 import pytest
 from conftest import MarkovModel, perturbed_copy, random_transition, tiny_target
 from mirror_rt.devices.torch_backend import TorchModel
 from mirror_rt.devices.torch_split import TorchSplitTarget
+from mirror_rt.runtime.config import GenerationConfig, make_config
+from mirror_rt.runtime.draft_worker import DraftSettings
 from mirror_rt.runtime.metrics import Metrics
 from mirror_rt.runtime.mirror import MirrorSettings, mirror_generate
 from mirror_rt.runtime.reference import generate
@@ -24,9 +27,12 @@ def draft_threads() -> list:
     return [t for t in threading.enumerate() if t.name == "mirror-draft" and t.is_alive()]
 
 
-def run_mirror(target, draft, prompt, max_new, **settings):
+def run_mirror(target, draft, prompt, max_new, stream_confidence=0.2, **options):
+    """Mirror over `options` (GenerationConfig fields); `stream_confidence` is the draft worker's own knob."""
     metrics = Metrics()
-    tokens = flat(mirror_generate(target, draft, prompt, max_new, MirrorSettings(**settings), metrics))
+    settings = MirrorSettings(draft=DraftSettings(stream_confidence=stream_confidence))
+    config = make_config(max_new_tokens=max_new, **options)
+    tokens = flat(mirror_generate(target, draft, prompt, config, settings, metrics))
     return tokens, metrics
 
 
@@ -139,8 +145,7 @@ def test_wrong_length_window_refused(monkeypatch):
     original = draft_worker.DraftWorker._send_window
 
     def too_long(self, reused):
-        self.settings = draft_worker.DraftSettings(**{**self.settings.__dict__, "gamma": self.settings.gamma + 3,
-                                                       "min_window": self.settings.gamma + 3})
+        self.config = replace(self.config, gamma=self.config.gamma + 3, min_window=self.config.gamma + 3)
         original(self, reused)
 
     monkeypatch.setattr(draft_worker.DraftWorker, "_send_window", too_long)
@@ -153,7 +158,8 @@ def test_wrong_length_window_refused(monkeypatch):
 def test_close_early_stops_the_draft():
     """Closing the generator (Ctrl-C, stop string) ends the draft thread promptly."""
     target = tiny_target(seed=0)
-    gen = mirror_generate(TorchSplitTarget(target), TorchModel(target), [2, 3], 200, MirrorSettings(gamma=3))
+    gen = mirror_generate(TorchSplitTarget(target), TorchModel(target), [2, 3], GenerationConfig(max_new_tokens=200,
+                                                                                                  gamma=3))
     next(gen), next(gen)
     gen.close()
     assert not draft_threads()
@@ -190,7 +196,7 @@ def test_early_exit_modes_equal_reference(early_exit):
 
 def test_bad_early_exit_setting_refused():
     with pytest.raises(ValueError, match="--early-exit must be on, off or auto"):
-        MirrorSettings(early_exit="sometimes")
+        GenerationConfig(early_exit="sometimes")
 
 
 def test_lookup_guesses_change_cost_not_output():
@@ -199,7 +205,7 @@ def test_lookup_guesses_change_cost_not_output():
     draft = perturbed_copy(target, noise=0.1, seed=14)
     prompt = [4, 9, 4, 9, 4, 9, 11, 12, 4, 9]  # repetitive: the tiny models copy it often
     expected = flat(generate(TorchModel(target), prompt, 60))
-    runs = {lookup: run_mirror(SlowSuffix(target), TorchModel(draft), prompt, 60, gamma=4, lookup=lookup)
+    runs = {lookup: run_mirror(SlowSuffix(target), TorchModel(draft), prompt, 60, gamma=4, draft_lookup=lookup)
             for lookup in (0, 3)}
     assert all(got == expected for got, _ in runs.values())
     kept, fed = map(int, runs[3][1].extra["lookup_guesses_kept"].split("/"))

@@ -10,7 +10,8 @@ from __future__ import annotations
 import pytest
 import torch
 from conftest import tiny_target
-from mirror_rt.devices import engines
+from mirror_rt.devices import torch_engine
+from mirror_rt.devices.options import EngineOptions
 from mirror_rt.evaluation.device_check import first_mismatch
 from mirror_rt.models.quantize import int8_copy
 from mirror_rt.models.transformer import RMSNorm, rope_inv_freq, rope_tables
@@ -48,11 +49,11 @@ def test_rope_tables_grow_on_demand():
 
 
 def test_default_dtype_by_device(monkeypatch):
-    assert engines.default_dtype("cpu") == "float32"
+    assert torch_engine.default_dtype("cpu") == "float32"
     monkeypatch.setattr(torch.cuda, "is_bf16_supported", lambda *a, **k: True)
-    assert engines.default_dtype("cuda:0") == "bfloat16"
+    assert torch_engine.default_dtype("cuda:0") == "bfloat16"
     monkeypatch.setattr(torch.cuda, "is_bf16_supported", lambda *a, **k: False)
-    assert engines.default_dtype("cuda") == "float16"
+    assert torch_engine.default_dtype("cuda") == "float16"
 
 
 def test_int8_draft_of_a_bf16_target():
@@ -68,7 +69,7 @@ def test_int8_draft_of_a_bf16_target():
 def test_low_precision_target_is_lossless_at_its_precision(dtype):
     """Every decode step of a bf16 / fp16 target runs at one window shape, so sd and mirror give exactly
     the tokens of `ar` on the same target, near-ties of its logits included."""
-    engine = engines.load_torch("tiny", dtype=dtype, log=lambda *a: None)
+    engine = torch_engine.load_torch(EngineOptions.from_flags(model="tiny", dtype=dtype), log=lambda *a: None)
     assert engine.names["target_precision"] == {"bf16": "bf16", "float16": "fp16"}[dtype]
     assert engine.names["draft_precision"] == "int8"
     assert engine.target.static.sizes == (8,)  # one-token steps padded like verify windows

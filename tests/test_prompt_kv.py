@@ -13,6 +13,7 @@ from mirror_rt.devices.torch_backend import TorchModel
 from mirror_rt.devices.torch_split import TorchSplitTarget
 from mirror_rt.exporters.export import export_bundle
 from mirror_rt.exporters.manifest import read_manifest
+from mirror_rt.runtime.config import GenerationConfig
 from mirror_rt.runtime.metrics import Metrics
 from mirror_rt.runtime.mirror import MirrorSettings, mirror_generate
 from mirror_rt.runtime.reference import generate
@@ -55,7 +56,7 @@ def test_prefill_over_prompt_sessions_equals_forward(onnx_bundle):
     """A target loaded with prompt cores runs the prompt through its wider sessions, to the same cache."""
     import os
 
-    from mirror_rt.devices.registry import WorkerBudget, load_model
+    from mirror_rt.devices.bundles import WorkerBudget, load_model
 
     if not hasattr(os, "sched_getaffinity") or len(os.sched_getaffinity(0)) < 2:
         pytest.skip("needs two cores and Linux affinity")
@@ -79,18 +80,18 @@ def test_prompt_sessions_only_when_a_second_copy_fits(onnx_bundle, monkeypatch, 
     """No second pair of sessions where the weights would take over a quarter of the free memory."""
     import os
 
-    from mirror_rt.devices import registry
+    from mirror_rt.devices import bundles
 
     if not hasattr(os, "sched_getaffinity") or len(os.sched_getaffinity(0)) < 2:
         pytest.skip("needs two cores and Linux affinity")
     small = tmp_path / "w"
     small.write_bytes(b"0" * 1024)
     if os.path.exists("/proc/meminfo"):
-        assert registry._second_copy_fits([small]) and not registry._second_copy_fits([small], share=0.0)
-    monkeypatch.setattr(registry, "_second_copy_fits", lambda paths: False)
+        assert bundles._second_copy_fits([small]) and not bundles._second_copy_fits([small], share=0.0)
+    monkeypatch.setattr(bundles, "_second_copy_fits", lambda paths: False)
     cores = tuple(sorted(os.sched_getaffinity(0)))[:2]
-    target = registry.load_model(onnx_bundle, read_manifest(onnx_bundle), "target", "ort:cpu", True,
-                                 registry.WorkerBudget(1, None, None, cores))
+    target = bundles.load_model(onnx_bundle, read_manifest(onnx_bundle), "target", "ort:cpu", True,
+                                bundles.WorkerBudget(1, None, None, cores))
     assert target.prompt_graphs is None
     plain = target.forward(PROMPT, target.new_cache(64))[-1:]
     np.testing.assert_allclose(target.prefill_pipelined(PROMPT, target.new_cache(64), cpu=None), plain,
@@ -134,7 +135,8 @@ def test_decoding_with_adopted_kv_equals_reference(onnx_bundle, monkeypatch, mod
     monkeypatch.setattr(draft, "adopt", lambda cache, capacity: calls.append(cache.length) or adopt(cache, capacity))
     expected = flat(generate(target, PROMPT, 30))
     if mode == "mirror":
-        got = flat(mirror_generate(target, draft, PROMPT, 30, MirrorSettings(gamma=3), Metrics()))
+        config = GenerationConfig(max_new_tokens=30, gamma=3)
+        got = flat(mirror_generate(target, draft, PROMPT, config, metrics=Metrics()))
     else:
         got = flat(speculative_generate(target, draft, PROMPT, 30, 3))
     assert got == expected and calls == [len(PROMPT)]
@@ -147,8 +149,9 @@ def test_torch_draft_adopts_and_output_is_unchanged():
     draft.same_model_as_target = True
     expected = flat(generate(TorchModel(target), PROMPT, 40))
     for share in (True, False):
-        got = flat(mirror_generate(TorchSplitTarget(target), draft, PROMPT, 40,
-                                   MirrorSettings(gamma=4, share_prompt_kv=share), Metrics()))
+        config = GenerationConfig(max_new_tokens=40, gamma=4)
+        got = flat(mirror_generate(TorchSplitTarget(target), draft, PROMPT, config,
+                                   MirrorSettings(share_prompt_kv=share), Metrics()))
         assert got == expected
 
 

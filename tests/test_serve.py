@@ -5,6 +5,7 @@ reference decoder's (`Engine.generate(mode="ar")` on an identical engine) in eve
 from __future__ import annotations
 
 import json
+from dataclasses import replace
 
 import httpx
 import pytest
@@ -224,12 +225,13 @@ def test_continuous_usage_counts_tokens_per_chunk(server):
 
 
 def test_device_fallbacks_are_counted_once_per_role():
-    from mirror_rt.devices.registry import Placement
+    from mirror_rt.devices.placement import plan
     from mirror_rt.serving.metrics import ServerMetrics
     from prometheus_client.parser import text_string_to_metric_families
 
     metrics = ServerMetrics("m")
-    metrics.placement({"target": Placement("cuda", "ort:cpu", True), "draft": Placement("cpu", "ort:cpu", False)})
+    placement = plan("ort:cpu", "ort:cpu", "mirror", [0, 1])
+    metrics.fallbacks(replace(placement, fallbacks={"target": "cuda"}))
     samples = [s for f in text_string_to_metric_families(metrics.render().decode()) for s in f.samples
                if s.name == "mirror_rt:device_fallback_total"]
     assert [(s.labels["role"], s.labels["requested"], s.labels["actual"], s.value) for s in samples] == [

@@ -44,8 +44,9 @@ def wait_for_line(path: Path, needle: str, proc, timeout: float) -> str:
 @pytest.fixture(scope="module")
 def default_ar_text(cache_dir):
     from mirror_rt.devices.engines import load_engine
+    from mirror_rt.devices.options import EngineOptions
 
-    engine = load_engine(cache_dir=cache_dir, mode="ar", log=lambda *a: None)
+    engine = load_engine(EngineOptions.from_flags(cache_dir=cache_dir), "ar", log=lambda *a: None)
     return engine.generate(QUESTION, mode="ar", max_new_tokens=96).text
 
 

@@ -50,13 +50,13 @@ def ray_cluster(cues):
              _metrics_export_port=metrics_port, _system_config={"metrics_report_interval_ms": 500})
     path = os.pathsep.join(p for p in (TESTS, os.environ.get("PYTHONPATH")) if p)
     settings = cluster.ClusterSettings(
-        replicas=2, actor_options={"num_cpus": 1, "runtime_env": {"env_vars": {"PYTHONPATH": path}}}, max_queued=4,
-        port=free_port(), placement_timeout_s=10, health_check_period_s=1, drain_s=2)
+        replicas=2, actor_options={"num_cpus": 1, "runtime_env": {"env_vars": {"PYTHONPATH": path}}},
+        placement_timeout=10, health_check_period_s=1)
+    server = ServerSettings(max_queued=4, port=free_port(), request_timeout=60, drain_timeout=2)
     try:
-        cluster.start_serve(settings)
-        cluster.deploy(cluster.build(ServerSettings(request_timeout_s=60), settings,
-                                     functools.partial(replica_engine, str(cues))))
-        yield settings, f"http://127.0.0.1:{settings.port}", f"http://127.0.0.1:{metrics_port}/metrics"
+        cluster.start_serve(settings, server)
+        cluster.deploy(cluster.build(server, settings, functools.partial(replica_engine, str(cues))))
+        yield settings, f"http://127.0.0.1:{server.port}", f"http://127.0.0.1:{metrics_port}/metrics"
     finally:
         serve.shutdown()
         ray.shutdown()
@@ -278,8 +278,9 @@ def test_a_replica_that_cannot_be_placed_says_so_in_one_line(ray_cluster):
     cluster.check_fits(settings.actor_options, 2)  # the module's own two replicas fit
     with pytest.raises(cluster.ClusterError, match="cannot place 3 replicas"):
         cluster.check_fits(settings.actor_options, 3)
-    npu = cluster.ClusterSettings(actor_options={"num_cpus": 0, "resources": {"intel_npu": 1}}, drain_s=1)
-    app = cluster.replica_deployment(cluster.deployment_options(npu)).bind(ServerSettings(), tiny_engine)
+    npu = cluster.ClusterSettings(actor_options={"num_cpus": 0, "resources": {"intel_npu": 1}})
+    server = ServerSettings(drain_timeout=1)
+    app = cluster.replica_deployment(cluster.deployment_options(npu, server)).bind(server, tiny_engine)
     try:
         with pytest.raises(cluster.ClusterError, match="^a replica cannot be placed: .*intel_npu[^\n]*$"):
             cluster.deploy(app, name="unplaceable", route_prefix="/unplaceable")
@@ -290,8 +291,8 @@ def test_a_replica_that_cannot_be_placed_says_so_in_one_line(ray_cluster):
 def test_an_engine_that_fails_to_load_fails_the_deploy_in_one_line(ray_cluster):
     """The constructor's error, last line only, instead of Serve's retries and traceback."""
     settings, _, _ = ray_cluster
-    broken = cluster.ClusterSettings(actor_options={**settings.actor_options, "num_cpus": 0}, drain_s=1)
-    app = cluster.build(ServerSettings(), broken, functools.partial(_fail, "no such model"))
+    broken = cluster.ClusterSettings(actor_options={**settings.actor_options, "num_cpus": 0})
+    app = cluster.build(ServerSettings(drain_timeout=1), broken, functools.partial(_fail, "no such model"))
     try:
         with pytest.raises(cluster.ClusterError, match="^the replicas failed to start: .*no such model[^\n]*$"):
             cluster.deploy(app, name="broken", route_prefix="/broken")

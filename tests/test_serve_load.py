@@ -19,7 +19,7 @@ PROMPT = "hello there"
 
 @pytest.fixture(scope="module")
 def server(engine):
-    running = start(engine, max_queued=1, request_timeout_s=30)
+    running = start(engine, max_queued=1, request_timeout=30)
     yield running
     running.stop()
 
@@ -144,7 +144,7 @@ def test_engine_failure_mid_stream_is_an_error_event_and_the_server_goes_on(serv
 
 
 def test_request_timeout_ends_a_long_generation_with_an_error(engine):
-    slow = start(engine, request_timeout_s=0.3)
+    slow = start(engine, request_timeout=0.3)
     try:
         with Swapped(engine, "target", lambda t: Delayed(t, 0.02)):
             response = httpx.post(slow.url + "/v1/completions", json=body(200), timeout=30)

@@ -23,6 +23,7 @@ pytest.importorskip("fastapi")
 from mirror_rt.serving.cluster import ClusterError, ClusterSettings, deployment_options, replica_resources  # noqa: E402
 from mirror_rt.serving.proxy import REPLICA_HEADER, ReplicaLoss  # noqa: E402
 from mirror_rt.serving.replica import ReplicaHeader, health_problem, own_cores  # noqa: E402
+from mirror_rt.serving.settings import ServerSettings  # noqa: E402
 
 SCOPE = {"type": "http", "method": "POST", "path": "/v1/completions", "headers": []}
 BODY = b'{"prompt": "hello"}'
@@ -252,11 +253,12 @@ def test_a_cuda_index_is_refused_with_replicas():
 
 
 def test_replica_limits_and_autoscaling_map_onto_the_deployment():
-    fixed = deployment_options(ClusterSettings(replicas=3, max_queued=7, retry_after_s=2))
+    fixed = deployment_options(ClusterSettings(replicas=3), ServerSettings(max_queued=7, retry_after_s=2))
     assert fixed["num_replicas"] == 3 and "autoscaling_config" not in fixed
     assert fixed["max_ongoing_requests"] == 2 and fixed["max_queued_requests"] == 7
     assert fixed["backpressure_config"] == {"retry_after_s": 2}
-    scaled = deployment_options(ClusterSettings(replicas=2, max_replicas=4, target_ongoing_requests=1.5))
+    scaled = deployment_options(ClusterSettings(replicas=2, max_replicas=4, target_ongoing_requests=1.5),
+                                ServerSettings())
     assert "num_replicas" not in scaled
     assert scaled["autoscaling_config"] == {"min_replicas": 1, "max_replicas": 4, "initial_replicas": 2,
                                             "target_ongoing_requests": 1.5}
@@ -313,10 +315,11 @@ def test_kuberay_builds_the_same_app_from_serve_options():
     serve = pytest.importorskip("ray.serve")
     from mirror_rt.cli import build_parser, ray_serve_app
     from mirror_rt.cli_replicas import cluster_settings
+    from mirror_rt.cli_serve import serve_parts
 
     options = "--torch --model tiny --mode mirror --replicas 3 --max-queued 5 --device cuda"
     assert isinstance(ray_serve_app({"options": options}), serve.Application)
     parsed = build_parser().parse_args(["serve", *options.split()])
     settings = cluster_settings(parsed, torch_engine=True)
-    assert (settings.replicas, settings.max_queued) == (3, 5)
+    assert (settings.replicas, serve_parts(parsed)[0].max_queued) == (3, 5)
     assert settings.actor_options == {"num_cpus": 1, "num_gpus": 1}  # the CUDA target, the draft on a core

@@ -98,14 +98,15 @@ def test_ss_int8_graph_keeps_stream_weights_fp32(ss_bundles):
 def test_mirror_with_onnx_ss_draft_equals_reference(ss_bundles, weights, kv):
     """Mirror over the bundle's split target and its SS draft, which adopts the target's prompt KV (explicit
     KV: a copy of the target's shared buffers)."""
-    from mirror_rt.runtime.mirror import MirrorSettings, mirror_generate
+    from mirror_rt.runtime.config import GenerationConfig
+    from mirror_rt.runtime.mirror import mirror_generate
 
     loaded = load_parts(ss_bundles[1][weights, kv], "ort:cpu", "ort:cpu", strict=True, threads=1)
     loaded.draft.same_model_as_target = True
     expected = [t for step in generate(loaded.target, PROMPT, 40) for t in step]
     for gamma in (2, 5):
-        got = [t for step in mirror_generate(loaded.target, loaded.draft, PROMPT, 40, MirrorSettings(gamma=gamma))
-               for t in step]
+        config = GenerationConfig(max_new_tokens=40, gamma=gamma)
+        got = [t for step in mirror_generate(loaded.target, loaded.draft, PROMPT, config) for t in step]
         assert got == expected
 
 

@@ -19,9 +19,10 @@ from mirror_rt.devices.torch_split import TorchSplitTarget
 from mirror_rt.devices.torch_static import VERIFY_ROWS, WINDOW_SIZES, window_size
 from mirror_rt.models.config import ModelConfig
 from mirror_rt.models.transformer import random_model
+from mirror_rt.runtime.config import GenerationConfig
 from mirror_rt.runtime.kv_cache import CacheFull
 from mirror_rt.runtime.metrics import Metrics
-from mirror_rt.runtime.mirror import MirrorSettings, mirror_generate
+from mirror_rt.runtime.mirror import mirror_generate
 from mirror_rt.runtime.reference import generate
 from mirror_rt.runtime.speculative import speculative_generate
 
@@ -63,7 +64,8 @@ def test_static_greedy_equals_reference_in_every_mode(seed):
     split = TorchSplitTarget(target, kappa=4, static=True)
     assert flat(generate(split, PROMPT, 40)) == expected
     assert flat(speculative_generate(split, TorchModel(draft), PROMPT, 40, 4)) == expected
-    got = flat(mirror_generate(split, TorchModel(draft), PROMPT, 40, MirrorSettings(gamma=5), Metrics()))
+    config = GenerationConfig(max_new_tokens=40, gamma=5)
+    got = flat(mirror_generate(split, TorchModel(draft), PROMPT, config, metrics=Metrics()))
     assert got == expected
 
 
@@ -103,7 +105,8 @@ def test_compiled_greedy_equals_eager_reference():
     for prompt in (PROMPT, long_prompt):
         assert flat(generate(compiled, prompt, 30)) == expected[len(prompt)]
         assert flat(speculative_generate(compiled, TorchModel(draft), prompt, 30, 4)) == expected[len(prompt)]
-        got = flat(mirror_generate(compiled, TorchModel(draft), prompt, 30, MirrorSettings(gamma=4), Metrics()))
+        config = GenerationConfig(max_new_tokens=30, gamma=4)
+        got = flat(mirror_generate(compiled, TorchModel(draft), prompt, config, metrics=Metrics()))
         assert got == expected[len(prompt)]
     assert torch._dynamo.utils.counters["stats"]["unique_graphs"] == graphs  # no compile after warm-up
 
@@ -121,5 +124,6 @@ def test_compiled_bf16_target_reads_its_fp32_head_and_follows_the_eager_target()
     assert target.head32 is not None and target.head32.dtype == torch.float32
     expected = flat(generate(TorchModel(target), PROMPT, 24))
     assert flat(generate(compiled, PROMPT, 24)) == expected
-    got = flat(mirror_generate(compiled, TorchModel(draft), PROMPT, 24, MirrorSettings(gamma=4), Metrics()))
+    config = GenerationConfig(max_new_tokens=24, gamma=4)
+    got = flat(mirror_generate(compiled, TorchModel(draft), PROMPT, config, metrics=Metrics()))
     assert got == expected

@@ -10,7 +10,8 @@ import warnings
 
 import pytest
 import torch
-from mirror_rt.devices import engines
+from mirror_rt.devices import engines, registry, torch_engine
+from mirror_rt.devices.options import EngineOptions
 from mirror_rt.devices.placement import is_accelerator, plan
 from mirror_rt.devices.registry import DeviceError, DeviceFallbackWarning, DeviceSpec, resolve
 
@@ -62,36 +63,37 @@ def test_target_cuda_without_a_bundle_runs_torch_on_the_gpu(monkeypatch):
     """`run --target cuda` (no bundle) asks load_torch for cuda:0 with the draft on --draft."""
     monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
     seen = {}
-    monkeypatch.setattr(engines, "load_torch", lambda **kw: seen.update(kw) or "engine")
-    assert engines.load_engine(target_device="cuda", draft_device="npu") == "engine"
-    assert seen["device"] == "cuda:0" and seen["draft_device"] == "npu"
-    engines.load_engine(target_device="cuda:1", torch_options={"model": "tiny"})
+    monkeypatch.setattr(engines, "load_torch", lambda options, mode=None, log=None: seen.update(
+        vars(options.models) | vars(options.devices)) or "engine")
+    assert engines.load_engine(EngineOptions.from_flags(target="cuda", draft="npu")) == "engine"
+    assert seen["device"] == "cuda:0" and seen["draft"] == "npu"
+    engines.load_engine(EngineOptions.from_flags(target="cuda:1", model="tiny"))
     assert seen["device"] == "cuda:1" and seen["model"] == "tiny"
     with pytest.raises(engines.GenerationError, match="different"):
-        engines.load_engine(target_device="cuda:1", torch_options={"device": "cpu"})
+        engines.load_engine(EngineOptions.from_flags(target="cuda:1", device="cpu"))
 
 
 def test_target_cuda_without_cuda_warns_plainly_and_runs_the_default_bundle(monkeypatch):
     monkeypatch.setattr(torch.cuda, "device_count", lambda: 0)
     lines = []
-    assert engines.torch_target("cuda", log=lines.append) is None
+    assert registry.torch_target("cuda", log=lines.append) is None
     assert len(lines) == 1 and "torch sees no CUDA device" in lines[0] and "on the CPU" in lines[0]
     with pytest.raises(DeviceError, match="strict"):
-        engines.torch_target("cuda", strict=True)
+        registry.torch_target("cuda", strict=True)
     with pytest.warns(DeviceFallbackWarning, match="torch:cpu"):
-        assert engines.torch_target("torch:cuda") == "cpu"
-    assert not engines.names_torch_device("ort:cpu") and not engines.names_torch_device("npu")
-    assert engines.names_torch_device("torch:cpu") and engines.names_torch_device("cuda:1")
+        assert registry.torch_target("torch:cuda") == "cpu"
+    assert not registry.names_torch_device("ort:cpu") and not registry.names_torch_device("npu")
+    assert registry.names_torch_device("torch:cpu") and registry.names_torch_device("cuda:1")
 
 
 def test_torch_draft_on_an_accelerator_says_it_runs_on_the_cpu():
     with pytest.warns(DeviceFallbackWarning, match="CPU only"):
-        assert engines._torch_draft_device("npu", strict=False) == "torch:cpu"
+        assert registry.torch_draft_device("npu", strict=False) == "torch:cpu"
     with pytest.raises(DeviceError):
-        engines._torch_draft_device("cuda", strict=True)
+        registry.torch_draft_device("cuda", strict=True)
     with warnings.catch_warnings():
         warnings.simplefilter("error")
-        assert engines._torch_draft_device("cpu", strict=True) == "torch:cpu"
+        assert registry.torch_draft_device("cpu", strict=True) == "torch:cpu"
 
 
 @pytest.mark.parametrize("device,expected", [("cpu", False), ("ort:cpu", False), ("torch:cpu", False),
@@ -121,9 +123,10 @@ def test_placement_cpu_pair_pins_a_core_each_in_mirror_only():
 
 
 def test_cpu_torch_engine_reports_its_placement():
-    engine = engines.load_torch("tiny", "int8", log=lambda *a: None)
+    engine = torch_engine.load_torch(EngineOptions.from_flags(model="tiny", draft_model="int8"), log=lambda *a: None)
     assert engine.names["placement"] == plan("torch:cpu", "torch:cpu", "mirror",
                                              sorted(engines.available_cores())).describe()
+    assert engine.placement.describe() == engine.names["placement"] and not engine.placement.fallbacks
 
 
 @pytest.fixture(scope="module")
@@ -140,8 +143,8 @@ def onnx_bundle(tmp_path_factory):
 def test_torch_target_with_a_bundle_draft(onnx_bundle, mode):
     """The CUDA pairing, on the CPU: a torch target with the ONNX Runtime draft of a bundle (placed by plan),
     lossless, the draft prefilling itself (its KV lives in another backend)."""
-    engine = engines.load_engine(target_device="torch:cpu", draft_device="cpu", draft_bundle=str(onnx_bundle),
-                                 torch_options={"model": "tiny"}, mode=mode, log=lambda *a: None)
+    options = EngineOptions.from_flags(target="torch:cpu", draft="cpu", draft_bundle=str(onnx_bundle), model="tiny")
+    engine = engines.load_engine(options, mode, log=lambda *a: None)
     assert type(engine.draft).__name__ == "ORTModel" and not engine.draft.same_model_as_target
     cores = sorted(engines.available_cores())
     assert engine.names["placement"] == plan("torch:cpu", "ort:cpu", mode, cores).describe()
@@ -154,4 +157,5 @@ def test_bundle_draft_of_another_vocabulary_is_refused(onnx_bundle, tmp_path):
 
     folder = write_hf_folder(tmp_path / "m", vocab_size=64)
     with pytest.raises(engines.GenerationError, match="vocabulary mismatch"):
-        engines.load_torch(str(folder), draft_bundle=str(onnx_bundle), log=lambda *a: None)
+        torch_engine.load_torch(EngineOptions.from_flags(model=str(folder), draft_bundle=str(onnx_bundle)),
+                                log=lambda *a: None)

@@ -13,8 +13,9 @@ from conftest import perturbed_copy, tiny_target
 from mirror_rt.devices.torch_backend import TorchModel
 from mirror_rt.devices.torch_split import TorchSplitTarget
 from mirror_rt.runtime.acceptance import accept_greedy
+from mirror_rt.runtime.config import GenerationConfig
 from mirror_rt.runtime.metrics import Metrics
-from mirror_rt.runtime.mirror import MirrorSettings, mirror_generate
+from mirror_rt.runtime.mirror import mirror_generate
 from mirror_rt.runtime.reference import generate
 from mirror_rt.runtime.sampling import SamplingConfig
 from mirror_rt.runtime.speculative import speculative_generate
@@ -58,8 +59,8 @@ def test_greedy_mirror_target_reads_exit_rows_and_ids_only(pair):
     split = TorchSplitTarget(target, kappa=KAPPA)
     metrics = Metrics()
     with record_shapes() as shapes:
-        got = flat(mirror_generate(split, TorchModel(draft), PROMPT, 30,
-                                   MirrorSettings(gamma=GAMMA, early_exit="on"), metrics))
+        config = GenerationConfig(max_new_tokens=30, gamma=GAMMA, early_exit="on")
+        got = flat(mirror_generate(split, TorchModel(draft), PROMPT, config, metrics=metrics))
     assert got == flat(generate(TorchModel(target), PROMPT, 30))
     assert any(len(shape) == 2 and shape[1] == KAPPA for shape, _ in shapes)  # the exit was read
     assert _largest(shapes) <= (GAMMA + 1) * KAPPA < split.vocab_size
@@ -161,7 +162,8 @@ def test_an_asynchronous_target_queues_its_suffix_before_reading_its_exit(pair):
 
     split.launch_prefix = launch_prefix
     split.forward_suffix = lambda cache, *a: calls.append("queue suffix") or suffix(cache, *a)
-    got = flat(mirror_generate(split, TorchModel(draft), PROMPT, 30, MirrorSettings(gamma=GAMMA, early_exit="on")))
+    got = flat(mirror_generate(split, TorchModel(draft), PROMPT, GenerationConfig(max_new_tokens=30, gamma=GAMMA,
+                                                                                  early_exit="on")))
     assert got == flat(generate(TorchModel(target), PROMPT, 30))
     step = calls.index("launch prefix")
     assert calls[step:step + 3] == ["launch prefix", "queue suffix", "read exit"]

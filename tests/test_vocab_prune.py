@@ -15,7 +15,8 @@ from mirror_rt.exporters.export import ExportError, export_bundle
 from mirror_rt.exporters.manifest import BundleManifest, read_manifest
 from mirror_rt.models.loading import load_checkpoint
 from mirror_rt.models.pruned_head import PrunedHeadDraft, load_kept, save_kept
-from mirror_rt.runtime.mirror import MirrorSettings, mirror_generate
+from mirror_rt.runtime.config import GenerationConfig
+from mirror_rt.runtime.mirror import mirror_generate
 from mirror_rt.runtime.reference import generate
 from mirror_rt.runtime.sampling import SamplingConfig, probabilities
 from mirror_rt.training.vocab_prune import choose_kept, coverage, token_counts
@@ -130,7 +131,8 @@ def test_torch_mirror_with_pruned_draft_equals_reference(tiny, kept):
     assert set(expected) - set(kept.tolist())  # the draft cannot propose every target token
     draft = TorchModel(PrunedHeadDraft(tiny, kept))
     for gamma in (1, 4):
-        got = flat(mirror_generate(TorchSplitTarget(tiny, kappa=4), draft, PROMPT, 40, MirrorSettings(gamma=gamma)))
+        config = GenerationConfig(max_new_tokens=40, gamma=gamma)
+        got = flat(mirror_generate(TorchSplitTarget(tiny, kappa=4), draft, PROMPT, config))
         assert got == expected
 
 
@@ -189,7 +191,8 @@ def test_mirror_with_pruned_onnx_draft_equals_reference(bundles, name):
     loaded = load_parts(bundles[name], "ort:cpu", "ort:cpu", strict=True, threads=1)
     expected = flat(generate(loaded.target, PROMPT, 40))
     for gamma in (2, 5):
-        got = flat(mirror_generate(loaded.target, loaded.draft, PROMPT, 40, MirrorSettings(gamma=gamma)))
+        config = GenerationConfig(max_new_tokens=40, gamma=gamma)
+        got = flat(mirror_generate(loaded.target, loaded.draft, PROMPT, config))
         assert got == expected
 
 

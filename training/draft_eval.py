@@ -19,6 +19,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 from mirror_rt.runtime.affinity import available_cores
+from mirror_rt.runtime.config import DEFAULTS
 from mirror_rt.runtime.draft_worker import confident_guesses
 from mirror_rt.runtime.lookup import lookup_guesses, verify_guesses
 
@@ -58,20 +59,20 @@ class DraftRow:
                 "ms_per_window": round(self.total_ms / n, 2)}
 
 
-def greedy_rollout(draft, cache, context: list[int], gamma: int, lookup: int = 0, min_probability: float = 0.2,
+def greedy_rollout(draft, cache, context: list[int], gamma: int, draft_lookup: int = 0, min_probability: float = 0.2,
                    oracle: list[int] | None = None):
     """`gamma` greedy draft tokens after `context` (the cache holds all of it but its last token)
     -> (tokens, forward seconds).
 
     Leaves in the cache what the rollout fed (the caller rolls back). As the draft worker does, a
     forward feeds the newest token plus guesses still useful inside the window (an SS draft's
-    confident stream guesses, else up to `lookup` prompt-lookup guesses) and keeps the confirmed ones.
+    confident stream guesses, else up to `draft_lookup` prompt-lookup guesses) and keeps the confirmed ones.
     `oracle`: the text after `context`; an SS draft then guesses it (n_s tokens) instead of its streams'
     choice: the cost of a rollout whose stream guesses are always right when the draft agrees with the text.
     """
     streams = hasattr(draft, "forward_streams")
     tokens, times = [], []
-    guesses = lookup_guesses(context, min(lookup, gamma - 1)) if lookup else []
+    guesses = lookup_guesses(context, min(draft_lookup, gamma - 1)) if draft_lookup else []
     while len(tokens) < gamma:
         feed = [context[-1] if not tokens else tokens[-1]] + guesses
         start = time.perf_counter()
@@ -86,8 +87,8 @@ def greedy_rollout(draft, cache, context: list[int], gamma: int, lookup: int = 0
         if room > 0 and streams:
             guesses = (oracle[len(tokens):len(tokens) + min(room, draft.n_streams)] if oracle is not None
                        else confident_guesses(stream_rows[n], min_probability)[:room])
-        if room > 0 and lookup and not guesses:
-            guesses = lookup_guesses(context + tokens, min(lookup, room))
+        if room > 0 and draft_lookup and not guesses:
+            guesses = lookup_guesses(context + tokens, min(draft_lookup, room))
     return tokens[:gamma], times
 
 
@@ -100,7 +101,7 @@ def accepted_length(tokens: list[int], text: list[int]) -> int:
 
 
 def evaluate_question(draft, ids: list[int], first_answer: int, rows: list[DraftRow], stride: int,
-                      oracle: bool = False, lookup: int = 0) -> None:
+                      oracle: bool = False, draft_lookup: int = 0) -> None:
     """Windows starting at answer positions first_answer, first_answer + stride, ... (each gamma of `rows`)."""
     longest = max(r.gamma for r in rows)
     cache = draft.new_cache(len(ids) + longest + 2)
@@ -109,14 +110,14 @@ def evaluate_question(draft, ids: list[int], first_answer: int, rows: list[Draft
             draft.forward(ids[cache.length:start - 1], cache)  # the text before the window's last committed token
         for row in rows:
             text = ids[start:start + row.gamma]
-            tokens, times = greedy_rollout(draft, cache, ids[:start], row.gamma, lookup,
+            tokens, times = greedy_rollout(draft, cache, ids[:start], row.gamma, draft_lookup,
                                            oracle=text if oracle else None)
             cache.rollback(start - 1)
             row.add(accepted_length(tokens, text), times)
 
 
 def evaluate_drafts(drafts: dict, sequences: list[tuple[list[int], int]], gammas=(4, 7), stride: int = 8,
-                    progress: bool = True, oracle: frozenset = frozenset(), lookup: int = 0) -> list[dict]:
+                    progress: bool = True, oracle: frozenset = frozenset(), draft_lookup: int = 0) -> list[dict]:
     """Rows (see DraftRow.summary) for every draft (by name) and gamma; `rollout_vs_first` compares each
     row's time per window with the first draft's at the same gamma. Drafts named in `oracle` guess the text."""
     from tqdm import tqdm
@@ -124,7 +125,7 @@ def evaluate_drafts(drafts: dict, sequences: list[tuple[list[int], int]], gammas
     rows = {name: [DraftRow(name, g) for g in gammas] for name in drafts}
     for ids, first in tqdm(sequences, desc="eval-draft", unit="question", disable=not progress):
         for name, draft in drafts.items():
-            evaluate_question(draft, ids, first, rows[name], stride, name in oracle, lookup)
+            evaluate_question(draft, ids, first, rows[name], stride, name in oracle, draft_lookup)
     out = [row.summary() for name in drafts for row in rows[name]]
     first_name = next(iter(drafts))
     reference = {r["gamma"]: r["ms_per_window"] for r in out if r["draft"] == first_name}
@@ -149,15 +150,15 @@ def format_rows(rows: list[dict]) -> str:
 
 def eval_draft_main(bundles: list[str], target: str | None = None, data=None, gammas=(4, 7), questions: int = 24,
                     stride: int = 8, cache: str | None = None, progress: bool = True,
-                    oracle_streams: bool = False, lookup: int = 3) -> list[dict]:
+                    oracle_streams: bool = False, draft_lookup: int = DEFAULTS.draft_lookup) -> list[dict]:
     """CLI entry (`mirror-rt eval-draft`): each bundle's draft on the held-out target answers, side by side.
 
     `oracle_streams`: also run each SS draft with the text as its stream guesses (the best its streams
     could do on this machine: the cost of the stream rows, with every useful guess right).
-    `lookup`: prompt-lookup guesses per forward, as `mirror-rt run --draft-lookup` (0: off)."""
+    `draft_lookup`: prompt-lookup guesses per forward, as `mirror-rt run --draft-lookup` (0: off)."""
     from pathlib import Path
 
-    from mirror_rt.devices.registry import WorkerBudget, load_model
+    from mirror_rt.devices.bundles import WorkerBudget, load_model
     from mirror_rt.evaluation.specbench import question_files
     from mirror_rt.exporters.manifest import read_manifest
     from mirror_rt.models.default_model import cache_dir
@@ -185,4 +186,4 @@ def eval_draft_main(bundles: list[str], target: str | None = None, data=None, ga
         if streams and oracle_streams:
             oracle.add(folder + " (oracle streams)")
             drafts[folder + " (oracle streams)"] = draft
-    return evaluate_drafts(drafts, held_out[:questions], gammas, stride, progress, frozenset(oracle), lookup)
+    return evaluate_drafts(drafts, held_out[:questions], gammas, stride, progress, frozenset(oracle), draft_lookup)

@@ -23,6 +23,7 @@ from pathlib import Path
 
 import torch
 import torch.nn.functional as F
+from mirror_rt.models.config import SplitOptions
 from mirror_rt.models.exit_adapter import ExitAdapter, exit_logits, save_exit_adapter
 from mirror_rt.training.checkpoints import load_state, save_state
 from mirror_rt.training.exit_data import (
@@ -45,7 +46,7 @@ class TrainExitConfig:
     """One training run; CLI flags map one to one onto these fields."""
 
     target: str | None = None  # model reference (None: the default model)
-    exit_layer: int | None = None  # None: N // 2
+    exit_layer: int | None = None  # None: the model's default (models.config.SplitOptions)
     data: tuple[str, ...] = ()  # SpecBench-format jsonl files (required)
     steps: int = 600  # optimizer steps
     rank: int = 512  # adapter rank
@@ -203,10 +204,7 @@ def train_exit(cfg: TrainExitConfig, progress: bool = True, log=print) -> dict:
         torch.set_num_threads(cfg.threads)
     loaded = load_checkpoint(cfg.target, log=lambda *a: None, cache=cfg.cache)
     model = loaded.model
-    n = model.config.n_layers
-    exit_layer = n // 2 if cfg.exit_layer is None else cfg.exit_layer
-    if not 1 <= exit_layer < n:
-        raise ValueError(f"--exit-layer must be in 1..{n - 1} for a {n}-layer target, got {exit_layer}")
+    exit_layer, _ = SplitOptions(cfg.exit_layer).resolve(model.config)
     started = time.perf_counter()
     folder, settings = cache_dir(cfg.cache) / "exit-data", (cfg.max_new_tokens, cfg.max_prompt_tokens)
     if cfg.attention:  # whole sequences: the adapter reads earlier positions' keys

@@ -1,0 +1,92 @@
+"""The engine over an exported bundle (`mirror-rt export`): each role resolved to a device, placed, loaded.
+
+`load_bundle` reads the manifests (the target's bundle, and the draft's when `--draft-bundle` names
+another), resolves each role's device (`devices.registry`, one warning line per fallback), places the
+two workers by device and mode (`devices.placement`) and loads each role in a thread pinned like its
+worker (`devices.bundles`). It never chooses between a bundle and torch: that is `devices.engines`.
+"""
+
+from __future__ import annotations
+
+import threading
+from dataclasses import replace
+from pathlib import Path
+
+from mirror_rt.devices.bundles import (
+    WorkerBudget,
+    adopts_from,
+    bundle_format,
+    draft_copies_target,
+    load_model,
+    load_tokenizer,
+)
+from mirror_rt.devices.options import EngineOptions
+from mirror_rt.devices.placement import plan
+from mirror_rt.devices.registry import resolve_noted
+from mirror_rt.runtime.affinity import available_cores
+from mirror_rt.runtime.engine import Engine, GenerationError
+
+
+def load_bundle(options: EngineOptions, mode: str | None = None, verify: bool = True) -> Engine:
+    """An `Engine` over `options.models.bundle` (its target, and its draft unless `draft_bundle` names another).
+
+    Args:
+        options: the bundle (`models.bundle`, `models.draft_bundle`), each role's device (`devices.target`,
+            `devices.draft`: a missing device falls back to the fastest CPU backend with a warning, or fails
+            with `strict_devices`), `devices.threads` (each worker's threads, unpinned; None: as `mode` places
+            them) and `precision.draft_precision` (OpenVINO CPU compute precision of the draft: `bf16` is
+            faster on CPUs with bf16 and never changes the output, only acceptance; the target is exact).
+        mode: the mode the engine will mostly run (devices.placement; None: its default, Mirror): mirror with
+            both models on the CPU gives each worker one core (2+ cores), ar/sd give the target every core,
+            and a target on an accelerator is not pinned while a CPU draft gets every core. With mirror on
+            ONNX Runtime CPU the target also holds a second pair of sessions over both cores for prompts,
+            where a second copy of its weights takes at most a quarter of the available memory.
+        verify: check every file's sha256 against the manifest.
+    """
+    from mirror_rt.exporters.manifest import read_manifest
+
+    bundle, devices = options.models.bundle, options.devices
+    manifest = read_manifest(bundle, verify=verify)
+    draft_source = options.models.draft_bundle or bundle
+    draft_manifest = manifest if draft_source == bundle else read_manifest(draft_source, verify=verify)
+    if draft_manifest.vocab_size != manifest.vocab_size:
+        raise GenerationError(f"vocabulary mismatch: target bundle has {manifest.vocab_size} tokens, "
+                              f"draft bundle has {draft_manifest.vocab_size}")
+    strict = devices.strict_devices
+    target_where, target_fell = resolve_noted(devices.target, strict, bundle_format(manifest, "target"))
+    draft_where, draft_fell = resolve_noted(devices.draft, strict, bundle_format(draft_manifest, "draft"))
+    fallbacks = {role: asked for role, asked, fell in (("target", devices.target, target_fell),
+                                                         ("draft", devices.draft, draft_fell)) if fell}
+    placement = replace(plan(str(target_where), str(draft_where), mode, sorted(available_cores()), devices.threads),
+                        fallbacks=fallbacks)
+    both = placement.worker_cores  # a core each: the target's prompt may also use the draft's (idle) core
+    target_budget = WorkerBudget(placement.target_threads, placement.target_cpus, None, both)
+    draft_budget = WorkerBudget(placement.draft_threads, placement.draft_cpus, options.precision.draft_precision)
+    target = in_worker_thread(bundle, manifest, "target", target_where, strict, target_budget)
+    draft = in_worker_thread(draft_source, draft_manifest, "draft", draft_where, strict, draft_budget)
+    # the draft starts from the target's prompt KV only when it is the target's copy and reads its caches
+    draft.same_model_as_target = draft_copies_target(manifest, draft_manifest) and adopts_from(draft, target)
+    names = {"model": Path(bundle).name, "target": f"{bundle} ({type(target).__name__})",
+             "draft": f"{draft_source} ({type(draft).__name__})", "path": f"{manifest.graph_format} bundle",
+             "target_device": placement.target, "draft_device": placement.draft,
+             "target_precision": manifest.graph("target_prefix").precision,
+             "draft_precision": draft_manifest.graph("draft").precision, "placement": placement.describe()}
+    return Engine(target, load_tokenizer(Path(bundle), manifest), draft, names, both, placement, manifest)
+
+
+def in_worker_thread(folder, manifest, role, device, strict, budget):
+    """Load one model in a short-lived thread pinned like its worker, so backend pools inherit the pin."""
+    result = {}
+
+    def work():
+        try:
+            result["model"] = load_model(Path(folder), manifest, role, device, strict, budget)
+        except BaseException as exc:  # re-raised in the caller's thread
+            result["error"] = exc
+
+    thread = threading.Thread(target=work, name=f"load-{role}")
+    thread.start()
+    thread.join()
+    if "error" in result:
+        raise result["error"]
+    return result["model"]

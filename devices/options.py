@@ -1,0 +1,97 @@
+"""What an engine is assembled from: one small frozen dataclass per concern, each field named as its CLI flag.
+
+`ModelOptions` (what runs), `DeviceOptions` (where), `PrecisionOptions` (at what precision) and the split
+(`models.config.SplitOptions`: exit layer, kappa) travel together as `EngineOptions`, which `load_engine`,
+`load_torch`, `load_bundle` and `mirror_rt.load` take. Each default is written once, here (the split's in
+`SplitOptions`); `EngineOptions.from_flags` is the one place flat flag-named values become these objects.
+Torch-only settings are None when not given: giving any of them, even at its default value, asks for torch
+eager, so the engine choice never compares a value with a default. Decoding settings are not here: they are
+the request's (`runtime.config.GenerationConfig`).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field, fields, replace
+
+from mirror_rt.models.config import SplitOptions
+
+# The options only the torch engine understands: any of them given asks for torch eager.
+TORCH_OPTIONS = ("model", "draft_model", "device", "dtype", "threads", "exit_layer", "kappa", "draft_streams",
+                 "compile")
+
+
+@dataclass(frozen=True)
+class ModelOptions:
+    """What runs: an exported bundle, or a model in torch eager."""
+
+    bundle: str | None = None  # an exported bundle; None: the default model's cached bundle unless torch is asked
+    draft_bundle: str | None = None  # take the draft from this bundle (same vocabulary)
+    model: str | None = None  # torch target: HF folder, .gguf file or preset; None: the default model
+    draft_model: str | None = None  # torch draft: int8 (an int8 copy of the target), target (oracle), or a model
+    draft_streams: str | None = None  # trained SS streams (mirror-rt train-draft --out) over the torch draft
+    torch: bool = False  # torch eager even when no torch-only option is given
+    cache_dir: str | None = None  # model cache (None: $MIRROR_RT_CACHE or ~/.cache/mirror-rt)
+
+
+@dataclass(frozen=True)
+class DeviceOptions:
+    """Where it runs: each role's device and the compute threads."""
+
+    target: str = "cpu"  # the target's device: cpu, cuda[:N], gpu, npu, openvino:CPU, ort:qnn, torch:cpu, ...
+    draft: str = "cpu"  # the draft's device (same forms)
+    strict_devices: bool = False  # fail instead of falling back to a CPU backend
+    device: str | None = None  # torch: the target's torch device (cpu, cuda, cuda:1; as --target)
+    threads: int | None = None  # torch: intra-op threads; a bundle: each worker's threads, unpinned
+    pin: bool = True  # torch, mirror: pin target and draft to a core each (2+ cores)
+
+
+@dataclass(frozen=True)
+class PrecisionOptions:
+    """At what precision the models compute."""
+
+    dtype: str | None = None  # torch target dtype; None: bf16 on CUDA (fp16 without bf16), else fp32
+    draft_precision: str | None = None  # OpenVINO draft compute precision (f32 | bf16); None: exact f32
+    compile: bool | None = None  # torch: static-shape windows under torch.compile
+
+
+@dataclass(frozen=True)
+class EngineOptions:
+    """Everything an engine is assembled from."""
+
+    models: ModelOptions = field(default_factory=ModelOptions)
+    devices: DeviceOptions = field(default_factory=DeviceOptions)
+    precision: PrecisionOptions = field(default_factory=PrecisionOptions)
+    split: SplitOptions = field(default_factory=SplitOptions)
+
+    @classmethod
+    def from_flags(cls, **flags) -> EngineOptions:
+        """The options from flat flag-named values (`bundle=`, `target=`, `dtype=`, `kappa=`...); None: not given.
+
+        Example: EngineOptions.from_flags(model="tiny", target="cuda", dtype="bf16").
+        """
+        return cls().with_flags(**{name: value for name, value in flags.items() if value is not None})
+
+    def torch_asked(self) -> list[str]:
+        """The torch-only options given (TORCH_OPTIONS order)."""
+        values = {name: value for part in _PARTS for name, value in vars(getattr(self, part)).items()}
+        return [name for name in TORCH_OPTIONS if values[name] is not None]
+
+    def with_flags(self, **flags) -> EngineOptions:
+        """A copy with some flag-named values replaced (a None value un-gives an option)."""
+        unknown = set(flags) - set(flag_names())
+        if unknown:
+            raise TypeError(f"unknown engine option(s): {', '.join(sorted(unknown))}")
+        changed = {}
+        for part, kind in _PARTS.items():
+            mine = {f.name: flags[f.name] for f in fields(kind) if f.name in flags}
+            if mine:
+                changed[part] = replace(getattr(self, part), **mine)
+        return replace(self, **changed)
+
+
+_PARTS = {"models": ModelOptions, "devices": DeviceOptions, "precision": PrecisionOptions, "split": SplitOptions}
+
+
+def flag_names() -> list[str]:
+    """Every engine option by its flag's name (`--draft-model` is `draft_model`)."""
+    return [f.name for kind in _PARTS.values() for f in fields(kind)]

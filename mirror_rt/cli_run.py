@@ -1,0 +1,176 @@
+"""`mirror-rt run`, `export`, `devices` and `simulate`: parsers and commands (the work is in the code folders).
+
+Each flag is a settings field of the same name (`cli_options`); formatting lives with what it formats
+(`runtime.metrics.format_stats`, `evaluation.simulate.format_prediction`, `devices.registry.format_devices`).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+
+from mirror_rt.cli_args import log, positive_int
+from mirror_rt.cli_options import (
+    add_decoding_options,
+    add_engine_options,
+    add_request_options,
+    engine_options,
+    generation_config,
+)
+from mirror_rt.evaluation.device_check import CHECK_TOKENS
+from mirror_rt.exporters.export import ExportConfig
+from mirror_rt.models.config import DEFAULT_KAPPA
+from mirror_rt.models.default_model import DEFAULT_MODEL
+
+EXPORT = ExportConfig(model=None, out_dir=".")  # the export defaults, read by the flags
+
+
+def add_run(sub) -> None:
+    run = sub.add_parser("run", help="generate text for a prompt (argument or stdin)")
+    run.add_argument("prompt", nargs="?", help="the prompt; read from stdin when omitted")
+    add_engine_options(run)
+    add_decoding_options(run)
+    add_request_options(run)
+    run.add_argument("--no-chat", action="store_true", help="do not apply the chat template")
+    run.add_argument("--stats", action="store_true", help="print speed and acceptance statistics (stderr)")
+    run.add_argument("--json", action="store_true", help="print one JSON object with text and stats")
+
+
+def cmd_run(args) -> int:
+    from mirror_rt.devices.engines import load_engine
+    from mirror_rt.runtime.metrics import format_stats
+
+    prompt = args.prompt
+    if prompt is None:
+        if sys.stdin is None or sys.stdin.isatty():
+            raise ValueError("no prompt: pass it as an argument or on stdin")
+        prompt = sys.stdin.read()
+    config = generation_config(args)  # validate before loading anything
+    engine = load_engine(engine_options(args), config.mode)
+    gen = engine.stream(prompt, config, chat=not args.no_chat)
+    try:
+        for piece in gen:
+            if not args.json:
+                sys.stdout.write(piece)
+                sys.stdout.flush()
+    except KeyboardInterrupt:
+        gen.pieces.close()
+        print("\n[interrupted]", file=sys.stderr)
+        return 130
+    if args.json:
+        print(json.dumps({"text": gen.text, "stats": gen.stats}, ensure_ascii=False))
+    else:
+        sys.stdout.write("\n")
+        if args.stats:
+            print(format_stats(gen.stats), file=sys.stderr)
+    return 0
+
+
+def add_export(sub) -> None:
+    export = sub.add_parser("export", help="split a model into target prefix / suffix and draft graphs (a bundle)")
+    export.add_argument("--model", default=EXPORT.model, help="target: HF folder, .gguf file or preset (default: "
+                        f"{DEFAULT_MODEL})")
+    export.add_argument("--draft-model", default=EXPORT.draft_model,
+                        help="draft model (default: the target itself, with --draft-weights)")
+    export.add_argument("--draft", dest="draft_device_spelling", help=argparse.SUPPRESS)  # refused: --draft-model
+    export.add_argument("--exit-layer", type=positive_int, default=EXPORT.exit_layer,
+                        help="early-exit layer (default N/2)")
+    export.add_argument("--kappa", type=positive_int, default=EXPORT.kappa,
+                        help=f"early-exit candidates per position (default {DEFAULT_KAPPA})")
+    export.add_argument("--draft-streams", help="trained SS streams (mirror-rt train-draft --out) exported in the "
+                        "draft graph (onnx); Mirror's greedy rollouts then confirm several tokens per forward")
+    export.add_argument("--format", dest="fmt", default=EXPORT.fmt,
+                        help="onnx (default: exact and fastest on CPU here) | openvino | torch")
+    export.add_argument("--weights", default=EXPORT.weights, help="target weights: fp32 (default) | fp16 | int8 | int4")
+    export.add_argument("--draft-weights", default=EXPORT.draft_weights,
+                        help="draft weights: auto (default: q4_1 where the weights are Q4_1 blocks exactly and the "
+                        "format is onnx, else int8) | fp32 | fp16 | int8 | int4 | q4_1 (onnx: 4-bit blocks with a "
+                        "minimum, exact for Q4_1 GGUF weights such as the default model's)")
+    export.add_argument("--exit-weights", default=EXPORT.exit_weights, help="early-exit head weights: fp32 | int8 "
+                        "(default %(default)s: it only ranks draft branches, never changes the output)")
+    export.add_argument("--exit-adapter", help="a trained exit adapter (mirror-rt train-exit) to carry")
+    export.add_argument("--kv", help="shared (default with onnx: KV written in place, no copy per call; ONNX "
+                        "Runtime only) | explicit (KV in and out: OpenVINO can load the .onnx too)")
+    export.add_argument("--draft-vocab", help="kept token ids (mirror-rt prune-vocab --out): the draft's LM head "
+                        "over those rows only, -inf elsewhere (onnx, openvino; the output never changes)")
+    export.add_argument("--static", action="store_true", help="fixed shapes (NPUs need them)")
+    export.add_argument("--max-context", type=positive_int, help="context limit of the bundle")
+    export.add_argument("--max-window", type=positive_int, help="window limit (with --static)")
+    export.add_argument("--out", dest="out_dir", required=True, help="bundle folder to write")
+
+
+def cmd_export(args) -> int:
+    from dataclasses import fields
+    from pathlib import Path
+
+    from mirror_rt.exporters.export import run_export
+
+    if args.draft_device_spelling is not None:
+        raise ValueError("export --draft is now --draft-model (the draft model; --draft names the draft's device "
+                         "in run and serve)")
+    config = ExportConfig(**{f.name: getattr(args, f.name) for f in fields(ExportConfig)} | {
+        "out_dir": Path(args.out_dir)})
+    folder = run_export(config)
+    print(f"bundle written to {folder}")
+    if args.exit_adapter is None:
+        print("early exit: untrained; `mirror-rt train-exit` (about 20 min on 2 CPU cores) trains an adapter "
+              "that `--exit-adapter` then carries")
+    return 0
+
+
+def add_devices(sub) -> None:
+    devices = sub.add_parser("devices", help="list the devices each backend sees here and where run places its workers")
+    devices.add_argument("--check", action="store_true", help="run every device pair found here (random-weight "
+                         "SmolLM2 presets, offline): equality, tokens/s, device reads, launches, peak memory")
+    devices.add_argument("--models", help="presets to check (default: smollm2-135m, plus smollm2-1.7b with CUDA)")
+    devices.add_argument("--max-new-tokens", type=positive_int, default=CHECK_TOKENS,
+                         help="tokens per run of the check (default %(default)s)")
+    devices.add_argument("--compile", action="store_true", help="check the compiled path (torch.compile) instead")
+    devices.add_argument("--out", default="devices-check.json", help="JSON file of the check")
+
+
+def cmd_devices(args) -> int:
+    from mirror_rt.devices.engines import placements_here
+    from mirror_rt.devices.registry import format_devices
+
+    print(format_devices())
+    print("\n".join(f"placement, {line}" for line in placements_here()))
+    if not args.check:
+        return 0
+    from mirror_rt.evaluation.device_check import format_check, run_check, write_check
+
+    models = args.models.split(",") if args.models else None
+    doc = run_check(models, args.max_new_tokens, args.compile, log=log)
+    print(format_check(doc))
+    print(f"written to {write_check(doc, args.out)}")
+    return 0
+
+
+def add_simulate(sub) -> None:
+    simulate = sub.add_parser("simulate", help="predict AR / SD / Mirror speed from costs (latency model)")
+    simulate.add_argument("--config", default="qwen3-14b-m2ultra",
+                          help="a JSON file of costs and rates, or a preset (default: the paper's setting)")
+    simulate.add_argument("--json", action="store_true")
+
+
+def cmd_simulate(args) -> int:
+    from mirror_rt.evaluation.simulate import format_prediction, load_config, predict
+
+    cfg = load_config(args.config)
+    result = predict(cfg)
+    if args.json:
+        print(json.dumps({"config": cfg.__dict__, "prediction": result}, indent=2))
+    else:
+        print(format_prediction(cfg, result))
+    return 0
+
+
+COMMANDS = {"run": cmd_run, "export": cmd_export, "devices": cmd_devices, "simulate": cmd_simulate}
+
+
+def add_commands(sub) -> None:
+    add_run(sub)
+    add_export(sub)
+    add_devices(sub)
+    add_simulate(sub)

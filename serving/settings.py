@@ -1,0 +1,63 @@
+"""The server's settings, each default written once: one server (`ServerSettings`) and its replicas (`ClusterSettings`).
+
+Each field is named as its `mirror-rt serve` flag (`--max-queued` is `max_queued`, `--request-timeout` is
+`request_timeout`, in seconds); the CLI reads its flags' defaults from here, and the replicas read the
+server's (queue, Retry-After, drain, address) from `ServerSettings` rather than keeping their own. The
+decoding defaults of requests that name none are a `GenerationConfig` (`defaults`), never copied field by
+field. Imports no web framework: the CLI builds these without the `serve` extra.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from mirror_rt.runtime.config import GenerationConfig
+
+
+class ClusterError(ValueError):
+    """The cluster cannot serve as asked (no Ray, a replica that cannot be placed, a failed deploy)."""
+
+
+@dataclass(frozen=True)
+class ServerSettings:
+    """What the server adds to an engine."""
+
+    host: str = "127.0.0.1"  # address to listen on (with replicas: Serve's proxies)
+    port: int = 8000
+    served_model_name: str | None = None  # None: the engine's model name
+    api_key: str | None = None  # guards /v1/* when set
+    max_queued: int = 16  # requests waiting beyond the one running (with replicas: at the proxy); 503 beyond
+    request_timeout: float | None = None  # seconds a generation may run before it is stopped with an error
+    drain_timeout: float = 30.0  # on SIGTERM / Ctrl-C: seconds admitted requests may take to finish
+    defaults: GenerationConfig = field(default_factory=GenerationConfig)  # mode, gamma... of requests naming none
+    temperature: float = 1.0  # OpenAI's default when a request names none
+    retry_after_s: int = 1  # Retry-After of a 503 (the proxy's too)
+    # a replica ends its process when its engine thread dies before answering (Serve's proxy then sends the
+    # request to another replica); a single server answers 503 with x-mirror-rt-retry instead
+    exit_on_engine_death: bool = False
+
+
+@dataclass(frozen=True)
+class ClusterSettings:
+    """How the app is spread over Ray Serve replicas (the server's own settings: `ServerSettings`)."""
+
+    replicas: int = 1  # replicas to run (the initial count when autoscaling)
+    ray_address: str | None = None  # None: start a local Ray; "auto" or "ray://host:port": join that cluster
+    min_replicas: int | None = None  # any of these three set: Serve's autoscaling_config
+    max_replicas: int | None = None
+    target_ongoing_requests: float | None = None  # autoscaling target per replica (None: 1, one stream each)
+    actor_options: dict = field(default_factory=lambda: {"num_cpus": 1})  # per replica (`replica_resources`)
+    placement_timeout: int = 60  # seconds a replica may stay unplaced before it is an error (when we start Serve)
+    health_check_period_s: float = 10.0
+    metrics_export_port: int | None = None  # local Ray: where it serves every replica's metrics
+
+    def __post_init__(self):
+        if self.replicas < 1:
+            raise ClusterError(f"replicas must be >= 1, got {self.replicas}")
+        low, high = self.min_replicas, self.max_replicas
+        if low is not None and high is not None and low > high:
+            raise ClusterError(f"--min-replicas {low} is more than --max-replicas {high}")
+
+    @property
+    def autoscaling(self) -> bool:
+        return (self.min_replicas, self.max_replicas, self.target_ongoing_requests) != (None, None, None)
