@@ -71,9 +71,17 @@ class TorchRowCache(KVCache):
     """One row of a `TorchPool` as a single-sequence KVCache (its length lives in the pool)."""
 
     def __init__(self, pool: TorchPool, row: int):  # noqa: D107 -- a view, no storage of its own
-        self.pool, self.row = pool, row
-        self.keys, self.values = pool.keys[:, row], pool.values[:, row]  # [layers, KVH, capacity, D] views
+        self.pool, self.row = pool, row  # `row` follows the sequence when its row moves
         self.capacity, self.hidden = pool.capacity, None
+
+    @property
+    def keys(self) -> torch.Tensor:
+        """[layers, KVH, capacity, D], a view of the pool at the current row."""
+        return self.pool.keys[:, self.row]
+
+    @property
+    def values(self) -> torch.Tensor:
+        return self.pool.values[:, self.row]
 
     @property
     def length(self) -> int:

@@ -147,7 +147,7 @@ class OVGenAIRunner:
             if sampling.top_k:
                 settings.top_k = sampling.top_k
         if self.speculative:
-            settings.num_assistant_tokens = config.num_draft_tokens
+            settings.num_assistant_tokens = config.gamma
         return settings
 
 

@@ -1,7 +1,7 @@
 """Generation settings: one frozen dataclass, validated on construction.
 
 CLI flags map one to one onto these fields. Components take only what they need
-(`sampling` for the verifier and drafter, `num_draft_tokens` for the speculative loop).
+(`sampling` for the verifier and drafter, `gamma` for the speculative loop).
 """
 
 from __future__ import annotations
@@ -19,7 +19,7 @@ class GenerationConfig:
 
     max_new_tokens: int = 256  # upper bound on generated tokens
     sampling: SamplingConfig = field(default_factory=SamplingConfig)  # temperature, top-k, top-p
-    num_draft_tokens: int = 4  # gamma: draft tokens per window
+    gamma: int = 4  # draft tokens per window
     mode: str | None = None  # ar (target only) | sd (vanilla speculative) | mirror; None: the engine's default
     seed: int = 0  # seeds every random draw of a request
     stop_strings: tuple[str, ...] = ()  # generation stops before the first occurrence of any
@@ -36,8 +36,8 @@ class GenerationConfig:
     def validate(self) -> None:
         if self.max_new_tokens < 1:
             raise ValueError(f"--max-new-tokens must be >= 1, got {self.max_new_tokens}")
-        if not 1 <= self.num_draft_tokens <= 64:
-            raise ValueError(f"--gamma must be in 1..64, got {self.num_draft_tokens}")
+        if not 1 <= self.gamma <= 64:
+            raise ValueError(f"--gamma must be in 1..64, got {self.gamma}")
         if self.mode is not None and self.mode not in MODES:
             raise ValueError(f"unknown mode '{self.mode}' (choose from {', '.join(MODES)})")
         if self.branch_budget is not None and self.branch_budget < 0:
@@ -62,8 +62,6 @@ def make_config(base: GenerationConfig | None = None, **options) -> GenerationCo
     base = base or GenerationConfig()
     sampling_fields = {f.name for f in dataclasses.fields(SamplingConfig)}
     sampling = {k: options.pop(k) for k in list(options) if k in sampling_fields}
-    if "gamma" in options:
-        options["num_draft_tokens"] = options.pop("gamma")
     known = {f.name for f in dataclasses.fields(GenerationConfig)}
     unknown = set(options) - known
     if unknown:

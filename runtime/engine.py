@@ -121,12 +121,12 @@ class Engine:
         if config.mode == "sd":
             draft = self.draft or self.target
             return speculative_generate(self.target, draft, ids, config.max_new_tokens,
-                                        config.num_draft_tokens, config.sampling, config.seed, metrics)
+                                        config.gamma, config.sampling, config.seed, metrics)
         if not hasattr(self.target, "forward_prefix"):
             raise GenerationError("mode 'mirror' needs a target split at its early exit "
                                   "(load a bundle, or a torch model through its split target)")
         target_cpu, draft_cpu = self.cpus or (None, None)
-        settings = MirrorSettings(gamma=config.num_draft_tokens, sampling=config.sampling, seed=config.seed,
+        settings = MirrorSettings(gamma=config.gamma, sampling=config.sampling, seed=config.seed,
                                   branch_budget=config.branch_budget, min_window=config.min_window,
                                   draft_timeout_s=config.draft_timeout_s, early_exit=config.early_exit,
                                   target_cpu=target_cpu, draft_cpu=draft_cpu, lookup=config.draft_lookup)

@@ -223,7 +223,7 @@ def _config(req: protocol.Sampling, prompt_tokens: int, state: ServerState) -> G
                        temperature=state.settings.temperature if req.temperature is None else req.temperature,
                        top_p=1.0 if req.top_p is None else req.top_p,
                        seed=secrets.randbits(31) if req.seed is None else req.seed,
-                       stop_strings=req.stop_strings(), gamma=req.num_assistant_tokens or defaults.num_draft_tokens,
+                       stop_strings=req.stop_strings(), gamma=req.num_assistant_tokens or defaults.gamma,
                        ignore_eos=bool(req.ignore_eos))
 
 

@@ -134,16 +134,16 @@ def test_draft_fault_falls_back_without_losing_tokens(kind):
 
 def test_wrong_length_window_refused(monkeypatch):
     """A window longer than gamma is refused as malformed; output still exact."""
-    from mirror_rt.runtime import draft_worker
+    from mirror_rt.runtime import draft_row
 
-    original = draft_worker.DraftWorker._send_window
+    original = draft_row.DraftRow.send_window
 
     def too_long(self, reused):
-        self.settings = draft_worker.DraftSettings(**{**self.settings.__dict__, "gamma": self.settings.gamma + 3,
-                                                       "min_window": self.settings.gamma + 3})
+        self.settings = draft_row.DraftSettings(**{**self.settings.__dict__, "gamma": self.settings.gamma + 3,
+                                                    "min_window": self.settings.gamma + 3})
         original(self, reused)
 
-    monkeypatch.setattr(draft_worker.DraftWorker, "_send_window", too_long)
+    monkeypatch.setattr(draft_row.DraftRow, "send_window", too_long)
     target = tiny_target(seed=6)
     got, metrics = run_mirror(TorchSplitTarget(target), TorchModel(target), [2, 3], 30, gamma=2)
     assert got == flat(generate(TorchModel(target), [2, 3], 30))
