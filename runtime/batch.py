@@ -17,6 +17,7 @@ import collections
 import threading
 from dataclasses import dataclass
 
+from mirror_rt.runtime.batch_mirror import MirrorStep
 from mirror_rt.runtime.batch_steps import ArStep, Prefill, SdStep
 from mirror_rt.runtime.kv_pool import BLOCK_SIZE, BlockBudget, RowMap, blocks_for
 from mirror_rt.runtime.prefix_cache import PrefixCache
@@ -51,7 +52,7 @@ class BatchDecoder:
     """Sequences, their rows and caches, and the step loop over them."""
 
     def __init__(self, target, draft=None, settings: BatchSettings = BatchSettings(), policy=None,
-                 kv_bytes: int | None = None):
+                 kv_bytes: int | None = None, cpus: tuple[int, int] | None = None):
         self.target, self.draft, self.settings = target, draft, settings
         self.pooled = bool(getattr(target, "batches", False)) and (
             draft is None or bool(getattr(draft, "batches", False)))
@@ -67,6 +68,7 @@ class BatchDecoder:
         self.lock = threading.Lock()
         self.policy = policy
         self.prefill, self.ar, self.sd = Prefill(self), ArStep(self), SdStep(self)
+        self.mirror = MirrorStep(self, cpus)
         self.steps = 0
 
     # --- other threads ---------------------------------------------------------------
@@ -104,14 +106,16 @@ class BatchDecoder:
 
     def _decode(self, running: list[Sequence]) -> None:
         gamma = self.policy.gamma(self, running) if self.policy else max(s.config.gamma for s in running)
-        if gamma == 0 or all(s.config.mode == "ar" or self.draft_missing(s) for s in running):
+        if gamma == 0 or all(s.config.mode == "ar" for s in running):
+            for seq in running:  # their draft rows wait, rolled back to committed text, until speculation resumes
+                self.mirror.leave(seq)
             self.ar.run(running)
         else:
-            self.sd.run(running, gamma)
+            self.mirror.run(running, gamma)
 
-    def draft_missing(self, seq: Sequence) -> bool:
-        """Whether `seq` cannot speculate (its mode is ar; sd/mirror without any draft use the target itself)."""
-        return seq.config.mode == "ar"
+    def close(self) -> None:
+        """Stop the draft worker (the decoder can still step: it starts again when needed)."""
+        self.mirror.close()
 
     # --- rows, blocks, prefix cache -------------------------------------------------------
 
@@ -146,6 +150,7 @@ class BatchDecoder:
     def _release(self) -> None:
         for seq in [s for s in self.active if s.done or s.cancel_event.is_set()]:
             seq.finish("cancelled")  # no-op when it already finished
+            self.mirror.leave(seq)
             self.sd.forget(seq)
             self._keep_prefix(seq)
             self.active.remove(seq)
@@ -156,14 +161,16 @@ class BatchDecoder:
             seq.row, seq.state = None, "done"
 
     def _move_row(self, source: int, dest: int) -> None:
-        """The last row fills a freed one: every pool copies it, its sequence's caches follow."""
-        for pool in (self.target_pool, self.draft_pool):
-            if pool is not None:
-                pool.move(source, dest)
+        """The last row fills a freed one: every pool copies it, its sequence's caches follow (a draft row the
+        draft worker holds is moved by that thread)."""
         moved = self.rows.order[dest]
+        if self.pooled:  # (caches of their own per sequence: nothing to copy)
+            self.target_pool.move(source, dest)
+            if self.draft_pool is not None and not self.mirror.move(moved, self.draft_pool, dest):
+                self.draft_pool.move(source, dest)
         moved.row = dest
         for cache in moved.state_data.get("caches", ()):
-            cache.row = dest
+            cache.row = dest  # (a joined draft cache was rebound by the worker already)
 
     def _keep_prefix(self, seq: Sequence) -> None:
         """Store the full blocks of a finished sequence's committed positions in the prefix cache."""

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import queue
 import threading
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from mirror_rt.runtime.affinity import pin
 from mirror_rt.runtime.draft_row import DraftRow, DraftSettings, DraftStats, Line  # noqa: F401 (re-exported)
@@ -37,7 +37,9 @@ class Join:
 
 @dataclass(frozen=True)
 class Leave:
-    """A sequence is done: drop its row."""
+    """A sequence stops drafting: its cache is rolled back to committed text (a prefix of it) and its row dropped."""
+
+    done: threading.Event = field(default_factory=threading.Event)  # set once handled
 
 
 @dataclass(frozen=True)
@@ -46,6 +48,7 @@ class Move:
 
     pool: object
     row: int
+    done: threading.Event = field(default_factory=threading.Event)  # set once handled
 
 
 class DraftWorker:
@@ -83,6 +86,12 @@ class DraftWorker:
 
     def send(self, key, message) -> None:
         self.inbox.put((key, message))
+
+    def call(self, key, message, timeout: float = 10.0) -> None:
+        """Send a Leave or Move and wait until the thread has handled it (rows are then free to reuse)."""
+        self.inbox.put((key, message))
+        if self.thread.is_alive():
+            message.done.wait(timeout)
 
     def outbox(self, key) -> queue.Queue:
         return self.outboxes[key]
@@ -132,15 +141,14 @@ class DraftWorker:
         elif isinstance(message, Join):
             self._join(key, message)
         elif isinstance(message, Leave):
-            row = self.rows.pop(key, None)
-            self.outboxes.pop(key, None)
-            if row is not None:
-                self.finished[key] = row.stats
+            self._leave(key)
+            message.done.set()
         elif isinstance(message, Move):
             row = self.rows.get(key)
             if row is not None:
                 message.pool.move(row.cache.row, message.row)
                 row.cache.row = message.row
+            message.done.set()
         elif key in self.rows:
             self._route(key, message)
 
@@ -153,6 +161,21 @@ class DraftWorker:
         row.handle(message)
         if isinstance(message, Verdict):
             self.last_verdict = key
+
+    def _leave(self, key) -> None:
+        """Drop a row; its cache keeps only a prefix of the committed text (nothing speculative)."""
+        row = self.rows.pop(key, None)
+        self.outboxes.pop(key, None)
+        if row is None:
+            return
+        same = 0
+        for a, b in zip(row.cache_tokens, row.committed):
+            if a != b:
+                break
+            same += 1
+        if same < row.cache.length:
+            row.cache.rollback(same)
+        self.finished[key] = row.stats
 
     def _join(self, key, message: Join) -> None:
         cache = message.cache

@@ -140,7 +140,8 @@ class TargetRow:
         self.alive = True
         # a target that computes while the host goes on (CUDA) queues its suffix before reading its exit back
         self.ahead = getattr(target, "asynchronous", False) and hasattr(target, "launch_prefix")
-        self.counters = {"exit_covered": 0, "corrections": 0, "busy": [], "fallback_steps": 0, "exit_steps": 0}
+        self.counters = {"exit_covered": 0, "corrections": 0, "busy": [], "fallback_steps": 0, "exit_steps": 0,
+                         "last_window": 0}  # draft tokens verified by the latest step
 
     def prefill(self, prompt: list[int], capacity: int, helper_cpu: int | None = None, share: bool = False) -> int:
         """The prompt; pipelined over this core and `helper_cpu` when the backend can and the draft is idle."""
@@ -160,6 +161,7 @@ class TargetRow:
             self._fall_back(str(failure))
             return self.alone(last)
         tokens = list(window.tokens[:k_max])
+        self.counters["last_window"] = len(tokens)
         base = self.cache.length
         # Phase 2: prefix and early exit, sent to the draft at once (a device target queues its
         # suffix first, so it computes while the exit's few ids travel back)

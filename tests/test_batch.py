@@ -33,19 +33,29 @@ def run(decoder: BatchDecoder, arrivals: list[tuple[int, Sequence]], max_steps: 
         decoder.step()
         step += 1
         assert step < max_steps
+    decoder.close()
 
 
 def sequence(i: int, prompt, config: GenerationConfig) -> Sequence:
     return Sequence(f"s{i}", list(prompt), config, budget=config.max_new_tokens)
 
 
-@pytest.fixture(scope="module")
-def pair():
-    target = tiny_target(seed=3)
-    return TorchSplitTarget(target), TorchModel(perturbed_copy(target, noise=0.3, seed=4))
+@pytest.fixture(scope="module", params=["torch", "onnx"])
+def pair(request, tmp_path_factory):
+    """(target, draft): tiny torch models (float64), or a tiny exported ONNX bundle on ONNX Runtime (the
+    default serving path: batched graphs over row pools, an int8 draft that adopts the target's rows)."""
+    if request.param == "torch":
+        target = tiny_target(seed=3)
+        return TorchSplitTarget(target), TorchModel(perturbed_copy(target, noise=0.3, seed=4))
+    from mirror_rt.devices.engines import load_bundle
+    from mirror_rt.exporters.export import export_bundle
+
+    folder = export_bundle("tiny", tmp_path_factory.mktemp("bundle"), progress=False)
+    engine = load_bundle(str(folder), mode="mirror")
+    return engine.target, engine.draft
 
 
-@pytest.mark.parametrize("mode", ["ar", "sd"])
+@pytest.mark.parametrize("mode", ["ar", "sd", "mirror"])
 @pytest.mark.parametrize("max_num_seqs", [4, 8])
 def test_staggered_arrivals_equal_reference(pair, mode, max_num_seqs):
     """12 prompts joining at different steps into batches of up to 4 and 8: each text equals its own ar."""
@@ -62,6 +72,24 @@ def test_staggered_arrivals_equal_reference(pair, mode, max_num_seqs):
     assert decoder.idle and len(decoder.rows) == 0 and decoder.budget.reserved == 0
 
 
+def test_modes_mix_in_one_batch(pair):
+    """ar, sd and mirror sequences decode side by side; each equals its reference; mirror ones speculated."""
+    target, draft = pair
+    decoder = BatchDecoder(target, draft, BatchSettings(max_num_seqs=6))
+    seqs = [(i, sequence(i, p, GenerationConfig(max_new_tokens=25, mode=("ar", "sd", "mirror")[i % 3], gamma=3)))
+            for i, p in enumerate(prompts(6, 3))]
+    steps = {s.id: [] for _, s in seqs}
+    for _, seq in seqs:
+        seq.sink = lambda s, tokens, drafted, accepted: steps[s.id].append((len(tokens), drafted, accepted))
+    run(decoder, seqs)
+    for _, seq in seqs:
+        assert seq.tokens == reference(target, seq.prompt, seq.config)
+        drafted = sum(d for _, d, _ in steps[seq.id])
+        assert (drafted == 0) == (seq.config.mode == "ar")
+        assert sum(n for n, _, _ in steps[seq.id]) == len(seq.tokens)
+    assert not [t for t in __import__("threading").enumerate() if t.name == "mirror-draft" and t.is_alive()]
+
+
 def test_seeded_sampling_repeats_whatever_the_companions(pair):
     """A seeded sampled request gives the same tokens alone, in a batch, and in sd: its draws are keyed by
     position, never by what else runs."""
@@ -72,9 +100,10 @@ def test_seeded_sampling_repeats_whatever_the_companions(pair):
     run(alone, [(0, solo)])
     crowded = BatchDecoder(target, draft, BatchSettings(max_num_seqs=4))
     again = sequence(1, [5, 6, 7], dataclasses.replace(config, mode="ar"))
+    mirrored = sequence(2, [5, 6, 7], dataclasses.replace(config, mode="mirror"))
     others = [(i, sequence(10 + i, p, dataclasses.replace(config, seed=i))) for i, p in enumerate(prompts(5, 1))]
-    run(crowded, others + [(3, again)])
-    assert solo.tokens == again.tokens == reference(target, [5, 6, 7], config)
+    run(crowded, others + [(3, again), (5, mirrored)])
+    assert solo.tokens == again.tokens == mirrored.tokens == reference(target, [5, 6, 7], config)
 
 
 def test_cancel_mid_batch_leaves_the_others(pair):
