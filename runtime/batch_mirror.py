@@ -83,7 +83,8 @@ class MirrorStep:
 
     def _worker(self) -> DraftWorker:
         if self.worker is None or not self.worker.thread.is_alive():
-            self.worker = DraftWorker(self.decoder.draft or self.decoder.target, cpu=self.cpus[1] if self.cpus else None)
+            draft = self.decoder.draft or self.decoder.target
+            self.worker = DraftWorker(draft, cpu=self.cpus[1] if self.cpus else None)
             self.worker.start()
         return self.worker
 
