@@ -288,9 +288,11 @@ class ORTSplitTarget(SplitTarget):
         """Suffix layers over the rows of the last prefix call -> logits [B, T or last_rows, vocab]."""
         return suffix_rows(self, pool, last_rows)
 
-    def forward_rows(self, tokens: np.ndarray, pool: RowPool, first: int, last_rows: int | None = None) -> np.ndarray:
-        """Prefix then suffix, no early exit: tokens [B, T] -> logits [B, T or last_rows, vocab]."""
-        prefix_rows(self, pool, tokens, first, exit_=False)
+    def forward_rows(self, tokens: np.ndarray, pool: RowPool, first: int, last_rows: int | None = None,
+                     wide: bool = False) -> np.ndarray:
+        """Prefix then suffix, no early exit: tokens [B, T] -> logits [B, T or last_rows, vocab]. `wide`: on every
+        core, through the prompt sessions where the target has them (target-only steps of a batch)."""
+        prefix_rows(self, pool, tokens, first, exit_=False, wide=wide)
         return suffix_rows(self, pool, last_rows)
 
     def _prefix_outputs(self, ids: np.ndarray, cache: ORTCache) -> dict:

@@ -32,7 +32,7 @@ class RowPool:
         self.buffers = [[np.zeros((rows, kvh, capacity, d), dtype=np.float32) for _ in g.past_names] for g in graphs]
         self.rows, self.capacity = rows, capacity
         self.filled = np.zeros((len(graphs), rows), dtype=np.int64)  # positions each graph holds per row
-        self.hidden = None  # split target: (first row, prefix output [B, T, hidden]) waiting for the suffix
+        self.hidden = None  # split target: (first row, prefix output [B, T, hidden], suffix graph) pending
         self._values: dict = {}  # (graph, first, count) -> OrtValues over the rows' slices
 
     @property
@@ -144,13 +144,15 @@ def forward_rows(model, pool: RowPool, tokens: np.ndarray, first: int, last_rows
     return pool.run(0, model.graph, np.asarray(tokens, dtype=np.int64), first, last_rows)["logits"]
 
 
-def prefix_rows(target, pool: RowPool, tokens: np.ndarray, first: int, exit_: bool = True):
+def prefix_rows(target, pool: RowPool, tokens: np.ndarray, first: int, exit_: bool = True, wide: bool = False):
     """A split target's prefix over rows first..: tokens [B, T]; with `exit_`, the early exit (ids, log-probs)
-    [B, T, kappa]; the hidden state waits in the pool for `suffix_rows`."""
+    [B, T, kappa]; the hidden state waits in the pool for `suffix_rows`. `wide`: through the target's prompt
+    sessions (a thread per core) where it has them."""
     if pool.hidden is not None:
         raise RuntimeError("prefix_rows called again before suffix_rows")
-    out = pool.run(0, target.prefix, np.asarray(tokens, dtype=np.int64), first)
-    pool.hidden = (first, out["hidden"])
+    graphs = target.prompt_graphs if wide and target.prompt_graphs else (target.prefix, target.suffix)
+    out = pool.run(0, graphs[0], np.asarray(tokens, dtype=np.int64), first)
+    pool.hidden = (first, out["hidden"], graphs[1])
     if not exit_:
         return None
     source = out.get("exit_hidden", out["hidden"])  # [B, T, hidden]
@@ -163,5 +165,5 @@ def suffix_rows(target, pool: RowPool, last_rows: int | None = None) -> np.ndarr
     """The suffix over the rows of the last prefix call -> logits [B, T or last_rows, vocab]."""
     if pool.hidden is None:
         raise RuntimeError("suffix_rows called without a pending prefix_rows")
-    (first, hidden), pool.hidden = pool.hidden, None
-    return pool.run(1, target.suffix, hidden, first, last_rows)["logits"]
+    (first, hidden, suffix), pool.hidden = pool.hidden, None
+    return pool.run(1, suffix, hidden, first, last_rows)["logits"]

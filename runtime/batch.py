@@ -15,11 +15,13 @@ from __future__ import annotations
 
 import collections
 import threading
+import time
 from dataclasses import dataclass
 
 from mirror_rt.runtime.batch_mirror import MirrorStep
 from mirror_rt.runtime.batch_steps import ArStep, Prefill, SdStep
 from mirror_rt.runtime.kv_pool import BLOCK_SIZE, BlockBudget, RowMap, blocks_for
+from mirror_rt.runtime.policy import AR, SPEC, SpeculationPolicy
 from mirror_rt.runtime.prefix_cache import PrefixCache
 from mirror_rt.runtime.sequence import Sequence
 
@@ -66,7 +68,8 @@ class BatchDecoder:
         self.waiting: collections.deque[Sequence] = collections.deque()
         self.active: list[Sequence] = []  # holding a row: prefill, then running
         self.lock = threading.Lock()
-        self.policy = policy
+        self.policy = policy or SpeculationPolicy()
+        self.gamma = 0  # gamma of the latest step (0: target-only), the server's gauge
         self.prefill, self.ar, self.sd = Prefill(self), ArStep(self), SdStep(self)
         self.mirror = MirrorStep(self, cpus)
         self.steps = 0
@@ -105,13 +108,21 @@ class BatchDecoder:
         return not self.idle
 
     def _decode(self, running: list[Sequence]) -> None:
-        gamma = self.policy.gamma(self, running) if self.policy else max(s.config.gamma for s in running)
-        if gamma == 0 or all(s.config.mode == "ar" for s in running):
+        """One decode step of every running sequence, the way the policy picks; its outcome goes back to it."""
+        gamma = self.policy.gamma(self, running)
+        before = sum(len(s.tokens) for s in running)
+        t0 = time.perf_counter()
+        if gamma == 0:
             for seq in running:  # their draft rows wait, rolled back to committed text, until speculation resumes
                 self.mirror.leave(seq)
             self.ar.run(running)
         else:
             self.mirror.run(running, gamma)
+        way = AR if gamma == 0 else SPEC
+        self.policy.record(way, len(running), sum(len(s.tokens) for s in running) - before, time.perf_counter() - t0)
+        self.gamma = gamma
+        for seq in running:
+            seq.metrics.extra["gamma_steps"] = seq.metrics.extra.get("gamma_steps", 0) + (gamma > 0)
 
     def close(self) -> None:
         """Stop the draft worker (the decoder can still step: it starts again when needed)."""

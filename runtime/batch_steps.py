@@ -128,7 +128,8 @@ class ArStep:
         order = d.rows.order
         live = set(map(id, running))
         tokens = np.array([[s.last if id(s) in live else 0] for s in order], dtype=np.int64)  # [A, 1]
-        logits = d.target.forward_rows(tokens, d.target_pool, 0)  # [A, 1, vocab]
+        wide = {"wide": True} if getattr(d.target, "prompt_graphs", None) else {}  # every core: the draft idles
+        logits = d.target.forward_rows(tokens, d.target_pool, 0, **wide)  # [A, 1, vocab]
         for row, seq in enumerate(order):
             if id(seq) in live:
                 d.target_pool.commit(row, seq.length)  # the last token is in: all but the next one
