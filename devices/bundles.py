@@ -160,10 +160,11 @@ def _load_torch(paths, manifest, config, spec: DeviceSpec, budget: WorkerBudget)
     """Rebuild the Transformer from the manifest's config and the bundle's safetensors."""
     import dataclasses
 
+    from safetensors.torch import load_file
+
     from mirror_rt.devices.torch_backend import TorchModel
     from mirror_rt.devices.torch_split import TorchSplitTarget
     from mirror_rt.models.transformer import Transformer
-    from safetensors.torch import load_file
 
     config = dataclasses.replace(config, max_seq_len=min(config.max_seq_len, manifest.max_context))
     state = load_file(str(paths[0]))

@@ -20,7 +20,9 @@ from collections.abc import Sequence
 from pathlib import Path
 
 import numpy as np
+
 from mirror_rt.devices.base import CacheBounds, SplitTarget
+from mirror_rt.devices.onnxruntime_pool import RowPool, forward_rows, prefix_rows, suffix_rows
 from mirror_rt.runtime.affinity import pin
 
 PREFILL_CHUNK = 64  # prompt tokens per pipelined prefill stage
@@ -83,6 +85,9 @@ class ORTGraph:
         self.output_names = [o.name for o in self.session.get_outputs()]
         self.n_head_outputs = len(self.output_names) - len(self.past_names)
         self.kv_shape = kv_shape  # (kv_heads, head_dim)
+        # batched shared-KV graphs (exporters.shared_kv) take rows: ids [B, T] / hidden [B, T, hidden]
+        rank = len(self.session.get_inputs()[0].shape)
+        self.batched = self.shared_kv and rank == (2 if self.input_name == "input_ids" else 3)
 
     def empty_kv(self, capacity: int) -> list:
         """Explicit: zero-length arrays. Shared: (buffers [1, KVH, capacity, D], their OrtValues)."""
@@ -99,20 +104,35 @@ class ORTGraph:
         `last_rows`: logits for the window's last rows only (graphs that take it; others return all rows).
         """
         extra = {LAST_ROWS: np.array([last_rows or len(x)], dtype=np.int64)} if self.takes_last_rows else {}
+        if self.batched:  # one row of a batched graph
+            values = [value for _, value in kv]
+            head = self.run_rows(x[None], values, np.array([start + len(x)], dtype=np.int32), last_rows)
+            return {name: out[0] for name, out in head.items()}, kv
         if self.shared_kv:
             return self._run_shared(x, kv, extra | {TOTAL_LEN: np.array([start + len(x)], dtype=np.int32)})
         outputs = self.session.run(self.output_names, {self.input_name: x, **dict(zip(self.past_names, kv))} | extra)
         head = dict(zip(self.output_names[:self.n_head_outputs], outputs[:self.n_head_outputs]))
         return head, outputs[self.n_head_outputs:]
 
+    def run_rows(self, x: np.ndarray, values: list, total_len: np.ndarray, last_rows: int | None = None) -> dict:
+        """Batched graphs: x [B, T] ids or [B, T, hidden] over KV buffers `values` (OrtValues [B, KVH, S, D], one
+        per past input, written in place); total_len [B] int32: positions per row after the call -> head outputs
+        by name, [B, ...] each (logits of the last `last_rows` rows of each window where the graph takes it)."""
+        feeds = {TOTAL_LEN: total_len}
+        if self.takes_last_rows:
+            feeds[LAST_ROWS] = np.array([last_rows or x.shape[1]], dtype=np.int64)
+        return self._run_shared(x, values, feeds)[0]
+
     def _run_shared(self, x: np.ndarray, kv: list, feeds: dict) -> tuple[dict, list]:
+        """Run with `kv` bound as both past and present (OrtValues, or (buffer, OrtValue) pairs)."""
         binding = self.session.io_binding()
         for name, value in ({self.input_name: np.ascontiguousarray(x)} | feeds).items():
             binding.bind_cpu_input(name, value)
         heads = self.output_names[:self.n_head_outputs]
         for name in heads:
             binding.bind_output(name, "cpu")
-        for past, present, (_, value) in zip(self.past_names, self.output_names[self.n_head_outputs:], kv):
+        for past, present, item in zip(self.past_names, self.output_names[self.n_head_outputs:], kv):
+            value = item[1] if isinstance(item, tuple) else item
             binding.bind_ortvalue_input(past, value)
             binding.bind_ortvalue_output(present, value)
         self.session.run_with_iobinding(binding)
@@ -173,6 +193,19 @@ class ORTModel:
     def forward_last(self, tokens: Sequence[int], cache: ORTCache) -> np.ndarray:
         """As `forward`, but logits of the last position only ([1, vocab]; prefill)."""
         return self.forward(tokens, cache, last_rows=1)
+
+    @property
+    def batches(self) -> bool:
+        """Whether the graph runs rows of sequences at once (batched shared-KV graphs)."""
+        return self.graph.batched
+
+    def new_pool(self, rows: int, capacity: int) -> RowPool:
+        """KV rows for `rows` sequences of up to `capacity` positions (devices.onnxruntime_pool)."""
+        return RowPool([self.graph], rows, capacity)
+
+    def forward_rows(self, tokens: np.ndarray, pool: RowPool, first: int, last_rows: int | None = None) -> np.ndarray:
+        """tokens [B, T] at each row's length, rows first..first+B-1 -> logits [B, T or last_rows, vocab]."""
+        return forward_rows(self, pool, tokens, first, last_rows)
 
     def can_adopt(self, target) -> bool:
         """Whether `adopt` takes `target`'s caches: an ONNX Runtime target, and shared buffers only from shared."""
@@ -237,6 +270,31 @@ class ORTSplitTarget(SplitTarget):
 
     def new_cache(self, capacity: int) -> ORTCache:
         return ORTCache([self.prefix, self.suffix], min(capacity, self.max_seq_len))
+
+    @property
+    def batches(self) -> bool:
+        """Whether prefix and suffix run rows of sequences at once (not with an attention exit adapter)."""
+        return self.prefix.batched and self.suffix.batched and "exit_hidden" not in self.prefix.output_names
+
+    def new_pool(self, rows: int, capacity: int) -> RowPool:
+        """KV rows of prefix and suffix for `rows` sequences (devices.onnxruntime_pool)."""
+        return RowPool([self.prefix, self.suffix], rows, capacity)
+
+    def forward_prefix_rows(self, tokens: np.ndarray, pool: RowPool, first: int, exit_: bool = True):
+        """Prefix layers over rows first..: tokens [B, T] -> early exit (ids, log-probs) [B, T, kappa] (None
+        without `exit_`); the hidden state waits in the pool for `forward_suffix_rows`."""
+        return prefix_rows(self, pool, tokens, first, exit_)
+
+    def forward_suffix_rows(self, pool: RowPool, last_rows: int | None = None) -> np.ndarray:
+        """Suffix layers over the rows of the last prefix call -> logits [B, T or last_rows, vocab]."""
+        return suffix_rows(self, pool, last_rows)
+
+    def forward_rows(self, tokens: np.ndarray, pool: RowPool, first: int, last_rows: int | None = None,
+                     wide: bool = False) -> np.ndarray:
+        """Prefix then suffix, no early exit: tokens [B, T] -> logits [B, T or last_rows, vocab]. `wide`: on every
+        core, through the prompt sessions where the target has them (target-only steps of a batch)."""
+        prefix_rows(self, pool, tokens, first, exit_=False, wide=wide)
+        return suffix_rows(self, pool, last_rows)
 
     def _prefix_outputs(self, ids: np.ndarray, cache: ORTCache) -> dict:
         return cache.run(0, self.prefix, ids)

@@ -92,6 +92,7 @@ def available_devices() -> dict[str, list[str]]:
         found["openvino"] = []
     try:
         import onnxruntime as ort
+
         from mirror_rt.devices.onnxruntime_backend import PROVIDERS
 
         names = {v: k for k, v in PROVIDERS.items()}

@@ -11,7 +11,10 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
+import numpy as np
 import torch
+
+from mirror_rt.devices.torch_pool import TorchPool, row_logits, run_rows
 from mirror_rt.devices.torch_static import StaticWindows, low_precision
 from mirror_rt.models.transformer import Transformer
 from mirror_rt.runtime.kv_cache import KVCache
@@ -82,6 +85,26 @@ class TorchModel:
         logits = self.static.run(ids, len(ids), cache, 0, self.model.config.n_layers, last_rows)
         cache.advance(len(ids))
         return logits
+
+    @property
+    def batches(self) -> bool:
+        """Whether rows of sequences run in one call (eager models; static windows run one sequence a call)."""
+        return self.static is None
+
+    def new_pool(self, rows: int, capacity: int) -> TorchPool:
+        """KV rows for `rows` sequences of up to `capacity` positions (devices.torch_pool)."""
+        c, p = self.model.config, self.model.embed_tokens.weight
+        return TorchPool(c.n_layers, c.n_kv_heads, c.head_dim, rows, min(capacity, self.max_seq_len), p.dtype, p.device)
+
+    @torch.inference_mode()
+    def forward_rows(self, tokens, pool: TorchPool, first: int, last_rows: int | None = None) -> torch.Tensor:
+        """tokens [B, T] at each row's length, rows first..first+B-1 -> logits [B, T or last_rows, vocab]."""
+        h = run_rows(self.model, self.ids_rows(tokens), pool, first, (0, self.model.config.n_layers))
+        return row_logits(self.model, h, last_rows)
+
+    def ids_rows(self, tokens) -> torch.Tensor:
+        """Token ids [B, T] on the device."""
+        return torch.as_tensor(np.asarray(tokens), dtype=torch.long).to(self.device)
 
     def warm_up(self) -> None:
         """Compile the windows decoding runs (`compile`): each layer range at each window size."""

@@ -45,6 +45,7 @@ def load_torch(options: EngineOptions | None = None, mode: str | None = None, lo
         mode: the mode the engine will mostly run (thread placement; None: its default, Mirror).
     """
     import torch
+
     from mirror_rt.devices.torch_split import TorchSplitTarget
     from mirror_rt.models.loading import load_checkpoint
 

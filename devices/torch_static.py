@@ -22,6 +22,7 @@ from __future__ import annotations
 import weakref
 
 import torch
+
 from mirror_rt.models.transformer import MAX_PAD, Transformer
 from mirror_rt.runtime.kv_cache import CacheFull, KVCache
 

@@ -10,6 +10,7 @@ from collections.abc import Sequence
 
 import numpy as np
 import torch
+
 from mirror_rt.devices.torch_backend import TorchModel
 
 

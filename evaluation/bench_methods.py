@@ -86,6 +86,7 @@ def _hf_assisted(model_folder: str | None, threads: int, log):
         return None
     try:
         import transformers
+
         from mirror_rt.models.quantize import int8_copy
         from mirror_rt.models.tokenizer import HFTokenizer
     except ImportError as exc:
@@ -161,6 +162,7 @@ def _ov_genai(method: str, model_folder: str | None, tokenizer, threads: int, lo
         import openvino as ov
         import openvino_genai
         import openvino_tokenizers  # noqa: F401 -- the tokenizer models GenAI's folders carry
+
         from mirror_rt.exporters.genai import export_genai_folder
     except ImportError as exc:
         log(f"bench: skipping {method}: {exc} (pip install openvino-genai openvino-tokenizers nncf)")

@@ -19,6 +19,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 import torch
+
 from mirror_rt.devices.options import EngineOptions
 from mirror_rt.devices.torch_engine import load_torch
 from mirror_rt.runtime.affinity import available_cores

@@ -176,9 +176,10 @@ async def compare_with_run(url: str, prompts: list, max_tokens: int, mode: str |
                            cache_dir: str | None = None, log=print) -> dict:
     """Single stream, side by side: each prompt through HTTP, then through the engine `run` uses, in this
     process while the server idles. Tokens/s of each (prefill included) and whether the texts match."""
+    from openai import AsyncOpenAI
+
     from mirror_rt.devices.engines import load_engine
     from mirror_rt.devices.options import EngineOptions
-    from openai import AsyncOpenAI
 
     engine = load_engine(EngineOptions.from_flags(cache_dir=cache_dir), mode, log=lambda *a: None)
     mode = mode or engine.default_mode  # None: the engine's, as the server's

@@ -149,9 +149,10 @@ def export_bundle(model: str | None, out_dir, progress: bool = True, **options) 
 
 def run_export(cfg: ExportConfig, progress: bool = True) -> Path:
     """Export `cfg`; steps: check the output folder, load, validate, four graphs, tokenizer, manifest."""
+    from tqdm import tqdm
+
     from mirror_rt.exporters.paths import OutputPathError, check_writable
     from mirror_rt.models.loading import load_checkpoint
-    from tqdm import tqdm
 
     try:
         check_writable(cfg.out_dir)  # before any model is loaded

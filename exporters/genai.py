@@ -19,8 +19,9 @@ from pathlib import Path
 
 import torch
 import torch.nn.functional as F
-from mirror_rt.models.transformer import Transformer, apply_rope, rope_tables
 from torch import nn
+
+from mirror_rt.models.transformer import Transformer, apply_rope, rope_tables
 
 # Bump when the exported graph changes, so cached folders from older exporters are rebuilt.
 FORMAT_VERSION = 1
@@ -191,6 +192,7 @@ def cached_folder(source: str, weights: str, cache: str | None = None) -> Path:
 
 def _write_model(model: Transformer, weights: str, folder: Path) -> None:
     import openvino as ov
+
     from mirror_rt.exporters.openvino import compress_weights
 
     ov_model = convert_decoder(model)

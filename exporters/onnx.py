@@ -17,8 +17,9 @@ import warnings
 from pathlib import Path
 
 import torch
+
 from mirror_rt.exporters.q4_min import quantize_q4_min
-from mirror_rt.exporters.shared_kv import DOMAIN
+from mirror_rt.exporters.shared_kv import DOMAIN, TOTAL_LEN
 from mirror_rt.exporters.split import (
     GraphSpec,
     SplitGraph,
@@ -59,13 +60,30 @@ def export_onnx_graph(model, spec: GraphSpec, table_len: int, weights: str, path
 
 
 def _dynamic_axes(spec: GraphSpec, ins: list[str], outs: list[str]) -> dict:
-    past, present = ("capacity", "capacity") if spec.shared_kv else ("past", "total")  # shared: one buffer
+    if spec.shared_kv:  # batched: rows of sequences over one buffer per layer
+        return _shared_axes(spec, ins, outs)
     axes = {ins[0]: {0: "window"}}
     for name in ins[1:]:
         if name.startswith("past_"):
-            axes[name] = {2: past}
+            axes[name] = {2: "past"}
     for name in outs:  # logits rows follow last_rows where the graph takes it
-        axes[name] = {2: present} if name.startswith("present") else {0: "rows" if spec.takes_last_rows else "window"}
+        axes[name] = {2: "total"} if name.startswith("present") else {0: "rows" if spec.takes_last_rows else "window"}
+    return axes
+
+
+def _shared_axes(spec: GraphSpec, ins: list[str], outs: list[str]) -> dict:
+    """Batched shared-KV graphs: [batch, window(, hidden)] in, buffers [batch, KVH, capacity, D], total_len [batch]."""
+    axes = {ins[0]: {0: "batch", 1: "window"}}
+    for name in ins[1:]:
+        if name.startswith("past_"):
+            axes[name] = {0: "batch", 2: "capacity"}
+        elif name == TOTAL_LEN:
+            axes[name] = {0: "batch"}
+    for name in outs:
+        if name.startswith("present"):
+            axes[name] = {0: "batch", 2: "capacity"}
+        else:
+            axes[name] = {0: "batch", 1: "rows" if name == "logits" and spec.takes_last_rows else "window"}
     return axes
 
 

@@ -14,6 +14,7 @@ import warnings
 from pathlib import Path
 
 import torch
+
 from mirror_rt.exporters.split import (
     LAST_ROWS,
     GraphSpec,

@@ -1,12 +1,18 @@
-"""Attention over a shared, preallocated KV buffer: onnxruntime's GroupQueryAttention contrib op.
+"""Attention over shared, preallocated KV buffers written in place: onnxruntime's GroupQueryAttention.
 
-Graphs exported with `shared_kv` take each layer's past key/value as a [1, kv_heads, capacity,
-head_dim] buffer and `total_len` (positions after this call); the op writes the window's keys
-and values in place at positions total_len-T..total_len-1 and attends causally to 0..total_len-1.
-ONNX Runtime binds past and present to the same buffer (IO binding), so a call copies no cache
-and a rollback is only a smaller `total_len` next time. Measured here: the explicit-KV graphs spent
-a quarter of a draft forward at 800 positions concatenating caches. Only ONNX Runtime runs these
-graphs (CPU and CUDA execution providers implement the op); OpenVINO does not load them.
+Graphs exported with `shared_kv` take each layer's past key/value as a [B, kv_heads, capacity,
+head_dim] buffer (a row per sequence) and `total_len` [B] (positions each row holds after this call);
+the op writes each row's new keys and values in place at total_len-T..total_len-1, rotates q and k
+(RoPE at explicit positions [B, T]) and attends causally to 0..total_len-1 of its own row. ONNX
+Runtime binds past and present to the same buffer (IO binding), so a call copies no cache and a
+rollback is only a smaller `total_len` next time. Measured here: the explicit-KV graphs spent a
+quarter of a draft forward at 800 positions concatenating caches.
+Limitation (ONNX Runtime's CPU kernel): a call over several rows takes one new token per row (T = 1);
+windows of more tokens run one row per call. The other contrib ops that take batches of windows were
+measured and set aside: SparseAttention's CPU kernel reads its softmax rows at offsets of each row's
+own length but writes them at the batch maximum's (rows of different lengths come out wrong), and
+the standard Attention op over TensorScatter buffers costs time in proportion to the buffer capacity.
+Only ONNX Runtime runs these graphs (CPU and CUDA providers implement the op); OpenVINO does not.
 """
 
 from __future__ import annotations
@@ -14,13 +20,13 @@ from __future__ import annotations
 import torch
 
 DOMAIN = "com.microsoft"
-TOTAL_LEN = "total_len"  # int32 [1]: positions held after the call (the op's total_sequence_length)
+TOTAL_LEN = "total_len"  # int32 [B]: positions each row holds after the call
 
 
 class GroupQueryAttention(torch.autograd.Function):
     """Traces to com.microsoft::GroupQueryAttention; its eager forward only gives the tracer shapes.
 
-    Given cos/sin caches [table_len, head_dim / 2] and position_ids [1, T], the op also rotates
+    Given cos/sin caches [table_len, head_dim / 2] and position_ids [B, T], the op also rotates
     q and k (do_rotary, half-rotation layout) so no RoPE nodes surround it.
     """
 
@@ -42,21 +48,9 @@ class GroupQueryAttention(torch.autograd.Function):
         return out, present_k, present_v
 
 
-def shared_kv_attention(q, k, v, past_k, past_v, total_len, n_heads: int, n_kv_heads: int):
-    """q [H, T, D], k/v [KVH, T, D] (RoPE applied) over buffers [1, KVH, S, D] -> ([T, H*D], present k, v)."""
-    D = q.shape[-1]
-    total = total_len.to(torch.int32)
-    out, present_k, present_v = GroupQueryAttention.apply(
-        q.transpose(0, 1).reshape(1, -1, n_heads * D), k.transpose(0, 1).reshape(1, -1, n_kv_heads * D),
-        v.transpose(0, 1).reshape(1, -1, n_kv_heads * D), past_k, past_v, total - 1, total, None, None, None,
-        n_heads, n_kv_heads)
-    return out.reshape(-1, n_heads * D), present_k, present_v
-
-
 def shared_kv_rope_attention(q, k, v, past_k, past_v, total_len, rope, n_heads: int, n_kv_heads: int):
-    """Projections q [1, T, H*D], k/v [1, T, KVH*D] before RoPE; rope = (cos, sin [table, D/2], positions [1, T]).
-
-    The op rotates q and k itself: -> ([1, T, H*D], present k, v).
-    """
+    """Projections q [B, T, H*D], k/v [B, T, KVH*D] before RoPE; rope = (cos, sin [table, D/2], positions
+    [B, T]); buffers [B, KVH, S, D]; total_len [B] -> ([B, T, H*D], present k, v). The op rotates q and k."""
     total = total_len.to(torch.int32)
-    return GroupQueryAttention.apply(q, k, v, past_k, past_v, total - 1, total, *rope, n_heads, n_kv_heads)
+    total_max = total.max().reshape(1)  # the op's total_sequence_length: the longest row
+    return GroupQueryAttention.apply(q, k, v, past_k, past_v, total - 1, total_max, *rope, n_heads, n_kv_heads)

@@ -23,11 +23,9 @@ from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
-from mirror_rt.exporters.shared_kv import (
-    TOTAL_LEN,
-    shared_kv_attention,
-    shared_kv_rope_attention,
-)
+from torch import nn
+
+from mirror_rt.exporters.shared_kv import TOTAL_LEN, shared_kv_rope_attention
 from mirror_rt.models.exit_adapter import attends, exit_logits
 from mirror_rt.models.transformer import (
     Transformer,
@@ -35,10 +33,10 @@ from mirror_rt.models.transformer import (
     grouped_attention,
     rope_tables,
 )
-from torch import nn
 
 ROLES = ("target_prefix", "target_exit", "target_suffix", "draft")
-# Per-layer KV layout of every graph: [batch=1, kv_heads, positions, head_dim], local layer index.
+# Per-layer KV layout of every graph: [batch, kv_heads, positions, head_dim], local layer index (batch 1
+# except in shared-KV graphs, whose rows are sequences of a batch).
 KV_LAYOUT = "BHTD"
 PAST_NAMES = ("past_key.{i}", "past_value.{i}")
 PRESENT_NAMES = ("present_key.{i}", "present_value.{i}")
@@ -140,8 +138,13 @@ def with_exit_adapter(model: Transformer, exit_adapter) -> nn.Module:
 class SplitGraph(nn.Module):
     """Layers first..last-1 of `model` as a traceable function with explicit KV.
 
+    Shared-KV graphs are batched: ids [B, T] (or hidden [B, T, hidden]) over KV buffers [B, KVH, S, D]
+    with `total_len` [B], each row a sequence of its own length (exporters.shared_kv: one token per row
+    when B > 1). Explicit-KV and static graphs take one sequence: ids [T] over KV [1, KVH, S, D].
+
     Limitations:
-    - batch size 1 (the KV batch dimension is fixed at 1);
+    - explicit-KV and static graphs: batch size 1; a prefix graph with an attention exit adapter
+      (`exit_mix`) too (its first stage reads row 0's keys);
     - the RoPE cos/sin tables cover `table_len` positions (the bundle's context limit).
     """
 
@@ -154,10 +157,10 @@ class SplitGraph(nn.Module):
         cos, sin = rope_tables(model.inv_freq, torch.arange(table_len), model.embed_tokens.weight.dtype)
         self.register_buffer("rope_cos", cos, persistent=False)
         self.register_buffer("rope_sin", sin, persistent=False)
-        # Shared-KV graphs of models without q/k norms: RoPE inside the attention op, and the
-        # projections reading the same input fused (q|k|v, gate|up), so a layer is ~12 nodes.
-        self.fused = spec.shared_kv and spec.has_kv and not c.qk_norm
-        if self.fused:
+        self.shared = spec.shared_kv and spec.has_kv
+        if self.shared:
+            # RoPE inside the attention op (half tables), projections reading the same input fused (q|k|v,
+            # gate|up), so a layer is ~12 nodes
             half = self.head_dim // 2
             self.register_buffer("rope_cos_half", self.rope_cos[:, :half].contiguous(), persistent=False)
             self.register_buffer("rope_sin_half", self.rope_sin[:, :half].contiguous(), persistent=False)
@@ -170,45 +173,53 @@ class SplitGraph(nn.Module):
         spec = self.spec
         if not spec.has_kv:
             return self._exit(x)
-        last_rows = total_len = None
+        if self.shared:
+            last_rows, rest = (rest[0], rest[1:]) if spec.takes_last_rows else (None, rest)
+            return self._shared_layers(x, rest[1:], rest[0], last_rows)
         if spec.static:
             position, kv = rest[0], rest[1:]
             positions = position.reshape(1) + torch.arange(spec.window, dtype=torch.long)
         else:
-            last_rows, rest = (rest[0], rest[1:]) if spec.takes_last_rows else (None, rest)
-            total_len, kv = (rest[0], rest[1:]) if spec.shared_kv else (None, rest)
-            start = total_len.to(torch.long) - x.shape[0] if spec.shared_kv else kv[0].shape[2]
-            positions = torch.arange(x.shape[0], dtype=torch.long) + start
+            last_rows, kv = (rest[0], rest[1:]) if spec.takes_last_rows else (None, rest)
+            positions = torch.arange(x.shape[0], dtype=torch.long) + kv[0].shape[2]
         h = self.model.embed(x) if spec.takes_tokens else x
-        if self.fused:
-            return self._fused_layers(h, kv, positions, total_len, last_rows)
         cos = torch.index_select(self.rope_cos, 0, positions)  # [T, head_dim]
         sin = torch.index_select(self.rope_sin, 0, positions)
-        mask = None if spec.shared_kv else self._mask(positions, kv[0].shape[2] + (0 if spec.static else x.shape[0]))
+        mask = self._mask(positions, kv[0].shape[2] + (0 if spec.static else x.shape[0]))
         presents = []
         for i in range(spec.n_layers):
             block = self.model.layers[spec.first + i]
-            h, k, v = self._block(block, h, (cos, sin), kv[2 * i], kv[2 * i + 1], mask, positions, total_len)
+            h, k, v = self._block(block, h, (cos, sin), kv[2 * i], kv[2 * i + 1], mask, positions)
             presents += [k, v]
-        return (*self._head(h, last_rows, presents, positions), *presents)
+        return (*self._head(h, None if spec.static else last_rows, presents, positions), *presents)
 
-    def _fused_layers(self, h, kv, positions, total_len, last_rows) -> tuple:
-        """The layers of a fused shared-KV graph (see __init__); same outputs as the unfused path."""
-        rope = (self.rope_cos_half, self.rope_sin_half, positions.unsqueeze(0))
-        qkv_sizes = [self.n_heads * self.head_dim] + [self.n_kv_heads * self.head_dim] * 2
-        h = h.unsqueeze(0)  # [1, T, hidden] throughout: no reshapes around the attention op
+    def _shared_layers(self, x, kv, total_len, last_rows) -> tuple:
+        """The layers of a batched shared-KV graph: x [B, T] ids or [B, T, hidden] over buffers [B, KVH, S, D]."""
+        B, T = x.shape[0], x.shape[1]
+        positions = total_len.to(torch.long).unsqueeze(1) - T + torch.arange(T, dtype=torch.long)  # [B, T]
+        rope = (self.rope_cos_half, self.rope_sin_half, positions)
+        sizes = [self.n_heads * self.head_dim] + [self.n_kv_heads * self.head_dim] * 2
+        h = self.model.embed(x) if self.spec.takes_tokens else x
         presents = []
         for i in range(self.spec.n_layers):
             block = self.model.layers[self.spec.first + i]
-            q, k, v = self.qkv[i](block.input_layernorm(h)).split(qkv_sizes, dim=-1)
+            attn = block.self_attn
+            q, k, v = self.qkv[i](block.input_layernorm(h)).split(sizes, dim=-1)
+            if attn.qk_norm:  # per head, before RoPE
+                q = attn.q_norm(q.reshape(B, T, self.n_heads, self.head_dim)).reshape(B, T, -1)
+                k = attn.k_norm(k.reshape(B, T, self.n_kv_heads, self.head_dim)).reshape(B, T, -1)
             out, keys, values = shared_kv_rope_attention(q, k, v, kv[2 * i], kv[2 * i + 1], total_len, rope,
                                                          self.n_heads, self.n_kv_heads)
-            h = h + block.self_attn.o_proj(out)
+            h = h + attn.o_proj(out)
             gate, up = self.gate_up[i](block.post_attention_layernorm(h)).split([block.mlp.up_proj.out_features] * 2,
                                                                                 dim=-1)
             h = h + block.mlp.down_proj(F.silu(gate) * up)
             presents += [keys, values]
-        return (*self._head(h.squeeze(0), last_rows, presents, positions), *presents)
+        if self.spec.role == "target_prefix":
+            return (*self._head(h, None, presents, positions), *presents)
+        if last_rows is not None:  # the LM head over the last rows only (prefill needs one)
+            h = h[:, T - last_rows[0]:]
+        return (self.model.logits(h), *presents)
 
     def _mask(self, positions: torch.Tensor, n_keys) -> torch.Tensor:
         """[T, S] bool: query at position p sees keys 0..p."""
@@ -217,7 +228,11 @@ class SplitGraph(nn.Module):
 
     def _head(self, h: torch.Tensor, last_rows: torch.Tensor | None, presents: list, positions) -> tuple:
         if self.spec.role == "target_prefix":
-            return (h, self._exit_mix(h, presents[-2], presents[-1], positions)) if self.spec.exit_mix else (h,)
+            if not self.spec.exit_mix:
+                return (h,)
+            if self.shared:  # batch 1: the adapter's first stage reads row 0
+                return h, self._exit_mix(h[0], presents[-2], presents[-1], positions[0]).unsqueeze(0)
+            return h, self._exit_mix(h, presents[-2], presents[-1], positions)
         if last_rows is not None:  # the LM head over the last rows only (prefill needs one)
             h = h[h.shape[0] - last_rows[0]:]
         return (self.model.logits(h),)
@@ -238,8 +253,8 @@ class SplitGraph(nn.Module):
         values, ids = torch.topk(logprobs, self.spec.kappa, dim=-1)  # [T, kappa] each
         return ids, values
 
-    def _block(self, block, x, rope, past_k, past_v, mask, positions, total_len=None):
-        """One decoder block; returns (x, present_k, present_v)."""
+    def _block(self, block, x, rope, past_k, past_v, mask, positions):
+        """One decoder block over explicit KV; returns (x, present_k, present_v)."""
         attn = block.self_attn
         y = block.input_layernorm(x)
         q = attn.q_proj(y).reshape(-1, self.n_heads, self.head_dim).transpose(0, 1)  # [H, T, D]
@@ -248,11 +263,8 @@ class SplitGraph(nn.Module):
         if attn.qk_norm:
             q, k = attn.q_norm(q), attn.k_norm(k)
         q, k = apply_rope(q, *rope), apply_rope(k, *rope)
-        if self.spec.shared_kv:
-            out, keys, values = shared_kv_attention(q, k, v, past_k, past_v, total_len, self.n_heads, self.n_kv_heads)
-        else:
-            keys, values = self._write(past_k, k, positions), self._write(past_v, v, positions)
-            out = grouped_attention(q, keys[0], values[0], mask)  # [T, H*D]
+        keys, values = self._write(past_k, k, positions), self._write(past_v, v, positions)
+        out = grouped_attention(q, keys[0], values[0], mask)  # [T, H*D]
         x = x + attn.o_proj(out)
         x = x + block.mlp(block.post_attention_layernorm(x))
         return x, keys, values
@@ -296,12 +308,22 @@ def example_inputs(model: Transformer, spec: GraphSpec, tokens: int = 3, past: i
          else torch.randn(T, c.hidden_size, dtype=dtype))
     if not spec.has_kv:
         return (x,)
+    if spec.shared_kv:  # batched: two rows of different lengths
+        return _shared_example(model, spec, x, past)
     # KV positions: static graphs hold the whole context, shared-KV graphs a buffer with room to spare
     length = spec.context if spec.static else past + T + 1 if spec.shared_kv else past
     kv = [torch.zeros(1, c.n_kv_heads, length, c.head_dim, dtype=dtype) for _ in range(2 * spec.n_layers)]
     head = [x, torch.tensor([past], dtype=torch.long)] if spec.static else [x]
     if spec.takes_last_rows:
         head.append(torch.tensor([T], dtype=torch.long))
-    if spec.shared_kv:  # total_len: positions held after the call
-        head.append(torch.tensor([past + T], dtype=torch.int32))
     return tuple(head + kv)
+
+
+def _shared_example(model: Transformer, spec: GraphSpec, x: torch.Tensor, past: int) -> tuple:
+    """Tracing inputs of a batched shared-KV graph: x as two rows, buffers with room, total_len per row."""
+    c, T = model.config, x.shape[0]
+    dtype = model.embed_tokens.weight.dtype
+    x = torch.stack((x, x))  # [2, T] or [2, T, hidden]
+    kv = [torch.zeros(2, c.n_kv_heads, past + T + 2, c.head_dim, dtype=dtype) for _ in range(2 * spec.n_layers)]
+    head = [x, torch.tensor([T], dtype=torch.long)] if spec.takes_last_rows else [x]
+    return tuple(head + [torch.tensor([past + T, past + T + 1], dtype=torch.int32)] + kv)

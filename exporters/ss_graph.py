@@ -24,6 +24,8 @@ from pathlib import Path
 
 import torch
 import torch.nn.functional as F
+from torch import nn
+
 from mirror_rt.exporters.shared_kv import DOMAIN, TOTAL_LEN, shared_kv_rope_attention
 from mirror_rt.exporters.split import (
     LAST_ROWS,
@@ -35,7 +37,6 @@ from mirror_rt.exporters.split import (
 )
 from mirror_rt.models.ss_draft import stream_qkv
 from mirror_rt.models.transformer import apply_rope
-from torch import nn
 
 STREAM_LOGITS = "stream_logits"
 N_STREAMS = "n_streams"  # model metadata: lookahead streams of the graph
@@ -108,7 +109,7 @@ class SharedStreamDraftGraph(StreamDraftGraph):
         super().__init__(draft, table_len)
         n = draft.config.n_layers
         self.plain = SplitGraph(draft.base, graph_spec("draft", n, 0, 0, shared_kv=True), table_len)
-        if not self.plain.fused:
+        if draft.config.qk_norm:  # the plain graph's fused projections (q|k|v) carry no per-head norms here
             raise ValueError("shared-KV SS graphs need a family without q/k norms (use --kv explicit)")
 
     def forward(self, input_ids, last_rows, total_len, *kv):

@@ -27,6 +27,8 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 import torch
+from torch import nn
+
 from mirror_rt.models.transformer import (
     RMSNorm,
     apply_rope,
@@ -34,7 +36,6 @@ from mirror_rt.models.transformer import (
     grouped_attention,
     rope_tables,
 )
-from torch import nn
 
 ADAPTER_KIND = "mirror-rt-exit-adapter"
 ADAPTER_VERSION = 2  # 2: optional attention (version 1 files load as attention-free)

@@ -14,6 +14,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
+
 from mirror_rt.models.config import PRESETS, ModelConfig, UnsupportedArchitecture
 from mirror_rt.models.default_model import (
     DEFAULT_MODEL,

@@ -85,9 +85,9 @@ class PrunedHeadDraft(nn.Module):
         return self.head(self.norm(h))
 
     def logits(self, h: torch.Tensor) -> torch.Tensor:
-        """hidden [T, hidden] -> full-vocabulary logits [T, vocab], -inf at ids not kept."""
+        """hidden [..., hidden] -> full-vocabulary logits [..., vocab], -inf at ids not kept."""
         padded = F.pad(self.pruned_logits(h), (0, 1), value=float("-inf"))
-        return torch.index_select(padded, 1, self.inverse)
+        return torch.index_select(padded, -1, self.inverse)  # rows of any rank (batched graphs: [B, T, K+1])
 
     def new_cache(self, capacity: int, first: int = 0, last: int | None = None):
         return self.base.new_cache(capacity, first, last)

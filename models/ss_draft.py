@@ -18,9 +18,10 @@ from pathlib import Path
 
 import torch
 import torch.nn.functional as F
+from torch import nn
+
 from mirror_rt.models.transformer import Transformer, apply_rope, rope_tables
 from mirror_rt.runtime.lookup import verify_guesses
-from torch import nn
 
 
 class LoRA(nn.Module):

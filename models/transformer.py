@@ -13,9 +13,10 @@ import math
 
 import torch
 import torch.nn.functional as F
+from torch import nn
+
 from mirror_rt.models.config import ModelConfig
 from mirror_rt.runtime.kv_cache import KVCache
-from torch import nn
 
 
 class RMSNorm(nn.Module):

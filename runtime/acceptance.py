@@ -18,6 +18,7 @@ from dataclasses import dataclass
 
 import numpy as np
 import torch
+
 from mirror_rt.runtime.sampling import as_tensor, greedy_ids, sample
 from mirror_rt.runtime.transfer import host_floats
 
@@ -48,6 +49,23 @@ def accept_greedy(draft_tokens: Sequence[int], target_logits, base_length: int =
     while n < k and draft_tokens[n] == target[n]:
         n += 1
     return Verdict(base_length, n, target[n])
+
+
+def accept_choices(draft_tokens: Sequence[int], target_ids: Sequence[int], base_length: int = 0) -> Verdict:
+    """Coupled verification: accept the longest prefix of draft tokens equal to the target's own choices.
+
+    Args:
+        draft_tokens: [k] proposed ids.
+        target_ids: [k+1] the target's choice after [last, d_1..d_k] (runtime.sampling.choose_at: the argmax, or
+            the draw at each position's own uniform), so the committed tokens are exactly the target's.
+    Example:
+        draft [5, 7, 9], target choices [5, 7, 3, 4] -> accepted 2, correction 3.
+    """
+    k = len(draft_tokens)
+    n = 0
+    while n < k and draft_tokens[n] == target_ids[n]:
+        n += 1
+    return Verdict(base_length, n, int(target_ids[n]))
 
 
 def accept_sampled(draft_tokens: Sequence[int], q, p, rng: np.random.Generator, base_length: int = 0) -> Verdict:

@@ -1,104 +1,72 @@
-"""The Mirror-SD draft worker: precompute the next window while the target verifies this one.
+"""The Mirror-SD draft worker: one thread that drafts for every sequence of a batch while the target verifies.
 
-State: the committed text S (known from verdicts), the **line** X = the draft's own guesses
-after S (the window in flight, then its guess for the bonus, then the next window), and
-side **branches** {(depth j, root r): continuation}. The draft KV cache mirrors a token list
-(`cache_tokens`); any context is reached by rolling back to the longest common prefix and
-feeding the rest in one forward, so switching between branches costs one forward.
-
-Work order between verdicts, one draft forward at a time, the inbox checked between forwards:
-1. extend the line up to (window in flight) + 1 + gamma tokens: the full-acceptance branch;
-2. roll out side branches ranked by `branches.rank_roots`, within the branch budget;
-3. idle until the verdict.
-On the verdict (A, c): the line continues if X[A] == c (a main-line hit), a stored branch
-(A, c) becomes the line (a side hit), else the line restarts from the corrected text (a
-miss); then up to gamma ready tokens are sent at once, or fresh ones are drafted first.
-Limitations: batch 1; the draft shares the target's vocabulary.
+Each sequence is a `DraftRow` (runtime.draft_row) keyed by the caller's key; the target side talks to it only
+through this worker: `send(key, message)` puts (key, message) in the one inbox, and the row's windows come out
+of its own outbox (`outbox(key)`). Between messages the thread spends one draft forward at a time on the row
+that needs it most: a main line shorter than its next window first (rows in the target's verification order,
+starting after the row just verified), then side branches of the row whose verdict is due soonest, within the
+time before that verdict (the branch budget is the draft's time, shared by the batch). `join` adds a row
+(its cache already prefilled, or prefilled here from `prompt` while the target prefills), `leave` drops it,
+`move` rebinds a row's cache after its sequence moved to another pool row (the pool copy happens here, in
+order with the row's work). A failure sends `Fault` to every row's outbox: the target side never hangs on it.
 """
 
 from __future__ import annotations
 
 import queue
 import threading
-import time
 from dataclasses import dataclass, field
 
-import numpy as np
 from mirror_rt.runtime.affinity import pin
-from mirror_rt.runtime.branches import exit_distribution, rank_roots, top_alternatives
 from mirror_rt.runtime.config import GenerationConfig
-from mirror_rt.runtime.lookup import lookup_guesses, verify_guesses
-from mirror_rt.runtime.messages import STOP, EarlyExit, Fault, Verdict, Window
+from mirror_rt.runtime.draft_row import DraftRow, DraftSettings, DraftStats, Line  # noqa: F401 (re-exported)
+from mirror_rt.runtime.messages import STOP, Fault, Start, Verdict
 from mirror_rt.runtime.reference import prefill_logits
-from mirror_rt.runtime.sampling import choose, greedy_ids, keyed_rng, stack_rows
-from mirror_rt.runtime.transfer import to_host
 
 
 @dataclass(frozen=True)
-class DraftSettings:
-    """The draft worker's runtime-internal knobs; every user setting is the request's GenerationConfig."""
+class Join:
+    """A sequence joins: its draft cache, its committed text (prompt + first token), or its prompt only (the
+    first token follows as `Start`, the cache is prefilled here when `prefill`), and its request's settings."""
 
-    cpu: int | None = None  # pin the worker thread to this core (Linux)
-    adaptive_gamma: bool = True  # adapt the window cap in 1..gamma online: +2 after a full accept, -1 after a reject
-    branch_length: int = 0  # tokens per side branch; 0 = gamma
-    alternatives: int = 3  # draft alternatives kept per depth for ranking roots
-    stream_confidence: float = 0.2  # SS drafts: feed a stream's guess only at this probability or more
-
-
-@dataclass
-class DraftStats:
-    """Written by the draft thread only; read after it stopped."""
-
-    windows: int = 0
-    main_hits: int = 0
-    side_hits: int = 0
-    misses: int = 0  # the verdict matched no precomputed root
-    not_ready: int = 0  # it matched, but no continuation token was drafted yet
-    branches_rolled: int = 0
-    forwards: int = 0  # draft forwards after prefill
-    rollbacks: int = 0  # cache rollbacks (a cost of their own on stateful backends)
-    guessed: int = 0  # prompt-lookup guesses fed
-    guesses_kept: int = 0  # of them, confirmed by the draft's own greedy choice
-    rollout_s: float = 0.0  # forwards before the verdict (overlapping the target)
-    fresh_s: float = 0.0  # forwards after the verdict, before sending (critical path)
-    busy: list[tuple[float, float]] = field(default_factory=list)  # forward intervals
+    cache: object
+    committed: list[int]
+    config: GenerationConfig
+    settings: DraftSettings = DraftSettings()
+    waits_for_start: bool = False
+    prefill: bool = False
 
 
-@dataclass
-class Line:
-    """Draft tokens after some context, with what they need later."""
+@dataclass(frozen=True)
+class Leave:
+    """A sequence stops drafting: its cache is rolled back to committed text (a prefix of it) and its row dropped."""
 
-    tokens: list[int] = field(default_factory=list)
-    q: list = field(default_factory=list)  # per token q row [vocab] or None (greedy)
-    rows: list = field(default_factory=list)  # per token the row it was chosen from: q, or logits when greedy
-    guesses: list[int] = field(default_factory=list)  # SS stream guesses after the last token (unverified)
+    done: threading.Event = field(default_factory=threading.Event)  # set once handled
+
+
+@dataclass(frozen=True)
+class Move:
+    """The sequence's pool row moves: copy it in `pool` (from its cache's row to `row`) and rebind its cache."""
+
+    pool: object
+    row: int
+    done: threading.Event = field(default_factory=threading.Event)  # set once handled
 
 
 class DraftWorker:
-    """Runs in its own thread; talks to the target only through `inbox` and `outbox`."""
+    """Runs in its own thread; rows join and leave at any time."""
 
-    def __init__(self, draft, prompt: list[int], capacity: int, config: GenerationConfig,
-                 settings: DraftSettings | None = None):
-        self.draft, self.config, self.settings = draft, config, settings or DraftSettings()
-        self.prompt, self.capacity = list(prompt), capacity
-        self.inbox: queue.Queue = queue.Queue(maxsize=8)
-        self.outbox: queue.Queue = queue.Queue(maxsize=2)
-        self.stats = DraftStats()
+    def __init__(self, draft, cpu: int | None = None):
+        self.draft, self.cpu = draft, cpu
+        self.inbox: queue.Queue = queue.Queue()
+        self.rows: dict = {}  # key -> DraftRow (the thread's own)
+        self.outboxes: dict = {}  # key -> queue.Queue of windows / faults (made by the caller's thread)
+        self.finished: dict = {}  # key -> DraftStats of rows that left (for the caller's stats)
         self.stop_event = threading.Event()
         self.thread = threading.Thread(target=self._run, name="mirror-draft", daemon=True)
-        self.committed: list[int] = []
-        self.line = Line()
-        self.in_flight = 0  # length of the window the target is verifying
-        self.k_cap = config.gamma  # current window cap (adapted online when adaptive_gamma)
-        self.branches: dict[tuple[int, int], Line] = {}
-        self.exit_rows = None
-        self.verdict_due = 0.0  # when the verdict is expected (exit arrival + target suffix time)
-        self.forward_s = 0.0  # running mean of one draft forward
-        self.acceptance = 0.8  # running per-token acceptance estimate
-        self.cache = None
-        self.cache_tokens: list[int] = []
+        self.last_verdict = None  # key of the row that got the latest verdict (the next one is verified next)
 
-    # --- lifecycle ---------------------------------------------------------------------
+    # --- the target's side (any thread) ---------------------------------------------------
 
     def start(self) -> None:
         self.thread.start()
@@ -106,37 +74,45 @@ class DraftWorker:
     def stop(self, timeout: float = 2.0) -> None:
         """Ask the thread to end and wait for it (a forward in progress finishes first)."""
         self.stop_event.set()
-        try:
-            self.inbox.put_nowait(STOP)
-        except queue.Full:
-            pass
+        self.inbox.put((None, STOP))
         self.thread.join(timeout)
+
+    def alive(self) -> bool:
+        return self.thread.is_alive() and not self.stop_event.is_set()
+
+    def join(self, key, message: Join) -> queue.Queue:
+        """Add a row; returns its outbox."""
+        self.outboxes[key] = outbox = queue.Queue(maxsize=2)
+        self.inbox.put((key, message))
+        return outbox
+
+    def send(self, key, message) -> None:
+        self.inbox.put((key, message))
+
+    def call(self, key, message, timeout: float = 10.0) -> None:
+        """Send a Leave or Move and wait until the thread has handled it (rows are then free to reuse)."""
+        self.inbox.put((key, message))
+        if self.thread.is_alive():
+            message.done.wait(timeout)
+
+    def outbox(self, key) -> queue.Queue:
+        return self.outboxes[key]
+
+    # --- the thread -------------------------------------------------------------------------
 
     def _run(self) -> None:
         try:
-            if pin(self.settings.cpu) is not None and hasattr(self.draft, "set_threads"):
+            if pin(self.cpu) is not None and hasattr(self.draft, "set_threads"):
                 self.draft.set_threads(1)  # one core each: the two workers must not contend
-            if self.cache is None:  # else the cache came prefilled (adopted from the target)
-                self.cache = self.draft.new_cache(self.capacity)
-                prefill_logits(self.draft, self.prompt, self.cache)  # overlaps the target's prefill
-            self.cache_tokens = list(self.prompt)
-            start = self._get()
-            if start is None:
-                return
-            self.committed = self.prompt + [start.first_token]
-            self._send_window(reused=False)
             while not self.stop_event.is_set():
-                message = self._poll()
-                if message is STOP:
-                    return
-                if message is not None:
-                    self._handle(message)
+                item = self._poll()
+                if item is not None:
+                    self._handle(*item)
                 elif not self._speculate_one():
-                    self._handle(self._get())
+                    self._handle(*self._get())
         except Exception as exc:  # noqa: BLE001 -- the target must hear of any failure, never hang on it
-            self._put(Fault(f"{type(exc).__name__}: {exc}"))
-
-    # --- messages ----------------------------------------------------------------------
+            for key in list(self.outboxes):
+                self._put(key, Fault(f"{type(exc).__name__}: {exc}"))
 
     def _poll(self):
         try:
@@ -147,230 +123,103 @@ class DraftWorker:
     def _get(self):
         while not self.stop_event.is_set():
             try:
-                message = self.inbox.get(timeout=0.1)
-                return None if message is STOP else message
+                return self.inbox.get(timeout=0.1)
             except queue.Empty:
                 continue
-        return None
+        return None, STOP
 
-    def _put(self, message) -> None:
-        while not self.stop_event.is_set():
+    def _put(self, key, message) -> None:
+        outbox = self.outboxes.get(key)
+        while outbox is not None and not self.stop_event.is_set():
             try:
-                self.outbox.put(message, timeout=0.1)
+                outbox.put(message, timeout=0.1)
                 return
             except queue.Full:
                 continue
 
-    def _handle(self, message) -> None:
-        if message is None or message is STOP:
+    def _handle(self, key, message) -> None:
+        if message is STOP:
             self.stop_event.set()
-        elif isinstance(message, EarlyExit):
-            if message.base_length == len(self.committed):
-                self.exit_rows = exit_distribution(message.ids, message.logprobs)
-                self.verdict_due = time.perf_counter() + message.suffix_s
-        elif isinstance(message, Verdict):
-            self._apply_verdict(message)
-            self._send_window(reused=bool(self.line.tokens))
+        elif isinstance(message, Join):
+            self._join(key, message)
+        elif isinstance(message, Leave):
+            self._leave(key)
+            message.done.set()
+        elif isinstance(message, Move):
+            row = self.rows.get(key)
+            if row is not None:
+                message.pool.move(row.cache.row, message.row)
+                row.cache.row = message.row
+            message.done.set()
+        elif key in self.rows:
+            self._route(key, message)
 
-    def _apply_verdict(self, verdict: Verdict) -> None:
-        """Commit A window tokens and c; keep the line or a branch that predicted them."""
-        a, c = verdict.num_accepted, verdict.next_token
-        line = self.line
-        if self.in_flight:
-            self.acceptance = 0.9 * self.acceptance + 0.1 * (a / self.in_flight)
-            if self.settings.adaptive_gamma:
-                full = a == self.in_flight
-                self.k_cap = min(self.config.gamma, self.k_cap + 2) if full else max(1, self.k_cap - 1)
-        self.committed += line.tokens[:a] + [c]
-        if len(line.tokens) > a and line.tokens[a] == c:
-            self.line = Line(line.tokens[a + 1:], line.q[a + 1:], line.rows[a + 1:], line.guesses)
-            self.stats.main_hits += bool(self.line.tokens)
-            self.stats.not_ready += not self.line.tokens
-        elif (a, c) in self.branches:
-            self.line = self.branches[(a, c)]
-            self.stats.side_hits += 1
-        else:
-            self.stats.not_ready += len(line.tokens) <= a  # the line never reached the bonus
-            self.stats.misses += len(line.tokens) > a
-            self.line = Line()
-        self.branches, self.exit_rows, self.verdict_due = {}, None, 0.0
+    def _route(self, key, message) -> None:
+        row = self.rows[key]
+        if isinstance(message, Start):
+            row.committed, row.waiting = row.committed + [message.first_token], False
+            row.send_window(reused=False)
+            return
+        row.handle(message)
+        if isinstance(message, Verdict):
+            self.last_verdict = key
 
-    def _send_window(self, reused: bool) -> None:
-        """Send up to gamma line tokens, drafting fresh ones first if fewer than min_window."""
-        t0 = time.perf_counter()
-        # sampling sends full windows: their length then never depends on timing, so a seed repeats exactly
-        need = min(self.k_cap, max(1, self.config.min_window)) if self.config.sampling.greedy else self.k_cap
-        while len(self.line.tokens) < need:
-            self._extend(self.line, self.committed)
-        self.stats.fresh_s += time.perf_counter() - t0
-        k = min(self.k_cap, len(self.line.tokens))
-        q = stack_rows(self.line.q[:k]) if not self.config.sampling.greedy else None
-        self.in_flight = k
-        self.stats.windows += 1
-        self._put(Window(len(self.committed), tuple(self.line.tokens[:k]), q, reused))
+    def _leave(self, key) -> None:
+        """Drop a row; its cache keeps only a prefix of the committed text (nothing speculative)."""
+        row = self.rows.pop(key, None)
+        self.outboxes.pop(key, None)
+        if row is None:
+            return
+        same = 0
+        for a, b in zip(row.cache_tokens, row.committed):
+            if a != b:
+                break
+            same += 1
+        if same < row.cache.length:
+            row.cache.rollback(same)
+        self.finished[key] = row.stats
 
-    # --- speculation ---------------------------------------------------------------------
+    def _join(self, key, message: Join) -> None:
+        cache = message.cache
+        prompt = message.committed if message.waits_for_start else message.committed[:-1]
+        if message.prefill:
+            prefill_logits(self.draft, prompt, cache)  # overlaps the target's prefill
+        row = DraftRow(self.draft, cache, message.committed, message.config, message.settings,
+                       send=lambda m, key=key: self._put(key, m))
+        row.cache_tokens = list(prompt[:cache.length])
+        row.waiting = message.waits_for_start  # no speculation before the first token is known
+        self.rows[key] = row
+        if not row.waiting:
+            row.send_window(reused=False)
 
     def _speculate_one(self) -> bool:
-        """One draft forward of precomputation; False when there is nothing worth doing."""
-        t0 = time.perf_counter()
-        try:
-            if len(self.line.tokens) < self._wanted(self.line):
-                self._extend(self.line, self.committed)
+        """One forward for the row that needs it most; False when no row has work worth doing."""
+        rows = [r for r in self._verification_order() if not r.waiting]
+        for row in rows:  # main lines first: a short line delays that row's next window
+            if row.line_short():
+                row.timed(row.extend_line)
                 return True
-            return self._grow_branch()
-        finally:
-            self.stats.rollout_s += time.perf_counter() - t0
-
-    def _grow_branch(self) -> bool:
-        budget, k = self.config.branch_budget, self.in_flight
-        for (depth, root), branch in self.branches.items():
-            if len(branch.tokens) < self._wanted(branch) and (budget is not None or self._fits_before_verdict()):
-                self._extend(branch, self.committed + self.line.tokens[:depth] + [root])
+        for row in sorted(rows, key=lambda r: r.verdict_due or float("inf")):
+            if row.timed(row.grow_branch):
                 return True
-        if budget is not None and len(self.branches) >= budget:
-            return False
-        if budget is None and not self._fits_before_verdict():
-            return False
-        window = self.line.tokens[:k]
-        alternatives = [self._alternatives(row) for row in self.line.rows[:k + 1]]
-        roots = rank_roots(window, self.line.tokens[k], alternatives, self.exit_rows, self.acceptance)
-        root = next((r for r in roots if (r.depth, r.token) not in self.branches), None)
-        if root is None:
-            return False
-        branch = self.branches[(root.depth, root.token)] = Line()
-        self.stats.branches_rolled += 1
-        self._extend(branch, self.committed + window[:root.depth] + [root.token])
-        return True
+        return False
 
-    def _wanted(self, line: Line) -> int:
-        """Tokens worth drafting on `line`: the main line reaches past the window in flight, its bonus
-        guess and the next window; a side branch holds one window."""
-        if line is self.line:
-            return self.in_flight + 1 + self.k_cap
-        return self.settings.branch_length or self.config.gamma
-
-    def _fits_before_verdict(self) -> bool:
-        """Auto budget: one more forward only if it should end before the verdict is due."""
-        return self.exit_rows is not None and time.perf_counter() + self.forward_s <= self.verdict_due
-
-    def _extend(self, line: Line, context: list[int]) -> None:
-        """Draft one more token of `line` (several with SS streams), which continues `context`."""
-        if self.config.sampling.greedy and hasattr(self.draft, "forward_streams"):
-            return self._extend_with_streams(line, context)
-        if self.config.sampling.greedy and self.config.draft_lookup:
-            return self._extend_with_lookup(line, context)
-        logits = self._logits_after(context + line.tokens)
-        position = len(context) + len(line.tokens)  # keyed: the same token whenever this context is drafted
-        token, q = choose(logits, self.config.sampling, keyed_rng(self.config.seed, 1, position))
-        _append(line, token, q, logits if q is None else q)
-
-    def _extend_with_streams(self, line: Line, context: list[int]) -> None:
-        """One SS forward: confirm the pending guesses (the streams' confident ones, else prompt-lookup's),
-        add them and the next token, guess again."""
-        full = context + line.tokens
-        guesses = list(line.guesses) or self._lookup(line, full)
-        streams, offset, n = self._feed_with_guesses(line, full, guesses, streams=True)
-        line.guesses = confident_guesses(streams[offset + n], self.settings.stream_confidence)
-
-    def _extend_with_lookup(self, line: Line, context: list[int]) -> None:
-        """One forward with prompt-lookup guesses after the line (runtime.lookup); keeps the right ones."""
-        full = context + line.tokens
-        guesses = self._lookup(line, full)
-        self.stats.guessed += len(guesses)
-        _, _, n = self._feed_with_guesses(line, full, guesses)
-        self.stats.guesses_kept += n
-
-    def _lookup(self, line: Line, full: list[int]) -> list[int]:
-        """Prompt-lookup guesses the line can still use after its next token ([] when lookup is off)."""
-        room = min(self.config.draft_lookup, self._wanted(line) - len(line.tokens) - 1)
-        return lookup_guesses(full, room) if room > 0 else []
-
-    def _feed_with_guesses(self, line: Line, full: list[int], guesses: list[int], streams: bool = False):
-        """Feed what the cache lacks of `full` (the line's context and tokens) plus `guesses`; append
-        the next token and every confirmed guess to `line`.
-
-        Returns (stream logits or None, the row predicting the token after `full`, guesses kept).
-        """
-        self._rollback_to_prefix(full)
-        feed = full[len(self.cache_tokens):] + guesses
-        out = self._feed(feed, streams=streams)
-        main, stream_rows = out if streams else (out, None)
-        offset = len(feed) - len(guesses) - 1  # the row that predicts the token after `full`
-        n = verify_guesses(main[offset:], guesses)
-        if n < len(guesses):  # rejected guesses leave the cache
-            self.cache.rollback(self.cache.length - (len(guesses) - n))
-            del self.cache_tokens[self.cache.length:]
-            self.stats.rollbacks += 1
-        rows = main[offset:offset + n + 1]
-        for token, row in zip(greedy_ids(rows), rows):
-            _append(line, token, None, row)
-        return stream_rows, offset, n
-
-    def _alternatives(self, row) -> dict[int, float]:
-        """The draft's most likely choices at one depth (derived only when roots are ranked)."""
-        if not self.settings.alternatives:
-            return {}
-        row = to_host(row)  # ranking roots runs on the host (a few rows per step)
-        probs = row if not self.config.sampling.greedy else _softmax(row)
-        return top_alternatives(probs, self.settings.alternatives + 1)
-
-    def _rollback_to_prefix(self, context: list[int]) -> None:
-        """Keep the longest cached prefix of `context` that leaves its last token unfed."""
-        n = min(len(self.cache_tokens), len(context) - 1)
-        same = n
-        if self.cache_tokens[:n] != context[:n]:  # compared in C; the common case is a plain extension
-            same = int(np.argmax(np.asarray(self.cache_tokens[:n]) != np.asarray(context[:n])))
-        if same < len(self.cache_tokens):
-            self.cache.rollback(same)
-            self.stats.rollbacks += 1
-            del self.cache_tokens[same:]
-
-    def _logits_after(self, context: list[int]) -> np.ndarray:
-        """Logits of the token after `context`, reusing the longest cached prefix."""
-        self._rollback_to_prefix(context)
-        return self._feed(context[len(self.cache_tokens):])[-1]
-
-    def _feed(self, tokens: list[int], streams: bool = False):
-        """One draft forward (with SS stream logits when `streams`), timed and mirrored in cache_tokens."""
-        t0 = time.perf_counter()
-        if streams:
-            logits = self.draft.forward_streams(tokens, self.cache)
-        else:
-            logits = self.draft.forward(tokens, self.cache)
-        t1 = time.perf_counter()
-        self.stats.busy.append((t0, t1))
-        self.stats.forwards += 1
-        if len(tokens) == 1:  # one-token forwards: the unit of speculation work
-            self.forward_s = 0.8 * self.forward_s + 0.2 * (t1 - t0) if self.forward_s else t1 - t0
-        self.cache_tokens.extend(tokens)
-        return logits
+    def _verification_order(self) -> list[DraftRow]:
+        """Rows in the order the target verifies them next: the one after the latest verdict first."""
+        keys = list(self.rows)
+        if self.last_verdict in self.rows:
+            i = keys.index(self.last_verdict) + 1
+            keys = keys[i:] + keys[:i]
+        return [self.rows[k] for k in keys]
 
 
-def _append(line: Line, token: int, q, row) -> None:
-    """Add one drafted token with its q (None when greedy) and the row it was chosen from."""
-    line.tokens.append(token)
-    line.q.append(q)
-    line.rows.append(row)
-
-
-def confident_guesses(stream_rows: np.ndarray, min_probability: float) -> list[int]:
-    """The streams' top tokens [n_s, vocab] -> the leading ones whose probability is >= min_probability.
-
-    A guess costs a row of the next forward and saves a whole forward only when the draft confirms it,
-    so an unlikely guess is not fed; a later stream's guess is useless without the earlier ones.
-    Example: top probabilities (0.9, 0.1, 0.8) with min_probability 0.2 -> the first guess only.
-    """
-    guesses = []
-    for row in np.asarray(stream_rows):  # float32 is enough: every exp(row - max) is in (0, 1]
-        top = int(np.argmax(row))
-        if 1.0 / np.exp(row - row[top]).sum() < min_probability:
-            break
-        guesses.append(top)
-    return guesses
-
-
-def _softmax(logits: np.ndarray) -> np.ndarray:
-    x = np.asarray(logits, dtype=np.float64)
-    e = np.exp(x - x.max())
-    return e / e.sum()
+def summed(stats: list[DraftStats]) -> DraftStats:
+    """Draft statistics of several rows added up (busy intervals merged in time order)."""
+    total = DraftStats()
+    for s in stats:
+        for name in ("windows", "main_hits", "side_hits", "misses", "not_ready", "branches_rolled", "forwards",
+                     "rollbacks", "guessed", "guesses_kept", "rollout_s", "fresh_s"):
+            setattr(total, name, getattr(total, name) + getattr(s, name))
+        total.busy.extend(s.busy)
+    total.busy.sort()
+    return total

@@ -13,10 +13,9 @@ import time
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-import numpy as np
 from mirror_rt.runtime.acceptance import Verdict
 from mirror_rt.runtime.reference import prefill_logits
-from mirror_rt.runtime.sampling import SamplingConfig, choose, stack_rows
+from mirror_rt.runtime.sampling import SamplingConfig, choose_at
 
 
 @dataclass(frozen=True)
@@ -25,7 +24,7 @@ class Draft:
 
     base_length: int  # committed length (prompt + generated) the window continues from
     tokens: list[int]  # [k] proposed ids
-    q: object | None  # [k, vocab] draft distribution (a tensor on the draft's device); None when greedy
+    q: object | None  # [k, vocab] draft distribution; None: coupled proposals (runtime.sampling.choose_at)
 
 
 class ModelDrafter:
@@ -38,7 +37,7 @@ class ModelDrafter:
     def __init__(self, draft, sampling: SamplingConfig, seed: int = 0):
         self.draft = draft
         self.sampling = sampling
-        self.rng = np.random.default_rng(seed + 1_000_003)  # independent of the target's draws
+        self.seed = seed  # the request's: draws are keyed by (seed, position), shared with the target
         self.cache = None
         self.pending: list[int] = []  # committed tokens not yet in the draft cache
         self.window: list[int] = []  # the last proposal (needed by commit)
@@ -57,20 +56,20 @@ class ModelDrafter:
 
     def propose(self, last_token: int, k: int, base_length: int) -> Draft:
         """k draft tokens after `last_token` (k forwards; the first also feeds pending tokens)."""
-        tokens, rows = [], []
+        tokens = []
         feed = self.pending + [last_token]
         for _ in range(k):
             t0 = time.perf_counter()
             logits = self.draft.forward(feed, self.cache)
             self.forward_seconds.append(time.perf_counter() - t0)
-            token, q = choose(logits[-1], self.sampling, self.rng)
+            # the draft draws with the target's uniform at that position: it proposes the target's choice
+            # wherever their distributions agree (coupled verification, runtime.acceptance.accept_choices)
+            token = choose_at(logits[-1], self.sampling, self.seed, base_length + len(tokens))[0]
             tokens.append(token)
-            rows.append(q)
             feed = [token]
         self.pending = [] if k else self.pending + [last_token]
         self.window = tokens
-        q = stack_rows(rows) if rows and rows[0] is not None else None
-        return Draft(base_length, tokens, q)
+        return Draft(base_length, tokens, None)
 
     def commit(self, verdict: Verdict) -> None:
         """Roll the draft cache back to the accepted prefix of the last window."""

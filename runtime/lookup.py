@@ -10,6 +10,7 @@ its context (summaries, retrieval answers, code edits, lists, names) profits mos
 from __future__ import annotations
 
 import numpy as np
+
 from mirror_rt.runtime.sampling import greedy_ids
 
 

@@ -2,8 +2,8 @@
 
 Target -> draft: `Start` (the prompt's first token), `EarlyExit` (top-kappa per window
 position, sent after the target's prefix), `Verdict` (after its suffix), `Stop`.
-Draft -> target: `Window` (the next tokens to verify, with q when sampling), `Fault`.
-Only ids, counts, kappa log-probs and (sampling only) q rows cross; never backend tensors.
+Draft -> target: `Window` (the next tokens to verify), `Fault`.
+Only ids, counts and kappa log-probs cross; never backend tensors, never a vocabulary row.
 """
 
 from __future__ import annotations
@@ -11,6 +11,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import numpy as np
+
 from mirror_rt.runtime.acceptance import Verdict  # noqa: F401  (re-exported: part of the protocol)
 
 
@@ -38,7 +39,7 @@ class Window:
 
     base_length: int  # committed length (prompt + generated) the tokens continue from
     tokens: tuple[int, ...]  # [k] draft ids
-    q: np.ndarray | None  # [k, vocab] draft distribution; None when greedy
+    q: np.ndarray | None  # unused (None): the target checks drafts against its own choices (coupled)
     reused: bool  # True when precomputed before the verdict arrived (a reuse hit)
 
 

@@ -18,15 +18,16 @@ from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 
 import numpy as np
-from mirror_rt.runtime.acceptance import accept_greedy, accept_sampled
+
+from mirror_rt.runtime.acceptance import accept_choices
 from mirror_rt.runtime.affinity import pin, restore
 from mirror_rt.runtime.config import GenerationConfig
-from mirror_rt.runtime.draft_worker import DraftSettings, DraftWorker
+from mirror_rt.runtime.draft_worker import DraftSettings, DraftStats, DraftWorker, Join, Leave
 from mirror_rt.runtime.messages import EarlyExit, Fault, Start, Window
 from mirror_rt.runtime.metrics import Metrics
 from mirror_rt.runtime.mirror_stats import mirror_summary
 from mirror_rt.runtime.reference import adopts_target_kv, prefill_logits, token_budget
-from mirror_rt.runtime.sampling import choose, keyed_rng, probabilities
+from mirror_rt.runtime.sampling import choose_at
 
 
 @dataclass(frozen=True)
@@ -53,22 +54,25 @@ def mirror_generate(target, draft, prompt: Sequence[int], config: GenerationConf
     prompt = list(prompt)
     # headroom beyond the committed text: the window in flight, the bonus guess, the next window, SS guesses
     draft_capacity = len(prompt) + budget + 2 * config.gamma + 16
-    worker = DraftWorker(draft, prompt, draft_capacity, config, settings.draft)
-    step = _TargetStep(target, config, metrics, worker)
+    worker = DraftWorker(draft, cpu=settings.draft.cpu)
+    link = DraftLink(worker, 0, config.draft_timeout_s)
+    step = TargetRow(target, config, metrics, link)
     share = settings.share_prompt_kv and adopts_target_kv(draft)
     previous_affinity = pin(settings.target_cpu)
     previous_threads = _set_threads(target, 1 if settings.target_cpu is not None else None)
     try:
         if share:  # the target prefills on both cores, then the draft starts from its KV
             last = step.prefill(prompt, len(prompt) + budget, helper_cpu=settings.draft.cpu, share=True)
-            worker.cache = draft.adopt(step.cache, draft_capacity)
             worker.start()
+            worker.join(0, Join(draft.adopt(step.cache, draft_capacity), prompt + [last], config, settings.draft))
         else:  # both prefill at once, each on its own core
             worker.start()
+            worker.join(0, Join(draft.new_cache(draft_capacity), prompt, config, settings.draft,
+                                waits_for_start=True, prefill=True))
             last = step.prefill(prompt, len(prompt) + budget)
+            link.send(Start(last))
         yield [last]
         produced, length = 1, len(prompt) + 1
-        worker.inbox.put(Start(last), timeout=config.draft_timeout_s)
         while produced < budget:
             k_max = min(config.gamma, budget - produced - 1)
             tokens = step.run(last, length, k_max) if step.alive else step.alone(last)
@@ -80,32 +84,55 @@ def mirror_generate(target, draft, prompt: Sequence[int], config: GenerationConf
         worker.stop()
         restore(previous_affinity)
         _set_threads(target, previous_threads)
-        metrics.extra = mirror_summary(metrics, worker.stats, step.counters)
-        metrics.durations["draft_forward"] = [end - start for start, end in worker.stats.busy]
+        stats = worker.rows[0].stats if 0 in worker.rows else worker.finished.get(0, DraftStats())
+        metrics.extra = mirror_summary(metrics, stats, step.counters)
+        metrics.durations["draft_forward"] = [end - start for start, end in stats.busy]
 
 
-class _TargetStep:
-    """The target worker's state: its cache, generator, counters and the draft link."""
+class DraftLink:
+    """One sequence's end of the draft worker: messages to its row, windows from its outbox."""
 
-    def __init__(self, target, config: GenerationConfig, metrics: Metrics, worker: DraftWorker):
-        self.target, self.config, self.metrics, self.worker = target, config, metrics, worker
-        self.cache = None
+    def __init__(self, worker: DraftWorker, key, timeout_s: float):
+        self.worker, self.key, self.timeout_s = worker, key, timeout_s
+
+    def send(self, message) -> None:
+        self.worker.send(self.key, message)
+
+    def take(self):
+        """The row's next message (a window or a fault); DraftFailure after `timeout_s` of silence."""
+        try:
+            return self.worker.outbox(self.key).get(timeout=self.timeout_s)
+        except (queue.Empty, KeyError):
+            raise DraftFailure(f"draft stalled for more than {self.timeout_s:g} s") from None
+
+    def close(self) -> None:
+        """The sequence needs its row no more."""
+        self.worker.send(self.key, Leave())
+
+
+class TargetRow:
+    """One sequence on the target side: its cache, counters and its link to the draft's row."""
+
+    def __init__(self, target, config: GenerationConfig, metrics: Metrics, link: DraftLink, cache=None):
+        self.target, self.config, self.metrics, self.link = target, config, metrics, link
+        self.cache = cache  # None: `prefill` makes one
         self.suffix_s = 0.0  # running mean of the suffix time (tells the draft when to expect the verdict)
         self.wait_s = 0.0  # running mean of the rendezvous wait (the draft is the bottleneck when large)
         self.alive = True
         # a target that computes while the host goes on (CUDA) queues its suffix before reading its exit back
         self.ahead = getattr(target, "asynchronous", False) and hasattr(target, "launch_prefix")
-        self.counters = {"exit_covered": 0, "corrections": 0, "busy": [], "fallback_steps": 0, "exit_steps": 0}
+        self.counters = {"exit_covered": 0, "corrections": 0, "busy": [], "fallback_steps": 0, "exit_steps": 0,
+                         "last_window": 0}  # draft tokens verified by the latest step
 
     def prefill(self, prompt: list[int], capacity: int, helper_cpu: int | None = None, share: bool = False) -> int:
         """The prompt; pipelined over this core and `helper_cpu` when the backend can and the draft is idle."""
-        self.cache = self.target.new_cache(capacity)
+        self.cache = self.cache or self.target.new_cache(capacity)
         with self.metrics.stage("target_prefill"):
             if share and hasattr(self.target, "prefill_pipelined"):
                 logits = self.target.prefill_pipelined(prompt, self.cache, helper_cpu)[-1]
             else:
                 logits = prefill_logits(self.target, prompt, self.cache)
-        return choose(logits, self.config.sampling, self._rng(len(prompt)))[0]
+        return choose_at(logits, self.config.sampling, self.config.seed, len(prompt))[0]
 
     def run(self, last: int, length: int, k_max: int) -> list[int]:
         """One Mirror step; on any draft failure, fall back and do a target-only step."""
@@ -115,6 +142,7 @@ class _TargetStep:
             self._fall_back(str(failure))
             return self.alone(last)
         tokens = list(window.tokens[:k_max])
+        self.counters["last_window"] = len(tokens)
         base = self.cache.length
         # Phase 2: prefix and early exit, sent to the draft at once (a device target queues its
         # suffix first, so it computes while the exit's few ids travel back)
@@ -160,20 +188,13 @@ class _TargetStep:
             logits = self.target.forward([last], self.cache)
         self.metrics.record_step(0, 0)
         self.counters["fallback_steps"] += 1
-        return [choose(logits[-1], self.config.sampling, self._rng(self.cache.length))[0]]
-
-    def _rng(self, position: int) -> np.random.Generator:
-        """The target's draws for the token(s) from `position` on (runtime.sampling.keyed_rng, stream 2)."""
-        return keyed_rng(self.config.seed, 2, position)
+        return choose_at(logits[-1], self.config.sampling, self.config.seed, self.cache.length)
 
     def _take_window(self, length: int, k_max: int) -> Window:
         # Phase 1: the rendezvous; the window must continue exactly the committed text
         t0 = time.perf_counter()
         with self.metrics.stage("target_wait"):
-            try:
-                message = self.worker.outbox.get(timeout=self.config.draft_timeout_s)
-            except queue.Empty:
-                raise DraftFailure(f"draft stalled for more than {self.config.draft_timeout_s:g} s") from None
+            message = self.link.take()
         self.wait_s = 0.8 * self.wait_s + 0.2 * (time.perf_counter() - t0)
         if isinstance(message, Fault):
             raise DraftFailure(f"draft failed: {message.reason}")
@@ -181,18 +202,13 @@ class _TargetStep:
         return message
 
     def _accept(self, tokens, window: Window, logits, length):
-        if self.config.sampling.greedy:
-            return accept_greedy(tokens, logits, length)
-        p = probabilities(logits, self.config.sampling)
-        return accept_sampled(tokens, window.q[:len(tokens)], p, self._rng(length), length)
+        """The target's own choice at each window position, and the drafts that equal them (coupled)."""
+        choices = choose_at(logits, self.config.sampling, self.config.seed, length)
+        return accept_choices(tokens, choices, length)
 
     def _send(self, message) -> None:
-        if not self.alive:
-            return
-        try:
-            self.worker.inbox.put(message, timeout=self.config.draft_timeout_s)
-        except queue.Full:
-            self._fall_back("draft inbox full (draft not reading)")
+        if self.alive:
+            self.link.send(message)
 
     def _count_exit(self, tokens, verdict, ids) -> None:
         if verdict.num_accepted < len(tokens) and ids.shape[1]:
@@ -203,7 +219,7 @@ class _TargetStep:
         if self.alive:
             self.alive = False
             self.metrics.events.append(f"fallback to target-only: {reason}")
-            self.worker.stop(timeout=0.05)
+            self.link.close()
 
 
 class _Ready:
@@ -234,5 +250,3 @@ def _check_window(window, length: int, config: GenerationConfig, vocab_size: int
         raise DraftFailure(f"draft window has {k} tokens, expected 1..{config.gamma}")
     if any(not (isinstance(t, (int, np.integer)) and 0 <= t < vocab_size) for t in window.tokens):
         raise DraftFailure("draft window has token ids outside the vocabulary")
-    if not config.sampling.greedy and (window.q is None or window.q.shape != (k, vocab_size)):
-        raise DraftFailure("draft window lacks its q rows [k, vocab] under sampling")

@@ -1,7 +1,8 @@
 """The reference decoder: plain autoregressive decoding with the target alone.
 
-It is the oracle of every equality test (speculative output at temperature 0 must equal
-it token for token) and the `ar` mode of the CLI. It yields committed tokens one step at a
+It is the oracle of every equality test (speculative and batched output must equal it token for
+token, greedy or seeded sampling: the token at each position is the target's own choice at that
+position's draw, runtime.sampling.choose_at) and the `ar` mode of the CLI. It yields committed tokens one step at a
 time and stops after `max_new_tokens` or when the context is full; stop conditions on text
 (EOS, stop strings) belong to the caller.
 """
@@ -11,8 +12,9 @@ from __future__ import annotations
 from collections.abc import Iterator, Sequence
 
 import numpy as np
+
 from mirror_rt.runtime.metrics import Metrics
-from mirror_rt.runtime.sampling import SamplingConfig, choose
+from mirror_rt.runtime.sampling import SamplingConfig, choose_at
 
 
 def token_budget(prompt_length: int, max_new_tokens: int, max_seq_len: int) -> int:
@@ -36,18 +38,19 @@ def generate(target, prompt: Sequence[int], max_new_tokens: int, sampling: Sampl
     """Yield [token] per step: the target's own continuation of `prompt` (greedy when `sampling` is None)."""
     sampling = sampling or SamplingConfig()
     metrics = metrics or Metrics()
-    rng = np.random.default_rng(seed)
     budget = token_budget(len(prompt), max_new_tokens, target.max_seq_len)
     if budget == 0:
         return
     cache = target.new_cache(len(prompt) + budget)
     with metrics.stage("target_prefill"):
         logits = prefill_logits(target, prompt, cache)
-    token, _ = choose(logits, sampling, rng)
+    position = len(prompt)  # the token's index in prompt + output: its draw (runtime.sampling.position_uniform)
+    token = choose_at(logits, sampling, seed, position)[0]
     yield [token]
     for _ in range(budget - 1):
         with metrics.stage("target_forward"):
             logits = target.forward([token], cache)
-        token, _ = choose(logits[-1], sampling, rng)
+        position += 1
+        token = choose_at(logits[-1], sampling, seed, position)[0]
         metrics.record_step(0, 0)
         yield [token]

@@ -15,6 +15,7 @@ from dataclasses import dataclass
 
 import numpy as np
 import torch
+
 from mirror_rt.runtime.transfer import host_ids
 
 
@@ -94,6 +95,39 @@ def keyed_rng(seed: int, stream: int, position: int) -> np.random.Generator:
     Streams and positions never repeat within a request, so the draws stay independent (lossless).
     """
     return np.random.default_rng((seed & 0xFFFFFFFFFFFF, stream, position))
+
+
+_MASK64 = (1 << 64) - 1
+
+
+def position_uniform(seed: int, position: int) -> float:
+    """The uniform in [0, 1) of the token at `position` (its index in prompt + output) of a request seeded `seed`.
+
+    It depends on nothing else, so the target draws the same token at a position whichever mode, window or
+    batch computes it, and a draft that proposes with the same uniform proposes the target's choice whenever
+    their distributions agree there (coupled verification, `choose_at` / acceptance.accept_choices): a seeded
+    request gives the same text in ar, sd and mirror, alone or in any batch. splitmix64 of (seed, position).
+    """
+    x = (seed * 0x9E3779B97F4A7C15 + (position + 1) * 0xBF58476D1CE4E5B9) & _MASK64
+    x = ((x ^ (x >> 30)) * 0xBF58476D1CE4E5B9) & _MASK64
+    x = ((x ^ (x >> 27)) * 0x94D049BB133111EB) & _MASK64
+    return ((x ^ (x >> 31)) >> 11) / float(1 << 53)
+
+
+def choose_at(logits, config: SamplingConfig, seed: int, first_position: int) -> list[int]:
+    """The token chosen after each row of logits [T, vocab] (or one row [vocab]); row j at position
+    first_position + j: greedy takes the argmax, sampling the inverse-CDF draw of the warped distribution at
+    `position_uniform(seed, position)`. Reads back T ids, never a vocabulary row."""
+    if config.greedy:
+        return greedy_ids(logits)
+    rows = as_tensor(logits)
+    rows = rows[None] if rows.dim() == 1 else rows
+    p = probabilities(rows, config)  # [T, vocab]
+    cdf = torch.cumsum(p, dim=-1)
+    u = torch.tensor([position_uniform(seed, first_position + j) for j in range(p.shape[0])],
+                     dtype=cdf.dtype, device=cdf.device)[:, None] * cdf[:, -1:]
+    index = torch.searchsorted(cdf, u, right=True).clamp_(max=p.shape[-1] - 1)
+    return host_ids(index, count=isinstance(logits, torch.Tensor))
 
 
 def choose(logits, config: SamplingConfig, rng: np.random.Generator):

@@ -1,7 +1,9 @@
 """The verifier scores: one target forward over [last] + window, the acceptance rule, rollback.
 
 Invariant: between steps the target cache holds the committed text except the last
-token. `verify` feeds [last, d_1..d_k] (k+1 positions), applies `acceptance`, and rolls
+token. `verify` feeds [last, d_1..d_k] (k+1 positions), takes the target's own choice at each
+position (greedy argmax, or the draw at the position's uniform), accepts the drafts that equal them
+(acceptance.accept_choices: lossless, and the same text as target-only decoding for any seed) and rolls
 the cache back to committed-except-the-new-last, i.e. it keeps last and d_1..d_A.
 """
 
@@ -9,36 +11,32 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-import numpy as np
-from mirror_rt.runtime.acceptance import Verdict, accept_greedy, accept_sampled
+from mirror_rt.runtime.acceptance import Verdict, accept_choices
 from mirror_rt.runtime.drafter import Draft
 from mirror_rt.runtime.reference import prefill_logits
-from mirror_rt.runtime.sampling import SamplingConfig, choose, probabilities
+from mirror_rt.runtime.sampling import SamplingConfig, choose_at
 
 
 class Verifier:
     """Owns the target model's cache and random generator."""
 
-    def __init__(self, target, sampling: SamplingConfig, seed: int = 0):
+    def __init__(self, target, sampling: SamplingConfig, seed: int = 0, cache=None):
         self.target = target
         self.sampling = sampling
-        self.rng = np.random.default_rng(seed)
-        self.cache = None
+        self.seed = seed  # the request's: the token at each position is the target's draw at that position
+        self.cache = cache  # None: `prefill` makes one
 
     def prefill(self, prompt: Sequence[int], capacity: int) -> int:
         """Run the prompt; returns the first generated token."""
-        self.cache = self.target.new_cache(capacity)
-        token, _ = choose(prefill_logits(self.target, prompt, self.cache), self.sampling, self.rng)
-        return token
+        self.cache = self.cache or self.target.new_cache(capacity)
+        return choose_at(prefill_logits(self.target, prompt, self.cache), self.sampling, self.seed, len(prompt))[0]
 
     def verify(self, last_token: int, draft: Draft) -> Verdict:
-        """Score `draft` in one target forward and decide what to commit."""
+        """Score `draft` in one target forward and decide what to commit (draft.base_length: the committed
+        length, so the window's first token is at that position)."""
         base = self.cache.length
         logits = self.target.forward([last_token] + draft.tokens, self.cache)  # [k+1, vocab]
-        if self.sampling.greedy:
-            verdict = accept_greedy(draft.tokens, logits, draft.base_length)
-        else:
-            p = probabilities(logits, self.sampling)  # [k+1, vocab]
-            verdict = accept_sampled(draft.tokens, draft.q, p, self.rng, draft.base_length)
+        choices = choose_at(logits, self.sampling, self.seed, draft.base_length)  # [k+1] the target's own
+        verdict = accept_choices(draft.tokens, choices, draft.base_length)
         self.cache.rollback(base + 1 + verdict.num_accepted)
         return verdict

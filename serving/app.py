@@ -22,6 +22,7 @@ from collections.abc import Callable
 
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
+
 from mirror_rt.runtime.config import GenerationConfig, make_config
 from mirror_rt.serving import protocol
 from mirror_rt.serving.errors import APIError, install_handlers

@@ -16,9 +16,10 @@ from __future__ import annotations
 
 from typing import Literal
 
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
+
 from mirror_rt.runtime.config import MAX_GAMMA, MODES
 from mirror_rt.serving.errors import APIError
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 
 class Strict(BaseModel):

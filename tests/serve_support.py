@@ -142,6 +142,7 @@ def tiny_engine():
     """The tiny preset in float64 (greedy equality stays exact whatever the window sizes) with a noisy
     float64 copy as the draft, named as `load_torch` names its engines."""
     from conftest import perturbed_copy, tiny_target
+
     from mirror_rt.devices.torch_backend import TorchModel
     from mirror_rt.devices.torch_split import TorchSplitTarget
     from mirror_rt.models.tokenizer import ByteTokenizer

@@ -4,6 +4,7 @@ import math
 
 import numpy as np
 import pytest
+
 from mirror_rt.runtime.acceptance import Verdict, accept_greedy, accept_sampled
 from mirror_rt.runtime.sampling import sample
 

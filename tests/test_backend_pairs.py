@@ -13,11 +13,11 @@ from __future__ import annotations
 import warnings
 
 import pytest
+
+from mirror_rt import load_bundle
 from mirror_rt.devices.registry import DeviceError, available_devices
 from mirror_rt.exporters.export import export_bundle
 from mirror_rt.runtime.engine import GenerationError
-
-from mirror_rt import load_bundle
 
 HAVE = available_devices()
 # (bundle, device) per role; onnx bundles run on ONNX Runtime and (explicit KV only) on OpenVINO

@@ -5,6 +5,7 @@ import subprocess
 import sys
 
 import pytest
+
 from mirror_rt.evaluation import report
 from mirror_rt.evaluation.specbench import (
     Answer,

@@ -83,10 +83,9 @@ def _record_engine_choices(monkeypatch) -> list:
 
 
 def _run_choice(calls, argv) -> list:
-    from mirror_rt.devices.engines import load_engine
-
     from mirror_rt import cli
     from mirror_rt.cli_options import engine_options
+    from mirror_rt.devices.engines import load_engine
 
     args = cli.build_parser().parse_args(["run", "hi", *argv])
     calls.clear()
@@ -140,11 +139,10 @@ def test_default_bundle_falls_back_to_torch_with_a_warning(monkeypatch, capsys):
 
 def test_default_bundle_is_exported_once_and_never_half(tmp_path, monkeypatch):
     """An interrupted export leaves no bundle behind; a finished one is reused without exporting again."""
+    import mirror_rt
     from mirror_rt.exporters import export as export_module
     from mirror_rt.exporters.manifest import read_manifest
     from mirror_rt.models import default_model
-
-    import mirror_rt
 
     monkeypatch.setattr(default_model, "default_model_folder", lambda cache=None, log=None: "tiny")
     real, calls = export_module.export_bundle, []

@@ -7,6 +7,7 @@ import json
 import pytest
 import torch
 from conftest import tiny_target
+
 from mirror_rt.devices.torch_backend import TorchModel
 from mirror_rt.evaluation.device_check import first_mismatch, format_check, run_check, top2_margin
 

@@ -18,6 +18,7 @@ import numpy as np
 import pytest
 import torch
 from conftest import load_parts
+
 from mirror_rt.devices.bundles import WorkerBudget
 from mirror_rt.devices.registry import (
     DeviceError,

@@ -3,6 +3,7 @@
 import pytest
 import torch
 from conftest import perturbed_copy, tiny_target
+
 from mirror_rt.devices.torch_backend import TorchModel
 from mirror_rt.devices.torch_streams import TorchStreamDraft
 from mirror_rt.models.ss_draft import StreamDraft
@@ -137,9 +138,9 @@ def test_cli_refuses_missing_question_files(tmp_path, capsys):
 def test_cli_refuses_a_draft_of_another_vocabulary(tmp_path, capsys):
     """A bundle of a 64-token model against the 258-token `tiny` target: one line naming both sizes."""
     from conftest import write_hf_folder
-    from mirror_rt.exporters.export import export_bundle
 
     from mirror_rt.cli import main
+    from mirror_rt.exporters.export import export_bundle
 
     bundle = export_bundle(str(write_hf_folder(tmp_path / "hf", vocab_size=64)), tmp_path / "b", fmt="torch",
                            progress=False)

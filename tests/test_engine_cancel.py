@@ -7,6 +7,7 @@ import threading
 import time
 
 import pytest
+
 from mirror_rt.devices.options import EngineOptions
 from mirror_rt.devices.torch_engine import load_torch
 

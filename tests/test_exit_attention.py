@@ -9,6 +9,7 @@ import numpy as np
 import pytest
 import torch
 from conftest import load_parts, perturbed_copy, tiny_target
+
 from mirror_rt.devices.torch_backend import TorchModel
 from mirror_rt.devices.torch_split import TorchSplitTarget
 from mirror_rt.exporters.export import export_bundle

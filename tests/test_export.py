@@ -16,6 +16,7 @@ import numpy as np
 import pytest
 import torch
 from conftest import load_parts
+
 from mirror_rt.devices.registry import available_devices
 from mirror_rt.exporters.export import ExportError, export_bundle
 from mirror_rt.exporters.manifest import BundleError, read_manifest

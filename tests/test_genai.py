@@ -6,6 +6,7 @@ from types import SimpleNamespace
 
 import pytest
 from conftest import write_hf_folder
+
 from mirror_rt.evaluation.bench_methods import build_runners
 from mirror_rt.runtime.config import make_config
 
@@ -34,9 +35,10 @@ def _greedy(pipe, ids, max_new_tokens=12, **options):
 
 def _sharp_hf_folder(folder):
     """A tiny HF folder (word-level tokenizer, chat template) whose greedy text is not noise."""
+    from safetensors.torch import save_file
+
     from mirror_rt.models.loading import read_config
     from mirror_rt.models.transformer import random_model
-    from safetensors.torch import save_file
 
     write_hf_folder(folder, vocab_size=64)
     model = random_model(read_config(folder), seed=0, scale=30.0)
@@ -51,6 +53,7 @@ def _sharp_hf_folder(folder):
 def test_folder_has_optimum_layout(genai, tmp_path):
     """Stateful decoder with GenAI's inputs and outputs, config files beside it."""
     import openvino as ov
+
     from mirror_rt.exporters.genai import export_genai_folder
 
     folder = export_genai_folder("tiny", tmp_path / "tiny", log=lambda *_: None)

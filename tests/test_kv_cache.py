@@ -3,6 +3,7 @@
 import pytest
 import torch
 from conftest import tiny_target
+
 from mirror_rt.runtime.kv_cache import CacheFull, KVCache
 
 

@@ -4,9 +4,9 @@ import json
 
 import pytest
 from conftest import write_hf_folder
-from mirror_rt.models.loading import ModelError, load_checkpoint
 
 import mirror_rt
+from mirror_rt.models.loading import ModelError, load_checkpoint
 
 
 def test_hf_folder_loads(tmp_path):

@@ -2,6 +2,7 @@
 
 import numpy as np
 import torch
+
 from mirror_rt.runtime.lookup import lookup_guesses, verify_guesses
 
 

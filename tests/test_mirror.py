@@ -7,6 +7,8 @@ from dataclasses import replace
 import numpy as np
 import pytest
 from conftest import MarkovModel, perturbed_copy, random_transition, tiny_target
+from test_acceptance import chi2_threshold
+
 from mirror_rt.devices.torch_backend import TorchModel
 from mirror_rt.devices.torch_split import TorchSplitTarget
 from mirror_rt.runtime.config import GenerationConfig, make_config
@@ -15,7 +17,6 @@ from mirror_rt.runtime.metrics import Metrics
 from mirror_rt.runtime.mirror import MirrorSettings, mirror_generate
 from mirror_rt.runtime.reference import generate
 from mirror_rt.runtime.sampling import SamplingConfig
-from test_acceptance import chi2_threshold
 
 
 def flat(steps):
@@ -140,15 +141,15 @@ def test_draft_fault_falls_back_without_losing_tokens(kind):
 
 def test_wrong_length_window_refused(monkeypatch):
     """A window longer than gamma is refused as malformed; output still exact."""
-    from mirror_rt.runtime import draft_worker
+    from mirror_rt.runtime import draft_row
 
-    original = draft_worker.DraftWorker._send_window
+    original = draft_row.DraftRow.send_window
 
     def too_long(self, reused):
         self.config = replace(self.config, gamma=self.config.gamma + 3, min_window=self.config.gamma + 3)
         original(self, reused)
 
-    monkeypatch.setattr(draft_worker.DraftWorker, "_send_window", too_long)
+    monkeypatch.setattr(draft_row.DraftRow, "send_window", too_long)
     target = tiny_target(seed=6)
     got, metrics = run_mirror(TorchSplitTarget(target), TorchModel(target), [2, 3], 30, gamma=2)
     assert got == flat(generate(TorchModel(target), [2, 3], 30))
@@ -169,6 +170,7 @@ def test_close_early_stops_the_draft():
 def test_stream_draft_equals_reference(gamma, confidence):
     """An SS draft (random streams: many rejected guesses; all fed, or only confident ones) changes nothing."""
     import torch
+
     from mirror_rt.devices.torch_streams import TorchStreamDraft
     from mirror_rt.models.ss_draft import StreamDraft
 

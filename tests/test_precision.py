@@ -10,6 +10,7 @@ from __future__ import annotations
 import pytest
 import torch
 from conftest import tiny_target
+
 from mirror_rt.devices import torch_engine
 from mirror_rt.devices.options import EngineOptions
 from mirror_rt.evaluation.device_check import first_mismatch

@@ -8,6 +8,7 @@ import warnings
 import numpy as np
 import pytest
 from conftest import load_parts, perturbed_copy, tiny_target
+
 from mirror_rt.devices.registry import DeviceError, available_devices
 from mirror_rt.devices.torch_backend import TorchModel
 from mirror_rt.devices.torch_split import TorchSplitTarget
@@ -159,6 +160,7 @@ def test_adopt_refuses_another_shape():
     import dataclasses
 
     import torch
+
     from mirror_rt.models.transformer import random_model
 
     model = tiny_target(seed=1)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
+
 from mirror_rt.devices.registry import available_devices
 from mirror_rt.exporters.q4_min import (
     BLOCK,

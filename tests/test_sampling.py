@@ -2,6 +2,7 @@
 
 import numpy as np
 import pytest
+
 from mirror_rt.runtime.sampling import SamplingConfig, choose, probabilities
 
 

@@ -184,8 +184,9 @@ def test_api_key_guards_v1_only(engine):
 def test_health_is_503_while_loading(engine):
     import threading
 
-    from mirror_rt.serving.app import ServerSettings, create_app
     from serve_support import RunningServer
+
+    from mirror_rt.serving.app import ServerSettings, create_app
 
     release = threading.Event()
 
@@ -225,9 +226,10 @@ def test_continuous_usage_counts_tokens_per_chunk(server):
 
 
 def test_device_fallbacks_are_counted_once_per_role():
+    from prometheus_client.parser import text_string_to_metric_families
+
     from mirror_rt.devices.placement import plan
     from mirror_rt.serving.metrics import ServerMetrics
-    from prometheus_client.parser import text_string_to_metric_families
 
     metrics = ServerMetrics("m")
     placement = plan("ort:cpu", "ort:cpu", "mirror", [0, 1])

@@ -12,14 +12,14 @@ from dataclasses import MISSING, fields, is_dataclass
 from pathlib import Path
 
 import pytest
+
+from mirror_rt.cli import build_parser
 from mirror_rt.devices.options import DeviceOptions, ModelOptions, PrecisionOptions
 from mirror_rt.exporters.export import ExportConfig
 from mirror_rt.models.config import SplitOptions
 from mirror_rt.runtime.config import GenerationConfig
 from mirror_rt.runtime.sampling import SamplingConfig
 from mirror_rt.serving.settings import ClusterSettings, ServerSettings
-
-from mirror_rt.cli import build_parser
 
 ROOT = Path(__file__).resolve().parents[1]
 CODE = ["runtime", "models", "exporters", "devices", "evaluation", "training", "serving", "mirror_rt"]

@@ -3,6 +3,7 @@
 import pytest
 import torch
 from conftest import tiny_target
+
 from mirror_rt.models.ss_draft import (
     StreamDraft,
     stream_mask,
@@ -53,7 +54,8 @@ def test_stream_verified_rollout_equals_draft_greedy():
 def test_confident_guesses_keep_the_leading_likely_streams():
     """A stream's guess is fed only when likely enough, and never after an unlikely one."""
     import numpy as np
-    from mirror_rt.runtime.draft_worker import confident_guesses
+
+    from mirror_rt.runtime.draft_row import confident_guesses
 
     rows = np.log(np.array([[0.9, 0.05, 0.05], [0.1, 0.45, 0.45], [0.0001, 0.0001, 0.9998]]))
     assert confident_guesses(rows, 0.2) == [0, 1, 2]  # 0.9, 0.45 (the first of the tied tokens), 0.9998

@@ -6,6 +6,7 @@ import numpy as np
 import pytest
 import torch
 from conftest import load_parts
+
 from mirror_rt.devices.registry import available_devices
 from mirror_rt.exporters.export import ExportError, export_bundle
 from mirror_rt.models.loading import load_checkpoint
@@ -83,6 +84,7 @@ def test_openvino_loads_the_explicit_ss_graph(ss_bundles):
 def test_ss_int8_graph_keeps_stream_weights_fp32(ss_bundles):
     """int8 draft weights quantize the base's products only; the rank-8 stream products stay fp32."""
     import onnx
+
     from mirror_rt.models.config import ModelConfig
 
     graph = onnx.load(str(ss_bundles[1]["int8", "shared"] / "draft.onnx")).graph

@@ -14,6 +14,7 @@ import numpy as np
 import pytest
 import torch
 from conftest import perturbed_copy, tiny_target
+
 from mirror_rt.devices.torch_backend import TorchModel
 from mirror_rt.devices.torch_split import TorchSplitTarget
 from mirror_rt.devices.torch_static import VERIFY_ROWS, WINDOW_SIZES, window_size

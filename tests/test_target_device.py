@@ -10,6 +10,7 @@ import warnings
 
 import pytest
 import torch
+
 from mirror_rt.devices import engines, registry, torch_engine
 from mirror_rt.devices.options import EngineOptions
 from mirror_rt.devices.placement import is_accelerator, plan

@@ -10,6 +10,7 @@ import numpy as np
 import pytest
 import torch
 from conftest import perturbed_copy, tiny_target
+
 from mirror_rt.devices.torch_backend import TorchModel
 from mirror_rt.devices.torch_split import TorchSplitTarget
 from mirror_rt.runtime.acceptance import accept_greedy

@@ -4,6 +4,7 @@ import pytest
 import torch
 import transformers
 from conftest import tiny_target
+
 from mirror_rt.models.config import ModelConfig
 from mirror_rt.models.transformer import Transformer
 

@@ -8,6 +8,7 @@ import numpy as np
 import pytest
 import torch
 from conftest import load_parts
+
 from mirror_rt.devices.registry import available_devices
 from mirror_rt.devices.torch_backend import TorchModel
 from mirror_rt.devices.torch_split import TorchSplitTarget

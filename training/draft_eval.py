@@ -18,9 +18,10 @@ import time
 from dataclasses import dataclass, field
 
 import numpy as np
+
 from mirror_rt.runtime.affinity import available_cores
 from mirror_rt.runtime.config import DEFAULTS
-from mirror_rt.runtime.draft_worker import confident_guesses
+from mirror_rt.runtime.draft_row import confident_guesses
 from mirror_rt.runtime.lookup import lookup_guesses, verify_guesses
 
 

@@ -20,6 +20,7 @@ from pathlib import Path
 
 import torch
 import torch.nn.functional as F
+
 from mirror_rt.models.transformer import apply_rope, rope_tables
 
 DATA_VERSION = 2  # 2: prompt positions recorded too

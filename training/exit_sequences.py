@@ -13,6 +13,7 @@ from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
+
 from mirror_rt.models.exit_adapter import ExitAdapter, cached_mix
 
 

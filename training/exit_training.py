@@ -23,6 +23,7 @@ from pathlib import Path
 
 import torch
 import torch.nn.functional as F
+
 from mirror_rt.models.config import SplitOptions
 from mirror_rt.models.exit_adapter import ExitAdapter, exit_logits, save_exit_adapter
 from mirror_rt.training.checkpoints import load_state, save_state

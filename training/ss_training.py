@@ -15,6 +15,7 @@ from pathlib import Path
 
 import torch
 import torch.nn.functional as F
+
 from mirror_rt.models.ss_draft import StreamDraft, load_streams, stream_config
 from mirror_rt.training.checkpoints import load_state, save_state
 

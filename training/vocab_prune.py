@@ -14,6 +14,7 @@ from __future__ import annotations
 from pathlib import Path
 
 import torch
+
 from mirror_rt.models.pruned_head import save_kept
 
 

@@ -16,6 +16,7 @@ import time
 
 import pytest
 import torch
+
 from mirror_rt.devices.options import EngineOptions
 from mirror_rt.devices.torch_engine import load_torch as load_options
 from mirror_rt.evaluation.device_check import first_mismatch

@@ -1,0 +1,169 @@
+"""KV rows for batched ONNX Runtime graphs: one buffer per layer [rows, KVH, capacity, D] shared by all sequences.
+
+A `RowPool` holds the KV of up to `rows` sequences, each in its own row of every buffer, and per graph
+and row the positions held (`filled`). A batched forward runs a contiguous range of rows: the graphs take
+the buffers' [first:first+B] slices (contiguous, bound as both past and present, written in place) and
+`total_len` per row, so rows of different lengths share one call (one token per row: exporters.shared_kv).
+Rows need not have the same length; they must be contiguous, which the runtime keeps by moving a row into
+a hole (`move`). `row_cache(r)` is one row seen as a single-sequence cache (the ORTCache interface), so
+every single-stream code path runs on a pool row unchanged. The pool does not know sequences or blocks:
+runtime.kv_pool keeps that accounting and runtime.prefix_cache reads and writes positions through
+`read` / `write`.
+Invariant: a batched forward writes at filled[graph][row].. and advances nothing; the caller commits
+(`commit`); a row cache advances its own row like ORTCache does.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+
+class RowPool:
+    """KV buffers of one model's graphs (a split target: prefix and suffix; a draft: one graph) for `rows` rows.
+
+    np.zeros maps pages lazily: memory is committed as positions are written, at most rows x capacity.
+    """
+
+    def __init__(self, graphs: list, rows: int, capacity: int):
+        from mirror_rt.devices.onnxruntime_backend import _onnxruntime
+
+        self.ort = _onnxruntime()
+        kvh, d = graphs[0].kv_shape
+        self.buffers = [[np.zeros((rows, kvh, capacity, d), dtype=np.float32) for _ in g.past_names] for g in graphs]
+        self.rows, self.capacity = rows, capacity
+        self.filled = np.zeros((len(graphs), rows), dtype=np.int64)  # positions each graph holds per row
+        self.hidden = None  # split target: (first row, prefix output [B, T, hidden], suffix graph) pending
+        self._values: dict = {}  # (graph, first, count) -> OrtValues over the rows' slices
+
+    @property
+    def lengths(self) -> np.ndarray:
+        """Positions held per row (by the first graph; a split target's suffix lags only inside a call)."""
+        return self.filled[0]
+
+    def commit(self, row: int, length: int) -> None:
+        """Row `row` holds `length` positions in every graph (after a batched call, or a rollback)."""
+        self.filled[:, row] = length
+
+    def row_cache(self, row: int) -> RowCache:
+        """Row `row` as a single-sequence cache (starts at the row's current length)."""
+        return RowCache(self, row)
+
+    @property
+    def bytes_per_position(self) -> int:
+        """KV bytes one position of one row takes over every buffer."""
+        return sum(b.shape[1] * b.shape[3] * b.itemsize for graph in self.buffers for b in graph)
+
+    def values(self, graph: int, first: int, count: int) -> list:
+        """OrtValues over rows first..first+count-1 of every buffer of `graph` (made once, kept)."""
+        key = (graph, first, count)
+        if key not in self._values:
+            self._values[key] = [self.ort.OrtValue.ortvalue_from_numpy(b[first:first + count])
+                                 for b in self.buffers[graph]]
+        return self._values[key]
+
+    def run(self, graph_index: int, graph, x: np.ndarray, first: int, last_rows: int | None = None) -> dict:
+        """Graph `graph_index` over rows first..first+B-1: x [B, T] ids or [B, T, hidden]; returns head outputs."""
+        B, T = x.shape[0], x.shape[1]
+        ends = self.filled[graph_index, first:first + B] + T
+        if len(ends) != B or ends.max() > self.capacity:
+            raise ValueError(f"rows {first}..{first + B - 1} cannot take {T} more positions "
+                             f"(pool of {self.rows} rows, capacity {self.capacity})")
+        return graph.run_rows(x, self.values(graph_index, first, B), ends.astype(np.int32), last_rows)
+
+    def move(self, src: int, dst: int) -> None:
+        """Copy row `src`'s committed positions into row `dst` (which then holds the same length)."""
+        n = int(self.lengths[src])
+        for graph in self.buffers:
+            for b in graph:
+                b[dst, :, :n] = b[src, :, :n]
+        self.commit(dst, n)
+
+    def read(self, row: int, start: int, stop: int) -> list[np.ndarray]:
+        """Copies of positions start..stop-1 of `row`, one array [KVH, n, D] per buffer."""
+        return [b[row, :, start:stop].copy() for graph in self.buffers for b in graph]
+
+    def write(self, row: int, start: int, arrays: list[np.ndarray]) -> None:
+        """Store `read`'s arrays at positions start.. of `row` (lengths unchanged)."""
+        flat = [b for graph in self.buffers for b in graph]
+        for b, a in zip(flat, arrays):
+            b[row, :, start:start + a.shape[1]] = a
+
+    def copy_from(self, row: int, source: RowPool, source_row: int, n: int) -> None:
+        """The first `n` positions of `source`'s row, every layer in order (a draft that is the target's copy
+        starts from the target's prompt KV: its 30 layers are the prefix's 15 then the suffix's 15)."""
+        mine = [b for graph in self.buffers for b in graph]
+        theirs = [b for graph in source.buffers for b in graph]
+        if len(mine) != len(theirs) or mine[0].shape[1:] != theirs[0].shape[1:]:
+            raise ValueError("cannot adopt KV of another shape (the draft is not a copy of the target)")
+        for b, s in zip(mine, theirs):
+            b[row, :, :n] = s[source_row, :, :n]
+        self.commit(row, n)
+
+
+class RowCache:
+    """One row of a `RowPool` with the interface of a single-sequence ORTCache (models' forward, rollback)."""
+
+    def __init__(self, pool: RowPool, row: int):
+        self.pool, self.row = pool, row
+        self.capacity = pool.capacity
+        self.shared = True
+        self.hidden: np.ndarray | None = None  # split target: prefix rows the suffix has not seen
+
+    @property
+    def filled(self) -> list[int]:
+        return [int(f) for f in self.pool.filled[:, self.row]]
+
+    @property
+    def length(self) -> int:
+        return int(self.pool.filled[0, self.row])
+
+    def check_room(self, num_tokens: int) -> None:
+        from mirror_rt.runtime.kv_cache import CacheFull
+
+        if self.length + num_tokens > self.capacity:
+            raise CacheFull(f"KV cache full: {self.length + num_tokens} positions needed, capacity {self.capacity}")
+
+    def run(self, index: int, graph, x: np.ndarray, last_rows: int | None = None) -> dict:
+        """Graph `index` over this row: x [T] ids or [T, hidden] -> head outputs without the batch dimension."""
+        head = self.pool.run(index, graph, x[None], self.row, last_rows)
+        self.pool.filled[index, self.row] += len(x)
+        return {name: out[0] for name, out in head.items()}
+
+    def rollback(self, length: int) -> None:
+        """Forget positions >= length in every graph of the row (a count). O(1)."""
+        if not 0 <= length <= self.length:
+            raise ValueError(f"cannot roll back to {length}: cache holds {self.length} positions")
+        self.pool.filled[:, self.row] = np.minimum(self.pool.filled[:, self.row], length)
+        if self.hidden is not None:  # keep the pending rows that survive the rollback
+            keep = length - int(self.pool.filled[-1, self.row])
+            self.hidden = self.hidden[:keep] if keep > 0 else None
+
+
+def forward_rows(model, pool: RowPool, tokens: np.ndarray, first: int, last_rows: int | None = None) -> np.ndarray:
+    """A one-graph model (draft) over rows first..: tokens [B, T] -> logits [B, T or last_rows, vocab]."""
+    return pool.run(0, model.graph, np.asarray(tokens, dtype=np.int64), first, last_rows)["logits"]
+
+
+def prefix_rows(target, pool: RowPool, tokens: np.ndarray, first: int, exit_: bool = True, wide: bool = False):
+    """A split target's prefix over rows first..: tokens [B, T]; with `exit_`, the early exit (ids, log-probs)
+    [B, T, kappa]; the hidden state waits in the pool for `suffix_rows`. `wide`: through the target's prompt
+    sessions (a thread per core) where it has them."""
+    if pool.hidden is not None:
+        raise RuntimeError("prefix_rows called again before suffix_rows")
+    graphs = target.prompt_graphs if wide and target.prompt_graphs else (target.prefix, target.suffix)
+    out = pool.run(0, graphs[0], np.asarray(tokens, dtype=np.int64), first)
+    pool.hidden = (first, out["hidden"], graphs[1])
+    if not exit_:
+        return None
+    source = out.get("exit_hidden", out["hidden"])  # [B, T, hidden]
+    B, T = source.shape[:2]
+    ids, logprobs = target._exit(source.reshape(B * T, -1))
+    return ids.reshape(B, T, -1), logprobs.reshape(B, T, -1)
+
+
+def suffix_rows(target, pool: RowPool, last_rows: int | None = None) -> np.ndarray:
+    """The suffix over the rows of the last prefix call -> logits [B, T or last_rows, vocab]."""
+    if pool.hidden is None:
+        raise RuntimeError("suffix_rows called without a pending prefix_rows")
+    (first, hidden, suffix), pool.hidden = pool.hidden, None
+    return pool.run(1, suffix, hidden, first, last_rows)["logits"]

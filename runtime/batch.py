@@ -1,0 +1,219 @@
+"""The batched decoder: many sequences decoded together, joining and leaving at step boundaries.
+
+One `step()`: admit waiting sequences while rows and KV blocks allow (prefix cache first), prefill one chunk
+of the oldest prompt not yet in its row, one decode step for every running sequence, then release the
+sequences that finished (end of text, length, cancel) and fill their rows. The decode step is batched target-only
+(one target call for every row: exporters.shared_kv) or speculative (sd or mirror, per sequence), as
+`runtime.policy` decides from the step costs this engine measures. Every token is the target's own choice at
+its position (runtime.sampling.choose_at), so a sequence's text does not depend on its companions, its mode or
+its windows. Models that cannot batch rows (OpenVINO graphs, compiled torch windows) decode their sequences one
+call each, from caches of their own, without the prefix cache. Not thread-safe except `add` and `cancel`: one
+thread calls `step`.
+"""
+
+from __future__ import annotations
+
+import collections
+import threading
+import time
+from dataclasses import dataclass
+
+from mirror_rt.runtime.batch_mirror import MirrorStep
+from mirror_rt.runtime.batch_steps import ArStep, Prefill, SdStep
+from mirror_rt.runtime.kv_pool import BLOCK_SIZE, BlockBudget, RowMap, blocks_for
+from mirror_rt.runtime.policy import AR, SPEC, SpeculationPolicy
+from mirror_rt.runtime.prefix_cache import PrefixCache
+from mirror_rt.runtime.sequence import Sequence
+
+WINDOW_ROOM = 80  # positions past the committed text a step may write (window, padding, draft guesses)
+
+
+@dataclass(frozen=True)
+class BatchSettings:
+    """How many sequences an engine decodes at once and with how much KV memory."""
+
+    max_num_seqs: int = 8  # sequences holding a row at once (running or prefilling)
+    kv_cache_gb: float | None = None  # KV memory of both models' rows and the prefix cache; None: from free memory
+    prefill_chunk: int = 256  # prompt positions per prefill call, so a long prompt never stalls the others long
+    prefix_cache: bool = True  # keep full blocks of finished requests for the next ones that share them
+
+    def __post_init__(self):
+        if self.max_num_seqs < 1:
+            raise ValueError(f"--max-num-seqs must be >= 1, got {self.max_num_seqs}")
+        if self.kv_cache_gb is not None and not self.kv_cache_gb > 0:
+            raise ValueError(f"--kv-cache-gb must be > 0, got {self.kv_cache_gb}")
+        if self.prefill_chunk < 1:
+            raise ValueError(f"--prefill-chunk must be >= 1, got {self.prefill_chunk}")
+
+
+class KVTooLarge(ValueError):
+    """A request that can never fit in the KV memory (one line, naming the numbers)."""
+
+
+class BatchDecoder:
+    """Sequences, their rows and caches, and the step loop over them."""
+
+    def __init__(self, target, draft=None, settings: BatchSettings = BatchSettings(), policy=None,
+                 kv_bytes: int | None = None, cpus: tuple[int, int] | None = None):
+        self.target, self.draft, self.settings = target, draft, settings
+        self.pooled = bool(getattr(target, "batches", False)) and (
+            draft is None or bool(getattr(draft, "batches", False)))
+        self.capacity = target.max_seq_len + WINDOW_ROOM
+        rows = settings.max_num_seqs
+        self.target_pool = target.new_pool(rows, self.capacity) if self.pooled else None
+        self.draft_pool = draft.new_pool(rows, self.capacity) if self.pooled and draft is not None else None
+        self.rows = RowMap(rows)
+        self.budget = BlockBudget(self._total_blocks(kv_bytes))
+        self.cache = PrefixCache(self.budget.total) if self.pooled and settings.prefix_cache else None
+        self.waiting: collections.deque[Sequence] = collections.deque()
+        self.active: list[Sequence] = []  # holding a row: prefill, then running
+        self.lock = threading.Lock()
+        self.policy = policy or SpeculationPolicy()
+        self.gamma = 0  # gamma of the latest step (0: target-only), the server's gauge
+        self.prefill, self.ar, self.sd = Prefill(self), ArStep(self), SdStep(self)
+        self.mirror = MirrorStep(self, cpus)
+        self.steps = 0
+
+    # --- other threads ---------------------------------------------------------------
+
+    def add(self, seq: Sequence) -> None:
+        """Queue a sequence (KVTooLarge when it could never fit)."""
+        need = self.blocks_needed(seq)
+        if not self.budget.fits_ever(need) or len(seq.prompt) + 1 > self.capacity - WINDOW_ROOM:
+            raise KVTooLarge(f"request needs {need * BLOCK_SIZE} KV positions but the KV cache holds "
+                             f"{self.budget.total * BLOCK_SIZE} (raise --kv-cache-gb or lower max_tokens)")
+        with self.lock:
+            self.waiting.append(seq)
+
+    def cancel(self, seq: Sequence) -> None:
+        """Stop `seq` at the next step boundary (a waiting one never runs)."""
+        seq.cancel()
+
+    # --- the stepping thread ------------------------------------------------------------
+
+    @property
+    def idle(self) -> bool:
+        return not self.active and not self.waiting
+
+    def step(self) -> bool:
+        """One step of every sequence; returns whether work remains."""
+        self._drop_cancelled_waiting()
+        self._admit()
+        self.prefill.run()
+        running = [s for s in self.active if s.state == "running" and not s.done and not s.cancel_event.is_set()]
+        if running:
+            self._decode(running)
+            self.steps += 1
+        self._release()
+        return not self.idle
+
+    def _decode(self, running: list[Sequence]) -> None:
+        """One decode step of every running sequence, the way the policy picks; its outcome goes back to it."""
+        gamma = self.policy.gamma(self, running)
+        before = sum(len(s.tokens) for s in running)
+        t0 = time.perf_counter()
+        if gamma == 0:
+            for seq in running:  # their draft rows wait, rolled back to committed text, until speculation resumes
+                self.mirror.leave(seq)
+            self.ar.run(running)
+        else:
+            self.mirror.run(running, gamma)
+        way = AR if gamma == 0 else SPEC
+        self.policy.record(way, len(running), sum(len(s.tokens) for s in running) - before, time.perf_counter() - t0)
+        self.gamma = gamma
+        for seq in running:
+            seq.metrics.extra["gamma_steps"] = seq.metrics.extra.get("gamma_steps", 0) + (gamma > 0)
+
+    def close(self) -> None:
+        """Stop the draft worker (the decoder can still step: it starts again when needed)."""
+        self.mirror.close()
+
+    # --- rows, blocks, prefix cache -------------------------------------------------------
+
+    def blocks_needed(self, seq: Sequence) -> int:
+        """Blocks `seq` reserves: everything it may hold (prompt, output budget, the window in flight)."""
+        return blocks_for(min(len(seq.prompt) + seq.budget, self.capacity - WINDOW_ROOM) + WINDOW_ROOM)
+
+    def _admit(self) -> None:
+        while self.waiting and len(self.rows) < self.rows.rows:
+            seq = self.waiting[0]
+            need = self.blocks_needed(seq)
+            cached = len(self.cache) if self.cache else 0
+            if not self.budget.reserve(seq, need, cached):
+                if not self.cache or not self.cache.evict(need - self.budget.spare + cached):
+                    return  # waits for running sequences to finish (FIFO: nobody overtakes it)
+                continue
+            with self.lock:
+                self.waiting.popleft()
+            seq.row, seq.state = self.rows.add(seq), "prefill"
+            self.active.append(seq)
+            self.prefill.start(seq)
+
+    def _drop_cancelled_waiting(self) -> None:
+        with self.lock:
+            dropped = [s for s in self.waiting if s.cancel_event.is_set()]
+            for seq in dropped:
+                self.waiting.remove(seq)
+        for seq in dropped:
+            seq.finish("cancelled")
+            seq.state = "done"
+
+    def _release(self) -> None:
+        for seq in [s for s in self.active if s.done or s.cancel_event.is_set()]:
+            seq.finish("cancelled")  # no-op when it already finished
+            self.mirror.leave(seq)
+            self.sd.forget(seq)
+            self._keep_prefix(seq)
+            self.active.remove(seq)
+            self.budget.release(seq)
+            move = self.rows.remove(seq)
+            if move is not None:
+                self._move_row(*move)
+            seq.row, seq.state = None, "done"
+
+    def _move_row(self, source: int, dest: int) -> None:
+        """The last row fills a freed one: every pool copies it, its sequence's caches follow (a draft row the
+        draft worker holds is moved by that thread)."""
+        moved = self.rows.order[dest]
+        if self.pooled:  # (caches of their own per sequence: nothing to copy)
+            self.target_pool.move(source, dest)
+            if self.draft_pool is not None and not self.mirror.move(moved, self.draft_pool, dest):
+                self.draft_pool.move(source, dest)
+        moved.row = dest
+        for cache in moved.state_data.get("caches", ()):
+            cache.row = dest  # (a joined draft cache was rebound by the worker already)
+
+    def _keep_prefix(self, seq: Sequence) -> None:
+        """Store the full blocks of a finished sequence's committed positions in the prefix cache."""
+        if self.cache is None or seq.state == "waiting":
+            return
+        held = int(self.target_pool.lengths[seq.row])
+        tokens = (seq.prompt + seq.tokens)[:held]
+        self.cache.store(self.target_pool, seq.row, tokens, limit=self.budget.spare - self.blocks_in_use_margin())
+
+    def blocks_in_use_margin(self) -> int:
+        """Blocks the prefix cache leaves free for the next admission (none: admission evicts what it needs)."""
+        return 0
+
+    def _total_blocks(self, kv_bytes: int | None) -> int:
+        """The KV budget in blocks: --kv-cache-gb, else what every row at full length takes, within 40% of the
+        memory available now (numpy's zeros map pages lazily: memory is committed as positions are written)."""
+        per_position = sum(p.bytes_per_position for p in (self.target_pool, self.draft_pool) if p is not None)
+        full = self.settings.max_num_seqs * self.capacity
+        if not per_position:  # caches of their own per sequence: rows are the only limit
+            return blocks_for(full)
+        if self.settings.kv_cache_gb is not None:
+            return max(1, int(self.settings.kv_cache_gb * 2**30 // (per_position * BLOCK_SIZE)))
+        available = kv_bytes if kv_bytes is not None else _available_memory()
+        limit = int(0.4 * available // per_position) if available else full
+        return blocks_for(min(full, limit))
+
+
+def _available_memory() -> int | None:
+    """MemAvailable from /proc/meminfo in bytes (None where unknown)."""
+    try:
+        with open("/proc/meminfo") as f:
+            fields = dict(line.split(":", 1) for line in f)
+        return int(fields["MemAvailable"].split()[0]) * 1024
+    except (OSError, KeyError, ValueError):
+        return None

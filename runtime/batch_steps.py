@@ -1,0 +1,199 @@
+"""The steps of the batched decoder: prefill a prompt into its row, a batched target-only step, a speculative one.
+
+`Prefill` takes one chunk of the oldest prompt per decoder step (so a long prompt stalls the running sequences
+by one chunk at most), from where the prefix cache left it; the last chunk's logits give the first token, then
+the draft's row adopts the target's KV (a draft that is the target's copy) or prefills its own.
+`ArStep` feeds every row its last token in one target call (rows still prefilling get a placeholder token
+that nothing commits). `SdStep` runs vanilla speculative decoding per sequence over its rows: draft k tokens,
+verify them in one target call, keep the accepted prefix. Every choice is the target's own at its position
+(runtime.sampling.choose_at; acceptance.accept_choices), so all three give the same text.
+"""
+
+from __future__ import annotations
+
+import time
+
+import numpy as np
+
+from mirror_rt.runtime.drafter import ModelDrafter
+from mirror_rt.runtime.reference import adopts_target_kv
+from mirror_rt.runtime.sampling import choose_at
+from mirror_rt.runtime.verifier import Verifier
+
+
+class Prefill:
+    """Prompts into their rows, one chunk per decoder step."""
+
+    def __init__(self, decoder):
+        self.decoder = decoder
+
+    def start(self, seq) -> None:
+        """Caches for a newly admitted sequence, and what the prefix cache already holds of its prompt."""
+        d = self.decoder
+        if d.pooled:
+            target_cache = d.target_pool.row_cache(seq.row)
+            d.target_pool.commit(seq.row, 0)
+        else:
+            target_cache = d.target.new_cache(d.capacity)
+        seq.state_data["target_cache"] = target_cache
+        seq.state_data["caches"] = [target_cache]
+        seq.computed = 0
+        if d.cache is not None:
+            keys = d.cache.lookup(self.fill(seq) if not seq.tokens else self.fill(seq) + [seq.last])
+            seq.reused = seq.computed = d.cache.load(d.target_pool, seq.row, keys)
+            d.target_pool.commit(seq.row, seq.computed)
+        seq.metrics.prompt_tokens = len(seq.prompt)
+
+    @staticmethod
+    def fill(seq) -> list[int]:
+        """Positions the target cache must hold before decoding: the prompt (resumed: all but the last token)."""
+        return seq.prompt + seq.tokens[:-1]
+
+    def run(self) -> None:
+        """One chunk of the oldest prefilling sequence."""
+        seq = next((s for s in self.decoder.active if s.state == "prefill" and not s.done), None)
+        if seq is None:
+            return
+        d, fill = self.decoder, self.fill(seq)
+        cache = seq.state_data["target_cache"]
+        chunk = fill[seq.computed:seq.computed + d.settings.prefill_chunk]
+        logits = None
+        if chunk:  # empty only when a resumed sequence found all of it in the prefix cache
+            with seq.metrics.stage("target_prefill"):
+                logits = self._forward(chunk, cache, alone=len(chunk) > 1 and self._alone(seq))
+        seq.computed += len(chunk)
+        if seq.computed < len(fill):
+            return
+        if not seq.tokens:  # a new sequence: the prompt's last logits give its first token
+            first = choose_at(logits[-1], seq.config.sampling, seq.config.seed, len(seq.prompt))[0]
+            seq.metrics.first_token_at = time.perf_counter()
+            seq.commit([first], 0, 0)
+        self._draft_prefill(seq, fill)
+        seq.state = "running"
+        if d.cache is not None:
+            d.cache.store(d.target_pool, seq.row, fill, limit=d.budget.spare)
+
+    def _alone(self, seq) -> bool:
+        """Whether no other sequence decodes now (the prompt may then take every core)."""
+        return not any(s.state == "running" and s is not seq for s in self.decoder.active)
+
+    def _forward(self, chunk: list[int], cache, alone: bool):
+        """The chunk's last logits [1, vocab]; on every core (a split target's prompt sessions) when alone."""
+        target = self.decoder.target
+        if alone and hasattr(target, "prefill_pipelined"):
+            return target.prefill_pipelined(chunk, cache, None)
+        forward_last = getattr(target, "forward_last", None)
+        return forward_last(chunk, cache) if forward_last else target.forward(chunk, cache)[-1:]
+
+    def _draft_prefill(self, seq, fill: list[int]) -> None:
+        """The draft's row: the target's KV when the draft is its copy (pooled), else its own prefill."""
+        d = self.decoder
+        if d.draft is None or seq.config.mode == "ar":
+            return
+        if d.pooled:
+            cache = d.draft_pool.row_cache(seq.row)
+            if adopts_target_kv(d.draft):
+                d.draft_pool.copy_from(seq.row, d.target_pool, seq.row, len(fill))
+            else:
+                d.draft_pool.commit(seq.row, 0)
+                d.draft.forward(fill, cache) if fill else None
+        else:
+            cache = d.draft.new_cache(d.capacity)
+            if fill:
+                d.draft.forward(fill, cache)
+        seq.state_data["draft_cache"] = cache
+        seq.state_data["caches"].append(cache)
+
+
+class ArStep:
+    """One target call for every row: each running sequence's last token, one new token each."""
+
+    def __init__(self, decoder):
+        self.decoder = decoder
+
+    def run(self, running: list) -> None:
+        d = self.decoder
+        t0 = time.perf_counter()
+        if d.pooled:
+            self._batched(running)
+        else:
+            for seq in running:
+                logits = d.target.forward([seq.last], seq.state_data["target_cache"])
+                self._commit(seq, logits[-1])
+        elapsed = time.perf_counter() - t0
+        for seq in running:
+            seq.metrics.durations.setdefault("batch_step", []).append(elapsed)
+
+    def _batched(self, running: list) -> None:
+        d = self.decoder
+        order = d.rows.order
+        live = set(map(id, running))
+        tokens = np.array([[s.last if id(s) in live else 0] for s in order], dtype=np.int64)  # [A, 1]
+        wide = {"wide": True} if getattr(d.target, "prompt_graphs", None) else {}  # every core: the draft idles
+        logits = d.target.forward_rows(tokens, d.target_pool, 0, **wide)  # [A, 1, vocab]
+        for row, seq in enumerate(order):
+            if id(seq) in live:
+                d.target_pool.commit(row, seq.length)  # the last token is in: all but the next one
+                self._commit(seq, logits[row, -1])
+
+    @staticmethod
+    def _commit(seq, row_logits) -> None:
+        token = choose_at(row_logits, seq.config.sampling, seq.config.seed, seq.length)[0]
+        seq.metrics.record_step(0, 0)
+        seq.commit([token], 0, 0)
+
+
+class SdStep:
+    """Vanilla speculative decoding per sequence (draft k, verify k + 1 in one target call)."""
+
+    def __init__(self, decoder):
+        self.decoder = decoder
+
+    def run(self, running: list, gamma: int) -> None:
+        for seq in running:
+            k = min(gamma, seq.config.gamma, seq.remaining - 1)
+            if seq.config.mode == "ar" or k < 1:
+                self._plain(seq)
+            else:
+                self._speculate(seq, k)
+
+    def _speculate(self, seq, k: int) -> None:
+        drafter, verifier = self._pair(seq)
+        # what the draft has not seen of the committed text (target-only steps since its last proposal)
+        drafter.pending = (seq.prompt + seq.tokens)[drafter.cache.length:seq.length - 1]
+        t0 = time.perf_counter()
+        with seq.metrics.stage("draft_propose"):
+            draft = drafter.propose(seq.last, k, seq.length)
+        with seq.metrics.stage("target_verify"):
+            verdict = verifier.verify(seq.last, draft)
+        drafter.commit(verdict)
+        seq.metrics.durations.setdefault("batch_step", []).append(time.perf_counter() - t0)
+        seq.metrics.record_step(k, verdict.num_accepted)
+        seq.commit(draft.tokens[:verdict.num_accepted] + [verdict.next_token], k, verdict.num_accepted)
+
+    def _plain(self, seq) -> None:
+        """A target-only step of one sequence (its mode is ar, or one token is left)."""
+        t0 = time.perf_counter()
+        logits = self.decoder.target.forward([seq.last], seq.state_data["target_cache"])
+        seq.metrics.durations.setdefault("batch_step", []).append(time.perf_counter() - t0)
+        ArStep._commit(seq, logits[-1])
+
+    def _pair(self, seq):
+        """The sequence's drafter and verifier over its rows (made at its first speculative step)."""
+        if "drafter" not in seq.state_data:
+            d = self.decoder
+            draft = d.draft or d.target
+            cache = seq.state_data.get("draft_cache")
+            drafter = ModelDrafter(draft, seq.config.sampling, seq.config.seed)
+            drafter.cache = cache if cache is not None else draft.new_cache(d.capacity)
+            if cache is None:  # the oracle draft (the target itself) prefills its own copy
+                draft.forward(Prefill.fill(seq), drafter.cache)
+            seq.state_data["drafter"] = drafter
+            seq.state_data["verifier"] = Verifier(d.target, seq.config.sampling, seq.config.seed,
+                                                  seq.state_data["target_cache"])
+        return seq.state_data["drafter"], seq.state_data["verifier"]
+
+    def forget(self, seq) -> None:
+        """Drop a finished sequence's drafter and verifier."""
+        seq.state_data.pop("drafter", None)
+        seq.state_data.pop("verifier", None)

@@ -1,0 +1,186 @@
+"""The batched decoder: every sequence's text equals its single-stream reference, whoever joins or leaves."""
+
+import dataclasses
+
+import pytest
+from conftest import perturbed_copy, tiny_target
+
+from mirror_rt.devices.torch_backend import TorchModel
+from mirror_rt.devices.torch_split import TorchSplitTarget
+from mirror_rt.runtime.batch import BatchDecoder, BatchSettings, KVTooLarge
+from mirror_rt.runtime.config import GenerationConfig
+from mirror_rt.runtime.reference import generate
+from mirror_rt.runtime.sampling import SamplingConfig
+from mirror_rt.runtime.sequence import Sequence
+
+
+def prompts(count: int, seed: int = 0) -> list[list[int]]:
+    """Prompts of different lengths (2..17 tokens) over the tiny vocabulary."""
+    return [[(seed * 31 + i * 7 + j * 13) % 90 + 3 for j in range(2 + (i * 5) % 16)] for i in range(count)]
+
+
+def reference(target, prompt, config: GenerationConfig) -> list[int]:
+    return [t for step in generate(target, prompt, config.max_new_tokens, config.sampling, config.seed)
+            for t in step]
+
+
+def run(decoder: BatchDecoder, arrivals: list[tuple[int, Sequence]], max_steps: int = 5000) -> None:
+    """Add each sequence at its step; step until every sequence is done."""
+    arrivals = sorted(arrivals, key=lambda a: a[0])
+    step = 0
+    while arrivals or not decoder.idle:
+        while arrivals and arrivals[0][0] <= step:
+            decoder.add(arrivals.pop(0)[1])
+        decoder.step()
+        step += 1
+        assert step < max_steps
+    decoder.close()
+
+
+def sequence(i: int, prompt, config: GenerationConfig) -> Sequence:
+    return Sequence(f"s{i}", list(prompt), config, budget=config.max_new_tokens)
+
+
+@pytest.fixture(scope="module", params=["torch", "onnx"])
+def pair(request, tmp_path_factory):
+    """(target, draft): tiny torch models (float64), or a tiny exported ONNX bundle on ONNX Runtime (the
+    default serving path: batched graphs over row pools, an int8 draft that adopts the target's rows)."""
+    if request.param == "torch":
+        target = tiny_target(seed=3)
+        return TorchSplitTarget(target), TorchModel(perturbed_copy(target, noise=0.3, seed=4))
+    from mirror_rt import load_bundle
+    from mirror_rt.exporters.export import export_bundle
+
+    folder = export_bundle("tiny", tmp_path_factory.mktemp("bundle"), progress=False)
+    engine = load_bundle(str(folder), mode="mirror")
+    return engine.target, engine.draft
+
+
+@pytest.mark.parametrize("mode", ["ar", "sd", "mirror"])
+@pytest.mark.parametrize("max_num_seqs", [4, 8])
+def test_staggered_arrivals_equal_reference(pair, mode, max_num_seqs):
+    """12 prompts joining at different steps into batches of up to 4 and 8: each text equals its own ar."""
+    target, draft = pair
+    decoder = BatchDecoder(target, draft, BatchSettings(max_num_seqs=max_num_seqs))
+    seqs = []
+    for i, prompt in enumerate(prompts(12)):
+        config = GenerationConfig(max_new_tokens=10 + 3 * i, mode=mode, gamma=1 + i % 4)
+        seqs.append((i * 2, sequence(i, prompt, config)))
+    run(decoder, seqs)
+    for _, seq in seqs:
+        assert seq.tokens == reference(target, seq.prompt, seq.config), seq.id
+        assert seq.finish_reason == "length" and seq.state == "done"
+    assert decoder.idle and len(decoder.rows) == 0 and decoder.budget.reserved == 0
+
+
+def test_modes_mix_in_one_batch(pair):
+    """ar, sd and mirror sequences decode side by side; each equals its reference; mirror ones speculated."""
+    target, draft = pair
+    decoder = BatchDecoder(target, draft, BatchSettings(max_num_seqs=6))
+    seqs = [(i, sequence(i, p, GenerationConfig(max_new_tokens=25, mode=("ar", "sd", "mirror")[i % 3], gamma=3)))
+            for i, p in enumerate(prompts(6, 3))]
+    steps = {s.id: [] for _, s in seqs}
+    for _, seq in seqs:
+        seq.sink = lambda s, tokens, drafted, accepted: steps[s.id].append((len(tokens), drafted, accepted))
+    run(decoder, seqs)
+    for _, seq in seqs:
+        assert seq.tokens == reference(target, seq.prompt, seq.config)
+        drafted = sum(d for _, d, _ in steps[seq.id])
+        assert (drafted == 0) == (seq.config.mode == "ar")
+        assert sum(n for n, _, _ in steps[seq.id]) == len(seq.tokens)
+    assert not [t for t in __import__("threading").enumerate() if t.name == "mirror-draft" and t.is_alive()]
+
+
+def test_seeded_sampling_repeats_whatever_the_companions(pair):
+    """A seeded sampled request gives the same tokens alone, in a batch, and in sd: its draws are keyed by
+    position, never by what else runs."""
+    target, draft = pair
+    config = GenerationConfig(max_new_tokens=24, mode="sd", seed=7, sampling=SamplingConfig(temperature=0.9))
+    alone = BatchDecoder(target, draft, BatchSettings(max_num_seqs=1))
+    solo = sequence(0, [5, 6, 7], config)
+    run(alone, [(0, solo)])
+    crowded = BatchDecoder(target, draft, BatchSettings(max_num_seqs=4))
+    again = sequence(1, [5, 6, 7], dataclasses.replace(config, mode="ar"))
+    mirrored = sequence(2, [5, 6, 7], dataclasses.replace(config, mode="mirror"))
+    others = [(i, sequence(10 + i, p, dataclasses.replace(config, seed=i))) for i, p in enumerate(prompts(5, 1))]
+    run(crowded, others + [(3, again), (5, mirrored)])
+    assert solo.tokens == again.tokens == mirrored.tokens == reference(target, [5, 6, 7], config)
+
+
+def test_cancel_mid_batch_leaves_the_others(pair):
+    """A sequence cancelled after a few steps frees its row; the others' text is unchanged."""
+    target, draft = pair
+    decoder = BatchDecoder(target, draft, BatchSettings(max_num_seqs=4))
+    config = GenerationConfig(max_new_tokens=20, mode="sd", gamma=3)
+    seqs = [sequence(i, p, config) for i, p in enumerate(prompts(4, 2))]
+    for seq in seqs:
+        decoder.add(seq)
+    for _ in range(4):
+        decoder.step()
+    seqs[1].cancel()
+    while not decoder.idle:
+        decoder.step()
+    assert seqs[1].finish_reason == "cancelled" and len(seqs[1].tokens) < 20
+    for seq in seqs[:1] + seqs[2:]:
+        assert seq.tokens == reference(target, seq.prompt, config)
+
+
+def test_a_request_too_large_is_refused_in_one_line(pair):
+    target, draft = pair
+    decoder = BatchDecoder(target, draft, BatchSettings(max_num_seqs=2, kv_cache_gb=1e-5))
+    with pytest.raises(KVTooLarge, match="KV positions but the KV cache holds"):
+        decoder.add(sequence(0, [3] * 60, GenerationConfig(max_new_tokens=150, mode="ar")))
+
+
+def test_a_request_that_cannot_fit_now_waits(pair):
+    """With room for one sequence's blocks, the second waits for the first to finish, then runs."""
+    target, draft = pair
+    config = GenerationConfig(max_new_tokens=20, mode="ar")
+    decoder = BatchDecoder(target, draft, BatchSettings(max_num_seqs=4))
+    decoder.budget.total = decoder.blocks_needed(sequence(0, [3] * 10, config)) + 1
+    first, second = sequence(0, [3] * 10, config), sequence(1, [4] * 10, config)
+    decoder.add(first)
+    decoder.add(second)
+    decoder.step()
+    assert first.state == "running" and second.state == "waiting"
+    while not decoder.idle:
+        decoder.step()
+    assert second.tokens == reference(target, second.prompt, config)
+
+
+def test_second_turn_hits_the_prefix_cache(pair):
+    """The next turn of a chat reuses the blocks of the first; its text equals the text without the cache."""
+    target, draft = pair
+    config = GenerationConfig(max_new_tokens=30, mode="sd")
+    decoder = BatchDecoder(target, draft, BatchSettings(max_num_seqs=2))
+    first = sequence(0, prompts(8)[7] + prompts(8)[6], config)
+    run(decoder, [(0, first)])
+    turn = first.prompt + first.tokens + [11, 12, 13]
+    second = sequence(1, turn, config)
+    hits = decoder.cache.hits
+    run(decoder, [(0, second)])
+    assert second.reused >= 32 and decoder.cache.hits - hits == second.reused
+    assert second.tokens == reference(target, turn, config)
+    cold = BatchDecoder(target, draft, BatchSettings(max_num_seqs=2, prefix_cache=False))
+    again = sequence(2, turn, config)
+    run(cold, [(0, again)])
+    assert again.tokens == second.tokens and again.reused == 0
+
+
+def test_memory_stays_bounded_over_many_requests(pair):
+    """200 short requests through 4 rows: rows, reservations and cached blocks never pass their limits."""
+    target, draft = pair
+    decoder = BatchDecoder(target, draft, BatchSettings(max_num_seqs=4))
+    config = GenerationConfig(max_new_tokens=3, mode="ar")
+    seqs = [(i // 4, sequence(i, prompts(200, i)[i % 200][:12] + [i % 90 + 3] * 20, config)) for i in range(200)]
+    peak = 0
+    arrivals = sorted(seqs, key=lambda a: a[0])
+    step = 0
+    while arrivals or not decoder.idle:
+        while arrivals and arrivals[0][0] <= step:
+            decoder.add(arrivals.pop(0)[1])
+        decoder.step()
+        peak = max(peak, decoder.budget.reserved + len(decoder.cache))
+        step += 1
+    assert all(s.done for _, s in seqs)
+    assert peak <= decoder.budget.total and len(decoder.rows) == 0

@@ -1,0 +1,48 @@
+"""The speculation policy: measured rates decide, unmeasured ways are tried, switches need a clear gain."""
+
+from mirror_rt.runtime.policy import AR, SPEC, SpeculationPolicy
+
+
+def drive(policy: SpeculationPolicy, batch: int, rates: dict, steps: int) -> list[str]:
+    """Run `steps` decisions at `batch`, feeding back tokens/s from `rates` (way -> tokens per second)."""
+    ways = []
+    for _ in range(steps):
+        way = policy.choose(batch)
+        policy.record(way, batch, int(rates[way]), 1.0)
+        ways.append(way)
+    return ways
+
+
+def test_the_faster_way_wins_after_both_were_measured():
+    policy = SpeculationPolicy(explore=2, refresh=1000)
+    ways = drive(policy, 1, {SPEC: 80, AR: 45}, 20)
+    assert ways[:4] == [SPEC, SPEC, AR, AR] and set(ways[4:]) == {SPEC}
+    ways = drive(policy, 4, {SPEC: 70, AR: 150}, 20)
+    assert set(ways[4:]) == {AR}
+
+
+def test_speculation_that_lost_at_a_smaller_batch_is_not_tried_again_larger():
+    policy = SpeculationPolicy(explore=2, refresh=1000)
+    drive(policy, 2, {SPEC: 60, AR: 90}, 10)
+    assert set(drive(policy, 5, {SPEC: 10, AR: 200}, 10)) == {AR}
+
+
+def test_small_gains_do_not_flip_the_way():
+    """Rates within the margin keep the current way (no oscillation at a switch point)."""
+    policy = SpeculationPolicy(explore=1, refresh=1000, margin=0.1)
+    drive(policy, 3, {SPEC: 100, AR: 95}, 5)
+    assert set(drive(policy, 3, {SPEC: 100, AR: 105}, 30)) == {SPEC}
+
+
+def test_the_way_not_taken_is_measured_again():
+    policy = SpeculationPolicy(explore=1, refresh=10)
+    ways = drive(policy, 1, {SPEC: 100, AR: 50}, 40)
+    assert ways[2:].count(AR) >= 3  # refreshed now and then: a changed machine is noticed
+
+
+def test_gamma_is_zero_when_nobody_speculates():
+    from types import SimpleNamespace
+
+    policy = SpeculationPolicy()
+    running = [SimpleNamespace(config=SimpleNamespace(mode="ar", gamma=4))]
+    assert policy.gamma(None, running) == 0
