@@ -71,7 +71,8 @@ def load_bundle(options: EngineOptions, mode: str | None = None, verify: bool = 
              "target_device": placement.target, "draft_device": placement.draft,
              "target_precision": manifest.graph("target_prefix").precision,
              "draft_precision": draft_manifest.graph("draft").precision, "placement": placement.describe()}
-    return Engine(target, load_tokenizer(Path(bundle), manifest), draft, names, both, placement, manifest)
+    return Engine(target, load_tokenizer(Path(bundle), manifest), draft, names, both, placement, manifest,
+                  batch=options.batch)
 
 
 def in_worker_thread(folder, manifest, role, device, strict, budget):

@@ -23,7 +23,7 @@ from mirror_rt.models.default_model import DEFAULT_MODEL
 from mirror_rt.runtime.affinity import available_cores
 from mirror_rt.runtime.engine import Engine, GenerationError
 
-BUNDLE_VERSION = "0.1.0"  # part of the default bundle's folder name: bump when the default export changes
+BUNDLE_VERSION = "0.2.0"  # part of the default bundle's folder name: bump when the default export changes
 
 
 def load_engine(options: EngineOptions | None = None, mode: str | None = None, log=stderr_line) -> Engine:

@@ -1,7 +1,8 @@
 """What an engine is assembled from: one small frozen dataclass per concern, each field named as its CLI flag.
 
-`ModelOptions` (what runs), `DeviceOptions` (where), `PrecisionOptions` (at what precision) and the split
-(`models.config.SplitOptions`: exit layer, kappa) travel together as `EngineOptions`, which `load_engine`,
+`ModelOptions` (what runs), `DeviceOptions` (where), `PrecisionOptions` (at what precision), the split
+(`models.config.SplitOptions`: exit layer, kappa) and the batch (`runtime.batch.BatchSettings`: sequences decoded
+at once, KV memory, prefix cache, adaptive speculation) travel together as `EngineOptions`, which `load_engine`,
 `load_torch`, `load_bundle` and `mirror_rt.load` take. Each default is written once, here (the split's in
 `SplitOptions`); `EngineOptions.from_flags` is the one place flat flag-named values become these objects.
 Torch-only settings are None when not given: giving any of them, even at its default value, asks for torch
@@ -14,6 +15,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field, fields, replace
 
 from mirror_rt.models.config import SplitOptions
+from mirror_rt.runtime.batch import BatchSettings
 
 # The options only the torch engine understands: any of them given asks for torch eager.
 TORCH_OPTIONS = ("model", "draft_model", "device", "dtype", "threads", "exit_layer", "kappa", "draft_streams",
@@ -62,6 +64,7 @@ class EngineOptions:
     devices: DeviceOptions = field(default_factory=DeviceOptions)
     precision: PrecisionOptions = field(default_factory=PrecisionOptions)
     split: SplitOptions = field(default_factory=SplitOptions)
+    batch: BatchSettings = field(default_factory=BatchSettings)  # sequences decoded at once, KV memory
 
     @classmethod
     def from_flags(cls, **flags) -> EngineOptions:
@@ -89,7 +92,8 @@ class EngineOptions:
         return replace(self, **changed)
 
 
-_PARTS = {"models": ModelOptions, "devices": DeviceOptions, "precision": PrecisionOptions, "split": SplitOptions}
+_PARTS = {"models": ModelOptions, "devices": DeviceOptions, "precision": PrecisionOptions, "split": SplitOptions,
+          "batch": BatchSettings}
 
 
 def flag_names() -> list[str]:

@@ -83,7 +83,7 @@ def load_torch(options: EngineOptions | None = None, mode: str | None = None, lo
         finally:
             torch.set_num_threads(previous)
     cpus = placement.worker_cores if devices.pin else None
-    return Engine(split, target.tokenizer, draft, names, cpus, placement)
+    return Engine(split, target.tokenizer, draft, names, cpus, placement, batch=options.batch)
 
 
 def _default_draft(options: EngineOptions, device: str, log):

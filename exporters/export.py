@@ -346,7 +346,7 @@ def _manifest(cfg: ExportConfig, limits: Limits, target, draft, entries, tokeniz
           "state": {"openvino": "openvino model state"}.get(cfg.fmt, "explicit inputs/outputs"),
           "shared": cfg.kv == "shared"}  # buffers written in place (exporters.shared_kv): ONNX Runtime only
     if kv["shared"]:
-        kv["state"] = "shared buffers [1, KVH, capacity, D] + total_len (GroupQueryAttention)"
+        kv["state"] = "shared buffers [rows, KVH, capacity, D] + total_len [rows] (GroupQueryAttention)"
     return BundleManifest(
         format_version=FORMAT_VERSION, graphs=tuple(entries), n_layers=c.n_layers, exit_layer=limits.exit_layer,
         kappa=limits.kappa, kv_layout=kv, vocab_size=c.vocab_size, tokenizer=tokenizer,

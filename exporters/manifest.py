@@ -16,8 +16,10 @@ from pathlib import Path
 
 # 2: the early exit is its own stateless graph (target_exit); version 1 prefixes computed it.
 # 3: dynamic logits graphs (target_suffix, draft) take `last_rows`; the manifest says `draft_of_target`.
-FORMAT_VERSION = 3
-READABLE_VERSIONS = (2, 3)  # backends detect `last_rows` per graph, so version-2 bundles still run
+# 4: shared-KV ONNX graphs take rows of sequences ([B, T] ids, [B, KVH, S, D] buffers, total_len [B]).
+FORMAT_VERSION = 4
+READABLE_VERSIONS = (2, 3, 4)  # backends detect `last_rows` and batched graphs per graph: older bundles still run
+# (one sequence a call: runtime.batch decodes their requests side by side, without shared calls)
 MANIFEST = "manifest.json"
 GRAPH_FORMATS = ("torch", "onnx", "openvino")
 PRECISIONS = ("fp32", "fp16", "bf16", "int8", "int4", "q4_1")

@@ -12,7 +12,9 @@ the settings object wrote.
 
 from __future__ import annotations
 
-from mirror_rt.cli_args import budget, count, number, positive_int
+import argparse
+
+from mirror_rt.cli_args import budget, count, number, positive_int, positive_number
 from mirror_rt.devices.options import EngineOptions, flag_names
 from mirror_rt.models.config import DEFAULT_KAPPA
 from mirror_rt.models.default_model import DEFAULT_MODEL
@@ -44,8 +46,19 @@ ENGINE_HELP = {
     "compile": "torch: static-shape windows under torch.compile (CUDA graphs on CUDA, inductor on CPU)",
     "exit_layer": "torch: early-exit layer (mirror; default N/2)",
     "kappa": f"torch: early-exit candidates per position (mirror; default {DEFAULT_KAPPA})",
+    "max_num_seqs": "sequences decoded at once (default %(default)s): more wait, up to --max-queued",
+    "kv_cache_gb": "KV memory of both models' rows and the prefix cache, in GB (default: every row at full "
+                   "length, within 40%% of the memory available at load)",
+    "prefill_chunk": "prompt tokens per prefill call (default %(default)s): a long prompt stalls the running "
+                     "requests by one chunk at most",
+    "prefix_cache": "keep full 16-token blocks of finished requests for later ones that share them (default: on)",
+    "adaptive_speculation": "speculate only while it pays at this load: draft windows per batch size from the step "
+                            "costs measured, down to target-only steps (default: on)",
 }
-ENGINE_TYPES = {"threads": positive_int, "exit_layer": positive_int, "kappa": positive_int}
+BATCH = ("max_num_seqs", "kv_cache_gb", "prefill_chunk", "prefix_cache", "adaptive_speculation")  # serve's
+ENGINE_TYPES = {"threads": positive_int, "exit_layer": positive_int, "kappa": positive_int,
+                "max_num_seqs": positive_int, "kv_cache_gb": positive_number, "prefill_chunk": positive_int}
+ON_OFF = ("prefix_cache", "adaptive_speculation")  # --name / --no-name
 ENGINE_CHOICES = {"draft_precision": ("f32", "bf16")}
 SWITCHES = ("torch", "strict_devices", "compile")  # flags without a value
 # The decoding and request options, by field name (sampling fields are SamplingConfig's, given flat).
@@ -53,13 +66,17 @@ DECODING = ("gamma", "branch_budget", "draft_lookup", "early_exit")
 REQUEST = ("max_new_tokens", "temperature", "top_p", "top_k", "seed", "stop_strings")
 
 
-def add_engine_options(parser, names=tuple(ENGINE_HELP)) -> None:
-    """The engine flags among `names` (default: all), each an EngineOptions field with its default."""
+def add_engine_options(parser, names=tuple(n for n in ENGINE_HELP if n not in BATCH)) -> None:
+    """The engine flags among `names` (default: all but the batch's, which only `serve` takes), each an
+    EngineOptions field with its default."""
     values = {name: value for part in vars(ENGINE).values() for name, value in vars(part).items()}
     parser = parser.add_argument_group("engine: what runs where (devices.options.EngineOptions)")
     for name in names:
         flag = "--" + name.replace("_", "-")
-        if name in SWITCHES:  # store_true; compile stays None when not given (a torch-only option)
+        if name in ON_OFF:
+            parser.add_argument(flag, action=argparse.BooleanOptionalAction, default=values[name],
+                                help=ENGINE_HELP[name])
+        elif name in SWITCHES:  # store_true; compile stays None when not given (a torch-only option)
             parser.add_argument(flag, action="store_true", default=values[name], help=ENGINE_HELP[name])
         else:
             parser.add_argument(flag, type=ENGINE_TYPES.get(name), choices=ENGINE_CHOICES.get(name),

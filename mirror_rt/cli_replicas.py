@@ -39,7 +39,8 @@ def cluster_settings(args, torch_engine: bool) -> ClusterSettings:
 
     target, draft = (args.device or "cpu", "cpu") if torch_engine else (args.target, args.draft)
     given = {f.name: getattr(args, f.name) for f in fields(ClusterSettings) if getattr(args, f.name, None) is not None}
-    return ClusterSettings(**given, actor_options=replica_resources(args.mode, target, draft, args.threads))
+    return ClusterSettings(**given, actor_options=replica_resources(args.mode, target, draft, args.threads),
+                           batch_rows=args.max_num_seqs)
 
 
 def serve_on_ray(args, settings, load, torch_engine: bool) -> int:

@@ -8,7 +8,13 @@ there. `ray_serve_app` builds the same app for a RayService (KubeRay) from `serv
 from __future__ import annotations
 
 from mirror_rt.cli_args import count, port_number, positive_number
-from mirror_rt.cli_options import add_decoding_options, add_engine_options, engine_options, generation_config
+from mirror_rt.cli_options import (
+    ENGINE_HELP,
+    add_decoding_options,
+    add_engine_options,
+    engine_options,
+    generation_config,
+)
 from mirror_rt.cli_replicas import add_replica_options, cluster_settings, serve_on_ray, wants_ray
 from mirror_rt.serving.settings import ServerSettings
 
@@ -18,7 +24,7 @@ SERVER = ServerSettings()  # the server's defaults, read by its flags
 def add_serve(sub) -> None:
     serve = sub.add_parser("serve", help="an OpenAI-compatible HTTP server (chat and text completions, "
                            "Prometheus /metrics)")
-    add_engine_options(serve)
+    add_engine_options(serve, tuple(ENGINE_HELP))
     add_decoding_options(serve)
     serve.add_argument("--host", default=SERVER.host, help="address to listen on (default %(default)s)")
     serve.add_argument("--port", type=port_number, default=SERVER.port, help="port (default %(default)s)")

@@ -36,6 +36,7 @@ class BatchSettings:
     kv_cache_gb: float | None = None  # KV memory of both models' rows and the prefix cache; None: from free memory
     prefill_chunk: int = 256  # prompt positions per prefill call, so a long prompt never stalls the others long
     prefix_cache: bool = True  # keep full blocks of finished requests for the next ones that share them
+    adaptive_speculation: bool = True  # speculate only while it pays at this load (runtime.policy); False: as asked
 
     def __post_init__(self):
         if self.max_num_seqs < 1:
@@ -68,11 +69,22 @@ class BatchDecoder:
         self.waiting: collections.deque[Sequence] = collections.deque()
         self.active: list[Sequence] = []  # holding a row: prefill, then running
         self.lock = threading.Lock()
-        self.policy = policy or SpeculationPolicy()
+        self.policy = policy or SpeculationPolicy(adaptive=settings.adaptive_speculation)
         self.gamma = 0  # gamma of the latest step (0: target-only), the server's gauge
         self.prefill, self.ar, self.sd = Prefill(self), ArStep(self), SdStep(self)
         self.mirror = MirrorStep(self, cpus)
         self.steps = 0
+
+    def describe(self) -> str:
+        """How this decoder batches, for the server's start-up line."""
+        s = self.settings
+        if not self.pooled:
+            return (f"up to {s.max_num_seqs} sequences side by side, one model call each (these graphs take one "
+                    "sequence a call: no shared calls, no prefix cache)")
+        per_block = sum(p.bytes_per_position for p in (self.target_pool, self.draft_pool) if p) * BLOCK_SIZE
+        return (f"batches of up to {s.max_num_seqs} sequences, KV {self.budget.total * per_block / 2**30:.1f} GB "
+                f"({self.budget.total} blocks of {BLOCK_SIZE}), prefix cache {'on' if self.cache else 'off'}, "
+                f"speculation {'adaptive' if s.adaptive_speculation else 'as requests ask'}")
 
     # --- other threads ---------------------------------------------------------------
 
@@ -105,6 +117,8 @@ class BatchDecoder:
             self._decode(running)
             self.steps += 1
         self._release()
+        if self.idle:  # nothing left to draft for: the draft thread ends (it starts again with the next request)
+            self.mirror.close()
         return not self.idle
 
     def _decode(self, running: list[Sequence]) -> None:
@@ -121,8 +135,8 @@ class BatchDecoder:
         way = AR if gamma == 0 else SPEC
         self.policy.record(way, len(running), sum(len(s.tokens) for s in running) - before, time.perf_counter() - t0)
         self.gamma = gamma
-        for seq in running:
-            seq.metrics.extra["gamma_steps"] = seq.metrics.extra.get("gamma_steps", 0) + (gamma > 0)
+        for seq in running:  # its share of speculative steps (the request's stats)
+            seq.state_data["speculative_steps"] = seq.state_data.get("speculative_steps", 0) + (gamma > 0)
 
     def close(self) -> None:
         """Stop the draft worker (the decoder can still step: it starts again when needed)."""
@@ -145,7 +159,7 @@ class BatchDecoder:
                 continue
             with self.lock:
                 self.waiting.popleft()
-            seq.row, seq.state = self.rows.add(seq), "prefill"
+            seq.row, seq.state, seq.admitted = self.rows.add(seq), "prefill", time.perf_counter()
             self.active.append(seq)
             self.prefill.start(seq)
 

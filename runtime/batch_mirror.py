@@ -14,7 +14,7 @@ through it.
 from __future__ import annotations
 
 from mirror_rt.runtime.affinity import pin, restore
-from mirror_rt.runtime.draft_worker import DraftWorker, Join, Leave, Move
+from mirror_rt.runtime.draft_worker import DraftStats, DraftWorker, Join, Leave, Move
 from mirror_rt.runtime.mirror import DraftLink, TargetRow
 
 
@@ -100,9 +100,8 @@ class MirrorStep:
         row = seq.state_data.pop("mirror", None)
         if row is not None:
             self.worker.call(seq.id, Leave(), seq.config.draft_timeout_s)
-            if row.alive:
-                seq.metrics.extra.setdefault("mirror_rejoins", 0)
-                seq.metrics.extra["mirror_rejoins"] += 1
+            stats = self.worker.finished.pop(seq.id, None) or DraftStats()
+            seq.state_data.setdefault("mirror_parts", []).append((stats, row.counters))
 
     def move(self, seq, pool, dest: int) -> bool:
         """Move a joined sequence's draft row through the worker (in order with its work); False if not joined."""

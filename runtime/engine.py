@@ -1,26 +1,28 @@
-"""The engine: a target (and optional draft) ready to turn prompts into streamed text.
+"""The engine: a target (and optional draft) that turns prompts into streamed text, many at once.
 
-It prepares the prompt (chat template when the model has one), checks the context and the
-vocabularies, picks the decoder for the mode (`ar` reference, `sd` vanilla speculative),
-and turns committed tokens into text through `TextStream`. The decoders never see text;
-the engine never sees logits. The cancel hook: `Generation.cancel()` (any thread) ends the
-generation at the next step boundary; closing the decoder stops its workers (Mirror's draft
-thread included), and the next generation starts from fresh caches.
+It prepares prompts (chat template when the model has one), checks the context and the vocabularies, and runs
+every generation through one batched decoder (runtime.batch): `stream()` / `generate()` drive it from the
+caller's thread, one prompt at a time; a server `submit`s many and calls `step()` from its engine thread.
+Each generation's committed tokens become text through its own `TextStream` (end of sequence, stop strings),
+and each decode step is kept as a `Step` (tokens, drafted, accepted: every token's origin). The decoders never
+see text; the engine never sees logits. The cancel hook: `Generation.cancel()` (any thread) ends the generation
+at the next step boundary and frees its row for the others.
 """
 
 from __future__ import annotations
 
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field, replace
 
+from mirror_rt.runtime.batch import BatchDecoder, BatchSettings, KVTooLarge
 from mirror_rt.runtime.config import GenerationConfig, make_config
-from mirror_rt.runtime.draft_worker import DraftSettings
-from mirror_rt.runtime.metrics import Metrics
-from mirror_rt.runtime.mirror import MirrorSettings, mirror_generate
-from mirror_rt.runtime.reference import generate as reference_generate
-from mirror_rt.runtime.speculative import speculative_generate
+from mirror_rt.runtime.draft_row import DraftStats
+from mirror_rt.runtime.draft_worker import summed
+from mirror_rt.runtime.mirror_stats import mirror_summary
+from mirror_rt.runtime.reference import token_budget
+from mirror_rt.runtime.sequence import Sequence
 from mirror_rt.runtime.text_stream import TextStream
 
 
@@ -28,18 +30,33 @@ class GenerationError(ValueError):
     """A request that cannot be served (one-line message)."""
 
 
-@dataclass
+@dataclass(frozen=True)
+class Step:
+    """One decode step of one generation: when, how many tokens it committed, the window it verified."""
+
+    time: float  # perf_counter when the tokens were committed
+    tokens: int  # tokens committed by the step
+    drafted: int = 0  # draft tokens verified (k; 0: a target-only step or the prompt's first token)
+    accepted: int = 0  # of them, accepted (A)
+
+
+@dataclass(eq=False)
 class Generation:
     """A generation in progress: iterate for text pieces; text, tokens and stats fill in."""
 
-    pieces: Iterator[str]
+    pieces: Iterator[str] = iter(())
     text: str = ""  # the full text so far
-    tokens: list[int] = field(default_factory=list)  # generated ids (EOS excluded)
-    stop_reason: str | None = None  # eos | stop_string | max_new_tokens | context | cancelled
+    tokens: list[int] = field(default_factory=list)  # generated ids (EOS excluded), growing as it runs
+    stop_reason: str | None = None  # eos | stop_string | max_new_tokens | context | cancelled | error
     stats: dict = field(default_factory=dict)  # Metrics.summary() plus mode and models
-    steps: list[tuple[float, int]] = field(default_factory=list)  # (perf_counter, tokens committed) per step
+    steps: list[Step] = field(default_factory=list)  # one per decode step
     durations: dict[str, list[float]] = field(default_factory=dict)  # Metrics.durations, once finished
     cancel_event: threading.Event = field(default_factory=threading.Event)
+    finished: bool = False
+    on_piece: Callable[[Generation, str], None] | None = None  # push mode: each text piece (engine thread)
+    on_finish: Callable[[Generation], None] | None = None  # push mode: once, after the stats are in
+    queued: list[str] = field(default_factory=list)  # pull mode: pieces not yet taken
+    sequence: Sequence | None = None  # its state in the decoder (runtime.sequence)
 
     def __iter__(self):
         return self.pieces
@@ -53,16 +70,26 @@ class Generation:
         return self.cancel_event.is_set()
 
 
+@dataclass(eq=False)
+class _Live:
+    """What the engine keeps of a running generation."""
+
+    gen: Generation
+    seq: Sequence
+    text: TextStream
+
+
 class Engine:
-    """A target model with an optional draft model and a shared tokenizer.
+    """A target model with an optional draft model and a shared tokenizer, decoding a batch of requests.
 
     Limitations:
-    - batch size 1;
-    - the draft must share the target's vocabulary (refused otherwise).
+    - the draft must share the target's vocabulary (refused otherwise);
+    - `stream` / `generate` step the decoder themselves: one thread drives an engine at a time.
     """
 
     def __init__(self, target, tokenizer, draft=None, names: dict | None = None,
-                 cpus: tuple[int, int] | None = None, placement=None, manifest=None):
+                 cpus: tuple[int, int] | None = None, placement=None, manifest=None,
+                 batch: BatchSettings | None = None):
         self.target = target  # LoadedModel (with forward_prefix/forward_suffix for mirror mode)
         self.draft = draft  # LoadedModel, or None: the target drafts for itself (oracle draft)
         self.tokenizer = tokenizer
@@ -71,6 +98,11 @@ class Engine:
         # where each role runs and what fell back (devices.placement.Placement); None: not assembled by devices/
         self.placement = placement
         self.manifest = manifest  # the bundle's exporters.manifest.BundleManifest; None: not a bundle
+        self.batch = batch or BatchSettings()
+        self._decoder: BatchDecoder | None = None
+        self._live: dict[int, _Live] = {}  # id(sequence) -> its generation
+        self._lock = threading.Lock()
+        self._ids = iter(range(1 << 62))
         if draft is not None and draft.vocab_size != target.vocab_size:
             raise GenerationError(f"vocabulary mismatch: target has {target.vocab_size} tokens, "
                                   f"draft has {draft.vocab_size}")
@@ -79,6 +111,13 @@ class Engine:
     def default_mode(self) -> str:
         """The mode of a request that names none: mirror where the target is split at its early exit, else sd."""
         return "mirror" if hasattr(self.target, "forward_prefix") else "sd"
+
+    @property
+    def decoder(self) -> BatchDecoder:
+        """The batched decoder (made at the first request: its KV rows take memory)."""
+        if self._decoder is None:
+            self._decoder = BatchDecoder(self.target, self.draft, self.batch, cpus=self.cpus)
+        return self._decoder
 
     def prompt_ids(self, prompt, chat: bool = True) -> list[int]:
         """Token ids for a string (chat template applied if chat), a list of chat messages, or token ids."""
@@ -90,6 +129,19 @@ class Engine:
             return self.tokenizer.chat_prompt([{"role": "user", "content": prompt}])
         return self.tokenizer.encode(prompt)
 
+    def config_for(self, config: GenerationConfig | None = None, **options) -> GenerationConfig:
+        """`config` with `options` (field names) applied and the mode resolved; GenerationError for a mode the
+        engine cannot run."""
+        config = make_config(config, **options)
+        if config.mode is None:
+            config = replace(config, mode=self.default_mode)
+        if config.mode == "mirror" and not hasattr(self.target, "forward_prefix"):
+            raise GenerationError("mode 'mirror' needs a target split at its early exit "
+                                  "(load a bundle, or a torch model through its split target)")
+        return config
+
+    # --- one request, driven by the caller --------------------------------------------------
+
     def stream(self, prompt, config: GenerationConfig | None = None, chat: bool = True,
                **options) -> Generation:
         """Start generating; iterate the result for text pieces as they are committed.
@@ -97,17 +149,8 @@ class Engine:
         `options` override fields of `config` by their field names (max_new_tokens, mode, gamma,
         temperature, top_k, top_p, seed, stop_strings, ignore_eos, draft_lookup, ...).
         """
-        config = make_config(config, **options)
-        if config.mode is None:
-            config = replace(config, mode=self.default_mode)
-        ids = self.prompt_ids(prompt, chat)
-        if not ids:
-            raise GenerationError("empty prompt")
-        if len(ids) >= self.target.max_seq_len:
-            raise GenerationError(f"prompt too long: {len(ids)} tokens, the model's context is "
-                                  f"{self.target.max_seq_len} (at least one token must be generated)")
-        gen = Generation(pieces=iter(()))
-        gen.pieces = self._run(ids, config, gen)
+        gen = self.submit(self.prompt_ids(prompt, chat), make_config(config, **options))
+        gen.pieces = self._drive(gen)
         return gen
 
     def generate(self, prompt, config: GenerationConfig | None = None, chat: bool = True,
@@ -118,58 +161,146 @@ class Engine:
             pass
         return gen
 
-    def _decoder(self, ids, config: GenerationConfig, metrics: Metrics):
-        if config.mode == "ar":
-            return reference_generate(self.target, ids, config.max_new_tokens, config.sampling,
-                                      config.seed, metrics)
-        if config.mode == "sd":
-            draft = self.draft or self.target
-            return speculative_generate(self.target, draft, ids, config.max_new_tokens,
-                                        config.gamma, config.sampling, config.seed, metrics)
-        if not hasattr(self.target, "forward_prefix"):
-            raise GenerationError("mode 'mirror' needs a target split at its early exit "
-                                  "(load a bundle, or a torch model through its split target)")
-        target_cpu, draft_cpu = self.cpus or (None, None)
-        settings = MirrorSettings(target_cpu=target_cpu, draft=DraftSettings(cpu=draft_cpu))
-        return mirror_generate(self.target, self.draft or self.target, ids, config, settings, metrics)
-
-    def _run(self, ids, config: GenerationConfig, gen: Generation) -> Iterator[str]:
-        metrics = Metrics(prompt_tokens=len(ids))
-        eos = () if config.ignore_eos else self.tokenizer.eos_token_ids
-        text = TextStream(self.tokenizer, eos, config.stop_strings)
-        steps = self._decoder(ids, config, metrics)
+    def _drive(self, gen: Generation) -> Iterator[str]:
         try:
-            for tokens in () if gen.cancelled else steps:  # cancelled before the start: not even a prefill
-                now = time.perf_counter()
-                metrics.first_token_at = metrics.first_token_at or now
-                gen.steps.append((now, len(tokens)))
-                if gen.cancelled:  # the step's tokens are dropped: a cancelled request wants nothing more
-                    break
-                for token in tokens:
-                    piece = text.push(token)
-                    if piece:
-                        gen.text += piece
-                        yield piece
-                    if text.done:
-                        break
-                if text.done or gen.cancelled:
-                    break
-            piece = "" if gen.cancelled else text.flush()
-            if piece:
-                gen.text += piece
-                yield piece
-        finally:
-            steps.close()  # stops the decoder's workers (Mirror: the draft thread) before returning
-            self._finish(gen, text, ids, config, metrics)
+            while not gen.finished or gen.queued:
+                if gen.queued:
+                    yield gen.queued.pop(0)
+                else:
+                    self.step()
+        finally:  # closed early (Ctrl-C, a consumer that stopped reading): cancel and let it leave
+            if not gen.finished:
+                gen.cancel()
+                while not gen.finished:
+                    self.step()
 
-    def _finish(self, gen: Generation, text: TextStream, ids, config, metrics: Metrics) -> None:
+    # --- many requests, stepped by one thread ---------------------------------------------
+
+    def submit(self, ids: list[int], config: GenerationConfig, on_piece=None, on_finish=None) -> Generation:
+        """Queue a request (thread-safe); its pieces reach `on_piece`, its end `on_finish` (push mode), or its
+        `pieces` iterator when `stream` drives it. GenerationError when it cannot be served."""
+        if not ids:
+            raise GenerationError("empty prompt")
+        if len(ids) >= self.target.max_seq_len:
+            raise GenerationError(f"prompt too long: {len(ids)} tokens, the model's context is "
+                                  f"{self.target.max_seq_len} (at least one token must be generated)")
+        config = self.config_for(config)  # the engine's mode where the request names none
+        gen = Generation(on_piece=on_piece, on_finish=on_finish)
+        budget = token_budget(len(ids), config.max_new_tokens, self.target.max_seq_len)
+        seq = Sequence(f"seq-{next(self._ids)}", list(ids), config, budget, sink=self._on_tokens,
+                       cancel_event=gen.cancel_event)
+        gen.sequence = seq
+        eos = () if config.ignore_eos else self.tokenizer.eos_token_ids
+        with self._lock:
+            self._live[id(seq)] = _Live(gen, seq, TextStream(self.tokenizer, eos, config.stop_strings))
+        try:
+            self.decoder.add(seq)
+        except KVTooLarge as exc:
+            with self._lock:
+                del self._live[id(seq)]
+            raise GenerationError(str(exc)) from None
+        return gen
+
+    def step(self) -> bool:
+        """One decoder step; generations that ended get their last text and stats. Returns whether work remains."""
+        more = self.decoder.step()
+        with self._lock:
+            done = [live for live in self._live.values() if live.seq.state == "done"]
+            for live in done:
+                del self._live[id(live.seq)]
+        for live in done:
+            self._finish(live)
+        return more
+
+    def pending(self) -> int:
+        """Generations submitted and not yet finished."""
+        with self._lock:
+            return len(self._live)
+
+    @property
+    def current_decoder(self) -> BatchDecoder | None:
+        """The decoder if one was made (reading it never makes one: a server reads it from other threads)."""
+        return self._decoder
+
+    def load(self) -> tuple[int, int]:
+        """(sequences holding a row of the batch, sequences waiting for one); (0, 0) before the first request."""
+        decoder = self._decoder
+        if decoder is None:
+            return 0, 0
+        return len(decoder.active), len(decoder.waiting)
+
+    def close(self) -> None:
+        """Stop the decoder's draft worker (the engine stays usable)."""
+        if self._decoder is not None:
+            self._decoder.close()
+
+    def reset(self) -> None:
+        """After a failed step: every generation in flight ends (stop reason `error`, no callback: the caller
+        answers them) and the decoder starts again from empty rows."""
+        with self._lock:
+            lives = list(self._live.values())
+            self._live.clear()
+        decoder, self._decoder = self._decoder, None
+        if decoder is not None:
+            decoder.close()
+        for live in lives:
+            live.gen.stop_reason, live.gen.finished = "error", True
+
+    # --- tokens to text ---------------------------------------------------------------------
+
+    def _on_tokens(self, seq: Sequence, tokens: list[int], drafted: int, accepted: int) -> None:
+        live = self._live[id(seq)]
+        gen, text = live.gen, live.text
+        gen.steps.append(Step(time.perf_counter(), len(tokens), drafted, accepted))
+        for token in tokens:
+            piece = text.push(token)
+            gen.tokens = text.tokens
+            if piece:
+                self._emit(gen, piece)
+            if text.done:
+                seq.finish("stop")
+                return
+
+    def _emit(self, gen: Generation, piece: str) -> None:
+        gen.text += piece
+        if gen.on_piece is not None:
+            gen.on_piece(gen, piece)
+        else:
+            gen.queued.append(piece)
+
+    def _finish(self, live: _Live) -> None:
+        gen, seq, text = live.gen, live.seq, live.text
+        if not gen.cancelled and seq.finish_reason != "cancelled":
+            piece = text.flush()
+            if piece:
+                self._emit(gen, piece)
+        metrics = seq.metrics
         metrics.finish()
         gen.tokens = list(text.tokens)
         metrics.new_tokens = len(gen.tokens) + (text.stop_reason == "eos")
-        room = self.target.max_seq_len - len(ids)
-        gen.stop_reason = "cancelled" if gen.cancelled and not text.stop_reason else (
-            text.stop_reason or ("context" if room < config.max_new_tokens else "max_new_tokens"))
-        gen.stats = {"mode": config.mode, **self.names, **metrics.summary(), "stop_reason": gen.stop_reason}
+        room = self.target.max_seq_len - len(seq.prompt)
+        if seq.finish_reason == "cancelled" and not text.stop_reason:
+            gen.stop_reason = "cancelled"
+        else:
+            gen.stop_reason = text.stop_reason or ("context" if room < seq.config.max_new_tokens else "max_new_tokens")
+        gen.stats = {"mode": seq.config.mode, **self.names, **metrics.summary(), **self._batch_stats(seq),
+                     "stop_reason": gen.stop_reason}
         gen.durations = metrics.durations
-        if config.mode in ("sd", "mirror") and self.draft is None:
+        if seq.config.mode in ("sd", "mirror") and self.draft is None:
             gen.stats["draft"] = "target (oracle draft)"
+        gen.finished = True
+        if gen.on_finish is not None:
+            gen.on_finish(gen)
+
+    def _batch_stats(self, seq: Sequence) -> dict:
+        """What batching did for this request: its prompt from the prefix cache, its speculative steps, Mirror's."""
+        steps = max(1, seq.metrics.steps)
+        stats = {"prompt_tokens_cached": seq.reused,
+                 "speculative_step_share": round(seq.state_data.get("speculative_steps", 0) / steps, 3)}
+        parts = seq.state_data.get("mirror_parts")
+        if parts:
+            counters = {k: sum(c[k] for _, c in parts) if k != "busy" else [i for _, c in parts for i in c[k]]
+                        for k in parts[0][1]}
+            stats |= mirror_summary(seq.metrics, summed([s for s, _ in parts] or [DraftStats()]), counters)
+            seq.metrics.durations["draft_forward"] = [end - start for s, _ in parts for start, end in s.busy]
+        return stats

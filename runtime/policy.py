@@ -38,6 +38,7 @@ class SpeculationPolicy:
     explore: int = 3  # steps to measure a way not yet measured at a batch size
     refresh: int = 400  # steps at a batch size between two measurements of the way not taken
     margin: float = 0.1  # relative gain needed to switch ways
+    adaptive: bool = True  # False: always speculative while any request speculates (their gamma as asked)
     rates: dict = field(default_factory=dict)  # (way, batch size) -> Rate
     current: dict = field(default_factory=dict)  # batch size -> way in use
     since: dict = field(default_factory=dict)  # batch size -> steps since the way not taken was measured
@@ -52,6 +53,8 @@ class SpeculationPolicy:
         return max(speculating) if self.last == SPEC else 0
 
     def choose(self, batch: int) -> str:
+        if not self.adaptive:
+            return SPEC
         for way in (SPEC, AR):  # measure what this batch size has not seen
             if self._rate(way, batch).samples < self.explore and not (way == SPEC and self._lost_below(batch)):
                 return way

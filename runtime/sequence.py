@@ -37,6 +37,7 @@ class Sequence:
     metrics: Metrics = field(default_factory=Metrics)
     cancel_event: threading.Event = field(default_factory=threading.Event)
     arrived: float = field(default_factory=time.perf_counter)
+    admitted: float | None = None  # when it got its row
     state_data: dict = field(default_factory=dict)  # per-mode state (drafter, verifier, draft link)
 
     @property

@@ -24,6 +24,7 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from mirror_rt.runtime.config import GenerationConfig, make_config
+from mirror_rt.runtime.engine import GenerationError
 from mirror_rt.serving import protocol
 from mirror_rt.serving.errors import APIError, install_handlers
 from mirror_rt.serving.metrics import ServerMetrics, Sink
@@ -56,13 +57,19 @@ class ServerState:
         self.metrics.set_load(0, 0)
         self.scheduler = Scheduler(engine, self.settings.max_queued, self.settings.request_timeout,
                                    on_change=self.metrics.set_load, on_finish=self._finished,
-                                   on_death=_exit_now if self.settings.exit_on_engine_death else None)
+                                   on_death=_exit_now if self.settings.exit_on_engine_death else None,
+                                   on_step=self._stepped)
         self.status = "ready"
 
     @property
     def default_mode(self) -> str:
         """The mode of a request that names none: the server's `--mode`, else the engine's default."""
         return self.settings.defaults.mode or self.engine.default_mode
+
+    def _stepped(self, batch: int) -> None:
+        """After each decode step: the batch it decoded, the speculation in use, the KV and prefix cache figures."""
+        if self.engine.current_decoder is not None:
+            self.metrics.step(batch, self.engine.current_decoder)
 
     def _finished(self, job: Job) -> None:
         job.record = record = RequestRecord.from_job(job, self.engine.names)
@@ -194,8 +201,10 @@ def _admit(job: Job, state: ServerState) -> None:
         state.scheduler.submit(job)
     except Overloaded:
         state.metrics.rejected("queue_full")
-        raise APIError(503, f"the server is busy: one request running and {state.settings.max_queued} waiting; "
-                            "retry later", headers=retry) from None
+        raise APIError(503, f"the server is busy: {state.engine.batch.max_num_seqs} requests running and "
+                            f"{state.settings.max_queued} waiting; retry later", headers=retry) from None
+    except GenerationError as exc:  # one that can never fit the KV cache
+        raise APIError(400, str(exc), "max_tokens") from None
     except Draining:
         state.metrics.rejected("draining")
         raise APIError(503, "the server is shutting down", headers=retry) from None

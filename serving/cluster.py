@@ -1,10 +1,10 @@
 """`mirror-rt serve --replicas N`: the app on Ray Serve, one engine per replica, behind Serve's proxy.
 
-One engine owns one target device and one draft device and serves one stream at a time; more
-throughput means more device pairs, so Ray Serve runs the single server's app (`serving.replica`)
+One engine owns one target device and one draft device and decodes a batch of streams at once; beyond
+that, more throughput means more device pairs, so Ray Serve runs the single server's app (`serving.replica`)
 as replicas that each request the resources of their roles: `num_gpus` for a CUDA target,
 a custom resource for an NPU or Intel GPU role (`intel_npu`: Ray reserves "NPU" for Ascend chips),
-`num_cpus` for the CPU workers. A replica holds one generation running and one ready to start
+`num_cpus` for the CPU workers. A replica holds its batch of generations running and one ready to join
 (`max_ongoing_requests`); the rest wait at the proxy up to `max_queued`, beyond which the proxy
 answers 503 with Retry-After. Ray is imported lazily: the package works without the `cluster` extra.
 Limitations:
@@ -22,6 +22,7 @@ import signal
 import time
 from dataclasses import replace
 
+from mirror_rt.runtime.batch import BatchSettings
 from mirror_rt.serving.proxy import PROXY_CALLBACK
 from mirror_rt.serving.replica import DEPLOYMENT, replica_deployment
 from mirror_rt.serving.server import configure_logging, log
@@ -29,7 +30,7 @@ from mirror_rt.serving.settings import ClusterError, ClusterSettings, ServerSett
 
 APP = "mirror-rt"
 INSTALL = 'pip install "mirror-rt[cluster]"'
-REPLICA_QUEUE = 1  # a replica holds one generation running and this many ready to start
+REPLICA_QUEUE = 1  # a replica holds a batch of generations running and this many ready to join
 OBJECT_STORE = 256 * 2**20  # a local Ray's object store: requests and answers are small
 # Device kinds that are Ray custom resources (named by us: Ray reserves "NPU" for Ascend chips).
 CUSTOM_RESOURCES = {"npu": "intel_npu", "gpu": "intel_gpu", "qnn": "qnn_npu"}
@@ -76,7 +77,9 @@ def replica_resources(mode: str | None, target_device: str, draft_device: str, t
 def deployment_options(cluster: ClusterSettings, server: ServerSettings) -> dict:
     """`serve.deployment` options: replicas or autoscaling, resources, limits (the server's queue, at the proxy),
     health, drain."""
-    options = dict(ray_actor_options=dict(cluster.actor_options), max_ongoing_requests=1 + REPLICA_QUEUE,
+    rows = cluster.batch_rows or BatchSettings().max_num_seqs
+    options = dict(ray_actor_options=dict(cluster.actor_options),
+                   max_ongoing_requests=rows + REPLICA_QUEUE,  # a full batch, and requests ready to join it
                    max_queued_requests=server.max_queued,
                    backpressure_config={"retry_after_s": server.retry_after_s},
                    health_check_period_s=cluster.health_check_period_s,

@@ -23,6 +23,7 @@ ITL_BUCKETS = (0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.
                20.0, 40.0, 80.0)
 LATENCY_BUCKETS = (0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0, 60.0, 120.0,
                    240.0, 480.0, 960.0, 1920.0, 7680.0)
+BATCH_BUCKETS = (1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64, 128, 256)
 STEP_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0)
 FINISH_REASONS = ("stop", "length", "abort", "error")
 # sink(kind, name, doc, label names, buckets) -> a family with .labels(*values).inc/set/observe;
@@ -58,6 +59,7 @@ class ServerMetrics:
     def __init__(self, model_name: str, registry: CollectorRegistry | None = None, sink: Sink | None = None):
         self.registry = registry or CollectorRegistry()
         self.model_name, self.sink = model_name, sink
+        self._prefix_seen = (None, 0, 0)  # the decoder's prefix cache and its counters at the last step
         self._gauges()
         self._counters()
         self._histograms()
@@ -66,8 +68,10 @@ class ServerMetrics:
 
     def _gauges(self) -> None:
         g = self._make(Gauge)
-        self.running = g("num_requests_running", "Requests generating now (0 or 1: one engine)")
-        self.waiting = g("num_requests_waiting", "Requests queued behind the running one")
+        self.running = g("num_requests_running", "Requests in the batch now (decoding, or their prompt going in)")
+        self.waiting = g("num_requests_waiting", "Requests queued for a row of the batch")
+        self.kv_usage = g("kv_cache_usage_perc", "Share of the KV blocks the running requests hold (0..1)")
+        self.gamma = g("spec_decode_gamma", "Draft tokens per window at the latest step (0: target-only, by load)")
         self.spec_enabled = g("spec_decode_enabled", "1 when the server's default mode speculates (sd, mirror)")
 
     def _counters(self) -> None:
@@ -87,6 +91,8 @@ class ServerMetrics:
         self.draft_faults = c("draft_faults", "Requests whose draft failed; decoding fell back to the target")
         self.device_fallback = c("device_fallback", "Roles loaded on another device than requested",
                                  ["role", "requested", "actual"])
+        self.prefix_queries = c("prefix_cache_queries", "Prompt tokens looked up in the prefix cache")
+        self.prefix_hits = c("prefix_cache_hits", "Prompt tokens found in the prefix cache")
 
     def _histograms(self) -> None:
         h = self._make(Histogram)
@@ -98,6 +104,8 @@ class ServerMetrics:
         self.draft_step = h("draft_step_seconds", "One draft forward", buckets=STEP_BUCKETS)
         self.target_verify = h("target_verify_seconds", "One target verification of a draft window",
                                buckets=STEP_BUCKETS)
+        self.batch_size = h("num_sequences_per_step", "Sequences decoded by one step of the batch",
+                            buckets=BATCH_BUCKETS)
 
     def _make(self, kind):
         def make(name, doc, labels=(), **kw):
@@ -116,6 +124,21 @@ class ServerMetrics:
     def set_load(self, running: int, waiting: int) -> None:
         self.running.labels(self.model_name).set(running)
         self.waiting.labels(self.model_name).set(waiting)
+
+    def step(self, batch: int, decoder) -> None:
+        """One decode step of `batch` sequences (runtime.batch.BatchDecoder, read after the step)."""
+        m = self.model_name
+        self.batch_size.labels(m).observe(batch)
+        self.gamma.labels(m).set(decoder.gamma)
+        self.kv_usage.labels(m).set(decoder.budget.usage())
+        cache = decoder.cache
+        if cache is not None:
+            seen, queries, hits = self._prefix_seen
+            if seen is not cache:  # a new decoder (the engine was reset): its counters start at 0
+                queries = hits = 0
+            self.prefix_queries.labels(m).inc(cache.queries - queries)
+            self.prefix_hits.labels(m).inc(cache.hits - hits)
+            self._prefix_seen = (cache, cache.queries, cache.hits)
 
     def rejected(self, reason: str) -> None:
         self.request_rejected.labels(self.model_name, reason).inc()

@@ -40,9 +40,10 @@ class RequestRecord:
         if gen is None or not gen.stats:
             return cls(job.id, job.outcome, reason or "error", e2e, queue_s, False, names=names)
         stats = gen.stats
-        first = gen.steps[0][0] - job.arrived if gen.steps else None
+        first = gen.steps[0].time - job.arrived if gen.steps else None
+        steps = [(step.time, step.tokens) for step in gen.steps]
         return cls(job.id, job.outcome, reason or FINISH.get(gen.stop_reason, "stop"), e2e, queue_s, True,
-                   stats["prompt_tokens"], stats["new_tokens"], first, list(gen.steps), stats, gen.durations, names)
+                   stats["prompt_tokens"], stats["new_tokens"], first, steps, stats, gen.durations, names)
 
     @property
     def draft_fault(self) -> bool:

@@ -1,19 +1,17 @@
-"""One engine, one generation at a time: a FIFO of jobs run by the engine thread.
+"""The engine thread: many generations at once through the engine's batched decoder, and their admission.
 
-The engine owns both devices (Mirror runs target and draft at once), so generations run one
-after another in a dedicated thread; the asyncio loop never blocks on one. A job's text and its
-end cross to asyncio through `loop.call_soon_threadsafe` into the job's own asyncio queue.
-Admission is bounded: one running plus `max_queued` waiting, beyond that `submit` raises
-`Overloaded` at once (the app answers 503). Cancelling a queued job removes it (it never runs);
-cancelling the running one stops it at the next step boundary (`Generation.cancel`). A timeout
-cancels a generation that runs past `timeout_s`.
+Up to the engine's `max_num_seqs` generations decode together (runtime.batch: they join and leave at step
+boundaries) and `max_queued` more wait; beyond that `submit` raises `Overloaded` at once (the app answers 503
+with Retry-After). The engine thread steps the decoder while any generation is live and sleeps otherwise; the
+asyncio loop never blocks on it. A job's text and its end cross to asyncio through `loop.call_soon_threadsafe`
+into the job's own asyncio queue. Cancelling a job (client gone, drain) ends its generation at the next step
+and frees its row, the others untouched; a timeout cancels a generation that runs past `timeout_s`. A failing
+step ends the generations in flight with an error and the engine starts again from fresh rows.
 """
 
 from __future__ import annotations
 
 import asyncio
-import collections
-import itertools
 import threading
 import time
 from collections.abc import Callable
@@ -23,7 +21,7 @@ from mirror_rt.runtime.config import GenerationConfig
 
 
 class Overloaded(Exception):
-    """The queue is full."""
+    """Every row is taken and the queue is full."""
 
 
 class Draining(Exception):
@@ -40,13 +38,14 @@ class Job:
     loop: asyncio.AbstractEventLoop
     events: asyncio.Queue = field(default_factory=asyncio.Queue)
     arrived: float = field(default_factory=time.perf_counter)
-    started: float | None = None
+    started: float | None = None  # when it got a row of the batch
     first_text_at: float | None = None
     finished: float | None = None
-    generation: object = None  # runtime.engine.Generation once started
+    generation: object = None  # runtime.engine.Generation once submitted
     outcome: str = "pending"  # pending | done | cancelled | timeout | error
     error: BaseException | None = None
     record: object = None  # serving.records.RequestRecord, set by on_finish before the end event
+    made: int = 0  # tokens committed so far (EOS included), as usage counts them
     cancel_requested: threading.Event = field(default_factory=threading.Event)
 
     def post(self, kind: str, value=None) -> None:
@@ -58,128 +57,148 @@ class Job:
 
 
 class Scheduler:
-    """The engine thread and its bounded FIFO."""
+    """The engine thread and its bounded admission."""
 
     def __init__(self, engine, max_queued: int, timeout_s: float | None = None,
                  on_change: Callable[[int, int], None] | None = None,
                  on_finish: Callable[[Job], None] | None = None,
-                 on_death: Callable[[BaseException], None] | None = None):
+                 on_death: Callable[[BaseException], None] | None = None,
+                 on_step: Callable[[int], None] | None = None):
         self.engine, self.max_queued, self.timeout_s = engine, max_queued, timeout_s
         self.on_change = on_change or (lambda running, waiting: None)
         self.on_finish = on_finish or (lambda job: None)
         self.on_death = on_death  # called when the engine thread dies (SystemExit and the like), before answering
-        self.waiting: collections.deque[Job] = collections.deque()
-        self.running: Job | None = None
+        self.on_step = on_step or (lambda batch: None)  # sequences decoded by each step (the server's histogram)
+        self.jobs: dict[int, Job] = {}  # id(generation) -> job, while live
         self.closed = False
         self.lock = threading.Condition()
-        self.counter = itertools.count()
         self.thread = threading.Thread(target=self._loop, name="mirror-engine", daemon=True)
         self.thread.start()
+
+    @property
+    def capacity(self) -> int:
+        """Generations admitted at once: the batch's rows plus the queue."""
+        return self.engine.batch.max_num_seqs + self.max_queued
 
     # --- the event loop's side ---------------------------------------------------------
 
     def submit(self, job: Job) -> Job:
-        """Queue a job; Overloaded when one runs and `max_queued` wait, Draining when closed."""
+        """Admit a job; Overloaded when rows and queue are full, Draining when closed, GenerationError (a 400)
+        when the engine cannot serve it."""
         with self.lock:
             if self.closed:
                 raise Draining()
-            if len(self.waiting) + (self.running is not None) >= 1 + self.max_queued:
+            if len(self.jobs) >= self.capacity:
                 raise Overloaded()
-            self.waiting.append(job)
+            gen = self.engine.submit(job.prompt, job.config, on_piece=self._piece, on_finish=self._finished)
+            job.generation = gen
+            self.jobs[id(gen)] = job
+            if job.cancel_requested.is_set():
+                gen.cancel()
             self._changed()
             self.lock.notify()
+        if self.timeout_s:
+            timer = threading.Timer(self.timeout_s, self._time_out, (job,))
+            timer.daemon = True
+            timer.start()
         return job
 
     def cancel(self, job: Job) -> None:
-        """Stop `job`: dropped if still queued (it never runs), else ended at the next step."""
+        """Stop `job` at the next step (a waiting one never runs); its end event follows."""
         job.cancel_requested.set()
-        with self.lock:
-            if job in self.waiting:
-                self.waiting.remove(job)
-                self._changed()
-                self._end(job, "cancelled")
-                return
         if job.generation is not None:
             job.generation.cancel()
+            with self.lock:
+                self.lock.notify()
 
     def alive(self) -> bool:
         return self.thread.is_alive()
 
     def idle(self) -> bool:
         with self.lock:
-            return self.running is None and not self.waiting
+            return not self.jobs
 
     def cancel_all(self) -> None:
-        """Cancel every queued and running job (a drain past its deadline)."""
+        """Cancel every admitted job (a drain past its deadline)."""
         with self.lock:
-            jobs = list(self.waiting) + ([self.running] if self.running is not None else [])
+            jobs = list(self.jobs.values())
         for job in jobs:
             self.cancel(job)
 
     def close(self, cancel_waiting: bool = True) -> None:
-        """Take no new job; drop the queued ones (they end as cancelled)."""
+        """Take no new job; drop the waiting ones (they end as cancelled)."""
         with self.lock:
             self.closed = True
-            dropped = list(self.waiting) if cancel_waiting else []
-            for job in dropped:
-                self.waiting.remove(job)
-            self._changed()
+            jobs = list(self.jobs.values()) if cancel_waiting else []
+            waiting = [j for j in jobs if j.generation.sequence.state == "waiting"]
             self.lock.notify_all()
-        for job in dropped:
-            job.cancel_requested.set()
-            self._end(job, "cancelled")
+        for job in waiting:
+            self.cancel(job)
 
     # --- the engine thread ---------------------------------------------------------------
 
     def _loop(self) -> None:
         while True:
             with self.lock:
-                while not self.waiting and not self.closed:
+                while not self.jobs and not self.closed:
                     self.lock.wait()
-                if not self.waiting:
+                if not self.jobs:
                     return
-                job = self.running = self.waiting.popleft()
-                self._changed()
             try:
-                self._run(job)
-            finally:
-                with self.lock:
-                    self.running = None
-                    self._changed()
+                self.engine.step()
+            except Exception as exc:  # noqa: BLE001 -- a failing step ends its requests, never the server
+                self._fail(exc)
+            except BaseException as exc:  # SystemExit and the like end the thread, never leave the clients waiting
+                if self.on_death is not None:
+                    self.on_death(exc)
+                self._fail(exc)
+                raise
+            self._stepped()
 
-    def _run(self, job: Job) -> None:
-        job.started = time.perf_counter()
-        timer = None
-        try:
-            gen = self.engine.stream(job.prompt, job.config)
-            job.generation = gen
-            if job.cancel_requested.is_set():
-                gen.cancel()
-            if self.timeout_s:
-                timer = threading.Timer(self.timeout_s, self._time_out, (job,))
-                timer.daemon = True
-                timer.start()
-            _hand_over(job, gen)
-        except Exception as exc:  # noqa: BLE001 -- any engine failure ends this request, never the server
-            job.error = exc
-            self._end(job, "error")
+    def _stepped(self) -> None:
+        decoder = self.engine.current_decoder
+        running = sum(1 for s in decoder.active if s.state == "running") if decoder is not None else 0
+        if running:
+            self.on_step(running)
+        self._changed()
+
+    def _piece(self, gen, piece: str) -> None:
+        job = self.jobs.get(id(gen))
+        if job is None:
             return
-        except BaseException as exc:  # SystemExit and the like end the thread, never leave the client waiting
-            if self.on_death is not None:
-                self.on_death(exc)
-            job.error = exc
-            self._end(job, "error")
-            raise
-        finally:
-            if timer is not None:
-                timer.cancel()
-        outcome = job.outcome if job.outcome == "timeout" else "cancelled" if gen.cancelled else "done"
-        self._end(job, outcome)
+        if job.first_text_at is None:  # it is in the batch now (it may finish within this very step)
+            job.first_text_at = time.perf_counter()
+            self._changed()
+        job.started = job.started or gen.sequence.admitted
+        job.made = sum(step.tokens for step in gen.steps)
+        job.post("text", (piece, job.made))
+
+    def _finished(self, gen) -> None:
+        with self.lock:
+            job = self.jobs.pop(id(gen), None)
+        if job is None:
+            return
+        job.started = job.started or gen.sequence.admitted
+        if job.outcome != "timeout":
+            outcome = "error" if gen.stop_reason == "error" else "cancelled" if gen.cancelled else "done"
+            job.outcome = outcome
+        self._end(job, job.outcome)
 
     def _time_out(self, job: Job) -> None:
-        if job.generation is not None and not job.generation.cancelled:
+        gen = job.generation
+        if gen is not None and not gen.finished and not gen.cancelled:
             job.outcome = "timeout"
-            job.generation.cancel()
+            gen.cancel()
+
+    def _fail(self, exc: BaseException) -> None:
+        """A step failed: every live job ends with the error; the engine starts again from fresh rows."""
+        with self.lock:
+            jobs = list(self.jobs.values())
+            self.jobs.clear()
+        self.engine.reset()
+        for job in jobs:
+            job.error = exc
+            self._end(job, "error")
 
     def _end(self, job: Job, outcome: str) -> None:
         job.outcome, job.finished = outcome, time.perf_counter()
@@ -187,17 +206,7 @@ class Scheduler:
             self.on_finish(job)
         finally:
             job.post("end", outcome)
+        self._changed()
 
     def _changed(self) -> None:
-        self.on_change(int(self.running is not None), len(self.waiting))
-
-
-def _hand_over(job: Job, gen) -> None:
-    """Post each text piece with the tokens committed so far (a running sum over the steps: O(1) a piece)."""
-    seen = made = 0
-    for piece in gen:
-        job.first_text_at = job.first_text_at or time.perf_counter()
-        for _, count in gen.steps[seen:]:
-            made += count
-        seen = len(gen.steps)
-        job.post("text", (piece, made))
+        self.on_change(*self.engine.load())

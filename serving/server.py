@@ -41,7 +41,8 @@ def describe(state: ServerState, url: str) -> str:
         roles.append(f"{role} on {device}{note}")
     key = "API key required" if settings.api_key else "no API key"
     return (f"serving {state.model_name} at {url}/v1 ({engine.names.get('path', 'engine')}), mode "
-            f"{state.default_mode}, {', '.join(roles)}; {key}; queue {settings.max_queued}")
+            f"{state.default_mode}, {', '.join(roles)}; {engine.decoder.describe()}; {key}; "
+            f"queue {settings.max_queued}")
 
 
 class DrainingServer:

@@ -46,6 +46,7 @@ class ClusterSettings:
     min_replicas: int | None = None  # any of these three set: Serve's autoscaling_config
     max_replicas: int | None = None
     target_ongoing_requests: float | None = None  # autoscaling target per replica (None: 1, one stream each)
+    batch_rows: int | None = None  # sequences a replica decodes at once (its --max-num-seqs); None: the default
     actor_options: dict = field(default_factory=lambda: {"num_cpus": 1})  # per replica (`replica_resources`)
     placement_timeout: int = 60  # seconds a replica may stay unplaced before it is an error (when we start Serve)
     health_check_period_s: float = 10.0

@@ -74,6 +74,10 @@ class Delayed:
         time.sleep(self.delay)
         return self.inner.forward_suffix(cache, *args, **kwargs)
 
+    def forward_rows(self, tokens, pool, *args, **kwargs):  # a batched target-only step
+        time.sleep(self.delay)
+        return self.inner.forward_rows(tokens, pool, *args, **kwargs)
+
 
 class Faulty:
     """A model that raises on its `after`-th forward (counted over its whole life)."""
@@ -96,9 +100,16 @@ class Faulty:
             raise RuntimeError("injected fault")
         return self.inner.forward_suffix(cache, *args, **kwargs)
 
+    def forward_rows(self, tokens, pool, *args, **kwargs):  # a batched target-only step
+        self.calls += 1
+        if self.calls >= self.after:
+            raise RuntimeError("injected fault")
+        return self.inner.forward_rows(tokens, pool, *args, **kwargs)
+
 
 class Swapped:
-    """Context manager: `engine.<role>` replaced by `wrapper(model)` for the duration."""
+    """Context manager: `engine.<role>` replaced by `wrapper(model)` for the duration (the engine's decoder is
+    made again around it, on entry and on exit: call it while the server is idle)."""
 
     def __init__(self, engine, role: str, wrapper):
         self.engine, self.role, self.wrapper = engine, role, wrapper
@@ -106,10 +117,12 @@ class Swapped:
     def __enter__(self):
         self.original = getattr(self.engine, self.role)
         setattr(self.engine, self.role, self.wrapper(self.original))
+        self.engine.reset()
         return getattr(self.engine, self.role)
 
     def __exit__(self, *exc):
         setattr(self.engine, self.role, self.original)
+        self.engine.reset()
 
 
 def scrape(url: str) -> dict[tuple[str, tuple], float]:
@@ -140,37 +153,46 @@ def wait_for(predicate, timeout: float = 2.0, every: float = 0.02) -> bool:
 
 def tiny_engine():
     """The tiny preset in float64 (greedy equality stays exact whatever the window sizes) with a noisy
-    float64 copy as the draft, named as `load_torch` names its engines."""
+    float64 copy as the draft, named as `load_torch` names its engines; it speculates whenever a request's mode
+    does (target-only steps would win at every load for models this small: runtime.policy)."""
     from conftest import perturbed_copy, tiny_target
 
     from mirror_rt.devices.torch_backend import TorchModel
     from mirror_rt.devices.torch_split import TorchSplitTarget
     from mirror_rt.models.tokenizer import ByteTokenizer
+    from mirror_rt.runtime.batch import BatchSettings
     from mirror_rt.runtime.engine import Engine
 
     target = tiny_target(seed=4, vocab_size=258)
     draft = perturbed_copy(target, noise=0.2, seed=5)
     names = {"model": "tiny", "path": "torch eager (cpu)", "target_precision": "fp64", "draft_precision": "fp64",
              "target_device": "torch:cpu", "draft_device": "torch:cpu"}
-    return Engine(TorchSplitTarget(target), ByteTokenizer(258), TorchModel(draft), names)
+    return Engine(TorchSplitTarget(target), ByteTokenizer(258), TorchModel(draft), names,
+                  batch=BatchSettings(adaptive_speculation=False))
 
 
 class Mortal:
     """An engine that dies on cue, for the replica tests: a file `crash` in `cues` makes the process exit
-    after `after` pieces of the next generation; a file `stop` ends the engine thread as the next one
-    starts (the replica lives on, its engine dead). Whoever removes a cue takes it, so one replica dies."""
+    after `after` pieces of the next generation; a file `stop` ends the engine thread at its next step (the
+    replica lives on, its engine dead). Whoever removes a cue takes it, so one replica dies."""
 
     def __init__(self, engine, cues: str, after: int = 2):
         self.engine, self.cues, self.after = engine, cues, after
+        self.stopping = False
 
     def __getattr__(self, name):
         return getattr(self.engine, name)
 
-    def stream(self, prompt, config=None, *args, **kwargs):
-        if self._take("stop"):
+    def submit(self, ids, config, on_piece=None, on_finish=None):
+        self.stopping = self.stopping or self._take("stop")
+        if self._take("crash"):
+            on_piece = crashing(on_piece, self.after)
+        return self.engine.submit(ids, config, on_piece, on_finish)
+
+    def step(self):
+        if self.stopping:
             raise SystemExit("the engine thread stops on cue")
-        generation = self.engine.stream(prompt, config, *args, **kwargs)
-        return Crashing(generation, self.after) if self._take("crash") else generation
+        return self.engine.step()
 
     def _take(self, cue: str) -> bool:
         import os
@@ -182,26 +204,25 @@ class Mortal:
             return False
 
 
-class Crashing:
-    """A generation whose process exits after `after` pieces (a replica lost mid-request)."""
+def crashing(on_piece, after: int):
+    """`on_piece` of a generation whose process exits after `after` pieces (a replica lost mid-request)."""
+    import os
 
-    def __init__(self, generation, after: int):
-        self.generation, self.after = generation, after
+    count = 0
 
-    def __getattr__(self, name):
-        return getattr(self.generation, name)
+    def piece(gen, text):
+        nonlocal count
+        if count == after:
+            os._exit(1)
+        count += 1
+        on_piece(gen, text)
 
-    def __iter__(self):
-        import os
-
-        for count, piece in enumerate(self.generation):
-            if count == self.after:
-                os._exit(1)
-            yield piece
+    return piece
 
 
 def replica_engine(cues: str, delay: float = 0.02):
     """The tiny engine as a replica runs it in the tests: forwards slowed by `delay`, dying on cue."""
     engine = tiny_engine()
     engine.target = Delayed(engine.target, delay)
+    engine.reset()
     return Mortal(engine, cues)

@@ -46,6 +46,7 @@ def test_cancel_stops_within_one_step_and_frees_the_workers(engine, mode):
     reference = engine.generate("hello world", mode="ar", max_new_tokens=40, ignore_eos=True).tokens
     slow = SlowSuffix(engine.target, 0.02)
     target, engine.target = engine.target, slow
+    engine.reset()  # the decoder is made again around the slow target
     try:
         gen = engine.stream("hello world", mode=mode, max_new_tokens=200, ignore_eos=True)
         consumer = threading.Thread(target=lambda: list(gen))  # decodes as a server's engine thread does
@@ -59,6 +60,7 @@ def test_cancel_stops_within_one_step_and_frees_the_workers(engine, mode):
         consumer.join(timeout=5)
     finally:
         engine.target = target
+        engine.reset()
     assert not consumer.is_alive()
     assert gen.stop_reason == "cancelled"
     assert len(gen.steps) - steps_at_cancel <= 1  # only the step in flight finishes

@@ -19,7 +19,7 @@ from conftest import load_parts
 
 from mirror_rt.devices.registry import available_devices
 from mirror_rt.exporters.export import ExportError, export_bundle
-from mirror_rt.exporters.manifest import BundleError, read_manifest
+from mirror_rt.exporters.manifest import FORMAT_VERSION, BundleError, read_manifest
 from mirror_rt.exporters.openvino import int4_group_size
 from mirror_rt.models.config import ModelConfig
 from mirror_rt.models.loading import load_checkpoint
@@ -55,7 +55,7 @@ def static_bundle(tmp_path_factory):
 def test_manifest_describes_the_bundle(torch_bundle):
     """Defaults: exit layer N/2, the four roles, tokenizer hash, versions, kv layout."""
     manifest = read_manifest(torch_bundle)
-    assert manifest.format_version == 3
+    assert manifest.format_version == FORMAT_VERSION == 4
     assert manifest.exit_layer == manifest.n_layers // 2 and manifest.kappa == 4
     assert {g.role for g in manifest.graphs} == {"target_prefix", "target_exit", "target_suffix", "draft"}
     exit_graph = manifest.graph("target_exit")  # torch: computed from the target's own weights

@@ -18,6 +18,8 @@ import httpx
 import pytest
 from serve_support import RunningServer, tiny_engine
 
+from mirror_rt.runtime.batch import BatchSettings
+
 pytest.importorskip("fastapi")
 
 from mirror_rt.serving.cluster import ClusterError, ClusterSettings, deployment_options, replica_resources  # noqa: E402
@@ -255,7 +257,8 @@ def test_a_cuda_index_is_refused_with_replicas():
 def test_replica_limits_and_autoscaling_map_onto_the_deployment():
     fixed = deployment_options(ClusterSettings(replicas=3), ServerSettings(max_queued=7, retry_after_s=2))
     assert fixed["num_replicas"] == 3 and "autoscaling_config" not in fixed
-    assert fixed["max_ongoing_requests"] == 2 and fixed["max_queued_requests"] == 7
+    assert fixed["max_ongoing_requests"] == BatchSettings().max_num_seqs + 1 and fixed["max_queued_requests"] == 7
+    assert deployment_options(ClusterSettings(batch_rows=3), ServerSettings())["max_ongoing_requests"] == 4
     assert fixed["backpressure_config"] == {"retry_after_s": 2}
     scaled = deployment_options(ClusterSettings(replicas=2, max_replicas=4, target_ongoing_requests=1.5),
                                 ServerSettings())
