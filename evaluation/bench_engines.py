@@ -88,6 +88,8 @@ def bench_runners(methods: list[str], *, bundle: str | None = None, draft_bundle
     (and the bf16 rows' target). `compile`: torch targets run static windows under torch.compile.
     """
     from mirror_rt.devices.engines import default_bundle, load_torch
+    from mirror_rt.evaluation.bench_llama import METHODS as LLAMA_METHODS
+    from mirror_rt.evaluation.bench_llama import find_gguf
     from mirror_rt.evaluation.bench_methods import KNOWN_METHODS, OURS, build_runners
     from mirror_rt.models.loading import resolve_folder
 
@@ -96,9 +98,10 @@ def bench_runners(methods: list[str], *, bundle: str | None = None, draft_bundle
         raise ValueError(f"unknown bench method(s): {', '.join(unknown)} (known: {', '.join(KNOWN_METHODS)})")
     if bundle is None and not torch and draft_model is None and model is None:
         bundle = str(default_bundle(cache_dir, log=log))
+    gguf = find_gguf(model, cache_dir) if set(methods) & set(LLAMA_METHODS) else None
     if bundle is None:
         engine = load_torch(model, draft_model or "int8", compile=compile, cache_dir=cache_dir, log=log)
-        runners = build_runners(methods, engine, engine.names.get("target"), log=log)
+        runners = build_runners(methods, engine, engine.names.get("target"), log=log, gguf=gguf)
         return runners + bf16_runners(methods, model, None, draft_model, compile, cache_dir, log)
     ours = [m for m in methods if m in OURS]
     runners = bundle_runners(ours, bundle, draft_bundle, draft_precision, log=log)
@@ -107,7 +110,7 @@ def bench_runners(methods: list[str], *, bundle: str | None = None, draft_bundle
     if peers:
         tokenizer = runners[0].engine.tokenizer if runners else _bundle_tokenizer(bundle)
         folder = model if model and not os.path.exists(model) else str(resolve_folder(model, cache_dir, log=log))
-        runners += build_runners(peers, _Peers(tokenizer), folder, log=log)
+        runners += build_runners(peers, _Peers(tokenizer), folder, log=log, gguf=gguf)
     return runners
 
 

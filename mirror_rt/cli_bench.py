@@ -16,7 +16,8 @@ def _add_bench(sub) -> None:
     bench.add_argument("--methods", default="ar,sd,mirror", help="comma-separated: ar,sd,mirror,mirror-no-lookup,"
                        "ar-bf16,mirror-bf16 (a torch bf16 target with the bundle's draft),ar-bf16-compiled,"
                        "mirror-bf16-compiled (the same under torch.compile, beside the eager rows),hf-assisted,"
-                       "ov-genai (GenAI's default precision),ov-genai-f32,ov-genai-sd")
+                       "ov-genai (GenAI's default precision),ov-genai-f32,ov-genai-sd,llama-cpp,llama-cpp-lookup "
+                       "(llama.cpp on the model's GGUF, plain and with prompt lookup: pip install -e \".[llama-cpp]\")")
     bench.add_argument("--compile", action="store_true", help="torch rows (ar-bf16, mirror-bf16, --torch): "
                        "static windows under torch.compile")
     bench.add_argument("--temperature", type=number, default=0.0)
