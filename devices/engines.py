@@ -5,7 +5,7 @@ torch eager when asked for (`torch=True` or any torch-only option), else the def
 cached ONNX bundle (exported once, with a progress bar). `mirror-rt run`, `serve`, `bench` and
 `mirror_rt.load()` all come here, so they run the same engine for the same request. Torch-only
 options are None when not given: the choice never depends on comparing values with defaults.
-Every engine records the path it runs and each role's precision in `engine.names`.
+Every engine records the path it runs, each role's precision and its load time in `engine.names`.
 """
 
 from __future__ import annotations
@@ -13,6 +13,7 @@ from __future__ import annotations
 import os
 import sys
 import threading
+import time
 import warnings
 from pathlib import Path
 
@@ -48,6 +49,7 @@ def load_engine(bundle: str | None = None, *, torch: bool = False, torch_options
         draft_device, draft_bundle, strict_devices, draft_precision: placement of bundles and bundle drafts.
         mode: the mode the engine will mostly run (thread placement).
     """
+    started = time.perf_counter()
     options = {k: v for k, v in (torch_options or {}).items() if v is not None}
     unknown = set(options) - set(TORCH_OPTIONS) - {"pin"}
     if unknown:
@@ -76,9 +78,16 @@ def load_engine(bundle: str | None = None, *, torch: bool = False, torch_options
                              draft_precision=draft_precision)
         if default:
             engine.names["model"] = DEFAULT_MODEL
-        return engine
-    return load_torch(**options, draft_device=draft_device, draft_bundle=draft_bundle, draft_precision=draft_precision,
-                      strict_devices=strict_devices, mode=mode, cache_dir=cache_dir, log=log)
+        return _timed(engine, started)
+    return _timed(load_torch(**options, draft_device=draft_device, draft_bundle=draft_bundle,
+                             draft_precision=draft_precision, strict_devices=strict_devices, mode=mode,
+                             cache_dir=cache_dir, log=log), started)
+
+
+def _timed(engine: Engine, started: float) -> Engine:
+    """Record the load's wall time in the engine's names (so every generation's stats carry it)."""
+    engine.names["load_time_s"] = round(time.perf_counter() - started, 3)
+    return engine
 
 
 def names_torch_device(target_device: str) -> bool:
@@ -296,8 +305,9 @@ def load_bundle(bundle: str, *, target_device: str = "cpu", draft_device: str = 
     both = placement.worker_cores  # a core each: the target's prompt may also use the draft's (idle) core
     target_budget = WorkerBudget(placement.target_threads, placement.target_cpus, None, both)
     draft_budget = WorkerBudget(placement.draft_threads, placement.draft_cpus, draft_precision)
-    target = _in_worker_thread(bundle, manifest, "target", target_where, strict_devices, target_budget)
-    draft = _in_worker_thread(draft_source, draft_manifest, "draft", draft_where, strict_devices, draft_budget)
+    target, draft = _in_worker_threads([(bundle, manifest, "target", target_where, strict_devices, target_budget),
+                                        (draft_source, draft_manifest, "draft", draft_where, strict_devices,
+                                         draft_budget)])
     target.placement = Placement(str(target_device), str(target_where), target_fell)  # as asked, not as resolved
     draft.placement = Placement(str(draft_device), str(draft_where), draft_fell)
     # the draft starts from the target's prompt KV only when it is the target's copy and reads its caches
@@ -361,22 +371,32 @@ def placements_here() -> list[str]:
 
 def _in_worker_thread(folder, manifest, role, device, strict, budget):
     """Load one model in a short-lived thread pinned like its worker, so backend pools inherit the pin."""
+    return _in_worker_threads([(folder, manifest, role, device, strict, budget)])[0]
+
+
+def _in_worker_threads(jobs: list[tuple]) -> list:
+    """`_in_worker_thread` for several models at once (each pinned to its own cores: they load in parallel);
+    the first failure is re-raised once all have ended."""
     from mirror_rt.devices.registry import load_model
 
-    result = {}
+    results = [{} for _ in jobs]
 
-    def work():
+    def work(result, folder, manifest, role, device, strict, budget):
         try:
             result["model"] = load_model(Path(folder), manifest, role, device, strict, budget)
         except BaseException as exc:  # re-raised in the caller's thread
             result["error"] = exc
 
-    thread = threading.Thread(target=work, name=f"load-{role}")
-    thread.start()
-    thread.join()
-    if "error" in result:
-        raise result["error"]
-    return result["model"]
+    threads = [threading.Thread(target=work, args=(result, *job), name=f"load-{job[2]}")
+               for result, job in zip(results, jobs)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    for result in results:
+        if "error" in result:
+            raise result["error"]
+    return [result["model"] for result in results]
 
 
 def _load_draft(draft_model, target, dtype, cache_dir, log):

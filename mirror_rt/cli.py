@@ -304,6 +304,8 @@ def format_stats(stats: dict) -> str:
                      + (f", draft {stats['draft_precision']}" if stats.get("draft_precision") else ""))
     if stats.get("placement"):
         lines.append(f"placement: {stats['placement']}")
+    if stats.get("load_time_s") is not None:
+        lines.append(f"load: {stats['load_time_s']:.2f} s (engine ready, before the prompt)")
     if stats.get("device_reads_per_step"):
         lines.append(f"device->host {stats['device_to_host_bytes_per_token']:.0f} bytes per token, "
                      f"{stats['device_reads_per_step']:.2f} reads (syncs) per step")
