@@ -49,7 +49,6 @@ def load_engine(bundle: str | None = None, *, torch: bool = False, torch_options
         draft_device, draft_bundle, strict_devices, draft_precision: placement of bundles and bundle drafts.
         mode: the mode the engine will mostly run (thread placement).
     """
-    started = time.perf_counter()
     options = {k: v for k, v in (torch_options or {}).items() if v is not None}
     unknown = set(options) - set(TORCH_OPTIONS) - {"pin"}
     if unknown:
@@ -78,16 +77,9 @@ def load_engine(bundle: str | None = None, *, torch: bool = False, torch_options
                              draft_precision=draft_precision)
         if default:
             engine.names["model"] = DEFAULT_MODEL
-        return _timed(engine, started)
-    return _timed(load_torch(**options, draft_device=draft_device, draft_bundle=draft_bundle,
-                             draft_precision=draft_precision, strict_devices=strict_devices, mode=mode,
-                             cache_dir=cache_dir, log=log), started)
-
-
-def _timed(engine: Engine, started: float) -> Engine:
-    """Record the load's wall time in the engine's names (so every generation's stats carry it)."""
-    engine.names["load_time_s"] = round(time.perf_counter() - started, 3)
-    return engine
+        return engine
+    return load_torch(**options, draft_device=draft_device, draft_bundle=draft_bundle, draft_precision=draft_precision,
+                      strict_devices=strict_devices, mode=mode, cache_dir=cache_dir, log=log)
 
 
 def names_torch_device(target_device: str) -> bool:
@@ -172,6 +164,7 @@ def load_torch(model: str | None = None, draft_model: str | None = None, *, devi
     from mirror_rt.devices.torch_split import TorchSplitTarget
     from mirror_rt.models.loading import load_checkpoint
 
+    started = time.perf_counter()
     device = device or "cpu"
     dtype = {v: k for k, v in DTYPE_NAMES.items()}.get(dtype, dtype) or default_dtype(device)
     if threads:
@@ -203,6 +196,7 @@ def load_torch(model: str | None = None, draft_model: str | None = None, *, devi
             split.warm_up()
         finally:
             torch.set_num_threads(previous)
+    names["load_time_s"] = round(time.perf_counter() - started, 3)  # every generation's stats carry it
     return Engine(split, target.tokenizer, draft, names, placement.worker_cores if pin else None)
 
 
@@ -292,6 +286,7 @@ def load_bundle(bundle: str, *, target_device: str = "cpu", draft_device: str = 
     )
     from mirror_rt.exporters.manifest import read_manifest
 
+    started = time.perf_counter()
     manifest = read_manifest(bundle, verify=verify)
     draft_source = draft_bundle or bundle
     draft_manifest = manifest if draft_source == bundle else read_manifest(draft_source, verify=verify)
@@ -318,6 +313,7 @@ def load_bundle(bundle: str, *, target_device: str = "cpu", draft_device: str = 
              "target_precision": manifest.graph("target_prefix").precision,
              "draft_precision": draft_manifest.graph("draft").precision, "placement": placement.describe()}
     engine = Engine(target, load_tokenizer(Path(bundle), manifest), draft, names, both)
+    engine.names["load_time_s"] = round(time.perf_counter() - started, 3)  # every generation's stats carry it
     engine.manifest = manifest
     engine.placement = {"target": target.placement, "draft": draft.placement}
     return engine
