@@ -9,6 +9,7 @@ worker (`devices.bundles`). It never chooses between a bundle and torch: that is
 from __future__ import annotations
 
 import threading
+import time
 from dataclasses import replace
 from pathlib import Path
 
@@ -45,6 +46,7 @@ def load_bundle(options: EngineOptions, mode: str | None = None, verify: bool = 
     """
     from mirror_rt.exporters.manifest import read_manifest
 
+    started = time.perf_counter()
     bundle, devices = options.models.bundle, options.devices
     manifest = read_manifest(bundle, verify=verify)
     draft_source = options.models.draft_bundle or bundle
@@ -62,8 +64,8 @@ def load_bundle(options: EngineOptions, mode: str | None = None, verify: bool = 
     both = placement.worker_cores  # a core each: the target's prompt may also use the draft's (idle) core
     target_budget = WorkerBudget(placement.target_threads, placement.target_cpus, None, both)
     draft_budget = WorkerBudget(placement.draft_threads, placement.draft_cpus, options.precision.draft_precision)
-    target = in_worker_thread(bundle, manifest, "target", target_where, strict, target_budget)
-    draft = in_worker_thread(draft_source, draft_manifest, "draft", draft_where, strict, draft_budget)
+    target, draft = in_worker_threads([(bundle, manifest, "target", target_where, strict, target_budget),
+                                       (draft_source, draft_manifest, "draft", draft_where, strict, draft_budget)])
     # the draft starts from the target's prompt KV only when it is the target's copy and reads its caches
     draft.same_model_as_target = draft_copies_target(manifest, draft_manifest) and adopts_from(draft, target)
     names = {"model": Path(bundle).name, "target": f"{bundle} ({type(target).__name__})",
@@ -71,23 +73,34 @@ def load_bundle(options: EngineOptions, mode: str | None = None, verify: bool = 
              "target_device": placement.target, "draft_device": placement.draft,
              "target_precision": manifest.graph("target_prefix").precision,
              "draft_precision": draft_manifest.graph("draft").precision, "placement": placement.describe()}
-    return Engine(target, load_tokenizer(Path(bundle), manifest), draft, names, both, placement, manifest,
-                  batch=options.batch)
+    tokenizer = load_tokenizer(Path(bundle), manifest)
+    names["load_time_s"] = round(time.perf_counter() - started, 3)  # every generation's stats carry it
+    return Engine(target, tokenizer, draft, names, both, placement, manifest, batch=options.batch)
 
 
 def in_worker_thread(folder, manifest, role, device, strict, budget):
     """Load one model in a short-lived thread pinned like its worker, so backend pools inherit the pin."""
-    result = {}
+    return in_worker_threads([(folder, manifest, role, device, strict, budget)])[0]
 
-    def work():
+
+def in_worker_threads(jobs: list[tuple]) -> list:
+    """`in_worker_thread` for several models at once (each pinned to its own cores: they load in parallel);
+    the first failure is re-raised once all have ended."""
+    results = [{} for _ in jobs]
+
+    def work(result, folder, manifest, role, device, strict, budget):
         try:
             result["model"] = load_model(Path(folder), manifest, role, device, strict, budget)
         except BaseException as exc:  # re-raised in the caller's thread
             result["error"] = exc
 
-    thread = threading.Thread(target=work, name=f"load-{role}")
-    thread.start()
-    thread.join()
-    if "error" in result:
-        raise result["error"]
-    return result["model"]
+    threads = [threading.Thread(target=work, args=(result, *job), name=f"load-{job[2]}")
+               for result, job in zip(results, jobs)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    for result in results:
+        if "error" in result:
+            raise result["error"]
+    return [result["model"] for result in results]

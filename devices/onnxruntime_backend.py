@@ -5,7 +5,8 @@ the window, so the cache is a list of host arrays per graph; rollback slices the
 views), and each call copies the whole cache. Shared-KV graphs (`--kv shared`, the ONNX
 default; exporters.shared_kv) write the window's KV in place into preallocated buffers bound
 as both past and present through IO binding: no copy, rollback is a count. The split target
-can also prefill pipelined over two cores, and a self-draft can adopt its prompt KV.
+can also prefill pipelined over two cores, and a self-draft can adopt its prompt KV. Sessions load
+their optimized graphs from the bundle's cache once made (devices.ort_session).
 onnxruntime is imported lazily; the runtime core never imports it.
 Invariant: between calls every graph of a cache holds exactly `length` positions, except
 that after `forward_prefix` the suffix lags until `forward_suffix` runs. The split target's
@@ -23,6 +24,7 @@ import numpy as np
 
 from mirror_rt.devices.base import CacheBounds, SplitTarget
 from mirror_rt.devices.onnxruntime_pool import RowPool, forward_rows, prefix_rows, suffix_rows
+from mirror_rt.devices.ort_session import create_session
 from mirror_rt.runtime.affinity import pin
 
 PREFILL_CHUNK = 64  # prompt tokens per pipelined prefill stage
@@ -72,11 +74,11 @@ class ORTGraph:
 
     def __init__(self, path: Path, provider: str = "cpu", kv_shape: tuple[int, int] = (1, 1),
                  threads: int | None = None):
-        ort = _onnxruntime()
+        _onnxruntime()  # its clear error where onnxruntime is missing
         providers = [PROVIDERS.get(provider, provider)]
         if providers[0] != "CPUExecutionProvider":
             providers.append("CPUExecutionProvider")  # ops the EP does not take
-        self.session = ort.InferenceSession(str(path), session_options(threads), providers=providers)
+        self.session = create_session(Path(path), providers, lambda: session_options(threads))
         names = [i.name for i in self.session.get_inputs()]
         self.input_name = names[0]
         self.takes_last_rows = LAST_ROWS in names  # logits graphs of bundles since format 3

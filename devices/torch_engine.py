@@ -9,6 +9,7 @@ records its path and each role's precision in `engine.names`.
 
 from __future__ import annotations
 
+import time
 from pathlib import Path
 
 from mirror_rt.devices.options import EngineOptions
@@ -49,6 +50,7 @@ def load_torch(options: EngineOptions | None = None, mode: str | None = None, lo
     from mirror_rt.devices.torch_split import TorchSplitTarget
     from mirror_rt.models.loading import load_checkpoint
 
+    started = time.perf_counter()
     options = options or EngineOptions()
     models, devices, precision = options.models, options.devices, options.precision
     device = devices.device or "cpu"
@@ -83,6 +85,7 @@ def load_torch(options: EngineOptions | None = None, mode: str | None = None, lo
         finally:
             torch.set_num_threads(previous)
     cpus = placement.worker_cores if devices.pin else None
+    names["load_time_s"] = round(time.perf_counter() - started, 3)  # every generation's stats carry it
     return Engine(split, target.tokenizer, draft, names, cpus, placement, batch=options.batch)
 
 

@@ -83,6 +83,8 @@ def bench_runners(methods: list[str], options, log=print) -> list:
     """
     from mirror_rt.devices.engines import default_bundle
     from mirror_rt.devices.torch_engine import load_torch
+    from mirror_rt.evaluation.bench_llama import METHODS as LLAMA_METHODS
+    from mirror_rt.evaluation.bench_llama import find_gguf
     from mirror_rt.evaluation.bench_methods import KNOWN_METHODS, OURS, build_runners
     from mirror_rt.models.loading import resolve_folder
 
@@ -93,9 +95,10 @@ def bench_runners(methods: list[str], options, log=print) -> list:
     bundle, model, draft_model, cache_dir = models.bundle, models.model, models.draft_model, models.cache_dir
     if bundle is None and not models.torch and draft_model is None and model is None:
         bundle = str(default_bundle(cache_dir, log=log))
+    gguf = find_gguf(model, cache_dir) if set(methods) & set(LLAMA_METHODS) else None
     if bundle is None:
         engine = load_torch(options, log=log)
-        runners = build_runners(methods, engine, engine.names.get("target"), log=log)
+        runners = build_runners(methods, engine, engine.names.get("target"), log=log, gguf=gguf)
         return runners + bf16_runners(methods, model, None, draft_model, compile, cache_dir, log)
     ours = [m for m in methods if m in OURS]
     runners = bundle_runners(ours, bundle, models.draft_bundle, options.precision.draft_precision, log=log)
@@ -104,7 +107,7 @@ def bench_runners(methods: list[str], options, log=print) -> list:
     if peers:
         tokenizer = runners[0].engine.tokenizer if runners else _bundle_tokenizer(bundle)
         folder = model if model and not os.path.exists(model) else str(resolve_folder(model, cache_dir, log=log))
-        runners += build_runners(peers, _Peers(tokenizer), folder, log=log)
+        runners += build_runners(peers, _Peers(tokenizer), folder, log=log, gguf=gguf)
     return runners
 
 

@@ -6,8 +6,9 @@ becomes that precision's baseline); `sd` and `mirror` are ours on the same engin
 generation with an int8 copy of the target as the assistant (the same kind of draft); `ov-genai` is
 OpenVINO GenAI's own `LLMPipeline` on the target at its default precision (bf16 compute and u8 KV on
 CPUs with bf16), `ov-genai-f32` the same asked for f32 compute and KV, and `ov-genai-sd` GenAI with an
-int8 (nncf) copy of the target as its draft model. A method whose package is missing is skipped with
-a message, never a crash. Every runner names its precision (weights / compute / KV).
+int8 (nncf) copy of the target as its draft model; `llama-cpp` and `llama-cpp-lookup` are llama.cpp on
+the model's GGUF (`bench_llama`). A method whose package is missing is skipped with a message, never a
+crash. Every runner names its precision (weights / compute / KV).
 """
 
 from __future__ import annotations
@@ -16,16 +17,19 @@ import os
 import time
 
 from mirror_rt.evaluation.bench import EngineRunner
+from mirror_rt.evaluation.bench_llama import METHODS as LLAMA_METHODS
+from mirror_rt.evaluation.bench_llama import llama_runners
 from mirror_rt.runtime.affinity import available_cores
 
 TORCH_BF16 = ("ar-bf16", "mirror-bf16", "ar-bf16-compiled", "mirror-bf16-compiled")  # bench_engines.bf16_runners
 KNOWN_METHODS = ("ar", "sd", "mirror", "mirror-no-lookup", *TORCH_BF16, "hf-assisted", "ov-genai", "ov-genai-f32",
-                 "ov-genai-sd")
+                 "ov-genai-sd", *LLAMA_METHODS)
 OURS = ("ar", "sd", "mirror", "mirror-no-lookup")  # run by our engines (over a bundle: bench_engines)
 
 
-def build_runners(methods: list[str], engine, model_folder: str | None, log=print) -> list:
-    """Runners for `methods` (unknown names are refused, unavailable ones skipped with a line)."""
+def build_runners(methods: list[str], engine, model_folder: str | None, log=print, gguf=None) -> list:
+    """Runners for `methods` (unknown names are refused, unavailable ones skipped with a line); `gguf`: the
+    model's GGUF file, for llama.cpp."""
     unknown = [m for m in methods if m not in KNOWN_METHODS]
     if unknown:
         raise ValueError(f"unknown bench method(s): {', '.join(unknown)} (known: {', '.join(KNOWN_METHODS)})")
@@ -42,8 +46,11 @@ def build_runners(methods: list[str], engine, model_folder: str | None, log=prin
             runners.append(_hf_assisted(model_folder, cores, log))
         elif method in TORCH_BF16:
             continue  # a second engine: bench_engines.bf16_runners
+        elif method in LLAMA_METHODS:
+            continue  # below, both from one GGUF
         else:
             runners.append(_ov_genai(method, model_folder, engine.tokenizer, cores, log))
+    runners += llama_runners(methods, gguf, engine.tokenizer, cores, log)
     return [r for r in runners if r is not None]
 
 

@@ -6,7 +6,9 @@ concurrency level: completed and failed requests, request and output throughput,
 ITL percentiles, end-to-end latency. ITL is per token: each chunk's gap is divided over the tokens
 it carries (vLLM's `stream_options.continuous_usage_stats`), since one chunk can carry several
 accepted tokens. Acceptance comes from the server's /metrics, scraped before and after. A burst
-beyond the queue counts the 503s and how fast they came. Nothing here imports the server.
+beyond the queue counts the 503s and how fast they came. Peers (`evaluation.genai_serve`) run each
+level after ours, in this process, on the token ids the server's /tokenize gives, and land beside ours
+in one table per level. Nothing here imports the server.
 """
 
 from __future__ import annotations
@@ -138,24 +140,86 @@ def scrape_totals(url: str) -> dict:
 
 
 async def load_run(url: str, prompts: list, levels: list[int], max_tokens: int, burst_size: int,
-                   api_key: str | None, log=print) -> dict:
-    """Every concurrency level, then the burst; returns the report."""
+                   api_key: str | None, log=print, peers: tuple = ()) -> dict:
+    """Every concurrency level (ours over HTTP, then each peer in process on the same prompts), then the burst;
+    returns the report."""
     from openai import AsyncOpenAI
 
     client = AsyncOpenAI(base_url=url.rstrip("/") + "/v1", api_key=api_key or "unused", max_retries=0, timeout=600)
     model = (await client.models.list()).data[0].id
-    await one_request(client, model, prompts[0], 8)  # warm-up
-    report = {"url": url, "model": model, "max_tokens": max_tokens, "prompts": len(prompts), "levels": []}
+    ours = await served_label(client, model, prompts[0])  # also the warm-up
+    report = {"url": url, "model": model, "max_tokens": max_tokens, "prompts": len(prompts), "ours": ours,
+              "levels": []}
+    prompt_ids = [tokenize(url, messages) for messages in prompts] if peers else []
+    for peer in peers:  # warm-up at the widest level: its shapes compiled, its KV blocks allocated
+        peer.run_level(prompt_ids[:max(levels)], 8, max(levels))
+        report.setdefault("peers", {})[peer.name] = {"label": peer.label, "precision": peer.precision}
     for concurrency in levels:
         before = scrape_totals(url)
         results, wall = await run_level(client, model, prompts, max_tokens, concurrency)
         level = summarize(results, wall, concurrency) | speculation(before, scrape_totals(url))
         log(format_level(level))
+        for peer in peers:
+            peer_results, peer_wall = peer.run_level(prompt_ids, max_tokens, concurrency,
+                                                     decode=lambda ids: detokenize(url, ids))
+            same = sum(r.ok and r.text == o.text for r, o in zip(peer_results, results) if o.ok)
+            level.setdefault("peers", {})[peer.name] = summarize(peer_results, peer_wall, concurrency) | {
+                "same_text_as_ours": same}
+        if peers:
+            log(format_table(level, ours, peers, len(prompts), max_tokens))
         report["levels"].append(level)
     if burst_size:
         report["burst"] = await burst(client, model, prompts[0], max_tokens, burst_size)
         log(format_burst(report["burst"]))
     return report
+
+
+async def served_label(client, model: str, messages: list) -> str:
+    """What the server runs, from a short non-streamed answer: its mode and each role's precision (mirror-rt's
+    `mirror_rt` object; another server: '?')."""
+    answer = await client.chat.completions.create(model=model, messages=messages, max_tokens=8, temperature=0)
+    extra = (answer.model_extra or {}).get("mirror_rt") or {}
+    precision = extra.get("precision") or {}
+    roles = ", ".join(f"{p} {role}" for role, p in precision.items() if p)
+    return f"{extra.get('mode', '?')}; {roles or '?'}"
+
+
+def tokenize(url: str, messages: list) -> list[int]:
+    """The prompt's token ids as the server makes them (its /tokenize: chat template, generation prompt)."""
+    import httpx
+
+    response = httpx.post(url.rstrip("/") + "/tokenize", json={"messages": messages}, timeout=30)
+    response.raise_for_status()
+    return response.json()["tokens"]
+
+
+def detokenize(url: str, ids: list[int]) -> str:
+    import httpx
+
+    response = httpx.post(url.rstrip("/") + "/detokenize", json={"tokens": list(ids)}, timeout=30)
+    response.raise_for_status()
+    return response.json()["prompt"]
+
+
+def format_table(level: dict, ours: str, peers, prompts: int, max_tokens: int) -> str:
+    """One markdown table for one concurrency: ours over HTTP, each peer in process, side by side."""
+    head = (f"concurrency {level['concurrency']}: the same {prompts} prompts, {max_tokens} tokens each, greedy, "
+            f"ignore_eos; mirror-rt serve over HTTP, the peers in this process (no HTTP)\n"
+            "| engine | precision | where | done | tok/s | req/s | TTFT p50/p95 ms | ITL p50/p95 ms | TPOT ms | "
+            "E2E p50 ms | text = ours |\n|---|---|---|---|---|---|---|---|---|---|---|")
+    rows = [_row("mirror-rt serve", ours, "HTTP", level, "-")]
+    for peer in peers:
+        figures = level["peers"][peer.name]
+        rows.append(_row(peer.name, peer.precision_label, peer.where, figures,
+                         f"{figures['same_text_as_ours']}/{prompts}"))
+    return "\n".join([head, *rows])
+
+
+def _row(engine: str, precision: str, where: str, f: dict, same: str) -> str:
+    return (f"| {engine} | {precision} | {where} | {f['completed']}/{f['completed'] + f['failed']} | "
+            f"{f['output_throughput']:.1f} | {f['request_throughput']:.2f} | "
+            f"{f['median_ttft_ms']}/{f['p95_ttft_ms']} | "
+            f"{f['median_itl_ms']}/{f['p95_itl_ms']} | {f['mean_tpot_ms']} | {f['median_e2el_ms']} | {same} |")
 
 
 def format_level(level: dict) -> str:

@@ -1,15 +1,13 @@
 """`mirror-rt simulate`: predict AR / SD / Mirror step times and speedups from costs.
 
 Costs per device (per layer per window, per draft forward) and the algorithm's rates
-(per-token acceptance a, root coverage) give, with k = gamma:
-    tokens per step          = 1 + E[A] = (1 - a^(k+1)) / (1 - a)
+(per-token acceptance a, root coverage) go through the latency model (runtime.latency), with k = gamma:
     AR   time per token      = T_target(1)
     SD   time per step       = k * T_draft + T_target(k+1)
     Mirror time per step     = T_prefix(k+1) + T_rendezvous + max(T_suffix(k+1), T_rollout)
                                + P(miss) * T_fresh
 with T_rollout = draft forwards for the main line plus side branches (a batched tree forward
-counts once per draft step), T_fresh = forwards to draft a window from scratch, and
-P(hit) = a^(k+1) + sum_j a^j (1 - a) * root_coverage (main line + precomputed corrections).
+counts once per draft step) and T_fresh = forwards to draft a window from scratch.
 With n_s Speculative-Streaming streams a k-token rollout takes ceil(k / (1 + n_s)) forwards.
 """
 
@@ -19,6 +17,8 @@ import json
 import math
 from dataclasses import dataclass
 from pathlib import Path
+
+from mirror_rt.runtime.latency import hit_probability, mirror_step, sd_step, tokens_per_step
 
 
 @dataclass(frozen=True)
@@ -58,14 +58,14 @@ def draft_ms(cfg: SimConfig, tokens: int) -> float:
 def predict(cfg: SimConfig) -> dict:
     """AR / SD / Mirror time per step, tokens per step, tokens/s and speedups over AR."""
     a, k = cfg.acceptance, cfg.gamma
-    tokens = (1 - a ** (k + 1)) / (1 - a)
+    tokens = tokens_per_step(a, k)
     ar = target_ms(cfg, cfg.target_layers, 1, True)
-    sd = draft_ms(cfg, k) + target_ms(cfg, cfg.target_layers, k + 1, True)
+    sd = sd_step(draft_ms(cfg, k), target_ms(cfg, cfg.target_layers, k + 1, True))
     prefix = target_ms(cfg, cfg.exit_layer, k + 1, True)  # the early exit applies the head too
     suffix = target_ms(cfg, cfg.target_layers - cfg.exit_layer, k + 1, True)
     rollout = draft_ms(cfg, k + 1) * (1 if cfg.branches_batched else 2)
-    p_hit = a ** (k + 1) + sum(a ** j * (1 - a) * cfg.root_coverage for j in range(k))
-    mirror = prefix + cfg.rendezvous_ms + max(suffix, rollout) + (1 - p_hit) * draft_ms(cfg, k)
+    p_hit = hit_probability(a, k, cfg.root_coverage)
+    mirror = mirror_step(prefix, suffix, rollout, draft_ms(cfg, k), p_hit, cfg.rendezvous_ms)
     return {
         "name": cfg.name, "tokens_per_step": round(tokens, 3), "p_hit": round(p_hit, 3),
         "ar_ms_per_token": round(ar, 3), "sd_ms_per_step": round(sd, 3), "mirror_ms_per_step": round(mirror, 3),

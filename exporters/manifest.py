@@ -11,6 +11,7 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import json
+import os
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -21,6 +22,7 @@ FORMAT_VERSION = 4
 READABLE_VERSIONS = (2, 3, 4)  # backends detect `last_rows` and batched graphs per graph: older bundles still run
 # (one sequence a call: runtime.batch decodes their requests side by side, without shared calls)
 MANIFEST = "manifest.json"
+VERIFIED = ".cache/verified.json"  # files hashed already: {name: [size, mtime_ns, sha256]}
 GRAPH_FORMATS = ("torch", "onnx", "openvino")
 PRECISIONS = ("fp32", "fp16", "bf16", "int8", "int4", "q4_1")
 ROLES = ("draft", "target_exit", "target_prefix", "target_suffix")  # sorted
@@ -167,15 +169,47 @@ def read_manifest(folder: Path, verify: bool = True) -> BundleManifest:
 
 
 def check_files(manifest: BundleManifest, folder: Path, verify: bool = True) -> None:
-    """Every listed file exists and, with `verify`, still has its recorded sha256."""
+    """Every listed file exists and, with `verify`, still has its recorded sha256.
+
+    A file hashed once is not hashed again while its size and modification time are those recorded beside
+    the bundle (`VERIFIED`, with the digest it matched): re-hashing a gigabyte of graphs took a second of
+    every load. A bundle that cannot be written is hashed every time.
+    """
     listed = dict(manifest.tokenizer.get("files", {}))
     listed.update((manifest.exit_adapter or {}).get("files", {}))
     listed.update((manifest.draft_vocab or {}).get("files", {}))
     for g in manifest.graphs:
         listed.update(g.files)
+    seen = _read_verified(folder) if verify else {}
+    checked = {}
     for name, digest in sorted(listed.items()):
         path = folder / name
         if not path.is_file():
             raise BundleError(f"{path}: missing (listed in {MANIFEST})")
-        if verify and sha256_file(path) != digest:
+        if not verify:
+            continue
+        stat = path.stat()
+        checked[name] = [stat.st_size, stat.st_mtime_ns, digest]
+        if seen.get(name) != checked[name] and sha256_file(path) != digest:
             raise BundleError(f"{path}: corrupt (sha256 differs from {MANIFEST}); re-export the bundle")
+    if verify and checked != seen:
+        _write_verified(folder, checked)
+
+
+def _read_verified(folder: Path) -> dict:
+    try:
+        data = json.loads((folder / VERIFIED).read_text())
+    except (OSError, ValueError):
+        return {}
+    return data if isinstance(data, dict) else {}
+
+
+def _write_verified(folder: Path, checked: dict) -> None:
+    path = folder / VERIFIED
+    tmp = path.with_name(f"{path.name}.{os.getpid()}.tmp")
+    try:
+        path.parent.mkdir(exist_ok=True)
+        tmp.write_text(json.dumps(checked, indent=1, sort_keys=True))
+        tmp.replace(path)
+    except OSError:  # a read-only bundle: verified again next time
+        tmp.unlink(missing_ok=True)

@@ -27,7 +27,8 @@ def _add_bench(sub) -> None:
     bench.add_argument("--methods", default="ar,sd,mirror", help="comma-separated: ar,sd,mirror,mirror-no-lookup,"
                        "ar-bf16,mirror-bf16 (a torch bf16 target with the bundle's draft),ar-bf16-compiled,"
                        "mirror-bf16-compiled (the same under torch.compile, beside the eager rows),hf-assisted,"
-                       "ov-genai (GenAI's default precision),ov-genai-f32,ov-genai-sd")
+                       "ov-genai (GenAI's default precision),ov-genai-f32,ov-genai-sd,llama-cpp,llama-cpp-lookup "
+                       "(llama.cpp on the model's GGUF, plain and with prompt lookup: pip install -e \".[llama-cpp]\")")
     bench.add_argument("--repeats", type=positive_int, default=1, help="runs per turn (median wall time kept)")
     add_engine_options(bench, BENCH_ENGINE)
     add_decoding_options(bench, mode=False)
@@ -77,6 +78,12 @@ def _add_bench_serve(sub) -> None:
     load.add_argument("--mode", default=DEFAULTS.mode, help="the server's mode, for --compare-run (default: the "
                       "engine's, as the server's)")
     load.add_argument("--api-key", help="the server's key (default: $MIRROR_RT_API_KEY)")
+    load.add_argument("--peers", default="", help="comma-separated peers run in this process after each level, on "
+                      "the server's token ids: ov-genai-cb (OpenVINO GenAI's ContinuousBatchingPipeline at its "
+                      "default precision), ov-genai-cb-f32 (f32 compute and KV)")
+    load.add_argument("--model", help="the peers' model: HF folder, .gguf file or preset (default: the default model; "
+                      "name the model the server serves)")
+    load.add_argument("--threads", type=positive_int, help="the peers' threads (default: every core, as the server)")
     load.add_argument("--cache-dir")
     load.add_argument("--json", help="write the report here too")
 
@@ -85,8 +92,10 @@ def cmd_bench_serve(args) -> int:
     import asyncio
     import os
 
+    from mirror_rt.evaluation.genai_serve import load_peers
     from mirror_rt.evaluation.serve_bench import compare_with_run, load_run
     from mirror_rt.evaluation.specbench import read_questions
+    from mirror_rt.runtime.affinity import available_cores
 
     questions = read_questions(args.data, None, args.limit)
     prompts = [[{"role": "user", "content": q.turns[0]}] for q in questions]
@@ -94,16 +103,19 @@ def cmd_bench_serve(args) -> int:
     if not levels or min(levels) < 1:
         raise ValueError(f"--concurrency needs whole numbers >= 1, got '{args.concurrency}'")
     key = args.api_key or os.environ.get("MIRROR_RT_API_KEY")
+    names = [p.strip() for p in args.peers.split(",") if p.strip()]
+    peers = load_peers(names, args.model, args.threads or len(available_cores()), args.cache_dir, log=log)
     report = {}
     if args.compare_run:
         report["single_stream"] = asyncio.run(compare_with_run(args.url, prompts, args.max_tokens, args.mode, key,
                                                                args.cache_dir, log=log))
-    report |= asyncio.run(load_run(args.url, prompts, levels, args.max_tokens, args.burst, key, log=log))
+    report |= asyncio.run(load_run(args.url, prompts, levels, args.max_tokens, args.burst, key, log=log, peers=peers))
     if args.json:
         from pathlib import Path
 
         Path(args.json).write_text(json.dumps(report, indent=2))
-    return 0 if all(level["failed"] == 0 for level in report["levels"]) else 1
+    runs = [*report["levels"], *(p for level in report["levels"] for p in level.get("peers", {}).values())]
+    return 0 if all(run["failed"] == 0 for run in runs) else 1
 
 
 COMMANDS = {"bench": cmd_bench, "bench-serve": cmd_bench_serve}

@@ -1,45 +1,123 @@
 """Tokenizers behind one small interface: encode, decode, chat prompt, end ids, fingerprint.
 
-`HFTokenizer` wraps a Hugging Face fast tokenizer folder; `ByteTokenizer` maps bytes to
-ids (tests and tiny presets, no files). The runtime only sees this interface, so it never
-depends on transformers' tokenizer classes directly.
+`HFTokenizer` reads a Hugging Face tokenizer folder with the `tokenizers` package and renders its chat
+template with jinja2 (models.chat_template), as transformers' fast tokenizers do, with the same ids;
+transformers is imported only for folders whose tokenizer class adds rules in Python on load (Llama's,
+sentencepiece folders without tokenizer.json): their backend is then transformers' own.
+`ByteTokenizer` maps bytes to ids (tests and tiny presets, no files). The runtime only sees this
+interface, so it never depends on transformers' tokenizer classes directly.
 """
 
 from __future__ import annotations
 
 import hashlib
+import json
 from pathlib import Path
+
+from mirror_rt.models import chat_template
+
+# tokenizer classes whose fast tokenizer is tokenizer.json as saved (no Python-side rules on load)
+PLAIN_CLASSES = ("PreTrainedTokenizerFast", "GPT2Tokenizer", "GPT2TokenizerFast", "Qwen2Tokenizer",
+                 "Qwen2TokenizerFast")
+# transformers' clean_up_tokenization (applied on decode where tokenizer_config asks for it)
+_CLEAN_UP = ((" .", "."), (" ?", "?"), (" !", "!"), (" ,", ","), (" ' ", "'"), (" n't", "n't"), (" 'm", "'m"),
+             (" 's", "'s"), (" 've", "'ve"), (" 're", "'re"))
 
 
 class HFTokenizer:
     """A Hugging Face tokenizer folder (tokenizer.json + tokenizer_config.json)."""
 
     def __init__(self, folder: Path):
-        from transformers import AutoTokenizer
-
         self.folder = Path(folder)
-        self._tok = AutoTokenizer.from_pretrained(self.folder)
-        self.vocab_size = len(self._tok)
-        self.eos_token_ids = tuple(i for i in {self._tok.eos_token_id} if i is not None)
-        self.has_chat_template = bool(getattr(self._tok, "chat_template", None))
-        specials = {self._tok.bos_token_id, *self._tok.all_special_ids, *self.eos_token_ids}
+        config_path = self.folder / "tokenizer_config.json"
+        config = json.loads(config_path.read_text(encoding="utf-8")) if config_path.is_file() else {}
+        self._tok = _backend(self.folder, config)
+        self._tok.no_truncation()  # as transformers: a tokenizer.json's truncation or padding never applies
+        self._tok.no_padding()
+        self._clean_up = bool(config.get("clean_up_tokenization_spaces", False))
+        self._specials = chat_template.special_tokens(self.folder, config)
+        _add_missing_tokens(self._tok, config, self._specials)
+        source = chat_template.read_template(self.folder, config)
+        self._template = chat_template.compile_template(source) if source else None
+        self.vocab_size = self._tok.get_vocab_size(with_added_tokens=True)
+        self.eos_token_ids = tuple(i for i in {self._id("eos_token")} if i is not None)
+        self.has_chat_template = self._template is not None
+        named = [v for values in self._specials.values() for v in (values if isinstance(values, list) else [values])]
+        specials = {self._id("bos_token"), *(self._tok.token_to_id(t) for t in named), *self.eos_token_ids}
         self.special_ids = tuple(sorted(i for i in specials if i is not None))  # bos, eos, chat markers...
 
+    def _id(self, key: str) -> int | None:
+        token = self._specials.get(key)
+        return self._tok.token_to_id(token) if isinstance(token, str) else None
+
     def encode(self, text: str) -> list[int]:
-        return self._tok.encode(text, add_special_tokens=False)
+        return self._tok.encode(text, add_special_tokens=False).ids
 
     def decode(self, ids) -> str:
-        return self._tok.decode(list(ids), skip_special_tokens=True)
+        text = self._tok.decode(list(ids), skip_special_tokens=True)
+        if self._clean_up:
+            for before, after in _CLEAN_UP:
+                text = text.replace(before, after)
+        return text
 
     def chat_prompt(self, messages: list[dict]) -> list[int]:
         """Token ids of `messages` under the chat template, ready for the assistant turn."""
-        text = self._tok.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
-        return self.encode(text)
+        if self._template is None:
+            raise ValueError(f"{self.folder} has no chat template (send plain text, or a folder with one)")
+        return self.encode(chat_template.render(self._template, messages, self._specials))
 
     def sha256(self) -> str:
         """Fingerprint of the vocabulary: equal for tokenizers that map text to the same ids."""
         path = self.folder / "tokenizer.json"
         return hashlib.sha256(path.read_bytes()).hexdigest() if path.exists() else ""
+
+
+def _add_missing_tokens(tok, config: dict, specials: dict) -> None:
+    """Register what transformers registers on load: `added_tokens_decoder` entries the backend lacks, and
+    special tokens that are not added tokens yet, as special (so decode skips them, encode keeps them whole)."""
+    from tokenizers import AddedToken
+
+    named = [v for values in specials.values() for v in (values if isinstance(values, list) else [values])]
+    known = tok.get_added_tokens_decoder().values()
+    present = {repr(t) for t in known}
+    saved = sorted((config.get("added_tokens_decoder") or {}).items(), key=lambda item: int(item[0]))
+    to_add = [token for token in (AddedToken(**fields) for _, fields in saved) if repr(token) not in present]
+    have = {t.content for t in known} | {t.content for t in to_add}
+    to_add += [AddedToken(name, special=True) for name in dict.fromkeys(named) if name not in have]
+    for token in to_add:
+        token.special = token.special or token.content in named
+    if to_add:
+        tok.add_tokens(to_add)
+
+
+def _backend(folder: Path, config: dict):
+    """The folder's `tokenizers.Tokenizer`, as transformers would set it up: read directly for tokenizer
+    classes that add nothing in Python (PLAIN_CLASSES), else taken from transformers itself."""
+    from tokenizers import Tokenizer
+
+    path = folder / "tokenizer.json"
+    if path.is_file() and config.get("tokenizer_class") in PLAIN_CLASSES:
+        tok = Tokenizer.from_file(str(path))
+        _match_prefix_space(tok, bool(config.get("add_prefix_space", False)))
+        return tok
+    from transformers import AutoTokenizer  # other classes (Llama's, sentencepiece folders) adjust it on load
+
+    fast = AutoTokenizer.from_pretrained(folder)
+    if not hasattr(fast, "backend_tokenizer"):
+        raise ValueError(f"{folder}: transformers has no fast tokenizer for it")
+    return fast.backend_tokenizer
+
+
+def _match_prefix_space(tok, add_prefix_space: bool) -> None:
+    """transformers sets a single pre-tokenizer's `add_prefix_space` to the config's (default False)."""
+    from tokenizers import pre_tokenizers
+
+    state = json.loads(tok.pre_tokenizer.__getstate__()) if tok.pre_tokenizer is not None else {}
+    if state.get("add_prefix_space", add_prefix_space) == add_prefix_space:
+        return
+    state["add_prefix_space"] = add_prefix_space
+    kind = getattr(pre_tokenizers, state.pop("type"))
+    tok.pre_tokenizer = kind(**state)
 
 
 class ByteTokenizer:

@@ -134,5 +134,7 @@ def format_stats(stats: dict) -> str:
                      f"{stats['measured_step_ms']:.1f} ms measured")
     for event in stats.get("events", []):
         lines.append(f"event: {event}")
+    if stats.get("load_time_s") is not None:
+        lines.append(f"load: {stats['load_time_s']:.2f} s (engine ready, before the prompt)")
     lines.append(f"stop: {stats['stop_reason']}")
     return "\n".join(lines)

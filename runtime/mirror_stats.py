@@ -1,6 +1,6 @@
 """Mirror-SD figures: reuse, early-exit coverage, hidden draft time, and the latency model.
 
-Latency model (mirror-sd.md §5), per step, from this request's own phase means:
+Latency model (mirror-sd.md §5; runtime.latency), per step, from this request's own phase means:
     T_step = T_prefix + T_rendezvous + max(T_suffix, T_rollout) + P(miss) * T_fresh
 where T_rendezvous is the target's mean wait for a window when it was precomputed (a hit),
 T_rollout the draft's precomputation per step and T_fresh its drafting after a miss. Our draft
@@ -11,6 +11,8 @@ Both predictions are printed next to the measured wall time per step.
 """
 
 from __future__ import annotations
+
+from mirror_rt.runtime.latency import mirror_step
 
 
 def overlap_seconds(a: list[tuple[float, float]], b: list[tuple[float, float]]) -> float:
@@ -40,8 +42,8 @@ def mirror_summary(metrics, draft_stats, counters: dict) -> dict:
     t_rollout = draft_stats.rollout_s / steps
     t_fresh = draft_stats.fresh_s / max(1, draft_stats.misses + draft_stats.not_ready)
     t_rendezvous = max(0.0, wait - draft_stats.fresh_s) / steps
-    predicted = t_prefix + t_rendezvous + max(t_suffix, t_rollout) + p_miss * t_fresh
-    pipelined = t_rendezvous + max(t_prefix + t_suffix, t_rollout) + p_miss * t_fresh
+    predicted = mirror_step(t_prefix, t_suffix, t_rollout, t_fresh, 1 - p_miss, t_rendezvous)
+    pipelined = mirror_step(0.0, t_prefix + t_suffix, t_rollout, t_fresh, 1 - p_miss, t_rendezvous)
     decode = sum(stage.get(k, 0.0) for k in ("target_wait", "target_prefix", "target_suffix")) / steps
     hidden = overlap_seconds(draft_stats.busy, counters["busy"])
     return {

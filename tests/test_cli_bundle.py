@@ -72,3 +72,12 @@ def test_bench_over_bundle(tiny_bundle, tmp_path):
     doc = json.loads((tmp_path / "out" / "summary.json").read_text())
     assert doc["baselines"]["fp32"].startswith("ar-ov-") and set(doc["mismatches"].values()) == {0}
     assert {"sd", "mirror", "mirror-no-lookup"} <= set(doc["summary"]["overall"])
+
+
+def test_stats_report_the_load_time(tiny_bundle):
+    """run --json and --stats say how long the engine took to load (the bundle's sessions and tokenizer)."""
+    proc = run_cli("run", "hello", "--bundle", str(tiny_bundle), "--max-new-tokens", "4", "--json")
+    assert proc.returncode == 0, proc.stderr
+    assert 0 < json.loads(proc.stdout)["stats"]["load_time_s"] < 600
+    proc = run_cli("run", "hello", "--bundle", str(tiny_bundle), "--max-new-tokens", "4", "--stats")
+    assert proc.returncode == 0 and "load: " in proc.stderr and " s (engine ready" in proc.stderr

@@ -100,6 +100,27 @@ def test_corrupt_file_refused(torch_bundle, tmp_path):
     assert "\n" not in str(info.value)
 
 
+def test_unchanged_files_are_hashed_once(torch_bundle, tmp_path, monkeypatch):
+    """A second load hashes nothing while files keep their size and mtime; a rewritten file is hashed and refused."""
+    from mirror_rt.exporters import manifest
+
+    folder, hashed = _copy(torch_bundle, tmp_path), []
+    shutil.rmtree(folder / ".cache", ignore_errors=True)  # the fixture's own stamps, if a test loaded it
+    real = manifest.sha256_file
+    monkeypatch.setattr(manifest, "sha256_file", lambda path: hashed.append(path.name) or real(path))
+    load_parts(folder)
+    first, hashed[:] = len(hashed), []
+    load_parts(folder)
+    assert first > 0 and hashed == []
+    path = folder / "target.safetensors"
+    data = bytearray(path.read_bytes())
+    data[-1] ^= 0xFF
+    path.write_bytes(bytes(data))
+    with pytest.raises(BundleError, match=r"target\.safetensors: corrupt"):
+        load_parts(folder)
+    assert hashed == ["target.safetensors"]
+
+
 def test_missing_manifest_refused(tmp_path):
     """A folder without manifest.json is not a bundle."""
     with pytest.raises(BundleError, match=r"manifest\.json: missing"):

@@ -1,0 +1,83 @@
+"""ONNX Runtime sessions whose optimized graphs are cached beside the bundle, so a later load skips optimizing.
+
+The first session over a graph runs ONNX Runtime's optimizers as usual and saves the optimized graph
+(`optimized_model_filepath`, weights in a side file) into `<bundle>/.cache/ort/<graph>-<key>/`; later
+sessions load that graph with the optimizers off. The key covers everything the optimized graph depends
+on: the onnxruntime version, the execution providers, the optimization level, this CPU (the CPU provider's
+layout passes are hardware specific) and the source graph file (name, size, mtime), so another version,
+other options or a re-exported graph never load a stale file. A folder that cannot be written is simply
+not cached. Outputs are identical either way (tests/test_ort_session.py). It knows nothing of models.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import platform
+import shutil
+import threading
+from pathlib import Path
+
+CACHE_FORMAT = 1  # bump when what is saved changes
+GRAPH_FILE, WEIGHTS_FILE = "model.onnx", "model.onnx.data"
+
+
+def cpu_fingerprint() -> str:
+    """This CPU's model name and feature flags (Linux), else what `platform` knows."""
+    try:
+        with open("/proc/cpuinfo", encoding="utf-8") as f:
+            lines = [line for line in f if line.startswith(("model name", "flags"))]
+        return "".join(sorted(set(lines)))
+    except OSError:
+        return f"{platform.machine()} {platform.processor()}"
+
+
+def cache_folder(path: Path, providers: list[str], options) -> Path:
+    """Where the optimized form of graph `path` for these providers and options is cached."""
+    import onnxruntime as ort
+
+    stat = path.stat()
+    key = json.dumps([CACHE_FORMAT, ort.__version__, providers, str(options.graph_optimization_level),
+                      cpu_fingerprint(), path.name, stat.st_size, stat.st_mtime_ns])
+    return path.parent / ".cache" / "ort" / f"{path.stem}-{hashlib.sha256(key.encode()).hexdigest()[:16]}"
+
+
+def create_session(path: Path, providers: list[str], make_options):
+    """An InferenceSession over `path`; `make_options()` gives fresh SessionOptions (optimization level set)."""
+    import onnxruntime as ort
+
+    options = make_options()
+    folder = cache_folder(Path(path), providers, options)
+    if (folder / GRAPH_FILE).is_file():
+        options.graph_optimization_level = ort.GraphOptimizationLevel.ORT_DISABLE_ALL  # optimized already
+        return ort.InferenceSession(str(folder / GRAPH_FILE), options, providers=providers)
+    partial = _partial_folder(folder)
+    if partial is not None:
+        options.optimized_model_filepath = str(partial / GRAPH_FILE)
+        options.add_session_config_entry("session.optimized_model_external_initializers_file_name", WEIGHTS_FILE)
+        options.log_severity_level = 3  # its warning that the saved graph is hardware specific: the key holds the CPU
+    session = ort.InferenceSession(str(path), options, providers=providers)
+    if partial is not None:
+        _publish(partial, folder)
+    return session
+
+
+def _partial_folder(folder: Path) -> Path | None:
+    """A fresh folder of this thread to save into, or None where the bundle cannot be written."""
+    partial = folder.with_name(f"{folder.name}.partial-{os.getpid()}-{threading.get_ident()}")
+    try:
+        partial.mkdir(parents=True, exist_ok=True)
+    except OSError:  # a read-only bundle: sessions are built as without a cache
+        return None
+    return partial
+
+
+def _publish(partial: Path, folder: Path) -> None:
+    """Rename the saved folder into place (atomic); another process or thread that was first keeps its own."""
+    try:
+        if (partial / GRAPH_FILE).is_file():
+            partial.rename(folder)
+    except OSError:  # `folder` exists: someone published the same graph first
+        pass
+    shutil.rmtree(partial, ignore_errors=True)

@@ -1,0 +1,113 @@
+"""`llama-cpp` and `llama-cpp-lookup` bench rows: llama.cpp (llama-cpp-python) on the model's own GGUF.
+
+The GGUF is the model's: the default model's Q4_1 file in the cache, or the `.gguf` given as the model
+(an HF folder has none: the rows are skipped with a line, as when llama_cpp is not installed). Prompts go
+in as our chat-templated token ids, evaluated as given (llama.cpp adds no BOS to a token list, so its own
+chat path's doubled BOS cannot happen; each answer records whether the evaluated prompt is ours), and
+the vocabulary is checked against ours at load. Greedy is llama.cpp's greedy sampler; `llama-cpp-lookup`
+adds its prompt-lookup drafter (LlamaPromptLookupDecoding) guessing the bench's gamma tokens. Every answer
+starts from an empty cache (no prefix reuse across turns or repeats, as our engines). The precision is the
+GGUF's weight type (matmuls on 8-bit quantized activations, f16 KV: llama-cpp-python's defaults).
+"""
+
+from __future__ import annotations
+
+import time
+from collections import Counter
+from pathlib import Path
+
+from mirror_rt.runtime.engine import GenerationError
+
+METHODS = ("llama-cpp", "llama-cpp-lookup")
+PROBE = "<|im_start|>user\nHello, world! 12345 ünïcödé\n<|im_end|>"  # chat markers, digits, non-ASCII
+
+
+def find_gguf(model: str | None, cache: str | None = None) -> Path | None:
+    """The model's GGUF: the default model's cached file, or `model` itself when it is a .gguf (else None)."""
+    from mirror_rt.models.default_model import DEFAULT_MODEL, GGUF_NAME, cache_dir, default_model_folder
+
+    if model in (None, "", "default", DEFAULT_MODEL):
+        gguf = cache_dir(cache) / "downloads" / GGUF_NAME
+        if not gguf.exists():
+            default_model_folder(cache, log=lambda *_: None)  # fetches it on a fresh machine
+        return gguf if gguf.exists() else None
+    path = Path(model).expanduser()
+    return path if path.suffix == ".gguf" and path.is_file() else None
+
+
+def weight_types(gguf: Path) -> str:
+    """`q4_1 weights (token_embd q8_0)`: the most common type of the 2-D weights, the exceptions named."""
+    from gguf import GGUFReader
+
+    matrices = {t.name: t.tensor_type.name.lower() for t in GGUFReader(str(gguf)).tensors if len(t.shape) > 1}
+    main = Counter(matrices.values()).most_common(1)[0][0]
+    others = ", ".join(f"{name.removesuffix('.weight')} {kind}" for name, kind in matrices.items() if kind != main)
+    return f"{main} weights" + (f" ({others})" if others else "")
+
+
+class LlamaCppRunner:
+    """llama-cpp-python's `Llama.generate` on our prompt ids, batch 1."""
+
+    def __init__(self, name: str, llm, tokenizer, lookup, label: str, precision: str):
+        self.name, self.llm, self.tokenizer, self.lookup = name, llm, tokenizer, lookup
+        self.label, self.precision, self.target_only = label, precision, lookup is None
+
+    def answer(self, messages, config):
+        ids = self.tokenizer.chat_prompt(messages)
+        room = self.llm.n_ctx() - len(ids)
+        if room < 1:
+            raise GenerationError(f"prompt too long for llama.cpp: {len(ids)} tokens, context {self.llm.n_ctx()}")
+        if self.lookup is not None:
+            self.lookup.num_pred_tokens = config.gamma  # read on every guess
+        stops = set() if config.ignore_eos else set(self.tokenizer.eos_token_ids)
+        self.llm.set_seed(config.seed)
+        self.llm.reset()  # an empty cache: no prefix reuse from the previous answer
+        new, t0 = [], time.perf_counter()
+        for token in self.llm.generate(ids, **_sampling(config.sampling), reset=True):
+            new.append(token)
+            if token in stops or len(new) >= min(config.max_new_tokens, room):
+                break
+        wall = time.perf_counter() - t0
+        text = self.tokenizer.decode([t for t in new if t not in stops])
+        stats = {"new_tokens": len(new), "wall_time_s": round(wall, 4), "prompt_tokens": len(ids),
+                 "tokens_per_s": round(len(new) / wall, 2) if wall > 0 else 0.0,
+                 "prompt_ids_as_ours": list(self.llm.input_ids[:len(ids)]) == ids}
+        return text, len(new), wall, [], stats
+
+
+def _sampling(sampling) -> dict:
+    """llama.cpp's sampler settings for ours: temperature 0 is its greedy sampler; no penalties, no min-p."""
+    if sampling.temperature <= 0:
+        return {"temp": 0.0, "repeat_penalty": 1.0}
+    return {"temp": sampling.temperature, "top_p": sampling.top_p, "top_k": sampling.top_k or 0, "min_p": 0.0,
+            "typical_p": 1.0, "repeat_penalty": 1.0}
+
+
+def llama_runners(methods: list[str], gguf: Path | None, tokenizer, threads: int, log=print) -> list:
+    """Runners for the llama.cpp entries of `methods` (a missing package or GGUF skips them with one line)."""
+    wanted = [m for m in METHODS if m in methods]
+    if not wanted:
+        return []
+    try:
+        import llama_cpp
+        from llama_cpp.llama_speculative import LlamaPromptLookupDecoding
+    except ImportError as exc:
+        log(f"bench: skipping {', '.join(wanted)}: {exc} (pip install -e \".[llama-cpp]\": builds llama.cpp)")
+        return []
+    if gguf is None:
+        log(f"bench: skipping {', '.join(wanted)}: needs the model as a .gguf file (--model path/to/model.gguf)")
+        return []
+    weights = weight_types(gguf)
+    runners = []
+    for method in wanted:
+        lookup = LlamaPromptLookupDecoding(max_ngram_size=2) if method == "llama-cpp-lookup" else None
+        llm = llama_cpp.Llama(str(gguf), n_ctx=0, n_threads=threads, n_threads_batch=threads, draft_model=lookup,
+                              verbose=False)
+        vocabulary = llm.tokenize(PROBE.encode(), add_bos=False, special=True)
+        if llm.n_vocab() != tokenizer.vocab_size or vocabulary != tokenizer.encode(PROBE):
+            log(f"bench: skipping {method}: {gguf.name}'s vocabulary differs from the model's tokenizer")
+            continue
+        label = (f"llama.cpp (llama-cpp-python {llama_cpp.__version__}), {threads} threads; {weights}, matmuls on "
+                 "8-bit quantized activations, f16 KV" + (", prompt lookup (max n-gram 2)" if lookup else ""))
+        runners.append(LlamaCppRunner(method, llm, tokenizer, lookup, label, weights.split()[0]))
+    return runners
