@@ -17,11 +17,13 @@ from __future__ import annotations
 
 import numpy as np
 
+from mirror_rt.devices.lazy_memory import lazy_zeros
+
 
 class RowPool:
     """KV buffers of one model's graphs (a split target: prefix and suffix; a draft: one graph) for `rows` rows.
 
-    np.zeros maps pages lazily: memory is committed as positions are written, at most rows x capacity.
+    Memory is committed as positions are written (devices.lazy_memory), at most rows x capacity.
     """
 
     def __init__(self, graphs: list, rows: int, capacity: int):
@@ -29,7 +31,7 @@ class RowPool:
 
         self.ort = _onnxruntime()
         kvh, d = graphs[0].kv_shape
-        self.buffers = [[np.zeros((rows, kvh, capacity, d), dtype=np.float32) for _ in g.past_names] for g in graphs]
+        self.buffers = [[lazy_zeros((rows, kvh, capacity, d)) for _ in g.past_names] for g in graphs]
         self.rows, self.capacity = rows, capacity
         self.filled = np.zeros((len(graphs), rows), dtype=np.int64)  # positions each graph holds per row
         self.hidden = None  # split target: (first row, prefix output [B, T, hidden], suffix graph) pending

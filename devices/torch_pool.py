@@ -5,7 +5,7 @@ The torch twin of devices.onnxruntime_pool.RowPool (same verbs: `row_cache`, `co
 windows of any length one row at a time: torch's matrix products round a row differently when they hold
 another number of rows (measured: 5e-15 apart in float64 between 1 and 3 rows; bf16 far more), and every row
 must compute exactly what it computes alone, so that batched greedy text is the single-stream text. On the CPU
-the storage comes from numpy zeros (pages committed as positions are written); on CUDA from torch.zeros.
+the storage comes from devices.lazy_memory (pages committed as positions are written); on CUDA from torch.zeros.
 Invariant: a batched forward writes at filled[row].. and advances nothing; the caller commits.
 """
 
@@ -14,6 +14,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
+from mirror_rt.devices.lazy_memory import lazy_zeros
 from mirror_rt.runtime.kv_cache import KVCache
 
 NUMPY_DTYPES = {torch.float32: np.float32, torch.float64: np.float64, torch.float16: np.float16}
@@ -26,7 +27,7 @@ class TorchPool:
                  dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu"):
         shape = (n_layers, rows, n_kv_heads, capacity, head_dim)
         lazy = torch.device(device).type == "cpu" and dtype in NUMPY_DTYPES
-        self.keys, self.values = (torch.from_numpy(np.zeros(shape, dtype=NUMPY_DTYPES[dtype])) if lazy
+        self.keys, self.values = (torch.from_numpy(lazy_zeros(shape, NUMPY_DTYPES[dtype])) if lazy
                                   else torch.zeros(shape, dtype=dtype, device=device) for _ in range(2))
         self.rows, self.capacity = rows, capacity
         self.filled = np.zeros((1, rows), dtype=np.int64)  # positions held per row

@@ -32,7 +32,7 @@ WINDOW_ROOM = 80  # positions past the committed text a step may write (window, 
 class BatchSettings:
     """How many sequences an engine decodes at once and with how much KV memory."""
 
-    max_num_seqs: int = 8  # sequences holding a row at once (running or prefilling)
+    max_num_seqs: int = 16  # sequences holding a row at once (running or prefilling)
     kv_cache_gb: float | None = None  # KV memory of both models' rows and the prefix cache; None: from free memory
     prefill_chunk: int = 256  # prompt positions per prefill call, so a long prompt never stalls the others long
     prefix_cache: bool = True  # keep full blocks of finished requests for the next ones that share them
@@ -83,7 +83,7 @@ class BatchDecoder:
                     "sequence a call: no shared calls, no prefix cache)")
         per_block = sum(p.bytes_per_position for p in (self.target_pool, self.draft_pool) if p) * BLOCK_SIZE
         return (f"batches of up to {s.max_num_seqs} sequences, KV {self.budget.total * per_block / 2**30:.1f} GB "
-                f"({self.budget.total} blocks of {BLOCK_SIZE}), prefix cache {'on' if self.cache else 'off'}, "
+                f"({self.budget.total} blocks of {BLOCK_SIZE}), prefix cache {'on' if self.cache is not None else 'off'}, "
                 f"speculation {'adaptive' if s.adaptive_speculation else 'as requests ask'}")
 
     # --- other threads ---------------------------------------------------------------

@@ -92,6 +92,10 @@ class MirrorStep:
 
     # --- rows joining and leaving ------------------------------------------------------
 
+    def drafting(self) -> bool:
+        """Whether the draft worker holds any sequence now (its core is then busy: prompts take one core)."""
+        return self.worker is not None and bool(self.worker.outboxes)
+
     def joined(self, seq) -> bool:
         return "mirror" in seq.state_data
 

@@ -60,7 +60,7 @@ class Prefill:
         logits = None
         if chunk:  # empty only when a resumed sequence found all of it in the prefix cache
             with seq.metrics.stage("target_prefill"):
-                logits = self._forward(chunk, cache, alone=len(chunk) > 1 and self._alone(seq))
+                logits = self._forward(chunk, cache, wide=len(chunk) > 1 and not d.mirror.drafting())
         seq.computed += len(chunk)
         if seq.computed < len(fill):
             return
@@ -73,14 +73,10 @@ class Prefill:
         if d.cache is not None:
             d.cache.store(d.target_pool, seq.row, fill, limit=d.budget.spare)
 
-    def _alone(self, seq) -> bool:
-        """Whether no other sequence decodes now (the prompt may then take every core)."""
-        return not any(s.state == "running" and s is not seq for s in self.decoder.active)
-
-    def _forward(self, chunk: list[int], cache, alone: bool):
-        """The chunk's last logits [1, vocab]; on every core (a split target's prompt sessions) when alone."""
+    def _forward(self, chunk: list[int], cache, wide: bool):
+        """The chunk's last logits [1, vocab]; on every core (a split target's prompt sessions) when `wide`."""
         target = self.decoder.target
-        if alone and hasattr(target, "prefill_pipelined"):
+        if wide and hasattr(target, "prefill_pipelined"):
             return target.prefill_pipelined(chunk, cache, None)
         forward_last = getattr(target, "forward_last", None)
         return forward_last(chunk, cache) if forward_last else target.forward(chunk, cache)[-1:]

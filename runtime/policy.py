@@ -35,7 +35,7 @@ class Rate:
 class SpeculationPolicy:
     """Per-step choice between speculative and target-only decoding (see the module docstring)."""
 
-    explore: int = 3  # steps to measure a way not yet measured at a batch size
+    explore: int = 2  # steps to measure a way not yet measured at a batch size
     refresh: int = 400  # steps at a batch size between two measurements of the way not taken
     margin: float = 0.1  # relative gain needed to switch ways
     adaptive: bool = True  # False: always speculative while any request speculates (their gamma as asked)
