@@ -82,8 +82,9 @@ class BatchDecoder:
             return (f"up to {s.max_num_seqs} sequences side by side, one model call each (these graphs take one "
                     "sequence a call: no shared calls, no prefix cache)")
         per_block = sum(p.bytes_per_position for p in (self.target_pool, self.draft_pool) if p) * BLOCK_SIZE
+        cache = "on" if self.cache is not None else "off"
         return (f"batches of up to {s.max_num_seqs} sequences, KV {self.budget.total * per_block / 2**30:.1f} GB "
-                f"({self.budget.total} blocks of {BLOCK_SIZE}), prefix cache {'on' if self.cache is not None else 'off'}, "
+                f"({self.budget.total} blocks of {BLOCK_SIZE}), prefix cache {cache}, "
                 f"speculation {'adaptive' if s.adaptive_speculation else 'as requests ask'}")
 
     # --- other threads ---------------------------------------------------------------
