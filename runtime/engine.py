@@ -2,10 +2,11 @@
 
 It prepares the prompt (chat template when the model has one), checks the context and the
 vocabularies, picks the decoder for the mode (`ar` reference, `sd` vanilla speculative),
-and turns committed tokens into text through `TextStream`. The decoders never see text;
-the engine never sees logits. The cancel hook: `Generation.cancel()` (any thread) ends the
-generation at the next step boundary; closing the decoder stops its workers (Mirror's draft
-thread included), and the next generation starts from fresh caches.
+and turns committed tokens into text through `TextStream`; each step is kept with its window
+(`Step`: drafted, accepted), so a reader can tell where every token came from. The decoders
+never see text; the engine never sees logits. The cancel hook: `Generation.cancel()` (any
+thread) ends the generation at the next step boundary; closing the decoder stops its workers
+(Mirror's draft thread included), and the next generation starts from fresh caches.
 """
 
 from __future__ import annotations
@@ -27,16 +28,40 @@ class GenerationError(ValueError):
     """A request that cannot be served (one-line message)."""
 
 
+# Where a committed token came from. A later issue adds "forced" (grammar-forced tokens): readers must take
+# an origin they do not know as plain text.
+ORIGINS = ("target", "draft", "correction", "bonus")
+
+
+@dataclass(frozen=True)
+class Step:
+    """One decode step of a generation: when its tokens arrived, how many, and the window it verified."""
+
+    time: float  # perf_counter when the step's tokens reached the engine
+    tokens: int  # tokens committed by the step
+    drafted: int = 0  # k: draft tokens the target verified (0: a target-only step, or the prompt's first token)
+    accepted: int = 0  # A: of them, accepted
+
+    def origin(self, position: int) -> str:
+        """Where the step's token at `position` (0-based) came from: the first A are accepted draft tokens,
+        the last is the target's correction (A < k), its bonus token (A == k > 0), or its own (k == 0)."""
+        if position < self.accepted:
+            return "draft"
+        if self.drafted == 0:
+            return "target"
+        return "bonus" if self.accepted == self.drafted else "correction"
+
+
 @dataclass
 class Generation:
     """A generation in progress: iterate for text pieces; text, tokens and stats fill in."""
 
     pieces: Iterator[str]
     text: str = ""  # the full text so far
-    tokens: list[int] = field(default_factory=list)  # generated ids (EOS excluded)
+    tokens: list[int] = field(default_factory=list)  # generated ids (EOS excluded), growing as text is made
     stop_reason: str | None = None  # eos | stop_string | max_new_tokens | context | cancelled
     stats: dict = field(default_factory=dict)  # Metrics.summary() plus mode and models
-    steps: list[tuple[float, int]] = field(default_factory=list)  # (perf_counter, tokens committed) per step
+    steps: list[Step] = field(default_factory=list)  # one per decode step, the prompt's first token included
     durations: dict[str, list[float]] = field(default_factory=dict)  # Metrics.durations, once finished
     cancel_event: threading.Event = field(default_factory=threading.Event)
 
@@ -136,12 +161,13 @@ class Engine:
         metrics = Metrics(prompt_tokens=len(ids))
         eos = () if config.ignore_eos else self.tokenizer.eos_token_ids
         text = TextStream(self.tokenizer, eos, config.stop_strings)
+        gen.tokens = text.tokens  # the same list: a reader between pieces sees the tokens pushed so far
         steps = self._decoder(ids, config, metrics)
         try:
             for tokens in () if gen.cancelled else steps:  # cancelled before the start: not even a prefill
                 now = time.perf_counter()
                 metrics.first_token_at = metrics.first_token_at or now
-                gen.steps.append((now, len(tokens)))
+                gen.steps.append(Step(now, len(tokens), *metrics.take_window()))
                 if gen.cancelled:  # the step's tokens are dropped: a cancelled request wants nothing more
                     break
                 for token in tokens:

@@ -26,7 +26,7 @@ class RequestRecord:
     prompt_tokens: int = 0
     completion_tokens: int = 0
     ttft_s: float | None = None
-    steps: list = field(default_factory=list)  # (perf_counter, tokens) per decode step
+    steps: list = field(default_factory=list)  # runtime.engine.Step per decode step
     stats: dict = field(default_factory=dict)  # Generation.stats
     durations: dict = field(default_factory=dict)  # Generation.durations
     names: dict = field(default_factory=dict)  # Engine.names (devices, path, precision)
@@ -40,7 +40,7 @@ class RequestRecord:
         if gen is None or not gen.stats:
             return cls(job.id, job.outcome, reason or "error", e2e, queue_s, False, names=names)
         stats = gen.stats
-        first = gen.steps[0][0] - job.arrived if gen.steps else None
+        first = gen.steps[0].time - job.arrived if gen.steps else None
         return cls(job.id, job.outcome, reason or FINISH.get(gen.stop_reason, "stop"), e2e, queue_s, True,
                    stats["prompt_tokens"], stats["new_tokens"], first, list(gen.steps), stats, gen.durations, names)
 
@@ -51,9 +51,9 @@ class RequestRecord:
     def token_gaps(self) -> list[float]:
         """Inter-token latency per token: a step of k tokens after a gap d gives k times d / k."""
         gaps = []
-        for (before, _), (after, count) in zip(self.steps, self.steps[1:]):
-            if count:
-                gaps += [(after - before) / count] * count
+        for before, after in zip(self.steps, self.steps[1:]):
+            if after.tokens:
+                gaps += [(after.time - before.time) / after.tokens] * after.tokens
         return gaps
 
     def timings(self) -> dict:

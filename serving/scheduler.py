@@ -197,7 +197,7 @@ def _hand_over(job: Job, gen) -> None:
     seen = made = 0
     for piece in gen:
         job.first_text_at = job.first_text_at or time.perf_counter()
-        for _, count in gen.steps[seen:]:
-            made += count
+        for step in gen.steps[seen:]:
+            made += step.tokens
         seen = len(gen.steps)
         job.post("text", (piece, made))
