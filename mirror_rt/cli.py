@@ -100,6 +100,7 @@ def _add_serve(sub) -> None:
     serve.add_argument("--served-model-name", help="the model name clients send (default: the model's name)")
     serve.add_argument("--drain-timeout", type=positive_number, default=30.0,
                        help="on SIGTERM / Ctrl-C, seconds admitted requests may take to finish (default 30)")
+    serve.add_argument("--no-ui", dest="ui", action="store_false", help="no playground page at / (404 there)")
     add_replica_options(serve)
 
 
@@ -124,7 +125,8 @@ def serve_parts(args):
                            early_exit=args.early_exit, draft_lookup=args.draft_lookup)
     settings = ServerSettings(served_model_name=args.served_model_name,
                               api_key=args.api_key or os.environ.get("MIRROR_RT_API_KEY") or None,
-                              max_queued=args.max_queued, request_timeout_s=args.request_timeout, defaults=defaults)
+                              max_queued=args.max_queued, request_timeout_s=args.request_timeout, defaults=defaults,
+                              ui=args.ui)
 
     def load():
         return load_engine(args.bundle, torch=args.torch, torch_options=torch_options(args), mode=args.mode,

@@ -87,6 +87,18 @@ class RequestRecord:
                 "queue_ms": round(1e3 * self.queue_s, 3) if self.queue_s is not None else None,
                 "events": list(s.get("events", []))}
 
+    def summary(self, ended_at: float) -> dict:
+        """One row of the server page's recent requests (`ended_at`: unix time of its end)."""
+        timings = self.timings() if self.ran else {}
+        drafted = timings.get("draft_n", 0)
+        return {"id": self.id, "ended_at": round(ended_at, 3), "mode": self.stats.get("mode"),
+                "finish_reason": self.finish_reason, "prompt_tokens": self.prompt_tokens,
+                "completion_tokens": self.completion_tokens,
+                "ttft_ms": round(1e3 * self.ttft_s, 1) if self.ttft_s is not None else None,
+                "e2e_ms": round(1e3 * self.e2e_s, 1), "tokens_per_s": timings.get("predicted_per_second"),
+                "mean_accepted_length": self.stats.get("mean_accepted_length"),
+                "acceptance": round(timings["draft_n_accepted"] / drafted, 3) if drafted else None}
+
     def log_line(self) -> str:
         """The access-log line: id, tokens, TTFT, tokens/s, finish reason."""
         ttft = f"{1e3 * self.ttft_s:.0f} ms" if self.ttft_s is not None else "-"

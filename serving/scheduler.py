@@ -20,6 +20,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from mirror_rt.runtime.config import GenerationConfig
+from mirror_rt.serving.origins import OriginTrail
 
 
 class Overloaded(Exception):
@@ -38,6 +39,7 @@ class Job:
     prompt: list[int]  # token ids
     config: GenerationConfig
     loop: asyncio.AbstractEventLoop
+    origins: bool = False  # text events carry per-token entries (serving.origins) for stream_options.include_origins
     events: asyncio.Queue = field(default_factory=asyncio.Queue)
     arrived: float = field(default_factory=time.perf_counter)
     started: float | None = None
@@ -193,11 +195,13 @@ class Scheduler:
 
 
 def _hand_over(job: Job, gen) -> None:
-    """Post each text piece with the tokens committed so far (a running sum over the steps: O(1) a piece)."""
+    """Post each text piece with the tokens committed so far (a running sum over the steps: O(1) a piece)
+    and, when the job asks for them, the entries of its tokens."""
     seen = made = 0
+    trail = OriginTrail() if job.origins else None
     for piece in gen:
         job.first_text_at = job.first_text_at or time.perf_counter()
         for step in gen.steps[seen:]:
             made += step.tokens
         seen = len(gen.steps)
-        job.post("text", (piece, made))
+        job.post("text", (piece, made, trail.entries(gen, piece) if trail else None))
