@@ -19,7 +19,10 @@ from serve_support import free_port, wait_for_line
 pytest.importorskip("fastapi")
 pytestmark = pytest.mark.slow
 
-QUESTION = "Name three primary colors and say one thing about each."
+# The q4_1 draft agrees with the target on ~97% of tokens here, and Mirror's windows depend on timing, so one
+# answer may have no correction at all: the test asks the next question until one shows both origins.
+QUESTIONS = ["Name three primary colors and say one thing about each.",
+             "Tell me a story about a dragon who learns to cook.", "Write a short poem about the sea."]
 
 
 @pytest.fixture(scope="module")
@@ -61,9 +64,14 @@ def test_greedy_mirror_answer_shows_draft_and_corrections_and_compares_equal(bro
     try:
         page = opened.page
         expect(page.locator("#model")).to_have_text("smollm2-135m-instruct", timeout=30000)
-        opened.ask(QUESTION, mode="mirror", temperature=0, max_tokens=96)
-        opened.wait_done(timeout_s=180)
-        answer = opened.answer()
+        opened.settings(mode="mirror", temperature=0, max_tokens=128)
+        for question in QUESTIONS:
+            opened.ask(question)
+            opened.wait_done(timeout_s=180)
+            answer = opened.answer()
+            if answer.locator(".o-correction").count():
+                break
+            page.click("#new-chat")
         assert answer.locator(".o-draft").count() > 0 and answer.locator(".o-correction").count() > 0
         assert float(opened.figure("mal")) > 1
         page.locator("#prompt").blur()
@@ -77,7 +85,9 @@ def test_greedy_mirror_answer_shows_draft_and_corrections_and_compares_equal(bro
         page.mouse.move(0, 0)
         shoot(page, "compare.png")
         page.click("#tab-server")
-        expect(page.locator("#srv-recent tbody tr")).to_have_count(2)
+        rows = page.locator("#srv-recent tbody tr")  # newest first: the ar run, then the Mirror answer
+        expect(rows.first.locator("td").nth(2)).to_have_text("ar")
+        expect(rows.nth(1).locator("td").nth(2)).to_have_text("mirror")
         shoot(page, "server.png")
         assert opened.errors == []
     finally:
