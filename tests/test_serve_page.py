@@ -151,3 +151,24 @@ def test_every_page_file_is_package_data():
     files = [p.relative_to(ROOT / "serving").as_posix() for p in (ROOT / "serving/ui").iterdir()]
     assert "ui/index.html" in files
     assert all(any(fnmatch(f, pattern) for pattern in shipped) for f in files)
+
+
+def test_origin_trail_credits_held_back_text_to_the_token_that_releases_it():
+    """Entries are made between pieces: tokens whose text was held back get "", the releasing token carries it,
+    and text released by no token (the end of the generation) comes with token null."""
+    from types import SimpleNamespace
+
+    from mirror_rt.runtime.engine import Step
+    from mirror_rt.serving.origins import OriginTrail
+
+    gen = SimpleNamespace(tokens=[], steps=[Step(0.0, 1), Step(0.1, 3, drafted=2, accepted=2)])
+    trail = OriginTrail()
+    gen.tokens += [10]
+    first = trail.entries(gen, "A")
+    gen.tokens += [11, 12]  # 11's text held back (a split character), released with 12's
+    second = trail.entries(gen, "bc")
+    last = trail.entries(gen, "!")  # the final flush: no new token
+    assert first == [{"token": 10, "text": "A", "origin": "target", "window": 0, "position": 0, "drafted": 0}]
+    assert [(e["token"], e["text"], e["origin"], e["window"], e["position"]) for e in second] == [
+        (11, "", "draft", 1, 0), (12, "bc", "draft", 1, 1)]
+    assert last == [{"token": None, "text": "!", "origin": None, "window": None, "position": None, "drafted": None}]
