@@ -38,6 +38,7 @@ def add_serve(sub) -> None:
                        help="the model name clients send (default: the model's name)")
     serve.add_argument("--drain-timeout", type=positive_number, default=SERVER.drain_timeout,
                        help="on SIGTERM / Ctrl-C, seconds admitted requests may take to finish (default %(default)s)")
+    serve.add_argument("--no-ui", dest="ui", action="store_false", help="no playground page at / (404 there)")
     add_replica_options(serve)
 
 

@@ -30,14 +30,28 @@ class GenerationError(ValueError):
     """A request that cannot be served (one-line message)."""
 
 
+# Where a committed token came from. A later issue adds "forced" (grammar-forced tokens): readers must take
+# an origin they do not know as plain text.
+ORIGINS = ("target", "draft", "correction", "bonus")
+
+
 @dataclass(frozen=True)
 class Step:
     """One decode step of one generation: when, how many tokens it committed, the window it verified."""
 
     time: float  # perf_counter when the tokens were committed
     tokens: int  # tokens committed by the step
-    drafted: int = 0  # draft tokens verified (k; 0: a target-only step or the prompt's first token)
-    accepted: int = 0  # of them, accepted (A)
+    drafted: int = 0  # k: draft tokens the target verified (0: a target-only step, or the prompt's first token)
+    accepted: int = 0  # A: of them, accepted
+
+    def origin(self, position: int) -> str:
+        """Where the step's token at `position` (0-based) came from: the first A are accepted draft tokens,
+        the last is the target's correction (A < k), its bonus token (A == k > 0), or its own (k == 0)."""
+        if position < self.accepted:
+            return "draft"
+        if self.drafted == 0:
+            return "target"
+        return "bonus" if self.accepted == self.drafted else "correction"
 
 
 @dataclass(eq=False)

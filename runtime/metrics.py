@@ -34,6 +34,7 @@ class Metrics:
     durations: dict[str, list[float]] = field(default_factory=dict)
     events: list[str] = field(default_factory=list)  # faults and fallbacks, in order
     extra: dict = field(default_factory=dict)  # mode-specific figures (Mirror: reuse, overlap, phases)
+    window: tuple[int, int] | None = None  # (proposed, accepted) of the latest step, until the engine takes it
     start: float = field(default_factory=time.perf_counter)
     first_token_at: float | None = None
     end: float | None = None
@@ -55,6 +56,7 @@ class Metrics:
     def record_step(self, num_proposed: int, num_accepted: int) -> None:
         """One verified window: `num_accepted` of `num_proposed` draft tokens, plus one more."""
         self.steps += 1
+        self.window = (num_proposed, num_accepted)
         self.committed += num_accepted + 1
         self.accept_lengths.append(num_accepted + 1)
         while len(self.proposed_at) < num_proposed:
@@ -63,6 +65,12 @@ class Metrics:
         for j in range(num_proposed):
             self.proposed_at[j] += 1
             self.accepted_at[j] += j < num_accepted
+
+    def take_window(self) -> tuple[int, int]:
+        """(proposed, accepted) of the step recorded since the last call; (0, 0) when none (the prompt's first
+        token, which no verification produced)."""
+        window, self.window = self.window or (0, 0), None
+        return window
 
     def finish(self) -> None:
         """Mark the end of the request (wall time, device reads); call from the decoding thread."""

@@ -4,8 +4,10 @@
 background (`/health` answers 503 until it is ready) and starts the scheduler's engine thread.
 Routes: `POST /v1/chat/completions`, `POST /v1/completions`, `GET /v1/models` (behind the API
 key when one is set), `GET /health`, `GET /metrics`, `GET /version`, `POST /tokenize`,
-`POST /detokenize` (never behind the key). A request is validated, tokenized and checked
-against the context in the event loop, then queued; a full queue answers 503 with Retry-After.
+`POST /detokenize` (never behind the key); `GET /` and `GET /ui/*`, the playground page
+(`serving.page`, off with `ServerSettings.ui` False), whose data comes from `/v1/*` and
+`GET /server` (load, totals, recent requests; behind the key). A request is validated, tokenized
+and checked against the context in the event loop, then queued; a full queue answers 503 with Retry-After.
 """
 
 from __future__ import annotations
@@ -28,6 +30,7 @@ from mirror_rt.runtime.engine import GenerationError
 from mirror_rt.serving import protocol
 from mirror_rt.serving.errors import APIError, install_handlers
 from mirror_rt.serving.metrics import ServerMetrics, Sink
+from mirror_rt.serving.page import add_page_routes
 from mirror_rt.serving.records import RequestRecord
 from mirror_rt.serving.responses import Reply, collect, now, race_disconnect, stream
 from mirror_rt.serving.scheduler import Draining, Job, Overloaded, Scheduler
@@ -103,6 +106,8 @@ def create_app(settings: ServerSettings, load: Callable[[], object], metrics_sin
     _add_status_routes(app, state)
     _add_completion_routes(app, state)
     _add_token_routes(app, state)
+    if settings.ui:
+        add_page_routes(app)
     return app
 
 
@@ -145,12 +150,29 @@ def _add_status_routes(app: FastAPI, state: ServerState) -> None:
         except PackageNotFoundError:
             return {"version": "unknown"}
 
+    @app.get("/server")
+    async def server(request: Request):
+        _check_key(request, state)
+        return _server_status(state)
+
     @app.get("/v1/models")
     async def models(request: Request):
         _check_key(request, state)
         state.require_ready()
         return {"object": "list", "data": [{"id": state.model_name, "object": "model", "created": now(),
                                             "owned_by": "mirror-rt", "max_model_len": state.engine.target.max_seq_len}]}
+
+
+def _server_status(state: ServerState) -> dict:
+    """The server page's data: the engine's roles and defaults, then the metrics' load, totals and recent requests."""
+    if state.metrics is None:
+        return {"model": state.model_name, "status": state.status}
+    names, defaults = state.engine.names, state.settings.defaults
+    roles = {role: {"device": names.get(f"{role}_device"), "precision": names.get(f"{role}_precision")}
+             for role in ("target", "draft")}
+    return {"model": state.model_name, "status": state.status, "path": names.get("path"), "roles": roles,
+            "max_queued": state.settings.max_queued, "mode": state.default_mode, "gamma": defaults.gamma,
+            **state.metrics.status()}
 
 
 def _add_completion_routes(app: FastAPI, state: ServerState) -> None:
@@ -175,9 +197,10 @@ async def _complete(request: Request, state: ServerState, chat: bool):
     if not prompt:
         raise APIError(400, "the prompt is empty", "messages" if chat else "prompt")
     job = Job(f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}", prompt, _config(req, len(prompt), state),
-              asyncio.get_running_loop())
+              asyncio.get_running_loop(), origins=req.include_origins())
     _admit(job, state)
-    reply = Reply(job.id, state.model_name, chat, req.include_usage(), now(), req.continuous_usage(), len(prompt))
+    reply = Reply(job.id, state.model_name, chat, req.include_usage(), now(), req.continuous_usage(), len(prompt),
+                  origins=job.origins)
     timeout = state.settings.request_timeout
     if req.stream:
         return StreamingResponse(_streamed(job, reply, state), media_type="text/event-stream",

@@ -6,10 +6,13 @@ vLLM's. Inter-token latency is observed per token, not per SSE chunk: a step tha
 tokens after a gap d counts k observations of d / k. One registry per app (never the global
 one), so several apps in one process (tests, Ray replicas) never collide. A `sink` makes a
 second family per metric that receives every update too (a Ray replica exports through it).
+The last `RECENT` finished requests are kept as they arrive, for the server page (`status`).
 """
 
 from __future__ import annotations
 
+import collections
+import time
 from collections.abc import Callable
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, disable_created_metrics, generate_latest
@@ -26,6 +29,7 @@ LATENCY_BUCKETS = (0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.
 BATCH_BUCKETS = (1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64, 128, 256)
 STEP_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0)
 FINISH_REASONS = ("stop", "length", "abort", "error")
+RECENT = 50  # finished requests the server page lists
 # sink(kind, name, doc, label names, buckets) -> a family with .labels(*values).inc/set/observe;
 # kind is "counter" | "gauge" | "histogram", name has no prefix, buckets is None but for histograms.
 Sink = Callable[[str, str, str, list, "tuple | None"], object]
@@ -60,6 +64,7 @@ class ServerMetrics:
         self.registry = registry or CollectorRegistry()
         self.model_name, self.sink = model_name, sink
         self._prefix_seen = (None, 0, 0)  # the decoder's prefix cache and its counters at the last step
+        self.recent: collections.deque = collections.deque(maxlen=RECENT)  # (unix time, RequestRecord)
         self._gauges()
         self._counters()
         self._histograms()
@@ -119,6 +124,19 @@ class ServerMetrics:
     def render(self) -> bytes:
         return generate_latest(self.registry)
 
+    def status(self) -> dict:
+        """The server page's figures: load and totals read back from this registry, recent requests newest first."""
+        def value(name: str, **labels) -> float:
+            return self.registry.get_sample_value(PREFIX + name, {"model_name": self.model_name, **labels}) or 0
+
+        return {"running": int(value("num_requests_running")), "waiting": int(value("num_requests_waiting")),
+                "requests": {reason: int(value("request_success_total", finished_reason=reason))
+                             for reason in FINISH_REASONS},
+                "generation_tokens": int(value("generation_tokens_total")),
+                "draft_tokens": int(value("spec_decode_num_draft_tokens_total")),
+                "accepted_tokens": int(value("spec_decode_num_accepted_tokens_total")),
+                "recent": [record.summary(ended) for ended, record in reversed(self.recent)]}
+
     # --- updates -------------------------------------------------------------------------
 
     def set_load(self, running: int, waiting: int) -> None:
@@ -151,6 +169,7 @@ class ServerMetrics:
     def finished(self, record) -> None:
         """One request's end (`serving.records.RequestRecord`)."""
         m = self.model_name
+        self.recent.append((time.time(), record))
         self.request_success.labels(m, record.finish_reason).inc()
         self.e2e.labels(m).observe(record.e2e_s)
         if record.queue_s is not None:

@@ -6,7 +6,8 @@ what is generated but that mirror-rt does not implement (n > 1, logprobs, non-te
 formats, penalties, tools...) are refused with a 400 naming the parameter rather than ignored.
 Per-request extensions (sent as extra body fields): `mode` (ar | sd | mirror),
 `num_assistant_tokens` (the window gamma; OpenVINO Model Server's name) and
-`disable_spec_decode` (true: target-only for this request), and vLLM's `ignore_eos`.
+`disable_spec_decode` (true: target-only for this request), and vLLM's `ignore_eos`;
+`stream_options.include_origins` (true: streamed chunks say where each token came from).
 These request names are aliases: `Sampling.fields` maps them, once, onto the runtime's
 `GenerationConfig` fields (`num_assistant_tokens` is `gamma`, `max_completion_tokens` is
 `max_new_tokens`, `stop` is `stop_strings`).
@@ -29,6 +30,7 @@ class Strict(BaseModel):
 class StreamOptions(Strict):
     include_usage: bool | None = None
     continuous_usage_stats: bool | None = None  # vLLM's: every chunk carries the usage so far
+    include_origins: bool | None = None  # mirror-rt's: every content chunk carries its tokens' origins
 
 
 class TextPart(Strict):
@@ -97,6 +99,9 @@ class Sampling(Strict):
 
     def continuous_usage(self) -> bool:
         return self.stream_options is not None and bool(self.stream_options.continuous_usage_stats)
+
+    def include_origins(self) -> bool:
+        return self.stream and self.stream_options is not None and bool(self.stream_options.include_origins)
 
     def requested_tokens(self) -> int | None:
         return self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens

@@ -26,7 +26,7 @@ class RequestRecord:
     prompt_tokens: int = 0
     completion_tokens: int = 0
     ttft_s: float | None = None
-    steps: list = field(default_factory=list)  # (perf_counter, tokens) per decode step
+    steps: list = field(default_factory=list)  # runtime.engine.Step per decode step
     stats: dict = field(default_factory=dict)  # Generation.stats
     durations: dict = field(default_factory=dict)  # Generation.durations
     names: dict = field(default_factory=dict)  # Engine.names (devices, path, precision)
@@ -41,9 +41,8 @@ class RequestRecord:
             return cls(job.id, job.outcome, reason or "error", e2e, queue_s, False, names=names)
         stats = gen.stats
         first = gen.steps[0].time - job.arrived if gen.steps else None
-        steps = [(step.time, step.tokens) for step in gen.steps]
         return cls(job.id, job.outcome, reason or FINISH.get(gen.stop_reason, "stop"), e2e, queue_s, True,
-                   stats["prompt_tokens"], stats["new_tokens"], first, steps, stats, gen.durations, names)
+                   stats["prompt_tokens"], stats["new_tokens"], first, list(gen.steps), stats, gen.durations, names)
 
     @property
     def draft_fault(self) -> bool:
@@ -52,9 +51,9 @@ class RequestRecord:
     def token_gaps(self) -> list[float]:
         """Inter-token latency per token: a step of k tokens after a gap d gives k times d / k."""
         gaps = []
-        for (before, _), (after, count) in zip(self.steps, self.steps[1:]):
-            if count:
-                gaps += [(after - before) / count] * count
+        for before, after in zip(self.steps, self.steps[1:]):
+            if after.tokens:
+                gaps += [(after.time - before.time) / after.tokens] * after.tokens
         return gaps
 
     def timings(self) -> dict:
@@ -87,6 +86,18 @@ class RequestRecord:
                               "draft": self.names.get("draft_precision") if mode != "ar" else None},
                 "queue_ms": round(1e3 * self.queue_s, 3) if self.queue_s is not None else None,
                 "events": list(s.get("events", []))}
+
+    def summary(self, ended_at: float) -> dict:
+        """One row of the server page's recent requests (`ended_at`: unix time of its end)."""
+        timings = self.timings() if self.ran else {}
+        drafted = timings.get("draft_n", 0)
+        return {"id": self.id, "ended_at": round(ended_at, 3), "mode": self.stats.get("mode"),
+                "finish_reason": self.finish_reason, "prompt_tokens": self.prompt_tokens,
+                "completion_tokens": self.completion_tokens,
+                "ttft_ms": round(1e3 * self.ttft_s, 1) if self.ttft_s is not None else None,
+                "e2e_ms": round(1e3 * self.e2e_s, 1), "tokens_per_s": timings.get("predicted_per_second"),
+                "mean_accepted_length": self.stats.get("mean_accepted_length"),
+                "acceptance": round(timings["draft_n_accepted"] / drafted, 3) if drafted else None}
 
     def log_line(self) -> str:
         """The access-log line: id, tokens, TTFT, tokens/s, finish reason."""

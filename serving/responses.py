@@ -2,7 +2,8 @@
 
 Non-streamed: one body with `choices`, `usage`, `timings` and `mirror_rt`. Streamed: a first
 chunk (the assistant role, chat only), one chunk per batch of text (a decode step can commit
-several tokens: they go out together), a last chunk with `finish_reason` and the figures, a usage
+several tokens: they go out together; with `stream_options.include_origins`, each with its
+tokens' origins, `serving.origins`), a last chunk with `finish_reason` and the figures, a usage
 chunk with `choices: []` when `stream_options.include_usage`, then `data: [DONE]`. A failure
 after the 200 header becomes a `data: {"error": ...}` event, then `[DONE]`.
 """
@@ -29,6 +30,7 @@ class Reply:
     created: int = 0
     continuous_usage: bool = False  # vLLM's continuous_usage_stats: usage so far on every chunk
     prompt_tokens: int = 0
+    origins: bool = False  # stream_options.include_origins: content chunks carry `mirror_rt.tokens`
 
     @property
     def object(self) -> str:
@@ -91,14 +93,18 @@ async def stream(job, reply: Reply, timeout_s: float | None):
         yield sse(reply.body([first], chunk=True))
     while True:
         kind, value = await job.events.get()
-        texts, made = ([value[0]], value[1]) if kind == "text" else ([], 0)
-        while kind == "text" and not job.events.empty():  # a step's tokens go out as one chunk
+        texts, made, entries = [], 0, []
+        while kind == "text":  # a step's tokens go out as one chunk
+            texts.append(value[0])
+            made = value[1]
+            entries += value[2] or ()
+            if job.events.empty():
+                break
             kind, value = job.events.get_nowait()
-            if kind == "text":
-                texts.append(value[0])
-                made = value[1]
         if texts:
             extra = {"usage": partial_usage(reply.prompt_tokens, made)} if reply.continuous_usage else {}
+            if reply.origins:
+                extra["mirror_rt"] = {"tokens": entries}
             yield sse(reply.body([reply.choice("".join(texts), None, delta=True)], chunk=True, **extra))
         if kind == "end":
             break

@@ -18,6 +18,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from mirror_rt.runtime.config import GenerationConfig
+from mirror_rt.serving.origins import OriginTrail
 
 
 class Overloaded(Exception):
@@ -36,6 +37,7 @@ class Job:
     prompt: list[int]  # token ids
     config: GenerationConfig
     loop: asyncio.AbstractEventLoop
+    origins: bool = False  # text events carry per-token entries (serving.origins) for stream_options.include_origins
     events: asyncio.Queue = field(default_factory=asyncio.Queue)
     arrived: float = field(default_factory=time.perf_counter)
     started: float | None = None  # when it got a row of the batch
@@ -46,6 +48,8 @@ class Job:
     error: BaseException | None = None
     record: object = None  # serving.records.RequestRecord, set by on_finish before the end event
     made: int = 0  # tokens committed so far (EOS included), as usage counts them
+    counted: int = 0  # steps of the generation summed into `made`
+    trail: OriginTrail | None = None  # the entries of its tokens, when `origins`
     cancel_requested: threading.Event = field(default_factory=threading.Event)
 
     def post(self, kind: str, value=None) -> None:
@@ -170,8 +174,11 @@ class Scheduler:
             job.first_text_at = time.perf_counter()
             self._changed()
         job.started = job.started or gen.sequence.admitted
-        job.made = sum(step.tokens for step in gen.steps)
-        job.post("text", (piece, job.made))
+        job.made += sum(step.tokens for step in gen.steps[job.counted:])
+        job.counted = len(gen.steps)
+        if job.origins and job.trail is None:
+            job.trail = OriginTrail()
+        job.post("text", (piece, job.made, job.trail.entries(gen, piece) if job.trail else None))
 
     def _finished(self, gen) -> None:
         with self.lock:

@@ -26,7 +26,7 @@ class ServerSettings:
     port: int = 8000
     served_model_name: str | None = None  # None: the engine's model name
     api_key: str | None = None  # guards /v1/* when set
-    max_queued: int = 16  # requests waiting beyond the one running (with replicas: at the proxy); 503 beyond
+    max_queued: int = 16  # requests waiting beyond those running (with replicas: at the proxy); 503 beyond
     request_timeout: float | None = None  # seconds a generation may run before it is stopped with an error
     drain_timeout: float = 30.0  # on SIGTERM / Ctrl-C: seconds admitted requests may take to finish
     defaults: GenerationConfig = field(default_factory=GenerationConfig)  # mode, gamma... of requests naming none
@@ -35,6 +35,7 @@ class ServerSettings:
     # a replica ends its process when its engine thread dies before answering (Serve's proxy then sends the
     # request to another replica); a single server answers 503 with x-mirror-rt-retry instead
     exit_on_engine_death: bool = False
+    ui: bool = True  # the playground page at / (serve --no-ui: off, / answers 404)
 
 
 @dataclass(frozen=True)

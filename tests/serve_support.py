@@ -151,6 +151,25 @@ def wait_for(predicate, timeout: float = 2.0, every: float = 0.02) -> bool:
     return predicate()
 
 
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def wait_for_line(path, needle: str, proc, timeout: float) -> str:
+    """The first line of the log file `path` that contains `needle`, waiting while the process `proc` lives."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        for line in path.read_text().splitlines():
+            if needle in line:
+                return line
+        if proc.poll() is not None:
+            raise AssertionError(f"server exited {proc.returncode}: {path.read_text()[-2000:]}")
+        time.sleep(0.2)
+    raise AssertionError(f"no '{needle}' after {timeout} s: {path.read_text()[-2000:]}")
+
+
 def tiny_engine():
     """The tiny preset in float64 (greedy equality stays exact whatever the window sizes) with a noisy
     float64 copy as the draft, named as `load_torch` names its engines; it speculates whenever a request's mode

@@ -7,38 +7,19 @@ from __future__ import annotations
 import json
 import os
 import signal
-import socket
 import subprocess
 import sys
 import threading
 import time
-from pathlib import Path
 
 import httpx
 import pytest
+from serve_support import free_port, wait_for_line
 
 pytest.importorskip("fastapi")
 pytestmark = pytest.mark.slow
 
 QUESTION = [{"role": "user", "content": "Name three primary colors and say one thing about each."}]
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def wait_for_line(path: Path, needle: str, proc, timeout: float) -> str:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        for line in path.read_text().splitlines():
-            if needle in line:
-                return line
-        if proc.poll() is not None:
-            raise AssertionError(f"server exited {proc.returncode}: {path.read_text()[-2000:]}")
-        time.sleep(0.2)
-    raise AssertionError(f"no '{needle}' after {timeout} s: {path.read_text()[-2000:]}")
 
 
 @pytest.fixture(scope="module")

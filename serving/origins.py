@@ -1,0 +1,39 @@
+"""Where each streamed token came from: the per-token entries of `stream_options.include_origins`.
+
+A mirror-rt extension: a client that asks gets, in every content chunk, `mirror_rt.tokens`, one
+entry per token: its id, the text it released, its origin (`runtime.engine.Step.origin`: draft,
+correction, bonus, target; more may come, so a reader takes an unknown one as plain text), its
+window (the decode step; 0 is the prompt's first token) and its position in the window. Text
+held back by the detokenizer (a split character, a possible stop string) is released by a later
+token, so an entry's text may be "" and a later one longer; the entries' texts joined are always
+the chunk's content. Text released at the end by no token (EOS, a final flush) has token null.
+It reads a running `Generation` between two pieces (the engine thread, so nothing moves meanwhile).
+"""
+
+from __future__ import annotations
+
+
+class OriginTrail:
+    """The entries of one generation, piece by piece."""
+
+    def __init__(self):
+        self.sent = 0  # tokens described so far
+        self.window = 0  # the step the next token belongs to
+        self.start = 0  # index of that step's first token
+
+    def entries(self, gen, piece: str) -> list[dict]:
+        """Entries for the tokens pushed since the last call; the last of them carries `piece`."""
+        out = []
+        for index in range(self.sent, len(gen.tokens)):
+            while index >= self.start + gen.steps[self.window].tokens:  # the token is in a later step
+                self.start += gen.steps[self.window].tokens
+                self.window += 1
+            step, position = gen.steps[self.window], index - self.start
+            out.append({"token": gen.tokens[index], "text": "", "origin": step.origin(position),
+                        "window": self.window, "position": position, "drafted": step.drafted})
+        self.sent = len(gen.tokens)
+        if not out:
+            return [{"token": None, "text": piece, "origin": None, "window": None, "position": None,
+                     "drafted": None}]
+        out[-1]["text"] = piece
+        return out

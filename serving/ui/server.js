@@ -1,0 +1,89 @@
+// The server page: requests running and waiting, totals, and the recent requests, polled from GET /server
+// (the server's own metrics: its gauges, counters and the last finished requests) while the tab is shown.
+
+import { KeyNeeded, getJSON } from "./api.js";
+
+const $ = (id) => document.getElementById(id);
+const EVERY_MS = 1000;
+
+function cell(text, className) {
+  const td = document.createElement("td");
+  td.textContent = text ?? "–";
+  if (className) td.className = className;
+  return td;
+}
+
+function ago(seconds) {
+  if (seconds < 60) return `${Math.max(0, Math.round(seconds))} s ago`;
+  if (seconds < 3600) return `${Math.round(seconds / 60)} min ago`;
+  return `${Math.round(seconds / 3600)} h ago`;
+}
+
+export class ServerView {
+  constructor(askKey) {
+    this.askKey = askKey;
+    this.timer = null;
+  }
+
+  show(on) {
+    clearTimeout(this.timer);
+    this.timer = null;
+    if (on) this.poll();
+  }
+
+  async poll() {
+    try {
+      this.render(await getJSON("/server"));
+      $("srv-status").textContent = `updated ${new Date().toLocaleTimeString()}`;
+      $("srv-status").classList.remove("error");
+    } catch (error) {
+      $("srv-status").textContent = error.message;
+      $("srv-status").classList.add("error");
+      if (error instanceof KeyNeeded) {
+        this.askKey(error.message);
+        return; // polling starts again once a key is saved
+      }
+    }
+    if (!$("server").hidden && !document.hidden) this.timer = setTimeout(() => this.poll(), EVERY_MS);
+  }
+
+  render(data) {
+    $("srv-running").textContent = data.running ?? "–";
+    $("srv-waiting").textContent = data.waiting ?? "–";
+    $("srv-queue").textContent = data.max_queued != null ? `(of ${data.max_queued})` : "";
+    const roles = data.roles || {};
+    const role = (name) => (roles[name]?.device ? `${name} on ${roles[name].device} (${roles[name].precision})` : "");
+    $("srv-engine").textContent = [data.model, data.status, data.path, role("target"), role("draft"),
+      data.mode ? `default mode ${data.mode}, γ ${data.gamma}` : ""].filter(Boolean).join(" · ");
+    this.totals(data);
+    const body = $("srv-recent").querySelector("tbody");
+    body.replaceChildren();
+    const now = Date.now() / 1000;
+    for (const r of data.recent || []) {
+      const row = document.createElement("tr");
+      row.append(cell(ago(now - r.ended_at)), cell(r.id.slice(0, 18), "id"), cell(r.mode), cell(r.finish_reason),
+        cell(`${r.prompt_tokens} → ${r.completion_tokens}`), cell(r.ttft_ms != null ? `${r.ttft_ms} ms` : null),
+        cell(r.tokens_per_s), cell(r.mean_accepted_length),
+        cell(r.acceptance != null ? `${Math.round(100 * r.acceptance)}%` : null));
+      row.cells[1].title = r.id;
+      body.append(row);
+    }
+  }
+
+  totals(data) {
+    const requests = data.requests || {};
+    const rows = [["finished", (requests.stop || 0) + (requests.length || 0)], ["aborted", requests.abort || 0],
+      ["errors", requests.error || 0], ["tokens generated", data.generation_tokens ?? 0],
+      ["draft acceptance", data.draft_tokens ? `${Math.round(100 * data.accepted_tokens / data.draft_tokens)}%`
+        : "–"]];
+    const list = $("srv-totals");
+    list.replaceChildren();
+    for (const [name, value] of rows) {
+      const term = document.createElement("dt");
+      const detail = document.createElement("dd");
+      term.textContent = name;
+      detail.textContent = value;
+      list.append(term, detail);
+    }
+  }
+}
