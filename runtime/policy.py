@@ -3,12 +3,16 @@
 A step of B running sequences is decoded one of two ways: target-only (one batched target call on every
 core, one token per sequence) or speculative (each speculating sequence verifies a window of up to gamma draft
 tokens: Mirror or sd; Mirror also adapts its window to acceptance, runtime.draft_row). The policy keeps, per
-batch size and way, a running mean of tokens committed per second of decode step (what the latency model
-predicts from step costs and acceptance, measured directly), and takes the faster way: gamma = 0 is target-only.
-A way not yet measured at a batch size is tried for `explore` steps, unless speculation already lost at a smaller
-batch (its gain only shrinks as the batch grows: the target verifies windows one sequence a call, while
-target-only steps share one call); the way not taken is measured again every `refresh` steps; the decoder
-switches only for a gain above `margin` (fixed switch points made vLLM users' throughput fall off cliffs).
+batch size and way, tokens committed per second of decode step (what the latency model predicts from step costs and
+acceptance, measured directly: a decaying ratio of summed tokens to summed seconds, never a mean of per-step
+ratios, which one lucky window skews), and takes the faster way: gamma = 0 is target-only. Only settled steps
+count: not a step that switched ways (the draft catches up on the text it missed) nor one where a sequence
+decodes its first window (the draft reads its prompt). Speculation, what was asked, goes first; a way not yet
+measured at a batch size is tried until it has `explore` settled steps, unless speculation already lost at a
+smaller batch (its gain only shrinks as the batch grows: the target verifies windows one sequence a call, while
+target-only steps share one call); every `refresh` steps the way not taken gets a trial of `explore` settled
+steps; the decoder switches only for a gain above `margin` (fixed switch points made vLLM users' throughput
+fall off cliffs).
 """
 
 from __future__ import annotations
@@ -20,29 +24,36 @@ AR, SPEC = "target-only", "speculative"
 
 @dataclass
 class Rate:
-    """A running mean of tokens per second of one way of stepping at one batch size."""
+    """Tokens per second of one way of stepping at one batch size: decaying sums of tokens and of seconds."""
 
-    tokens_per_s: float = 0.0
+    tokens: float = 0.0
+    seconds: float = 0.0
     samples: int = 0
 
-    def add(self, tokens: int, seconds: float, weight: float = 0.2) -> None:
-        rate = tokens / seconds if seconds > 0 else 0.0
-        self.tokens_per_s = rate if not self.samples else (1 - weight) * self.tokens_per_s + weight * rate
+    def add(self, tokens: int, seconds: float, decay: float = 0.9) -> None:
+        self.tokens = decay * self.tokens + tokens
+        self.seconds = decay * self.seconds + seconds
         self.samples += 1
+
+    @property
+    def tokens_per_s(self) -> float:
+        return self.tokens / self.seconds if self.seconds > 0 else 0.0
 
 
 @dataclass
 class SpeculationPolicy:
     """Per-step choice between speculative and target-only decoding (see the module docstring)."""
 
-    explore: int = 2  # steps to measure a way not yet measured at a batch size
-    refresh: int = 400  # steps at a batch size between two measurements of the way not taken
+    explore: int = 6  # settled steps that measure a way at a batch size (and each later trial)
+    refresh: int = 400  # steps at a batch size between two trials of the way not taken
     margin: float = 0.1  # relative gain needed to switch ways
     adaptive: bool = True  # False: always speculative while any request speculates (their gamma as asked)
     rates: dict = field(default_factory=dict)  # (way, batch size) -> Rate
     current: dict = field(default_factory=dict)  # batch size -> way in use
-    since: dict = field(default_factory=dict)  # batch size -> steps since the way not taken was measured
+    since: dict = field(default_factory=dict)  # batch size -> steps since the way not taken was tried
+    trials: dict = field(default_factory=dict)  # batch size -> (way on trial, settled steps it still needs)
     last: str = SPEC  # the way of the latest step (the server's gauge)
+    previous: str | None = None  # the way of the latest recorded step (a switch is no settled step)
 
     def gamma(self, decoder, running: list) -> int:
         """Draft tokens per window for this step: the largest any speculating sequence asks for, or 0."""
@@ -58,20 +69,31 @@ class SpeculationPolicy:
         for way in (SPEC, AR):  # measure what this batch size has not seen
             if self._rate(way, batch).samples < self.explore and not (way == SPEC and self._lost_below(batch)):
                 return way
+        trial = self.trials.get(batch)
+        if trial:
+            return trial[0]
         current = self.current.get(batch) or self._faster(batch)
         other = AR if current == SPEC else SPEC
         self.since[batch] = self.since.get(batch, 0) + 1
         if self.since[batch] >= self.refresh and not (other == SPEC and self._lost_below(batch)):
             self.since[batch] = 0
+            self.trials[batch] = (other, self.explore)
             return other
         if self._rate(other, batch).tokens_per_s > (1 + self.margin) * self._rate(current, batch).tokens_per_s:
             current = other
         self.current[batch] = current
         return current
 
-    def record(self, way: str, batch: int, tokens: int, seconds: float) -> None:
-        """A step's outcome: `tokens` committed in `seconds` of decode by `batch` running sequences."""
+    def record(self, way: str, batch: int, tokens: int, seconds: float, settled: bool = True) -> None:
+        """A step's outcome: `tokens` committed in `seconds` of decode by `batch` running sequences; `settled`
+        False when a sequence decoded its first window. A step that switched ways is never settled."""
+        switched, self.previous = self.previous not in (None, way), way
+        if not settled or switched:
+            return
         self._rate(way, batch).add(tokens, seconds)
+        trial = self.trials.get(batch)
+        if trial and trial[0] == way:
+            self.trials[batch] = (way, trial[1] - 1) if trial[1] > 1 else None
 
     def _faster(self, batch: int) -> str:
         spec, ar = self._rate(SPEC, batch), self._rate(AR, batch)

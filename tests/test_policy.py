@@ -16,9 +16,9 @@ def drive(policy: SpeculationPolicy, batch: int, rates: dict, steps: int) -> lis
 def test_the_faster_way_wins_after_both_were_measured():
     policy = SpeculationPolicy(explore=2, refresh=1000)
     ways = drive(policy, 1, {SPEC: 80, AR: 45}, 20)
-    assert ways[:4] == [SPEC, SPEC, AR, AR] and set(ways[4:]) == {SPEC}
+    assert ways[:5] == [SPEC, SPEC, AR, AR, AR] and set(ways[5:]) == {SPEC}  # the switch to AR is no sample
     ways = drive(policy, 4, {SPEC: 70, AR: 150}, 20)
-    assert set(ways[4:]) == {AR}
+    assert set(ways[6:]) == {AR}
 
 
 def test_speculation_that_lost_at_a_smaller_batch_is_not_tried_again_larger():
@@ -38,6 +38,34 @@ def test_the_way_not_taken_is_measured_again():
     policy = SpeculationPolicy(explore=1, refresh=10)
     ways = drive(policy, 1, {SPEC: 100, AR: 50}, 40)
     assert ways[2:].count(AR) >= 3  # refreshed now and then: a changed machine is noticed
+
+
+def test_a_switch_and_a_first_window_are_not_measured():
+    """The step that changes ways pays the draft's catch-up, a sequence's first window the draft's prompt read:
+    neither is what the way costs when it runs."""
+    policy = SpeculationPolicy(explore=2, refresh=1000)
+    policy.record(SPEC, 1, 2, 1.0, settled=False)  # a first window
+    assert (SPEC, 1) not in policy.rates
+    policy.record(SPEC, 1, 50, 1.0)
+    policy.record(AR, 1, 1, 5.0)  # the switch
+    assert (AR, 1) not in policy.rates
+    policy.record(AR, 1, 40, 1.0)
+    assert policy.rates[(AR, 1)].tokens_per_s == 40
+
+
+def test_rates_are_ratios_of_sums_not_means_of_ratios():
+    """One lucky short step does not outweigh long ones: 10 tokens in 0.01 s and 10 in 1 s are ~20 tokens/s."""
+    policy = SpeculationPolicy()
+    policy.record(SPEC, 1, 10, 0.01)
+    policy.record(SPEC, 1, 10, 1.0)
+    assert 18 < policy.rates[(SPEC, 1)].tokens_per_s < 21
+
+
+def test_a_trial_of_the_way_not_taken_lasts_until_measured():
+    policy = SpeculationPolicy(explore=2, refresh=5)
+    ways = drive(policy, 1, {SPEC: 100, AR: 50}, 30)
+    trial = ways[5:].index(AR) + 5
+    assert ways[trial:trial + 3] == [AR, AR, AR]  # the switch, then `explore` settled steps
 
 
 def test_gamma_is_zero_when_nobody_speculates():
