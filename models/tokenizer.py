@@ -31,9 +31,16 @@ class HFTokenizer:
     def decode(self, ids) -> str:
         return self._tok.decode(list(ids), skip_special_tokens=True)
 
-    def chat_prompt(self, messages: list[dict]) -> list[int]:
-        """Token ids of `messages` under the chat template, ready for the assistant turn."""
-        text = self._tok.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+    @property
+    def renders_tools(self) -> bool:
+        """Whether the chat template renders a `tools` list itself (else the server describes them)."""
+        return "tools" in str(getattr(self._tok, "chat_template", None) or "")
+
+    def chat_prompt(self, messages: list[dict], tools: list[dict] | None = None) -> list[int]:
+        """Token ids of `messages` under the chat template, ready for the assistant turn (with `tools` where
+        the template renders them)."""
+        text = self._tok.apply_chat_template(messages, tools=tools or None, tokenize=False,
+                                             add_generation_prompt=True)
         return self.encode(text)
 
     def sha256(self) -> str:
@@ -58,8 +65,15 @@ class ByteTokenizer:
         data = bytes(i - 2 for i in ids if 2 <= i < 258)
         return data.decode("utf-8", errors="replace")
 
-    def chat_prompt(self, messages: list[dict]) -> list[int]:
-        return self.encode("".join(m["content"] for m in messages))
+    renders_tools = False
+
+    def chat_prompt(self, messages: list[dict], tools: list[dict] | None = None) -> list[int]:
+        return self.encode("".join(m["content"] or "" for m in messages))
+
+    def token_bytes(self) -> list[bytes]:
+        """The bytes of ids 0..257 (the table a grammar engine reads; the two specials are named; padding ids
+        beyond 257 have none)."""
+        return [b"<pad>", b"<end>"] + [bytes([i]) for i in range(256)]
 
     def sha256(self) -> str:
         return hashlib.sha256(f"bytes:{self.vocab_size}".encode()).hexdigest()

@@ -26,10 +26,11 @@ from dataclasses import dataclass, field
 import numpy as np
 from mirror_rt.runtime.affinity import pin
 from mirror_rt.runtime.branches import exit_distribution, rank_roots, top_alternatives
-from mirror_rt.runtime.lookup import lookup_guesses, verify_guesses
+from mirror_rt.runtime.lookup import lookup_guesses
 from mirror_rt.runtime.messages import STOP, EarlyExit, Fault, Verdict, Window
 from mirror_rt.runtime.reference import prefill_logits
-from mirror_rt.runtime.sampling import SamplingConfig, choose, greedy_ids, keyed_rng, stack_rows
+from mirror_rt.runtime.sampling import SamplingConfig, choose, greedy_ids, keyed_rng, point_mass, stack_rows
+from mirror_rt.runtime.token_rules import TokenRules
 from mirror_rt.runtime.transfer import to_host
 
 
@@ -64,6 +65,7 @@ class DraftStats:
     rollbacks: int = 0  # cache rollbacks (a cost of their own on stateful backends)
     guessed: int = 0  # prompt-lookup guesses fed
     guesses_kept: int = 0  # of them, confirmed by the draft's own greedy choice
+    forced: int = 0  # tokens a grammar forced, drafted without a forward
     rollout_s: float = 0.0  # forwards before the verdict (overlapping the target)
     fresh_s: float = 0.0  # forwards after the verdict, before sending (critical path)
     busy: list[tuple[float, float]] = field(default_factory=list)  # forward intervals
@@ -77,13 +79,17 @@ class Line:
     q: list = field(default_factory=list)  # per token q row [vocab] or None (greedy)
     rows: list = field(default_factory=list)  # per token the row it was chosen from: q, or logits when greedy
     guesses: list[int] = field(default_factory=list)  # SS stream guesses after the last token (unverified)
+    rules: TokenRules | None = None  # the token rules at the line's context plus its tokens (None: no rules)
 
 
 class DraftWorker:
     """Runs in its own thread; talks to the target only through `inbox` and `outbox`."""
 
-    def __init__(self, draft, prompt: list[int], capacity: int, settings: DraftSettings):
+    def __init__(self, draft, prompt: list[int], capacity: int, settings: DraftSettings,
+                 rules: TokenRules | None = None):
         self.draft, self.settings = draft, settings
+        self.rules = rules  # the token rules at the committed text (None: the request has none)
+        self.refused: set[tuple[int, int]] = set()  # branch roots the grammar forbids (this step)
         self.prompt, self.capacity = list(prompt), capacity
         self.inbox: queue.Queue = queue.Queue(maxsize=8)
         self.outbox: queue.Queue = queue.Queue(maxsize=2)
@@ -128,6 +134,8 @@ class DraftWorker:
             if start is None:
                 return
             self.committed = self.prompt + [start.first_token]
+            self._commit_rules([start.first_token])
+            self.line = Line(rules=self._fork())
             self._send_window(reused=False)
             while not self.stop_event.is_set():
                 message = self._poll()
@@ -186,8 +194,9 @@ class DraftWorker:
                 full = a == self.in_flight
                 self.k_cap = min(self.settings.gamma, self.k_cap + 2) if full else max(1, self.k_cap - 1)
         self.committed += line.tokens[:a] + [c]
-        if len(line.tokens) > a and line.tokens[a] == c:
-            self.line = Line(line.tokens[a + 1:], line.q[a + 1:], line.rows[a + 1:], line.guesses)
+        self._commit_rules(line.tokens[:a] + [c])
+        if len(line.tokens) > a and line.tokens[a] == c:  # the line's rules are already past these tokens
+            self.line = Line(line.tokens[a + 1:], line.q[a + 1:], line.rows[a + 1:], line.guesses, line.rules)
             self.stats.main_hits += bool(self.line.tokens)
             self.stats.not_ready += not self.line.tokens
         elif (a, c) in self.branches:
@@ -196,8 +205,27 @@ class DraftWorker:
         else:
             self.stats.not_ready += len(line.tokens) <= a  # the line never reached the bonus
             self.stats.misses += len(line.tokens) > a
-            self.line = Line()
+            self.line = Line(rules=self._fork())
         self.branches, self.exit_rows, self.verdict_due = {}, None, 0.0
+        self.refused = set()
+
+    def _commit_rules(self, tokens: list[int]) -> None:
+        if self.rules is not None:
+            for token in tokens:
+                self.rules.accept(token)
+
+    def _fork(self) -> TokenRules | None:
+        """The rules at the committed text, for a line that starts there."""
+        return None if self.rules is None else self.rules.fork()
+
+    def _rules_at(self, depth: int, root: int):
+        """The rules after committed + window[:depth] + [root] (a side branch); False when the grammar
+        forbids the root; None without rules."""
+        if self.line.rules is None:
+            return None
+        rules = self.line.rules.fork()
+        rules.rollback(len(self.line.tokens) - depth)
+        return rules if rules.accept(root) else False
 
     def _send_window(self, reused: bool) -> None:
         """Send up to gamma line tokens, drafting fresh ones first if fewer than min_window."""
@@ -240,10 +268,15 @@ class DraftWorker:
         window = self.line.tokens[:k]
         alternatives = [self._alternatives(row) for row in self.line.rows[:k + 1]]
         roots = rank_roots(window, self.line.tokens[k], alternatives, self.exit_rows, self.acceptance)
-        root = next((r for r in roots if (r.depth, r.token) not in self.branches), None)
+        root = next((r for r in roots if (r.depth, r.token) not in self.branches
+                     and (r.depth, r.token) not in self.refused), None)
         if root is None:
             return False
-        branch = self.branches[(root.depth, root.token)] = Line()
+        rules = self._rules_at(root.depth, root.token)
+        if rules is False:  # the grammar forbids the root: the target can never correct to it
+            self.refused.add((root.depth, root.token))
+            return True
+        branch = self.branches[(root.depth, root.token)] = Line(rules=rules)
         self.stats.branches_rolled += 1
         self._extend(branch, self.committed + window[:root.depth] + [root.token])
         return True
@@ -260,15 +293,31 @@ class DraftWorker:
         return self.exit_rows is not None and time.perf_counter() + self.forward_s <= self.verdict_due
 
     def _extend(self, line: Line, context: list[int]) -> None:
-        """Draft one more token of `line` (several with SS streams), which continues `context`."""
+        """Draft one more token of `line` (several with SS streams or grammar-forced tokens), which continues
+        `context`."""
+        if line.rules is not None and self._extend_forced(line):
+            return
         if self.settings.sampling.greedy and hasattr(self.draft, "forward_streams"):
             return self._extend_with_streams(line, context)
         if self.settings.sampling.greedy and self.settings.lookup:
             return self._extend_with_lookup(line, context)
         logits = self._logits_after(context + line.tokens)
         position = len(context) + len(line.tokens)  # keyed: the same token whenever this context is drafted
-        token, q = choose(logits, self.settings.sampling, keyed_rng(self.settings.seed, 1, position))
-        _append(line, token, q, logits if q is None else q)
+        row = logits if line.rules is None else line.rules.apply(logits)  # the draft's processed logits
+        token, q = choose(row, self.settings.sampling, keyed_rng(self.settings.seed, 1, position))
+        if line.rules is not None:
+            line.rules.accept(token)
+        _append(line, token, q, row if q is None else q)
+
+    def _extend_forced(self, line: Line) -> bool:
+        """Append the tokens the grammar forces next without a forward (free drafts); False when none."""
+        forced = line.rules.forced()[:max(1, self._wanted(line) - len(line.tokens))]
+        for token in forced:
+            line.rules.accept(token)
+            q = None if self.settings.sampling.greedy else point_mass(token, self.draft.vocab_size)
+            _append(line, token, q, q)
+        self.stats.forced += len(forced)
+        return bool(forced)
 
     def _extend_with_streams(self, line: Line, context: list[int]) -> None:
         """One SS forward: confirm the pending guesses (the streams' confident ones, else prompt-lookup's),
@@ -302,19 +351,37 @@ class DraftWorker:
         out = self._feed(feed, streams=streams)
         main, stream_rows = out if streams else (out, None)
         offset = len(feed) - len(guesses) - 1  # the row that predicts the token after `full`
-        n = verify_guesses(main[offset:], guesses)
+        n = self._confirm(line, main[offset:offset + len(guesses) + 1], guesses)
         if n < len(guesses):  # rejected guesses leave the cache
             self.cache.rollback(self.cache.length - (len(guesses) - n))
             del self.cache_tokens[self.cache.length:]
             self.stats.rollbacks += 1
-        rows = main[offset:offset + n + 1]
-        for token, row in zip(greedy_ids(rows), rows):
-            _append(line, token, None, row)
         return stream_rows, offset, n
+
+    def _confirm(self, line: Line, rows, guesses: list[int]) -> int:
+        """Append the draft's greedy token of each row [len(guesses) + 1, vocab] while it confirms the guess
+        before it (row i is after guess i-1); returns the guesses confirmed. Under rules each row is
+        processed at the state its guesses reached, so one row at a time."""
+        if line.rules is None:
+            choices = greedy_ids(rows)  # one read for every row
+            n = 0
+            while n < len(guesses) and choices[n] == guesses[n]:
+                n += 1
+            for token, row in zip(choices[:n + 1], rows):
+                _append(line, token, None, row)
+            return n
+        for i, raw in enumerate(rows):
+            row = line.rules.apply(raw)
+            token = greedy_ids(row)[0]
+            line.rules.accept(token)
+            _append(line, token, None, row)
+            if i == len(guesses) or token != guesses[i]:
+                return i
+        return len(guesses)
 
     def _alternatives(self, row) -> dict[int, float]:
         """The draft's most likely choices at one depth (derived only when roots are ranked)."""
-        if not self.settings.alternatives:
+        if not self.settings.alternatives or row is None:  # None: a grammar-forced token, no row
             return {}
         row = to_host(row)  # ranking roots runs on the host (a few rows per step)
         probs = row if not self.settings.sampling.greedy else _softmax(row)

@@ -16,7 +16,8 @@ from dataclasses import dataclass
 import numpy as np
 from mirror_rt.runtime.acceptance import Verdict
 from mirror_rt.runtime.reference import prefill_logits
-from mirror_rt.runtime.sampling import SamplingConfig, choose, stack_rows
+from mirror_rt.runtime.sampling import SamplingConfig, choose, point_mass, stack_rows
+from mirror_rt.runtime.token_rules import TokenRules
 
 
 @dataclass(frozen=True)
@@ -35,13 +36,16 @@ class ModelDrafter:
     - batch size 1; the draft must share the target's tokenizer (ids are compared directly).
     """
 
-    def __init__(self, draft, sampling: SamplingConfig, seed: int = 0):
+    def __init__(self, draft, sampling: SamplingConfig, seed: int = 0, rules: TokenRules | None = None):
         self.draft = draft
         self.sampling = sampling
         self.rng = np.random.default_rng(seed + 1_000_003)  # independent of the target's draws
+        self.rules = rules  # the draft's own copy of the sequence's rules, at the committed text between steps
         self.cache = None
         self.pending: list[int] = []  # committed tokens not yet in the draft cache
         self.window: list[int] = []  # the last proposal (needed by commit)
+        self.fed_from = 0  # cache length when the last proposal started
+        self.sequence: list[int] = []  # pending + [last] + window: the tokens the last proposal continued
         self.forward_seconds: list[float] = []  # wall time of each draft forward (metrics)
 
     def prefill(self, prompt: Sequence[int], capacity: int) -> None:
@@ -56,29 +60,45 @@ class ModelDrafter:
         self.pending = []
 
     def propose(self, last_token: int, k: int, base_length: int) -> Draft:
-        """k draft tokens after `last_token` (k forwards; the first also feeds pending tokens)."""
+        """k draft tokens after `last_token` (at most k forwards; the first also feeds pending tokens).
+
+        Under a grammar, tokens it forces are proposed without a forward (free drafts, q = a point mass).
+        """
         tokens, rows = [], []
         feed = self.pending + [last_token]
-        for _ in range(k):
+        self.fed_from, self.sequence = self.cache.length, list(feed)
+        while len(tokens) < k:
+            forced = self.rules.forced()[:k - len(tokens)] if self.rules is not None else []
+            if forced:
+                for token in forced:
+                    self.rules.accept(token)
+                    rows.append(None if self.sampling.greedy else point_mass(token, self.draft.vocab_size))
+                tokens += forced
+                feed += forced
+                continue
             t0 = time.perf_counter()
             logits = self.draft.forward(feed, self.cache)
             self.forward_seconds.append(time.perf_counter() - t0)
-            token, q = choose(logits[-1], self.sampling, self.rng)
+            row = logits[-1] if self.rules is None else self.rules.apply(logits[-1])  # the draft's processed logits
+            token, q = choose(row, self.sampling, self.rng)
+            if self.rules is not None:
+                self.rules.accept(token)
             tokens.append(token)
             rows.append(q)
             feed = [token]
-        self.pending = [] if k else self.pending + [last_token]
         self.window = tokens
-        q = stack_rows(rows) if rows and rows[0] is not None else None
+        self.sequence += tokens
+        q = stack_rows(rows) if rows and not self.sampling.greedy else None
         return Draft(base_length, tokens, q)
 
     def commit(self, verdict: Verdict) -> None:
-        """Roll the draft cache back to the accepted prefix of the last window."""
-        k, n = len(self.window), verdict.num_accepted
-        if k == 0:
-            return
-        fed = self.cache.length  # holds ... last, d_1 .. d_{k-1}
-        if n < k:
-            self.cache.rollback(fed - (k - 1 - n))
-        else:  # d_k was accepted but never fed
-            self.pending = [self.window[-1]]
+        """Roll the draft cache (and rules) back to the accepted prefix of the last window."""
+        n = verdict.num_accepted
+        keep = len(self.sequence) - len(self.window) + n  # pending, last and the accepted tokens
+        fed = self.cache.length - self.fed_from  # of `sequence`, in the cache
+        if fed > keep:
+            self.cache.rollback(self.fed_from + keep)
+        self.pending = self.sequence[min(fed, keep):keep]
+        if self.rules is not None:
+            self.rules.rollback(len(self.window) - n)
+            self.rules.accept(verdict.next_token)

@@ -21,6 +21,7 @@ from mirror_rt.runtime.mirror import MirrorSettings, mirror_generate
 from mirror_rt.runtime.reference import generate as reference_generate
 from mirror_rt.runtime.speculative import speculative_generate
 from mirror_rt.runtime.text_stream import TextStream
+from mirror_rt.runtime.token_rules import TokenRules
 
 
 class GenerationError(ValueError):
@@ -37,6 +38,7 @@ class Generation:
     stop_reason: str | None = None  # eos | stop_string | max_new_tokens | context | cancelled
     stats: dict = field(default_factory=dict)  # Metrics.summary() plus mode and models
     steps: list[tuple[float, int]] = field(default_factory=list)  # (perf_counter, tokens committed) per step
+    logprobs: list = field(default_factory=list)  # TokenLogprob per token of `tokens` so far (when asked for)
     durations: dict[str, list[float]] = field(default_factory=dict)  # Metrics.durations, once finished
     cancel_event: threading.Event = field(default_factory=threading.Event)
 
@@ -102,8 +104,9 @@ class Engine:
         if len(ids) >= self.target.max_seq_len:
             raise GenerationError(f"prompt too long: {len(ids)} tokens, the model's context is "
                                   f"{self.target.max_seq_len} (at least one token must be generated)")
+        rules = self.token_rules(config, ids)  # a grammar that cannot run is refused here, before any work
         gen = Generation(pieces=iter(()))
-        gen.pieces = self._run(ids, config, gen)
+        gen.pieces = self._run(ids, config, gen, rules)
         return gen
 
     def generate(self, prompt, config: GenerationConfig | None = None, chat: bool = True,
@@ -114,14 +117,22 @@ class Engine:
             pass
         return gen
 
-    def _decoder(self, ids, config: GenerationConfig, metrics: Metrics):
+    def token_rules(self, config: GenerationConfig, ids) -> TokenRules | None:
+        """The request's per-sequence token rules (None when it asks for none); GenerationError when they
+        cannot run (a grammar llguidance refuses, a bias on an id outside the vocabulary)."""
+        try:
+            return TokenRules.create(config.rules, self.tokenizer, self.target.vocab_size, ids)
+        except ValueError as exc:
+            raise GenerationError(str(exc)) from None
+
+    def _decoder(self, ids, config: GenerationConfig, metrics: Metrics, rules: TokenRules | None):
         if config.mode == "ar":
             return reference_generate(self.target, ids, config.max_new_tokens, config.sampling,
-                                      config.seed, metrics)
+                                      config.seed, metrics, rules)
         if config.mode == "sd":
             draft = self.draft or self.target
             return speculative_generate(self.target, draft, ids, config.max_new_tokens,
-                                        config.num_draft_tokens, config.sampling, config.seed, metrics)
+                                        config.num_draft_tokens, config.sampling, config.seed, metrics, rules)
         if not hasattr(self.target, "forward_prefix"):
             raise GenerationError("mode 'mirror' needs a target split at its early exit "
                                   "(load a bundle, or a torch model through its split target)")
@@ -130,13 +141,17 @@ class Engine:
                                   branch_budget=config.branch_budget, min_window=config.min_window,
                                   draft_timeout_s=config.draft_timeout_s, early_exit=config.early_exit,
                                   target_cpu=target_cpu, draft_cpu=draft_cpu, lookup=config.draft_lookup)
-        return mirror_generate(self.target, self.draft or self.target, ids, config.max_new_tokens, settings, metrics)
+        return mirror_generate(self.target, self.draft or self.target, ids, config.max_new_tokens, settings, metrics,
+                               rules)
 
-    def _run(self, ids, config: GenerationConfig, gen: Generation) -> Iterator[str]:
+    def _run(self, ids, config: GenerationConfig, gen: Generation, rules: TokenRules | None) -> Iterator[str]:
         metrics = Metrics(prompt_tokens=len(ids))
-        eos = () if config.ignore_eos else self.tokenizer.eos_token_ids
+        # a grammar's end is end-of-sequence: it stays a stop even under ignore_eos
+        grammar = config.rules.constraint is not None
+        eos = () if config.ignore_eos and not grammar else self.tokenizer.eos_token_ids
         text = TextStream(self.tokenizer, eos, config.stop_strings)
-        steps = self._decoder(ids, config, metrics)
+        steps = self._decoder(ids, config, metrics, rules)
+        committed = 0  # tokens the decoder committed so far (their log-probabilities are rules.logprobs[:committed])
         try:
             for tokens in () if gen.cancelled else steps:  # cancelled before the start: not even a prefill
                 now = time.perf_counter()
@@ -145,7 +160,11 @@ class Engine:
                 if gen.cancelled:  # the step's tokens are dropped: a cancelled request wants nothing more
                     break
                 for token in tokens:
+                    delivered = len(text.tokens)
                     piece = text.push(token)
+                    committed += 1
+                    if rules is not None and rules.logprobs is not None and len(text.tokens) > delivered:
+                        gen.logprobs.append(rules.logprobs[committed - 1])
                     if piece:
                         gen.text += piece
                         yield piece

@@ -24,8 +24,9 @@ from mirror_rt.runtime.draft_worker import DraftSettings, DraftWorker
 from mirror_rt.runtime.messages import EarlyExit, Fault, Start, Window
 from mirror_rt.runtime.metrics import Metrics
 from mirror_rt.runtime.mirror_stats import mirror_summary
-from mirror_rt.runtime.reference import adopts_target_kv, prefill_logits, token_budget
-from mirror_rt.runtime.sampling import SamplingConfig, choose, keyed_rng, probabilities
+from mirror_rt.runtime.reference import adopts_target_kv, choose_under, prefill_logits, token_budget
+from mirror_rt.runtime.sampling import SamplingConfig, keyed_rng, probabilities
+from mirror_rt.runtime.token_rules import TokenRules, settle, verify_rows
 
 
 @dataclass(frozen=True)
@@ -56,8 +57,11 @@ class DraftFailure(Exception):
 
 
 def mirror_generate(target, draft, prompt: Sequence[int], max_new_tokens: int, settings: MirrorSettings,
-                    metrics: Metrics | None = None) -> Iterator[list[int]]:
-    """Yield the tokens committed at each step. `target` must offer forward_prefix/forward_suffix."""
+                    metrics: Metrics | None = None, rules: TokenRules | None = None) -> Iterator[list[int]]:
+    """Yield the tokens committed at each step. `target` must offer forward_prefix/forward_suffix.
+
+    `rules` (grammar, bias, penalties, logprobs) process the target's rows; the draft worker keeps a fork.
+    """
     metrics = metrics or Metrics()
     budget = token_budget(len(prompt), max_new_tokens, target.max_seq_len)
     if budget == 0:
@@ -68,8 +72,9 @@ def mirror_generate(target, draft, prompt: Sequence[int], max_new_tokens: int, s
     worker = DraftWorker(draft, prompt, draft_capacity, DraftSettings(
         gamma=settings.gamma, sampling=settings.sampling, seed=settings.seed, branch_budget=settings.branch_budget,
         min_window=settings.min_window, adaptive_gamma=settings.adaptive_gamma, cpu=settings.draft_cpu,
-        lookup=settings.lookup, stream_confidence=settings.stream_confidence))
-    step = _TargetStep(target, settings, metrics, worker)
+        lookup=settings.lookup, stream_confidence=settings.stream_confidence),
+        rules.fork() if rules is not None and rules.changes_logits else None)
+    step = _TargetStep(target, settings, metrics, worker, rules)
     share = settings.share_prompt_kv and adopts_target_kv(draft)
     previous_affinity = pin(settings.target_cpu)
     previous_threads = _set_threads(target, 1 if settings.target_cpu is not None else None)
@@ -102,8 +107,10 @@ def mirror_generate(target, draft, prompt: Sequence[int], max_new_tokens: int, s
 class _TargetStep:
     """The target worker's state: its cache, generator, counters and the draft link."""
 
-    def __init__(self, target, settings: MirrorSettings, metrics: Metrics, worker: DraftWorker):
+    def __init__(self, target, settings: MirrorSettings, metrics: Metrics, worker: DraftWorker,
+                 rules: TokenRules | None = None):
         self.target, self.settings, self.metrics, self.worker = target, settings, metrics, worker
+        self.rules = rules  # the sequence's token rules, at the committed text between steps
         self.cache = None
         self.suffix_s = 0.0  # running mean of the suffix time (tells the draft when to expect the verdict)
         self.wait_s = 0.0  # running mean of the rendezvous wait (the draft is the bottleneck when large)
@@ -120,7 +127,7 @@ class _TargetStep:
                 logits = self.target.prefill_pipelined(prompt, self.cache, helper_cpu)[-1]
             else:
                 logits = prefill_logits(self.target, prompt, self.cache)
-        return choose(logits, self.settings.sampling, self._rng(len(prompt)))[0]
+        return choose_under(self.rules, logits, self.settings.sampling, self._rng(len(prompt)))
 
     def run(self, last: int, length: int, k_max: int) -> list[int]:
         """One Mirror step; on any draft failure, fall back and do a target-only step."""
@@ -143,7 +150,8 @@ class _TargetStep:
         t1 = time.perf_counter()
         with self.metrics.stage("target_suffix"):
             logits = self.target.forward_suffix(self.cache) if queued is None else queued  # [k+1, vocab]
-            verdict = self._accept(tokens, window, logits, length)
+            rows, tokens, advanced = verify_rows(self.rules, logits, tokens)  # processed by the rules
+            verdict = self._accept(tokens, window, rows, length)
         suffix_s = time.perf_counter() - t1
         self.suffix_s = 0.8 * self.suffix_s + 0.2 * suffix_s if self.suffix_s else suffix_s
         self.counters["busy"].append((t0, time.perf_counter()))
@@ -151,6 +159,7 @@ class _TargetStep:
             self.metrics.durations.setdefault("target_verify", []).append(time.perf_counter() - t0)
         # Phase 4: commit, tell the draft, roll back the rejected positions
         self.cache.rollback(base + 1 + verdict.num_accepted)
+        settle(self.rules, advanced, tokens, verdict, logits)  # the rules roll back with the cache
         self._send(verdict)
         self._count_exit(tokens, verdict, ids)
         self.metrics.record_step(len(tokens), verdict.num_accepted)
@@ -175,7 +184,7 @@ class _TargetStep:
             logits = self.target.forward([last], self.cache)
         self.metrics.record_step(0, 0)
         self.counters["fallback_steps"] += 1
-        return [choose(logits[-1], self.settings.sampling, self._rng(self.cache.length))[0]]
+        return [choose_under(self.rules, logits[-1], self.settings.sampling, self._rng(self.cache.length))]
 
     def _rng(self, position: int) -> np.random.Generator:
         """The target's draws for the token(s) from `position` on (runtime.sampling.keyed_rng, stream 2)."""

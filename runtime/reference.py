@@ -13,6 +13,7 @@ from collections.abc import Iterator, Sequence
 import numpy as np
 from mirror_rt.runtime.metrics import Metrics
 from mirror_rt.runtime.sampling import SamplingConfig, choose
+from mirror_rt.runtime.token_rules import TokenRules
 
 
 def token_budget(prompt_length: int, max_new_tokens: int, max_seq_len: int) -> int:
@@ -32,8 +33,9 @@ def adopts_target_kv(draft) -> bool:
 
 
 def generate(target, prompt: Sequence[int], max_new_tokens: int, sampling: SamplingConfig | None = None,
-             seed: int = 0, metrics: Metrics | None = None) -> Iterator[list[int]]:
-    """Yield [token] per step: the target's own continuation of `prompt` (greedy when `sampling` is None)."""
+             seed: int = 0, metrics: Metrics | None = None, rules: TokenRules | None = None) -> Iterator[list[int]]:
+    """Yield [token] per step: the target's own continuation of `prompt` (greedy when `sampling` is None),
+    under `rules` (grammar, bias, penalties, logprobs) when given."""
     sampling = sampling or SamplingConfig()
     metrics = metrics or Metrics()
     rng = np.random.default_rng(seed)
@@ -43,11 +45,21 @@ def generate(target, prompt: Sequence[int], max_new_tokens: int, sampling: Sampl
     cache = target.new_cache(len(prompt) + budget)
     with metrics.stage("target_prefill"):
         logits = prefill_logits(target, prompt, cache)
-    token, _ = choose(logits, sampling, rng)
+    token = choose_under(rules, logits, sampling, rng)
     yield [token]
     for _ in range(budget - 1):
         with metrics.stage("target_forward"):
             logits = target.forward([token], cache)
-        token, _ = choose(logits[-1], sampling, rng)
+        token = choose_under(rules, logits[-1], sampling, rng)
         metrics.record_step(0, 0)
         yield [token]
+
+
+def choose_under(rules: TokenRules | None, logits, sampling: SamplingConfig, rng) -> int:
+    """The target's token from one raw logits row [vocab] under `rules`, which then accept and record it."""
+    if rules is None:
+        return choose(logits, sampling, rng)[0]
+    token = choose(rules.apply(logits), sampling, rng)[0]
+    rules.accept(token)
+    rules.record(logits[None], [token])
+    return token
