@@ -1,5 +1,8 @@
 """One engine, one generation at a time: a FIFO of jobs run by the engine thread.
 
+A job with n choices runs its n generations one after another (each its own seed, derived from the
+request's by `choice_config`, and its own token rules); its events carry the choice's index.
+
 The engine owns both devices (Mirror runs target and draft at once), so generations run one
 after another in a dedicated thread; the asyncio loop never blocks on one. A job's text and its
 end cross to asyncio through `loop.call_soon_threadsafe` into the job's own asyncio queue.
@@ -17,8 +20,9 @@ import itertools
 import threading
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
+import numpy as np
 from mirror_rt.runtime.config import GenerationConfig
 
 
@@ -43,7 +47,10 @@ class Job:
     started: float | None = None
     first_text_at: float | None = None
     finished: float | None = None
-    generation: object = None  # runtime.engine.Generation once started
+    choices: int = 1  # n: generations run one after another
+    constraint: str | None = None  # the kind of grammar the request runs under (for the metrics), or None
+    generation: object = None  # runtime.engine.Generation running (or the last one)
+    generations: list = field(default_factory=list)  # every choice's Generation so far, by index
     outcome: str = "pending"  # pending | done | cancelled | timeout | error
     error: BaseException | None = None
     record: object = None  # serving.records.RequestRecord, set by on_finish before the end event
@@ -151,15 +158,20 @@ class Scheduler:
         job.started = time.perf_counter()
         timer = None
         try:
-            gen = self.engine.stream(job.prompt, job.config)
-            job.generation = gen
-            if job.cancel_requested.is_set():
-                gen.cancel()
             if self.timeout_s:
                 timer = threading.Timer(self.timeout_s, self._time_out, (job,))
                 timer.daemon = True
                 timer.start()
-            _hand_over(job, gen)
+            for index in range(job.choices):
+                gen = self.engine.stream(job.prompt, choice_config(job.config, index))
+                job.generation = gen
+                job.generations.append(gen)
+                if job.cancel_requested.is_set() or job.outcome == "timeout":
+                    gen.cancel()
+                _hand_over(job, gen, index)
+                job.post("choice_end", index)
+                if gen.cancelled:
+                    break
         except Exception as exc:  # noqa: BLE001 -- any engine failure ends this request, never the server
             job.error = exc
             self._end(job, "error")
@@ -192,12 +204,24 @@ class Scheduler:
         self.on_change(int(self.running is not None), len(self.waiting))
 
 
-def _hand_over(job: Job, gen) -> None:
-    """Post each text piece with the tokens committed so far (a running sum over the steps: O(1) a piece)."""
-    seen = made = 0
+def choice_config(config: GenerationConfig, index: int) -> GenerationConfig:
+    """Choice `index`'s settings: choice 0 keeps the request's seed, the others get independent ones."""
+    if index == 0:
+        return config
+    seed = int(np.random.SeedSequence([config.seed & 0xFFFFFFFFFFFFFFFF, index]).generate_state(1)[0] >> 1)
+    return replace(config, seed=seed)
+
+
+def _hand_over(job: Job, gen, index: int) -> None:
+    """Post each text piece with the tokens committed so far (a running sum over the steps: O(1) a piece)
+    and the log-probabilities of the tokens delivered since the last piece."""
+    seen = made = sent = 0
     for piece in gen:
         job.first_text_at = job.first_text_at or time.perf_counter()
         for _, count in gen.steps[seen:]:
             made += count
         seen = len(gen.steps)
-        job.post("text", (piece, made))
+        logprobs, sent = gen.logprobs[sent:], len(gen.logprobs)
+        job.post("text", (index, piece, made, logprobs))
+    if len(gen.logprobs) > sent:  # tokens whose text is empty (special tokens) at the very end
+        job.post("text", (index, "", made, gen.logprobs[sent:]))

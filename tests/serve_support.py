@@ -138,7 +138,7 @@ def wait_for(predicate, timeout: float = 2.0, every: float = 0.02) -> bool:
     return predicate()
 
 
-def tiny_engine():
+def tiny_engine(max_seq_len: int = 256):
     """The tiny preset in float64 (greedy equality stays exact whatever the window sizes) with a noisy
     float64 copy as the draft, named as `load_torch` names its engines."""
     from conftest import perturbed_copy, tiny_target
@@ -147,7 +147,7 @@ def tiny_engine():
     from mirror_rt.models.tokenizer import ByteTokenizer
     from mirror_rt.runtime.engine import Engine
 
-    target = tiny_target(seed=4, vocab_size=258)
+    target = tiny_target(seed=4, vocab_size=258, max_seq_len=max_seq_len)
     draft = perturbed_copy(target, noise=0.2, seed=5)
     names = {"model": "tiny", "path": "torch eager (cpu)", "target_precision": "fp64", "draft_precision": "fp64",
              "target_device": "torch:cpu", "draft_device": "torch:cpu"}
