@@ -139,6 +139,10 @@ def _shifts(device: torch.device) -> torch.Tensor:
 
 def mask_logits(x: torch.Tensor, bits: np.ndarray) -> torch.Tensor:
     """Logits [vocab] with every token outside `bits` at -inf, on x's device (only the bits travel there)."""
+    if x.device.type == "cpu" and x.dtype in (torch.float32, torch.float64):
+        # on the host numpy unpacks and selects about twice as fast as tensor ops
+        allowed = np.unpackbits(bits.view(np.uint8), bitorder="little")[:x.shape[-1]].view(bool)
+        return torch.from_numpy(np.where(allowed, x.numpy(), np.array(-np.inf, dtype=x.numpy().dtype)))
     packed = torch.from_numpy(bits).to(x.device)
     allowed = ((packed[:, None] >> _shifts(x.device)) & 1).reshape(-1)[:x.shape[-1]].bool()
     return x.masked_fill(~allowed, float("-inf"))

@@ -232,3 +232,15 @@ def test_forced_tokens_are_drafted_without_a_forward(engine):
     assert draft_forwards < generation.stats["new_tokens"] - 1
     mirror = constrained(engine, "hello", "mirror", Constraint.json_schema(SCHEMAS[0]))
     assert mirror.stats["forced_draft_tokens"] > 0
+
+
+def test_mask_is_the_same_on_the_host_path_and_the_tensor_path():
+    """Host float rows take numpy's path, other rows (bf16, device tensors) shift bits on the device."""
+    from mirror_rt.runtime.grammar import mask_logits
+
+    bits = np.random.default_rng(0).integers(-2**31, 2**31 - 1, size=9, dtype=np.int64).astype(np.int32)
+    x = torch.randn(270, generator=torch.Generator().manual_seed(1))
+    host, other = mask_logits(x, bits), mask_logits(x.to(torch.bfloat16), bits)
+    expected = np.unpackbits(bits.view(np.uint8), bitorder="little")[:270].astype(bool)
+    assert (torch.isfinite(host).numpy() == expected).all() and (torch.isfinite(other).numpy() == expected).all()
+    assert torch.equal(host[torch.from_numpy(expected)], x[torch.from_numpy(expected)])
