@@ -310,8 +310,11 @@ class DraftWorker:
         _append(line, token, q, row if q is None else q)
 
     def _extend_forced(self, line: Line) -> bool:
-        """Append the tokens the grammar forces next without a forward (free drafts); False when none."""
-        forced = line.rules.forced()[:max(1, self._wanted(line) - len(line.tokens))]
+        """Append the next token the grammar forces without a forward (a free draft); False when none.
+
+        One at a time: the forced tokens after a state are a function of that state alone, so a line's
+        tokens never depend on where a drafting run started (a seeded request repeats exactly)."""
+        forced = line.rules.forced()[:1]
         for token in forced:
             line.rules.accept(token)
             q = None if self.settings.sampling.greedy else point_mass(token, self.draft.vocab_size)

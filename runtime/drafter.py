@@ -68,11 +68,10 @@ class ModelDrafter:
         feed = self.pending + [last_token]
         self.fed_from, self.sequence = self.cache.length, list(feed)
         while len(tokens) < k:
-            forced = self.rules.forced()[:k - len(tokens)] if self.rules is not None else []
+            forced = self.rules.forced()[:1] if self.rules is not None else []  # one at a time, as Mirror's draft
             if forced:
-                for token in forced:
-                    self.rules.accept(token)
-                    rows.append(None if self.sampling.greedy else point_mass(token, self.draft.vocab_size))
+                self.rules.accept(forced[0])
+                rows.append(None if self.sampling.greedy else point_mass(forced[0], self.draft.vocab_size))
                 tokens += forced
                 feed += forced
                 continue

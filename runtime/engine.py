@@ -38,7 +38,7 @@ class Generation:
     stop_reason: str | None = None  # eos | stop_string | max_new_tokens | context | cancelled
     stats: dict = field(default_factory=dict)  # Metrics.summary() plus mode and models
     steps: list[tuple[float, int]] = field(default_factory=list)  # (perf_counter, tokens committed) per step
-    logprobs: list = field(default_factory=list)  # TokenLogprob per token of `tokens` so far (when asked for)
+    logprobs: list = field(default_factory=list)  # TokenLogprob per token of `tokens` so far, then the EOS
     durations: dict[str, list[float]] = field(default_factory=dict)  # Metrics.durations, once finished
     cancel_event: threading.Event = field(default_factory=threading.Event)
 
@@ -163,7 +163,8 @@ class Engine:
                     delivered = len(text.tokens)
                     piece = text.push(token)
                     committed += 1
-                    if rules is not None and rules.logprobs is not None and len(text.tokens) > delivered:
+                    counted = len(text.tokens) > delivered or text.stop_reason == "eos"  # as usage counts them
+                    if rules is not None and rules.logprobs is not None and counted:
                         gen.logprobs.append(rules.logprobs[committed - 1])
                     if piece:
                         gen.text += piece

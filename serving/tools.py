@@ -6,7 +6,7 @@ Hermes-style calls, `<tool_call>{"name": ..., "arguments": {...}}</tool_call>`; 
 back the same way into the assistant's text and `tool` messages keep their role.
 Enforcement (vLLM's construction): a named tool_choice constrains the output to that function's
 parameters (the output IS the arguments); `required` to a JSON array of {"name", "parameters"} objects,
-one schema per tool; `auto` is free text, parsed afterwards (Hermes tags, or an answer that is one
+one schema per tool, with no other keys; `auto` is free text, parsed afterwards (Hermes tags, or an answer that is one
 call object). It knows no engine: only a tokenizer's `chat_prompt`.
 """
 
@@ -73,8 +73,10 @@ def tool_schema(tools: list[protocol.Tool], mode: str | None) -> dict | None:
     parameters = {t.function.name: t.function.parameters or {"type": "object"} for t in tools}
     if mode != "required":
         return parameters[mode]
+    # no other keys: a small model would otherwise go on writing keys of its own after the parameters
     options = [{"type": "object", "properties": {"name": {"type": "string", "enum": [name]}, "parameters": schema},
-                "required": ["name", "parameters"]} for name, schema in parameters.items()]
+                "required": ["name", "parameters"], "additionalProperties": False}
+               for name, schema in parameters.items()]
     return {"type": "array", "minItems": 1, "items": options[0] if len(options) == 1 else {"anyOf": options}}
 
 
