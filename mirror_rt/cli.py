@@ -33,6 +33,8 @@ def build_parser() -> argparse.ArgumentParser:
     run.add_argument("--top-k", type=int, default=0)
     run.add_argument("--seed", type=int, default=0)
     run.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
+    run.add_argument("--json-schema", metavar="FILE", help="constrain the output to the JSON schema in FILE")
+    run.add_argument("--regex", help="constrain the output to match this regular expression")
     run.add_argument("--no-chat", action="store_true", help="do not apply the chat template")
     run.add_argument("--stats", action="store_true", help="print speed and acceptance statistics (stderr)")
     run.add_argument("--json", action="store_true", help="print one JSON object with text and stats")
@@ -250,7 +252,7 @@ def cmd_run(args) -> int:
     options = dict(mode=args.mode, gamma=args.gamma, max_new_tokens=args.max_new_tokens,
                    temperature=args.temperature, top_p=args.top_p, top_k=args.top_k,
                    seed=args.seed, stop_strings=tuple(args.stop), branch_budget=args.branch_budget,
-                   early_exit=args.early_exit, draft_lookup=args.draft_lookup)
+                   early_exit=args.early_exit, draft_lookup=args.draft_lookup, constraint=run_constraint(args))
     from mirror_rt.runtime.config import make_config
 
     config = make_config(**options)  # validate before loading anything
@@ -273,6 +275,25 @@ def cmd_run(args) -> int:
         if args.stats:
             print(format_stats(gen.stats), file=sys.stderr)
     return 0
+
+
+def run_constraint(args):
+    """The grammar `--json-schema FILE` or `--regex RE` asks for (None when neither)."""
+    from mirror_rt.runtime.grammar import Constraint
+
+    if args.json_schema and args.regex:
+        raise ValueError("--json-schema and --regex both constrain the output: give one")
+    if args.regex:
+        return Constraint("regex", args.regex)
+    if not args.json_schema:
+        return None
+    with open(args.json_schema) as file:
+        text = file.read()
+    try:
+        json.loads(text)
+    except json.JSONDecodeError as exc:
+        raise ValueError(f"--json-schema {args.json_schema}: not JSON ({exc})") from None
+    return Constraint("json_schema", text)
 
 
 def torch_options(args) -> dict:

@@ -109,10 +109,13 @@ def check(constraint: Constraint, tokenizer) -> str:
     except ValueError as exc:
         return str(exc)
     message = llguidance.LLMatcher.validate_grammar(grammar, tokenizer)
-    if not message or message.startswith("WARNING"):
-        return ""
+    return "" if not message or message.startswith("WARNING") else one_line(message)
+
+
+def one_line(message: str) -> str:
+    """llguidance's multi-line message (with a caret drawing) as one line: its first line and its `error:`."""
     lines = [line.strip() for line in message.splitlines() if line.strip()]
-    return " ".join([lines[0]] + [line for line in lines[1:] if line.startswith("error:")])  # one line
+    return " ".join(lines[:1] + [line for line in lines[1:] if line.startswith("error:")])
 
 
 def new_matcher(constraint: Constraint, tokenizer):
@@ -121,7 +124,7 @@ def new_matcher(constraint: Constraint, tokenizer):
 
     matcher = llguidance.LLMatcher(tokenizer, constraint.grammar(), log_level=0)
     if matcher.is_error():
-        raise ValueError(f"the grammar cannot run: {matcher.get_error()}")
+        raise ValueError(f"the grammar cannot run: {one_line(matcher.get_error())}")
     return matcher
 
 
