@@ -8,6 +8,7 @@ Public API (re-exports only; engines are assembled in `mirror_rt.devices.engines
     print(result.text, result.stats["tokens_per_s"])
     for piece in engine.stream("Tell me a story", temperature=0.7, seed=1):
         print(piece, end="", flush=True)
+    result = engine.generate("Name a city", constraint=mirror_rt.Constraint.json_schema(schema), logprobs=5)
     engine = mirror_rt.load(torch=True)            # the same model in torch eager
     engine = mirror_rt.load("path/to/hf-folder")   # any torch-only option runs torch
     engine = mirror_rt.load_bundle("bundles/smollm2-ov", target_device="cuda", draft_device="npu")
@@ -16,13 +17,15 @@ Public API (re-exports only; engines are assembled in `mirror_rt.devices.engines
 from __future__ import annotations
 
 __version__ = "0.1.0"
-__all__ = ["Engine", "GenerationConfig", "GenerationError", "SamplingConfig", "__version__", "default_bundle",
-           "load", "load_bundle"]
+__all__ = ["Constraint", "Engine", "GenerationConfig", "GenerationError", "RulesConfig", "SamplingConfig",
+           "__version__", "default_bundle", "load", "load_bundle"]
 
 from mirror_rt.devices.engines import _stderr, default_bundle, load_bundle, load_engine
 from mirror_rt.runtime.config import GenerationConfig
 from mirror_rt.runtime.engine import Engine, GenerationError
+from mirror_rt.runtime.grammar import Constraint
 from mirror_rt.runtime.sampling import SamplingConfig
+from mirror_rt.runtime.token_rules import RulesConfig
 
 
 def load(model: str | None = None, draft_model: str | None = None, *, device: str | None = None,

@@ -26,10 +26,11 @@ from dataclasses import dataclass, field
 import numpy as np
 from mirror_rt.runtime.affinity import pin
 from mirror_rt.runtime.branches import exit_distribution, rank_roots, top_alternatives
+from mirror_rt.runtime.draft_rules import confirm_greedy, extend_forced, rules_at
 from mirror_rt.runtime.lookup import lookup_guesses
 from mirror_rt.runtime.messages import STOP, EarlyExit, Fault, Verdict, Window
 from mirror_rt.runtime.reference import prefill_logits
-from mirror_rt.runtime.sampling import SamplingConfig, choose, greedy_ids, keyed_rng, point_mass, stack_rows
+from mirror_rt.runtime.sampling import SamplingConfig, choose, keyed_rng, stack_rows
 from mirror_rt.runtime.token_rules import TokenRules
 from mirror_rt.runtime.transfer import to_host
 
@@ -80,6 +81,12 @@ class Line:
     rows: list = field(default_factory=list)  # per token the row it was chosen from: q, or logits when greedy
     guesses: list[int] = field(default_factory=list)  # SS stream guesses after the last token (unverified)
     rules: TokenRules | None = None  # the token rules at the line's context plus its tokens (None: no rules)
+
+    def append(self, token: int, q, row) -> None:
+        """Add one drafted token with its q (None when greedy) and the row it was chosen from."""
+        self.tokens.append(token)
+        self.q.append(q)
+        self.rows.append(row)
 
 
 class DraftWorker:
@@ -218,15 +225,6 @@ class DraftWorker:
         """The rules at the committed text, for a line that starts there."""
         return None if self.rules is None else self.rules.fork()
 
-    def _rules_at(self, depth: int, root: int):
-        """The rules after committed + window[:depth] + [root] (a side branch); False when the grammar
-        forbids the root; None without rules."""
-        if self.line.rules is None:
-            return None
-        rules = self.line.rules.fork()
-        rules.rollback(len(self.line.tokens) - depth)
-        return rules if rules.accept(root) else False
-
     def _send_window(self, reused: bool) -> None:
         """Send up to gamma line tokens, drafting fresh ones first if fewer than min_window."""
         t0 = time.perf_counter()
@@ -272,7 +270,7 @@ class DraftWorker:
                      and (r.depth, r.token) not in self.refused), None)
         if root is None:
             return False
-        rules = self._rules_at(root.depth, root.token)
+        rules = rules_at(self.line, root.depth, root.token)
         if rules is False:  # the grammar forbids the root: the target can never correct to it
             self.refused.add((root.depth, root.token))
             return True
@@ -295,7 +293,8 @@ class DraftWorker:
     def _extend(self, line: Line, context: list[int]) -> None:
         """Draft one more token of `line` (several with SS streams or grammar-forced tokens), which continues
         `context`."""
-        if line.rules is not None and self._extend_forced(line):
+        if line.rules is not None and extend_forced(line, self.settings.sampling.greedy, self.draft.vocab_size):
+            self.stats.forced += 1
             return
         if self.settings.sampling.greedy and hasattr(self.draft, "forward_streams"):
             return self._extend_with_streams(line, context)
@@ -307,20 +306,7 @@ class DraftWorker:
         token, q = choose(row, self.settings.sampling, keyed_rng(self.settings.seed, 1, position))
         if line.rules is not None:
             line.rules.accept(token)
-        _append(line, token, q, row if q is None else q)
-
-    def _extend_forced(self, line: Line) -> bool:
-        """Append the next token the grammar forces without a forward (a free draft); False when none.
-
-        One at a time: the forced tokens after a state are a function of that state alone, so a line's
-        tokens never depend on where a drafting run started (a seeded request repeats exactly)."""
-        forced = line.rules.forced()[:1]
-        for token in forced:
-            line.rules.accept(token)
-            q = None if self.settings.sampling.greedy else point_mass(token, self.draft.vocab_size)
-            _append(line, token, q, q)
-        self.stats.forced += len(forced)
-        return bool(forced)
+        line.append(token, q, row if q is None else q)
 
     def _extend_with_streams(self, line: Line, context: list[int]) -> None:
         """One SS forward: confirm the pending guesses (the streams' confident ones, else prompt-lookup's),
@@ -354,33 +340,12 @@ class DraftWorker:
         out = self._feed(feed, streams=streams)
         main, stream_rows = out if streams else (out, None)
         offset = len(feed) - len(guesses) - 1  # the row that predicts the token after `full`
-        n = self._confirm(line, main[offset:offset + len(guesses) + 1], guesses)
+        n = confirm_greedy(line, main[offset:offset + len(guesses) + 1], guesses)
         if n < len(guesses):  # rejected guesses leave the cache
             self.cache.rollback(self.cache.length - (len(guesses) - n))
             del self.cache_tokens[self.cache.length:]
             self.stats.rollbacks += 1
         return stream_rows, offset, n
-
-    def _confirm(self, line: Line, rows, guesses: list[int]) -> int:
-        """Append the draft's greedy token of each row [len(guesses) + 1, vocab] while it confirms the guess
-        before it (row i is after guess i-1); returns the guesses confirmed. Under rules each row is
-        processed at the state its guesses reached, so one row at a time."""
-        if line.rules is None:
-            choices = greedy_ids(rows)  # one read for every row
-            n = 0
-            while n < len(guesses) and choices[n] == guesses[n]:
-                n += 1
-            for token, row in zip(choices[:n + 1], rows):
-                _append(line, token, None, row)
-            return n
-        for i, raw in enumerate(rows):
-            row = line.rules.apply(raw)
-            token = greedy_ids(row)[0]
-            line.rules.accept(token)
-            _append(line, token, None, row)
-            if i == len(guesses) or token != guesses[i]:
-                return i
-        return len(guesses)
 
     def _alternatives(self, row) -> dict[int, float]:
         """The draft's most likely choices at one depth (derived only when roots are ranked)."""
@@ -420,13 +385,6 @@ class DraftWorker:
             self.forward_s = 0.8 * self.forward_s + 0.2 * (t1 - t0) if self.forward_s else t1 - t0
         self.cache_tokens.extend(tokens)
         return logits
-
-
-def _append(line: Line, token: int, q, row) -> None:
-    """Add one drafted token with its q (None when greedy) and the row it was chosen from."""
-    line.tokens.append(token)
-    line.q.append(q)
-    line.rows.append(row)
 
 
 def confident_guesses(stream_rows: np.ndarray, min_probability: float) -> list[int]:

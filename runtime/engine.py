@@ -93,7 +93,8 @@ class Engine:
         """Start generating; iterate the result for text pieces as they are committed.
 
         `options` override fields of `config` (max_new_tokens, mode, gamma, temperature,
-        top_k, top_p, seed, stop_strings, ignore_eos).
+        top_k, top_p, seed, stop_strings, ignore_eos) and of its token rules (constraint, logit_bias,
+        presence_penalty, frequency_penalty, repetition_penalty, logprobs: see runtime.token_rules).
         """
         config = make_config(config, **options)
         if config.mode is None:
