@@ -8,6 +8,7 @@ Public API (re-exports only; engines are assembled in `mirror_rt.devices.engines
     print(result.text, result.stats["tokens_per_s"])
     for piece in engine.stream("Tell me a story", temperature=0.7, seed=1):
         print(piece, end="", flush=True)
+    result = engine.generate("Name a city", constraint=mirror_rt.Constraint.json_schema(schema), logprobs=5)
     engine = mirror_rt.load(torch=True)            # the same model in torch eager
     engine = mirror_rt.load("path/to/hf-folder")   # any torch-only option runs torch
     engine = mirror_rt.load_bundle("bundles/smollm2-ov", target="cuda", draft="npu")
@@ -16,15 +17,17 @@ Public API (re-exports only; engines are assembled in `mirror_rt.devices.engines
 from __future__ import annotations
 
 __version__ = "0.1.0"
-__all__ = ["Engine", "EngineOptions", "GenerationConfig", "GenerationError", "SamplingConfig", "__version__",
-           "default_bundle", "load", "load_bundle"]
+__all__ = ["Constraint", "Engine", "EngineOptions", "GenerationConfig", "GenerationError", "RulesConfig",
+           "SamplingConfig", "__version__", "default_bundle", "load", "load_bundle"]
 
 from mirror_rt.devices.engines import default_bundle, load_engine
 from mirror_rt.devices.options import EngineOptions
 from mirror_rt.devices.registry import stderr_line
 from mirror_rt.runtime.config import GenerationConfig
 from mirror_rt.runtime.engine import Engine, GenerationError
+from mirror_rt.runtime.grammar import Constraint
 from mirror_rt.runtime.sampling import SamplingConfig
+from mirror_rt.runtime.token_rules import RulesConfig
 
 
 def load(model: str | None = None, draft_model: str | None = None, *, log=stderr_line, **options) -> Engine:

@@ -9,6 +9,7 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+from dataclasses import replace
 
 from mirror_rt.cli_args import log, positive_int
 from mirror_rt.cli_options import (
@@ -32,6 +33,8 @@ def add_run(sub) -> None:
     add_engine_options(run)
     add_decoding_options(run)
     add_request_options(run)
+    run.add_argument("--json-schema", metavar="FILE", help="constrain the output to the JSON schema in FILE")
+    run.add_argument("--regex", help="constrain the output to match this regular expression")
     run.add_argument("--no-chat", action="store_true", help="do not apply the chat template")
     run.add_argument("--stats", action="store_true", help="print speed and acceptance statistics (stderr)")
     run.add_argument("--json", action="store_true", help="print one JSON object with text and stats")
@@ -47,6 +50,9 @@ def cmd_run(args) -> int:
             raise ValueError("no prompt: pass it as an argument or on stdin")
         prompt = sys.stdin.read()
     config = generation_config(args)  # validate before loading anything
+    constraint = run_constraint(args)
+    if constraint is not None:
+        config = replace(config, rules=replace(config.rules, constraint=constraint))
     engine = load_engine(engine_options(args), config.mode)
     gen = engine.stream(prompt, config, chat=not args.no_chat)
     try:
@@ -65,6 +71,25 @@ def cmd_run(args) -> int:
         if args.stats:
             print(format_stats(gen.stats), file=sys.stderr)
     return 0
+
+
+def run_constraint(args):
+    """The grammar `--json-schema FILE` or `--regex RE` asks for (None when neither)."""
+    if args.json_schema and args.regex:
+        raise ValueError("--json-schema and --regex both constrain the output: give one")
+    if not (args.json_schema or args.regex):
+        return None
+    from mirror_rt.runtime.grammar import Constraint
+
+    if args.regex:
+        return Constraint("regex", args.regex)
+    with open(args.json_schema) as file:
+        text = file.read()
+    try:
+        json.loads(text)
+    except json.JSONDecodeError as exc:
+        raise ValueError(f"--json-schema {args.json_schema}: not JSON ({exc})") from None
+    return Constraint("json_schema", text)
 
 
 def add_export(sub) -> None:

@@ -85,7 +85,9 @@ def compile_template(source: str):
     return env.from_string(source)
 
 
-def render(template, messages: list[dict], specials: dict, add_generation_prompt: bool = True) -> str:
-    """The chat as text, ready for the assistant turn when `add_generation_prompt`."""
-    return template.render(messages=messages, tools=None, documents=None,
+def render(template, messages: list[dict], specials: dict, add_generation_prompt: bool = True,
+           tools: list[dict] | None = None) -> str:
+    """The chat as text, ready for the assistant turn when `add_generation_prompt` (`tools`: for a template
+    that renders them)."""
+    return template.render(messages=messages, tools=tools or None, documents=None,
                            add_generation_prompt=add_generation_prompt, **specials)

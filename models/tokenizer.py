@@ -39,6 +39,7 @@ class HFTokenizer:
         _add_missing_tokens(self._tok, config, self._specials)
         source = chat_template.read_template(self.folder, config)
         self._template = chat_template.compile_template(source) if source else None
+        self._template_source = source or ""
         self.vocab_size = self._tok.get_vocab_size(with_added_tokens=True)
         self.eos_token_ids = tuple(i for i in {self._id("eos_token")} if i is not None)
         self.has_chat_template = self._template is not None
@@ -60,11 +61,17 @@ class HFTokenizer:
                 text = text.replace(before, after)
         return text
 
-    def chat_prompt(self, messages: list[dict]) -> list[int]:
-        """Token ids of `messages` under the chat template, ready for the assistant turn."""
+    @property
+    def renders_tools(self) -> bool:
+        """Whether the chat template renders a `tools` list itself (else the server describes them)."""
+        return self._template is not None and "tools" in self._template_source
+
+    def chat_prompt(self, messages: list[dict], tools: list[dict] | None = None) -> list[int]:
+        """Token ids of `messages` under the chat template, ready for the assistant turn (with `tools` where
+        the template renders them)."""
         if self._template is None:
             raise ValueError(f"{self.folder} has no chat template (send plain text, or a folder with one)")
-        return self.encode(chat_template.render(self._template, messages, self._specials))
+        return self.encode(chat_template.render(self._template, messages, self._specials, tools=tools))
 
     def sha256(self) -> str:
         """Fingerprint of the vocabulary: equal for tokenizers that map text to the same ids."""
@@ -136,8 +143,15 @@ class ByteTokenizer:
         data = bytes(i - 2 for i in ids if 2 <= i < 258)
         return data.decode("utf-8", errors="replace")
 
-    def chat_prompt(self, messages: list[dict]) -> list[int]:
-        return self.encode("".join(m["content"] for m in messages))
+    renders_tools = False
+
+    def chat_prompt(self, messages: list[dict], tools: list[dict] | None = None) -> list[int]:
+        return self.encode("".join(m["content"] or "" for m in messages))
+
+    def token_bytes(self) -> list[bytes]:
+        """The bytes of ids 0..257 (the table a grammar engine reads; the two specials are named; padding ids
+        beyond 257 have none)."""
+        return [b"<pad>", b"<end>"] + [bytes([i]) for i in range(256)]
 
     def sha256(self) -> str:
         return hashlib.sha256(f"bytes:{self.vocab_size}".encode()).hexdigest()

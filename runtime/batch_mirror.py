@@ -15,7 +15,7 @@ from __future__ import annotations
 
 from mirror_rt.runtime.affinity import pin, restore
 from mirror_rt.runtime.draft_worker import DraftStats, DraftWorker, Join, Leave, Move
-from mirror_rt.runtime.mirror import DraftLink, TargetRow
+from mirror_rt.runtime.mirror import DraftLink, TargetRow, draft_rules
 
 
 class MirrorStep:
@@ -60,8 +60,10 @@ class MirrorStep:
         if row is None:
             worker = self._worker()
             link = DraftLink(worker, seq.id, seq.config.draft_timeout_s)
-            row = TargetRow(self.decoder.target, seq.config, seq.metrics, link, cache=seq.state_data["target_cache"])
-            worker.join(seq.id, Join(self._draft_cache(seq), seq.prompt + seq.tokens, seq.config))
+            row = TargetRow(self.decoder.target, seq.config, seq.metrics, link, cache=seq.state_data["target_cache"],
+                            rules=seq.rules)
+            worker.join(seq.id, Join(self._draft_cache(seq), seq.prompt + seq.tokens, seq.config,
+                                     rules=draft_rules(seq.rules)))
             seq.state_data["mirror"] = row
         return row
 

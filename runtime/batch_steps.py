@@ -16,8 +16,8 @@ import time
 import numpy as np
 
 from mirror_rt.runtime.drafter import ModelDrafter
-from mirror_rt.runtime.reference import adopts_target_kv
-from mirror_rt.runtime.sampling import choose_at
+from mirror_rt.runtime.mirror import draft_rules
+from mirror_rt.runtime.reference import adopts_target_kv, choose_under
 from mirror_rt.runtime.verifier import Verifier
 
 
@@ -65,7 +65,7 @@ class Prefill:
         if seq.computed < len(fill):
             return
         if not seq.tokens:  # a new sequence: the prompt's last logits give its first token
-            first = choose_at(logits[-1], seq.config.sampling, seq.config.seed, len(seq.prompt))[0]
+            first = choose_under(seq.rules, logits[-1], seq.config.sampling, seq.config.seed, len(seq.prompt))
             seq.metrics.first_token_at = time.perf_counter()
             seq.commit([first], 0, 0)
         self._draft_prefill(seq, fill)
@@ -134,7 +134,7 @@ class ArStep:
 
     @staticmethod
     def _commit(seq, row_logits) -> None:
-        token = choose_at(row_logits, seq.config.sampling, seq.config.seed, seq.length)[0]
+        token = choose_under(seq.rules, row_logits, seq.config.sampling, seq.config.seed, seq.length)
         seq.metrics.record_step(0, 0)
         seq.commit([token], 0, 0)
 
@@ -157,6 +157,7 @@ class SdStep:
         drafter, verifier = self._pair(seq)
         # what the draft has not seen of the committed text (target-only steps since its last proposal)
         drafter.pending = (seq.prompt + seq.tokens)[drafter.cache.length:seq.length - 1]
+        drafter.rules = draft_rules(seq.rules)  # at the committed text (target-only steps may have moved it)
         t0 = time.perf_counter()
         with seq.metrics.stage("draft_propose"):
             draft = drafter.propose(seq.last, k, seq.length)
@@ -185,8 +186,9 @@ class SdStep:
             if cache is None:  # the oracle draft (the target itself) prefills its own copy
                 draft.forward(Prefill.fill(seq), drafter.cache)
             seq.state_data["drafter"] = drafter
+            seq.metrics.durations["draft_forward"] = drafter.forward_seconds  # filled as the draft runs
             seq.state_data["verifier"] = Verifier(d.target, seq.config.sampling, seq.config.seed,
-                                                  seq.state_data["target_cache"])
+                                                  seq.state_data["target_cache"], rules=seq.rules)
         return seq.state_data["drafter"], seq.state_data["verifier"]
 
     def forget(self, seq) -> None:

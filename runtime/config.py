@@ -12,6 +12,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from mirror_rt.runtime.sampling import SamplingConfig
+from mirror_rt.runtime.token_rules import RulesConfig
 
 MODES = ("ar", "sd", "mirror")
 EARLY_EXIT = ("auto", "on", "off")
@@ -34,6 +35,7 @@ class GenerationConfig:
     draft_timeout_s: float = 10.0  # mirror: a draft silent this long is declared dead
     early_exit: str = "auto"  # mirror: on | off | auto (off while the draft is the bottleneck)
     draft_lookup: int = 3  # mirror, greedy: prompt-lookup guesses the draft checks per forward (0 = off)
+    rules: RulesConfig = field(default_factory=RulesConfig)  # grammar, logit bias, penalties, logprobs
 
     def __post_init__(self):
         self.validate()
@@ -63,13 +65,16 @@ DEFAULTS = GenerationConfig()  # every default, read by the CLI's flags and the 
 def make_config(base: GenerationConfig | None = None, **options) -> GenerationConfig:
     """A GenerationConfig from keyword options; sampling fields may be given flat.
 
-    Example: make_config(max_new_tokens=64, temperature=0.7, top_p=0.9, mode="ar").
+    Example: make_config(max_new_tokens=64, temperature=0.7, top_p=0.9, mode="ar"); the fields of
+    RulesConfig too: make_config(constraint=Constraint.json_schema(schema), logit_bias={42: -100}, logprobs=5).
     """
     import dataclasses
 
     base = base or GenerationConfig()
     sampling_fields = {f.name for f in dataclasses.fields(SamplingConfig)}
     sampling = {k: options.pop(k) for k in list(options) if k in sampling_fields}
+    rules_fields = {f.name for f in dataclasses.fields(RulesConfig)}
+    rules = {k: options.pop(k) for k in list(options) if k in rules_fields}
     known = {f.name for f in dataclasses.fields(GenerationConfig)}
     unknown = set(options) - known
     if unknown:
@@ -78,4 +83,8 @@ def make_config(base: GenerationConfig | None = None, **options) -> GenerationCo
         options["stop_strings"] = tuple(options["stop_strings"])
     if sampling:
         options["sampling"] = dataclasses.replace(base.sampling, **sampling)
+    if rules:
+        if isinstance(rules.get("logit_bias"), dict):
+            rules["logit_bias"] = tuple((int(i), float(b)) for i, b in rules["logit_bias"].items())
+        options["rules"] = dataclasses.replace(base.rules, **rules)
     return dataclasses.replace(base, **options)

@@ -18,6 +18,11 @@ On the verdict (A, c): the line continues if X[A] == c (a main-line hit), a stor
 miss); then up to gamma ready tokens are sent at once, or fresh ones are drafted first.
 Every draft token at a position is the draft's draw at the target's uniform for that position
 (runtime.sampling.choose_at), so its proposals match the target's choices where they agree.
+Under token rules (runtime.token_rules: grammar, bias, penalties) the row keeps the rules at the committed
+text and each line its own fork at its context plus its tokens: the draft draws from its processed logits,
+a token the grammar forces is drafted without a forward (one at a time, so a line's tokens are a function of
+its context), and a side branch whose root the grammar forbids is never rolled out (the target cannot correct
+to it). SS streams and prompt lookup step aside under rules (their guesses are checked unprocessed).
 Limitation: the draft shares the target's vocabulary.
 """
 
@@ -32,7 +37,8 @@ from mirror_rt.runtime.branches import exit_distribution, rank_roots, top_altern
 from mirror_rt.runtime.config import GenerationConfig
 from mirror_rt.runtime.lookup import lookup_guesses, verify_guesses
 from mirror_rt.runtime.messages import EarlyExit, Verdict, Window
-from mirror_rt.runtime.sampling import as_tensor, choose_at, greedy_ids, probabilities
+from mirror_rt.runtime.sampling import choose_at, greedy_ids
+from mirror_rt.runtime.token_rules import TokenRules
 from mirror_rt.runtime.transfer import to_host
 
 
@@ -61,6 +67,7 @@ class DraftStats:
     rollbacks: int = 0  # cache rollbacks (a cost of their own on stateful backends)
     guessed: int = 0  # prompt-lookup guesses fed
     guesses_kept: int = 0  # of them, confirmed by the draft's own greedy choice
+    forced: int = 0  # tokens a grammar forced, drafted without a forward
     rollout_s: float = 0.0  # forwards before the verdict (overlapping the target)
     fresh_s: float = 0.0  # forwards after the verdict, before sending (critical path)
     busy: list[tuple[float, float]] = field(default_factory=list)  # forward intervals
@@ -72,20 +79,24 @@ class Line:
 
     tokens: list[int] = field(default_factory=list)
     q: list = field(default_factory=list)  # per token q row [vocab] or None (greedy)
-    rows: list = field(default_factory=list)  # per token the row it was chosen from: q, or logits when greedy
+    rows: list = field(default_factory=list)  # per token the row it was chosen from (None: grammar-forced)
     guesses: list[int] = field(default_factory=list)  # SS stream guesses after the last token (unverified)
+    rules: TokenRules | None = None  # the token rules at the line's context plus its tokens (None: no rules)
+    ended: bool = False  # the grammar allows nothing after the line's tokens: nothing more to draft
 
 
 class DraftRow:
     """The draft side of one sequence; `handle` takes the target's messages, `extend_line` / `grow_branch`
     precompute, `send` (the worker's) delivers its windows. Runs in the draft worker's thread only."""
 
-    def __init__(self, draft, cache, committed: list[int], config: GenerationConfig, settings: DraftSettings, send):
+    def __init__(self, draft, cache, committed: list[int], config: GenerationConfig, settings: DraftSettings, send,
+                 rules: TokenRules | None = None):
         self.draft, self.cache, self.config, self.settings, self.send = draft, cache, config, settings, send
         self.stats = DraftStats()
         self.committed = list(committed)  # prompt + output as far as the verdicts tell
+        self.rules = rules  # the token rules at the committed text (None: the request has none)
         self.cache_tokens: list[int] = []  # the tokens the draft cache holds (set by the worker)
-        self.line = Line()
+        self.line = Line(rules=self.fork_rules())
         self.in_flight = 0  # length of the window the target is verifying
         self.k_cap = config.gamma  # current window cap (adapted online when adaptive_gamma)
         self.branches: dict[tuple[int, int], Line] = {}
@@ -114,9 +125,10 @@ class DraftRow:
             if self.settings.adaptive_gamma:
                 full = a == self.in_flight
                 self.k_cap = min(self.config.gamma, self.k_cap + 2) if full else max(1, self.k_cap - 1)
-        self.committed += line.tokens[:a] + [c]
-        if len(line.tokens) > a and line.tokens[a] == c:
-            self.line = Line(line.tokens[a + 1:], line.q[a + 1:], line.rows[a + 1:], line.guesses)
+        self.commit([*line.tokens[:a], c])
+        if len(line.tokens) > a and line.tokens[a] == c:  # the line's rules are already past these tokens
+            self.line = Line(line.tokens[a + 1:], line.q[a + 1:], line.rows[a + 1:], line.guesses, line.rules,
+                             line.ended)
             self.stats.main_hits += bool(self.line.tokens)
             self.stats.not_ready += not self.line.tokens
         elif (a, c) in self.branches:
@@ -125,15 +137,26 @@ class DraftRow:
         else:
             self.stats.not_ready += len(line.tokens) <= a  # the line never reached the bonus
             self.stats.misses += len(line.tokens) > a
-            self.line = Line()
+            self.line = Line(rules=self.fork_rules())
         self.branches, self.exit_rows, self.verdict_due = {}, None, 0.0
+
+    def commit(self, tokens: list[int]) -> None:
+        """Committed text grows by `tokens` (a verdict's, or the first token); the rules follow it."""
+        self.committed += tokens
+        if self.rules is not None:
+            for token in tokens:
+                self.rules.accept(token)
+
+    def fork_rules(self) -> TokenRules | None:
+        """The rules at the committed text, for a line that starts there."""
+        return None if self.rules is None else self.rules.fork()
 
     def send_window(self, reused: bool) -> None:
         """Send up to gamma line tokens, drafting fresh ones first if fewer than min_window."""
         t0 = time.perf_counter()
         # sampling sends full windows: their length then never depends on timing, so a seed repeats exactly
         need = min(self.k_cap, max(1, self.config.min_window)) if self.config.sampling.greedy else self.k_cap
-        while len(self.line.tokens) < need:
+        while len(self.line.tokens) < need and not self.line.ended:
             self._extend(self.line, self.committed)
         self.stats.fresh_s += time.perf_counter() - t0
         k = min(self.k_cap, len(self.line.tokens))
@@ -145,7 +168,7 @@ class DraftRow:
 
     def line_short(self) -> bool:
         """Whether the main line lacks tokens for the window in flight, its bonus guess and the next window."""
-        return len(self.line.tokens) < self._wanted(self.line)
+        return len(self.line.tokens) < self._wanted(self.line) and not self.line.ended
 
     def extend_line(self) -> bool:
         """One more token (or several) of the main line."""
@@ -164,7 +187,7 @@ class DraftRow:
         """One forward of a side branch (a new root ranked first, or a started one); False within budget."""
         budget, k = self.config.branch_budget, self.in_flight
         for (depth, root), branch in self.branches.items():
-            if len(branch.tokens) < self._wanted(branch) and (
+            if len(branch.tokens) < self._wanted(branch) and not branch.ended and (
                     budget is not None or self._fits_before_verdict()):
                 self._extend(branch, self.committed + self.line.tokens[:depth] + [root])
                 return True
@@ -178,7 +201,10 @@ class DraftRow:
         root = next((r for r in roots if (r.depth, r.token) not in self.branches), None)
         if root is None:
             return False
-        branch = self.branches[(root.depth, root.token)] = Line()
+        rules = self._rules_at(root.depth, root.token)
+        branch = self.branches[(root.depth, root.token)] = Line(rules=rules or None, ended=rules is False)
+        if rules is False:  # the grammar forbids the root: the target can never correct to it
+            return True
         self.stats.branches_rolled += 1
         self._extend(branch, self.committed + window[:root.depth] + [root.token])
         return True
@@ -190,12 +216,24 @@ class DraftRow:
             return self.in_flight + 1 + self.k_cap
         return self.settings.branch_length or self.config.gamma
 
+    def _rules_at(self, depth: int, root: int):
+        """The rules after the committed text, the line's first `depth` tokens and `root` (a side branch's
+        start): None without rules, False when the grammar forbids the root."""
+        if self.rules is None:
+            return None
+        rules = self.rules.fork()
+        for token in self.line.tokens[:depth]:
+            rules.accept(token)
+        return rules if rules.accept(root) else False
+
     def _fits_before_verdict(self) -> bool:
         """Auto budget: one more forward only if it should end before the verdict is due."""
         return self.exit_rows is not None and time.perf_counter() + self.forward_s <= self.verdict_due
 
     def _extend(self, line: Line, context: list[int]) -> None:
         """Draft one more token of `line` (several with SS streams), which continues `context`."""
+        if line.rules is not None:
+            return self._extend_under_rules(line, context)
         if self.config.sampling.greedy and hasattr(self.draft, "forward_streams"):
             return self._extend_with_streams(line, context)
         if self.config.sampling.greedy and self.config.draft_lookup:
@@ -203,8 +241,30 @@ class DraftRow:
         logits = self._logits_after(context + line.tokens)
         position = len(context) + len(line.tokens)  # the target's draw at that position: coupled proposals
         token = choose_at(logits, self.config.sampling, self.config.seed, position)[0]
-        q = None if self.config.sampling.greedy else probabilities(as_tensor(logits)[None], self.config.sampling)[0]
-        _append(line, token, None, logits if q is None else q)
+        _append(line, token, None, logits)
+
+    def _extend_under_rules(self, line: Line, context: list[int]) -> None:
+        """One token of `line` under its rules: the one the grammar forces (no forward), else the draft's draw
+        from its processed logits; a line the grammar ends (nothing allowed after it) is marked ended."""
+        rules = line.rules
+        forced = rules.forced()[:1]  # one: what a state forces depends on that state alone
+        if forced:
+            rules.accept(forced[0])
+            self.stats.forced += 1
+            return _append(line, forced[0], None, None)
+        if rules.finished() and line.tokens and line.tokens[-1] in self.draft_eos():
+            line.ended = True
+            return None
+        row = rules.apply(self._logits_after(context + line.tokens))
+        position = len(context) + len(line.tokens)
+        token = choose_at(row, self.config.sampling, self.config.seed, position)[0]
+        if not rules.accept(token):  # nothing the grammar allows (a masked-out row): stop drafting this line
+            line.ended = True
+            return None
+        _append(line, token, None, row)
+
+    def draft_eos(self) -> tuple[int, ...]:
+        return tuple(getattr(self.draft, "eos_token_ids", ()) or ())
 
     def _extend_with_streams(self, line: Line, context: list[int]) -> None:
         """One SS forward: confirm the pending guesses (the streams' confident ones, else prompt-lookup's),
@@ -250,10 +310,9 @@ class DraftRow:
 
     def _alternatives(self, row) -> dict[int, float]:
         """The draft's most likely choices at one depth (derived only when roots are ranked)."""
-        if not self.settings.alternatives:
+        if not self.settings.alternatives or row is None:  # None: a grammar-forced token, chosen from no row
             return {}
-        row = to_host(row)  # ranking roots runs on the host (a few rows per step)
-        probs = row if not self.config.sampling.greedy else _softmax(row)
+        probs = _softmax(to_host(row))  # ranking roots runs on the host (a few rows per step)
         return top_alternatives(probs, self.settings.alternatives + 1)
 
     def _rollback_to_prefix(self, context: list[int]) -> None:

@@ -35,6 +35,7 @@ class Join:
     settings: DraftSettings = DraftSettings()
     waits_for_start: bool = False
     prefill: bool = False
+    rules: object = None  # runtime.token_rules.TokenRules at `committed`, the row's own (None: no rules)
 
 
 @dataclass(frozen=True)
@@ -157,7 +158,8 @@ class DraftWorker:
     def _route(self, key, message) -> None:
         row = self.rows[key]
         if isinstance(message, Start):
-            row.committed, row.waiting = row.committed + [message.first_token], False
+            row.commit([message.first_token])
+            row.line, row.waiting = Line(rules=row.fork_rules()), False  # nothing was drafted before it
             row.send_window(reused=False)
             return
         row.handle(message)
@@ -185,7 +187,7 @@ class DraftWorker:
         if message.prefill:
             prefill_logits(self.draft, prompt, cache)  # overlaps the target's prefill
         row = DraftRow(self.draft, cache, message.committed, message.config, message.settings,
-                       send=lambda m, key=key: self._put(key, m))
+                       send=lambda m, key=key: self._put(key, m), rules=message.rules)
         row.cache_tokens = list(prompt[:cache.length])
         row.waiting = message.waits_for_start  # no speculation before the first token is known
         self.rows[key] = row
@@ -218,7 +220,7 @@ def summed(stats: list[DraftStats]) -> DraftStats:
     total = DraftStats()
     for s in stats:
         for name in ("windows", "main_hits", "side_hits", "misses", "not_ready", "branches_rolled", "forwards",
-                     "rollbacks", "guessed", "guesses_kept", "rollout_s", "fresh_s"):
+                     "rollbacks", "guessed", "guesses_kept", "forced", "rollout_s", "fresh_s"):
             setattr(total, name, getattr(total, name) + getattr(s, name))
         total.busy.extend(s.busy)
     total.busy.sort()

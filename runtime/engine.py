@@ -24,6 +24,7 @@ from mirror_rt.runtime.mirror_stats import mirror_summary
 from mirror_rt.runtime.reference import token_budget
 from mirror_rt.runtime.sequence import Sequence
 from mirror_rt.runtime.text_stream import TextStream
+from mirror_rt.runtime.token_rules import TokenRules
 
 
 class GenerationError(ValueError):
@@ -64,6 +65,7 @@ class Generation:
     stop_reason: str | None = None  # eos | stop_string | max_new_tokens | context | cancelled | error
     stats: dict = field(default_factory=dict)  # Metrics.summary() plus mode and models
     steps: list[Step] = field(default_factory=list)  # one per decode step
+    logprobs: list = field(default_factory=list)  # TokenLogprob per token of `tokens` so far, then the EOS
     durations: dict[str, list[float]] = field(default_factory=dict)  # Metrics.durations, once finished
     cancel_event: threading.Event = field(default_factory=threading.Event)
     finished: bool = False
@@ -161,7 +163,9 @@ class Engine:
         """Start generating; iterate the result for text pieces as they are committed.
 
         `options` override fields of `config` by their field names (max_new_tokens, mode, gamma,
-        temperature, top_k, top_p, seed, stop_strings, ignore_eos, draft_lookup, ...).
+        temperature, top_k, top_p, seed, stop_strings, ignore_eos, draft_lookup, ...) and of its token rules
+        (constraint, logit_bias, presence_penalty, frequency_penalty, repetition_penalty, logprobs:
+        runtime.token_rules).
         """
         gen = self.submit(self.prompt_ids(prompt, chat), make_config(config, **options))
         gen.pieces = self._drive(gen)
@@ -199,12 +203,14 @@ class Engine:
             raise GenerationError(f"prompt too long: {len(ids)} tokens, the model's context is "
                                   f"{self.target.max_seq_len} (at least one token must be generated)")
         config = self.config_for(config)  # the engine's mode where the request names none
+        rules = self.token_rules(config, ids)  # a grammar that cannot run is refused here, before any work
         gen = Generation(on_piece=on_piece, on_finish=on_finish)
         budget = token_budget(len(ids), config.max_new_tokens, self.target.max_seq_len)
         seq = Sequence(f"seq-{next(self._ids)}", list(ids), config, budget, sink=self._on_tokens,
-                       cancel_event=gen.cancel_event)
+                       cancel_event=gen.cancel_event, rules=rules)
         gen.sequence = seq
-        eos = () if config.ignore_eos else self.tokenizer.eos_token_ids
+        grammar = config.rules.constraint is not None  # a grammar's end is end-of-sequence, even under ignore_eos
+        eos = () if config.ignore_eos and not grammar else self.tokenizer.eos_token_ids
         with self._lock:
             self._live[id(seq)] = _Live(gen, seq, TextStream(self.tokenizer, eos, config.stop_strings))
         try:
@@ -214,6 +220,14 @@ class Engine:
                 del self._live[id(seq)]
             raise GenerationError(str(exc)) from None
         return gen
+
+    def token_rules(self, config: GenerationConfig, ids) -> TokenRules | None:
+        """The request's per-sequence token rules (None when it asks for none); GenerationError when they
+        cannot run (a grammar llguidance refuses, a bias on an id outside the vocabulary)."""
+        try:
+            return TokenRules.create(config.rules, self.tokenizer, self.target.vocab_size, ids)
+        except ValueError as exc:
+            raise GenerationError(str(exc)) from None
 
     def step(self) -> bool:
         """One decoder step; generations that ended get their last text and stats. Returns whether work remains."""
@@ -266,9 +280,14 @@ class Engine:
         live = self._live[id(seq)]
         gen, text = live.gen, live.text
         gen.steps.append(Step(time.perf_counter(), len(tokens), drafted, accepted))
-        for token in tokens:
+        recorded = seq.rules.logprobs if seq.rules is not None else None
+        first = len(seq.tokens) - len(tokens)  # the step's first token's index in the output
+        for index, token in enumerate(tokens, first):
+            delivered = len(text.tokens)
             piece = text.push(token)
             gen.tokens = text.tokens
+            if recorded is not None and (len(text.tokens) > delivered or text.stop_reason == "eos"):
+                gen.logprobs.append(recorded[index])  # as usage counts the token
             if piece:
                 self._emit(gen, piece)
             if text.done:

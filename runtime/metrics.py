@@ -25,6 +25,8 @@ class Metrics:
     new_tokens: int = 0  # tokens delivered to the caller
     steps: int = 0  # decode steps (target forwards after prefill)
     committed: int = 0  # tokens committed by decode steps (prefill's first token excluded)
+    speculative_steps: int = 0  # steps that verified draft tokens (the rest: target-only, as the load policy chose)
+    drafted: int = 0  # draft tokens those steps verified
     accept_lengths: list[int] = field(default_factory=list)  # tokens committed per step
     proposed_at: list[int] = field(default_factory=list)  # [gamma] windows with a j-th token
     accepted_at: list[int] = field(default_factory=list)  # [gamma] of those, accepted
@@ -56,6 +58,8 @@ class Metrics:
     def record_step(self, num_proposed: int, num_accepted: int) -> None:
         """One verified window: `num_accepted` of `num_proposed` draft tokens, plus one more."""
         self.steps += 1
+        self.speculative_steps += num_proposed > 0
+        self.drafted += num_proposed
         self.window = (num_proposed, num_accepted)
         self.committed += num_accepted + 1
         self.accept_lengths.append(num_accepted + 1)
@@ -93,6 +97,8 @@ class Metrics:
                                     if decode > 0 and self.new_tokens > 1 else 0.0),
             "steps": self.steps,
             "mean_accepted_length": round(self.committed / self.steps, 3) if self.steps else 0.0,
+            "speculative_steps": self.speculative_steps,  # of `steps`; the others ran target-only
+            "mean_gamma": round(self.drafted / self.speculative_steps, 3) if self.speculative_steps else 0.0,
             "acceptance_per_position": [round(a / p, 3) if p else 0.0
                                         for a, p in zip(self.accepted_at, self.proposed_at)],
             "proposed_per_position": list(self.proposed_at),  # windows with a j-th draft token

@@ -19,15 +19,15 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from mirror_rt.runtime.acceptance import accept_choices
 from mirror_rt.runtime.affinity import pin, restore
 from mirror_rt.runtime.config import GenerationConfig
 from mirror_rt.runtime.draft_worker import DraftSettings, DraftStats, DraftWorker, Join, Leave
 from mirror_rt.runtime.messages import EarlyExit, Fault, Start, Window
 from mirror_rt.runtime.metrics import Metrics
 from mirror_rt.runtime.mirror_stats import mirror_summary
-from mirror_rt.runtime.reference import adopts_target_kv, prefill_logits, token_budget
-from mirror_rt.runtime.sampling import choose_at
+from mirror_rt.runtime.reference import adopts_target_kv, choose_under, prefill_logits, token_budget
+from mirror_rt.runtime.token_rules import TokenRules
+from mirror_rt.runtime.verifier import verify_window
 
 
 @dataclass(frozen=True)
@@ -44,8 +44,12 @@ class DraftFailure(Exception):
 
 
 def mirror_generate(target, draft, prompt: Sequence[int], config: GenerationConfig,
-                    settings: MirrorSettings | None = None, metrics: Metrics | None = None) -> Iterator[list[int]]:
-    """Yield the tokens committed at each step. `target` must offer forward_prefix/forward_suffix."""
+                    settings: MirrorSettings | None = None, metrics: Metrics | None = None,
+                    rules: TokenRules | None = None) -> Iterator[list[int]]:
+    """Yield the tokens committed at each step. `target` must offer forward_prefix/forward_suffix.
+
+    `rules` (grammar, bias, penalties, logprobs) process the target's rows; the draft worker keeps a fork.
+    """
     settings = settings or MirrorSettings()
     metrics = metrics or Metrics()
     budget = token_budget(len(prompt), config.max_new_tokens, target.max_seq_len)
@@ -56,7 +60,7 @@ def mirror_generate(target, draft, prompt: Sequence[int], config: GenerationConf
     draft_capacity = len(prompt) + budget + 2 * config.gamma + 16
     worker = DraftWorker(draft, cpu=settings.draft.cpu)
     link = DraftLink(worker, 0, config.draft_timeout_s)
-    step = TargetRow(target, config, metrics, link)
+    step = TargetRow(target, config, metrics, link, rules=rules)
     share = settings.share_prompt_kv and adopts_target_kv(draft)
     previous_affinity = pin(settings.target_cpu)
     previous_threads = _set_threads(target, 1 if settings.target_cpu is not None else None)
@@ -64,11 +68,12 @@ def mirror_generate(target, draft, prompt: Sequence[int], config: GenerationConf
         if share:  # the target prefills on both cores, then the draft starts from its KV
             last = step.prefill(prompt, len(prompt) + budget, helper_cpu=settings.draft.cpu, share=True)
             worker.start()
-            worker.join(0, Join(draft.adopt(step.cache, draft_capacity), prompt + [last], config, settings.draft))
+            worker.join(0, Join(draft.adopt(step.cache, draft_capacity), prompt + [last], config, settings.draft,
+                                rules=draft_rules(rules)))
         else:  # both prefill at once, each on its own core
             worker.start()
             worker.join(0, Join(draft.new_cache(draft_capacity), prompt, config, settings.draft,
-                                waits_for_start=True, prefill=True))
+                                waits_for_start=True, prefill=True, rules=draft_rules(rules)))
             last = step.prefill(prompt, len(prompt) + budget)
             link.send(Start(last))
         yield [last]
@@ -87,6 +92,11 @@ def mirror_generate(target, draft, prompt: Sequence[int], config: GenerationConf
         stats = worker.rows[0].stats if 0 in worker.rows else worker.finished.get(0, DraftStats())
         metrics.extra = mirror_summary(metrics, stats, step.counters)
         metrics.durations["draft_forward"] = [end - start for start, end in stats.busy]
+
+
+def draft_rules(rules: TokenRules | None) -> TokenRules | None:
+    """The draft's copy of a sequence's rules (None when they leave the logits as they are)."""
+    return rules.fork() if rules is not None and rules.changes_logits else None
 
 
 class DraftLink:
@@ -113,8 +123,10 @@ class DraftLink:
 class TargetRow:
     """One sequence on the target side: its cache, counters and its link to the draft's row."""
 
-    def __init__(self, target, config: GenerationConfig, metrics: Metrics, link: DraftLink, cache=None):
+    def __init__(self, target, config: GenerationConfig, metrics: Metrics, link: DraftLink, cache=None,
+                 rules: TokenRules | None = None):
         self.target, self.config, self.metrics, self.link = target, config, metrics, link
+        self.rules = rules  # the sequence's token rules, at the committed text between steps
         self.cache = cache  # None: `prefill` makes one
         self.suffix_s = 0.0  # running mean of the suffix time (tells the draft when to expect the verdict)
         self.wait_s = 0.0  # running mean of the rendezvous wait (the draft is the bottleneck when large)
@@ -132,7 +144,7 @@ class TargetRow:
                 logits = self.target.prefill_pipelined(prompt, self.cache, helper_cpu)[-1]
             else:
                 logits = prefill_logits(self.target, prompt, self.cache)
-        return choose_at(logits, self.config.sampling, self.config.seed, len(prompt))[0]
+        return choose_under(self.rules, logits, self.config.sampling, self.config.seed, len(prompt))
 
     def run(self, last: int, length: int, k_max: int) -> list[int]:
         """One Mirror step; on any draft failure, fall back and do a target-only step."""
@@ -156,7 +168,7 @@ class TargetRow:
         t1 = time.perf_counter()
         with self.metrics.stage("target_suffix"):
             logits = self.target.forward_suffix(self.cache) if queued is None else queued  # [k+1, vocab]
-            verdict = self._accept(tokens, window, logits, length)
+            verdict = verify_window(self.rules, logits, tokens, self.config.sampling, self.config.seed, length)
         suffix_s = time.perf_counter() - t1
         self.suffix_s = 0.8 * self.suffix_s + 0.2 * suffix_s if self.suffix_s else suffix_s
         self.counters["busy"].append((t0, time.perf_counter()))
@@ -188,7 +200,7 @@ class TargetRow:
             logits = self.target.forward([last], self.cache)
         self.metrics.record_step(0, 0)
         self.counters["fallback_steps"] += 1
-        return choose_at(logits[-1], self.config.sampling, self.config.seed, self.cache.length)
+        return [choose_under(self.rules, logits[-1], self.config.sampling, self.config.seed, self.cache.length)]
 
     def _take_window(self, length: int, k_max: int) -> Window:
         # Phase 1: the rendezvous; the window must continue exactly the committed text
@@ -200,11 +212,6 @@ class TargetRow:
             raise DraftFailure(f"draft failed: {message.reason}")
         _check_window(message, length, self.config, self.target.vocab_size)
         return message
-
-    def _accept(self, tokens, window: Window, logits, length):
-        """The target's own choice at each window position, and the drafts that equal them (coupled)."""
-        choices = choose_at(logits, self.config.sampling, self.config.seed, length)
-        return accept_choices(tokens, choices, length)
 
     def _send(self, message) -> None:
         if self.alive:

@@ -73,4 +73,5 @@ def mirror_summary(metrics, draft_stats, counters: dict) -> dict:
         "draft_forwards_per_token": round(draft_stats.forwards / max(1, metrics.committed), 3),
         "draft_rollbacks_per_step": round(draft_stats.rollbacks / steps, 3),
         "lookup_guesses_kept": f"{draft_stats.guesses_kept}/{draft_stats.guessed}",
+        "forced_draft_tokens": draft_stats.forced,  # grammar-forced tokens drafted without a forward
     }

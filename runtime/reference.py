@@ -15,6 +15,7 @@ import numpy as np
 
 from mirror_rt.runtime.metrics import Metrics
 from mirror_rt.runtime.sampling import SamplingConfig, choose_at
+from mirror_rt.runtime.token_rules import TokenRules
 
 
 def token_budget(prompt_length: int, max_new_tokens: int, max_seq_len: int) -> int:
@@ -34,8 +35,9 @@ def adopts_target_kv(draft) -> bool:
 
 
 def generate(target, prompt: Sequence[int], max_new_tokens: int, sampling: SamplingConfig | None = None,
-             seed: int = 0, metrics: Metrics | None = None) -> Iterator[list[int]]:
-    """Yield [token] per step: the target's own continuation of `prompt` (greedy when `sampling` is None)."""
+             seed: int = 0, metrics: Metrics | None = None, rules: TokenRules | None = None) -> Iterator[list[int]]:
+    """Yield [token] per step: the target's own continuation of `prompt` (greedy when `sampling` is None),
+    under `rules` (grammar, bias, penalties, logprobs) when given."""
     sampling = sampling or SamplingConfig()
     metrics = metrics or Metrics()
     budget = token_budget(len(prompt), max_new_tokens, target.max_seq_len)
@@ -45,12 +47,23 @@ def generate(target, prompt: Sequence[int], max_new_tokens: int, sampling: Sampl
     with metrics.stage("target_prefill"):
         logits = prefill_logits(target, prompt, cache)
     position = len(prompt)  # the token's index in prompt + output: its draw (runtime.sampling.position_uniform)
-    token = choose_at(logits, sampling, seed, position)[0]
+    token = choose_under(rules, logits, sampling, seed, position)
     yield [token]
     for _ in range(budget - 1):
         with metrics.stage("target_forward"):
             logits = target.forward([token], cache)
         position += 1
-        token = choose_at(logits[-1], sampling, seed, position)[0]
+        token = choose_under(rules, logits[-1], sampling, seed, position)
         metrics.record_step(0, 0)
         yield [token]
+
+
+def choose_under(rules: TokenRules | None, logits, sampling: SamplingConfig, seed: int, position: int) -> int:
+    """The target's token at `position` from one raw logits row [vocab] under `rules`, which then accept and
+    record it (its log-probability from the raw row)."""
+    if rules is None:
+        return choose_at(logits, sampling, seed, position)[0]
+    token = choose_at(rules.apply(logits), sampling, seed, position)[0]
+    rules.accept(token)
+    rules.record(logits[None], [token])
+    return token

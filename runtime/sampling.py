@@ -140,4 +140,15 @@ def choose(logits, config: SamplingConfig, rng: np.random.Generator):
 
 def stack_rows(rows: list) -> torch.Tensor:
     """Probability rows (tensors or arrays, [vocab] each) -> [k, vocab] on the first row's device."""
-    return torch.stack([as_tensor(r) for r in rows])
+    first = as_tensor(rows[0])
+    return torch.stack([first] + [as_tensor(r).to(first.device) for r in rows[1:]])
+
+
+def point_mass(token: int, vocab_size: int) -> torch.Tensor:
+    """q [vocab] of a token proposed without drawing (a grammar-forced draft token): 1 at `token`.
+
+    Speculative sampling stays lossless for any q the draft token was truly drawn from; here it is this.
+    """
+    q = torch.zeros(vocab_size, dtype=torch.float64)
+    q[token] = 1.0
+    return q

@@ -39,6 +39,7 @@ class Sequence:
     arrived: float = field(default_factory=time.perf_counter)
     admitted: float | None = None  # when it got its row
     state_data: dict = field(default_factory=dict)  # per-mode state (drafter, verifier, draft link)
+    rules: object = None  # runtime.token_rules.TokenRules at the committed text between steps; None: no rules
 
     @property
     def length(self) -> int:

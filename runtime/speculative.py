@@ -14,20 +14,26 @@ from mirror_rt.runtime.drafter import ModelDrafter
 from mirror_rt.runtime.metrics import Metrics
 from mirror_rt.runtime.reference import adopts_target_kv, token_budget
 from mirror_rt.runtime.sampling import SamplingConfig
+from mirror_rt.runtime.token_rules import TokenRules
 from mirror_rt.runtime.verifier import Verifier
 
 
 def speculative_generate(target, draft, prompt: Sequence[int], max_new_tokens: int, gamma: int,
                          sampling: SamplingConfig | None = None, seed: int = 0,
-                         metrics: Metrics | None = None) -> Iterator[list[int]]:
-    """Yield the tokens committed at each step (accepted + correction or bonus); greedy when `sampling` is None."""
+                         metrics: Metrics | None = None, rules: TokenRules | None = None) -> Iterator[list[int]]:
+    """Yield the tokens committed at each step (accepted + correction or bonus); greedy when `sampling` is None.
+
+    `rules` (grammar, bias, penalties, logprobs) process the target's rows; the draft proposes under a fork.
+    """
     sampling = sampling or SamplingConfig()
     metrics = metrics or Metrics()
     budget = token_budget(len(prompt), max_new_tokens, target.max_seq_len)
     if budget == 0:
         return
     capacity = len(prompt) + budget
-    verifier, drafter = Verifier(target, sampling, seed), ModelDrafter(draft, sampling, seed)
+    draft_rules = rules.fork() if rules is not None and rules.changes_logits else None
+    verifier = Verifier(target, sampling, seed, rules=rules)
+    drafter = ModelDrafter(draft, sampling, seed, draft_rules)
     with metrics.stage("target_prefill"):
         last = verifier.prefill(prompt, capacity)
     with metrics.stage("draft_prefill"):
@@ -35,6 +41,8 @@ def speculative_generate(target, draft, prompt: Sequence[int], max_new_tokens: i
             drafter.adopt(verifier.cache, capacity)  # the target's copy starts from the target's prompt KV
         else:
             drafter.prefill(prompt, capacity)
+    if draft_rules is not None:
+        draft_rules.accept(last)
     produced = 1
     metrics.durations["draft_forward"] = drafter.forward_seconds  # filled as the draft runs
     yield [last]

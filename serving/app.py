@@ -27,8 +27,9 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from mirror_rt.runtime.config import GenerationConfig, make_config
 from mirror_rt.runtime.engine import GenerationError
-from mirror_rt.serving import protocol
+from mirror_rt.serving import protocol, structured, tools
 from mirror_rt.serving.errors import APIError, install_handlers
+from mirror_rt.serving.logprobs import token_bytes_of
 from mirror_rt.serving.metrics import ServerMetrics, Sink
 from mirror_rt.serving.page import add_page_routes
 from mirror_rt.serving.records import RequestRecord
@@ -193,20 +194,31 @@ async def _complete(request: Request, state: ServerState, chat: bool):
     if req.model is not None and req.model != state.model_name:
         raise APIError(404, f"The model `{req.model}` does not exist.", "model")
     engine = state.engine
-    prompt = engine.prompt_ids(req.chat()) if chat else engine.prompt_ids(req.text_or_ids(), chat=False)
+    prompt = tools.prompt_ids(req, engine.tokenizer) if chat else engine.prompt_ids(req.text_or_ids(), chat=False)
     if not prompt:
         raise APIError(400, "the prompt is empty", "messages" if chat else "prompt")
-    job = Job(f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}", prompt, _config(req, len(prompt), state),
-              asyncio.get_running_loop(), origins=req.include_origins())
+    constraint, kind, param = structured.constraint_of(req)
+    await asyncio.to_thread(structured.checked, constraint, param, engine)  # compiling may take a while
+    config = _config(req, len(prompt), state, structured.rules_options(req, constraint, engine.target.vocab_size))
+    job = Job(f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}", prompt, config, asyncio.get_running_loop(),
+              choices=req.choices(), constraint=kind, origins=req.include_origins())
     _admit(job, state)
-    reply = Reply(job.id, state.model_name, chat, req.include_usage(), now(), req.continuous_usage(), len(prompt),
-                  origins=job.origins)
+    reply = _reply(req, job, state, len(prompt), chat)
     timeout = state.settings.request_timeout
     if req.stream:
         return StreamingResponse(_streamed(job, reply, state), media_type="text/event-stream",
                                  headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
     result = await race_disconnect(request, collect(job, reply, timeout), lambda: state.scheduler.cancel(job))
     return Response(status_code=499) if result is None else result
+
+
+def _reply(req: protocol.Sampling, job: Job, state: ServerState, prompt_tokens: int, chat: bool) -> Reply:
+    """How the request's answer is shaped (choices, tool calls, log-probabilities)."""
+    tool_mode = req.tool_mode() if chat else None
+    token_bytes = token_bytes_of(state.engine) if req.top_logprobs_asked() is not None else None
+    return Reply(job.id, state.model_name, chat, req.include_usage(), now(), req.continuous_usage(), prompt_tokens,
+                 job.choices, tool_mode, tuple(t.function.name for t in req.tools or ()) if tool_mode else (),
+                 token_bytes, origins=job.origins)
 
 
 async def _streamed(job: Job, reply: Reply, state: ServerState):
@@ -233,8 +245,9 @@ def _admit(job: Job, state: ServerState) -> None:
         raise APIError(503, "the server is shutting down", headers=retry) from None
 
 
-def _config(req: protocol.Sampling, prompt_tokens: int, state: ServerState) -> GenerationConfig:
-    """The request's generation settings over the server's defaults; a 400 when it cannot fit."""
+def _config(req: protocol.Sampling, prompt_tokens: int, state: ServerState, rules: dict) -> GenerationConfig:
+    """The request's generation settings over the server's defaults (with its token `rules`); a 400 when it
+    cannot fit."""
     context = state.engine.target.max_seq_len
     given = req.fields()
     requested = given.get("max_new_tokens")
@@ -243,7 +256,7 @@ def _config(req: protocol.Sampling, prompt_tokens: int, state: ServerState) -> G
     # what a request that names none gets here: the rest of the context, OpenAI's temperature, a fresh seed
     unnamed = {"max_new_tokens": context - prompt_tokens, "temperature": state.settings.temperature,
                "seed": secrets.randbits(31)}
-    return make_config(state.settings.defaults, **(unnamed | given))
+    return make_config(state.settings.defaults, **(unnamed | given | rules))
 
 
 def _check_key(request: Request, state: ServerState) -> None:
@@ -272,7 +285,7 @@ def _add_token_routes(app: FastAPI, state: ServerState) -> None:
         engine = state.engine
         if isinstance(body, dict) and isinstance(body.get("messages"), list):
             req = protocol.parse(protocol.ChatRequest, body)
-            ids = engine.prompt_ids(req.chat())
+            ids = tools.prompt_ids(req, engine.tokenizer)
         elif isinstance(body, dict) and isinstance(body.get("prompt"), str):
             ids = engine.prompt_ids(body["prompt"], chat=False)
         else:

@@ -94,6 +94,8 @@ class ServerMetrics:
         self.reuse_hits = c("reuse_hits", "Verdicts whose next window was precomputed (Mirror)")
         self.reuse_checks = c("reuse_checks", "Verdicts checked against the precomputed windows (Mirror)")
         self.draft_faults = c("draft_faults", "Requests whose draft failed; decoding fell back to the target")
+        self.constrained = c("constrained_requests", "Requests whose output a grammar constrained, by kind "
+                             "(json_object, json_schema, regex, choice, grammar, tools)", ["kind"])
         self.device_fallback = c("device_fallback", "Roles loaded on another device than requested",
                                  ["role", "requested", "actual"])
         self.prefix_queries = c("prefix_cache_queries", "Prompt tokens looked up in the prefix cache")
@@ -171,6 +173,8 @@ class ServerMetrics:
         m = self.model_name
         self.recent.append((time.time(), record))
         self.request_success.labels(m, record.finish_reason).inc()
+        if record.constraint:
+            self.constrained.labels(m, record.constraint).inc()
         self.e2e.labels(m).observe(record.e2e_s)
         if record.queue_s is not None:
             self.queue_time.labels(m).observe(record.queue_s)

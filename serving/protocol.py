@@ -2,15 +2,16 @@
 
 Fields are checked for type and range (strict: "5" is not a number, NaN is not a temperature);
 unknown fields are ignored, as vLLM and OpenAI's own servers do. Fields OpenAI defines that change
-what is generated but that mirror-rt does not implement (n > 1, logprobs, non-text response
-formats, penalties, tools...) are refused with a 400 naming the parameter rather than ignored.
-Per-request extensions (sent as extra body fields): `mode` (ar | sd | mirror),
-`num_assistant_tokens` (the window gamma; OpenVINO Model Server's name) and
-`disable_spec_decode` (true: target-only for this request), and vLLM's `ignore_eos`;
+what is generated but that mirror-rt does not implement (`best_of`, `echo`, `suffix`) are refused
+with a 400 naming the parameter rather than ignored. Per-request extensions (sent as extra body
+fields): `mode` (ar | sd | mirror), `num_assistant_tokens` (the window gamma; OpenVINO Model
+Server's name) and `disable_spec_decode` (true: target-only for this request), and vLLM's
+`ignore_eos`, `repetition_penalty` and `structured_outputs` (`json`, `regex`, `choice`, `grammar`);
 `stream_options.include_origins` (true: streamed chunks say where each token came from).
 These request names are aliases: `Sampling.fields` maps them, once, onto the runtime's
 `GenerationConfig` fields (`num_assistant_tokens` is `gamma`, `max_completion_tokens` is
-`max_new_tokens`, `stop` is `stop_strings`).
+`max_new_tokens`, `stop` is `stop_strings`); the token rules (grammar, bias, penalties, logprobs)
+are mapped by `serving.structured.rules_options`.
 """
 
 from __future__ import annotations
@@ -21,6 +22,9 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from mirror_rt.runtime.config import MAX_GAMMA, MODES
 from mirror_rt.serving.errors import APIError
+
+MAX_CHOICES = 16  # n: the choices decode together, one sequence each in the batch
+MAX_TOP_LOGPROBS = 20  # OpenAI's and vLLM's bound
 
 
 class Strict(BaseModel):
@@ -38,9 +42,22 @@ class TextPart(Strict):
     text: str
 
 
+class FunctionCall(Strict):
+    name: str
+    arguments: str  # a JSON object as text (OpenAI's shape)
+
+
+class ToolCall(Strict):
+    id: str | None = None
+    type: Literal["function"] = "function"
+    function: FunctionCall
+
+
 class Message(Strict):
-    role: Literal["system", "developer", "user", "assistant"]
+    role: Literal["system", "developer", "user", "assistant", "tool"]
     content: str | list[TextPart] | None = None
+    tool_calls: list[ToolCall] | None = None  # an assistant's earlier calls, sent back
+    tool_call_id: str | None = None  # a tool message: the call it answers
 
     def text(self) -> str:
         if isinstance(self.content, list):
@@ -48,8 +65,47 @@ class Message(Strict):
         return self.content or ""
 
 
+class JsonSchemaFormat(Strict):
+    name: str | None = None
+    description: str | None = None
+    schema_: dict = Field(default_factory=dict, alias="schema")
+    strict: bool | None = None  # accepted; the schema is always enforced
+
+
 class ResponseFormat(Strict):
-    type: str
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JsonSchemaFormat | None = None
+
+
+class StructuredOutputs(Strict):
+    """vLLM's extension: exactly one of these."""
+
+    json_: dict | str | None = Field(None, alias="json")
+    regex: str | None = None
+    choice: list[str] | None = None
+    grammar: str | None = None
+    json_object: bool | None = None
+
+
+class Function(Strict):
+    name: str = Field(min_length=1, max_length=64, pattern=r"^[A-Za-z0-9_.-]+$")
+    description: str | None = None
+    parameters: dict | None = None
+    strict: bool | None = None
+
+
+class Tool(Strict):
+    type: Literal["function"]
+    function: Function
+
+
+class NamedFunction(Strict):
+    name: str
+
+
+class NamedToolChoice(Strict):
+    type: Literal["function"]
+    function: NamedFunction
 
 
 class Sampling(Strict):
@@ -64,12 +120,12 @@ class Sampling(Strict):
     stop: str | list[str] | None = None
     stream: bool = False
     stream_options: StreamOptions | None = None
-    n: int | None = Field(None, ge=1)
-    logprobs: bool | int | None = None
-    top_logprobs: int | None = Field(None, ge=0)
-    presence_penalty: float | None = Field(None, allow_inf_nan=False)
-    frequency_penalty: float | None = Field(None, allow_inf_nan=False)
-    logit_bias: dict | None = None
+    n: int | None = Field(None, ge=1, le=MAX_CHOICES)
+    presence_penalty: float | None = Field(None, ge=-2.0, le=2.0, allow_inf_nan=False)
+    frequency_penalty: float | None = Field(None, ge=-2.0, le=2.0, allow_inf_nan=False)
+    repetition_penalty: float | None = Field(None, gt=0.0, le=10.0, allow_inf_nan=False)  # vLLM's extension
+    logit_bias: dict[str, float] | None = None
+    structured_outputs: StructuredOutputs | None = None
     mode: Literal[MODES] | None = None
     num_assistant_tokens: int | None = Field(None, ge=1, le=MAX_GAMMA)
     disable_spec_decode: bool | None = None
@@ -77,12 +133,7 @@ class Sampling(Strict):
 
     def refuse_unsupported(self) -> None:
         """A 400 naming the first parameter that asks for something not implemented."""
-        checks = [("n", self.n not in (None, 1), "only n=1 is supported (one choice per request)"),
-                  ("logprobs", bool(self.logprobs) or bool(self.top_logprobs), "logprobs are not supported"),
-                  ("presence_penalty", bool(self.presence_penalty), "presence_penalty is not supported"),
-                  ("frequency_penalty", bool(self.frequency_penalty), "frequency_penalty is not supported"),
-                  ("logit_bias", bool(self.logit_bias), "logit_bias is not supported"),
-                  ("stop", isinstance(self.stop, list) and "" in self.stop, "stop strings must not be empty"),
+        checks = [("stop", isinstance(self.stop, list) and "" in self.stop, "stop strings must not be empty"),
                   ("stop", self.stop == "", "stop strings must not be empty")]
         for param, failed, message in checks:
             if failed:
@@ -113,28 +164,46 @@ class Sampling(Strict):
                   "seed": self.seed, "stop_strings": self.stop_strings() or None, "ignore_eos": self.ignore_eos,
                   "gamma": self.num_assistant_tokens, "mode": "ar" if self.disable_spec_decode else self.mode}
         return {name: value for name, value in values.items() if value is not None}
+    def choices(self) -> int:
+        return self.n or 1
 
 
 class ChatRequest(Sampling):
     messages: list[Message] = Field(min_length=1)
     response_format: ResponseFormat | None = None
-    tools: list | None = None
+    tools: list[Tool] | None = None
+    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
+    logprobs: bool | None = None
+    top_logprobs: int | None = Field(None, ge=0)
 
     def refuse_unsupported(self) -> None:
         super().refuse_unsupported()
-        if self.response_format is not None and self.response_format.type != "text":
-            raise APIError(400, f"response_format '{self.response_format.type}' is not supported (only 'text')",
-                           "response_format")
-        if self.tools:
-            raise APIError(400, "tools are not supported", "tools")
+        if self.top_logprobs is not None and self.top_logprobs > MAX_TOP_LOGPROBS:
+            raise APIError(400, f"top_logprobs must be at most {MAX_TOP_LOGPROBS}", "top_logprobs")
+        if self.top_logprobs and not self.logprobs:
+            raise APIError(400, "top_logprobs needs logprobs: true", "top_logprobs")
+        if isinstance(self.tool_choice, NamedToolChoice) and self.tool_choice.function.name not in {
+                t.function.name for t in self.tools or ()}:
+            raise APIError(400, f"tool_choice names '{self.tool_choice.function.name}', which is not in tools",
+                           "tool_choice")
+        if self.tool_choice is not None and self.tool_choice != "none" and not self.tools:
+            raise APIError(400, "tool_choice needs tools", "tool_choice")
 
-    def chat(self) -> list[dict]:
-        roles = {"developer": "system"}
-        return [{"role": roles.get(m.role, m.role), "content": m.text()} for m in self.messages]
+    def top_logprobs_asked(self) -> int | None:
+        return (self.top_logprobs or 0) if self.logprobs else None
+
+    def tool_mode(self) -> str | None:
+        """none | auto | required | the named function; None without tools (or with tool_choice none)."""
+        if not self.tools or self.tool_choice == "none":
+            return None
+        if isinstance(self.tool_choice, NamedToolChoice):
+            return self.tool_choice.function.name
+        return self.tool_choice or "auto"
 
 
 class CompletionRequest(Sampling):
     prompt: str | list[str] | list[int]
+    logprobs: int | None = Field(None, ge=0)
     echo: bool | None = None
     suffix: str | None = None
     best_of: int | None = Field(None, ge=1)
@@ -148,6 +217,11 @@ class CompletionRequest(Sampling):
         for param, value in (("echo", self.echo), ("suffix", self.suffix), ("best_of", self.best_of not in (None, 1))):
             if value:
                 raise APIError(400, f"{param} is not supported", param)
+        if self.logprobs is not None and self.logprobs > MAX_TOP_LOGPROBS:
+            raise APIError(400, f"logprobs must be at most {MAX_TOP_LOGPROBS}", "logprobs")
+
+    def top_logprobs_asked(self) -> int | None:
+        return self.logprobs
 
     def text_or_ids(self) -> str | list[int]:
         if isinstance(self.prompt, list) and self.prompt and isinstance(self.prompt[0], str):

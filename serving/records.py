@@ -1,9 +1,11 @@
 """What one finished request measured: for its response, the metrics and the access log.
 
-A `RequestRecord` is built once from a scheduler job at its end. Times are perf_counter
-seconds from the request's arrival. The response figures follow llama-server's `timings`
-(`prompt_n`, `prompt_ms`, `predicted_n`, `predicted_ms`, `predicted_per_second`, `draft_n`,
-`draft_n_accepted`) plus a `mirror_rt` object with what only speculation knows.
+A `RequestRecord` is built once from a scheduler job at its end; a request with n choices is one
+record whose token counts, draft counts and inter-token gaps cover every choice (its speculation
+figures are the first choice's). Times are perf_counter seconds from the request's arrival. The
+response figures follow llama-server's `timings` (`prompt_n`, `prompt_ms`, `predicted_n`,
+`predicted_ms`, `predicted_per_second`, `draft_n`, `draft_n_accepted`) plus a `mirror_rt` object
+with what only speculation knows.
 """
 
 from __future__ import annotations
@@ -26,23 +28,29 @@ class RequestRecord:
     prompt_tokens: int = 0
     completion_tokens: int = 0
     ttft_s: float | None = None
-    steps: list = field(default_factory=list)  # runtime.engine.Step per decode step
+    steps: list = field(default_factory=list)  # per choice, runtime.engine.Step per decode step
     stats: dict = field(default_factory=dict)  # Generation.stats
     durations: dict = field(default_factory=dict)  # Generation.durations
     names: dict = field(default_factory=dict)  # Engine.names (devices, path, precision)
+    finish_reasons: list = field(default_factory=list)  # per choice: stop | length | abort | error
+    constraint: str | None = None  # the kind of grammar the request ran under (metrics label), or None
 
     @classmethod
     def from_job(cls, job, names: dict) -> RequestRecord:
-        gen = job.generation
+        gens = [g for g in job.generations if g.stats]
         queue_s = None if job.started is None else job.started - job.arrived
         e2e = (job.finished or job.arrived) - job.arrived
         reason = {"cancelled": "abort", "timeout": "error", "error": "error"}.get(job.outcome)
-        if gen is None or not gen.stats:
-            return cls(job.id, job.outcome, reason or "error", e2e, queue_s, False, names=names)
-        stats = gen.stats
-        first = gen.steps[0].time - job.arrived if gen.steps else None
-        return cls(job.id, job.outcome, reason or FINISH.get(gen.stop_reason, "stop"), e2e, queue_s, True,
-                   stats["prompt_tokens"], stats["new_tokens"], first, list(gen.steps), stats, gen.durations, names)
+        constraint = getattr(job, "constraint", None)
+        if not gens:
+            return cls(job.id, job.outcome, reason or "error", e2e, queue_s, False, names=names,
+                       constraint=constraint)
+        finish = [reason or FINISH.get(g.stop_reason, "stop") for g in gens]
+        stats = merged_stats([g.stats for g in gens])
+        first = gens[0].steps[0].time - job.arrived if gens[0].steps else None
+        durations = {k: [v for g in gens for v in g.durations.get(k, ())] for k in gens[0].durations}
+        return cls(job.id, job.outcome, finish[0], e2e, queue_s, True, stats["prompt_tokens"], stats["new_tokens"],
+                   first, [list(g.steps) for g in gens], stats, durations, names, finish, constraint)
 
     @property
     def draft_fault(self) -> bool:
@@ -51,9 +59,10 @@ class RequestRecord:
     def token_gaps(self) -> list[float]:
         """Inter-token latency per token: a step of k tokens after a gap d gives k times d / k."""
         gaps = []
-        for before, after in zip(self.steps, self.steps[1:]):
-            if after.tokens:
-                gaps += [(after.time - before.time) / after.tokens] * after.tokens
+        for steps in self.steps:
+            for before, after in zip(steps, steps[1:]):
+                if after.tokens:
+                    gaps += [(after.time - before.time) / after.tokens] * after.tokens
         return gaps
 
     def timings(self) -> dict:
@@ -75,6 +84,8 @@ class RequestRecord:
         s, mode = self.stats, self.stats.get("mode")
         mirror = mode == "mirror"
         return {"mode": mode, "mean_accepted_length": s.get("mean_accepted_length"),
+                "steps": s.get("steps"), "speculative_steps": s.get("speculative_steps"),  # the load policy's choice
+                "mean_gamma": s.get("mean_gamma"),
                 "acceptance_per_position": s.get("acceptance_per_position", []),
                 "reuse_hit_rate": s.get("reuse_hit_rate") if mirror else None,
                 "hidden_draft_share": s.get("hidden_draft_share") if mirror else None,
@@ -106,3 +117,18 @@ class RequestRecord:
         note = "" if self.outcome in ("done", "cancelled") else f" ({self.outcome})"
         return (f"{self.id} prompt_tokens={self.prompt_tokens} completion_tokens={self.completion_tokens} "
                 f"ttft={ttft} tokens_per_s={rate:.1f} finish_reason={self.finish_reason}{note}")
+
+
+def merged_stats(stats: list[dict]) -> dict:
+    """One request's figures from its choices' stats: tokens, time and draft counts summed, the rest the first's."""
+    if len(stats) == 1:
+        return stats[0]
+    out = dict(stats[0])
+    out["wall_time_s"] = max(s.get("wall_time_s", 0.0) for s in stats)  # the choices decode together
+    for key in ("new_tokens", "draft_hidden_s", "reuse_hits", "reuse_checks", "steps", "speculative_steps"):
+        if key in out:
+            out[key] = sum(s.get(key, 0) for s in stats)
+    for key in ("proposed_per_position", "accepted_per_position"):
+        width = max(len(s.get(key, [])) for s in stats)
+        out[key] = [sum(s.get(key, [])[i] if i < len(s.get(key, [])) else 0 for s in stats) for i in range(width)]
+    return out

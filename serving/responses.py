@@ -1,10 +1,12 @@
 """Completion bodies and SSE chunks, chat and text alike, from a job's events.
 
 Non-streamed: one body with `choices`, `usage`, `timings` and `mirror_rt`. Streamed: a first
-chunk (the assistant role, chat only), one chunk per batch of text (a decode step can commit
-several tokens: they go out together; with `stream_options.include_origins`, each with its
-tokens' origins, `serving.origins`), a last chunk with `finish_reason` and the figures, a usage
-chunk with `choices: []` when `stream_options.include_usage`, then `data: [DONE]`. A failure
+chunk (the assistant role, chat only), one chunk per batch of text of one choice (a decode step
+can commit several tokens: they go out together, with their log-probabilities and, with
+`stream_options.include_origins`, their origins: `serving.origins`), a chunk with each
+choice's `finish_reason` (the last one with the figures), a usage chunk with `choices: []` when
+`stream_options.include_usage`, then `data: [DONE]`. A request with tools holds each choice's text
+until it ends, then sends its tool calls (id and name, then arguments) or its text. A failure
 after the 200 header becomes a `data: {"error": ...}` event, then `[DONE]`.
 """
 
@@ -13,9 +15,14 @@ from __future__ import annotations
 import asyncio
 import json
 import time
+from collections import defaultdict
+from collections.abc import Callable
 from dataclasses import dataclass
 
+from mirror_rt.runtime.engine import GenerationError
+from mirror_rt.serving import tools
 from mirror_rt.serving.errors import APIError, envelope
+from mirror_rt.serving.logprobs import chat_logprobs, completion_logprobs, text_length
 from mirror_rt.serving.records import RequestRecord
 
 
@@ -30,24 +37,66 @@ class Reply:
     created: int = 0
     continuous_usage: bool = False  # vLLM's continuous_usage_stats: usage so far on every chunk
     prompt_tokens: int = 0
+    choices: int = 1  # n
+    tool_mode: str | None = None  # auto | required | a function's name; None: no tools (serving.tools)
+    tool_names: tuple[str, ...] = ()
+    token_bytes: Callable[[int], bytes] | None = None  # set when log-probabilities are asked for
     origins: bool = False  # stream_options.include_origins: content chunks carry `mirror_rt.tokens`
 
     @property
     def object(self) -> str:
         return "chat.completion" if self.chat else "text_completion"
 
-    def choice(self, text: str | None, finish_reason: str | None, delta: bool) -> dict:
-        if not self.chat:
-            return {"index": 0, "text": text or "", "logprobs": None, "finish_reason": finish_reason}
-        key = "delta" if delta else "message"
-        content = {"content": text} if delta and text is not None else {} if delta else {
-            "role": "assistant", "content": text}
-        return {"index": 0, key: content, "logprobs": None, "finish_reason": finish_reason}
-
     def body(self, choices: list, chunk: bool, **extra) -> dict:
         kind = self.object + (".chunk" if chunk and self.chat else "")
         return {"id": self.id, "object": kind, "created": self.created, "model": self.model, "choices": choices,
                 **extra}
+
+    def logprobs(self, entries, offset: int = 0) -> dict | None:
+        if self.token_bytes is None:
+            return None
+        if self.chat:
+            return chat_logprobs(entries, self.token_bytes)
+        return completion_logprobs(entries, self.token_bytes, offset)
+
+    def final(self, index: int, text: str, finish_reason: str, entries) -> dict:
+        """A whole choice (non-streamed): the message with any tool calls, or the text."""
+        if not self.chat:
+            return {"index": index, "text": text, "logprobs": self.logprobs(entries), "finish_reason": finish_reason}
+        content, calls = tools.parse_calls(text, self.tool_names, self.tool_mode)
+        message = {"role": "assistant", "content": content}
+        if calls:
+            message["tool_calls"] = calls
+        return {"index": index, "message": message, "logprobs": self.logprobs(entries),
+                "finish_reason": _with_calls(finish_reason, bool(calls))}
+
+    def delta(self, index: int, text: str | None, finish_reason: str | None = None, entries=(),
+              offset: int = 0) -> dict:
+        """One streamed choice: new text (and its tokens' log-probabilities) or the finish."""
+        logprobs = self.logprobs(entries, offset) if entries else None
+        if not self.chat:
+            return {"index": index, "text": text or "", "logprobs": logprobs, "finish_reason": finish_reason}
+        delta = {"content": text} if text is not None else {}
+        return {"index": index, "delta": delta, "logprobs": logprobs, "finish_reason": finish_reason}
+
+    def buffered(self, index: int, text: str, entries) -> tuple[list[dict], bool]:
+        """The deltas of a choice held back until its end (tool calls: id and name first, then the
+        arguments, keyed by the call's index); also whether it made calls."""
+        content, calls = tools.parse_calls(text, self.tool_names, self.tool_mode)
+        deltas = [self.delta(index, content, entries=entries)] if content or entries else []
+        for i, call in enumerate(calls):
+            head = {"index": i, "id": call["id"], "type": "function",
+                    "function": {"name": call["function"]["name"], "arguments": ""}}
+            deltas.append({"index": index, "delta": {"tool_calls": [head]}, "logprobs": None, "finish_reason": None})
+            arguments = {"index": i, "function": {"arguments": call["function"]["arguments"]}}
+            deltas.append({"index": index, "delta": {"tool_calls": [arguments]}, "logprobs": None,
+                           "finish_reason": None})
+        return deltas, bool(calls)
+
+
+def _with_calls(finish_reason: str, called: bool) -> str:
+    """OpenAI's finish reason of an answer that calls tools (a cut one stays `length`)."""
+    return "tool_calls" if called and finish_reason == "stop" else finish_reason
 
 
 def usage(record: RequestRecord) -> dict:
@@ -66,59 +115,87 @@ def failure(job, record: RequestRecord, timeout_s: float | None) -> APIError:
     if job.error is not None and not isinstance(job.error, Exception):  # SystemExit and the like: the engine stopped
         return APIError(503, f"the engine stopped before answering ({reason}); retry on another server",
                         headers={"Retry-After": "1", "x-mirror-rt-retry": "engine-stopped"})
+    if isinstance(job.error, GenerationError):  # a request the engine cannot serve (a grammar it cannot run)
+        return APIError(400, str(job.error))
     return APIError(500, f"generation failed: {reason}")
 
 
 async def collect(job, reply: Reply, timeout_s: float | None) -> dict:
     """Wait for the whole answer; the body, or an APIError."""
-    pieces = []
+    texts, entries = defaultdict(list), defaultdict(list)
     while True:
         kind, value = await job.events.get()
         if kind == "text":
-            pieces.append(value[0])
+            index, piece, _, logprobs, _ = value
+            texts[index].append(piece)
+            entries[index] += logprobs
         elif kind == "end":
             break
     record = job.record
     if job.outcome != "done":
         raise failure(job, record, timeout_s)
-    choice = reply.choice("".join(pieces), record.finish_reason, delta=False)
-    return reply.body([choice], chunk=False, usage=usage(record), timings=record.timings(),
+    choices = [reply.final(i, "".join(texts[i]), reason, entries[i]) for i, reason in enumerate(record.finish_reasons)]
+    return reply.body(choices, chunk=False, usage=usage(record), timings=record.timings(),
                       mirror_rt=record.speculation())
 
 
 async def stream(job, reply: Reply, timeout_s: float | None):
     """SSE lines for a job, as bytes (the scheduler cancels the job if the client goes away)."""
     if reply.chat:
-        first = {"index": 0, "delta": {"role": "assistant", "content": ""}, "logprobs": None, "finish_reason": None}
-        yield sse(reply.body([first], chunk=True))
+        yield sse(reply.body([{"index": i, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
+                               "finish_reason": None} for i in range(reply.choices)], chunk=True))
+    held, offsets, calls = defaultdict(list), defaultdict(int), {}  # tool requests hold each choice's text
     while True:
         kind, value = await job.events.get()
-        texts, made, entries = [], 0, []
-        while kind == "text":  # a step's tokens go out as one chunk
-            texts.append(value[0])
-            made = value[1]
-            entries += value[2] or ()
-            if job.events.empty():
-                break
+        batch = [value] if kind == "text" else []
+        while kind == "text" and not job.events.empty():  # a step's tokens go out as one chunk
             kind, value = job.events.get_nowait()
-        if texts:
+            if kind == "text":
+                batch.append(value)
+        for index, text, made, entries, origins in _grouped(batch):
+            if reply.tool_mode:
+                held[index].append((text, entries))
+                continue
             extra = {"usage": partial_usage(reply.prompt_tokens, made)} if reply.continuous_usage else {}
-            if reply.origins:
-                extra["mirror_rt"] = {"tokens": entries}
-            yield sse(reply.body([reply.choice("".join(texts), None, delta=True)], chunk=True, **extra))
+            if reply.origins and text:
+                extra["mirror_rt"] = {"tokens": origins}
+            yield sse(reply.body([reply.delta(index, text, entries=entries, offset=offsets[index])], chunk=True,
+                                 **extra))
+            if entries and not reply.chat:
+                offsets[index] += text_length(entries, reply.token_bytes)
+        if kind == "choice_end" and reply.tool_mode:
+            text = "".join(t for t, _ in held[value])
+            deltas, calls[value] = reply.buffered(value, text, [e for _, es in held[value] for e in es])
+            for delta in deltas:
+                yield sse(reply.body([delta], chunk=True))
         if kind == "end":
             break
-    for event in final_events(job, reply, timeout_s):
+    for event in final_events(job, reply, timeout_s, calls):
         yield event
 
 
-def final_events(job, reply: Reply, timeout_s: float | None) -> list[bytes]:
+def _grouped(batch: list) -> list:
+    """Consecutive text events of one choice joined: (index, text, tokens made, log-probabilities, origins)."""
+    out = []
+    for index, piece, made, entries, origins in batch:
+        if out and out[-1][0] == index:
+            _, text, _, joined, trail = out[-1]
+            out[-1] = (index, text + piece, made, joined + list(entries), trail + list(origins or ()))
+        else:
+            out.append((index, piece, made, list(entries), list(origins or ())))
+    return [item for item in out if item[1] or item[3]]
+
+
+def final_events(job, reply: Reply, timeout_s: float | None, calls: dict | None = None) -> list[bytes]:
     record = job.record
     if job.outcome != "done":
         return [sse(failure(job, record, timeout_s).body()), b"data: [DONE]\n\n"]
     figures = {"timings": record.timings(), "mirror_rt": record.speculation()}
-    last = reply.choice(None if reply.chat else "", record.finish_reason, delta=True)
-    events = [sse(reply.body([last], chunk=True, **figures))]
+    called = calls or {}
+    lasts = [reply.delta(i, None if reply.chat else "", _with_calls(reason, called.get(i, False)))
+             for i, reason in enumerate(record.finish_reasons)]
+    events = [sse(reply.body([last], chunk=True, **(figures if i == len(lasts) - 1 else {})))
+              for i, last in enumerate(lasts)]
     if reply.include_usage:
         events.append(sse(reply.body([], chunk=True, usage=usage(record), **figures)))
     return events + [b"data: [DONE]\n\n"]

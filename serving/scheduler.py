@@ -7,6 +7,9 @@ asyncio loop never blocks on it. A job's text and its end cross to asyncio throu
 into the job's own asyncio queue. Cancelling a job (client gone, drain) ends its generation at the next step
 and frees its row, the others untouched; a timeout cancels a generation that runs past `timeout_s`. A failing
 step ends the generations in flight with an error and the engine starts again from fresh rows.
+A job with n choices submits n generations at once (each its own seed, derived from the request's by
+`choice_config`, and its own token rules): they decode together, one sequence each, and count n against the
+capacity; its events carry the choice's index, and it ends when its last choice does.
 """
 
 from __future__ import annotations
@@ -15,7 +18,9 @@ import asyncio
 import threading
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
+
+import numpy as np
 
 from mirror_rt.runtime.config import GenerationConfig
 from mirror_rt.serving.origins import OriginTrail
@@ -38,19 +43,25 @@ class Job:
     config: GenerationConfig
     loop: asyncio.AbstractEventLoop
     origins: bool = False  # text events carry per-token entries (serving.origins) for stream_options.include_origins
+    choices: int = 1  # n: generations decoding together
+    constraint: str | None = None  # the kind of grammar the request runs under (for the metrics), or None
     events: asyncio.Queue = field(default_factory=asyncio.Queue)
     arrived: float = field(default_factory=time.perf_counter)
-    started: float | None = None  # when it got a row of the batch
+    started: float | None = None  # when its first choice got a row of the batch
     first_text_at: float | None = None
     finished: float | None = None
-    generation: object = None  # runtime.engine.Generation once submitted
+    generations: list = field(default_factory=list)  # runtime.engine.Generation per choice, once submitted
     outcome: str = "pending"  # pending | done | cancelled | timeout | error
     error: BaseException | None = None
     record: object = None  # serving.records.RequestRecord, set by on_finish before the end event
-    made: int = 0  # tokens committed so far (EOS included), as usage counts them
-    counted: int = 0  # steps of the generation summed into `made`
-    trail: OriginTrail | None = None  # the entries of its tokens, when `origins`
+    made: int = 0  # tokens committed so far over every choice (EOS included), as usage counts them
+    progress: dict = field(default_factory=dict)  # choice index -> _Progress
     cancel_requested: threading.Event = field(default_factory=threading.Event)
+
+    @property
+    def generation(self):
+        """The first choice's generation (None before it is submitted)."""
+        return self.generations[0] if self.generations else None
 
     def post(self, kind: str, value=None) -> None:
         """Hand an event to the job's asyncio queue (from any thread)."""
@@ -58,6 +69,24 @@ class Job:
             self.loop.call_soon_threadsafe(self.events.put_nowait, (kind, value))
         except RuntimeError:  # the loop is closed: nobody is listening any more
             pass
+
+
+@dataclass
+class _Progress:
+    """What one choice has handed over so far."""
+
+    steps: int = 0  # steps of its generation summed into the job's `made`
+    logprobs: int = 0  # log-probability entries sent
+    trail: OriginTrail | None = None  # the entries of its tokens, when the job asks for origins
+    ended: bool = False
+
+
+def choice_config(config: GenerationConfig, index: int) -> GenerationConfig:
+    """Choice `index`'s settings: choice 0 keeps the request's seed, the others get independent ones."""
+    if index == 0:
+        return config
+    seed = int(np.random.SeedSequence([config.seed & 0xFFFFFFFFFFFFFFFF, index]).generate_state(1)[0] >> 1)
+    return replace(config, seed=seed)
 
 
 class Scheduler:
@@ -73,7 +102,7 @@ class Scheduler:
         self.on_finish = on_finish or (lambda job: None)
         self.on_death = on_death  # called when the engine thread dies (SystemExit and the like), before answering
         self.on_step = on_step or (lambda batch: None)  # sequences decoded by each step (the server's histogram)
-        self.jobs: dict[int, Job] = {}  # id(generation) -> job, while live
+        self.jobs: dict[int, tuple[Job, int]] = {}  # id(generation) -> (job, choice index), while live
         self.closed = False
         self.lock = threading.Condition()
         self.thread = threading.Thread(target=self._loop, name="mirror-engine", daemon=True)
@@ -87,18 +116,26 @@ class Scheduler:
     # --- the event loop's side ---------------------------------------------------------
 
     def submit(self, job: Job) -> Job:
-        """Admit a job; Overloaded when rows and queue are full, Draining when closed, GenerationError (a 400)
-        when the engine cannot serve it."""
+        """Admit a job (its n choices); Overloaded when rows and queue cannot take them, Draining when closed,
+        GenerationError (a 400) when the engine cannot serve it."""
         with self.lock:
             if self.closed:
                 raise Draining()
-            if len(self.jobs) >= self.capacity:
+            if len(self.jobs) + job.choices > max(self.capacity, job.choices):
                 raise Overloaded()
-            gen = self.engine.submit(job.prompt, job.config, on_piece=self._piece, on_finish=self._finished)
-            job.generation = gen
-            self.jobs[id(gen)] = job
+            try:
+                for index in range(job.choices):
+                    config = choice_config(job.config, index)
+                    gen = self.engine.submit(job.prompt, config, on_piece=self._piece, on_finish=self._finished)
+                    job.generations.append(gen)
+                    job.progress[index] = _Progress(trail=OriginTrail() if job.origins else None)
+                    self.jobs[id(gen)] = (job, index)
+            except Exception:
+                self._withdraw(job)
+                raise
             if job.cancel_requested.is_set():
-                gen.cancel()
+                for gen in job.generations:
+                    gen.cancel()
             self._changed()
             self.lock.notify()
         if self.timeout_s:
@@ -110,10 +147,10 @@ class Scheduler:
     def cancel(self, job: Job) -> None:
         """Stop `job` at the next step (a waiting one never runs); its end event follows."""
         job.cancel_requested.set()
-        if job.generation is not None:
-            job.generation.cancel()
-            with self.lock:
-                self.lock.notify()
+        for gen in list(job.generations):
+            gen.cancel()
+        with self.lock:
+            self.lock.notify()
 
     def alive(self) -> bool:
         return self.thread.is_alive()
@@ -122,19 +159,27 @@ class Scheduler:
         with self.lock:
             return not self.jobs
 
+    def _withdraw(self, job: Job) -> None:
+        """Take back the choices of a job the engine refused part of (they never run)."""
+        for gen in job.generations:
+            gen.cancel()
+            self.jobs.pop(id(gen), None)
+
+    def live_jobs(self) -> list[Job]:
+        with self.lock:
+            return list({id(job): job for job, _ in self.jobs.values()}.values())
+
     def cancel_all(self) -> None:
         """Cancel every admitted job (a drain past its deadline)."""
-        with self.lock:
-            jobs = list(self.jobs.values())
-        for job in jobs:
+        for job in self.live_jobs():
             self.cancel(job)
 
     def close(self, cancel_waiting: bool = True) -> None:
         """Take no new job; drop the waiting ones (they end as cancelled)."""
+        jobs = self.live_jobs() if cancel_waiting else []
         with self.lock:
             self.closed = True
-            jobs = list(self.jobs.values()) if cancel_waiting else []
-            waiting = [j for j in jobs if j.generation.sequence.state == "waiting"]
+            waiting = [j for j in jobs if all(g.sequence.state == "waiting" for g in j.generations)]
             self.lock.notify_all()
         for job in waiting:
             self.cancel(job)
@@ -167,40 +212,55 @@ class Scheduler:
         self._changed()
 
     def _piece(self, gen, piece: str) -> None:
-        job = self.jobs.get(id(gen))
-        if job is None:
+        entry = self.jobs.get(id(gen))
+        if entry is None:
             return
+        job, index = entry
         if job.first_text_at is None:  # it is in the batch now (it may finish within this very step)
             job.first_text_at = time.perf_counter()
             self._changed()
         job.started = job.started or gen.sequence.admitted
-        job.made += sum(step.tokens for step in gen.steps[job.counted:])
-        job.counted = len(gen.steps)
-        if job.origins and job.trail is None:
-            job.trail = OriginTrail()
-        job.post("text", (piece, job.made, job.trail.entries(gen, piece) if job.trail else None))
+        self._hand_over(job, index, gen, piece)
+
+    def _hand_over(self, job: Job, index: int, gen, piece: str) -> None:
+        """Post a choice's piece with the tokens made so far (a running sum over new steps), the
+        log-probabilities of the tokens delivered since its last piece and, when asked, their origins."""
+        progress = job.progress[index]
+        job.made += sum(step.tokens for step in gen.steps[progress.steps:])
+        progress.steps = len(gen.steps)
+        logprobs, progress.logprobs = gen.logprobs[progress.logprobs:], len(gen.logprobs)
+        origins = progress.trail.entries(gen, piece) if progress.trail is not None and piece else None
+        job.post("text", (index, piece, job.made, logprobs, origins))
 
     def _finished(self, gen) -> None:
         with self.lock:
-            job = self.jobs.pop(id(gen), None)
-        if job is None:
+            entry = self.jobs.pop(id(gen), None)
+        if entry is None:
             return
+        job, index = entry
         job.started = job.started or gen.sequence.admitted
-        if job.outcome != "timeout":
-            outcome = "error" if gen.stop_reason == "error" else "cancelled" if gen.cancelled else "done"
-            job.outcome = outcome
-        self._end(job, job.outcome)
+        if len(gen.logprobs) > job.progress[index].logprobs:  # tokens whose text is empty (EOS) at the very end
+            self._hand_over(job, index, gen, "")
+        job.progress[index].ended = True
+        job.post("choice_end", index)
+        if job.outcome not in ("timeout", "error"):
+            if gen.stop_reason == "error":
+                job.outcome = "error"
+            elif gen.cancelled:
+                job.outcome = "cancelled"
+        if all(p.ended for p in job.progress.values()):
+            self._end(job, "done" if job.outcome == "pending" else job.outcome)
 
     def _time_out(self, job: Job) -> None:
-        gen = job.generation
-        if gen is not None and not gen.finished and not gen.cancelled:
+        if any(not g.finished and not g.cancelled for g in job.generations):
             job.outcome = "timeout"
-            gen.cancel()
+            for gen in job.generations:
+                gen.cancel()
 
     def _fail(self, exc: BaseException) -> None:
         """A step failed: every live job ends with the error; the engine starts again from fresh rows."""
+        jobs = self.live_jobs()
         with self.lock:
-            jobs = list(self.jobs.values())
             self.jobs.clear()
         self.engine.reset()
         for job in jobs:

@@ -22,11 +22,11 @@ from mirror_rt.models.transformer import random_model
 torch.set_num_threads(1)
 
 
-def tiny_target(seed: int = 0, scale: float = 30.0, vocab_size: int = 97):
+def tiny_target(seed: int = 0, scale: float = 30.0, vocab_size: int = 97, max_seq_len: int = 256):
     """A tiny float64 Llama target; `scale` sharpens logits so greedy text is not uniform noise."""
     import dataclasses
 
-    config = dataclasses.replace(ModelConfig.from_name("tiny"), vocab_size=vocab_size)
+    config = dataclasses.replace(ModelConfig.from_name("tiny"), vocab_size=vocab_size, max_seq_len=max_seq_len)
     return random_model(config, seed=seed, dtype=torch.float64, scale=scale)
 
 

@@ -170,7 +170,7 @@ def wait_for_line(path, needle: str, proc, timeout: float) -> str:
     raise AssertionError(f"no '{needle}' after {timeout} s: {path.read_text()[-2000:]}")
 
 
-def tiny_engine():
+def tiny_engine(max_seq_len: int = 256):
     """The tiny preset in float64 (greedy equality stays exact whatever the window sizes) with a noisy
     float64 copy as the draft, named as `load_torch` names its engines; it speculates whenever a request's mode
     does (target-only steps would win at every load for models this small: runtime.policy)."""
@@ -182,7 +182,7 @@ def tiny_engine():
     from mirror_rt.runtime.batch import BatchSettings
     from mirror_rt.runtime.engine import Engine
 
-    target = tiny_target(seed=4, vocab_size=258)
+    target = tiny_target(seed=4, vocab_size=258, max_seq_len=max_seq_len)
     draft = perturbed_copy(target, noise=0.2, seed=5)
     names = {"model": "tiny", "path": "torch eager (cpu)", "target_precision": "fp64", "draft_precision": "fp64",
              "target_device": "torch:cpu", "draft_device": "torch:cpu"}

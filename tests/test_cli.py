@@ -1,6 +1,7 @@
 """The CLI through a subprocess: text on stdout, one-line errors with exit code 2."""
 
 import json
+import re
 import subprocess
 import sys
 from types import SimpleNamespace
@@ -167,3 +168,23 @@ def test_default_bundle_is_exported_once_and_never_half(tmp_path, monkeypatch):
     assert read_manifest(folder).n_layers > 0 and calls == ["tiny", "tiny"]
     assert mirror_rt.default_bundle(str(tmp_path), progress=False, log=quiet) == folder and len(calls) == 2
     assert [p.name for p in (tmp_path / "bundles").iterdir()] == [folder.name]
+
+
+def test_run_json_schema_and_regex_constrain_every_mode(tmp_path):
+    schema = {"type": "object", "properties": {"ok": {"type": "boolean"}, "n": {"type": "integer", "minimum": 0,
+                                                                                "maximum": 99}},
+              "required": ["ok", "n"], "additionalProperties": False}
+    path = tmp_path / "schema.json"
+    path.write_text(json.dumps(schema))
+    texts = set()
+    for mode in ("ar", "sd"):
+        proc = run_cli("run", "hello", "--model", "tiny", "--mode", mode, "--json-schema", str(path), "--json",
+                       "--max-new-tokens", "60")
+        assert proc.returncode == 0, proc.stderr
+        texts.add(json.loads(proc.stdout)["text"])
+    assert len(texts) == 1 and set(json.loads(texts.pop())) == {"ok", "n"}
+    proc = run_cli("run", "hello", "--model", "tiny", "--regex", "[0-9]{3}-[a-z]", "--max-new-tokens", "10")
+    assert proc.returncode == 0 and re.fullmatch(r"[0-9]{3}-[a-z]\n", proc.stdout), proc.stdout
+    assert_one_line_error(run_cli("run", "x", "--model", "tiny", "--regex", "(["), "the grammar cannot run")
+    assert_one_line_error(run_cli("run", "x", "--json-schema", str(path), "--regex", "a"),
+                          "--json-schema and --regex both constrain the output")

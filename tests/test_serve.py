@@ -43,6 +43,9 @@ def test_greedy_chat_and_completion_equal_the_reference(server, reference, mode)
     assert extra["mirror_rt"]["mode"] == mode
     assert 0 <= extra["timings"]["draft_n_accepted"] <= extra["timings"]["draft_n"]
     assert (extra["timings"]["draft_n"] > 0) == (mode != "ar")
+    spec = extra["mirror_rt"]  # the load policy's choice, as this request saw it
+    assert 0 <= spec["speculative_steps"] <= spec["steps"] and (spec["speculative_steps"] > 0) == (mode != "ar")
+    assert (spec["mean_gamma"] > 0) == (mode != "ar")
 
 
 def test_stream_joined_equals_the_answer_and_ends_with_usage(server):
@@ -108,6 +111,7 @@ def test_disable_spec_decode_and_num_assistant_tokens(server):
     wide = client.completions.create(model="tiny", prompt=PROMPT, max_tokens=20, temperature=0,
                                      extra_body={"mode": "sd", "num_assistant_tokens": 2})
     assert len(wide.model_extra["mirror_rt"]["acceptance_per_position"]) <= 2
+    assert 0 < wide.model_extra["mirror_rt"]["mean_gamma"] <= 2
 
 
 def test_models_health_version_tokenize(server, reference):
@@ -129,10 +133,20 @@ BAD = [
     ("negative max tokens", {"messages": MESSAGES, "max_tokens": -1}, 400, "max_tokens"),
     ("temperature NaN", b'{"messages": [{"role": "user", "content": "hi"}], "temperature": NaN}', 400, "temperature"),
     ("top_p above 1", {"messages": MESSAGES, "top_p": 1.5}, 400, "top_p"),
-    ("n of 2", {"messages": MESSAGES, "n": 2}, 400, "n"),
-    ("json response format", {"messages": MESSAGES, "response_format": {"type": "json_object"}}, 400,
-     "response_format"),
-    ("logprobs", {"messages": MESSAGES, "logprobs": True}, 400, "logprobs"),
+    ("n above 16", {"messages": MESSAGES, "n": 17}, 400, "n"),
+    ("unknown response format", {"messages": MESSAGES, "response_format": {"type": "xml"}}, 400,
+     "response_format.type"),
+    ("schema llguidance refuses", {"messages": MESSAGES, "response_format": {"type": "json_schema", "json_schema": {
+        "name": "x", "schema": {"type": "object", "properties": {"a": {"type": "strin"}}}}}}, 400, "response_format"),
+    ("bad regex", {"messages": MESSAGES, "structured_outputs": {"regex": "(["}}, 400, "structured_outputs"),
+    ("two constraints", {"messages": MESSAGES, "response_format": {"type": "json_object"},
+                         "structured_outputs": {"regex": "a+"}}, 400, "structured_outputs"),
+    ("top_logprobs above 20", {"messages": MESSAGES, "logprobs": True, "top_logprobs": 21}, 400, "top_logprobs"),
+    ("logit_bias key", {"messages": MESSAGES, "logit_bias": {"999999": 1}}, 400, "logit_bias"),
+    ("penalty out of range", {"messages": MESSAGES, "presence_penalty": 2.5}, 400, "presence_penalty"),
+    ("tool_choice names no tool", {"messages": MESSAGES, "tools": [{"type": "function", "function": {"name": "f"}}],
+                                   "tool_choice": {"type": "function", "function": {"name": "g"}}}, 400,
+     "tool_choice"),
     ("unknown mode", {"messages": MESSAGES, "mode": "fast"}, 400, "mode"),
     ("unknown model", {"model": "gpt-4", "messages": MESSAGES}, 404, "model"),
     ("beyond the context", {"messages": [{"role": "user", "content": "x" * 300}], "max_tokens": 10}, 400,

@@ -1,0 +1,53 @@
+"""The target's log-probabilities at committed positions, computed where its logits live.
+
+They come from the target's raw logits (vLLM's default `raw_logprobs`): before logit bias,
+penalties, the grammar mask and temperature, so they are the model's own distribution whatever
+the request constrains, and the same in every decoding mode. Per committed token only the
+token's log-probability and the top-n (ids and values) are read back, never a vocabulary row.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+
+from mirror_rt.runtime.sampling import as_tensor
+from mirror_rt.runtime.transfer import to_host
+
+MAX_TOP = 20  # OpenAI's and vLLM's bound on top_logprobs
+
+
+@dataclass(frozen=True)
+class TokenLogprob:
+    """One committed token with its log-probability and the most likely alternatives at its position."""
+
+    token: int
+    logprob: float
+    top: tuple[tuple[int, float], ...] = ()  # (id, log-probability), most likely first
+
+
+def token_logprobs(rows, tokens: Sequence[int], top_n: int = 0) -> list[TokenLogprob]:
+    """Log-probabilities of `tokens` under raw logits `rows`, with the top `top_n` of each row.
+
+    Args:
+        rows: [n, vocab] raw logits; row i is the distribution `tokens[i]` was chosen from.
+        tokens: [n] committed ids.
+        top_n: alternatives per position (0..MAX_TOP).
+    Reads back one [n, 1 + 2 * top_n] table (float64: ids up to 2^53 are exact).
+    """
+    n = len(tokens)
+    if n == 0:
+        return []
+    x = as_tensor(rows)[:n].to(torch.float64)
+    norm = torch.logsumexp(x, dim=-1, keepdim=True)  # [n, 1]
+    ids = torch.as_tensor(list(tokens), dtype=torch.long, device=x.device)
+    parts = [x.gather(-1, ids[:, None]) - norm]
+    if top_n:
+        values, top_ids = torch.topk(x, min(top_n, x.shape[-1]), dim=-1)
+        parts += [values - norm, top_ids.to(torch.float64)]
+    table = to_host(torch.cat(parts, dim=-1))
+    k = (table.shape[1] - 1) // 2
+    return [TokenLogprob(int(t), float(r[0]), tuple((int(i), float(v)) for v, i in zip(r[1:1 + k], r[1 + k:])))
+            for t, r in zip(tokens, table)]

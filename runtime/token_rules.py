@@ -1,0 +1,193 @@
+"""Per-sequence token rules: grammar, logit bias and penalties, as one narrow state every decoder uses.
+
+`TokenRules` holds one sequence's grammar matcher (llguidance), the tokens accepted so far (for
+the penalties) and the target's log-probabilities at committed positions. Decoders use it the
+same way everywhere: `apply(logits)` gives the processed logits of ONE position at the current
+state, `accept(token)` advances (False, and no advance, when the grammar forbids the token),
+`rollback(n)` undoes the last n accepts, `forced()` lists the tokens the grammar forces next,
+`fork()` copies the state (the draft keeps its own copy, Mirror one per line and branch).
+A target verify window goes through `verify_rows` then `settle`: the rules end at the committed
+text, never advanced over rejected drafts (the same count as the KV rollback). It knows no model.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+
+from mirror_rt.runtime import grammar
+from mirror_rt.runtime.grammar import Constraint
+from mirror_rt.runtime.logprobs import MAX_TOP, TokenLogprob, token_logprobs
+from mirror_rt.runtime.penalties import add_bias, penalize
+from mirror_rt.runtime.sampling import as_tensor, stack_rows
+
+
+@dataclass(frozen=True)
+class RulesConfig:
+    """What the token rules of a request do (all off by default)."""
+
+    constraint: Constraint | None = None  # the grammar the output must match
+    logit_bias: tuple[tuple[int, float], ...] = ()  # (token id, bias in -100..100), OpenAI's logit_bias
+    presence_penalty: float = 0.0  # -2..2, subtracted once from every generated token
+    frequency_penalty: float = 0.0  # -2..2, subtracted per occurrence of a generated token
+    repetition_penalty: float = 1.0  # > 0 (vLLM's): divides positive / multiplies negative logits of seen tokens
+    logprobs: int | None = None  # record the target's log-probabilities with this many alternatives; None: off
+
+    def __post_init__(self):
+        self.validate()
+
+    def validate(self) -> None:
+        for name in ("presence_penalty", "frequency_penalty"):
+            if not -2.0 <= getattr(self, name) <= 2.0:
+                raise ValueError(f"{name} must be in -2..2, got {getattr(self, name)}")
+        if not 0.0 < self.repetition_penalty <= 10.0:
+            raise ValueError(f"repetition_penalty must be in (0, 10], got {self.repetition_penalty}")
+        if any(not -100.0 <= b <= 100.0 for _, b in self.logit_bias):
+            raise ValueError("logit_bias values must be in -100..100")
+        if self.logprobs is not None and not 0 <= self.logprobs <= MAX_TOP:
+            raise ValueError(f"top logprobs must be in 0..{MAX_TOP}, got {self.logprobs}")
+
+    @property
+    def penalized(self) -> bool:
+        return bool(self.presence_penalty or self.frequency_penalty or self.repetition_penalty != 1.0)
+
+    @property
+    def changes_logits(self) -> bool:
+        """Whether the target's distribution differs from its raw one (the draft then needs the rules too)."""
+        return bool(self.constraint or self.logit_bias or self.penalized)
+
+    @property
+    def active(self) -> bool:
+        return self.changes_logits or self.logprobs is not None
+
+
+class TokenRules:
+    """One sequence's rules state. Not thread-safe: each worker keeps its own (`fork`)."""
+
+    def __init__(self, config: RulesConfig, vocab_size: int, matcher=None, prompt: Sequence[int] = (),
+                 record: bool = True):
+        self.config, self.vocab_size, self.matcher = config, vocab_size, matcher
+        self.prompt = tuple(prompt) if config.repetition_penalty != 1.0 else ()  # only that penalty reads it
+        self.history: list[int] = []  # accepted tokens, in order
+        self.counts: Counter = Counter()  # of `history`
+        self.logprobs: list[TokenLogprob] | None = [] if record and config.logprobs is not None else None
+        self._seen: dict = {}  # the prompt's distinct ids, per device
+
+    @classmethod
+    def create(cls, config: RulesConfig, tokenizer, vocab_size: int, prompt: Sequence[int]) -> TokenRules | None:
+        """The rules of a request (None when it asks for none); ValueError for a grammar that cannot run."""
+        if not config.active:
+            return None
+        if any(not 0 <= i < vocab_size for i, _ in config.logit_bias):
+            raise ValueError(f"logit_bias names a token id outside the vocabulary (0..{vocab_size - 1})")
+        matcher = None
+        if config.constraint is not None:
+            matcher = grammar.new_matcher(config.constraint, grammar.grammar_tokenizer(tokenizer, vocab_size))
+        return cls(config, vocab_size, matcher, prompt)
+
+    @property
+    def changes_logits(self) -> bool:
+        return self.config.changes_logits
+
+    def fork(self) -> TokenRules:
+        """A copy at the same state that records no log-probabilities (a draft's)."""
+        copy = TokenRules(self.config, self.vocab_size, self.matcher.deep_copy() if self.matcher else None,
+                          self.prompt, record=False)
+        copy.history, copy.counts = list(self.history), Counter(self.counts)
+        return copy
+
+    def apply(self, logits):
+        """Processed logits [vocab] of one position at the current state (logits unchanged when no rule
+        changes them); host arrays come back as CPU tensors, device tensors stay on their device."""
+        if not self.changes_logits:
+            return logits
+        x, c = as_tensor(logits), self.config
+        if c.logit_bias:
+            x = add_bias(x, c.logit_bias)
+        if c.penalized:
+            x = penalize(x, self.counts, self._seen_on(x.device), c.repetition_penalty, c.frequency_penalty,
+                         c.presence_penalty)
+        if self.matcher is not None:
+            if self.matcher.is_error():
+                raise RuntimeError(f"the grammar failed: {self.matcher.get_error()}")
+            x = grammar.mask_logits(x, grammar.token_mask(self.matcher, self.vocab_size))
+        return x
+
+    def accept(self, token: int) -> bool:
+        """Advance over `token`; False (and no change) when the grammar forbids it."""
+        if self.matcher is not None and self.matcher.try_consume_tokens([int(token)]) != 1:
+            return False
+        self.history.append(int(token))
+        self.counts[int(token)] += 1
+        return True
+
+    def rollback(self, n: int) -> None:
+        """Undo the last n accepted tokens."""
+        if n <= 0:
+            return
+        if self.matcher is not None:
+            self.matcher.rollback(n)
+        for token in self.history[-n:]:
+            self.counts[token] -= 1
+        del self.history[-n:]
+
+    def forced(self) -> list[int]:
+        """Tokens the grammar forces next, in order ([] when none or no grammar)."""
+        return [] if self.matcher is None or self.matcher.is_stopped() else self.matcher.compute_ff_tokens()
+
+    def finished(self) -> bool:
+        """Whether only end-of-sequence may follow (the grammar is complete)."""
+        return self.matcher is not None and self.matcher.is_stopped()
+
+    def record(self, rows, tokens: Sequence[int]) -> None:
+        """Keep the log-probabilities of committed `tokens` from the raw target logits `rows` [n, vocab]."""
+        if self.logprobs is not None:
+            self.logprobs += token_logprobs(rows, tokens, self.config.logprobs)
+
+    def _seen_on(self, device) -> torch.Tensor | None:
+        if not self.prompt:
+            return None
+        if device not in self._seen:
+            self._seen[device] = torch.tensor(sorted(set(self.prompt)), dtype=torch.long, device=device)
+        return self._seen[device]
+
+
+def verify_rows(rules: TokenRules | None, logits, tokens: list[int]):
+    """Target verify rows processed at the committed state plus window[:j], for j = 0..k.
+
+    Args:
+        logits: [k+1, vocab] raw target logits over [last, d_1..d_k].
+        tokens: [k] the window d_1..d_k.
+    Returns (rows [k'+1, vocab], window [k'], advanced): the rules are left `advanced` tokens past the
+    committed state. A window token the grammar refuses ends the window: it stays as its last token,
+    with p = 0 at its row (a certain rejection), and the row after it is never read.
+    """
+    if rules is None or not rules.changes_logits:
+        return logits, tokens, 0
+    rows, advanced = [], 0
+    for j in range(len(tokens) + 1):
+        rows.append(rules.apply(logits[j]))
+        if j == len(tokens):
+            break
+        if not rules.accept(tokens[j]):
+            rows.append(rows[-1])  # a placeholder: the verdict stops at row j
+            tokens = tokens[:j + 1]
+            break
+        advanced += 1
+    return stack_rows(rows), tokens, advanced
+
+
+def settle(rules: TokenRules | None, advanced: int, tokens: list[int], verdict, logits) -> None:
+    """After a verdict: roll back to the accepted prefix, accept the correction or bonus, and record
+    the target's log-probabilities of the committed tokens (from the raw `logits` [k+1, vocab])."""
+    if rules is None:
+        return
+    accepted = verdict.num_accepted
+    keep = min(advanced, accepted)
+    rules.rollback(advanced - keep)
+    for token in tokens[keep:accepted] + [verdict.next_token]:
+        rules.accept(token)
+    rules.record(logits, tokens[:accepted] + [verdict.next_token])

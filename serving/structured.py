@@ -1,0 +1,82 @@
+"""What a request asks of the token rules: its grammar, logit bias, penalties and log-probabilities.
+
+The grammar comes from one of: `response_format` (`json_object`, `json_schema`), vLLM's
+`structured_outputs` (`json`, `regex`, `choice`, `grammar`, `json_object`) or a tool_choice that
+enforces a call (`required`, a named function; see `serving.tools`). Two of them at once is a 400.
+Every grammar is compiled against the engine's tokenizer before the request is queued, so a schema
+llguidance cannot run is a one-line 400 naming the parameter, never a failure mid-generation.
+"""
+
+from __future__ import annotations
+
+from mirror_rt.runtime.grammar import Constraint, check, grammar_tokenizer
+from mirror_rt.serving import protocol, tools
+from mirror_rt.serving.errors import APIError
+
+
+def constraint_of(req: protocol.Sampling) -> tuple[Constraint | None, str | None, str | None]:
+    """(constraint, its kind for the metrics, the parameter it came from) of a request."""
+    found = []
+    response_format = getattr(req, "response_format", None)
+    if response_format is not None and response_format.type != "text":
+        if response_format.type == "json_object":
+            found.append((Constraint("json_object"), "json_object", "response_format"))
+        else:
+            if response_format.json_schema is None:
+                raise APIError(400, "response_format json_schema needs its 'json_schema'", "response_format")
+            found.append((Constraint.json_schema(response_format.json_schema.schema_), "json_schema",
+                          "response_format"))
+    if req.structured_outputs is not None:
+        found.append(_structured_outputs(req.structured_outputs))
+    mode = req.tool_mode() if isinstance(req, protocol.ChatRequest) else None
+    schema = tools.tool_schema(req.tools, mode) if mode else None
+    if schema is not None:
+        found.append((Constraint.json_schema(schema), "tools", "tool_choice"))
+    if len(found) > 1:
+        raise APIError(400, f"{found[0][2]} and {found[1][2]} both constrain the output; send one", found[1][2])
+    return found[0] if found else (None, None, None)
+
+
+def _structured_outputs(spec: protocol.StructuredOutputs) -> tuple[Constraint, str, str]:
+    given = {name: value for name, value in (("json", spec.json_), ("regex", spec.regex), ("choice", spec.choice),
+                                            ("grammar", spec.grammar), ("json_object", spec.json_object))
+             if value is not None and value is not False}
+    if len(given) != 1:
+        raise APIError(400, "structured_outputs takes exactly one of json, regex, choice, grammar, json_object",
+                       "structured_outputs")
+    (name, value), = given.items()
+    if name == "json":
+        return Constraint.json_schema(value), "json_schema", "structured_outputs"
+    if name == "choice":
+        return Constraint.choice(value), "choice", "structured_outputs"
+    if name == "json_object":
+        return Constraint("json_object"), "json_object", "structured_outputs"
+    return Constraint(name, value), name, "structured_outputs"
+
+
+def checked(constraint: Constraint | None, param: str | None, engine) -> None:
+    """A 400 naming `param` when llguidance cannot run the grammar with the engine's tokenizer."""
+    if constraint is None:
+        return
+    try:
+        tokenizer = grammar_tokenizer(engine.tokenizer, engine.target.vocab_size)
+    except ValueError as exc:
+        raise APIError(400, f"structured output is not available for this model: {exc}", param) from None
+    reason = check(constraint, tokenizer)
+    if reason:
+        raise APIError(400, f"invalid {param}: {reason}", param)
+
+
+def rules_options(req: protocol.Sampling, constraint: Constraint | None, vocab_size: int) -> dict:
+    """The RulesConfig fields of a request (as `make_config` takes them)."""
+    bias = []
+    for key, value in (req.logit_bias or {}).items():
+        if not (key.isdigit() and int(key) < vocab_size):
+            raise APIError(400, f"logit_bias keys must be token ids in 0..{vocab_size - 1}, got '{key}'", "logit_bias")
+        if not -100.0 <= value <= 100.0:
+            raise APIError(400, f"logit_bias values must be in -100..100, got {value}", "logit_bias")
+        bias.append((int(key), float(value)))
+    return dict(constraint=constraint, logit_bias=tuple(bias), presence_penalty=req.presence_penalty or 0.0,
+                frequency_penalty=req.frequency_penalty or 0.0,
+                repetition_penalty=1.0 if req.repetition_penalty is None else req.repetition_penalty,
+                logprobs=req.top_logprobs_asked())

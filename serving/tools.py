@@ -1,0 +1,134 @@
+"""Tool calls: the prompt that offers tools, the schema that enforces a call, the parser that reads one.
+
+Prompt: a chat template that renders `tools` itself gets them, with earlier calls as `tool_calls`.
+Otherwise (the default model's template) a system message lists the functions as JSON and asks for
+Hermes-style calls, `<tool_call>{"name": ..., "arguments": {...}}</tool_call>`; earlier calls are written
+back the same way into the assistant's text and `tool` messages keep their role.
+Enforcement (vLLM's construction): a named tool_choice constrains the output to that function's
+parameters (the output IS the arguments); `required` to a JSON array of {"name", "parameters"} objects,
+one schema per tool, with no other keys; `auto` is free text, parsed afterwards (Hermes tags, or an answer that is one
+call object). It knows no engine: only a tokenizer's `chat_prompt`.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import uuid
+
+from mirror_rt.serving import protocol
+
+TOOL_PROMPT = ("You are a function calling AI model. You may call one or more functions to assist with the user "
+               "query. The functions you may call, as JSON signatures:\n<tools>\n{tools}\n</tools>\nTo call a "
+               "function, answer with a JSON object holding the function's name and arguments within "
+               "<tool_call></tool_call> tags:\n<tool_call>\n{{\"name\": <function-name>, \"arguments\": "
+               "<args-json-object>}}\n</tool_call>")
+CALL = re.compile(r"<tool_call>\s*(.*?)\s*(?:</tool_call>|$)", re.S)
+
+
+def prompt_ids(req: protocol.ChatRequest, tokenizer) -> list[int]:
+    """Token ids of the conversation (and the tools it offers), ready for the assistant's turn."""
+    offered = [t.model_dump(exclude_none=True) for t in req.tools] if req.tool_mode() else []
+    native = bool(offered) and getattr(tokenizer, "renders_tools", False)
+    messages = [_message(m, native) for m in req.messages]
+    if offered and not native:
+        text = TOOL_PROMPT.format(tools="\n".join(json.dumps(t, ensure_ascii=False) for t in offered))
+        if messages[0]["role"] == "system":
+            messages[0] = {**messages[0], "content": messages[0]["content"] + "\n\n" + text}
+        else:
+            messages.insert(0, {"role": "system", "content": text})
+    if native:
+        return tokenizer.chat_prompt(messages, tools=offered)
+    return tokenizer.chat_prompt(messages)
+
+
+def _message(message: protocol.Message, native: bool) -> dict:
+    role = "system" if message.role == "developer" else message.role
+    out = {"role": role, "content": message.text()}
+    if message.role == "tool" and message.tool_call_id is not None and native:
+        out["tool_call_id"] = message.tool_call_id
+    if not message.tool_calls:
+        return out
+    calls = [{"name": c.function.name, "arguments": _arguments(c.function.arguments)} for c in message.tool_calls]
+    if native:
+        out["tool_calls"] = [{"type": "function", "id": c.id, "function": call}
+                             for c, call in zip(message.tool_calls, calls)]
+        return out
+    written = "\n".join(f"<tool_call>\n{json.dumps(call, ensure_ascii=False)}\n</tool_call>" for call in calls)
+    out["content"] = (out["content"] + "\n" if out["content"] else "") + written
+    return out
+
+
+def _arguments(text: str):
+    try:
+        return json.loads(text)
+    except json.JSONDecodeError:
+        return text
+
+
+def tool_schema(tools: list[protocol.Tool], mode: str | None) -> dict | None:
+    """The JSON schema a tool_choice enforces (None for auto and none)."""
+    if mode in (None, "auto", "none"):
+        return None
+    parameters = {t.function.name: t.function.parameters or {"type": "object"} for t in tools}
+    if mode != "required":
+        return parameters[mode]
+    # no other keys: a small model would otherwise go on writing keys of its own after the parameters
+    options = [{"type": "object", "properties": {"name": {"type": "string", "enum": [name]}, "parameters": schema},
+                "required": ["name", "parameters"], "additionalProperties": False}
+               for name, schema in parameters.items()]
+    return {"type": "array", "minItems": 1, "items": options[0] if len(options) == 1 else {"anyOf": options}}
+
+
+def parse_calls(text: str, names: tuple[str, ...], mode: str | None) -> tuple[str | None, list[dict]]:
+    """(content, tool_calls in OpenAI's shape) of a finished answer; content None when only calls."""
+    if mode is None:
+        return text, []
+    if mode not in ("auto", "required"):  # a named function: the output is its arguments
+        return None, [_call(mode, text)]
+    found = _required(text, names) if mode == "required" else _auto(text, names)
+    return (text, []) if found is None else found
+
+
+def _required(text: str, names) -> tuple[str | None, list[dict]] | None:
+    try:
+        items = json.loads(text)
+    except json.JSONDecodeError:  # cut by the token budget
+        return None
+    calls = [_call(i["name"], json.dumps(i["parameters"], ensure_ascii=False)) for i in items
+             if isinstance(i, dict) and i.get("name") in names]
+    return (None, calls) if calls else None
+
+
+def _auto(text: str, names) -> tuple[str | None, list[dict]] | None:
+    """Hermes tags anywhere in the text; else the whole text as one call object (or a list of them)."""
+    blocks = [m.group(1) for m in CALL.finditer(text)]
+    calls = [c for c in (_object_call(b, names) for b in blocks) if c is not None]
+    if calls:
+        rest = CALL.sub("", text).strip()
+        return rest or None, calls
+    try:
+        whole = json.loads(text.strip())
+    except json.JSONDecodeError:
+        return None
+    objects = whole if isinstance(whole, list) else [whole]
+    calls = [c for c in (_object_call(o, names) for o in objects) if c is not None]
+    return (None, calls) if calls else None
+
+
+def _object_call(block, names) -> dict | None:
+    """A call from {"name": ..., "arguments" | "parameters": {...}} (text or parsed) naming a known tool."""
+    if isinstance(block, str):
+        try:
+            block = json.loads(block)
+        except json.JSONDecodeError:
+            return None
+    if not isinstance(block, dict) or block.get("name") not in names:
+        return None
+    arguments = block.get("arguments", block.get("parameters", {}))
+    return _call(block["name"], arguments if isinstance(arguments, str) else json.dumps(arguments, ensure_ascii=False))
+
+
+def _call(name: str, arguments: str) -> dict:
+    return {"id": f"call_{uuid.uuid4().hex[:24]}", "type": "function", "function": {"name": name,
+                                                                                     "arguments": arguments}}
