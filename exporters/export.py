@@ -42,7 +42,7 @@ from mirror_rt.models.config import SplitOptions
 from mirror_rt.models.pruned_head import PrunedHeadDraft, load_kept
 
 FORMATS = ("openvino", "onnx", "torch")
-WEIGHTS = ("fp32", "fp16", "int8", "int4", "q4_1")
+WEIGHTS = ("fp32", "fp16", "int8", "int4", "q4_1", "w8a8")
 EXIT_WEIGHTS = ("fp32", "int8")
 KV_MODES = ("explicit", "shared")
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "chat_template.jinja",
@@ -85,8 +85,8 @@ class ExportConfig:
         for flag, value in (("--weights", self.weights), ("--draft-weights", self.draft_weights)):
             if value not in WEIGHTS and not (flag == "--draft-weights" and value == "auto"):
                 raise ExportError(f"{flag} must be one of {', '.join(WEIGHTS)}, got '{value}'")
-            if value == "q4_1" and self.fmt != "onnx":
-                raise ExportError(f"{flag} q4_1 needs --format onnx (ONNX Runtime's MatMulNBits), "
+            if value in ("q4_1", "w8a8") and self.fmt != "onnx":
+                raise ExportError(f"{flag} {value} needs --format onnx (ONNX Runtime's integer products), "
                                   f"got --format {self.fmt}")
         if self.exit_weights not in EXIT_WEIGHTS:
             raise ExportError(f"--exit-weights must be one of {', '.join(EXIT_WEIGHTS)}, got '{self.exit_weights}'")

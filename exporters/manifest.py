@@ -24,7 +24,7 @@ READABLE_VERSIONS = (2, 3, 4)  # backends detect `last_rows` and batched graphs 
 MANIFEST = "manifest.json"
 VERIFIED = ".cache/verified.json"  # files hashed already: {name: [size, mtime_ns, sha256]}
 GRAPH_FORMATS = ("torch", "onnx", "openvino")
-PRECISIONS = ("fp32", "fp16", "bf16", "int8", "int4", "q4_1")
+PRECISIONS = ("fp32", "fp16", "bf16", "int8", "int4", "q4_1", "w8a8")
 ROLES = ("draft", "target_exit", "target_prefix", "target_suffix")  # sorted
 
 
