@@ -14,10 +14,6 @@ from pathlib import Path
 from mirror_rt.devices.registry import DeviceSpec, resolve
 from mirror_rt.runtime.affinity import pin, restore
 
-# ONNX weight precisions whose products also quantize activations (MatMulNBits accuracy level 4, MatMulInteger):
-# their targets pad one-token calls (devices.onnxruntime_backend.ORTGraph.pad_single), so they stay exact
-QUANTIZED_ACTIVATIONS = ("int8", "int4", "q4_1", "w8a8")
-
 
 @dataclass(frozen=True)
 class WorkerBudget:
@@ -122,8 +118,7 @@ def _load_onnxruntime(paths, manifest, config, spec: DeviceSpec, budget: WorkerB
     )
 
     kv_shape = (config.n_kv_heads, config.head_dim)
-    pad = len(paths) > 1 and manifest.graph("target_prefix").precision in QUANTIZED_ACTIVATIONS  # a target
-    graphs = [ORTGraph(p, spec.device, kv_shape, budget.threads, pad) for p in paths]
+    graphs = [ORTGraph(p, spec.device, kv_shape, budget.threads) for p in paths]
     if len(graphs) == 1:
         streams = STREAM_LOGITS in graphs[0].output_names  # an SS draft (exporters.ss_graph)
         return (ORTStreamDraft if streams else ORTModel)(graphs[0], config.vocab_size, manifest.max_context)
@@ -131,7 +126,7 @@ def _load_onnxruntime(paths, manifest, config, spec: DeviceSpec, budget: WorkerB
     wide = budget.prompt_cpus if spec.device == "cpu" and more_cores else None
     if wide and not _second_copy_fits([paths[0], paths[2]]):
         wide = None  # the prompt then runs pipelined over the two cores (ORTSplitTarget.prefill_pipelined)
-    prompt_graphs = _wide_graphs([paths[0], paths[2]], kv_shape, wide, pad) if wide else None
+    prompt_graphs = _wide_graphs([paths[0], paths[2]], kv_shape, wide) if wide else None
     return ORTSplitTarget(*graphs, config.vocab_size, manifest.max_context, manifest.kappa, prompt_graphs)
 
 
@@ -149,14 +144,14 @@ def _second_copy_fits(paths, share: float = 0.25) -> bool:
     return sum(Path(p).stat().st_size for p in paths) <= share * available
 
 
-def _wide_graphs(paths, kv_shape, cpus: tuple[int, ...], pad: bool = False) -> list:
+def _wide_graphs(paths, kv_shape, cpus: tuple[int, ...]) -> list:
     """CPU sessions with one thread per core of `cpus`: the pool threads are created while the calling
     thread may run on all of them (they inherit that mask), then the caller's own pin is restored."""
     from mirror_rt.devices.onnxruntime_backend import ORTGraph
 
     previous = pin(cpus)
     try:
-        return [ORTGraph(p, "cpu", kv_shape, len(cpus), pad) for p in paths]
+        return [ORTGraph(p, "cpu", kv_shape, len(cpus)) for p in paths]
     finally:
         restore(previous)
 

@@ -28,7 +28,6 @@ from mirror_rt.devices.ort_session import create_session
 from mirror_rt.runtime.affinity import pin
 
 PREFILL_CHUNK = 64  # prompt tokens per pipelined prefill stage
-PAD_ROOM = 1  # KV positions a padded one-token call writes past the window (ORTGraph.pad_single)
 LAST_ROWS = "last_rows"  # optional graph input (exporters.split.LAST_ROWS): logits rows from the window's end
 TOTAL_LEN = "total_len"  # input of shared-KV graphs (exporters.shared_kv.TOTAL_LEN)
 STREAM_LOGITS = "stream_logits"  # second output of SS draft graphs (exporters.ss_graph.STREAM_LOGITS)
@@ -74,7 +73,7 @@ class ORTGraph:
     """
 
     def __init__(self, path: Path, provider: str = "cpu", kv_shape: tuple[int, int] = (1, 1),
-                 threads: int | None = None, pad_single: bool = False):
+                 threads: int | None = None):
         _onnxruntime()  # its clear error where onnxruntime is missing
         providers = [PROVIDERS.get(provider, provider)]
         if providers[0] != "CPUExecutionProvider":
@@ -91,18 +90,13 @@ class ORTGraph:
         # batched shared-KV graphs (exporters.shared_kv) take rows: ids [B, T] / hidden [B, T, hidden]
         rank = len(self.session.get_inputs()[0].shape)
         self.batched = self.shared_kv and rank == (2 if self.input_name == "input_ids" else 3)
-        # one-token calls run as two-token windows (the copy is never committed): GroupQueryAttention's one-token
-        # path rounds differently from its windows, and int8 activations turn such last-bit differences into
-        # other tokens; so a target with quantized activations computes a position alike in every call shape
-        self.pad_single = pad_single and self.batched
-        self.room = PAD_ROOM if self.pad_single else 0  # KV positions past the capacity the padding may write
 
     def empty_kv(self, capacity: int) -> list:
         """Explicit: zero-length arrays. Shared: (buffers [1, KVH, capacity, D], their OrtValues)."""
         if not self.shared_kv:
             return [np.zeros((1, self.kv_shape[0], 0, self.kv_shape[1]), dtype=np.float32) for _ in self.past_names]
         ort = _onnxruntime()
-        buffers = [np.zeros((1, self.kv_shape[0], capacity + self.room, self.kv_shape[1]), dtype=np.float32)
+        buffers = [np.zeros((1, self.kv_shape[0], capacity, self.kv_shape[1]), dtype=np.float32)
                    for _ in self.past_names]
         return [(b, ort.OrtValue.ortvalue_from_numpy(b)) for b in buffers]  # the OrtValues share the memory
 
@@ -126,16 +120,10 @@ class ORTGraph:
         """Batched graphs: x [B, T] ids or [B, T, hidden] over KV buffers `values` (OrtValues [B, KVH, S, D], one
         per past input, written in place); total_len [B] int32: positions per row after the call -> head outputs
         by name, [B, ...] each (logits of the last `last_rows` rows of each window where the graph takes it)."""
-        padded = self.pad_single and x.shape[1] == 1
-        if padded:
-            if x.shape[0] != 1:
-                raise ValueError("a padded graph takes one-token calls one row at a time (RowPool.run splits them)")
-            x, total_len = np.concatenate([x, x], axis=1), total_len + 1  # row 0 is the one wanted
         feeds = {TOTAL_LEN: total_len}
         if self.takes_last_rows:
-            feeds[LAST_ROWS] = np.array([(last_rows or 1) + 1 if padded else last_rows or x.shape[1]], dtype=np.int64)
-        head = self._run_shared(x, values, feeds)[0]
-        return {name: out[:, :-1] for name, out in head.items()} if padded else head
+            feeds[LAST_ROWS] = np.array([last_rows or x.shape[1]], dtype=np.int64)
+        return self._run_shared(x, values, feeds)[0]
 
     def _run_shared(self, x: np.ndarray, kv: list, feeds: dict) -> tuple[dict, list]:
         """Run with `kv` bound as both past and present (OrtValues, or (buffer, OrtValue) pairs)."""

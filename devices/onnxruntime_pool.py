@@ -31,8 +31,7 @@ class RowPool:
 
         self.ort = _onnxruntime()
         kvh, d = graphs[0].kv_shape
-        room = max(g.room for g in graphs)  # positions a padded one-token call writes past the capacity
-        self.buffers = [[lazy_zeros((rows, kvh, capacity + room, d)) for _ in g.past_names] for g in graphs]
+        self.buffers = [[lazy_zeros((rows, kvh, capacity, d)) for _ in g.past_names] for g in graphs]
         self.rows, self.capacity = rows, capacity
         self.filled = np.zeros((len(graphs), rows), dtype=np.int64)  # positions each graph holds per row
         self.hidden = None  # split target: (first row, prefix output [B, T, hidden], suffix graph) pending
@@ -71,9 +70,6 @@ class RowPool:
         if len(ends) != B or ends.max() > self.capacity:
             raise ValueError(f"rows {first}..{first + B - 1} cannot take {T} more positions "
                              f"(pool of {self.rows} rows, capacity {self.capacity})")
-        if graph.pad_single and T == 1 and B > 1:  # padded one-token calls take one row each (ORTGraph.pad_single)
-            heads = [self.run(graph_index, graph, x[i:i + 1], first + i, last_rows) for i in range(B)]
-            return {name: np.concatenate([h[name] for h in heads]) for name in heads[0]}
         return graph.run_rows(x, self.values(graph_index, first, B), ends.astype(np.int32), last_rows)
 
     def move(self, src: int, dst: int) -> None:
@@ -99,7 +95,7 @@ class RowPool:
         starts from the target's prompt KV: its 30 layers are the prefix's 15 then the suffix's 15)."""
         mine = [b for graph in self.buffers for b in graph]
         theirs = [b for graph in source.buffers for b in graph]
-        if len(mine) != len(theirs) or mine[0].shape[1::2] != theirs[0].shape[1::2]:  # heads, head size
+        if len(mine) != len(theirs) or mine[0].shape[1:] != theirs[0].shape[1:]:
             raise ValueError("cannot adopt KV of another shape (the draft is not a copy of the target)")
         for b, s in zip(mine, theirs):
             b[row, :, :n] = s[source_row, :, :n]

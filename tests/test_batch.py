@@ -91,11 +91,11 @@ def test_modes_mix_in_one_batch(pair):
     assert not [t for t in __import__("threading").enumerate() if t.name == "mirror-draft" and t.is_alive()]
 
 
-@pytest.fixture(scope="module", params=["int8", "q4_1", "w8a8"])
-def quantized_pair(request, tmp_path_factory):
-    """(target, draft) of a tiny ONNX bundle whose target quantizes its activations (`mirror-rt export --weights`):
-    a last-bit difference between call shapes would change its tokens, so these targets must compute a position
-    alike whether it comes in a one-token step, a row of a batch or a verify window."""
+@pytest.fixture(scope="module", params=["fp32", "int8", "q4_1", "w8a8"])
+def precision_pair(request, tmp_path_factory):
+    """(target, draft) of a tiny ONNX bundle with its target at each precision (`mirror-rt export --weights`): with
+    quantized activations a last-bit difference between call shapes would change tokens, so every target must
+    compute a position alike whether it comes in a one-token step, a row of a batch or a verify window."""
     from mirror_rt import load_bundle
     from mirror_rt.exporters.export import export_bundle
 
@@ -107,10 +107,10 @@ def quantized_pair(request, tmp_path_factory):
 
 
 @pytest.mark.parametrize("mode", ["ar", "sd", "mirror"])
-def test_quantized_targets_equal_their_reference(quantized_pair, mode):
+def test_every_precision_equals_its_reference(precision_pair, mode):
     """Every precision is exact against ar over its own graphs: 8 prompts in batches of up to 4, each equal to the
     single-stream reference (one-token steps) of the very same target."""
-    target, draft = quantized_pair
+    target, draft = precision_pair
     decoder = BatchDecoder(target, draft, BatchSettings(max_num_seqs=4, adaptive_speculation=False))
     seqs = [(i, sequence(i, p, GenerationConfig(max_new_tokens=24, mode=mode, gamma=2 + i % 3)))
             for i, p in enumerate(prompts(8, 5))]
@@ -119,11 +119,11 @@ def test_quantized_targets_equal_their_reference(quantized_pair, mode):
         assert seq.tokens == reference(target, seq.prompt, seq.config), seq.id
 
 
-def test_quantized_targets_compute_a_position_alike_in_every_call_shape(quantized_pair):
+def test_targets_compute_a_position_alike_in_every_call_shape(precision_pair):
     """Bitwise: a position's logits as a one-token step, as a row of a batch and inside a verify window."""
     import numpy as np
 
-    target, _ = quantized_pair
+    target, _ = precision_pair
     pool = target.new_pool(4, 64)
     prompt = np.array([prompts(1, 9)[0][:6]])
     for row in range(4):
