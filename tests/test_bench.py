@@ -178,7 +178,8 @@ def test_every_row_names_weights_compute_and_kv():
 
     engine = SimpleNamespace(names={"path": "onnx bundle", "target_precision": "fp32", "draft_precision": "q4_1"})
     mirror = EngineRunner("mirror", engine, "mirror")
-    assert mirror.label == "onnx bundle; target fp32 weights/compute/KV; draft q4_1 weights, fp32 activations/KV"
+    assert mirror.label == ("onnx bundle; target fp32 weights/compute/KV; draft q4_1 weights (head int8), int8 "
+                            "activations (per row and block of 32), fp32 KV")
     assert (mirror.precision, mirror.target_only) == ("fp32", False)
     stats = {"weights": "fp32 target", "inference_precision": "bf16", "kv_cache_precision": "u8"}
     genai = OVGenAIRunner("ov-genai", None, None, False, stats)
