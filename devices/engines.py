@@ -23,7 +23,10 @@ from mirror_rt.models.default_model import DEFAULT_MODEL
 from mirror_rt.runtime.affinity import available_cores
 from mirror_rt.runtime.engine import Engine, GenerationError
 
-BUNDLE_VERSION = "0.2.0"  # part of the default bundle's folder name: bump when the default export changes
+BUNDLE_VERSION = "0.3.0"  # part of the default bundle's folder name: bump when the default export changes
+# The default bundle's target precision (`mirror-rt export --weights`), chosen by measurement (docs/performance.md):
+# int8 products (int8 activations per row and block of 32) decode and prefill faster than fp32 on this CPU class
+DEFAULT_WEIGHTS = "int8"
 
 
 def load_engine(options: EngineOptions | None = None, mode: str | None = None, log=stderr_line) -> Engine:
@@ -81,23 +84,23 @@ def default_bundle_or_none(cache_dir, log) -> Path | None:
 
 def default_bundle(cache_dir: str | None = None, progress: bool = True, log=stderr_line,
                    weights: str | None = None) -> Path:
-    """The default model's ONNX bundle in the cache (`mirror-rt export` defaults), exported on first use.
+    """The default model's ONNX bundle in the cache (`mirror-rt export --weights int8`), exported on first use.
 
     ONNX Runtime graphs decode the default model about 4x faster on CPU than torch eager, and Mirror
     then beats target-only decoding. The export (~30 s here) writes into a temporary folder of this
     process, renamed at the end and removed if the export fails, so an interrupted export leaves
     nothing behind. The folder name carries the bundle version, and `weights` (the target's precision,
-    exporters.export.WEIGHTS) where it is not the default's: the bench's rows per precision.
+    exporters.export.WEIGHTS; None: DEFAULT_WEIGHTS) where it is not the default's: the bench's rows per precision.
     """
     import shutil
 
-    from mirror_rt.exporters.export import ExportConfig, export_bundle
+    from mirror_rt.exporters.export import export_bundle
     from mirror_rt.exporters.manifest import BundleError, read_manifest
     from mirror_rt.models.default_model import cache_dir as resolve_cache
     from mirror_rt.models.default_model import default_model_folder
 
-    weights = weights or ExportConfig.weights
-    suffix = "" if weights == ExportConfig.weights else f"-{weights}"
+    weights = weights or DEFAULT_WEIGHTS
+    suffix = "" if weights == DEFAULT_WEIGHTS else f"-{weights}"
     folder = resolve_cache(cache_dir) / "bundles" / f"smollm2-135m-instruct-onnx-{BUNDLE_VERSION}{suffix}"
     try:
         read_manifest(folder, verify=False)
@@ -107,8 +110,7 @@ def default_bundle(cache_dir: str | None = None, progress: bool = True, log=stde
     log(f"mirror-rt: exporting the default model to ONNX once (about 30 s), into {folder}")
     partial = Path(f"{folder}.partial-{os.getpid()}")  # one per process: two first runs never share one
     try:
-        export_bundle(str(default_model_folder(cache_dir, log)), partial, progress=progress,
-                      **({} if weights == ExportConfig.weights else {"weights": weights}))
+        export_bundle(str(default_model_folder(cache_dir, log)), partial, progress=progress, weights=weights)
         try:
             read_manifest(folder, verify=False)  # another process finished first: keep its bundle
         except BundleError:
