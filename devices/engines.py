@@ -96,12 +96,10 @@ def default_bundle(cache_dir: str | None = None, progress: bool = True, log=stde
 
     from mirror_rt.exporters.export import export_bundle
     from mirror_rt.exporters.manifest import BundleError, read_manifest
-    from mirror_rt.models.default_model import cache_dir as resolve_cache
     from mirror_rt.models.default_model import default_model_folder
 
     weights = weights or DEFAULT_WEIGHTS
-    suffix = "" if weights == DEFAULT_WEIGHTS else f"-{weights}"
-    folder = resolve_cache(cache_dir) / "bundles" / f"smollm2-135m-instruct-onnx-{BUNDLE_VERSION}{suffix}"
+    folder = default_bundle_folder(cache_dir, weights)
     try:
         read_manifest(folder, verify=False)
         return folder
@@ -130,3 +128,25 @@ def placements_here() -> list[str]:
     if torch.cuda.device_count():
         lines.append(f"run --target cuda (mirror): {plan('torch:cuda:0', 'ort:cpu', 'mirror', cores).describe()}")
     return lines
+
+
+def default_bundle_folder(cache_dir: str | None = None, weights: str | None = None) -> Path:
+    """Where the default model's bundle with its target at `weights` (None: DEFAULT_WEIGHTS) lives in the cache."""
+    from mirror_rt.models.default_model import cache_dir as resolve_cache
+
+    suffix = "" if weights in (None, DEFAULT_WEIGHTS) else f"-{weights}"
+    return resolve_cache(cache_dir) / "bundles" / f"smollm2-135m-instruct-onnx-{BUNDLE_VERSION}{suffix}"
+
+
+def draft_choice_here(cache_dir: str | None = None) -> list[str]:
+    """`mirror-rt devices`: where `--draft auto` puts the default bundle's draft here (its table when it had to
+    choose: every pairing's predicted tokens/s), from loading the default engine when it is exported."""
+    from mirror_rt.exporters.manifest import BundleError, read_manifest
+
+    folder = default_bundle_folder(cache_dir)
+    try:
+        read_manifest(folder, verify=False)
+    except BundleError:
+        return ["draft auto: the default bundle is not exported yet (mirror-rt run exports it)"]
+    engine = load_bundle(EngineOptions.from_flags(bundle=str(folder), draft="auto"), verify=False)
+    return engine.names.get("draft_auto", [])

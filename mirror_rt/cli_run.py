@@ -131,11 +131,12 @@ def add_devices(sub) -> None:
 
 
 def cmd_devices(args) -> int:
-    from mirror_rt.devices.engines import placements_here
+    from mirror_rt.devices.engines import draft_choice_here, placements_here
     from mirror_rt.devices.registry import format_devices
 
     print(format_devices())
     print("\n".join(f"placement, {line}" for line in placements_here()))
+    print("\n".join(draft_choice_here()))
     if not args.check:
         return 0
     from mirror_rt.evaluation.device_check import format_check, run_check, write_check
