@@ -1,9 +1,11 @@
 """The engine over an exported bundle (`mirror-rt export`): each role resolved to a device, placed, loaded.
 
 `load_bundle` reads the manifests (the target's bundle, and the draft's when `--draft-bundle` names
-another), resolves each role's device (`devices.registry`, one warning line per fallback), places the
-two workers by device and mode (`devices.placement`) and loads each role in a thread pinned like its
-worker (`devices.bundles`). It never chooses between a bundle and torch: that is `devices.engines`.
+another), resolves each role's device (`devices.registry`, one warning line per fallback; `--draft auto`:
+every device that runs the draft is timed beside the target and the latency model picks, devices.
+draft_placement), places the two workers by device and mode (`devices.placement`) and loads each role in a
+thread pinned like its worker (`devices.bundles`). It never chooses between a bundle and torch: that is
+`devices.engines`.
 """
 
 from __future__ import annotations
