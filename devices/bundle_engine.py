@@ -1,9 +1,11 @@
 """The engine over an exported bundle (`mirror-rt export`): each role resolved to a device, placed, loaded.
 
 `load_bundle` reads the manifests (the target's bundle, and the draft's when `--draft-bundle` names
-another), resolves each role's device (`devices.registry`, one warning line per fallback), places the
-two workers by device and mode (`devices.placement`) and loads each role in a thread pinned like its
-worker (`devices.bundles`). It never chooses between a bundle and torch: that is `devices.engines`.
+another), resolves each role's device (`devices.registry`, one warning line per fallback; `--draft auto`:
+every device that runs the draft is timed beside the target and the latency model picks, devices.
+draft_placement), places the two workers by device and mode (`devices.placement`) and loads each role in a
+thread pinned like its worker (`devices.bundles`). It never chooses between a bundle and torch: that is
+`devices.engines`.
 """
 
 from __future__ import annotations
@@ -21,6 +23,7 @@ from mirror_rt.devices.bundles import (
     load_model,
     load_tokenizer,
 )
+from mirror_rt.devices.draft_placement import AUTO, candidates
 from mirror_rt.devices.options import EngineOptions
 from mirror_rt.devices.placement import plan
 from mirror_rt.devices.registry import resolve_noted
@@ -55,17 +58,21 @@ def load_bundle(options: EngineOptions, mode: str | None = None, verify: bool = 
         raise GenerationError(f"vocabulary mismatch: target bundle has {manifest.vocab_size} tokens, "
                               f"draft bundle has {draft_manifest.vocab_size}")
     strict = devices.strict_devices
+    found = candidates(bundle_format(draft_manifest, "draft")) if devices.draft == AUTO else []
+    asked_draft = (found or ["cpu"])[0] if devices.draft == AUTO else devices.draft  # auto: first the CPU
     target_where, target_fell = resolve_noted(devices.target, strict, bundle_format(manifest, "target"))
-    draft_where, draft_fell = resolve_noted(devices.draft, strict, bundle_format(draft_manifest, "draft"))
+    draft_where, draft_fell = resolve_noted(asked_draft, strict, bundle_format(draft_manifest, "draft"))
     fallbacks = {role: asked for role, asked, fell in (("target", devices.target, target_fell),
-                                                         ("draft", devices.draft, draft_fell)) if fell}
+                                                         ("draft", asked_draft, draft_fell)) if fell}
     placement = replace(plan(str(target_where), str(draft_where), mode, sorted(available_cores()), devices.threads),
                         fallbacks=fallbacks)
-    both = placement.worker_cores  # a core each: the target's prompt may also use the draft's (idle) core
-    target_budget = WorkerBudget(placement.target_threads, placement.target_cpus, None, both)
-    draft_budget = WorkerBudget(placement.draft_threads, placement.draft_cpus, options.precision.draft_precision)
-    target, draft = in_worker_threads([(bundle, manifest, "target", target_where, strict, target_budget),
-                                       (draft_source, draft_manifest, "draft", draft_where, strict, draft_budget)])
+    jobs = _jobs(options, (bundle, manifest, target_where), (draft_source, draft_manifest, draft_where), placement)
+    target, draft = in_worker_threads(jobs)
+    chosen_mode, auto_rows = None, [f"draft auto: {', '.join(found)} only: nothing to choose"] if found else []
+    if len(found) > 1:  # --draft auto with a choice to make: time every candidate beside the target
+        target, draft, placement, chosen_mode, auto_rows = _auto_draft(options, jobs, target, draft, found,
+                                                                       placement, mode)
+    both = placement.worker_cores
     # the draft starts from the target's prompt KV only when it is the target's copy and reads its caches
     draft.same_model_as_target = draft_copies_target(manifest, draft_manifest) and adopts_from(draft, target)
     names = {"model": Path(bundle).name, "target": f"{bundle} ({type(target).__name__})",
@@ -73,9 +80,57 @@ def load_bundle(options: EngineOptions, mode: str | None = None, verify: bool = 
              "target_device": placement.target, "draft_device": placement.draft,
              "target_precision": manifest.graph("target_prefix").precision,
              "draft_precision": draft_manifest.graph("draft").precision, "placement": placement.describe()}
+    if auto_rows:
+        names["draft_auto"] = auto_rows  # `mirror-rt devices` prints them
     tokenizer = load_tokenizer(Path(bundle), manifest)
     names["load_time_s"] = round(time.perf_counter() - started, 3)  # every generation's stats carry it
-    return Engine(target, tokenizer, draft, names, both, placement, manifest, batch=options.batch)
+    engine_class = TargetOnlyEngine if chosen_mode == "ar" else Engine
+    return engine_class(target, tokenizer, draft, names, both, placement, manifest, batch=options.batch)
+
+
+class TargetOnlyEngine(Engine):
+    """An engine whose requests decode target-only unless they name a mode (`--draft auto` found no draft that
+    pays here); sd and mirror still run when asked for."""
+
+    @property
+    def default_mode(self) -> str:
+        return "ar"
+
+
+def _jobs(options: EngineOptions, target_side: tuple, draft_side: tuple, placement) -> list[tuple]:
+    """The two load jobs (in_worker_threads) of a target and a draft placed by `placement`."""
+    both = placement.worker_cores  # a core each: the target's prompt may also use the draft's (idle) core
+    strict = options.devices.strict_devices
+    target_budget = WorkerBudget(placement.target_threads, placement.target_cpus, None, both)
+    draft_budget = WorkerBudget(placement.draft_threads, placement.draft_cpus, options.precision.draft_precision)
+    return [(*target_side[:2], "target", target_side[2], strict, target_budget),
+            (*draft_side[:2], "draft", draft_side[2], strict, draft_budget)]
+
+
+def _auto_draft(options: EngineOptions, jobs: list, target, draft, found: list[str], placement, mode):
+    """Load the draft on every other candidate, time them all beside the target, keep the best (devices.
+    draft_placement); the target is reloaded when the winner changes its placement. One line says what won."""
+    from mirror_rt.devices.draft_placement import pick
+    from mirror_rt.devices.registry import stderr_line
+    from mirror_rt.runtime.config import GenerationConfig
+
+    cores, threads = sorted(available_cores()), options.devices.threads
+    target_side, draft_side = jobs[0][:2] + (jobs[0][3],), jobs[1][:2]
+    drafts = {placement.draft: draft}
+    for device in found[1:]:
+        where = plan(placement.target, device, mode, cores, threads)
+        drafts[device] = in_worker_threads([_jobs(options, target_side, draft_side + (device,), where)[1]])[0]
+    tokenizer = load_tokenizer(Path(jobs[0][0]), jobs[0][1])
+    best, line, rows = pick(target, placement.target, drafts, tokenizer, GenerationConfig().gamma,
+                            cpu_concurrent=placement.worker_cores is not None)
+    stderr_line(line)
+    rows = [line.removeprefix("mirror-rt: ")] + rows
+    if best.draft is None or best.draft == placement.draft:
+        return target, draft, placement, best.mode, rows
+    chosen = replace(plan(placement.target, best.draft, mode, cores, threads), fallbacks=placement.fallbacks)
+    if (chosen.target_threads, chosen.target_cpus) != (placement.target_threads, placement.target_cpus):
+        target = in_worker_threads([_jobs(options, target_side, draft_side + (best.draft,), chosen)[0]])[0]
+    return target, drafts[best.draft], chosen, best.mode, rows
 
 
 def in_worker_thread(folder, manifest, role, device, strict, budget):

@@ -23,7 +23,10 @@ from mirror_rt.models.default_model import DEFAULT_MODEL
 from mirror_rt.runtime.affinity import available_cores
 from mirror_rt.runtime.engine import Engine, GenerationError
 
-BUNDLE_VERSION = "0.2.0"  # part of the default bundle's folder name: bump when the default export changes
+BUNDLE_VERSION = "0.3.0"  # part of the default bundle's folder name: bump when the default export changes
+# The default bundle's target precision (`mirror-rt export --weights`), chosen by measurement (docs/performance.md):
+# int8 products (int8 activations per row and block of 32) decode and prefill faster than fp32 on this CPU class
+DEFAULT_WEIGHTS = "int8"
 
 
 def load_engine(options: EngineOptions | None = None, mode: str | None = None, log=stderr_line) -> Engine:
@@ -79,22 +82,24 @@ def default_bundle_or_none(cache_dir, log) -> Path | None:
         return None
 
 
-def default_bundle(cache_dir: str | None = None, progress: bool = True, log=stderr_line) -> Path:
-    """The default model's ONNX bundle in the cache (`mirror-rt export` defaults), exported on first use.
+def default_bundle(cache_dir: str | None = None, progress: bool = True, log=stderr_line,
+                   weights: str | None = None) -> Path:
+    """The default model's ONNX bundle in the cache (`mirror-rt export --weights int8`), exported on first use.
 
     ONNX Runtime graphs decode the default model about 4x faster on CPU than torch eager, and Mirror
     then beats target-only decoding. The export (~30 s here) writes into a temporary folder of this
     process, renamed at the end and removed if the export fails, so an interrupted export leaves
-    nothing behind. The folder name carries the bundle version.
+    nothing behind. The folder name carries the bundle version, and `weights` (the target's precision,
+    exporters.export.WEIGHTS; None: DEFAULT_WEIGHTS) where it is not the default's: the bench's rows per precision.
     """
     import shutil
 
     from mirror_rt.exporters.export import export_bundle
     from mirror_rt.exporters.manifest import BundleError, read_manifest
-    from mirror_rt.models.default_model import cache_dir as resolve_cache
     from mirror_rt.models.default_model import default_model_folder
 
-    folder = resolve_cache(cache_dir) / "bundles" / f"smollm2-135m-instruct-onnx-{BUNDLE_VERSION}"
+    weights = weights or DEFAULT_WEIGHTS
+    folder = default_bundle_folder(cache_dir, weights)
     try:
         read_manifest(folder, verify=False)
         return folder
@@ -103,7 +108,7 @@ def default_bundle(cache_dir: str | None = None, progress: bool = True, log=stde
     log(f"mirror-rt: exporting the default model to ONNX once (about 30 s), into {folder}")
     partial = Path(f"{folder}.partial-{os.getpid()}")  # one per process: two first runs never share one
     try:
-        export_bundle(str(default_model_folder(cache_dir, log)), partial, progress=progress)
+        export_bundle(str(default_model_folder(cache_dir, log)), partial, progress=progress, weights=weights)
         try:
             read_manifest(folder, verify=False)  # another process finished first: keep its bundle
         except BundleError:
@@ -123,3 +128,25 @@ def placements_here() -> list[str]:
     if torch.cuda.device_count():
         lines.append(f"run --target cuda (mirror): {plan('torch:cuda:0', 'ort:cpu', 'mirror', cores).describe()}")
     return lines
+
+
+def default_bundle_folder(cache_dir: str | None = None, weights: str | None = None) -> Path:
+    """Where the default model's bundle with its target at `weights` (None: DEFAULT_WEIGHTS) lives in the cache."""
+    from mirror_rt.models.default_model import cache_dir as resolve_cache
+
+    suffix = "" if weights in (None, DEFAULT_WEIGHTS) else f"-{weights}"
+    return resolve_cache(cache_dir) / "bundles" / f"smollm2-135m-instruct-onnx-{BUNDLE_VERSION}{suffix}"
+
+
+def draft_choice_here(cache_dir: str | None = None) -> list[str]:
+    """`mirror-rt devices`: where `--draft auto` puts the default bundle's draft here (its table when it had to
+    choose: every pairing's predicted tokens/s), from loading the default engine when it is exported."""
+    from mirror_rt.exporters.manifest import BundleError, read_manifest
+
+    folder = default_bundle_folder(cache_dir)
+    try:
+        read_manifest(folder, verify=False)
+    except BundleError:
+        return ["draft auto: the default bundle is not exported yet (mirror-rt run exports it)"]
+    engine = load_bundle(EngineOptions.from_flags(bundle=str(folder), draft="auto"), verify=False)
+    return engine.names.get("draft_auto", [])

@@ -49,7 +49,7 @@ def is_accelerator(device) -> bool:
     parts = str(device).lower().split(":")
     name = parts[1] if len(parts) > 1 and parts[0] in ("torch", "pt", "openvino", "ov", "ort", "onnxruntime") \
         else parts[0]
-    return name not in ("cpu", "")
+    return name not in ("cpu", "", "auto")  # auto: placed by measurement, the CPU where nothing is timed
 
 
 def runs_mirror(mode: str | None) -> bool:

@@ -42,7 +42,7 @@ class EngineRunner:
 
 
 def describe(names: dict, mode: str) -> str:
-    """`onnx bundle; target fp32 weights/compute/KV; draft q4_1 weights, fp32 activations/KV`: the path an
+    """`onnx bundle; target fp32 weights/compute/KV; draft q4_1 weights (head int8), ...`: the path an
     engine runs and each role's weights, compute and KV precision."""
     path = names.get("path", "engine")
     target = names.get("target_precision", "?")
@@ -52,11 +52,18 @@ def describe(names: dict, mode: str) -> str:
     return f"{path}; target {precision_triplet(target)}; draft {draft}"
 
 
+# weights / compute / KV of each ONNX weight precision (exporters.onnx): quantized products also quantize activations
+QUANTIZED = {"int8": "int8 weights, int8 activations (per row and block of 32), fp32 KV",
+             "int4": "int4 weights (head int8), int8 activations (per row and block of 32), fp32 KV",
+             "q4_1": "q4_1 weights (head int8), int8 activations (per row and block of 32), fp32 KV",
+             "w8a8": "int8 weights (per column), int8 activations (per row), fp32 KV"}
+
+
 def precision_triplet(precision: str) -> str:
-    """Weights / compute / KV of a role from its weight precision (quantized weights compute in fp32)."""
+    """Weights / compute / KV of a role from its weight precision."""
     if precision in ("fp32", "bf16", "fp16", "fp64"):
         return f"{precision} weights/compute/KV"
-    return f"{precision} weights, fp32 activations/KV"
+    return QUANTIZED.get(precision, f"{precision} weights, fp32 activations/KV")
 
 
 def report_row(runner) -> report.Row:

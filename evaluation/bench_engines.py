@@ -25,8 +25,9 @@ FORMAT_BACKENDS = {"openvino": ("openvino:CPU",), "onnx": ("ort:cpu", "openvino:
 
 
 def bundle_runners(methods: list[str], bundle: str, draft_bundle: str | None = None,
-                   draft_precision: str | None = None, log=print) -> list:
-    """Runners for the `ar`, `sd` and `mirror` entries of `methods` over `bundle`."""
+                   draft_precision: str | None = None, log=print, tag: str | None = None) -> list:
+    """Runners for the `ar`, `sd` and `mirror` entries of `methods` over `bundle`; with `tag` (a precision) the rows
+    are `ar-<tag>-1t`, `sd-<tag>`, `mirror-<tag>`."""
     from mirror_rt.devices.bundle_engine import load_bundle
     from mirror_rt.devices.options import EngineOptions
     from mirror_rt.exporters.manifest import read_manifest
@@ -34,20 +35,20 @@ def bundle_runners(methods: list[str], bundle: str, draft_bundle: str | None = N
     manifest = read_manifest(bundle, verify=False)
     runners = []
     if "ar" in methods:
-        runners += _ar_runners(bundle, manifest, log)
+        runners += _ar_runners(bundle, manifest, log, tag)
     for mode in ("sd", "mirror"):
         if mode in methods or (mode == "mirror" and "mirror-no-lookup" in methods):
             options = EngineOptions.from_flags(bundle=bundle, draft_bundle=draft_bundle,
                                                draft_precision=draft_precision)
             engine = load_bundle(options, mode, verify=False)
             if mode in methods:
-                runners.append(EngineRunner(mode, engine, mode))
+                runners.append(EngineRunner(f"{mode}-{tag}" if tag else mode, engine, mode))
             if mode == "mirror" and "mirror-no-lookup" in methods:  # ablation on the same engine
                 runners.append(EngineRunner("mirror-no-lookup", engine, mode, draft_lookup=0))
     return runners
 
 
-def _ar_runners(bundle: str, manifest, log) -> list:
+def _ar_runners(bundle: str, manifest, log, tag: str | None = None) -> list:
     from mirror_rt.devices.bundles import WorkerBudget, load_model, load_tokenizer
     from mirror_rt.devices.registry import available_devices, is_available, parse_device
     from mirror_rt.runtime.engine import Engine
@@ -66,7 +67,7 @@ def _ar_runners(bundle: str, manifest, log) -> list:
             continue
         for threads in sorted({1, cores}):
             target = load_model(Path(bundle), manifest, "target", device, True, WorkerBudget(threads))
-            backend = device.split(":")[0].replace("openvino", "ov")
+            backend = tag or device.split(":")[0].replace("openvino", "ov")
             names = {"path": f"{graph_format} bundle on {device}, {threads} thread{'s' * (threads > 1)}",
                      "target_precision": manifest.graph("target_prefix").precision}
             runners.append(EngineRunner(f"ar-{backend}-{threads}t", Engine(target, tokenizer, names=names), "ar"))
@@ -100,14 +101,36 @@ def bench_runners(methods: list[str], options, log=print) -> list:
         engine = load_torch(options, log=log)
         runners = build_runners(methods, engine, engine.names.get("target"), log=log, gguf=gguf)
         return runners + bf16_runners(methods, model, None, draft_model, compile, cache_dir, log)
-    ours = [m for m in methods if m in OURS]
+    ours = [m for m in methods if m in ("ar", "sd", "mirror", "mirror-no-lookup")]
     runners = bundle_runners(ours, bundle, models.draft_bundle, options.precision.draft_precision, log=log)
+    runners += precision_runners(methods, model, cache_dir, log)
     runners += bf16_runners(methods, model, models.draft_bundle or bundle, draft_model, compile, cache_dir, log)
     peers = [m for m in methods if m not in OURS]
     if peers:
         tokenizer = runners[0].engine.tokenizer if runners else _bundle_tokenizer(bundle)
         folder = model if model and not os.path.exists(model) else str(resolve_folder(model, cache_dir, log=log))
         runners += build_runners(peers, _Peers(tokenizer), folder, log=log, gguf=gguf)
+    return runners
+
+
+def precision_runners(methods: list[str], model: str | None, cache_dir: str | None, log) -> list:
+    """`ar-<p>`, `sd-<p>`, `mirror-<p>` of `methods`: the default model's bundle with its target at precision p
+    (devices.engines.default_bundle exports it once), each row named with p."""
+    from mirror_rt.devices.engines import default_bundle
+    from mirror_rt.evaluation.bench_methods import BUNDLE_PRECISIONS
+    from mirror_rt.models.default_model import DEFAULT_MODEL
+
+    runners = []
+    for precision in BUNDLE_PRECISIONS:
+        modes = [mode for mode in ("ar", "sd", "mirror") if f"{mode}-{precision}" in methods]
+        if not modes:
+            continue
+        if model not in (None, DEFAULT_MODEL):
+            log(f"bench: skipping {', '.join(f'{m}-{precision}' for m in modes)}: precision rows run the default "
+                f"model's bundles (for another model: mirror-rt export --weights {precision}, then --bundle)")
+            continue
+        bundle = str(default_bundle(cache_dir, log=log, weights=precision))
+        runners += bundle_runners(modes, bundle, log=log, tag=precision)
     return runners
 
 

@@ -19,6 +19,10 @@ from pathlib import Path
 from mirror_rt.runtime.engine import GenerationError
 
 METHODS = ("llama-cpp", "llama-cpp-lookup")
+# llama-cpp-python keeps logits for one batch of rows (n_batch) unless it keeps them all, and its prompt-lookup
+# path writes a prompt's rows past that buffer (a 769-token prompt failed at the default 512): the lookup row
+# evaluates prompts of up to this many tokens in one batch (its logits buffer: LOOKUP_BATCH x vocab floats)
+LOOKUP_BATCH = 2048
 PROBE = "<|im_start|>user\nHello, world! 12345 ünïcödé\n<|im_end|>"  # chat markers, digits, non-ASCII
 
 
@@ -57,6 +61,9 @@ class LlamaCppRunner:
         room = self.llm.n_ctx() - len(ids)
         if room < 1:
             raise GenerationError(f"prompt too long for llama.cpp: {len(ids)} tokens, context {self.llm.n_ctx()}")
+        if self.lookup is not None and len(ids) >= self.llm.n_batch:
+            raise GenerationError(f"prompt too long for llama-cpp-python's prompt lookup: {len(ids)} tokens, "
+                                  f"batch {self.llm.n_batch}")
         if self.lookup is not None:
             self.lookup.num_pred_tokens = config.gamma  # read on every guess
         stops = set() if config.ignore_eos else set(self.tokenizer.eos_token_ids)
@@ -101,8 +108,9 @@ def llama_runners(methods: list[str], gguf: Path | None, tokenizer, threads: int
     runners = []
     for method in wanted:
         lookup = LlamaPromptLookupDecoding(max_ngram_size=2) if method == "llama-cpp-lookup" else None
+        batch = {"n_batch": LOOKUP_BATCH} if lookup else {}
         llm = llama_cpp.Llama(str(gguf), n_ctx=0, n_threads=threads, n_threads_batch=threads, draft_model=lookup,
-                              verbose=False)
+                              verbose=False, **batch)
         vocabulary = llm.tokenize(PROBE.encode(), add_bos=False, special=True)
         if llm.n_vocab() != tokenizer.vocab_size or vocabulary != tokenizer.encode(PROBE):
             log(f"bench: skipping {method}: {gguf.name}'s vocabulary differs from the model's tokenizer")

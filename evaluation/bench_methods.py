@@ -2,7 +2,8 @@
 
 `ar` expands into one runner per backend and thread count available (the fastest of a precision
 becomes that precision's baseline); `sd` and `mirror` are ours on the same engine; `ar-bf16` and
-`mirror-bf16` run a torch bf16 target (`bench_engines`); `hf-assisted` is transformers' assisted
+`mirror-bf16` run a torch bf16 target (`bench_engines`); `ar-int8`, `mirror-q4_1`... run the default model's bundle
+at that target precision; `hf-assisted` is transformers' assisted
 generation with an int8 copy of the target as the assistant (the same kind of draft); `ov-genai` is
 OpenVINO GenAI's own `LLMPipeline` on the target at its default precision (bf16 compute and u8 KV on
 CPUs with bf16), `ov-genai-f32` the same asked for f32 compute and KV, and `ov-genai-sd` GenAI with an
@@ -22,9 +23,13 @@ from mirror_rt.evaluation.bench_llama import llama_runners
 from mirror_rt.runtime.affinity import available_cores
 
 TORCH_BF16 = ("ar-bf16", "mirror-bf16", "ar-bf16-compiled", "mirror-bf16-compiled")  # bench_engines.bf16_runners
-KNOWN_METHODS = ("ar", "sd", "mirror", "mirror-no-lookup", *TORCH_BF16, "hf-assisted", "ov-genai", "ov-genai-f32",
-                 "ov-genai-sd", *LLAMA_METHODS)
-OURS = ("ar", "sd", "mirror", "mirror-no-lookup")  # run by our engines (over a bundle: bench_engines)
+# ar / sd / mirror over the default model's bundle with its target at one precision (`mirror-rt export --weights`):
+# `mirror-int8` is Mirror over the int8 target, `ar-int8` its reference (bench_engines.precision_runners)
+BUNDLE_PRECISIONS = ("fp32", "int8", "int4", "q4_1", "w8a8")
+PRECISION_METHODS = tuple(f"{mode}-{p}" for p in BUNDLE_PRECISIONS for mode in ("ar", "sd", "mirror"))
+KNOWN_METHODS = ("ar", "sd", "mirror", "mirror-no-lookup", *PRECISION_METHODS, *TORCH_BF16, "hf-assisted", "ov-genai",
+                 "ov-genai-f32", "ov-genai-sd", *LLAMA_METHODS)
+OURS = ("ar", "sd", "mirror", "mirror-no-lookup", *PRECISION_METHODS)  # run by our engines (bench_engines)
 
 
 def build_runners(methods: list[str], engine, model_folder: str | None, log=print, gguf=None) -> list:

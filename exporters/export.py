@@ -7,9 +7,10 @@ and window) are validated before any conversion starts. Default draft: the targe
 with `auto` weights: q4_1 in ONNX bundles of models whose weights are Q4_1 blocks exactly (the
 default model: the draft then computes with the model's own weights), int8 otherwise.
 Default exit: int8 weights, whatever the target's: the exit only picks which draft branches
-are precomputed, never the output. `--draft-vocab` gives the draft graph an LM head over a kept set of
-ids (models.pruned_head; the file is copied into the bundle). It does not run graphs;
-`devices.bundle_engine.load_bundle` does.
+are precomputed, never the output. Target weights (`--weights`): fp32 by default (the default
+bundle asks for int8, devices.engines); ONNX: int8, int4, q4_1, w8a8 (exporters.onnx).
+`--draft-vocab` gives the draft graph an LM head over a kept set of ids (models.pruned_head; the
+file is copied into the bundle). It does not run graphs; `devices.bundle_engine.load_bundle` does.
 """
 
 from __future__ import annotations
@@ -42,7 +43,7 @@ from mirror_rt.models.config import SplitOptions
 from mirror_rt.models.pruned_head import PrunedHeadDraft, load_kept
 
 FORMATS = ("openvino", "onnx", "torch")
-WEIGHTS = ("fp32", "fp16", "int8", "int4", "q4_1")
+WEIGHTS = ("fp32", "fp16", "int8", "int4", "q4_1", "w8a8")
 EXIT_WEIGHTS = ("fp32", "int8")
 KV_MODES = ("explicit", "shared")
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "chat_template.jinja",
@@ -85,8 +86,8 @@ class ExportConfig:
         for flag, value in (("--weights", self.weights), ("--draft-weights", self.draft_weights)):
             if value not in WEIGHTS and not (flag == "--draft-weights" and value == "auto"):
                 raise ExportError(f"{flag} must be one of {', '.join(WEIGHTS)}, got '{value}'")
-            if value == "q4_1" and self.fmt != "onnx":
-                raise ExportError(f"{flag} q4_1 needs --format onnx (ONNX Runtime's MatMulNBits), "
+            if value in ("q4_1", "w8a8") and self.fmt != "onnx":
+                raise ExportError(f"{flag} {value} needs --format onnx (ONNX Runtime's integer products), "
                                   f"got --format {self.fmt}")
         if self.exit_weights not in EXIT_WEIGHTS:
             raise ExportError(f"--exit-weights must be one of {', '.join(EXIT_WEIGHTS)}, got '{self.exit_weights}'")

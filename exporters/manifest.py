@@ -18,13 +18,15 @@ from pathlib import Path
 # 2: the early exit is its own stateless graph (target_exit); version 1 prefixes computed it.
 # 3: dynamic logits graphs (target_suffix, draft) take `last_rows`; the manifest says `draft_of_target`.
 # 4: shared-KV ONNX graphs take rows of sequences ([B, T] ids, [B, KVH, S, D] buffers, total_len [B]).
-FORMAT_VERSION = 4
-READABLE_VERSIONS = (2, 3, 4)  # backends detect `last_rows` and batched graphs per graph: older bundles still run
+# 5: target prefix/suffix attention from standard ops (exporters.exact_kv): a position computes alike in every
+#    call shape, so targets with quantized activations stay exact (drafts keep GroupQueryAttention).
+FORMAT_VERSION = 5
+READABLE_VERSIONS = (2, 3, 4, 5)  # backends detect `last_rows` and batched graphs per graph: older bundles still run
 # (one sequence a call: runtime.batch decodes their requests side by side, without shared calls)
 MANIFEST = "manifest.json"
 VERIFIED = ".cache/verified.json"  # files hashed already: {name: [size, mtime_ns, sha256]}
 GRAPH_FORMATS = ("torch", "onnx", "openvino")
-PRECISIONS = ("fp32", "fp16", "bf16", "int8", "int4", "q4_1")
+PRECISIONS = ("fp32", "fp16", "bf16", "int8", "int4", "q4_1", "w8a8")
 ROLES = ("draft", "target_exit", "target_prefix", "target_suffix")  # sorted
 
 

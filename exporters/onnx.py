@@ -5,9 +5,11 @@ onnxscript and handles dynamic axes for the window length and the past length. K
 explicit (ONNX has no state), so ONNX Runtime passes the cache in and out each call; the
 OpenVINO backend can still load the .onnx and make it stateful at load time. The exit graph
 has no KV at all.
-Weights: fp32, or int8/int4 weight-only: every MatMul with a constant weight becomes
-onnxruntime's MatMulNBits (blockwise, symmetric). Its int8 compute (`ACCURACY_LEVEL`) quantizes
-each activation row per block, so a row's output never depends on the other rows of its window.
+Weights: fp32; int8/int4: every MatMul with a constant weight becomes onnxruntime's MatMulNBits
+(blockwise, symmetric), whose int8 compute (`ACCURACY_LEVEL`) quantizes each activation row per
+block of 32, so a row's output never depends on the other rows of its window; q4_1: the same with a
+per-block minimum (exporters.q4_min); w8a8: int8 weights per column and activations per row in an
+integer product (exporters.w8a8).
 """
 
 from __future__ import annotations
@@ -28,7 +30,7 @@ from mirror_rt.exporters.split import (
     output_names,
 )
 
-WEIGHTS = ("fp32", "int8", "int4", "q4_1")
+WEIGHTS = ("fp32", "int8", "int4", "q4_1", "w8a8")
 OPSET = 17
 # Weights -> (bits of the projections, bits of the LM head). The head of a small model is a
 # large share of its weights and the most sensitive to rounding: int4 graphs keep it at 8 bits.
@@ -88,8 +90,8 @@ def _shared_axes(spec: GraphSpec, ins: list[str], outs: list[str]) -> dict:
 
 
 def quantize_weights(src: Path, dst: Path, weights: str, vocab_size: int, keep: tuple[str, ...] = ()) -> None:
-    """Weight-only MatMulNBits quantization of `src` into `dst` ("int8" or "int4", see NBITS; "q4_1",
-    see exporters.q4_min). MatMuls named in `keep` stay fp32.
+    """Quantization of `src` into `dst`: MatMulNBits "int8" or "int4" (see NBITS), "q4_1" (exporters.q4_min),
+    "w8a8" (exporters.w8a8). MatMuls named in `keep` stay fp32.
 
     The LM head (a MatMul whose weight has `vocab_size` columns; the tied embedding's
     transposed copy) gets the head's bits; the embedding Gather stays fp32 (a lookup costs
@@ -100,7 +102,11 @@ def quantize_weights(src: Path, dst: Path, weights: str, vocab_size: int, keep: 
     model = onnx.load(str(src))
     heads = _head_nodes(model.graph, vocab_size)
     keep = list(keep)
-    if weights == "q4_1":  # heads int8 first, then every other product in 4 bits with a minimum
+    if weights == "w8a8":  # every product, heads included (one row's scale serves a whole product)
+        from mirror_rt.exporters.w8a8 import quantize_w8a8
+
+        model = quantize_w8a8(model, keep)
+    elif weights == "q4_1":  # heads int8 first, then every other product in 4 bits with a minimum
         others = [n.name for n in model.graph.node if n.op_type == "MatMul" and n.name not in heads]
         model = quantize_q4_min(_quantize_matmuls(model, 8, exclude=others + keep), keep, ACCURACY_LEVEL)
     else:

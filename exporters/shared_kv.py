@@ -13,6 +13,8 @@ measured and set aside: SparseAttention's CPU kernel reads its softmax rows at o
 own length but writes them at the batch maximum's (rows of different lengths come out wrong), and
 the standard Attention op over TensorScatter buffers costs time in proportion to the buffer capacity.
 Only ONNX Runtime runs these graphs (CPU and CUDA providers implement the op); OpenVINO does not.
+Drafts (and SS drafts) attend through it; targets through exporters.exact_kv, whose positions come out alike in
+every call shape (this op's one-token path rounds differently from its windows).
 """
 
 from __future__ import annotations

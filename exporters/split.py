@@ -25,6 +25,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from mirror_rt.exporters.exact_kv import exact_attention_plan, exact_rope_attention
 from mirror_rt.exporters.shared_kv import TOTAL_LEN, shared_kv_rope_attention
 from mirror_rt.models.exit_adapter import attends, exit_logits
 from mirror_rt.models.transformer import (
@@ -56,6 +57,9 @@ class GraphSpec:
     window: int = 0  # tokens per call of a static graph
     shared_kv: bool = False  # KV in preallocated buffers written in place (exporters.shared_kv; ONNX Runtime)
     exit_mix: bool = False  # target_prefix also returns "exit_hidden": an attention exit adapter's first stage
+    # shared-KV attention from standard ops, alike in every call shape (exporters.exact_kv; targets), else
+    # GroupQueryAttention (exporters.shared_kv; drafts: faster at one token)
+    exact: bool = False
 
     @property
     def takes_tokens(self) -> bool:
@@ -200,6 +204,7 @@ class SplitGraph(nn.Module):
         rope = (self.rope_cos_half, self.rope_sin_half, positions)
         sizes = [self.n_heads * self.head_dim] + [self.n_kv_heads * self.head_dim] * 2
         h = self.model.embed(x) if self.spec.takes_tokens else x
+        plan = exact_attention_plan(positions, total_len, self.n_heads, self.n_kv_heads) if self.spec.exact else None
         presents = []
         for i in range(self.spec.n_layers):
             block = self.model.layers[self.spec.first + i]
@@ -208,8 +213,12 @@ class SplitGraph(nn.Module):
             if attn.qk_norm:  # per head, before RoPE
                 q = attn.q_norm(q.reshape(B, T, self.n_heads, self.head_dim)).reshape(B, T, -1)
                 k = attn.k_norm(k.reshape(B, T, self.n_kv_heads, self.head_dim)).reshape(B, T, -1)
-            out, keys, values = shared_kv_rope_attention(q, k, v, kv[2 * i], kv[2 * i + 1], total_len, rope,
-                                                         self.n_heads, self.n_kv_heads)
+            if plan is not None:
+                out, keys, values = exact_rope_attention(q, k, v, kv[2 * i], kv[2 * i + 1], rope, plan, self.n_heads,
+                                                         self.n_kv_heads, self.head_dim)
+            else:
+                out, keys, values = shared_kv_rope_attention(q, k, v, kv[2 * i], kv[2 * i + 1], total_len, rope,
+                                                             self.n_heads, self.n_kv_heads)
             h = h + attn.o_proj(out)
             gate, up = self.gate_up[i](block.post_attention_layernorm(h)).split([block.mlp.up_proj.out_features] * 2,
                                                                                 dim=-1)
@@ -295,8 +304,9 @@ def graph_spec(role: str, n_layers: int, exit_layer: int, kappa: int, static: bo
     """The spec of `role` for a model of `n_layers` cut at `exit_layer` (`exit_mix`: see GraphSpec)."""
     first, last = {"target_prefix": (0, exit_layer), "target_exit": (exit_layer, exit_layer),
                    "target_suffix": (exit_layer, n_layers), "draft": (0, n_layers)}[role]
-    return GraphSpec(role, first, last, kappa if role == "target_exit" else 0, static, context, window,
-                     shared_kv and role != "target_exit", exit_mix and role == "target_prefix")
+    shared = shared_kv and role != "target_exit"
+    return GraphSpec(role, first, last, kappa if role == "target_exit" else 0, static, context, window, shared,
+                     exit_mix and role == "target_prefix", exact=shared and role != "draft")
 
 
 def example_inputs(model: Transformer, spec: GraphSpec, tokens: int = 3, past: int = 2) -> tuple:

@@ -34,8 +34,9 @@ ENGINE_HELP = {
     "cache_dir": "model cache folder (default: $MIRROR_RT_CACHE or ~/.cache/mirror-rt)",
     "target": "target device (default %(default)s): cpu, cuda, cuda:1, gpu, npu, openvino:CPU, ort:cpu, ort:qnn, "
               "torch:cpu...; without --bundle, cuda runs the target in torch on the GPU",
-    "draft": "draft device (default %(default)s; same forms; the default bundle's draft, or --draft-bundle's, with "
-             "a CUDA target)",
+    "draft": "draft device (default %(default)s: where more than one device runs the draft, each is timed at load "
+             "and the latency model picks, no speculation included; same forms; the default bundle's draft, or "
+             "--draft-bundle's, with a CUDA target)",
     "strict_devices": "fail instead of falling back to a CPU backend",
     "device": "torch device of the target (cpu by default, cuda, cuda:1; as --target)",
     "threads": "torch threads (default: all cores)",

@@ -107,7 +107,8 @@ def add_export(sub) -> None:
                         "draft graph (onnx); Mirror's greedy rollouts then confirm several tokens per forward")
     export.add_argument("--format", dest="fmt", default=EXPORT.fmt,
                         help="onnx (default: exact and fastest on CPU here) | openvino | torch")
-    export.add_argument("--weights", default=EXPORT.weights, help="target weights: fp32 (default) | fp16 | int8 | int4")
+    export.add_argument("--weights", default=EXPORT.weights, help="target weights: fp32 (default) | fp16 | int8 (the "
+                        "default bundle's) | int4 | q4_1 | w8a8 (onnx: int8 activations per row; docs/performance.md)")
     export.add_argument("--draft-weights", default=EXPORT.draft_weights,
                         help="draft weights: auto (default: q4_1 where the weights are Q4_1 blocks exactly and the "
                         "format is onnx, else int8) | fp32 | fp16 | int8 | int4 | q4_1 (onnx: 4-bit blocks with a "
@@ -156,11 +157,12 @@ def add_devices(sub) -> None:
 
 
 def cmd_devices(args) -> int:
-    from mirror_rt.devices.engines import placements_here
+    from mirror_rt.devices.engines import draft_choice_here, placements_here
     from mirror_rt.devices.registry import format_devices
 
     print(format_devices())
     print("\n".join(f"placement, {line}" for line in placements_here()))
+    print("\n".join(draft_choice_here()))
     if not args.check:
         return 0
     from mirror_rt.evaluation.device_check import format_check, run_check, write_check

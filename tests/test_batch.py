@@ -91,6 +91,57 @@ def test_modes_mix_in_one_batch(pair):
     assert not [t for t in __import__("threading").enumerate() if t.name == "mirror-draft" and t.is_alive()]
 
 
+@pytest.fixture(scope="module", params=["fp32", "int8", "q4_1", "w8a8"])
+def precision_pair(request, tmp_path_factory):
+    """(target, draft) of a tiny ONNX bundle with its target at each precision (`mirror-rt export --weights`): with
+    quantized activations a last-bit difference between call shapes would change tokens, so every target must
+    compute a position alike whether it comes in a one-token step, a row of a batch or a verify window."""
+    from mirror_rt import load_bundle
+    from mirror_rt.exporters.export import export_bundle
+
+    folder = export_bundle("tiny", tmp_path_factory.mktemp(f"bundle-{request.param}"), progress=False,
+                           weights=request.param)
+    engine = load_bundle(str(folder), mode="mirror")
+    assert engine.names["target_precision"] == request.param
+    return engine.target, engine.draft
+
+
+@pytest.mark.parametrize("mode", ["ar", "sd", "mirror"])
+def test_every_precision_equals_its_reference(precision_pair, mode):
+    """Every precision is exact against ar over its own graphs: 8 prompts in batches of up to 4, each equal to the
+    single-stream reference (one-token steps) of the very same target."""
+    target, draft = precision_pair
+    decoder = BatchDecoder(target, draft, BatchSettings(max_num_seqs=4, adaptive_speculation=False))
+    seqs = [(i, sequence(i, p, GenerationConfig(max_new_tokens=24, mode=mode, gamma=2 + i % 3)))
+            for i, p in enumerate(prompts(8, 5))]
+    run(decoder, seqs)
+    for _, seq in seqs:
+        assert seq.tokens == reference(target, seq.prompt, seq.config), seq.id
+
+
+def test_targets_compute_a_position_alike_in_every_call_shape(precision_pair):
+    """Bitwise: a position's logits as a one-token step, as a row of a batch and inside a verify window."""
+    import numpy as np
+
+    target, _ = precision_pair
+    pool = target.new_pool(4, 64)
+    prompt = np.array([prompts(1, 9)[0][:6]])
+    for row in range(4):
+        target.forward_rows(prompt, pool, row, last_rows=1)
+        pool.commit(row, 6)
+    window = np.array([[11, 12, 13, 14]])
+    in_window = target.forward_rows(window, pool, 0, last_rows=4)[0]  # positions 6..9 of row 0
+    steps = []
+    for t in range(4):  # the same positions one token at a time
+        steps.append(target.forward_rows(window[:, t:t + 1], pool, 0, last_rows=1)[0, 0])
+        pool.commit(0, 7 + t)
+    batch = target.forward_rows(np.array([[11]] * 4), pool, 0, last_rows=1)[:, 0]  # position 6 of rows 1..3
+    for t in range(4):
+        assert np.array_equal(in_window[t], steps[t]), t
+    for row in range(1, 4):
+        assert np.array_equal(batch[row], steps[0]), row
+
+
 def test_seeded_sampling_repeats_whatever_the_companions(pair):
     """A seeded sampled request gives the same tokens alone, in a batch, and in sd: its draws are keyed by
     position, never by what else runs."""

@@ -178,7 +178,8 @@ def test_every_row_names_weights_compute_and_kv():
 
     engine = SimpleNamespace(names={"path": "onnx bundle", "target_precision": "fp32", "draft_precision": "q4_1"})
     mirror = EngineRunner("mirror", engine, "mirror")
-    assert mirror.label == "onnx bundle; target fp32 weights/compute/KV; draft q4_1 weights, fp32 activations/KV"
+    assert mirror.label == ("onnx bundle; target fp32 weights/compute/KV; draft q4_1 weights (head int8), int8 "
+                            "activations (per row and block of 32), fp32 KV")
     assert (mirror.precision, mirror.target_only) == ("fp32", False)
     stats = {"weights": "fp32 target", "inference_precision": "bf16", "kv_cache_precision": "u8"}
     genai = OVGenAIRunner("ov-genai", None, None, False, stats)
@@ -225,3 +226,27 @@ def test_bf16_rows_run_a_torch_bf16_target(tmp_path):
     assert proc.returncode == 0, proc.stderr  # bf16 rows may part at near-ties: reported, not failed
     assert doc["precisions"]["mirror-bf16"] == "bf16" and doc["references"]["mirror-bf16"] == "ar-bf16-1t"
     assert doc["baselines"]["bf16"].startswith("ar-bf16-") and "bf16 weights/compute/KV" in doc["paths"]["mirror-bf16"]
+
+
+def test_precision_rows_run_the_default_bundle_at_that_precision(tmp_path, monkeypatch):
+    """`ar-int8` and `mirror-int8` run the default model's bundle with an int8 target (named for it, compared with
+    each other); another model's precision rows are skipped with a line."""
+    from mirror_rt.devices import engines
+    from mirror_rt.evaluation.bench_engines import precision_runners
+    from mirror_rt.exporters.export import export_bundle
+
+    asked = []
+
+    def fake_default_bundle(cache_dir=None, progress=True, log=None, weights=None):  # the tiny model stands in
+        asked.append(weights)
+        return export_bundle("tiny", tmp_path / f"b-{weights}", progress=False, weights=weights, kappa=2)
+
+    monkeypatch.setattr(engines, "default_bundle", fake_default_bundle)
+    lines = []
+    runners = precision_runners(["ar-int8", "mirror-int8", "mirror"], None, None, lines.append)
+    assert asked == ["int8"] and [r.name for r in runners][-1] == "mirror-int8"
+    assert {r.name for r in runners} >= {"ar-int8-1t", "mirror-int8"}
+    assert {r.precision for r in runners} == {"int8"}
+    assert "int8 activations" in runners[-1].label
+    assert precision_runners(["ar-q4_1"], "some/other-model", None, lines.append) == []
+    assert "skipping ar-q4_1" in lines[-1]

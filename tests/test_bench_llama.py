@@ -10,9 +10,11 @@ import types
 import numpy as np
 import pytest
 
+from mirror_rt.evaluation.bench_llama import LOOKUP_BATCH
 from mirror_rt.evaluation.bench_methods import build_runners
 from mirror_rt.models.tokenizer import ByteTokenizer
 from mirror_rt.runtime.config import make_config
+from mirror_rt.runtime.engine import GenerationError
 
 SCRIPT = [40, 41, 42, 1, 43, 44, 45, 46, 47, 48]  # 1 is the byte tokenizer's EOS
 
@@ -22,8 +24,8 @@ class FakeLlama:
 
     instances: list = []
 
-    def __init__(self, model_path, n_ctx, n_threads, n_threads_batch, draft_model, verbose):
-        self.model_path, self.threads, self.draft_model = model_path, n_threads, draft_model
+    def __init__(self, model_path, n_ctx, n_threads, n_threads_batch, draft_model, verbose, n_batch=512):
+        self.model_path, self.threads, self.draft_model, self.n_batch = model_path, n_threads, draft_model, n_batch
         self.input_ids, self.prompts, self.resets, self.seeds, self.vocab = np.zeros(64, dtype=np.intc), [], 0, [], 258
         FakeLlama.instances.append(self)
 
@@ -103,6 +105,10 @@ def test_rows_are_labelled_with_the_gguf_precision(fake_llama, gguf):
     assert (lookup.name, lookup.target_only) == ("llama-cpp-lookup", False) and "prompt lookup" in lookup.label
     lookup.answer([{"role": "user", "content": "hi"}], make_config(max_new_tokens=4, gamma=5))
     assert fake_llama.instances[1].draft_model.num_pred_tokens == 5  # the bench's gamma per guess
+    assert (fake_llama.instances[0].n_batch, fake_llama.instances[1].n_batch) == (512, LOOKUP_BATCH)
+    fake_llama.instances[1].n_batch = 2  # a prompt past the lookup row's one batch is refused in one line
+    with pytest.raises(GenerationError, match="prompt lookup: [0-9]+ tokens, batch 2"):
+        lookup.answer([{"role": "user", "content": "hello"}], make_config(max_new_tokens=4))
 
 
 def test_another_vocabulary_is_skipped(fake_llama, gguf, monkeypatch):

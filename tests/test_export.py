@@ -55,7 +55,7 @@ def static_bundle(tmp_path_factory):
 def test_manifest_describes_the_bundle(torch_bundle):
     """Defaults: exit layer N/2, the four roles, tokenizer hash, versions, kv layout."""
     manifest = read_manifest(torch_bundle)
-    assert manifest.format_version == FORMAT_VERSION == 4
+    assert manifest.format_version == FORMAT_VERSION == 5
     assert manifest.exit_layer == manifest.n_layers // 2 and manifest.kappa == 4
     assert {g.role for g in manifest.graphs} == {"target_prefix", "target_exit", "target_suffix", "draft"}
     exit_graph = manifest.graph("target_exit")  # torch: computed from the target's own weights
@@ -237,6 +237,18 @@ def test_onnx_int8_draft_is_weight_only(onnx_int8_bundle):
     assert len(attention) == n_layers and "Neg" not in ops and "Transpose" not in ops
     rotary = [{a.name: onnx.helper.get_attribute_value(a) for a in n.attribute}.get("do_rotary") for n in attention]
     assert rotary == [1] * n_layers
+
+
+def test_onnx_targets_attend_with_standard_ops(onnx_int8_bundle):
+    """Target prefix and suffix attend without GroupQueryAttention (exporters.exact_kv: the same kernels in every
+    call shape), writing their KV in place with ScatterND; the draft keeps GroupQueryAttention."""
+    import onnx
+
+    for role in ("target_prefix", "target_suffix"):
+        ops = [n.op_type for n in onnx.load(str(onnx_int8_bundle / f"{role}.onnx")).graph.node]
+        layers = ops.count("ScatterND") // 2
+        assert layers >= 1 and "GroupQueryAttention" not in ops
+        assert ops.count("RotaryEmbedding") == ops.count("Softmax") * 2 == 2 * layers
 
 
 def test_onnx_exit_is_its_own_int8_graph(onnx_int8_bundle):

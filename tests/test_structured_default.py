@@ -1,6 +1,6 @@
 """Structured output on the real default bundle (what `run` and `serve` run): greedy constrained `mirror` and
 `sd` give constrained `ar`'s text on 8 questions x 3 schemas, every answer validates, and Mirror's logprobs
-equal `ar`'s at fp32. Marked slow: it loads the default model (fetched and exported once per machine)."""
+equal `ar`'s at fp32 and int8. Marked slow: it loads the default model (fetched and exported once per machine)."""
 
 from __future__ import annotations
 
@@ -21,6 +21,14 @@ def bundle_engine(cache_dir):
     return mirror_rt.load(cache_dir=cache_dir)
 
 
+@pytest.fixture(scope="module")
+def fp32_engine(cache_dir):
+    """The default model's bundle with an fp32 target (the default bundle's is int8: exported once)."""
+    import mirror_rt
+
+    return mirror_rt.load_bundle(str(mirror_rt.default_bundle(cache_dir, progress=False, weights="fp32")))
+
+
 def test_greedy_constrained_modes_equal_ar_on_8_questions_x_3_schemas(bundle_engine):
     different, invalid = [], []
     for question in QUESTIONS:
@@ -36,8 +44,11 @@ def test_greedy_constrained_modes_equal_ar_on_8_questions_x_3_schemas(bundle_eng
     assert not different and not invalid
 
 
-def test_mirror_logprobs_equal_ar_at_fp32(bundle_engine):
-    """The target's raw log-probabilities at every committed position, top 5, to 1e-4."""
+@pytest.mark.parametrize("engine", ["fp32_engine", "bundle_engine"])
+def test_mirror_logprobs_equal_ar(engine, request):
+    """The target's raw log-probabilities at every committed position, top 5, to 1e-4: at fp32 and at the default
+    bundle's int8."""
+    bundle_engine = request.getfixturevalue(engine)
     for question in QUESTIONS[:4]:
         runs = [bundle_engine.generate([{"role": "user", "content": question}], mode=mode, max_new_tokens=48,
                                        temperature=0, logprobs=5) for mode in ("ar", "mirror")]

@@ -1,0 +1,107 @@
+"""`w8a8`: int8 weights per output column and int8 activations per row, multiplied in int32.
+
+Every constant-weight MatMul y = x @ W [K, N] becomes, with w_n = max|W[:, n]| / 127 and, per row r of x,
+s_r = max|x_r| / 127:
+
+    y[r, n] = s_r * w_n * sum_k round(x[r, k] / s_r) * round(W[k, n] / w_n)
+
+The activations are quantized at run time, one scale per row over the whole reduction axis (once per
+distinct input, shared by every product reading it), as uint8 with zero point 128, so ONNX Runtime runs
+its u8s8 integer GEMM (MatMulIntegerToFloat; VNNI where the CPU has it). A row's output depends on that row
+alone (no per-tensor scale, unlike DynamicQuantizeLinear), so a batch of rows and a one-token step compute
+a row alike. Measured here (one thread, single products): as fast as MatMulNBits int8 at one row, about 2x
+faster at 5 rows and 2.5-3x at 256 (a prompt); one scale per row is coarser than MatMulNBits' per block of
+32 (SmolLM2-135M: 91% top-1 agreement with fp32 against 97%). A graph pass over ONNX; it knows no model.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+LEVELS = 127  # symmetric int8: -127..127 (no -128, so negation is exact)
+ZERO_POINT = 128  # activations as uint8: q + 128
+TINY = 1e-30  # an all-zero row gets this scale instead of 0 (no 0/0)
+
+
+def quantize_w8a8(model, exclude: list[str]):
+    """Every constant-weight 2-D MatMul of `model` (onnx ModelProto) not in `exclude` -> the w8a8 form; in place."""
+    from onnx import helper
+
+    if _opset(model) < 13:  # QuantizeLinear with a scalar scale and uint8 zero point, as used here
+        raise ValueError(f"w8a8 needs an ONNX opset >= 13, the graph has {_opset(model)}")
+    graph = model.graph
+    weights = {t.name: t for t in graph.initializer}
+    constants = _constants(graph, axes_input=_opset(model) >= 18)
+    nodes, quantized, used = [], {}, set()
+    for node in graph.node:
+        weight = weights.get(node.input[1]) if node.op_type == "MatMul" else None
+        if weight is None or node.name in exclude or len(weight.dims) != 2:
+            nodes.append(node)
+            continue
+        used.add(weight.name)
+        x = node.input[0]
+        if x not in quantized:
+            quantized[x] = _quantize_rows(nodes, x, constants)
+        nodes += _integer_product(graph, node, weight, quantized[x], constants)
+    del graph.node[:]
+    graph.node.extend(nodes)
+    kept = [t for t in graph.initializer if t.name not in used]
+    del graph.initializer[:]
+    graph.initializer.extend(kept)
+    if not any(o.domain == "com.microsoft" for o in model.opset_import):
+        model.opset_import.append(helper.make_opsetid("com.microsoft", 1))
+    return model
+
+
+def weight_columns(w: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """w [K, N] float -> (q [K, N] int8 in -127..127, scales [N] float32) with w ~ q * scales."""
+    top = np.abs(w.astype(np.float64)).max(axis=0)
+    scales = np.where(top > 0, top / LEVELS, 1.0)
+    q = np.clip(np.rint(w / scales), -LEVELS, LEVELS).astype(np.int8)
+    return q, scales.astype(np.float32)
+
+
+def _opset(model) -> int:
+    return next((o.version for o in model.opset_import if o.domain in ("", "ai.onnx")), 0)
+
+
+def _constants(graph, axes_input: bool) -> dict:
+    """Scalar constants every quantized input uses, added once (ReduceMax's axes: an input from opset 18)."""
+    from onnx import numpy_helper
+
+    values = {"inv_levels": np.array(1 / LEVELS, np.float32), "tiny": np.array(TINY, np.float32),
+              "one": np.array(1.0, np.float32), "zero_point": np.array(ZERO_POINT, np.uint8)}
+    if axes_input:
+        values["axes"] = np.array([-1], np.int64)
+    graph.initializer.extend(numpy_helper.from_array(v, f"w8a8.{k}") for k, v in values.items())
+    return {k: f"w8a8.{k}" for k in values}
+
+
+def _quantize_rows(nodes: list, x: str, c: dict) -> tuple[str, str]:
+    """Append the nodes that quantize x [..., K] per row; returns (uint8 x, row scales [..., 1])."""
+    from onnx import helper
+
+    n = {k: f"{x}.w8a8_{k}" for k in ("abs", "max", "raw_scale", "scale", "scaled", "q")}
+    reduce = (helper.make_node("ReduceMax", [n["abs"], c["axes"]], [n["max"]], name=n["max"], keepdims=1)
+              if "axes" in c else helper.make_node("ReduceMax", [n["abs"]], [n["max"]], name=n["max"], keepdims=1,
+                                                   axes=[-1]))
+    nodes += [helper.make_node("Abs", [x], [n["abs"]], name=n["abs"]), reduce,
+              helper.make_node("Mul", [n["max"], c["inv_levels"]], [n["raw_scale"]], name=n["raw_scale"]),
+              helper.make_node("Max", [n["raw_scale"], c["tiny"]], [n["scale"]], name=n["scale"]),
+              helper.make_node("Div", [x, n["scale"]], [n["scaled"]], name=n["scaled"]),
+              helper.make_node("QuantizeLinear", [n["scaled"], c["one"], c["zero_point"]], [n["q"]], name=n["q"])]
+    return n["q"], n["scale"]
+
+
+def _integer_product(graph, node, weight, quantized: tuple[str, str], c: dict) -> list:
+    """The nodes replacing MatMul `node`: the integer product of the quantized rows and weights, scaled back."""
+    from onnx import helper, numpy_helper
+
+    q, scales = weight_columns(numpy_helper.to_array(weight))
+    name = node.name or node.output[0]
+    w, w_scales, columns = f"{name}.w8", f"{name}.w8_scales", f"{name}.columns"
+    graph.initializer.extend([numpy_helper.from_array(q, w), numpy_helper.from_array(scales, w_scales)])
+    x_q, x_scale = quantized
+    return [helper.make_node("MatMulIntegerToFloat", [x_q, w, c["one"], w_scales, c["zero_point"]], [columns],
+                             name=f"{name}.w8a8", domain="com.microsoft"),
+            helper.make_node("Mul", [columns, x_scale], [node.output[0]], name=f"{name}.rows")]
