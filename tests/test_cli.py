@@ -168,9 +168,9 @@ def test_default_bundle_is_exported_once_and_never_half(tmp_path, monkeypatch):
     assert read_manifest(folder).n_layers > 0 and calls == ["tiny", "tiny"]
     assert mirror_rt.default_bundle(str(tmp_path), progress=False, log=quiet) == folder and len(calls) == 2
     assert [p.name for p in (tmp_path / "bundles").iterdir()] == [folder.name]
-    assert read_manifest(folder).graph("target_prefix").precision == "int8"  # the default precision, by measurement
-    fp32 = mirror_rt.default_bundle(str(tmp_path), progress=False, log=quiet, weights="fp32")  # a bench precision row
-    assert fp32.name == f"{folder.name}-fp32" and read_manifest(fp32).graph("target_prefix").precision == "fp32"
+    assert read_manifest(folder).graph("target_prefix").precision == "fp32"  # the default precision
+    int8 = mirror_rt.default_bundle(str(tmp_path), progress=False, log=quiet, weights="int8")  # a bench precision row
+    assert int8.name == f"{folder.name}-int8" and read_manifest(int8).graph("target_prefix").precision == "int8"
 
 
 def test_run_json_schema_and_regex_constrain_every_mode(tmp_path):
