@@ -50,6 +50,15 @@ def quantize_q4_min(model, exclude: list[str], accuracy_level: int):
                                    block_size=BLOCK, accuracy_level=accuracy_level),
                   helper.make_node("MatMul", [blocksums[x], f"{name}.min"], [f"{name}.shift"], name=f"{name}.shift"),
                   helper.make_node("Add", [f"{name}.main", f"{name}.shift"], [y], name=f"{name}.add")]
+    return replace_nodes(model, nodes, used)
+
+
+def replace_nodes(model, nodes: list, used: set):
+    """`model` with its graph's nodes replaced by `nodes`, the initializers named in `used` dropped (their
+    quantized forms replace them) and the com.microsoft opset declared."""
+    from onnx import helper
+
+    graph = model.graph
     del graph.node[:]
     graph.node.extend(nodes)
     kept = [t for t in graph.initializer if t.name not in used]

@@ -18,6 +18,8 @@ from __future__ import annotations
 
 import numpy as np
 
+from mirror_rt.exporters.q4_min import replace_nodes
+
 LEVELS = 127  # symmetric int8: -127..127 (no -128, so negation is exact)
 ZERO_POINT = 128  # activations as uint8: q + 128
 TINY = 1e-30  # an all-zero row gets this scale instead of 0 (no 0/0)
@@ -25,7 +27,6 @@ TINY = 1e-30  # an all-zero row gets this scale instead of 0 (no 0/0)
 
 def quantize_w8a8(model, exclude: list[str]):
     """Every constant-weight 2-D MatMul of `model` (onnx ModelProto) not in `exclude` -> the w8a8 form; in place."""
-    from onnx import helper
 
     if _opset(model) < 13:  # QuantizeLinear with a scalar scale and uint8 zero point, as used here
         raise ValueError(f"w8a8 needs an ONNX opset >= 13, the graph has {_opset(model)}")
@@ -43,14 +44,7 @@ def quantize_w8a8(model, exclude: list[str]):
         if x not in quantized:
             quantized[x] = _quantize_rows(nodes, x, constants)
         nodes += _integer_product(graph, node, weight, quantized[x], constants)
-    del graph.node[:]
-    graph.node.extend(nodes)
-    kept = [t for t in graph.initializer if t.name not in used]
-    del graph.initializer[:]
-    graph.initializer.extend(kept)
-    if not any(o.domain == "com.microsoft" for o in model.opset_import):
-        model.opset_import.append(helper.make_opsetid("com.microsoft", 1))
-    return model
+    return replace_nodes(model, nodes, used)
 
 
 def weight_columns(w: np.ndarray) -> tuple[np.ndarray, np.ndarray]:

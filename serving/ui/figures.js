@@ -135,7 +135,11 @@ export function devices(info) {
     rows.push([role, device ? `${device}${precision ? ` · ${precision}` : ""}` : "– (not used)"]);
   }
   if (info.path) rows.push(["path", info.path]);
-  const list = $("fig-devices");
+  termList($("fig-devices"), rows);
+}
+
+/** Fill a <dl> with [term, detail] rows. */
+export function termList(list, rows) {
   list.replaceChildren();
   for (const [name, value] of rows) {
     const term = document.createElement("dt");

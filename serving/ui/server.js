@@ -2,6 +2,7 @@
 // (the server's own metrics: its gauges, counters and the last finished requests) while the tab is shown.
 
 import { KeyNeeded, getJSON } from "./api.js";
+import { termList } from "./figures.js";
 
 const $ = (id) => document.getElementById(id);
 const EVERY_MS = 1000;
@@ -76,14 +77,6 @@ export class ServerView {
       ["errors", requests.error || 0], ["tokens generated", data.generation_tokens ?? 0],
       ["draft acceptance", data.draft_tokens ? `${Math.round(100 * data.accepted_tokens / data.draft_tokens)}%`
         : "–"]];
-    const list = $("srv-totals");
-    list.replaceChildren();
-    for (const [name, value] of rows) {
-      const term = document.createElement("dt");
-      const detail = document.createElement("dd");
-      term.textContent = name;
-      detail.textContent = value;
-      list.append(term, detail);
-    }
+    termList($("srv-totals"), rows);
   }
 }
