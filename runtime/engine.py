@@ -44,10 +44,14 @@ class Step:
     tokens: int  # tokens committed by the step
     drafted: int = 0  # k: draft tokens the target verified (0: a target-only step, or the prompt's first token)
     accepted: int = 0  # A: of them, accepted
+    forced: tuple[int, ...] = ()  # positions whose token the grammar allowed alone (structured output)
 
     def origin(self, position: int) -> str:
-        """Where the step's token at `position` (0-based) came from: the first A are accepted draft tokens,
-        the last is the target's correction (A < k), its bonus token (A == k > 0), or its own (k == 0)."""
+        """Where the step's token at `position` (0-based) came from: `forced` when the grammar allowed it alone,
+        else the first A are accepted draft tokens, the last is the target's correction (A < k), its bonus token
+        (A == k > 0), or its own (k == 0)."""
+        if position in self.forced:
+            return "forced"
         if position < self.accepted:
             return "draft"
         if self.drafted == 0:
@@ -279,9 +283,11 @@ class Engine:
     def _on_tokens(self, seq: Sequence, tokens: list[int], drafted: int, accepted: int) -> None:
         live = self._live[id(seq)]
         gen, text = live.gen, live.text
-        gen.steps.append(Step(time.perf_counter(), len(tokens), drafted, accepted))
-        recorded = seq.rules.logprobs if seq.rules is not None else None
         first = len(seq.tokens) - len(tokens)  # the step's first token's index in the output
+        flags = seq.rules.forced_flags if seq.rules is not None else None
+        forced = tuple(j for j in range(len(tokens)) if flags and first + j < len(flags) and flags[first + j])
+        gen.steps.append(Step(time.perf_counter(), len(tokens), drafted, accepted, forced))
+        recorded = seq.rules.logprobs if seq.rules is not None else None
         for index, token in enumerate(tokens, first):
             delivered = len(text.tokens)
             piece = text.push(token)

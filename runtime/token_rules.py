@@ -72,6 +72,9 @@ class TokenRules:
         self.config, self.vocab_size, self.matcher = config, vocab_size, matcher
         self.prompt = tuple(prompt) if config.repetition_penalty != 1.0 else ()  # only that penalty reads it
         self.history: list[int] = []  # accepted tokens, in order
+        # per token of `history`, whether the grammar allowed it alone (the committed rules only: a draft's fork
+        # does not ask; Step.origin "forced")
+        self.forced_flags: list[bool] | None = [] if record and matcher is not None else None
         self.counts: Counter = Counter()  # of `history`
         self.logprobs: list[TokenLogprob] | None = [] if record and config.logprobs is not None else None
         self._seen: dict = {}  # the prompt's distinct ids, per device
@@ -118,8 +121,11 @@ class TokenRules:
 
     def accept(self, token: int) -> bool:
         """Advance over `token`; False (and no change) when the grammar forbids it."""
+        alone = self.forced_flags is not None and self.forced()[:1] == [int(token)]
         if self.matcher is not None and self.matcher.try_consume_tokens([int(token)]) != 1:
             return False
+        if self.forced_flags is not None:
+            self.forced_flags.append(alone)
         self.history.append(int(token))
         self.counts[int(token)] += 1
         return True
@@ -133,6 +139,8 @@ class TokenRules:
         for token in self.history[-n:]:
             self.counts[token] -= 1
         del self.history[-n:]
+        if self.forced_flags is not None:
+            del self.forced_flags[-n:]
 
     def forced(self) -> list[int]:
         """Tokens the grammar forces next, in order ([] when none or no grammar)."""

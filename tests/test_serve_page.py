@@ -172,3 +172,21 @@ def test_origin_trail_credits_held_back_text_to_the_token_that_releases_it():
     assert [(e["token"], e["text"], e["origin"], e["window"], e["position"]) for e in second] == [
         (11, "", "draft", 1, 0), (12, "bc", "draft", 1, 1)]
     assert last == [{"token": None, "text": "!", "origin": None, "window": None, "position": None, "drafted": None}]
+
+
+def test_forced_tokens_are_marked_alike_in_every_mode(server):
+    """Under a schema, tokens the grammar allows alone (keys, separators) are `forced`: a property of the text
+    and the grammar, so every mode marks the same positions; without a grammar nothing is forced."""
+    schema = {"type": "object", "properties": {"greeting": {"type": "string", "maxLength": 12},
+                                               "count": {"type": "integer"}},
+              "required": ["greeting", "count"], "additionalProperties": False}
+    fmt = {"type": "json_schema", "json_schema": {"name": "g", "schema": schema}}
+    marked = {}
+    for mode in ("ar", "sd", "mirror"):
+        chunks = stream(server, mode=mode, response_format=fmt, stream_options={"include_origins": True})
+        entries = [e for c in content_chunks(chunks) for e in c["mirror_rt"]["tokens"] if e["token"] is not None]
+        marked[mode] = [(e["token"], e["origin"] == "forced") for e in entries]
+        assert any(e["origin"] == "forced" for e in entries), mode
+    assert marked["sd"] == marked["ar"] == marked["mirror"]
+    plain = stream(server, mode="mirror", stream_options={"include_origins": True})
+    assert all(e["origin"] != "forced" for c in content_chunks(plain) for e in c["mirror_rt"]["tokens"])
