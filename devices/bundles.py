@@ -13,6 +13,7 @@ from pathlib import Path
 
 from mirror_rt.devices.registry import DeviceSpec, resolve
 from mirror_rt.runtime.affinity import pin, restore
+from mirror_rt.runtime.lazy_torch import set_threads
 
 
 @dataclass(frozen=True)
@@ -35,12 +36,11 @@ class WorkerBudget:
     prompt_cpus: tuple[int, ...] | None = None
 
     def apply(self) -> None:
-        """Pin the calling thread to `cpus` (Linux; ignored elsewhere) and set torch's threads."""
+        """Pin the calling thread to `cpus` (Linux; ignored elsewhere) and set torch's threads (when torch is
+        imported: an ONNX Runtime or OpenVINO worker may never import it, runtime.lazy_torch)."""
         pin(self.cpus)
         if self.threads:
-            import torch
-
-            torch.set_num_threads(self.threads)
+            set_threads(self.threads)
 
 
 def load_model(folder: Path, manifest, role: str, device: str | DeviceSpec, strict: bool = False,
