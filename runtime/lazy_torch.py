@@ -14,20 +14,21 @@ _pending_threads: int | None = None
 
 
 def is_tensor(x) -> bool:
-    """Whether `x` is a torch tensor; never imports torch (before torch is imported, nothing is one)."""
-    torch = sys.modules.get("torch")
-    return torch is not None and isinstance(x, torch.Tensor)
+    """Whether `x` is a torch tensor; never imports torch (before torch is imported, nothing is one). Safe while
+    another thread imports it: a module without `Tensor` yet has made no tensor."""
+    tensor = getattr(sys.modules.get("torch"), "Tensor", None)
+    return tensor is not None and isinstance(x, tensor)
 
 
 def set_threads(count: int) -> None:
     """torch's intra-op threads (process-wide): set now where torch is imported, else when `import_torch` is."""
     global _pending_threads
-    torch = sys.modules.get("torch")
-    if torch is None:
+    set_num_threads = getattr(sys.modules.get("torch"), "set_num_threads", None)
+    if set_num_threads is None:  # not imported (or being imported): the next import_torch() applies it
         _pending_threads = count
     else:
         _pending_threads = None
-        torch.set_num_threads(count)
+        set_num_threads(count)
 
 
 def import_torch():

@@ -48,3 +48,13 @@ def test_run_of_the_default_bundle_imports_no_torch(cache_dir):
     default_bundle(cache_dir, progress=False)  # exported here (with torch) when the cache has none yet
     assert _imported_by_run("What is the capital of France?", "--max-new-tokens", "8",
                             "--cache-dir", cache_dir) == "[] 0"
+
+
+def test_torch_threads_asked_before_torch_is_imported_apply_when_it_is():
+    """A worker's thread count (WorkerBudget.apply) waits for torch's import: sampled draws on host arrays then
+    compute with the threads they always had."""
+    code = ("import sys; from mirror_rt.runtime import lazy_torch; lazy_torch.set_threads(1); "
+            "assert 'torch' not in sys.modules; print(lazy_torch.import_torch().get_num_threads())")
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.strip() == "1"
