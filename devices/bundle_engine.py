@@ -20,6 +20,7 @@ from mirror_rt.devices.bundles import (
     adopts_from,
     bundle_format,
     draft_copies_target,
+    in_background,
     load_model,
     load_tokenizer,
 )
@@ -67,11 +68,13 @@ def load_bundle(options: EngineOptions, mode: str | None = None, verify: bool = 
     placement = replace(plan(str(target_where), str(draft_where), mode, sorted(available_cores()), devices.threads),
                         fallbacks=fallbacks)
     jobs = _jobs(options, (bundle, manifest, target_where), (draft_source, draft_manifest, draft_where), placement)
+    tokenizer = in_background(load_tokenizer, Path(bundle), manifest)  # while the workers load their sessions
     target, draft = in_worker_threads(jobs)
+    tokenizer = tokenizer()
     chosen_mode, auto_rows = None, [f"draft auto: {', '.join(found)} only: nothing to choose"] if found else []
     if len(found) > 1:  # --draft auto with a choice to make: time every candidate beside the target
-        target, draft, placement, chosen_mode, auto_rows = _auto_draft(options, jobs, target, draft, found,
-                                                                       placement, mode)
+        target, draft, placement, chosen_mode, auto_rows = _auto_draft(options, jobs, (target, draft, tokenizer),
+                                                                       found, placement, mode)
     both = placement.worker_cores
     # the draft starts from the target's prompt KV only when it is the target's copy and reads its caches
     draft.same_model_as_target = draft_copies_target(manifest, draft_manifest) and adopts_from(draft, target)
@@ -82,7 +85,6 @@ def load_bundle(options: EngineOptions, mode: str | None = None, verify: bool = 
              "draft_precision": draft_manifest.graph("draft").precision, "placement": placement.describe()}
     if auto_rows:
         names["draft_auto"] = auto_rows  # `mirror-rt devices` prints them
-    tokenizer = load_tokenizer(Path(bundle), manifest)
     names["load_time_s"] = round(time.perf_counter() - started, 3)  # every generation's stats carry it
     engine_class = TargetOnlyEngine if chosen_mode == "ar" else Engine
     return engine_class(target, tokenizer, draft, names, both, placement, manifest, batch=options.batch)
@@ -107,20 +109,21 @@ def _jobs(options: EngineOptions, target_side: tuple, draft_side: tuple, placeme
             (*draft_side[:2], "draft", draft_side[2], strict, draft_budget)]
 
 
-def _auto_draft(options: EngineOptions, jobs: list, target, draft, found: list[str], placement, mode):
-    """Load the draft on every other candidate, time them all beside the target, keep the best (devices.
-    draft_placement); the target is reloaded when the winner changes its placement. One line says what won."""
+def _auto_draft(options: EngineOptions, jobs: list, loaded: tuple, found: list[str], placement, mode):
+    """Load the draft on every other candidate, time them all beside the target (`loaded`: target, draft,
+    tokenizer), keep the best (devices.draft_placement); the target is reloaded when the winner changes its
+    placement. One line says what won."""
     from mirror_rt.devices.draft_placement import pick
     from mirror_rt.devices.registry import stderr_line
     from mirror_rt.runtime.config import GenerationConfig
 
+    target, draft, tokenizer = loaded
     cores, threads = sorted(available_cores()), options.devices.threads
     target_side, draft_side = jobs[0][:2] + (jobs[0][3],), jobs[1][:2]
     drafts = {placement.draft: draft}
     for device in found[1:]:
         where = plan(placement.target, device, mode, cores, threads)
         drafts[device] = in_worker_threads([_jobs(options, target_side, draft_side + (device,), where)[1]])[0]
-    tokenizer = load_tokenizer(Path(jobs[0][0]), jobs[0][1])
     best, line, rows = pick(target, placement.target, drafts, tokenizer, GenerationConfig().gamma,
                             cpu_concurrent=placement.worker_cores is not None)
     stderr_line(line)

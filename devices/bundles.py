@@ -8,11 +8,13 @@ only when a graph is loaded. The engine over a whole bundle is `devices.bundle_e
 
 from __future__ import annotations
 
+import threading
 from dataclasses import dataclass
 from pathlib import Path
 
 from mirror_rt.devices.registry import DeviceSpec, resolve
 from mirror_rt.runtime.affinity import pin, restore
+from mirror_rt.runtime.lazy_torch import set_threads
 
 
 @dataclass(frozen=True)
@@ -35,12 +37,11 @@ class WorkerBudget:
     prompt_cpus: tuple[int, ...] | None = None
 
     def apply(self) -> None:
-        """Pin the calling thread to `cpus` (Linux; ignored elsewhere) and set torch's threads."""
+        """Pin the calling thread to `cpus` (Linux; ignored elsewhere) and set torch's threads (when torch is
+        imported: an ONNX Runtime or OpenVINO worker may never import it, runtime.lazy_torch)."""
         pin(self.cpus)
         if self.threads:
-            import torch
-
-            torch.set_num_threads(self.threads)
+            set_threads(self.threads)
 
 
 def load_model(folder: Path, manifest, role: str, device: str | DeviceSpec, strict: bool = False,
@@ -118,20 +119,23 @@ def _load_onnxruntime(paths, manifest, config, spec: DeviceSpec, budget: WorkerB
     )
 
     kv_shape = (config.n_kv_heads, config.head_dim)
-    graphs = [ORTGraph(p, spec.device, kv_shape, budget.threads) for p in paths]
-    if len(graphs) == 1:
-        streams = STREAM_LOGITS in graphs[0].output_names  # an SS draft (exporters.ss_graph)
-        return (ORTStreamDraft if streams else ORTModel)(graphs[0], config.vocab_size, manifest.max_context)
+    if len(paths) == 1:
+        graph = ORTGraph(paths[0], spec.device, kv_shape, budget.threads)
+        streams = STREAM_LOGITS in graph.output_names  # an SS draft (exporters.ss_graph)
+        return (ORTStreamDraft if streams else ORTModel)(graph, config.vocab_size, manifest.max_context)
     more_cores = len(budget.prompt_cpus or ()) > (budget.threads or 0)
     wide = budget.prompt_cpus if spec.device == "cpu" and more_cores else None
-    if wide and not _second_copy_fits([paths[0], paths[2]]):
+    if wide and not _second_copy_fits([paths[0], paths[2]], loading=paths):
         wide = None  # the prompt then runs pipelined over the two cores (ORTSplitTarget.prefill_pipelined)
-    prompt_graphs = _wide_graphs([paths[0], paths[2]], kv_shape, wide) if wide else None
-    return ORTSplitTarget(*graphs, config.vocab_size, manifest.max_context, manifest.kappa, prompt_graphs)
+    # the prompt's sessions load in their own thread, on the cores the worker's own sessions leave free
+    prompt_graphs = in_background(_wide_graphs, [paths[0], paths[2]], kv_shape, wide) if wide else lambda: None
+    graphs = [ORTGraph(p, spec.device, kv_shape, budget.threads) for p in paths]
+    return ORTSplitTarget(*graphs, config.vocab_size, manifest.max_context, manifest.kappa, prompt_graphs())
 
 
-def _second_copy_fits(paths, share: float = 0.25) -> bool:
-    """Whether a second copy of these graphs' weights takes at most `share` of the memory available now.
+def _second_copy_fits(paths, share: float = 0.25, loading=()) -> bool:
+    """Whether a second copy of these graphs' weights takes at most `share` of the memory available once the
+    graphs `loading` (not loaded yet) are.
 
     Unknown (no /proc/meminfo): no. The default model's target needs about 0.7 GB more.
     """
@@ -141,6 +145,7 @@ def _second_copy_fits(paths, share: float = 0.25) -> bool:
         available = int(fields["MemAvailable"].split()[0]) * 1024
     except (OSError, KeyError, ValueError):
         return False
+    available -= sum(Path(p).stat().st_size for p in loading)
     return sum(Path(p).stat().st_size for p in paths) <= share * available
 
 
@@ -183,6 +188,29 @@ def _load_torch(paths, manifest, config, spec: DeviceSpec, budget: WorkerBudget)
 
         adapter = load_exit_adapter(Path(paths[0]).parent / manifest.exit_adapter["file"], model, manifest.exit_layer)
     return TorchSplitTarget(model, manifest.exit_layer, manifest.kappa, device, exit_adapter=adapter)
+
+
+def in_background(work, *args):
+    """Start `work(*args)` in a thread of its own (it inherits the caller's pin); returns a function that waits
+    for its result, raising its exception if it failed."""
+    result = {}
+
+    def run():
+        try:
+            result["value"] = work(*args)
+        except BaseException as exc:  # re-raised by the waiting thread
+            result["error"] = exc
+
+    thread = threading.Thread(target=run, name=f"load-{getattr(work, '__name__', 'work').strip('_')}")
+    thread.start()
+
+    def wait():
+        thread.join()
+        if "error" in result:
+            raise result["error"]
+        return result["value"]
+
+    return wait
 
 
 def load_tokenizer(folder: Path, manifest):

@@ -75,7 +75,7 @@ def _torch_target(options: EngineOptions, log) -> EngineOptions:
 
 def default_bundle_or_none(cache_dir, log) -> Path | None:
     """The default bundle, or None (torch) with one warning line when it cannot be made here."""
-    from mirror_rt.exporters.export import ExportError
+    from mirror_rt.exporters.export_config import ExportError
 
     try:
         return default_bundle(cache_dir, log=log)
@@ -92,11 +92,11 @@ def default_bundle(cache_dir: str | None = None, progress: bool = True, log=stde
     then beats target-only decoding. The export (~30 s here) writes into a temporary folder of this
     process, renamed at the end and removed if the export fails, so an interrupted export leaves
     nothing behind. The folder name carries the bundle version, and `weights` (the target's precision,
-    exporters.export.WEIGHTS; None: DEFAULT_WEIGHTS) where it is not the default's: the bench's rows per precision.
+    exporters.export_config.WEIGHTS; None: DEFAULT_WEIGHTS) where it is not the default's: the bench's rows per
+    precision.
     """
     import shutil
 
-    from mirror_rt.exporters.export import export_bundle
     from mirror_rt.exporters.manifest import BundleError, read_manifest
     from mirror_rt.models.default_model import default_model_folder
 
@@ -107,6 +107,8 @@ def default_bundle(cache_dir: str | None = None, progress: bool = True, log=stde
         return folder
     except BundleError:
         pass
+    from mirror_rt.exporters.export import export_bundle  # torch and the model code: only to export
+
     log(f"mirror-rt: exporting the default model to ONNX once (about 30 s), into {folder}")
     partial = Path(f"{folder}.partial-{os.getpid()}")  # one per process: two first runs never share one
     try:

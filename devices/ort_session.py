@@ -1,8 +1,9 @@
 """ONNX Runtime sessions whose optimized graphs are cached beside the bundle, so a later load skips optimizing.
 
 The first session over a graph runs ONNX Runtime's optimizers as usual and saves the optimized graph
-(`optimized_model_filepath`, weights in a side file) into `<bundle>/.cache/ort/<graph>-<key>/`; later
-sessions load that graph with the optimizers off. The key covers everything the optimized graph depends
+(`optimized_model_filepath`, weights in a side file, with the kernels' prepacked copies) into
+`<bundle>/.cache/ort/<graph>-<key>/`; later sessions load that graph with the optimizers off and the weights
+prepacked already. The key covers everything the optimized graph depends
 on: the onnxruntime version, the execution providers, the optimization level, this CPU (the CPU provider's
 layout passes are hardware specific) and the source graph file (name, size, mtime), so another version,
 other options or a re-exported graph never load a stale file. A folder that cannot be written is simply
@@ -19,8 +20,11 @@ import shutil
 import threading
 from pathlib import Path
 
-CACHE_FORMAT = 1  # bump when what is saved changes
+CACHE_FORMAT = 2  # bump when what is saved changes (2: with the prepacked weights)
 GRAPH_FILE, WEIGHTS_FILE = "model.onnx", "model.onnx.data"
+# The weights as the CPU kernels repack them at session creation (most of its time) are saved too, and read back
+# as they are: the same bytes, so the same results.
+SAVE_PREPACKED = "session.save_external_prepacked_constant_initializers"
 
 
 def cpu_fingerprint() -> str:
@@ -56,6 +60,7 @@ def create_session(path: Path, providers: list[str], make_options):
     if partial is not None:
         options.optimized_model_filepath = str(partial / GRAPH_FILE)
         options.add_session_config_entry("session.optimized_model_external_initializers_file_name", WEIGHTS_FILE)
+        options.add_session_config_entry(SAVE_PREPACKED, "1")
         options.log_severity_level = 3  # its warning that the saved graph is hardware specific: the key holds the CPU
     session = ort.InferenceSession(str(path), options, providers=providers)
     if partial is not None:

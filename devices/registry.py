@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import sys
 import warnings
+from collections.abc import Mapping
 from dataclasses import dataclass
 
 BACKEND_ALIASES = {"torch": "torch", "pt": "torch", "openvino": "openvino", "ov": "openvino",
@@ -78,34 +79,61 @@ def parse_device(text: str) -> DeviceSpec:
     return DeviceSpec(backend, device, index)
 
 
-def available_devices() -> dict[str, list[str]]:
-    """Per backend, the devices this machine has ([] when the backend is not installed)."""
-    found: dict[str, list[str]] = {}
+def available_devices() -> Mapping[str, list[str]]:
+    """Per backend, the devices this machine has ([] when the backend is not installed), each backend asked on
+    first lookup: importing torch and OpenVINO takes more than a second that an ONNX Runtime bundle never needs."""
+    return FoundDevices()
+
+
+class FoundDevices(Mapping):
+    """`available_devices`: backend -> its devices here, asked once per backend and only when looked up."""
+
+    def __init__(self):
+        self._found: dict[str, list[str]] = {}
+
+    def __getitem__(self, backend: str) -> list[str]:
+        if backend not in self._found:
+            self._found[backend] = _PROBES[backend]()  # KeyError: no such backend
+        return self._found[backend]
+
+    def __iter__(self):
+        return iter(_PROBES)
+
+    def __len__(self) -> int:
+        return len(_PROBES)
+
+
+def _torch_devices() -> list[str]:
     try:
         import torch
-
-        found["torch"] = ["cpu"] + [f"cuda:{i}" for i in range(torch.cuda.device_count())]
     except ImportError:
-        found["torch"] = []
+        return []
+    return ["cpu"] + [f"cuda:{i}" for i in range(torch.cuda.device_count())]
+
+
+def _openvino_devices() -> list[str]:
     try:
         import openvino as ov
-
-        found["openvino"] = list(ov.Core().available_devices)
     except ImportError:
-        found["openvino"] = []
+        return []
+    return list(ov.Core().available_devices)
+
+
+def _onnxruntime_devices() -> list[str]:
     try:
         import onnxruntime as ort
-
-        from mirror_rt.devices.onnxruntime_backend import PROVIDERS
-
-        names = {v: k for k, v in PROVIDERS.items()}
-        found["onnxruntime"] = [names.get(p, p) for p in ort.get_available_providers()]
     except ImportError:
-        found["onnxruntime"] = []
-    return found
+        return []
+    from mirror_rt.devices.onnxruntime_backend import PROVIDERS
+
+    names = {v: k for k, v in PROVIDERS.items()}
+    return [names.get(p, p) for p in ort.get_available_providers()]
 
 
-def format_devices(devices: dict[str, list[str]] | None = None) -> str:
+_PROBES = {"torch": _torch_devices, "openvino": _openvino_devices, "onnxruntime": _onnxruntime_devices}
+
+
+def format_devices(devices: Mapping[str, list[str]] | None = None) -> str:
     """One line per backend, for `mirror-rt devices`."""
     devices = available_devices() if devices is None else devices
     prefix = {"torch": "torch", "openvino": "openvino", "onnxruntime": "ort"}
@@ -113,7 +141,7 @@ def format_devices(devices: dict[str, list[str]] | None = None) -> str:
                      for backend, names in devices.items())
 
 
-def is_available(spec: DeviceSpec, devices: dict[str, list[str]] | None = None) -> bool:
+def is_available(spec: DeviceSpec, devices: Mapping[str, list[str]] | None = None) -> bool:
     """Whether a concrete (non-auto) spec exists on this machine."""
     devices = available_devices() if devices is None else devices
     have = devices.get(spec.backend, [])

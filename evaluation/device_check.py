@@ -18,8 +18,6 @@ import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
-import torch
-
 from mirror_rt.devices.options import EngineOptions
 from mirror_rt.devices.torch_engine import load_torch
 from mirror_rt.runtime.affinity import available_cores
@@ -53,6 +51,8 @@ class PairCheck:
 
 def top2_margin(model, prompt_ids: list[int], tokens: list[int], index: int) -> float:
     """The target's logit margin between its top two tokens after prompt + tokens[:index] (one eager forward)."""
+    import torch
+
     with torch.inference_mode():
         cache = model.new_cache(len(prompt_ids) + index + 1)
         logits = model.forward(list(prompt_ids) + list(tokens[:index]), cache, last_rows=1)[-1]
@@ -72,6 +72,8 @@ def first_mismatch(expected: list[int], got: list[int]) -> int | None:
 def check_pair(model: str, device: str, dtype: str | None, compile: bool, max_new_tokens: int,
                log=print) -> PairCheck:
     """Load the preset on `device` (int8 draft on the CPU), run ar / sd / mirror, measure."""
+    import torch
+
     options = EngineOptions.from_flags(model=model, draft_model="int8", device=device, dtype=dtype, compile=compile)
     engine = load_torch(options, log=lambda *a: None)
     names = engine.names
@@ -103,6 +105,7 @@ def check_pair(model: str, device: str, dtype: str | None, compile: bool, max_ne
 
 def launches_per_forward(target, prompt_ids: list[int]) -> int:
     """CUDA kernel and graph launches of one 1-token forward after the prompt (counted by torch.profiler)."""
+    import torch
     from torch.profiler import ProfilerActivity, profile
 
     cache = target.new_cache(len(prompt_ids) + 4)
@@ -120,6 +123,8 @@ def run_check(models: list[str] | None = None, max_new_tokens: int = CHECK_TOKEN
 
     `compile`: the CUDA pairs run compiled (CUDA graphs); without CUDA, the CPU pair (inductor).
     """
+    import torch
+
     cuda = [f"cuda:{i}" for i in range(torch.cuda.device_count())]
     models = models or (["smollm2-135m", "smollm2-1.7b"] if cuda else ["smollm2-135m"])
     pairs, cross = [], []
@@ -149,6 +154,8 @@ def compare_devices(model: str, cpu: PairCheck, gpu: PairCheck) -> dict:
 
 def format_check(doc: dict) -> str:
     """One screen: a header line, a row per pair, the cross-device comparisons."""
+    import torch
+
     none = "no CUDA device found" + (" (a CPU build of torch)" if torch.version.cuda is None else "")
     head = f"torch {doc['torch']}, {doc['cores']} cores; " + (
         f"CUDA: {', '.join(doc['cuda'])}" if doc["cuda"] else f"{none}: checked the CPU only")

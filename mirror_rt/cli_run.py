@@ -20,7 +20,7 @@ from mirror_rt.cli_options import (
     generation_config,
 )
 from mirror_rt.evaluation.device_check import CHECK_TOKENS
-from mirror_rt.exporters.export import ExportConfig
+from mirror_rt.exporters.export_config import ExportConfig
 from mirror_rt.models.config import DEFAULT_KAPPA
 from mirror_rt.models.default_model import DEFAULT_MODEL
 

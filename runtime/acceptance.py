@@ -17,8 +17,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 import numpy as np
-import torch
 
+from mirror_rt.runtime.lazy_torch import import_torch, is_tensor
 from mirror_rt.runtime.sampling import as_tensor, greedy_ids, sample
 from mirror_rt.runtime.transfer import host_floats
 
@@ -78,7 +78,8 @@ def accept_sampled(draft_tokens: Sequence[int], q, p, rng: np.random.Generator, 
         rng: the target side's generator (host uniforms: the same draws on every device).
     Reads back p and q at the k drafted tokens, then one id (the correction or the bonus).
     """
-    count = isinstance(p, torch.Tensor)
+    torch = import_torch()
+    count = is_tensor(p)
     p, k = as_tensor(p), len(draft_tokens)
     q = as_tensor(q).to(p.device) if k else None
     if k:

@@ -14,9 +14,14 @@ import functools
 import json
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import numpy as np
-import torch
+
+from mirror_rt.runtime.lazy_torch import import_torch
+
+if TYPE_CHECKING:
+    import torch
 
 KINDS = ("json_schema", "json_object", "regex", "choice", "grammar")
 # compact JSON as OpenAI writes it: no free whitespace, so a small model cannot loop on newlines, and
@@ -137,11 +142,13 @@ def token_mask(matcher, vocab_size: int) -> np.ndarray:
 
 @functools.lru_cache(maxsize=8)
 def _shifts(device: torch.device) -> torch.Tensor:
+    torch = import_torch()
     return torch.arange(32, dtype=torch.int32, device=device)
 
 
 def mask_logits(x: torch.Tensor, bits: np.ndarray) -> torch.Tensor:
     """Logits [vocab] with every token outside `bits` at -inf, on x's device (only the bits travel there)."""
+    torch = import_torch()
     if x.device.type == "cpu" and x.dtype in (torch.float32, torch.float64):
         # on the host numpy unpacks and selects about twice as fast as tensor ops
         allowed = np.unpackbits(bits.view(np.uint8), bitorder="little")[:x.shape[-1]].view(bool)

@@ -9,7 +9,12 @@ overwritten later). It does not know which model fills it or why positions are r
 
 from __future__ import annotations
 
-import torch
+from typing import TYPE_CHECKING
+
+from mirror_rt.runtime.lazy_torch import import_torch
+
+if TYPE_CHECKING:
+    import torch
 
 
 class CacheFull(RuntimeError):
@@ -25,7 +30,9 @@ class KVCache:
     """
 
     def __init__(self, n_layers: int, n_kv_heads: int, head_dim: int, capacity: int,
-                 dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu", slots: int | None = None):
+                 dtype: torch.dtype | None = None, device: str | torch.device = "cpu", slots: int | None = None):
+        torch = import_torch()
+        dtype = torch.float32 if dtype is None else dtype
         shape = (n_layers, n_kv_heads, max(capacity, slots or 0), head_dim)  # [layers, kv_heads, slots, head_dim]
         self.keys = torch.zeros(shape, dtype=dtype, device=device)
         self.values = torch.zeros(shape, dtype=dtype, device=device)

@@ -11,8 +11,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-import torch
-
+from mirror_rt.runtime.lazy_torch import import_torch
 from mirror_rt.runtime.sampling import as_tensor
 from mirror_rt.runtime.transfer import to_host
 
@@ -40,6 +39,7 @@ def token_logprobs(rows, tokens: Sequence[int], top_n: int = 0) -> list[TokenLog
     n = len(tokens)
     if n == 0:
         return []
+    torch = import_torch()
     x = as_tensor(rows)[:n].to(torch.float64)
     norm = torch.logsumexp(x, dim=-1, keepdim=True)  # [n, 1]
     ids = torch.as_tensor(list(tokens), dtype=torch.long, device=x.device)

@@ -11,12 +11,17 @@ device; no vocabulary-sized array is made on the host. It knows nothing about gr
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
+from typing import TYPE_CHECKING
 
-import torch
+from mirror_rt.runtime.lazy_torch import import_torch
+
+if TYPE_CHECKING:
+    import torch
 
 
 def add_bias(x: torch.Tensor, bias: Sequence[tuple[int, float]]) -> torch.Tensor:
     """x [vocab] plus `bias` at its ids (a new tensor)."""
+    torch = import_torch()
     ids = torch.tensor([i for i, _ in bias], device=x.device)
     values = torch.tensor([b for _, b in bias], dtype=x.dtype, device=x.device)
     return x.index_add(0, ids, values)
@@ -33,6 +38,7 @@ def penalize(x: torch.Tensor, counts: Mapping[int, int], seen: torch.Tensor | No
     Example: logits [2.0, -1.0, 0.5], counts {0: 2}, repetition 2, frequency 0.5, presence 1
         -> token 0: 2.0 / 2 - 0.5 * 2 - 1 = -1.0; the others unchanged.
     """
+    torch = import_torch()
     counts = {i: c for i, c in counts.items() if c}
     if repetition != 1.0:
         ids = torch.tensor(list(counts), dtype=torch.long, device=x.device)

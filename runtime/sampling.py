@@ -6,17 +6,22 @@ a host array (ONNX Runtime, OpenVINO) is viewed as a CPU tensor without a copy, 
 stays on its device, and only the chosen ids (and under sampling a few probabilities) are read back,
 through `runtime.transfer`. Random draws are uniforms from the caller's numpy generator, made on the
 host, so a seed gives the same draws on every device. Greedy (temperature 0) never builds
-probabilities: it is an argmax over raw logits.
+probabilities: it is an argmax over raw logits (numpy's on host arrays: greedy decoding over ONNX Runtime
+or OpenVINO never imports torch, runtime.lazy_torch).
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import numpy as np
-import torch
 
+from mirror_rt.runtime.lazy_torch import import_torch, is_tensor
 from mirror_rt.runtime.transfer import host_ids
+
+if TYPE_CHECKING:
+    import torch
 
 
 @dataclass(frozen=True)
@@ -45,16 +50,23 @@ class SamplingConfig:
 
 def as_tensor(x) -> torch.Tensor:
     """A model output as a tensor: tensors as they are (on their device), host arrays viewed without a copy."""
-    return x if isinstance(x, torch.Tensor) else torch.from_numpy(np.ascontiguousarray(x))
+    if is_tensor(x):
+        return x
+    torch = import_torch()
+    return torch.from_numpy(np.ascontiguousarray(x))
 
 
 def greedy_ids(logits) -> list[int]:
-    """The argmax of each row of logits [T, vocab] (or of one row [vocab]): T ids are all that is read back."""
-    return host_ids(as_tensor(logits).argmax(-1), count=isinstance(logits, torch.Tensor))
+    """The argmax of each row of logits [T, vocab] (or of one row [vocab]): T ids are all that is read back.
+    Ties go to the first maximum, in numpy (host arrays) as in torch."""
+    if is_tensor(logits):
+        return host_ids(logits.argmax(-1))
+    return host_ids(np.asarray(logits).argmax(-1))
 
 
 def probabilities(logits, config: SamplingConfig) -> torch.Tensor:
     """Warped distribution per row: logits [T, vocab] -> probs [T, vocab] (float64, on the logits' device)."""
+    torch = import_torch()
     x = as_tensor(logits).to(torch.float64) / config.temperature
     if config.top_k and config.top_k < x.shape[-1]:
         kth = torch.topk(x, config.top_k, dim=-1).values[..., -1:]
@@ -66,6 +78,7 @@ def probabilities(logits, config: SamplingConfig) -> torch.Tensor:
 
 
 def _top_p(p: torch.Tensor, top_p: float) -> torch.Tensor:
+    torch = import_torch()
     sorted_p, order = torch.sort(p, dim=-1, descending=True, stable=True)
     # keep a token while the mass strictly before it is < top_p (the top token always stays)
     keep_sorted = (torch.cumsum(sorted_p, dim=-1) - sorted_p) < top_p
@@ -79,7 +92,8 @@ def sample(p, rng: np.random.Generator, count: bool | None = None) -> int:
 
     `count`: whether the id's read crosses the device boundary (default: when p is a tensor).
     """
-    count = isinstance(p, torch.Tensor) if count is None else count
+    torch = import_torch()
+    count = is_tensor(p) if count is None else count
     p = as_tensor(p)
     cdf = torch.cumsum(p.to(torch.float64), dim=0)
     u = torch.full((1,), rng.random(), dtype=torch.float64, device=cdf.device) * cdf[-1]
@@ -120,6 +134,7 @@ def choose_at(logits, config: SamplingConfig, seed: int, first_position: int) ->
     `position_uniform(seed, position)`. Reads back T ids, never a vocabulary row."""
     if config.greedy:
         return greedy_ids(logits)
+    torch = import_torch()
     rows = as_tensor(logits)
     rows = rows[None] if rows.dim() == 1 else rows
     p = probabilities(rows, config)  # [T, vocab]
@@ -127,7 +142,7 @@ def choose_at(logits, config: SamplingConfig, seed: int, first_position: int) ->
     u = torch.tensor([position_uniform(seed, first_position + j) for j in range(p.shape[0])],
                      dtype=cdf.dtype, device=cdf.device)[:, None] * cdf[:, -1:]
     index = torch.searchsorted(cdf, u, right=True).clamp_(max=p.shape[-1] - 1)
-    return host_ids(index, count=isinstance(logits, torch.Tensor))
+    return host_ids(index, count=is_tensor(logits))
 
 
 def choose(logits, config: SamplingConfig, rng: np.random.Generator):
@@ -135,11 +150,12 @@ def choose(logits, config: SamplingConfig, rng: np.random.Generator):
     if config.greedy:
         return greedy_ids(logits)[0], None
     p = probabilities(as_tensor(logits)[None], config)[0]
-    return sample(p, rng, count=isinstance(logits, torch.Tensor)), p
+    return sample(p, rng, count=is_tensor(logits)), p
 
 
 def stack_rows(rows: list) -> torch.Tensor:
     """Probability rows (tensors or arrays, [vocab] each) -> [k, vocab] on the first row's device."""
+    torch = import_torch()
     first = as_tensor(rows[0])
     return torch.stack([first] + [as_tensor(r).to(first.device) for r in rows[1:]])
 
@@ -149,6 +165,7 @@ def point_mass(token: int, vocab_size: int) -> torch.Tensor:
 
     Speculative sampling stays lossless for any q the draft token was truly drawn from; here it is this.
     """
+    torch = import_torch()
     q = torch.zeros(vocab_size, dtype=torch.float64)
     q[token] = 1.0
     return q

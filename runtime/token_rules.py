@@ -15,14 +15,17 @@ from __future__ import annotations
 from collections import Counter
 from collections.abc import Sequence
 from dataclasses import dataclass
-
-import torch
+from typing import TYPE_CHECKING
 
 from mirror_rt.runtime import grammar
 from mirror_rt.runtime.grammar import Constraint
+from mirror_rt.runtime.lazy_torch import import_torch
 from mirror_rt.runtime.logprobs import MAX_TOP, TokenLogprob, token_logprobs
 from mirror_rt.runtime.penalties import add_bias, penalize
 from mirror_rt.runtime.sampling import as_tensor, stack_rows
+
+if TYPE_CHECKING:
+    import torch
 
 
 @dataclass(frozen=True)
@@ -159,6 +162,7 @@ class TokenRules:
         if not self.prompt:
             return None
         if device not in self._seen:
+            torch = import_torch()
             self._seen[device] = torch.tensor(sorted(set(self.prompt)), dtype=torch.long, device=device)
         return self._seen[device]
 

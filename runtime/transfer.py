@@ -13,9 +13,14 @@ from __future__ import annotations
 
 import threading
 from contextlib import contextmanager
+from typing import TYPE_CHECKING
 
 import numpy as np
-import torch
+
+from mirror_rt.runtime.lazy_torch import is_tensor
+
+if TYPE_CHECKING:
+    import torch
 
 _local = threading.local()
 
@@ -37,7 +42,7 @@ def _count(tensor: torch.Tensor, sync: bool = True) -> None:
 
 def to_host(x) -> np.ndarray:
     """A model output as a host array (counted when it is a tensor)."""
-    if not isinstance(x, torch.Tensor):
+    if not is_tensor(x):
         return np.asarray(x)
     _count(x)
     return x.detach().cpu().numpy()
@@ -48,7 +53,7 @@ def host_ids(x, count: bool = True) -> list[int]:
 
     `count=False`: a tensor computed from host arrays (a numpy model output viewed as a tensor), not a read.
     """
-    if not isinstance(x, torch.Tensor):
+    if not is_tensor(x):
         return [int(t) for t in np.asarray(x).reshape(-1)]
     if count:
         _count(x)
@@ -57,7 +62,7 @@ def host_ids(x, count: bool = True) -> list[int]:
 
 def host_floats(x, count: bool = True) -> list[float]:
     """A few values [n] (a tensor or an array) as Python floats (sampling: p and q at the drafted tokens)."""
-    if not isinstance(x, torch.Tensor):
+    if not is_tensor(x):
         return [float(t) for t in np.asarray(x).reshape(-1)]
     if count:
         _count(x)
@@ -85,7 +90,9 @@ class PendingRead:
 
     def __init__(self, *tensors: torch.Tensor):
         self.event = None
-        if tensors and tensors[0].device.type == "cuda":
+        if tensors and is_tensor(tensors[0]) and tensors[0].device.type == "cuda":
+            import torch
+
             self.host = []
             for i, t in enumerate(tensors):
                 _count(t, sync=i == 0)  # one event: one synchronization for all of them
@@ -93,10 +100,11 @@ class PendingRead:
             self.event = torch.cuda.Event()
             self.event.record()
         else:
-            self.host = [torch.from_numpy(to_host(t)) for t in tensors]
+            self.host = [to_host(t) for t in tensors]
 
     def result(self) -> list[np.ndarray]:
         """The tensors as host arrays (waits for their copies, not for later work)."""
-        if self.event is not None:
-            self.event.synchronize()
+        if self.event is None:
+            return list(self.host)
+        self.event.synchronize()
         return [h.numpy() for h in self.host]

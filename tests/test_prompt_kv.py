@@ -89,7 +89,7 @@ def test_prompt_sessions_only_when_a_second_copy_fits(onnx_bundle, monkeypatch, 
     small.write_bytes(b"0" * 1024)
     if os.path.exists("/proc/meminfo"):
         assert bundles._second_copy_fits([small]) and not bundles._second_copy_fits([small], share=0.0)
-    monkeypatch.setattr(bundles, "_second_copy_fits", lambda paths: False)
+    monkeypatch.setattr(bundles, "_second_copy_fits", lambda paths, loading=(): False)
     cores = tuple(sorted(os.sched_getaffinity(0)))[:2]
     target = bundles.load_model(onnx_bundle, read_manifest(onnx_bundle), "target", "ort:cpu", True,
                                 bundles.WorkerBudget(1, None, None, cores))

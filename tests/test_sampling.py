@@ -27,3 +27,18 @@ def test_greedy_is_argmax_without_probs():
 def test_invalid_settings_refused(kwargs):
     with pytest.raises(ValueError):
         SamplingConfig(**kwargs)
+
+
+@pytest.mark.parametrize("dtype", [np.float32, np.float16, np.float64])
+def test_greedy_ids_of_host_arrays_break_ties_as_torch(dtype):
+    """Host arrays take numpy's argmax (no torch): ties go to the first maximum, as torch's argmax does."""
+    import torch
+
+    from mirror_rt.runtime.sampling import choose_at, greedy_ids
+
+    rows = np.random.default_rng(0).integers(-3, 3, size=(6, 50)).astype(dtype)  # many ties
+    rows[2] = -np.inf
+    rows[3, [4, 9]] = np.inf
+    expected = torch.from_numpy(rows).argmax(-1).tolist()
+    assert greedy_ids(rows) == expected == choose_at(rows, SamplingConfig(), 1, 0)
+    assert greedy_ids(rows[1]) == [expected[1]] == greedy_ids(torch.from_numpy(rows[1]))

@@ -1,0 +1,69 @@
+"""What one export asks for (`ExportConfig`, the flags of `mirror-rt export`), checked before anything is converted.
+
+Apart from `exporters.export` (which imports torch and the model code), so that the CLI reads the export
+defaults, and `devices.engines` catches `ExportError`, without importing either.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+FORMATS = ("openvino", "onnx", "torch")
+WEIGHTS = ("fp32", "fp16", "int8", "int4", "q4_1", "w8a8")
+EXIT_WEIGHTS = ("fp32", "int8")
+KV_MODES = ("explicit", "shared")
+
+
+class ExportError(ValueError):
+    """An export request that cannot be satisfied (one-line message naming the option)."""
+
+
+@dataclass(frozen=True)
+class ExportConfig:
+    """One export request; CLI flags map one to one onto these fields (`--format` is `fmt`, `--out` is `out_dir`),
+    and the CLI reads their defaults here."""
+
+    model: str | None  # target: preset, HF folder, .gguf, or None for the default model
+    out_dir: Path  # bundle folder (created)
+    draft_model: str | None = None  # None: the target itself with `draft_weights`
+    exit_layer: int | None = None  # None: the model's default (models.config.SplitOptions)
+    kappa: int | None = None  # early-exit candidates per position; None: the default (models.config.SplitOptions)
+    fmt: str = "onnx"  # "onnx" | "openvino" | "torch" (onnx: exact and fastest on CPU here)
+    weights: str = "fp32"  # target weights
+    draft_weights: str = "auto"  # draft weights; auto: see the module docstring
+    static: bool = False  # fixed shapes (NPU); OpenVINO only
+    max_context: int | None = None  # None: the model's context (static: 1024)
+    max_window: int | None = None  # None: unbounded (static: 8)
+    exit_adapter: str | None = None  # trained early-exit adapter (models.exit_adapter files); None: untrained exit
+    exit_weights: str = "int8"  # exit graph weights (norm, adapter, LM head); torch bundles use the target's
+    kv: str | None = None  # explicit (KV in and out: any backend) | shared (in place: ONNX Runtime); None: shared
+                           # for onnx (fastest on ONNX Runtime: no cache copy per call), explicit otherwise
+    draft_streams: str | None = None  # trained SS streams (mirror-rt train-draft --out) exported with the draft (onnx)
+    draft_vocab: str | None = None  # kept ids (mirror-rt prune-vocab --out): the draft's LM head over those rows only
+
+    def __post_init__(self):
+        if self.fmt not in FORMATS:
+            raise ExportError(f"--format must be one of {', '.join(FORMATS)}, got '{self.fmt}'")
+        for flag, value in (("--weights", self.weights), ("--draft-weights", self.draft_weights)):
+            if value not in WEIGHTS and not (flag == "--draft-weights" and value == "auto"):
+                raise ExportError(f"{flag} must be one of {', '.join(WEIGHTS)}, got '{value}'")
+            if value in ("q4_1", "w8a8") and self.fmt != "onnx":
+                raise ExportError(f"{flag} {value} needs --format onnx (ONNX Runtime's integer products), "
+                                  f"got --format {self.fmt}")
+        if self.exit_weights not in EXIT_WEIGHTS:
+            raise ExportError(f"--exit-weights must be one of {', '.join(EXIT_WEIGHTS)}, got '{self.exit_weights}'")
+        if self.kv is None:
+            object.__setattr__(self, "kv", "shared" if self.fmt == "onnx" else "explicit")
+        if self.kv not in KV_MODES:
+            raise ExportError(f"--kv must be one of {', '.join(KV_MODES)}, got '{self.kv}'")
+        if self.kv == "shared" and self.fmt != "onnx":
+            raise ExportError(f"--kv shared needs --format onnx (got --format {self.fmt})")
+        if self.static and self.fmt != "openvino":
+            raise ExportError(f"--static needs --format openvino (got --format {self.fmt})")
+        if self.draft_streams is not None and self.fmt != "onnx":
+            raise ExportError(f"--draft-streams needs --format onnx (got --format {self.fmt}); for OpenVINO, "
+                              "export --format onnx --kv explicit: its backend loads that draft graph")
+        if self.draft_vocab is not None and (self.fmt == "torch" or self.draft_streams is not None):
+            raise ExportError("--draft-vocab needs --format onnx or openvino and a plain draft "
+                              f"(got --format {self.fmt}{' with --draft-streams' if self.draft_streams else ''})")
