@@ -7,12 +7,14 @@ batch size and way, tokens committed per second of decode step (what the latency
 acceptance, measured directly: a decaying ratio of summed tokens to summed seconds, never a mean of per-step
 ratios, which one lucky window skews), and takes the faster way: gamma = 0 is target-only. Only settled steps
 count: not a step that switched ways (the draft catches up on the text it missed) nor one where a sequence
-decodes its first window (the draft reads its prompt). Speculation, what was asked, goes first; a way not yet
-measured at a batch size is tried until it has `explore` settled steps, unless speculation already lost at a
-smaller batch (its gain only shrinks as the batch grows: the target verifies windows one sequence a call, while
-target-only steps share one call); every `refresh` steps the way not taken gets a trial of `explore` settled
-steps; the decoder switches only for a gain above `margin` (fixed switch points made vLLM users' throughput
-fall off cliffs).
+decodes its first window (the draft reads its prompt). Speculation, what was asked, goes first at one sequence;
+at a larger batch it is tried only while one stream's speculative rate beats target-only at the batch size
+below by the margin (a speculative step of B sequences commits about what one stream does: the target verifies
+windows one sequence a call, while target-only steps share one call), else the batch decodes target-only.
+A way not yet measured at a batch size is tried until it has `explore` settled steps or
+`3 * explore` steps in all (when sequences come and go every few steps, few steps settle: exploring must end
+anyway); every `refresh` steps the way not taken gets a trial; the decoder switches only for a gain above
+`margin` (fixed switch points made vLLM users' throughput fall off cliffs).
 """
 
 from __future__ import annotations
@@ -28,7 +30,8 @@ class Rate:
 
     tokens: float = 0.0
     seconds: float = 0.0
-    samples: int = 0
+    samples: int = 0  # settled steps measured
+    tries: int = 0  # steps taken this way, settled or not
 
     def add(self, tokens: int, seconds: float, decay: float = 0.9) -> None:
         self.tokens = decay * self.tokens + tokens
@@ -67,7 +70,9 @@ class SpeculationPolicy:
         if not self.adaptive:
             return SPEC
         for way in (SPEC, AR):  # measure what this batch size has not seen
-            if self._rate(way, batch).samples < self.explore and not (way == SPEC and self._lost_below(batch)):
+            rate = self._rate(way, batch)
+            exploring = rate.samples < self.explore and rate.tries < 3 * self.explore
+            if exploring and (way == AR or self._may_win(batch)):
                 return way
         trial = self.trials.get(batch)
         if trial:
@@ -75,7 +80,7 @@ class SpeculationPolicy:
         current = self.current.get(batch) or self._faster(batch)
         other = AR if current == SPEC else SPEC
         self.since[batch] = self.since.get(batch, 0) + 1
-        if self.since[batch] >= self.refresh and not (other == SPEC and self._lost_below(batch)):
+        if self.since[batch] >= self.refresh and (other == AR or self._may_win(batch)):
             self.since[batch] = 0
             self.trials[batch] = (other, self.explore)
             return other
@@ -88,6 +93,7 @@ class SpeculationPolicy:
         """A step's outcome: `tokens` committed in `seconds` of decode by `batch` running sequences; `settled`
         False when a sequence decoded its first window. A step that switched ways is never settled."""
         switched, self.previous = self.previous not in (None, way), way
+        self._rate(way, batch).tries += 1
         if not settled or switched:
             return
         self._rate(way, batch).add(tokens, seconds)
@@ -97,16 +103,21 @@ class SpeculationPolicy:
 
     def _faster(self, batch: int) -> str:
         spec, ar = self._rate(SPEC, batch), self._rate(AR, batch)
-        return SPEC if spec.samples and spec.tokens_per_s >= ar.tokens_per_s else AR
+        return SPEC if spec.samples and (not ar.samples or spec.tokens_per_s >= ar.tokens_per_s) else AR
 
-    def _lost_below(self, batch: int) -> bool:
-        """Whether speculation was measured slower than target-only at some smaller batch size."""
-        for b in range(1, batch):
-            spec, ar = self.rates.get((SPEC, b)), self.rates.get((AR, b))
-            if spec and ar and spec.samples >= self.explore and ar.samples >= self.explore \
-                    and spec.tokens_per_s < ar.tokens_per_s:
-                return True
-        return False
+    def _may_win(self, batch: int) -> bool:
+        """Whether speculation is worth trying at `batch`: always at one sequence; above, only while one stream's
+        speculation (the target verifies a batch's windows one sequence a call, so a speculative step commits about
+        what one stream does) beats target-only at `batch - 1` by the margin, and speculation did not lose there."""
+        if batch <= 1:
+            return True
+        single, below = self.rates.get((SPEC, 1)), self.rates.get((AR, batch - 1))
+        if not (single and below and single.samples and below.samples):
+            return False
+        spec_below = self.rates.get((SPEC, batch - 1))
+        if spec_below and spec_below.samples and spec_below.tokens_per_s < below.tokens_per_s:
+            return False
+        return single.tokens_per_s > (1 + self.margin) * below.tokens_per_s
 
     def _rate(self, way: str, batch: int) -> Rate:
         return self.rates.setdefault((way, batch), Rate())

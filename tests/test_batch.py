@@ -61,7 +61,8 @@ def pair(request, tmp_path_factory):
 def test_staggered_arrivals_equal_reference(pair, mode, max_num_seqs):
     """12 prompts joining at different steps into batches of up to 4 and 8: each text equals its own ar."""
     target, draft = pair
-    decoder = BatchDecoder(target, draft, BatchSettings(max_num_seqs=max_num_seqs))
+    settings = BatchSettings(max_num_seqs=max_num_seqs, adaptive_speculation=False)  # each mode as asked, in batches
+    decoder = BatchDecoder(target, draft, settings)
     seqs = []
     for i, prompt in enumerate(prompts(12)):
         config = GenerationConfig(max_new_tokens=10 + 3 * i, mode=mode, gamma=1 + i % 4)
@@ -76,7 +77,7 @@ def test_staggered_arrivals_equal_reference(pair, mode, max_num_seqs):
 def test_modes_mix_in_one_batch(pair):
     """ar, sd and mirror sequences decode side by side; each equals its reference; mirror ones speculated."""
     target, draft = pair
-    decoder = BatchDecoder(target, draft, BatchSettings(max_num_seqs=6))
+    decoder = BatchDecoder(target, draft, BatchSettings(max_num_seqs=6, adaptive_speculation=False))  # as asked
     seqs = [(i, sequence(i, p, GenerationConfig(max_new_tokens=25, mode=("ar", "sd", "mirror")[i % 3], gamma=3)))
             for i, p in enumerate(prompts(6, 3))]
     steps = {s.id: [] for _, s in seqs}

@@ -41,7 +41,8 @@ def reference(engine, prompt, max_new: int) -> list[int]:
 def test_staggered_questions_equal_single_stream(bundle_engine, mode, max_num_seqs):
     engine = bundle_engine
     prompts = questions(engine, 12)
-    decoder = BatchDecoder(engine.target, engine.draft, BatchSettings(max_num_seqs=max_num_seqs), cpus=engine.cpus)
+    settings = BatchSettings(max_num_seqs=max_num_seqs, adaptive_speculation=False)  # each mode as asked, in batches
+    decoder = BatchDecoder(engine.target, engine.draft, settings, cpus=engine.cpus)
     seqs = [Sequence(f"q{i}", p, GenerationConfig(max_new_tokens=24, mode=mode, ignore_eos=True), budget=24)
             for i, p in enumerate(prompts)]
     step = 0

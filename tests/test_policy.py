@@ -27,11 +27,30 @@ def test_speculation_that_lost_at_a_smaller_batch_is_not_tried_again_larger():
     assert set(drive(policy, 5, {SPEC: 10, AR: 200}, 10)) == {AR}
 
 
+def test_speculation_is_tried_at_a_larger_batch_only_where_it_won_below():
+    policy = SpeculationPolicy(explore=2, refresh=1000)
+    assert set(drive(policy, 3, {SPEC: 500, AR: 100}, 10)) == {AR}  # nothing known at 2: target-only
+    drive(policy, 1, {SPEC: 80, AR: 45}, 10)
+    assert drive(policy, 2, {SPEC: 100, AR: 60}, 10)[0] == SPEC  # it won at 1: tried at 2, and it wins there
+    assert drive(policy, 3, {SPEC: 100, AR: 60}, 20)[-1] == SPEC
+
+
+def test_exploring_ends_when_sequences_come_and_go_every_step():
+    """Steps where a sequence reads its prompt never settle; exploring stops after 3 * explore tries anyway."""
+    policy = SpeculationPolicy(explore=2, refresh=1000)
+    ways = []
+    for _ in range(20):
+        way = policy.choose(1)
+        policy.record(way, 1, 10, 1.0, settled=False)
+        ways.append(way)
+    assert ways[:6] == [SPEC] * 6 and ways[6:12] == [AR] * 6 and len(set(ways[12:])) == 1
+
+
 def test_small_gains_do_not_flip_the_way():
     """Rates within the margin keep the current way (no oscillation at a switch point)."""
     policy = SpeculationPolicy(explore=1, refresh=1000, margin=0.1)
-    drive(policy, 3, {SPEC: 100, AR: 95}, 5)
-    assert set(drive(policy, 3, {SPEC: 100, AR: 105}, 30)) == {SPEC}
+    drive(policy, 1, {SPEC: 100, AR: 95}, 5)
+    assert set(drive(policy, 1, {SPEC: 100, AR: 105}, 30)) == {SPEC}
 
 
 def test_the_way_not_taken_is_measured_again():
@@ -45,10 +64,10 @@ def test_a_switch_and_a_first_window_are_not_measured():
     neither is what the way costs when it runs."""
     policy = SpeculationPolicy(explore=2, refresh=1000)
     policy.record(SPEC, 1, 2, 1.0, settled=False)  # a first window
-    assert (SPEC, 1) not in policy.rates
+    assert policy.rates[(SPEC, 1)].samples == 0
     policy.record(SPEC, 1, 50, 1.0)
     policy.record(AR, 1, 1, 5.0)  # the switch
-    assert (AR, 1) not in policy.rates
+    assert policy.rates[(AR, 1)].samples == 0
     policy.record(AR, 1, 40, 1.0)
     assert policy.rates[(AR, 1)].tokens_per_s == 40
 
