@@ -126,7 +126,7 @@ class BatchDecoder:
         """One decode step of every running sequence, the way the policy picks; its outcome goes back to it."""
         gamma = self.policy.gamma(self, running)
         before = sum(len(s.tokens) for s in running)
-        settled = all(s.state_data.get("decode_steps", 0) for s in running)  # no sequence on its first window
+        settled = all(s.metrics.steps for s in running)  # no sequence on its first window
         t0 = time.perf_counter()
         if gamma == 0:
             for seq in running:  # their draft rows wait, rolled back to committed text, until speculation resumes
@@ -138,9 +138,6 @@ class BatchDecoder:
         self.policy.record(way, len(running), sum(len(s.tokens) for s in running) - before, time.perf_counter() - t0,
                            settled)
         self.gamma = gamma
-        for seq in running:  # its share of speculative steps (the request's stats)
-            seq.state_data["speculative_steps"] = seq.state_data.get("speculative_steps", 0) + (gamma > 0)
-            seq.state_data["decode_steps"] = seq.state_data.get("decode_steps", 0) + 1
 
     def close(self) -> None:
         """Stop the draft worker (the decoder can still step: it starts again when needed)."""

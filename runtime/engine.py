@@ -335,7 +335,7 @@ class Engine:
         """What batching did for this request: its prompt from the prefix cache, its speculative steps, Mirror's."""
         steps = max(1, seq.metrics.steps)
         stats = {"prompt_tokens_cached": seq.reused,
-                 "speculative_step_share": round(seq.state_data.get("speculative_steps", 0) / steps, 3)}
+                 "speculative_step_share": round(seq.metrics.speculative_steps / steps, 3)}
         parts = seq.state_data.get("mirror_parts")
         if parts:
             counters = {k: sum(c[k] for _, c in parts) if k != "busy" else [i for _, c in parts for i in c[k]]

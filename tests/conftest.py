@@ -176,3 +176,14 @@ def reference():
     from serve_support import tiny_engine
 
     return tiny_engine()
+
+
+@pytest.fixture(scope="module")
+def browser():
+    """Headless Chromium for a module's page tests (they skip, saying why, where none can be had)."""
+    from browser_support import browser_or_skip
+
+    playwright, browser = browser_or_skip()
+    yield browser
+    browser.close()
+    playwright.stop()

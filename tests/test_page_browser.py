@@ -10,20 +10,12 @@ import re
 import time
 
 import pytest
-from browser_support import Page, browser_or_skip
+from browser_support import Page
 from serve_support import Delayed, metric, scrape, start, tiny_engine, wait_for
 
 pytest.importorskip("fastapi")
 
 PROMPT = "hello there"
-
-
-@pytest.fixture(scope="module")
-def browser():
-    playwright, browser = browser_or_skip()
-    yield browser
-    browser.close()
-    playwright.stop()
 
 
 @pytest.fixture(scope="module")

@@ -13,7 +13,7 @@ import sys
 from pathlib import Path
 
 import pytest
-from browser_support import Page, browser_or_skip
+from browser_support import Page
 from serve_support import free_port, wait_for_line
 
 pytest.importorskip("fastapi")
@@ -23,14 +23,6 @@ pytestmark = pytest.mark.slow
 # answer may have no correction at all: the test asks the next question until one shows both origins.
 QUESTIONS = ["Name three primary colors and say one thing about each.",
              "Tell me a story about a dragon who learns to cook.", "Write a short poem about the sea."]
-
-
-@pytest.fixture(scope="module")
-def browser():
-    playwright, browser = browser_or_skip()
-    yield browser
-    browser.close()
-    playwright.stop()
 
 
 @pytest.fixture(scope="module")
