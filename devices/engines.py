@@ -15,7 +15,7 @@ import os
 from pathlib import Path
 
 from mirror_rt.devices.bundle_engine import load_bundle
-from mirror_rt.devices.options import EngineOptions
+from mirror_rt.devices.options import BUNDLE_WEIGHTS, EngineOptions
 from mirror_rt.devices.placement import plan
 from mirror_rt.devices.registry import names_torch_device, stderr_line, torch_target
 from mirror_rt.devices.torch_engine import load_torch
@@ -47,10 +47,15 @@ def load_engine(options: EngineOptions | None = None, mode: str | None = None, l
     if models.bundle is not None and (models.torch or asked):
         raise GenerationError(f"a bundle runs as exported: {', '.join(asked) or 'torch'} applies to torch eager only "
                               "(drop it, or drop the bundle)")
+    weights = options.precision.weights
+    if weights is not None and (models.bundle is not None or models.torch or asked):
+        raise GenerationError(f"--weights {weights} picks the default model's bundle at that precision: "
+                              f"{'--bundle' if models.bundle else 'torch eager'} runs its own weights (drop one)")
     if models.bundle is None and names_torch_device(options.devices.target):
         options = _torch_target(options, log)
     if models.bundle is None and not models.torch and not options.torch_asked():
-        bundle = default_bundle_or_none(models.cache_dir, log)
+        bundle = default_bundle(models.cache_dir, log=log, weights=weights) if weights else (
+            default_bundle_or_none(models.cache_dir, log))
         if bundle is not None:
             engine = load_bundle(options.with_flags(bundle=str(bundle)), mode)
             engine.names["model"] = DEFAULT_MODEL
@@ -101,6 +106,8 @@ def default_bundle(cache_dir: str | None = None, progress: bool = True, log=stde
     from mirror_rt.models.default_model import default_model_folder
 
     weights = weights or DEFAULT_WEIGHTS
+    if weights not in BUNDLE_WEIGHTS:
+        raise GenerationError(f"unknown --weights {weights} (the default bundle's: {', '.join(BUNDLE_WEIGHTS)})")
     folder = default_bundle_folder(cache_dir, weights)
     try:
         read_manifest(folder, verify=False)

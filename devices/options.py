@@ -17,6 +17,7 @@ from dataclasses import dataclass, field, fields, replace
 from mirror_rt.models.config import SplitOptions
 from mirror_rt.runtime.batch import BatchSettings
 
+BUNDLE_WEIGHTS = ("fp32", "int8", "int4", "q4_1", "w8a8")  # --weights: the ONNX export's (exporters.onnx.WEIGHTS)
 # The options only the torch engine understands: any of them given asks for torch eager.
 TORCH_OPTIONS = ("model", "draft_model", "device", "dtype", "threads", "exit_layer", "kappa", "draft_streams",
                  "compile")
@@ -53,6 +54,9 @@ class DeviceOptions:
 class PrecisionOptions:
     """At what precision the models compute."""
 
+    # the default model's bundle target precision (`mirror-rt export --weights`): fp32 | int8 | int4 | q4_1 | w8a8,
+    # exported once into the cache; None: devices.engines.DEFAULT_WEIGHTS. An exported bundle carries its own.
+    weights: str | None = None
     dtype: str | None = None  # torch target dtype; None: bf16 on CUDA (fp16 without bf16), else fp32
     draft_precision: str | None = None  # OpenVINO draft compute precision (f32 | bf16); None: exact f32
     compile: bool | None = None  # torch: static-shape windows under torch.compile

@@ -1,8 +1,9 @@
 """The steps of the batched decoder: prefill a prompt into its row, a batched target-only step, a speculative one.
 
-`Prefill` takes one chunk of the oldest prompt per decoder step (so a long prompt stalls the running sequences
-by one chunk at most), from where the prefix cache left it; the last chunk's logits give the first token, then
-the draft's row adopts the target's KV (a draft that is the target's copy) or prefills its own.
+`Prefill` takes one chunk's worth of prompt positions per decoder step, oldest prompt first (so prompts stall
+the running sequences by one chunk at most), from where the prefix cache left it; the last chunk's logits give
+the first token, then the draft's row adopts the target's KV (a draft that is the target's copy) or prefills
+its own.
 `ArStep` feeds every row its last token in one target call (rows still prefilling get a placeholder token
 that nothing commits). `SdStep` runs vanilla speculative decoding per sequence over its rows: draft k tokens,
 verify them in one target call, keep the accepted prefix. Every choice is the target's own at its position
@@ -50,20 +51,26 @@ class Prefill:
         return seq.prompt + seq.tokens[:-1]
 
     def run(self) -> None:
-        """One chunk of the oldest prefilling sequence."""
-        seq = next((s for s in self.decoder.active if s.state == "prefill" and not s.done), None)
-        if seq is None:
-            return
+        """Prompt positions up to one chunk's worth per step, oldest prompt first: several short prompts join in
+        one step (fewer steps of a half-filled batch), a long one takes the whole chunk."""
+        budget = self.decoder.settings.prefill_chunk
+        for seq in [s for s in self.decoder.active if s.state == "prefill" and not s.done]:
+            if budget <= 0:
+                return
+            budget -= self._chunk(seq, budget)
+
+    def _chunk(self, seq, budget: int) -> int:
+        """Up to `budget` positions of `seq`'s prompt into its row; returns how many."""
         d, fill = self.decoder, self.fill(seq)
         cache = seq.state_data["target_cache"]
-        chunk = fill[seq.computed:seq.computed + d.settings.prefill_chunk]
+        chunk = fill[seq.computed:seq.computed + budget]
         logits = None
         if chunk:  # empty only when a resumed sequence found all of it in the prefix cache
             with seq.metrics.stage("target_prefill"):
                 logits = self._forward(chunk, cache, wide=len(chunk) > 1 and not d.mirror.drafting())
         seq.computed += len(chunk)
         if seq.computed < len(fill):
-            return
+            return len(chunk)
         if not seq.tokens:  # a new sequence: the prompt's last logits give its first token
             first = choose_under(seq.rules, logits[-1], seq.config.sampling, seq.config.seed, len(seq.prompt))
             seq.metrics.first_token_at = time.perf_counter()
@@ -72,6 +79,7 @@ class Prefill:
         seq.state = "running"
         if d.cache is not None:
             d.cache.store(d.target_pool, seq.row, fill, limit=d.budget.spare)
+        return max(len(chunk), 1)  # a prompt found whole in the prefix cache still costs its draft's prefill
 
     def _forward(self, chunk: list[int], cache, wide: bool):
         """The chunk's last logits [1, vocab]; on every core (a split target's prompt sessions) when `wide`."""

@@ -160,3 +160,19 @@ def test_bundle_draft_of_another_vocabulary_is_refused(onnx_bundle, tmp_path):
     with pytest.raises(engines.GenerationError, match="vocabulary mismatch"):
         torch_engine.load_torch(EngineOptions.from_flags(model=str(folder), draft_bundle=str(onnx_bundle)),
                                 log=lambda *a: None)
+
+
+def test_weights_picks_the_default_bundle_at_that_precision(monkeypatch):
+    """`--weights q4_1` loads the default model's q4_1 bundle; with --bundle or torch it is refused in one line."""
+    with pytest.raises(engines.GenerationError, match="unknown --weights fp16"):
+        engines.default_bundle(weights="fp16")  # (ONNX bundles have no fp16 target)
+    asked = []
+    monkeypatch.setattr(engines, "default_bundle", lambda cache_dir=None, log=None, weights=None:
+                        asked.append(weights) or f"/bundles/{weights}")
+    monkeypatch.setattr(engines, "load_bundle", lambda options, mode=None: type("E", (), {
+        "names": {}, "bundle": options.models.bundle})())
+    assert engines.load_engine(EngineOptions.from_flags(weights="q4_1")).bundle == "/bundles/q4_1"
+    assert asked == ["q4_1"]
+    for other in ({"bundle": "/some/bundle"}, {"torch": True}, {"model": "tiny"}):
+        with pytest.raises(engines.GenerationError, match="--weights q4_1 picks the default model's bundle"):
+            engines.load_engine(EngineOptions.from_flags(weights="q4_1", **other))
