@@ -23,6 +23,7 @@ from mirror_rt.runtime.batch_steps import ArStep, Prefill, SdStep
 from mirror_rt.runtime.kv_pool import BLOCK_SIZE, BlockBudget, RowMap, blocks_for
 from mirror_rt.runtime.policy import AR, SPEC, SpeculationPolicy
 from mirror_rt.runtime.prefix_cache import PrefixCache
+from mirror_rt.runtime.row_split import RowSplit
 from mirror_rt.runtime.sequence import Sequence
 
 WINDOW_ROOM = 80  # positions past the committed text a step may write (window, padding, draft guesses)
@@ -73,6 +74,7 @@ class BatchDecoder:
         self.gamma = 0  # gamma of the latest step (0: target-only), the server's gauge
         self.prefill, self.ar, self.sd = Prefill(self), ArStep(self), SdStep(self)
         self.mirror = MirrorStep(self, cpus)
+        self.row_split = RowSplit()  # target-only steps: one call, or one per group of rows of like lengths
         self.steps = 0
 
     def describe(self) -> str:
@@ -185,6 +187,32 @@ class BatchDecoder:
             if move is not None:
                 self._move_row(*move)
             seq.row, seq.state = None, "done"
+
+    def sort_rows(self) -> None:
+        """Rows in order of length (runtime.row_split: groups of like lengths are then contiguous), by swaps of
+        both models' rows; only while no sequence prefills or drafts with the draft worker."""
+        if not self.pooled or any(s.state != "running" or self.mirror.joined(s) for s in self.active):
+            return
+        for i in range(len(self.rows)):
+            lengths = self.target_pool.lengths
+            j = min(range(i, len(self.rows)), key=lambda row: (int(lengths[row]), row))
+            if int(lengths[j]) < int(lengths[i]):
+                self._swap_rows(i, j)
+        self.row_split.sorts += 1
+
+    def _swap_rows(self, a: int, b: int) -> None:
+        for pool in (self.target_pool, self.draft_pool):
+            if pool is not None:
+                kept, length = pool.read(a, 0, int(pool.lengths[a])), int(pool.lengths[a])
+                pool.move(b, a)
+                pool.write(b, 0, kept)
+                pool.commit(b, length)
+        order = self.rows.order
+        order[a], order[b] = order[b], order[a]
+        for row in (a, b):
+            order[row].row = row
+            for cache in order[row].state_data.get("caches", ()):
+                cache.row = row
 
     def _move_row(self, source: int, dest: int) -> None:
         """The last row fills a freed one: every pool copies it, its sequence's caches follow (a draft row the

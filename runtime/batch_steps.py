@@ -129,16 +129,31 @@ class ArStep:
             seq.metrics.durations.setdefault("batch_step", []).append(elapsed)
 
     def _batched(self, running: list) -> None:
+        """One target call over the rows, or one per group of rows where their lengths differ enough that the
+        padding to the longest row costs more than another call (runtime.row_split)."""
         d = self.decoder
-        order = d.rows.order
         live = set(map(id, running))
+        if all(s.state == "running" for s in d.active) and d.row_split.sort_pays(self._lengths()):
+            d.sort_rows()
+        order = d.rows.order
         tokens = np.array([[s.last if id(s) in live else 0] for s in order], dtype=np.int64)  # [A, 1]
         wide = {"wide": True} if getattr(d.target, "prompt_graphs", None) else {}  # every core: the draft idles
-        logits = d.target.forward_rows(tokens, d.target_pool, 0, **wide)  # [A, 1, vocab]
-        for row, seq in enumerate(order):
-            if id(seq) in live:
-                d.target_pool.commit(row, seq.length)  # the last token is in: all but the next one
-                self._commit(seq, logits[row, -1])
+        t0 = time.perf_counter()
+        for first, rows in d.row_split.groups(self._lengths(), tuple(map(id, order))):
+            if not any(id(s) in live for s in order[first:first + rows]):
+                continue  # rows still prefilling only: their placeholder would be dropped anyway
+            logits = d.target.forward_rows(tokens[first:first + rows], d.target_pool, first, **wide)  # [rows, 1, V]
+            for row in range(first, first + rows):
+                seq = order[row]
+                if id(seq) in live:
+                    d.target_pool.commit(row, seq.length)  # the last token is in: all but the next one
+                    self._commit(seq, logits[row - first, -1])
+        d.row_split.record(time.perf_counter() - t0)
+
+    def _lengths(self) -> list[int]:
+        """Positions each row attends to in a one-token call (its committed ones and the new token)."""
+        pool = self.decoder.target_pool
+        return [int(pool.lengths[row]) + 1 for row in range(len(self.decoder.rows))]
 
     @staticmethod
     def _commit(seq, row_logits) -> None:

@@ -10,6 +10,7 @@ from mirror_rt.devices.torch_split import TorchSplitTarget
 from mirror_rt.runtime.batch import BatchDecoder, BatchSettings, KVTooLarge
 from mirror_rt.runtime.config import GenerationConfig
 from mirror_rt.runtime.reference import generate
+from mirror_rt.runtime.row_split import TRIAL
 from mirror_rt.runtime.sampling import SamplingConfig
 from mirror_rt.runtime.sequence import Sequence
 
@@ -236,3 +237,48 @@ def test_memory_stays_bounded_over_many_requests(pair):
         step += 1
     assert all(s.done for _, s in seqs)
     assert peak <= decoder.budget.total and len(decoder.rows) == 0
+
+
+# --- target-only steps cut into groups of rows and rows sorted by length (runtime.row_split) ---
+
+
+def forced(decoder: BatchDecoder) -> BatchDecoder:
+    """Cuts proposed at a cheap call (8 positions), and taken: they always win their trial here."""
+    decoder.row_split.per_call = 8.0
+    decoder.row_split.record = lambda seconds: None
+    decoder.row_split.seconds = {"whole": [1.0] * TRIAL, "cut": [0.0] * TRIAL}
+    decoder.row_split.rows_key = None
+    original = decoder.row_split.groups
+
+    def groups(lengths, rows_key):
+        decoder.row_split.rows_key = rows_key  # keep the won trial whoever holds the rows
+        return original(lengths, rows_key)
+
+    decoder.row_split.groups = groups
+    return decoder
+
+
+def staggered(target, draft, mode: str, count: int = 10):
+    decoder = forced(BatchDecoder(target, draft, BatchSettings(max_num_seqs=6, adaptive_speculation=False)))
+    seqs = []
+    for i, prompt in enumerate(prompts(count, 7)):
+        long_prompt = prompt * (1 + 3 * (i % 3 == 1))  # some rows much longer than their companions
+        seqs.append((i * 3, sequence(i, long_prompt, GenerationConfig(max_new_tokens=12 + 2 * i, mode=mode))))
+    run(decoder, seqs)
+    return decoder, seqs
+
+
+def test_cut_and_sorted_rows_equal_the_reference(pair):
+    target, draft = pair
+    decoder, seqs = staggered(target, draft, "ar")
+    for _, seq in seqs:
+        assert seq.tokens == reference(target, seq.prompt, seq.config), seq.id
+    assert decoder.row_split.splits > 0 and (decoder.row_split.sorts > 0 or not decoder.pooled)
+
+
+def test_every_precision_cut_and_sorted_equals_its_reference(precision_pair):
+    target, draft = precision_pair
+    decoder, seqs = staggered(target, draft, "ar", count=8)
+    for _, seq in seqs:
+        assert seq.tokens == reference(target, seq.prompt, seq.config), seq.id
+    assert decoder.row_split.splits > 0 and decoder.row_split.sorts > 0
