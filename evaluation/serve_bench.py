@@ -125,6 +125,13 @@ def speculation(before: dict, after: dict) -> dict:
             "mean_accepted_length": round(1 + accepted / drafts, 3) if drafts else None}
 
 
+def prefix_hits(before: dict, after: dict) -> dict:
+    """The share of prompt tokens the server's prefix cache served over the run (None: no prefix cache)."""
+    queries = after.get("prefix_cache_queries_total", 0.0) - before.get("prefix_cache_queries_total", 0.0)
+    hits = after.get("prefix_cache_hits_total", 0.0) - before.get("prefix_cache_hits_total", 0.0)
+    return {"prefix_cache_hit_rate": round(hits / queries, 3) if queries else None}
+
+
 def scrape_totals(url: str) -> dict:
     """Counter totals of the server's /metrics, summed over labels, without the `mirror_rt:` prefix."""
     import httpx
@@ -157,8 +164,13 @@ async def load_run(url: str, prompts: list, levels: list[int], max_tokens: int, 
     for concurrency in levels:
         before = scrape_totals(url)
         results, wall = await run_level(client, model, prompts, max_tokens, concurrency)
-        level = summarize(results, wall, concurrency) | speculation(before, scrape_totals(url))
+        after = scrape_totals(url)
+        level = summarize(results, wall, concurrency) | speculation(before, after) | prefix_hits(before, after)
         log(format_level(level))
+        if peers and level["prefix_cache_hit_rate"]:
+            log(f"bench-serve: the server's prefix cache served {level['prefix_cache_hit_rate']:.0%} of the prompt "
+                "tokens of this level (every level repeats the same prompts; the peers' prefix caching is off): "
+                "serve with --no-prefix-cache to compare like with like")
         for peer in peers:
             peer_results, peer_wall = peer.run_level(prompt_ids, max_tokens, concurrency,
                                                      decode=lambda ids: detokenize(url, ids))
@@ -227,7 +239,8 @@ def format_level(level: dict) -> str:
             f"{level['request_throughput']:.2f} req/s, {level['output_throughput']:.1f} tok/s, TTFT p50/p95 "
             f"{level['median_ttft_ms']}/{level['p95_ttft_ms']} ms, ITL p50/p95 {level['median_itl_ms']}/"
             f"{level['p95_itl_ms']} ms, TPOT {level['mean_tpot_ms']} ms, acceptance {level['acceptance_rate']}, "
-            f"mean accepted length {level['mean_accepted_length']}")
+            f"mean accepted length {level['mean_accepted_length']}, prefix cache hits "
+            f"{level.get('prefix_cache_hit_rate')}")
 
 
 def format_burst(b: dict) -> str:

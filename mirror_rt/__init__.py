@@ -39,7 +39,8 @@ def load(model: str | None = None, draft_model: str | None = None, *, log=stderr
             or a folder / .gguf / preset.
         options: the `mirror-rt run` engine flags by their names (`mirror_rt.EngineOptions` fields):
             device, dtype, threads, exit_layer, kappa, draft_streams, compile (torch-only: any of them runs
-            torch eager), torch, bundle, draft_bundle, target, draft, strict_devices, draft_precision,
+            torch eager), torch, bundle, draft_bundle, weights (the default model's target precision:
+            fp32, int8, int4, q4_1, w8a8), target, draft, strict_devices, draft_precision,
             cache_dir, pin (torch, mirror: pin target and draft to different cores).
     """
     return load_engine(EngineOptions.from_flags(model=model, draft_model=draft_model, **options), log=log)

@@ -53,8 +53,8 @@ ENGINE_HELP = {
     "max_num_seqs": "sequences decoded at once (default %(default)s): more wait, up to --max-queued",
     "kv_cache_gb": "KV memory of both models' rows and the prefix cache, in GB (default: every row at full "
                    "length, within 40%% of the memory available at load)",
-    "prefill_chunk": "prompt tokens per prefill call (default %(default)s): a long prompt stalls the running "
-                     "requests by one chunk at most",
+    "prefill_chunk": "prompt tokens prefilled per step, several short prompts or a chunk of a long one (default "
+                     "%(default)s): prompts stall the running requests by one chunk at most",
     "prefix_cache": "keep full 16-token blocks of finished requests for later ones that share them (default: on)",
     "adaptive_speculation": "speculate only while it pays at this load: draft windows per batch size from the step "
                             "costs measured, down to target-only steps (default: on)",

@@ -1,14 +1,14 @@
 """The batched decoder: many sequences decoded together, joining and leaving at step boundaries.
 
-One `step()`: admit waiting sequences while rows and KV blocks allow (prefix cache first), prefill one chunk
-of the oldest prompt not yet in its row, one decode step for every running sequence, then release the
-sequences that finished (end of text, length, cancel) and fill their rows. The decode step is batched target-only
-(one target call for every row: exporters.shared_kv) or speculative (sd or mirror, per sequence), as
-`runtime.policy` decides from the step costs this engine measures. Every token is the target's own choice at
-its position (runtime.sampling.choose_at), so a sequence's text does not depend on its companions, its mode or
-its windows. Models that cannot batch rows (OpenVINO graphs, compiled torch windows) decode their sequences one
-call each, from caches of their own, without the prefix cache. Not thread-safe except `add` and `cancel`: one
-thread calls `step`.
+One `step()`: admit waiting sequences while rows and KV blocks allow (prefix cache first), prefill up to one
+chunk of the prompts not yet in their rows (oldest first), one decode step for every running sequence, then
+release the sequences that finished (end of text, length, cancel) and fill their rows. The decode step is
+batched target-only (one target call for every row, or per group of like lengths: runtime.row_split) or
+speculative (sd or mirror, per sequence), as `runtime.policy` decides from the step costs this engine measures.
+Every token is the target's own choice at its position (runtime.sampling.choose_at), so a sequence's text does
+not depend on its companions, its mode or its windows. Models that cannot batch rows (OpenVINO graphs, compiled
+torch windows) decode their sequences one call each, from caches of their own, without the prefix cache. Not
+thread-safe except `add` and `cancel`: one thread calls `step`.
 """
 
 from __future__ import annotations
@@ -35,7 +35,7 @@ class BatchSettings:
 
     max_num_seqs: int = 16  # sequences holding a row at once (running or prefilling)
     kv_cache_gb: float | None = None  # KV memory of both models' rows and the prefix cache; None: from free memory
-    prefill_chunk: int = 256  # prompt positions per prefill call, so a long prompt never stalls the others long
+    prefill_chunk: int = 256  # prompt positions per step (short prompts share it): prompts stall the others briefly
     prefix_cache: bool = True  # keep full blocks of finished requests for the next ones that share them
     adaptive_speculation: bool = True  # speculate only while it pays at this load (runtime.policy); False: as asked
 

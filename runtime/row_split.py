@@ -8,12 +8,12 @@ weights again. `RowSplit` proposes the cut that minimizes
     calls * per_call + sum over groups of rows * longest      (in positions attended; per-row costs cancel)
 
 and measures it: while the batch keeps its rows, the next steps run whole and cut in turn (`TRIAL` each; the
-faster step of each counts), and the faster way stays until a row joins or leaves. `per_call`, what one more call costs in positions, follows
-the verdicts (down when a cut wins, up when it loses), so on an engine whose calls are dear (fp32 weights) it
-stops proposing cuts. Sorting the rows by length makes groups of like lengths contiguous: proposed when the
-cut of the sorted rows saves more than one call over the cut of the rows as they are (the decoder swaps rows:
-copies, paid once while the batch keeps its rows). A row's logits do not depend on its companions (the target
-graphs are exact per row), so no choice here changes a token.
+faster step of each counts), and the faster way stays until a row joins or leaves. `per_call`, one more call's
+cost in positions, follows the verdicts (down when a cut wins, up when it loses), so on an engine whose calls
+are dear (fp32 weights) it stops proposing cuts. Sorting the rows by length makes groups of like lengths
+contiguous: proposed when the cut of the sorted rows saves more than one call over the cut of the rows as they
+are (the decoder swaps rows: copies, paid once while the batch keeps its rows). A row's logits do not depend on
+its companions (the target graphs are exact per row), so no choice here changes a token.
 """
 
 from __future__ import annotations

@@ -122,7 +122,7 @@ def test_load_run_puts_the_peers_beside_the_server(engine, tiny_peers):
 
     server, lines = start(engine, max_queued=4), []
     try:
-        prompts = [[{"role": "user", "content": f"question {i}"}] for i in range(3)]
+        prompts = [[{"role": "user", "content": f"question {i}: " + "say it in a few words " * 6}] for i in range(3)]
         report = asyncio.run(load_run(server.url, prompts, [1, 2], 6, burst_size=0, api_key=None, log=lines.append,
                                       peers=tiny_peers))
     finally:
@@ -131,6 +131,8 @@ def test_load_run_puts_the_peers_beside_the_server(engine, tiny_peers):
     tables = [line for line in lines if line.startswith("concurrency") and "|" in line]
     assert len(tables) == 2 and all(len(t.splitlines()) == 6 for t in tables)
     assert "| mirror-rt serve | mirror; fp64 target, fp64 draft | HTTP | 3/3 |" in tables[0]
+    assert report["levels"][1]["prefix_cache_hit_rate"] > 0  # the same prompts again: the server's cache serves them
+    assert any("serve with --no-prefix-cache to compare like with like" in line for line in lines)
     for level in report["levels"]:
         assert level["completed"] == 3 and set(level["peers"]) == {"ov-genai-cb", "ov-genai-cb-f32"}
         assert all(p["completed"] == 3 and p["output_throughput"] > 0 for p in level["peers"].values())

@@ -33,6 +33,6 @@ def test_a_cut_is_measured_against_the_whole_step_before_it_stays():
 
 
 def test_sorting_is_proposed_only_when_it_saves_more_than_a_call():
-    assert RowSplit(per_call=1000).sort_pays([900, 60, 60, 60, 880, 70, 70])  # long rows apart: sorting puts them together
+    assert RowSplit(per_call=1000).sort_pays([900, 60, 60, 60, 880, 70, 70])  # long rows apart
     assert not RowSplit(per_call=1000).sort_pays([60, 70, 880, 900])  # sorted already
     assert not RowSplit(per_call=100_000).sort_pays([900, 60, 60, 60, 880, 70, 70])
