@@ -114,21 +114,24 @@ async def burst(client, model: str, messages: list, max_tokens: int, size: int) 
             "max_admitted_ttft_ms": round(1e3 * max((r.ttft for r in admitted if r.ttft), default=0.0), 1)}
 
 
+def delta(before: dict, after: dict, name: str) -> float:
+    """How much a /metrics counter grew over the run."""
+    return after.get(name, 0.0) - before.get(name, 0.0)
+
+
 def speculation(before: dict, after: dict) -> dict:
     """Acceptance over the run from the /metrics counters (PromQL's rate ratios, as deltas)."""
-    def delta(name):
-        return after.get(name, 0.0) - before.get(name, 0.0)
-
-    drafts, drafted = delta("spec_decode_num_drafts_total"), delta("spec_decode_num_draft_tokens_total")
-    accepted = delta("spec_decode_num_accepted_tokens_total")
+    drafts = delta(before, after, "spec_decode_num_drafts_total")
+    drafted = delta(before, after, "spec_decode_num_draft_tokens_total")
+    accepted = delta(before, after, "spec_decode_num_accepted_tokens_total")
     return {"acceptance_rate": round(accepted / drafted, 3) if drafted else None,
             "mean_accepted_length": round(1 + accepted / drafts, 3) if drafts else None}
 
 
 def prefix_hits(before: dict, after: dict) -> dict:
     """The share of prompt tokens the server's prefix cache served over the run (None: no prefix cache)."""
-    queries = after.get("prefix_cache_queries_total", 0.0) - before.get("prefix_cache_queries_total", 0.0)
-    hits = after.get("prefix_cache_hits_total", 0.0) - before.get("prefix_cache_hits_total", 0.0)
+    queries = delta(before, after, "prefix_cache_queries_total")
+    hits = delta(before, after, "prefix_cache_hits_total")
     return {"prefix_cache_hit_rate": round(hits / queries, 3) if queries else None}
 
 

@@ -16,7 +16,7 @@ import argparse
 import asyncio
 import statistics
 
-from mirror_rt.evaluation.serve_bench import one_request, scrape_totals
+from mirror_rt.evaluation.serve_bench import delta, one_request, scrape_totals
 from mirror_rt.evaluation.specbench import read_questions
 
 
@@ -46,17 +46,14 @@ def summary(pairs: list, before: dict, after: dict) -> dict:
     def ms(values):
         return round(1e3 * statistics.median(values), 1), round(1e3 * statistics.fmean(values), 1)
 
-    def delta(name):
-        return int(after.get(name, 0.0) - before.get(name, 0.0))
-
     failed = sum(not (a.ok and b.ok) for a, b in pairs)
     ok = [(a, b) for a, b in pairs if a.ok and b.ok]
     return {"questions": len(pairs), "failed": failed,
             "turn1_ttft_ms": ms([a.ttft for a, _ in ok]) if ok else None,
             "turn2_ttft_ms": ms([b.ttft for _, b in ok]) if ok else None,
-            "prefix_cache_queries": delta("prefix_cache_queries_total"),
-            "prefix_cache_hits": delta("prefix_cache_hits_total"),
-            "prompt_tokens": delta("prompt_tokens_total")}
+            "prefix_cache_queries": int(delta(before, after, "prefix_cache_queries_total")),
+            "prefix_cache_hits": int(delta(before, after, "prefix_cache_hits_total")),
+            "prompt_tokens": int(delta(before, after, "prompt_tokens_total"))}
 
 
 def report(results: dict, max_tokens: int) -> str:

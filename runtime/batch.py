@@ -209,10 +209,8 @@ class BatchDecoder:
                 pool.commit(b, length)
         order = self.rows.order
         order[a], order[b] = order[b], order[a]
-        for row in (a, b):
-            order[row].row = row
-            for cache in order[row].state_data.get("caches", ()):
-                cache.row = row
+        _rebind(order[a], a)
+        _rebind(order[b], b)
 
     def _move_row(self, source: int, dest: int) -> None:
         """The last row fills a freed one: every pool copies it, its sequence's caches follow (a draft row the
@@ -222,9 +220,7 @@ class BatchDecoder:
             self.target_pool.move(source, dest)
             if self.draft_pool is not None and not self.mirror.move(moved, self.draft_pool, dest):
                 self.draft_pool.move(source, dest)
-        moved.row = dest
-        for cache in moved.state_data.get("caches", ()):
-            cache.row = dest  # (a joined draft cache was rebound by the worker already)
+        _rebind(moved, dest)  # (a joined draft cache was rebound by the worker already: the same row)
 
     def _keep_prefix(self, seq: Sequence) -> None:
         """Store the full blocks of a finished sequence's committed positions in the prefix cache."""
@@ -250,6 +246,13 @@ class BatchDecoder:
         available = kv_bytes if kv_bytes is not None else _available_memory()
         limit = int(0.4 * available // per_position) if available else full
         return blocks_for(min(full, limit))
+
+
+def _rebind(seq: Sequence, row: int) -> None:
+    """`seq` and its row caches now point at `row`."""
+    seq.row = row
+    for cache in seq.state_data.get("caches", ()):
+        cache.row = row
 
 
 def _available_memory() -> int | None:

@@ -133,8 +133,8 @@ class ArStep:
         padding to the longest row costs more than another call (runtime.row_split)."""
         d = self.decoder
         live = set(map(id, running))
-        if all(s.state == "running" for s in d.active) and d.row_split.sort_pays(self._lengths()):
-            d.sort_rows()
+        if d.row_split.sort_pays(self._lengths()):
+            d.sort_rows()  # (not while a sequence prefills or drafts with the worker: it says so)
         order = d.rows.order
         tokens = np.array([[s.last if id(s) in live else 0] for s in order], dtype=np.int64)  # [A, 1]
         wide = {"wide": True} if getattr(d.target, "prompt_graphs", None) else {}  # every core: the draft idles

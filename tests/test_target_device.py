@@ -164,6 +164,10 @@ def test_bundle_draft_of_another_vocabulary_is_refused(onnx_bundle, tmp_path):
 
 def test_weights_picks_the_default_bundle_at_that_precision(monkeypatch):
     """`--weights q4_1` loads the default model's q4_1 bundle; with --bundle or torch it is refused in one line."""
+    from mirror_rt.devices.options import BUNDLE_WEIGHTS
+    from mirror_rt.exporters.onnx import WEIGHTS
+
+    assert BUNDLE_WEIGHTS == WEIGHTS  # the flag's choices, kept without importing the exporter (torch) at parse time
     with pytest.raises(engines.GenerationError, match="unknown --weights fp16"):
         engines.default_bundle(weights="fp16")  # (ONNX bundles have no fp16 target)
     asked = []
