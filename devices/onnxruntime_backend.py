@@ -30,6 +30,7 @@ from mirror_rt.runtime.affinity import pin
 PREFILL_CHUNK = 64  # prompt tokens per pipelined prefill stage
 LAST_ROWS = "last_rows"  # optional graph input (exporters.split.LAST_ROWS): logits rows from the window's end
 TOTAL_LEN = "total_len"  # input of shared-KV graphs (exporters.shared_kv.TOTAL_LEN)
+GROUPS = "attention_groups"  # input of exact graphs since format 6 (exporters.exact_kv.GROUPS_INPUT)
 STREAM_LOGITS = "stream_logits"  # second output of SS draft graphs (exporters.ss_graph.STREAM_LOGITS)
 
 # Short provider names of device strings (`ort:qnn`) -> ONNX Runtime execution providers.
@@ -83,7 +84,9 @@ class ORTGraph:
         self.input_name = names[0]
         self.takes_last_rows = LAST_ROWS in names  # logits graphs of bundles since format 3
         self.shared_kv = TOTAL_LEN in names
-        self.past_names = [n for n in names[1:] if n not in (LAST_ROWS, TOTAL_LEN)]
+        self.past_names = [n for n in names[1:] if n not in (LAST_ROWS, TOTAL_LEN, GROUPS)]
+        # attention groups of rows the graph takes (exact graphs since format 6): 0 where it has none
+        self.groups = next((i.shape[0] for i in self.session.get_inputs() if i.name == GROUPS), 0)
         self.output_names = [o.name for o in self.session.get_outputs()]
         self.n_head_outputs = len(self.output_names) - len(self.past_names)
         self.kv_shape = kv_shape  # (kv_heads, head_dim)
@@ -116,11 +119,15 @@ class ORTGraph:
         head = dict(zip(self.output_names[:self.n_head_outputs], outputs[:self.n_head_outputs]))
         return head, outputs[self.n_head_outputs:]
 
-    def run_rows(self, x: np.ndarray, values: list, total_len: np.ndarray, last_rows: int | None = None) -> dict:
+    def run_rows(self, x: np.ndarray, values: list, total_len: np.ndarray, last_rows: int | None = None,
+                 groups: np.ndarray | None = None) -> dict:
         """Batched graphs: x [B, T] ids or [B, T, hidden] over KV buffers `values` (OrtValues [B, KVH, S, D], one
         per past input, written in place); total_len [B] int32: positions per row after the call -> head outputs
-        by name, [B, ...] each (logits of the last `last_rows` rows of each window where the graph takes it)."""
+        by name, [B, ...] each (logits of the last `last_rows` rows of each window where the graph takes it).
+        `groups` [self.groups, 2] (graphs that take them): (row end, keys read) per group of rows; None: one."""
         feeds = {TOTAL_LEN: total_len}
+        if self.groups:
+            feeds[GROUPS] = groups if groups is not None else one_group(total_len, self.groups)
         if self.takes_last_rows:
             feeds[LAST_ROWS] = np.array([last_rows or x.shape[1]], dtype=np.int64)
         return self._run_shared(x, values, feeds)[0]
@@ -140,6 +147,12 @@ class ORTGraph:
         self.session.run_with_iobinding(binding)
         outputs = binding.get_outputs()
         return {name: outputs[i].numpy() for i, name in enumerate(heads)}, kv
+
+
+def one_group(total_len: np.ndarray, groups: int) -> np.ndarray:
+    """Attention groups [groups, 2] with every row in the first (the others empty)."""
+    rows = len(total_len)
+    return np.array([[rows, int(total_len.max())]] + [[rows, 1]] * (groups - 1), dtype=np.int64)
 
 
 class ORTCache(CacheBounds):
@@ -277,6 +290,11 @@ class ORTSplitTarget(SplitTarget):
     def batches(self) -> bool:
         """Whether prefix and suffix run rows of sequences at once (not with an attention exit adapter)."""
         return self.prefix.batched and self.suffix.batched and "exit_hidden" not in self.prefix.output_names
+
+    @property
+    def attention_groups(self) -> int:
+        """Groups of rows each call's attention can read apart (exporters.exact_kv, format 6; 0: none)."""
+        return min(self.prefix.groups, self.suffix.groups)
 
     def new_pool(self, rows: int, capacity: int) -> RowPool:
         """KV rows of prefix and suffix for `rows` sequences (devices.onnxruntime_pool)."""

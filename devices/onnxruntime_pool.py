@@ -18,6 +18,7 @@ from __future__ import annotations
 import numpy as np
 
 from mirror_rt.devices.lazy_memory import lazy_zeros
+from mirror_rt.runtime.row_split import GROUP_COST, cheapest_groups
 
 
 class RowPool:
@@ -36,6 +37,7 @@ class RowPool:
         self.filled = np.zeros((len(graphs), rows), dtype=np.int64)  # positions each graph holds per row
         self.hidden = None  # split target: (first row, prefix output [B, T, hidden], suffix graph) pending
         self._values: dict = {}  # (graph, first, count) -> OrtValues over the rows' slices
+        self._groups: tuple = (None, None)  # the last call's (key, attention groups): a split target's pair
 
     @property
     def lengths(self) -> np.ndarray:
@@ -70,7 +72,18 @@ class RowPool:
         if len(ends) != B or ends.max() > self.capacity:
             raise ValueError(f"rows {first}..{first + B - 1} cannot take {T} more positions "
                              f"(pool of {self.rows} rows, capacity {self.capacity})")
-        return graph.run_rows(x, self.values(graph_index, first, B), ends.astype(np.int32), last_rows)
+        groups = self.attention_groups(ends, T, graph.groups) if graph.groups else None
+        return graph.run_rows(x, self.values(graph_index, first, B), ends.astype(np.int32), last_rows, groups)
+
+    def attention_groups(self, ends: np.ndarray, tokens: int, groups: int) -> np.ndarray:
+        """Contiguous groups of rows whose attention reads their own longest row's keys (exporters.exact_kv):
+        [groups, 2] of (row end, keys), the cheapest cut (runtime.row_split.cheapest_groups), empty ones last."""
+        key = (ends.tobytes(), tokens, groups)
+        if self._groups[0] != key:
+            cut = cheapest_groups([int(e) * tokens for e in ends], groups, GROUP_COST)[1]
+            rows = [[first + n, int(ends[first:first + n].max())] for first, n in cut]
+            self._groups = (key, np.array(rows + [[len(ends), 1]] * (groups - len(rows)), dtype=np.int64))
+        return self._groups[1]
 
     def move(self, src: int, dst: int) -> None:
         """Copy row `src`'s committed positions into row `dst` (which then holds the same length)."""

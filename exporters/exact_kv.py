@@ -6,12 +6,18 @@ without GroupQueryAttention: its one-token path multiplies probabilities by valu
 kernel and its windows with a matrix-matrix one, which round differently (measured here: 2e-7 apart), and
 it takes several rows only one token each. Here every call, whatever its rows and tokens, runs the same
 kernels on the same numbers: RoPE (com.microsoft RotaryEmbedding, per element), ScatterND into the buffers
-(in place when ONNX Runtime binds past and present to one buffer), the keys up to the longest row (Slice),
-scores with 3+ query rows per KV head (every query head of a group), masked to each position's own keys
-(Where), Softmax, values. Measured here: window rows, one-token steps, rows of a batch (any lengths) and
-prompt rows give the same bits, and masked or stale slots change nothing. Targets with quantized
-activations need it (a last-bit difference moves an int8 rounding, then a token); drafts keep
-GroupQueryAttention (faster at one token, and a draft need not be exact).
+(in place when ONNX Runtime binds past and present to one buffer), then per group of rows the keys up to the
+group's longest row (Slice), scores with 3+ query rows per KV head (every query head of a group), masked to
+each position's own keys (Where), Softmax, values. Measured here: window rows, one-token steps, rows of a batch
+(any lengths, any groups) and prompt rows give the same bits, and masked or stale slots change nothing.
+Targets with quantized activations need it (a last-bit difference moves an int8 rounding, then a token);
+drafts keep GroupQueryAttention (faster at one token, and a draft need not be exact).
+
+Groups (format 6): the call's rows are cut into GROUPS contiguous groups by the `attention_groups` input
+([GROUPS, 2] int64: each group's row end and the keys it reads, its longest row; empty groups last, with
+1 key), so one long row no longer makes every row of the call read its keys (format 5 read every row up to the
+longest). The caller picks the cut (runtime.row_split.cheapest_groups); an empty group costs a few zero-size
+nodes per layer (measured: 0.25 us each).
 """
 
 from __future__ import annotations
@@ -20,20 +26,34 @@ import torch
 
 from mirror_rt.exporters.shared_kv import DOMAIN
 
+GROUPS = 4  # attention groups of rows per call
+GROUPS_INPUT = "attention_groups"  # int64 [GROUPS, 2]: (row end, keys read) per group of contiguous rows
+PER_GROUP = 5  # plan tensors per group: KV starts, KV ends, query start, query end, mask
+
+
+def _const(g, value):
+    return g.op("Constant", value_t=torch.tensor(value, dtype=torch.long))
+
 
 class AttentionPlan(torch.autograd.Function):
-    """What every layer of a call shares: ScatterND indices [B, KVH, T, 3], the key count L [1] (the longest
-    row) and the visibility mask [B, 1, T * rep, L]; its eager forward only gives the tracer shapes."""
+    """What every layer of a call shares: ScatterND indices [B, KVH, T, 3], then per group of rows its KV slice
+    bounds (starts [2], ends [2] over axes batch and position), its query rows (start [1], end [1]) and its
+    visibility mask [rows, 1, T * rep, keys]; its eager forward only gives the tracer shapes."""
 
     @staticmethod
-    def forward(ctx, positions, total_len, n_kv_heads: int, rep: int):
+    def forward(ctx, positions, groups, n_kv_heads: int, rep: int):
         B, T = positions.shape
-        return (torch.zeros(B, n_kv_heads, T, 3, dtype=torch.long), torch.zeros(1, dtype=torch.long),
-                torch.zeros(B, 1, T * rep, int(total_len.max()), dtype=torch.bool))
+        out = [torch.zeros(B, n_kv_heads, T, 3, dtype=torch.long)]
+        first = 0
+        for end, keys in groups.tolist():
+            bounds = [torch.zeros(size, dtype=torch.long) for size in (2, 2, 1, 1)]  # distinct: the tracer
+            out += bounds + [torch.zeros(end - first, 1, T * rep, keys, dtype=torch.bool)]
+            first = end
+        return tuple(out)
 
     @staticmethod
-    def symbolic(g, positions, total_len, n_kv_heads: int, rep: int):
-        const = lambda value: g.op("Constant", value_t=torch.tensor(value, dtype=torch.long))  # noqa: E731
+    def symbolic(g, positions, groups, n_kv_heads: int, rep: int):
+        const = lambda value: _const(g, value)  # noqa: E731
         shape = g.op("Shape", positions)  # [B, T]
         batch, tokens = (g.op("Slice", shape, const([i]), const([i + 1])) for i in (0, 1))
         rows = g.op("Range", const(0), g.op("Squeeze", batch, const([0])), const(1))  # [B]
@@ -42,46 +62,67 @@ class AttentionPlan(torch.autograd.Function):
         b = g.op("Expand", g.op("Reshape", rows, const([-1, 1, 1, 1])), grid)
         h = g.op("Expand", g.op("Reshape", heads, const([1, -1, 1, 1])), grid)
         p = g.op("Expand", g.op("Unsqueeze", g.op("Unsqueeze", positions, const([1])), const([3])), grid)
-        indices = g.op("Concat", b, h, p, axis_i=3)
-        length = g.op("Reshape", g.op("ReduceMax", g.op("Cast", total_len, to_i=7), keepdims_i=0), const([1]))
-        keys = g.op("Range", const(0), g.op("Squeeze", length, const([0])), const(1))  # [L]
-        visible = g.op("LessOrEqual", keys, g.op("Unsqueeze", positions, const([2])))  # [B, T, L]
-        visible = g.op("Unsqueeze", visible, const([1, 3]))  # [B, 1, T, 1, L]
-        wide = g.op("Concat", batch, const([1]), tokens, const([rep]), length, axis_i=0)
-        flat = g.op("Concat", batch, const([1, -1]), length, axis_i=0)
-        mask = g.op("Reshape", g.op("Expand", visible, wide), flat)  # [B, 1, T * rep, L]
-        return indices, length, mask
+        out = [g.op("Concat", b, h, p, axis_i=3)]
+        row_ends = g.op("Reshape", g.op("Slice", groups, const([0]), const([1]), const([1])), const([-1]))  # [G]
+        starts = g.op("Concat", const([0]), row_ends, axis_i=0)  # [G + 1]: where each group starts, then B
+        for i in range(GROUPS):
+            out += _group_plan(g, positions, groups, starts, i, tokens, rep)
+        return tuple(out)
+
+
+def _group_plan(g, positions, groups, starts, i: int, tokens, rep: int) -> list:
+    """Group i's part of the plan: KV starts and ends [2] (rows, positions), query rows start and end [1], mask."""
+    const = lambda value: _const(g, value)  # noqa: E731
+    start, end = (g.op("Reshape", g.op("Slice", starts, const([j]), const([j + 1])), const([1])) for j in (i, i + 1))
+    length = g.op("Reshape", g.op("Slice", groups, const([i, 1]), const([i + 1, 2]), const([0, 1])), const([1]))
+    keys = g.op("Range", const(0), g.op("Squeeze", length, const([0])), const(1))  # [L]
+    own = g.op("Slice", positions, start, end, const([0]))  # [n, T]
+    visible = g.op("LessOrEqual", keys, g.op("Unsqueeze", own, const([2])))  # [n, T, L]
+    visible = g.op("Unsqueeze", visible, const([1, 3]))  # [n, 1, T, 1, L]
+    n = g.op("Sub", end, start)
+    wide = g.op("Concat", n, const([1]), tokens, const([rep]), length, axis_i=0)
+    queries = g.op("Mul", tokens, const([rep]))
+    flat = g.op("Concat", n, const([1]), queries, length, axis_i=0)  # no -1: a group may be empty
+    mask = g.op("Reshape", g.op("Expand", visible, wide), flat)  # [n, 1, T * rep, L]
+    return [g.op("Concat", start, const([0]), axis_i=0), g.op("Concat", end, length, axis_i=0), start, end, mask]
 
 
 class ExactAttention(torch.autograd.Function):
     """One layer: q [B, T, H*D], k, v [B, T, KVH*D] (before RoPE), buffers [B, KVH, S, D] -> (out [B, T, H*D],
-    present k, v: the same buffers); its eager forward only gives the tracer shapes."""
+    present k, v: the same buffers); `plan` as AttentionPlan gives it. Its eager forward only gives the tracer
+    shapes."""
 
     @staticmethod
-    def forward(ctx, q, k, v, past_k, past_v, positions, cos, sin, indices, length, mask, n_heads: int,
-                n_kv_heads: int, head_dim: int):
+    def forward(ctx, q, k, v, past_k, past_v, positions, cos, sin, n_heads: int, n_kv_heads: int, head_dim: int,
+                *plan):
         return torch.zeros_like(q), past_k.clone(), past_v.clone()
 
     @staticmethod
-    def symbolic(g, q, k, v, past_k, past_v, positions, cos, sin, indices, length, mask, n_heads: int,
-                 n_kv_heads: int, head_dim: int):
-        const = lambda value: g.op("Constant", value_t=torch.tensor(value, dtype=torch.long))  # noqa: E731
+    def symbolic(g, q, k, v, past_k, past_v, positions, cos, sin, n_heads: int, n_kv_heads: int, head_dim: int,
+                 *plan):
+        const = lambda value: _const(g, value)  # noqa: E731
         rep = n_heads // n_kv_heads
         rotary = dict(interleaved_i=0)
         q = g.op(f"{DOMAIN}::RotaryEmbedding", q, positions, cos, sin, num_heads_i=n_heads, **rotary)
         k = g.op(f"{DOMAIN}::RotaryEmbedding", k, positions, cos, sin, num_heads_i=n_kv_heads, **rotary)
         by_head = const([0, -1, n_kv_heads, head_dim])  # [B, T, KVH, D] -> [B, KVH, T, D]
         k, v = (g.op("Transpose", g.op("Reshape", x, by_head), perm_i=[0, 2, 1, 3]) for x in (k, v))
+        indices, groups = plan[0], plan[1:]
         present_k, present_v = g.op("ScatterND", past_k, indices, k), g.op("ScatterND", past_v, indices, v)
-        keys = g.op("Slice", present_k, const([0]), length, const([2]))  # [B, KVH, L, D]
-        values = g.op("Slice", present_v, const([0]), length, const([2]))
         grouped = g.op("Reshape", q, const([0, -1, n_kv_heads, rep, head_dim]))  # [B, T, KVH, rep, D]
         grouped = g.op("Reshape", g.op("Transpose", grouped, perm_i=[0, 2, 1, 3, 4]), const([0, 0, -1, head_dim]))
-        scores = g.op("MatMul", grouped, g.op("Transpose", keys, perm_i=[0, 1, 3, 2]))  # [B, KVH, T*rep, L]
-        scores = g.op("Mul", scores, g.op("Constant", value_t=torch.tensor(head_dim ** -0.5, dtype=torch.float32)))
+        scale = g.op("Constant", value_t=torch.tensor(head_dim ** -0.5, dtype=torch.float32))
         lowest = g.op("Constant", value_t=torch.tensor(torch.finfo(torch.float32).min))
-        probs = g.op("Softmax", g.op("Where", mask, scores, lowest), axis_i=-1)
-        out = g.op("MatMul", probs, values)  # [B, KVH, T*rep, D]
+        outs = []
+        for i in range(0, len(groups), PER_GROUP):  # each group of rows reads the keys of its own longest row
+            kv_starts, kv_ends, first, last, mask = groups[i:i + PER_GROUP]
+            keys = g.op("Slice", present_k, kv_starts, kv_ends, const([0, 2]))  # [n, KVH, L, D]
+            values = g.op("Slice", present_v, kv_starts, kv_ends, const([0, 2]))
+            queries = g.op("Slice", grouped, first, last, const([0]))  # [n, KVH, T*rep, D]
+            scores = g.op("Mul", g.op("MatMul", queries, g.op("Transpose", keys, perm_i=[0, 1, 3, 2])), scale)
+            probs = g.op("Softmax", g.op("Where", mask, scores, lowest), axis_i=-1)
+            outs.append(g.op("MatMul", probs, values))  # [n, KVH, T*rep, D]
+        out = g.op("Concat", *outs, axis_i=0)  # [B, KVH, T*rep, D]
         out = g.op("Reshape", out, const([0, 0, -1, rep, head_dim]))  # [B, KVH, T, rep, D]
         out = g.op("Reshape", g.op("Transpose", out, perm_i=[0, 2, 1, 3, 4]), const([0, -1, n_heads * head_dim]))
         out.setType(q.type())
@@ -90,13 +131,13 @@ class ExactAttention(torch.autograd.Function):
         return out, present_k, present_v
 
 
-def exact_attention_plan(positions, total_len, n_heads: int, n_kv_heads: int) -> tuple:
-    """The per-call part every layer shares (AttentionPlan): computed once per graph."""
-    return AttentionPlan.apply(positions, total_len, n_kv_heads, n_heads // n_kv_heads)
+def exact_attention_plan(positions, groups, n_heads: int, n_kv_heads: int) -> tuple:
+    """The per-call part every layer shares (AttentionPlan): computed once per graph; `groups` [GROUPS, 2]."""
+    return AttentionPlan.apply(positions, groups, n_kv_heads, n_heads // n_kv_heads)
 
 
 def exact_rope_attention(q, k, v, past_k, past_v, rope, plan, n_heads: int, n_kv_heads: int, head_dim: int):
     """As exporters.shared_kv.shared_kv_rope_attention (rope = (cos, sin [table, D/2], positions [B, T])), exact
     across call shapes; `plan` from exact_attention_plan."""
     cos, sin, positions = rope
-    return ExactAttention.apply(q, k, v, past_k, past_v, positions, cos, sin, *plan, n_heads, n_kv_heads, head_dim)
+    return ExactAttention.apply(q, k, v, past_k, past_v, positions, cos, sin, n_heads, n_kv_heads, head_dim, *plan)

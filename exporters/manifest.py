@@ -20,8 +20,9 @@ from pathlib import Path
 # 4: shared-KV ONNX graphs take rows of sequences ([B, T] ids, [B, KVH, S, D] buffers, total_len [B]).
 # 5: target prefix/suffix attention from standard ops (exporters.exact_kv): a position computes alike in every
 #    call shape, so targets with quantized activations stay exact (drafts keep GroupQueryAttention).
-FORMAT_VERSION = 5
-READABLE_VERSIONS = (2, 3, 4, 5)  # backends detect `last_rows` and batched graphs per graph: older bundles still run
+# 6: exact attention per group of rows (input `attention_groups`): each group reads its own longest row's keys.
+FORMAT_VERSION = 6
+READABLE_VERSIONS = (2, 3, 4, 5, 6)  # backends detect `last_rows` and batched graphs per graph: older bundles still run
 # (one sequence a call: runtime.batch decodes their requests side by side, without shared calls)
 MANIFEST = "manifest.json"
 VERIFIED = ".cache/verified.json"  # files hashed already: {name: [size, mtime_ns, sha256]}

@@ -25,7 +25,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from mirror_rt.exporters.exact_kv import exact_attention_plan, exact_rope_attention
+from mirror_rt.exporters.exact_kv import GROUPS, GROUPS_INPUT, exact_attention_plan, exact_rope_attention
 from mirror_rt.exporters.shared_kv import TOTAL_LEN, shared_kv_rope_attention
 from mirror_rt.models.exit_adapter import attends, exit_logits
 from mirror_rt.models.transformer import (
@@ -89,6 +89,8 @@ def input_names(spec: GraphSpec) -> list[str]:
         names.append(LAST_ROWS)
     if spec.shared_kv and spec.has_kv:
         names.append(TOTAL_LEN)
+        if spec.exact:
+            names.append(GROUPS_INPUT)
     return names + kv_names(spec.n_layers, PAST_NAMES)
 
 
@@ -179,7 +181,8 @@ class SplitGraph(nn.Module):
             return self._exit(x)
         if self.shared:
             last_rows, rest = (rest[0], rest[1:]) if spec.takes_last_rows else (None, rest)
-            return self._shared_layers(x, rest[1:], rest[0], last_rows)
+            groups, kv = (rest[1], rest[2:]) if spec.exact else (None, rest[1:])
+            return self._shared_layers(x, kv, rest[0], last_rows, groups)
         if spec.static:
             position, kv = rest[0], rest[1:]
             positions = position.reshape(1) + torch.arange(spec.window, dtype=torch.long)
@@ -197,14 +200,15 @@ class SplitGraph(nn.Module):
             presents += [k, v]
         return (*self._head(h, None if spec.static else last_rows, presents, positions), *presents)
 
-    def _shared_layers(self, x, kv, total_len, last_rows) -> tuple:
-        """The layers of a batched shared-KV graph: x [B, T] ids or [B, T, hidden] over buffers [B, KVH, S, D]."""
+    def _shared_layers(self, x, kv, total_len, last_rows, groups) -> tuple:
+        """The layers of a batched shared-KV graph: x [B, T] ids or [B, T, hidden] over buffers [B, KVH, S, D];
+        exact graphs attend per group of rows (`groups` [GROUPS, 2], exporters.exact_kv)."""
         B, T = x.shape[0], x.shape[1]
         positions = total_len.to(torch.long).unsqueeze(1) - T + torch.arange(T, dtype=torch.long)  # [B, T]
         rope = (self.rope_cos_half, self.rope_sin_half, positions)
         sizes = [self.n_heads * self.head_dim] + [self.n_kv_heads * self.head_dim] * 2
         h = self.model.embed(x) if self.spec.takes_tokens else x
-        plan = exact_attention_plan(positions, total_len, self.n_heads, self.n_kv_heads) if self.spec.exact else None
+        plan = exact_attention_plan(positions, groups, self.n_heads, self.n_kv_heads) if self.spec.exact else None
         presents = []
         for i in range(self.spec.n_layers):
             block = self.model.layers[self.spec.first + i]
@@ -336,4 +340,7 @@ def _shared_example(model: Transformer, spec: GraphSpec, x: torch.Tensor, past: 
     x = torch.stack((x, x))  # [2, T] or [2, T, hidden]
     kv = [torch.zeros(2, c.n_kv_heads, past + T + 2, c.head_dim, dtype=dtype) for _ in range(2 * spec.n_layers)]
     head = [x, torch.tensor([T], dtype=torch.long)] if spec.takes_last_rows else [x]
-    return tuple(head + [torch.tensor([past + T, past + T + 1], dtype=torch.int32)] + kv)
+    head.append(torch.tensor([past + T, past + T + 1], dtype=torch.int32))
+    if spec.exact:  # a group per row, then empty groups
+        head.append(torch.tensor([[1, past + T], [2, past + T + 1]] + [[2, 1]] * (GROUPS - 2), dtype=torch.long))
+    return tuple(head + kv)

@@ -74,7 +74,9 @@ class BatchDecoder:
         self.gamma = 0  # gamma of the latest step (0: target-only), the server's gauge
         self.prefill, self.ar, self.sd = Prefill(self), ArStep(self), SdStep(self)
         self.mirror = MirrorStep(self, cpus)
-        self.row_split = RowSplit()  # target-only steps: one call, or one per group of rows of like lengths
+        # target-only steps: one call, or one per group of rows of like lengths (graphs that group rows inside
+        # a call: always one call, rows sorted by length when that pays)
+        self.row_split = RowSplit(in_call=int(getattr(target, "attention_groups", 0)) if self.pooled else 0)
         self.steps = 0
 
     def describe(self) -> str:

@@ -239,7 +239,26 @@ def test_memory_stays_bounded_over_many_requests(pair):
     assert peak <= decoder.budget.total and len(decoder.rows) == 0
 
 
-# --- target-only steps cut into groups of rows and rows sorted by length (runtime.row_split) ---
+# --- rows of different lengths: attention groups inside a call (exporters.exact_kv), or calls per group of rows
+# and rows sorted by length (runtime.row_split; graphs without groups, and torch) ---
+
+
+@pytest.fixture
+def rotating_groups(monkeypatch):
+    """Every grouped call's attention cut into as many groups as the graph takes, at rows that move from call
+    to call (devices.onnxruntime_pool): each row in turn alone or beside rows of other lengths."""
+    from mirror_rt.devices import onnxruntime_pool
+
+    calls = {"calls": 0, "grouped": 0}
+
+    def groups(lengths, max_groups, per_group):
+        n, calls["calls"] = len(lengths), calls["calls"] + 1
+        bounds = [0, *sorted({(calls["calls"] + k) % n for k in range(max_groups - 1)} - {0}), n]
+        calls["grouped"] += len(bounds) > 2
+        return 0.0, [(a, b - a) for a, b in zip(bounds, bounds[1:])]
+
+    monkeypatch.setattr(onnxruntime_pool, "cheapest_groups", groups)
+    return calls
 
 
 def forced(decoder: BatchDecoder) -> BatchDecoder:
@@ -268,17 +287,55 @@ def staggered(target, draft, mode: str, count: int = 10):
     return decoder, seqs
 
 
-def test_cut_and_sorted_rows_equal_the_reference(pair):
+def assert_rows_were_grouped(decoder: BatchDecoder, rotating: dict) -> None:
+    """Bundles group rows inside their calls (never cut, never sorted); torch cuts its steps."""
+    split = decoder.row_split
+    if split.in_call:
+        assert rotating["grouped"] > 0 and split.splits == split.sorts == 0
+    else:
+        assert split.splits > 0 and (split.sorts > 0 or not decoder.pooled)
+
+
+@pytest.mark.parametrize("mode", ["ar", "mirror"])
+def test_grouped_or_cut_rows_equal_the_reference(pair, rotating_groups, mode):
     target, draft = pair
-    decoder, seqs = staggered(target, draft, "ar")
+    decoder, seqs = staggered(target, draft, mode)
     for _, seq in seqs:
         assert seq.tokens == reference(target, seq.prompt, seq.config), seq.id
-    assert decoder.row_split.splits > 0 and (decoder.row_split.sorts > 0 or not decoder.pooled)
+    if mode == "ar":  # (mirror speculates: its calls take one sequence each)
+        assert_rows_were_grouped(decoder, rotating_groups)
 
 
-def test_every_precision_cut_and_sorted_equals_its_reference(precision_pair):
+def test_every_precision_grouped_equals_its_reference(precision_pair, rotating_groups):
     target, draft = precision_pair
     decoder, seqs = staggered(target, draft, "ar", count=8)
     for _, seq in seqs:
         assert seq.tokens == reference(target, seq.prompt, seq.config), seq.id
-    assert decoder.row_split.splits > 0 and decoder.row_split.sorts > 0
+    assert_rows_were_grouped(decoder, rotating_groups)
+
+
+def test_a_row_computes_alike_in_any_group(precision_pair, monkeypatch):
+    """Bitwise: a one-token step of rows 6, 20, 6 and 9 positions long, in one group (every row reads 21 keys),
+    in a group per row, and in two groups; each row as its own one-row call."""
+    import numpy as np
+
+    from mirror_rt.devices import onnxruntime_pool
+
+    target, _ = precision_pair
+    if not target.attention_groups:
+        pytest.skip("graphs without attention groups")
+    lengths = [6, 20, 6, 9]
+    outputs = {}
+    for name, cut in {"one": [(0, 4)], "each": [(0, 1), (1, 1), (2, 1), (3, 1)], "two": [(0, 2), (2, 2)]}.items():
+        monkeypatch.setattr(onnxruntime_pool, "cheapest_groups",
+                            lambda rows, *_, cut=cut: (0.0, cut if len(rows) == 4 else [(0, len(rows))]))
+        pool = target.new_pool(4, 64)
+        for row, n in enumerate(lengths):
+            target.forward_rows(np.array([prompts(4, 9)[row][:1] * n]), pool, row, last_rows=1)
+            pool.commit(row, n)
+        outputs[name] = target.forward_rows(np.array([[11]] * 4), pool, 0, last_rows=1)[:, 0]
+        outputs[name + " alone"] = [target.forward_rows(np.array([[11]]), pool, row, last_rows=1)[0, 0]
+                                    for row in range(4)]
+    for name in ("one", "each", "two"):
+        for row in range(4):
+            assert np.array_equal(outputs[name][row], outputs["one alone"][row]), (name, row)

@@ -18,6 +18,7 @@ import torch
 from conftest import load_parts
 
 from mirror_rt.devices.registry import available_devices
+from mirror_rt.exporters.exact_kv import GROUPS
 from mirror_rt.exporters.export import ExportError, export_bundle
 from mirror_rt.exporters.manifest import FORMAT_VERSION, BundleError, read_manifest
 from mirror_rt.exporters.openvino import int4_group_size
@@ -55,7 +56,7 @@ def static_bundle(tmp_path_factory):
 def test_manifest_describes_the_bundle(torch_bundle):
     """Defaults: exit layer N/2, the four roles, tokenizer hash, versions, kv layout."""
     manifest = read_manifest(torch_bundle)
-    assert manifest.format_version == FORMAT_VERSION == 5
+    assert manifest.format_version == FORMAT_VERSION == 6
     assert manifest.exit_layer == manifest.n_layers // 2 and manifest.kappa == 4
     assert {g.role for g in manifest.graphs} == {"target_prefix", "target_exit", "target_suffix", "draft"}
     exit_graph = manifest.graph("target_exit")  # torch: computed from the target's own weights
@@ -248,7 +249,7 @@ def test_onnx_targets_attend_with_standard_ops(onnx_int8_bundle):
         ops = [n.op_type for n in onnx.load(str(onnx_int8_bundle / f"{role}.onnx")).graph.node]
         layers = ops.count("ScatterND") // 2
         assert layers >= 1 and "GroupQueryAttention" not in ops
-        assert ops.count("RotaryEmbedding") == ops.count("Softmax") * 2 == 2 * layers
+        assert ops.count("RotaryEmbedding") * GROUPS == ops.count("Softmax") * 2 == 2 * GROUPS * layers  # per group
 
 
 def test_onnx_exit_is_its_own_int8_graph(onnx_int8_bundle):
