@@ -78,12 +78,14 @@ class RowPool:
     def attention_groups(self, ends: np.ndarray, tokens: int, groups: int) -> np.ndarray:
         """Contiguous groups of rows whose attention reads their own longest row's keys (exporters.exact_kv):
         [groups, 2] of (row end, keys), the cheapest cut (runtime.row_split.cheapest_groups), empty ones last."""
-        key = (ends.tobytes(), tokens, groups)
-        if self._groups[0] != key:
-            cut = cheapest_groups([int(e) * tokens for e in ends], groups, GROUP_COST)[1]
-            rows = [[first + n, int(ends[first:first + n].max())] for first, n in cut]
-            self._groups = (key, np.array(rows + [[len(ends), 1]] * (groups - len(rows)), dtype=np.int64))
-        return self._groups[1]
+        key, cached = (ends.tobytes(), tokens, groups), self._groups  # (one read: a pipelined prefill's threads)
+        if cached[0] == key:
+            return cached[1]
+        cut = cheapest_groups([int(e) * tokens for e in ends], groups, GROUP_COST)[1]
+        rows = [[first + n, int(ends[first:first + n].max())] for first, n in cut]
+        plan = np.array(rows + [[len(ends), 1]] * (groups - len(rows)), dtype=np.int64)
+        self._groups = (key, plan)
+        return plan
 
     def move(self, src: int, dst: int) -> None:
         """Copy row `src`'s committed positions into row `dst` (which then holds the same length)."""
