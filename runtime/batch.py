@@ -116,19 +116,24 @@ class BatchDecoder:
         """One step of every sequence; returns whether work remains."""
         self._drop_cancelled_waiting()
         self._admit()
+        prompts = any(s.state == "prefill" and not s.done for s in self.active)
+        if self.policy.prompts_first(prompts):  # the draft worker leaves the other core to the prompts
+            for seq in self.active:
+                self.mirror.leave(seq)
         self.prefill.run()
         running = [s for s in self.active if s.state == "running" and not s.done and not s.cancel_event.is_set()]
         if running:
-            self._decode(running)
+            self._decode(running, prompts)
             self.steps += 1
         self._release()
         if self.idle:  # nothing left to draft for: the draft thread ends (it starts again with the next request)
             self.mirror.close()
         return not self.idle
 
-    def _decode(self, running: list[Sequence]) -> None:
-        """One decode step of every running sequence, the way the policy picks; its outcome goes back to it."""
-        gamma = self.policy.gamma(self, running)
+    def _decode(self, running: list[Sequence], prompts: bool = False) -> None:
+        """One decode step of every running sequence, the way the policy picks (`prompts`: prompts prefilled in
+        this step); its outcome goes back to it."""
+        gamma = self.policy.gamma(self, running, prompts)
         before = sum(len(s.tokens) for s in running)
         settled = all(s.metrics.steps for s in running)  # no sequence on its first window
         t0 = time.perf_counter()

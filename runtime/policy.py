@@ -14,7 +14,10 @@ windows one sequence a call, while target-only steps share one call), else the b
 A way not yet measured at a batch size is tried until it has `explore` settled steps or
 `3 * explore` steps in all (when sequences come and go every few steps, few steps settle: exploring must end
 anyway); every `refresh` steps the way not taken gets a trial; the decoder switches only for a gain above
-`margin` (fixed switch points made vLLM users' throughput fall off cliffs).
+`margin` (fixed switch points made vLLM users' throughput fall off cliffs). A step in which prompts prefill
+decodes target-only: the prompts take every core, which they get only while the draft worker holds nobody
+(measured here: at 4 streams, with speculation during arrivals, 124.6 tokens/s and TTFT p50 300 ms, against 140.8
+and 193 ms where the batch had learned target-only).
 """
 
 from __future__ import annotations
@@ -58,13 +61,20 @@ class SpeculationPolicy:
     last: str = SPEC  # the way of the latest step (the server's gauge)
     previous: str | None = None  # the way of the latest recorded step (a switch is no settled step)
 
-    def gamma(self, decoder, running: list) -> int:
-        """Draft tokens per window for this step: the largest any speculating sequence asks for, or 0."""
+    def gamma(self, decoder, running: list, prompts: bool = False) -> int:
+        """Draft tokens per window for this step: the largest any speculating sequence asks for, or 0. `prompts`:
+        prompts prefill in this step; adaptive, the step then decodes target-only (see `prompts_first`)."""
         speculating = [s.config.gamma for s in running if s.config.mode != "ar"]
         if not speculating:
             return 0
-        self.last = self.choose(len(running))
+        self.last = AR if self.prompts_first(prompts) else self.choose(len(running))
         return max(speculating) if self.last == SPEC else 0
+
+    def prompts_first(self, prompts: bool) -> bool:
+        """Whether a step with prompts to prefill decodes target-only: adaptive, yes. The draft worker then leaves
+        the other core to the prompts (a prompt prefills on every core only while nobody drafts), so new streams
+        start sooner; what it would have drafted is a step of one stream's speed."""
+        return prompts and self.adaptive
 
     def choose(self, batch: int) -> str:
         if not self.adaptive:

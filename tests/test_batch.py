@@ -239,6 +239,34 @@ def test_memory_stays_bounded_over_many_requests(pair):
     assert peak <= decoder.budget.total and len(decoder.rows) == 0
 
 
+def test_a_step_that_prefills_prompts_decodes_target_only(pair):
+    """Adaptive speculation: while a new prompt prefills, the running stream decodes target-only (the draft worker
+    leaves the other core to the prompt), then speculates again; both texts equal their references."""
+    from mirror_rt.runtime.policy import AR, SPEC, Rate, SpeculationPolicy
+
+    target, draft = pair
+    policy = SpeculationPolicy(refresh=10**6)  # one stream: speculation measured faster already, no trials
+    policy.rates = {(SPEC, 1): Rate(1000.0, 1.0, 10, 10), (AR, 1): Rate(10.0, 1.0, 10, 10)}
+    decoder = BatchDecoder(target, draft, BatchSettings(max_num_seqs=2), policy=policy)
+    first = sequence(0, prompts(1, 3)[0], GenerationConfig(max_new_tokens=80, mode="mirror"))
+    second = sequence(1, prompts(2, 4)[1] * 3, GenerationConfig(max_new_tokens=10, mode="mirror"))
+    decoder.add(first)
+    gammas = []
+    for step in range(200):
+        if step == 6:
+            assert first.state == "running" and not first.done
+            decoder.add(second)
+        decoder.step()
+        gammas.append(decoder.gamma)
+        if decoder.idle:
+            break
+    decoder.close()
+    assert all(g > 0 for g in gammas[1:6])  # alone, it speculated
+    assert gammas[6] == 0  # the step that prefilled the new prompt decoded target-only
+    for seq in (first, second):
+        assert seq.tokens == reference(target, seq.prompt, seq.config), seq.id
+
+
 # --- rows of different lengths: attention groups inside a call (exporters.exact_kv), or calls per group of rows
 # and rows sorted by length (runtime.row_split; graphs without groups, and torch) ---
 

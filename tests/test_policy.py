@@ -93,3 +93,15 @@ def test_gamma_is_zero_when_nobody_speculates():
     policy = SpeculationPolicy()
     running = [SimpleNamespace(config=SimpleNamespace(mode="ar", gamma=4))]
     assert policy.gamma(None, running) == 0
+
+
+def test_a_step_with_prompts_to_prefill_decodes_target_only_when_adaptive():
+    """Prompts prefill on every core only while nobody drafts: adaptive, such a step decodes target-only; with
+    adaptive speculation off, every request speculates as it asks."""
+    from types import SimpleNamespace
+
+    running = [SimpleNamespace(config=SimpleNamespace(mode="mirror", gamma=4))]
+    policy = SpeculationPolicy()
+    assert policy.gamma(None, running, prompts=True) == 0 and policy.last == AR
+    assert policy.gamma(None, running) == 4 and policy.last == SPEC
+    assert SpeculationPolicy(adaptive=False).gamma(None, running, prompts=True) == 4
