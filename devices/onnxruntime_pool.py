@@ -81,7 +81,7 @@ class RowPool:
         key, cached = (ends.tobytes(), tokens, groups), self._groups  # (one read: a pipelined prefill's threads)
         if cached[0] == key:
             return cached[1]
-        cut = cheapest_groups([int(e) * tokens for e in ends], groups, GROUP_COST)[1]
+        cut = cheapest_groups(ends * tokens, groups, GROUP_COST)[1]
         rows = [[first + n, int(ends[first:first + n].max())] for first, n in cut]
         plan = np.array(rows + [[len(ends), 1]] * (groups - len(rows)), dtype=np.int64)
         self._groups = (key, plan)

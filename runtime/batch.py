@@ -3,7 +3,8 @@
 One `step()`: admit waiting sequences while rows and KV blocks allow (prefix cache first), prefill up to one
 chunk of the prompts not yet in their rows (oldest first), one decode step for every running sequence, then
 release the sequences that finished (end of text, length, cancel) and fill their rows. The decode step is
-batched target-only (one target call for every row, or per group of like lengths: runtime.row_split) or
+batched target-only (one target call for every row, its attention per group of like lengths; older bundles:
+a call per group, runtime.row_split) or
 speculative (sd or mirror, per sequence), as `runtime.policy` decides from the step costs this engine measures.
 Every token is the target's own choice at its position (runtime.sampling.choose_at), so a sequence's text does
 not depend on its companions, its mode or its windows. Models that cannot batch rows (OpenVINO graphs, compiled
@@ -75,7 +76,7 @@ class BatchDecoder:
         self.prefill, self.ar, self.sd = Prefill(self), ArStep(self), SdStep(self)
         self.mirror = MirrorStep(self, cpus)
         # target-only steps: one call, or one per group of rows of like lengths (graphs that group rows inside
-        # a call: always one call, rows sorted by length when that pays)
+        # a call: always one call, rows never sorted)
         self.row_split = RowSplit(in_call=int(getattr(target, "attention_groups", 0)) if self.pooled else 0)
         self.steps = 0
 

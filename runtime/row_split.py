@@ -31,14 +31,15 @@ WIN = 0.95  # a cut must take at most this share of the whole step's time
 GROUP_COST = 300.0  # one more attention group inside a call (exporters.exact_kv), in positions attended
 
 
-def cheapest_groups(lengths: list[int], max_groups: int, per_group: float) -> tuple[float, list[tuple[int, int]]]:
+def cheapest_groups(lengths, max_groups: int, per_group: float) -> tuple[float, list[tuple[int, int]]]:
     """The cheapest cut of rows into at most `max_groups` contiguous groups (first row, rows), each costing
     `per_group` plus its rows times its longest length, and its cost: a pass per group over where the last
-    group starts."""
+    group starts, until one more group saves nothing."""
+    lengths = np.asarray(lengths, dtype=float)
     n = len(lengths)
     span = np.full((n + 1, n + 1), np.inf)  # span[i, j]: rows i..j-1 as one group
     for i in range(n):
-        span[i, i + 1:] = np.maximum.accumulate(np.asarray(lengths[i:], dtype=float)) * np.arange(1, n - i + 1)
+        span[i, i + 1:] = np.maximum.accumulate(lengths[i:]) * np.arange(1, n - i + 1)
     span += per_group
     levels = [(span[0], np.zeros(n + 1, dtype=int))]  # per group count: (cost of rows 0..j-1, last group's start)
     for _ in range(max_groups - 1):
@@ -47,6 +48,8 @@ def cheapest_groups(lengths: list[int], max_groups: int, per_group: float) -> tu
         start = total.argmin(axis=0)
         best = total[start, np.arange(n + 1)]
         fewer = best >= cost  # as cheap with fewer groups
+        if fewer.all():  # another group would save nothing either
+            break
         levels.append((np.where(fewer, cost, best), np.where(fewer, -1, start)))
     cut, j, level = [], n, len(levels) - 1
     while j > 0:
@@ -107,19 +110,5 @@ class RowSplit:
         return self.best(lengths)[0] - self.best(sorted(lengths))[0] > self.per_call
 
     def best(self, lengths: list[int]) -> tuple[float, list[tuple[int, int]]]:
-        """The cheapest contiguous cut and its cost (positions): one pass over where the last group starts."""
-        n = len(lengths)
-        cost = [0.0] + [float("inf")] * n  # cost[j]: rows 0..j-1 cut at their cheapest
-        start = [0] * (n + 1)
-        for j in range(1, n + 1):
-            longest = 0
-            for i in range(j - 1, -1, -1):  # the last group is rows i..j-1
-                longest = max(longest, lengths[i])
-                total = cost[i] + self.per_call + (j - i) * longest
-                if total < cost[j]:
-                    cost[j], start[j] = total, i
-        cut, j = [], n
-        while j > 0:
-            cut.append((start[j], j - start[j]))
-            j = start[j]
-        return cost[n], cut[::-1]
+        """The cheapest contiguous cut into calls and its cost (positions), any number of calls."""
+        return cheapest_groups(lengths, len(lengths), self.per_call)
