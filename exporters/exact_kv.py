@@ -8,7 +8,9 @@ it takes several rows only one token each. Here every call, whatever its rows an
 kernels on the same numbers: RoPE (com.microsoft RotaryEmbedding, per element), ScatterND into the buffers
 (in place when ONNX Runtime binds past and present to one buffer), then per group of rows the keys up to the
 group's longest row (Slice), scores with 3+ query rows per KV head (every query head of a group), masked to
-each position's own keys (Where), Softmax, values. Measured here: window rows, one-token steps, rows of a batch
+each position's own keys, Softmax, values. The mask is added (0, or the lowest float, which every score plus it
+rounds to, so the bits are those of selecting it), built once per call for all layers: a Where per layer cost
+13% of a long prompt's prefill. Measured here: window rows, one-token steps, rows of a batch
 (any lengths, any groups) and prompt rows give the same bits, and masked or stale slots change nothing.
 Targets with quantized activations need it (a last-bit difference moves an int8 rounding, then a token);
 drafts keep GroupQueryAttention (faster at one token, and a draft need not be exact).
@@ -38,7 +40,8 @@ def _const(g, value):
 class AttentionPlan(torch.autograd.Function):
     """What every layer of a call shares: ScatterND indices [B, KVH, T, 3], then per group of rows its KV slice
     bounds (starts [2], ends [2] over axes batch and position), its query rows (start [1], end [1]) and its
-    visibility mask [rows, 1, T * rep, keys]; its eager forward only gives the tracer shapes."""
+    additive mask [rows, 1, T * rep, keys] (0 where a position sees the key, the lowest float elsewhere); its
+    eager forward only gives the tracer shapes."""
 
     @staticmethod
     def forward(ctx, positions, groups, n_kv_heads: int, rep: int):
@@ -47,7 +50,7 @@ class AttentionPlan(torch.autograd.Function):
         first = 0
         for end, keys in groups.tolist():
             bounds = [torch.zeros(size, dtype=torch.long) for size in (2, 2, 1, 1)]  # distinct: the tracer
-            out += bounds + [torch.zeros(end - first, 1, T * rep, keys, dtype=torch.bool)]
+            out += bounds + [torch.zeros(end - first, 1, T * rep, keys, dtype=torch.float32)]
             first = end
         return tuple(out)
 
@@ -78,12 +81,14 @@ def _group_plan(g, positions, groups, starts, i: int, tokens, rep: int) -> list:
     keys = g.op("Range", const(0), g.op("Squeeze", length, const([0])), const(1))  # [L]
     own = g.op("Slice", positions, start, end, const([0]))  # [n, T]
     visible = g.op("LessOrEqual", keys, g.op("Unsqueeze", own, const([2])))  # [n, T, L]
-    visible = g.op("Unsqueeze", visible, const([1, 3]))  # [n, 1, T, 1, L]
+    lowest = g.op("Constant", value_t=torch.tensor(torch.finfo(torch.float32).min))
+    zero = g.op("Constant", value_t=torch.tensor(0.0))
+    bias = g.op("Where", g.op("Unsqueeze", visible, const([1, 3])), zero, lowest)  # [n, 1, T, 1, L]
     n = g.op("Sub", end, start)
     wide = g.op("Concat", n, const([1]), tokens, const([rep]), length, axis_i=0)
     queries = g.op("Mul", tokens, const([rep]))
     flat = g.op("Concat", n, const([1]), queries, length, axis_i=0)  # no -1: a group may be empty
-    mask = g.op("Reshape", g.op("Expand", visible, wide), flat)  # [n, 1, T * rep, L]
+    mask = g.op("Reshape", g.op("Expand", bias, wide), flat)  # [n, 1, T * rep, L]
     return [g.op("Concat", start, const([0]), axis_i=0), g.op("Concat", end, length, axis_i=0), start, end, mask]
 
 
@@ -112,7 +117,6 @@ class ExactAttention(torch.autograd.Function):
         grouped = g.op("Reshape", q, const([0, -1, n_kv_heads, rep, head_dim]))  # [B, T, KVH, rep, D]
         grouped = g.op("Reshape", g.op("Transpose", grouped, perm_i=[0, 2, 1, 3, 4]), const([0, 0, -1, head_dim]))
         scale = g.op("Constant", value_t=torch.tensor(head_dim ** -0.5, dtype=torch.float32))
-        lowest = g.op("Constant", value_t=torch.tensor(torch.finfo(torch.float32).min))
         outs = []
         for i in range(0, len(groups), PER_GROUP):  # each group of rows reads the keys of its own longest row
             kv_starts, kv_ends, first, last, mask = groups[i:i + PER_GROUP]
@@ -120,7 +124,7 @@ class ExactAttention(torch.autograd.Function):
             values = g.op("Slice", present_v, kv_starts, kv_ends, const([0, 2]))
             queries = g.op("Slice", grouped, first, last, const([0]))  # [n, KVH, T*rep, D]
             scores = g.op("Mul", g.op("MatMul", queries, g.op("Transpose", keys, perm_i=[0, 1, 3, 2])), scale)
-            probs = g.op("Softmax", g.op("Where", mask, scores, lowest), axis_i=-1)
+            probs = g.op("Softmax", g.op("Add", scores, mask), axis_i=-1)  # masked: x + lowest == lowest
             outs.append(g.op("MatMul", probs, values))  # [n, KVH, T*rep, D]
         out = g.op("Concat", *outs, axis_i=0)  # [B, KVH, T*rep, D]
         out = g.op("Reshape", out, const([0, 0, -1, rep, head_dim]))  # [B, KVH, T, rep, D]
