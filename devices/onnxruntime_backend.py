@@ -23,7 +23,7 @@ from pathlib import Path
 import numpy as np
 
 from mirror_rt.devices.base import CacheBounds, SplitTarget
-from mirror_rt.devices.onnxruntime_pool import RowPool, forward_rows, prefix_rows, suffix_rows
+from mirror_rt.devices.onnxruntime_pool import RowPool, forward_rows, prefix_rows, split_rows, suffix_rows
 from mirror_rt.devices.ort_session import create_session
 from mirror_rt.runtime.affinity import pin
 
@@ -282,6 +282,7 @@ class ORTSplitTarget(SplitTarget):
         self.prefix, self.exit, self.suffix = prefix, exit_graph, suffix
         self.prompt_graphs = prompt_graphs  # (prefix, suffix) sessions over more cores, for prompts
         self.vocab_size, self.max_seq_len, self.kappa = vocab_size, max_seq_len, kappa
+        self._helper = None  # (core, executor) running the second part of split target-only steps
 
     def new_cache(self, capacity: int) -> ORTCache:
         return ORTCache([self.prefix, self.suffix], min(capacity, self.max_seq_len))
@@ -315,6 +316,16 @@ class ORTSplitTarget(SplitTarget):
         core, through the prompt sessions where the target has them (target-only steps of a batch)."""
         prefix_rows(self, pool, tokens, first, exit_=False, wide=wide)
         return suffix_rows(self, pool, last_rows)
+
+    def forward_rows_split(self, tokens: np.ndarray, pool: RowPool, cut: int, cpus: tuple[int, int]) -> np.ndarray:
+        """All of the pool's rows, tokens [B, T], as two calls at once on two cores (rows ..cut-1 on cpus[0],
+        the others on cpus[1]; devices.onnxruntime_pool.split_rows) -> logits [B, T, vocab]."""
+        if self._helper is None or self._helper[0] != cpus[1]:
+            from concurrent.futures import ThreadPoolExecutor
+
+            executor = ThreadPoolExecutor(1, thread_name_prefix="mirror-rows", initializer=pin, initargs=(cpus[1],))
+            self._helper = (cpus[1], executor)
+        return split_rows(self, pool, tokens, cut, cpus, self._helper[1])
 
     def _prefix_outputs(self, ids: np.ndarray, cache: ORTCache) -> dict:
         return cache.run(0, self.prefix, ids)

@@ -18,6 +18,7 @@ from __future__ import annotations
 import numpy as np
 
 from mirror_rt.devices.lazy_memory import lazy_zeros
+from mirror_rt.runtime.affinity import pin, restore
 from mirror_rt.runtime.row_split import GROUP_COST, cheapest_groups
 
 
@@ -184,3 +185,24 @@ def suffix_rows(target, pool: RowPool, last_rows: int | None = None) -> np.ndarr
         raise RuntimeError("suffix_rows called without a pending prefix_rows")
     (first, hidden, suffix), pool.hidden = pool.hidden, None
     return pool.run(1, suffix, hidden, first, last_rows)["logits"]
+
+
+def split_rows(target, pool: RowPool, tokens: np.ndarray, cut: int, cpus: tuple[int, int], helper) -> np.ndarray:
+    """Target-only rows 0..B-1 of `pool` as two calls at once (runtime.core_split): rows 0..cut-1 in this thread
+    pinned to cpus[0], the others in `helper` (an executor whose thread is pinned to cpus[1]), each through the
+    target's one-thread sessions -> logits [B, T, vocab], the same bits as one call (a row computes alike in any
+    call)."""
+    tokens = np.asarray(tokens, dtype=np.int64)
+    later = helper.submit(_rows_alone, target, pool, tokens[cut:], cut)
+    previous = pin(cpus[0])
+    try:
+        head = _rows_alone(target, pool, tokens[:cut], 0)
+    finally:
+        restore(previous)
+        tail = later.result()  # waited for even when this part failed: the helper writes into the pool
+    return np.concatenate([head, tail])
+
+
+def _rows_alone(target, pool: RowPool, tokens: np.ndarray, first: int) -> np.ndarray:
+    hidden = pool.run(0, target.prefix, tokens, first)["hidden"]
+    return pool.run(1, target.suffix, hidden, first)["logits"]

@@ -21,6 +21,7 @@ from dataclasses import dataclass
 
 from mirror_rt.runtime.batch_mirror import MirrorStep
 from mirror_rt.runtime.batch_steps import ArStep, Prefill, SdStep
+from mirror_rt.runtime.core_split import CoreSplit
 from mirror_rt.runtime.kv_pool import BLOCK_SIZE, BlockBudget, RowMap, blocks_for
 from mirror_rt.runtime.policy import AR, SPEC, SpeculationPolicy
 from mirror_rt.runtime.prefix_cache import PrefixCache
@@ -78,6 +79,7 @@ class BatchDecoder:
         # target-only steps: one call, or one per group of rows of like lengths (graphs that group rows inside
         # a call: always one call, rows never sorted)
         self.row_split = RowSplit(in_call=int(getattr(target, "attention_groups", 0)) if self.pooled else 0)
+        self.core_split = CoreSplit()  # such steps: one call on both cores, or two at once (runtime.core_split)
         self.steps = 0
 
     def describe(self) -> str:

@@ -16,6 +16,7 @@ import time
 
 import numpy as np
 
+from mirror_rt.runtime.core_split import balanced_cut
 from mirror_rt.runtime.drafter import ModelDrafter
 from mirror_rt.runtime.mirror import draft_rules
 from mirror_rt.runtime.reference import adopts_target_kv, choose_under
@@ -137,18 +138,43 @@ class ArStep:
             d.sort_rows()  # (not while a sequence prefills or drafts with the worker: it says so)
         order = d.rows.order
         tokens = np.array([[s.last if id(s) in live else 0] for s in order], dtype=np.int64)  # [A, 1]
+        if self._splits(len(order)):
+            self._two_cores(order, tokens, live)
+            return
         wide = {"wide": True} if getattr(d.target, "prompt_graphs", None) else {}  # every core: the draft idles
         t0 = time.perf_counter()
         for first, rows in d.row_split.groups(self._lengths(), tuple(map(id, order))):
             if not any(id(s) in live for s in order[first:first + rows]):
                 continue  # rows still prefilling only: their placeholder would be dropped anyway
             logits = d.target.forward_rows(tokens[first:first + rows], d.target_pool, first, **wide)  # [rows, 1, V]
-            for row in range(first, first + rows):
-                seq = order[row]
-                if id(seq) in live:
-                    d.target_pool.commit(row, seq.length)  # the last token is in: all but the next one
-                    self._commit(seq, logits[row - first, -1])
-        d.row_split.record(time.perf_counter() - t0)
+            self._commit_rows(order[first:first + rows], first, logits, live)
+        elapsed = time.perf_counter() - t0
+        d.row_split.record(elapsed)
+        if d.row_split.in_call:
+            d.core_split.record(len(order), "wide", elapsed)
+
+    def _splits(self, rows: int) -> bool:
+        """Whether this step runs as two calls at once, one per core (runtime.core_split): graphs that take every
+        row in one call, a target that can, two cores of the decoder's own (every sequence has left the draft
+        worker before a target-only step), and the measured faster way."""
+        d = self.decoder
+        able = d.row_split.in_call and hasattr(d.target, "forward_rows_split") and d.mirror.cpus and rows >= 2
+        return bool(able) and d.core_split.way(rows) == "split"
+
+    def _two_cores(self, order: list, tokens: np.ndarray, live: set) -> None:
+        d = self.decoder
+        t0 = time.perf_counter()
+        cut = balanced_cut(self._lengths())
+        logits = d.target.forward_rows_split(tokens, d.target_pool, cut, d.mirror.cpus)  # [A, 1, V]
+        d.core_split.record(len(order), "split", time.perf_counter() - t0)
+        self._commit_rows(order, 0, logits, live)
+
+    def _commit_rows(self, rows: list, first: int, logits, live: set) -> None:
+        """Each live sequence of `rows` (rows first.. of the pool) takes its token from `logits` [rows, 1, V]."""
+        for row, seq in enumerate(rows, start=first):
+            if id(seq) in live:
+                self.decoder.target_pool.commit(row, seq.length)  # the last token is in: all but the next one
+                self._commit(seq, logits[row - first, -1])
 
     def _lengths(self) -> list[int]:
         """Positions each row attends to in a one-token call (its committed ones and the new token)."""
