@@ -25,7 +25,7 @@ import numpy as np
 from mirror_rt.devices.base import CacheBounds, SplitTarget
 from mirror_rt.devices.onnxruntime_pool import RowPool, forward_rows, prefix_rows, split_rows, suffix_rows
 from mirror_rt.devices.ort_session import create_session
-from mirror_rt.runtime.affinity import pin
+from mirror_rt.runtime.affinity import pin, restore
 
 PREFILL_CHUNK = 64  # prompt tokens per pipelined prefill stage
 LAST_ROWS = "last_rows"  # optional graph input (exporters.split.LAST_ROWS): logits rows from the window's end
@@ -282,7 +282,7 @@ class ORTSplitTarget(SplitTarget):
         self.prefix, self.exit, self.suffix = prefix, exit_graph, suffix
         self.prompt_graphs = prompt_graphs  # (prefix, suffix) sessions over more cores, for prompts
         self.vocab_size, self.max_seq_len, self.kappa = vocab_size, max_seq_len, kappa
-        self._helper = None  # (core, executor) running the second part of split target-only steps
+        self._helper = None  # (core, executor) running the second part of split steps and prompt pairs
 
     def new_cache(self, capacity: int) -> ORTCache:
         return ORTCache([self.prefix, self.suffix], min(capacity, self.max_seq_len))
@@ -320,12 +320,35 @@ class ORTSplitTarget(SplitTarget):
     def forward_rows_split(self, tokens: np.ndarray, pool: RowPool, cut: int, cpus: tuple[int, int]) -> np.ndarray:
         """All of the pool's rows, tokens [B, T], as two calls at once on two cores (rows ..cut-1 on cpus[0],
         the others on cpus[1]; devices.onnxruntime_pool.split_rows) -> logits [B, T, vocab]."""
-        if self._helper is None or self._helper[0] != cpus[1]:
+        return split_rows(self, pool, tokens, cut, cpus, self._row_helper(cpus[1]))
+
+    def prefill_split(self, chunks: list, caches: list, cpus: tuple[int, int]) -> list[np.ndarray]:
+        """Two prompts' chunks at once (runtime.batch_steps.Prefill), chunks[0] into caches[0] in this thread on
+        cpus[0], chunks[1] into caches[1] on cpus[1], each through the one-thread sessions -> each chunk's last
+        logits [1, vocab] (the same bits as prefill_pipelined)."""
+        later = self._row_helper(cpus[1]).submit(self._prompt_alone, chunks[1], caches[1])
+        previous = pin(cpus[0])
+        try:
+            first = self._prompt_alone(chunks[0], caches[0])
+        finally:
+            restore(previous)
+            second = later.result()  # waited for even when the first failed: it writes into the pool
+        return [first, second]
+
+    def _prompt_alone(self, tokens, cache: ORTCache) -> np.ndarray:
+        ids = np.asarray(tokens, dtype=np.int64)
+        cache.check_room(len(ids))
+        hidden = cache.run(0, self.prefix, ids)["hidden"]
+        return cache.run(1, self.suffix, hidden, last_rows=1)["logits"][-1:]
+
+    def _row_helper(self, cpu: int):
+        """The executor whose one thread, pinned to `cpu`, runs the second half of split steps and prompts."""
+        if self._helper is None or self._helper[0] != cpu:
             from concurrent.futures import ThreadPoolExecutor
 
-            executor = ThreadPoolExecutor(1, thread_name_prefix="mirror-rows", initializer=pin, initargs=(cpus[1],))
-            self._helper = (cpus[1], executor)
-        return split_rows(self, pool, tokens, cut, cpus, self._helper[1])
+            executor = ThreadPoolExecutor(1, thread_name_prefix="mirror-rows", initializer=pin, initargs=(cpu,))
+            self._helper = (cpu, executor)
+        return self._helper[1]
 
     def _prefix_outputs(self, ids: np.ndarray, cache: ORTCache) -> dict:
         return cache.run(0, self.prefix, ids)

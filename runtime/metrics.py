@@ -51,9 +51,12 @@ class Metrics:
         try:
             yield
         finally:
-            elapsed = time.perf_counter() - t0
-            self.stage_seconds[name] = self.stage_seconds.get(name, 0.0) + elapsed
-            self.durations.setdefault(name, []).append(elapsed)
+            self.add_stage(name, time.perf_counter() - t0)
+
+    def add_stage(self, name: str, seconds: float) -> None:
+        """Add `seconds` of wall time to stage `name` (a block timed elsewhere)."""
+        self.stage_seconds[name] = self.stage_seconds.get(name, 0.0) + seconds
+        self.durations.setdefault(name, []).append(seconds)
 
     def record_step(self, num_proposed: int, num_accepted: int) -> None:
         """One verified window: `num_accepted` of `num_proposed` draft tokens, plus one more."""

@@ -128,3 +128,19 @@ def test_steps_split_only_once_the_draft_worker_is_free(bundle_pair):
     for _, seq in seqs:
         assert seq.tokens == reference(target, seq.prompt, seq.config), seq.id
     assert len(drafting) > 4 and not any(drafting)
+
+
+@pytest.mark.parametrize("mode", ["ar", "mirror"])
+def test_prompts_prefilled_two_at_once_equal_the_reference(bundle_pair, mode):
+    """Prompts of like lengths arriving together take a chunk each at once, one per core (small chunks, so a
+    prompt pairs several times, and partners change): every text equals its single-stream reference. Mirror
+    sequences hold the draft worker's core while they run, so prompts pair only before the first of them does."""
+    target, draft = bundle_pair
+    settings = BatchSettings(max_num_seqs=6, prefill_chunk=5, adaptive_speculation=False)
+    decoder = BatchDecoder(target, draft, settings, cpus=CPUS)
+    seqs = [(2 * (i // 3), sequence(i, (p * 8)[:10 + i % 5], GenerationConfig(max_new_tokens=10, mode=mode)))
+            for i, p in enumerate(prompts(9, 13))]
+    run(decoder, seqs)
+    for _, seq in seqs:
+        assert seq.tokens == reference(target, seq.prompt, seq.config), seq.id
+    assert decoder.prefill.pairs > (3 if mode == "ar" else 0)
