@@ -23,9 +23,16 @@ from pathlib import Path
 import numpy as np
 
 from mirror_rt.devices.base import CacheBounds, SplitTarget
-from mirror_rt.devices.onnxruntime_pool import RowPool, forward_rows, prefix_rows, split_rows, suffix_rows
+from mirror_rt.devices.onnxruntime_pool import (
+    RowPool,
+    forward_rows,
+    prefix_rows,
+    split_prompts,
+    split_rows,
+    suffix_rows,
+)
 from mirror_rt.devices.ort_session import create_session
-from mirror_rt.runtime.affinity import pin, restore
+from mirror_rt.runtime.affinity import pin
 
 PREFILL_CHUNK = 64  # prompt tokens per pipelined prefill stage
 LAST_ROWS = "last_rows"  # optional graph input (exporters.split.LAST_ROWS): logits rows from the window's end
@@ -323,23 +330,9 @@ class ORTSplitTarget(SplitTarget):
         return split_rows(self, pool, tokens, cut, cpus, self._row_helper(cpus[1]))
 
     def prefill_split(self, chunks: list, caches: list, cpus: tuple[int, int]) -> list[np.ndarray]:
-        """Two prompts' chunks at once (runtime.batch_steps.Prefill), chunks[0] into caches[0] in this thread on
-        cpus[0], chunks[1] into caches[1] on cpus[1], each through the one-thread sessions -> each chunk's last
-        logits [1, vocab] (the same bits as prefill_pipelined)."""
-        later = self._row_helper(cpus[1]).submit(self._prompt_alone, chunks[1], caches[1])
-        previous = pin(cpus[0])
-        try:
-            first = self._prompt_alone(chunks[0], caches[0])
-        finally:
-            restore(previous)
-            second = later.result()  # waited for even when the first failed: it writes into the pool
-        return [first, second]
-
-    def _prompt_alone(self, tokens, cache: ORTCache) -> np.ndarray:
-        ids = np.asarray(tokens, dtype=np.int64)
-        cache.check_room(len(ids))
-        hidden = cache.run(0, self.prefix, ids)["hidden"]
-        return cache.run(1, self.suffix, hidden, last_rows=1)["logits"][-1:]
+        """Two prompts' chunks at once, one per core (devices.onnxruntime_pool.split_prompts) -> each chunk's last
+        logits [1, vocab]."""
+        return split_prompts(self, chunks, caches, cpus, self._row_helper(cpus[1]))
 
     def _row_helper(self, cpu: int):
         """The executor whose one thread, pinned to `cpu`, runs the second half of split steps and prompts."""

@@ -206,3 +206,24 @@ def split_rows(target, pool: RowPool, tokens: np.ndarray, cut: int, cpus: tuple[
 def _rows_alone(target, pool: RowPool, tokens: np.ndarray, first: int) -> np.ndarray:
     hidden = pool.run(0, target.prefix, tokens, first)["hidden"]
     return pool.run(1, target.suffix, hidden, first)["logits"]
+
+
+def split_prompts(target, chunks: list, caches: list, cpus: tuple[int, int], helper) -> list[np.ndarray]:
+    """Two prompts' chunks at once (runtime.batch_steps.Prefill): chunks[0] into caches[0] in this thread pinned
+    to cpus[0], chunks[1] into caches[1] in `helper` (its thread pinned to cpus[1]), each through the target's
+    one-thread sessions -> each chunk's last logits [1, vocab] (the same bits as one prompt at a time)."""
+    later = helper.submit(_prompt_alone, target, chunks[1], caches[1])
+    previous = pin(cpus[0])
+    try:
+        first = _prompt_alone(target, chunks[0], caches[0])
+    finally:
+        restore(previous)
+        second = later.result()  # waited for even when the first failed: it writes into the pool
+    return [first, second]
+
+
+def _prompt_alone(target, tokens, cache) -> np.ndarray:
+    ids = np.asarray(tokens, dtype=np.int64)
+    cache.check_room(len(ids))
+    hidden = cache.run(0, target.prefix, ids)["hidden"]
+    return cache.run(1, target.suffix, hidden, last_rows=1)["logits"][-1:]
