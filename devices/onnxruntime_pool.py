@@ -188,38 +188,39 @@ def suffix_rows(target, pool: RowPool, last_rows: int | None = None) -> np.ndarr
 
 
 def split_rows(target, pool: RowPool, tokens: np.ndarray, cut: int, cpus: tuple[int, int], helper) -> np.ndarray:
-    """Target-only rows 0..B-1 of `pool` as two calls at once (runtime.core_split): rows 0..cut-1 in this thread
-    pinned to cpus[0], the others in `helper` (an executor whose thread is pinned to cpus[1]), each through the
-    target's one-thread sessions -> logits [B, T, vocab], the same bits as one call (a row computes alike in any
-    call)."""
+    """Target-only rows 0..B-1 of `pool` as two calls at once (runtime.core_split): rows 0..cut-1 on cpus[0], the
+    others on cpus[1] (`on_two_cores`), each through the target's one-thread sessions -> logits [B, T, vocab], the
+    same bits as one call (a row computes alike in any call)."""
     tokens = np.asarray(tokens, dtype=np.int64)
-    later = helper.submit(_rows_alone, target, pool, tokens[cut:], cut)
+    head, tail = on_two_cores(lambda: _rows_alone(target, pool, tokens[:cut], 0),
+                              lambda: _rows_alone(target, pool, tokens[cut:], cut), cpus, helper)
+    return np.concatenate([head, tail])
+
+
+def split_prompts(target, chunks: list, caches: list, cpus: tuple[int, int], helper) -> list[np.ndarray]:
+    """Two prompts' chunks at once (runtime.batch_steps.Prefill): chunks[i] into caches[i] on cpus[i]
+    (`on_two_cores`), each through the target's one-thread sessions -> each chunk's last logits [1, vocab] (the
+    same bits as one prompt at a time)."""
+    return list(on_two_cores(lambda: _prompt_alone(target, chunks[0], caches[0]),
+                             lambda: _prompt_alone(target, chunks[1], caches[1]), cpus, helper))
+
+
+def on_two_cores(first, second, cpus: tuple[int, int], helper) -> tuple:
+    """(first(), second()) run at once: `first` in this thread pinned to cpus[0], `second` in `helper` (an executor
+    whose thread is pinned to cpus[1]). `second` is waited for even when `first` fails: both write into the pool."""
+    later = helper.submit(second)
     previous = pin(cpus[0])
     try:
-        head = _rows_alone(target, pool, tokens[:cut], 0)
+        head = first()
     finally:
         restore(previous)
-        tail = later.result()  # waited for even when this part failed: the helper writes into the pool
-    return np.concatenate([head, tail])
+        tail = later.result()
+    return head, tail
 
 
 def _rows_alone(target, pool: RowPool, tokens: np.ndarray, first: int) -> np.ndarray:
     hidden = pool.run(0, target.prefix, tokens, first)["hidden"]
     return pool.run(1, target.suffix, hidden, first)["logits"]
-
-
-def split_prompts(target, chunks: list, caches: list, cpus: tuple[int, int], helper) -> list[np.ndarray]:
-    """Two prompts' chunks at once (runtime.batch_steps.Prefill): chunks[0] into caches[0] in this thread pinned
-    to cpus[0], chunks[1] into caches[1] in `helper` (its thread pinned to cpus[1]), each through the target's
-    one-thread sessions -> each chunk's last logits [1, vocab] (the same bits as one prompt at a time)."""
-    later = helper.submit(_prompt_alone, target, chunks[1], caches[1])
-    previous = pin(cpus[0])
-    try:
-        first = _prompt_alone(target, chunks[0], caches[0])
-    finally:
-        restore(previous)
-        second = later.result()  # waited for even when the first failed: it writes into the pool
-    return [first, second]
 
 
 def _prompt_alone(target, tokens, cache) -> np.ndarray:

@@ -62,35 +62,35 @@ class Prefill:
         pending = [s for s in self.decoder.active if s.state == "prefill" and not s.done]
         pair = self._pair(pending, budget)
         if pair:
-            self._two_cores(pair, budget)
+            self._two_cores(*pair)
             return
         for seq in pending:
             if budget <= 0:
                 return
             budget -= self._chunk(seq, budget)
 
-    def _pair(self, pending: list, budget: int) -> list | None:
-        """The oldest prompt and the next one whose chunk is at least LIKE times as long (or the other way), where
-        the target can run two prompts at once on two cores of the decoder's own and the draft worker idles. Measured
-        here (ms, one after the other on both cores / at once, one core each): w8a8 target, prompts of 53 and 64
-        tokens 124.9 / 63.2, two chunks of 256 304.8 / 241.7, 85 and 210 tokens 190.6 / 187.3; fp32 161.3 / 153.5,
-        688.4 / 582.6 and 366.2 / 469.8: prompts of unlike lengths wait for the longer one."""
+    def _pair(self, pending: list, budget: int) -> tuple[list, list] | None:
+        """The oldest prompt and the next one whose chunk is at least LIKE times as long (or the other way), with
+        their chunks, where the target can run two prompts at once on two cores of the decoder's own and the draft
+        worker idles. Measured here (ms, one after the other on both cores / at once, one core each): w8a8 target,
+        prompts of 53 and 64 tokens 124.9 / 63.2, two chunks of 256 304.8 / 241.7, 85 and 210 tokens 190.6 / 187.3;
+        fp32 161.3 / 153.5, 688.4 / 582.6 and 366.2 / 469.8: prompts of unlike lengths wait for the longer one."""
         d = self.decoder
         if len(pending) < 2 or not (hasattr(d.target, "prefill_split") and d.pooled and d.mirror.cpus):
             return None
         if d.mirror.drafting():
             return None
-        sizes = [len(self.fill(s)[s.computed:s.computed + budget]) for s in pending]
-        if sizes[0] < 2:
+        chunks = [self.fill(s)[s.computed:s.computed + budget] for s in pending]
+        if len(chunks[0]) < 2:
             return None
-        for seq, size in zip(pending[1:], sizes[1:]):
-            if size >= 2 and min(size, sizes[0]) >= LIKE * max(size, sizes[0]):
-                return [pending[0], seq]
+        for seq, chunk in zip(pending[1:], chunks[1:]):
+            shorter, longer = sorted((len(chunk), len(chunks[0])))
+            if shorter >= 2 and shorter >= LIKE * longer:
+                return [pending[0], seq], [chunks[0], chunk]
         return None
 
-    def _two_cores(self, pair: list, budget: int) -> None:
+    def _two_cores(self, pair: list, chunks: list) -> None:
         """A chunk of each of the two prompts at once, one per core."""
-        chunks = [self.fill(s)[s.computed:s.computed + budget] for s in pair]
         t0 = time.perf_counter()
         logits = self.decoder.target.prefill_split(chunks, [s.state_data["target_cache"] for s in pair],
                                                     self.decoder.mirror.cpus)
