@@ -267,6 +267,35 @@ def test_a_step_that_prefills_prompts_decodes_target_only(pair):
         assert seq.tokens == reference(target, seq.prompt, seq.config), seq.id
 
 
+@pytest.mark.parametrize("mode", ["sd", "mirror"])
+def test_a_draft_of_its_own_fills_its_row_at_its_first_speculative_step(pair, mode, monkeypatch):
+    """A pooled draft that is not the target's copy computes nothing while its sequence prefills (under load the
+    batch decodes target-only); its first speculative step catches up on the whole text, and the texts stay equal."""
+    from mirror_rt.runtime import batch_steps
+    from mirror_rt.runtime.policy import AR, SPEC, Rate, SpeculationPolicy
+
+    target, draft = pair
+    monkeypatch.setattr(batch_steps, "adopts_target_kv", lambda model: False)  # the tiny bundle's draft adopts
+    policy = SpeculationPolicy(refresh=10**6)  # speculation measured faster at both batch sizes, no trials
+    policy.rates = {(way, n): Rate(1000.0 if way == SPEC else 10.0, 1.0, 10, 10) for way in (AR, SPEC) for n in (1, 2)}
+    decoder = BatchDecoder(target, draft, BatchSettings(max_num_seqs=2), policy=policy)
+    if not decoder.pooled:
+        pytest.skip("torch drafts keep caches of their own")
+    seqs = [sequence(i, p, GenerationConfig(max_new_tokens=12, mode=mode)) for i, p in enumerate(prompts(2, 5))]
+    drafted = []
+    for seq in seqs:
+        seq.sink = lambda s, tokens, d, a: drafted.append(d)
+        decoder.add(seq)
+    while any(s.state != "running" for s in seqs):
+        decoder.step()
+    assert [int(decoder.draft_pool.lengths[s.row]) for s in seqs] == [0, 0]  # nothing drafted yet
+    assert all(decoder.target_pool.lengths[s.row] >= len(s.prompt) for s in seqs)
+    run(decoder, [])
+    assert sum(drafted) > 0
+    for seq in seqs:
+        assert seq.tokens == reference(target, seq.prompt, seq.config), seq.id
+
+
 # --- rows of different lengths: attention groups inside a call (exporters.exact_kv), or calls per group of rows
 # and rows sorted by length (runtime.row_split; graphs without groups, and torch) ---
 
