@@ -18,6 +18,8 @@ import statistics
 import time
 from dataclasses import dataclass, field
 
+WARMUP_TOKENS = 8  # per warm-up request (every engine, before the levels)
+
 
 @dataclass
 class Result:
@@ -157,12 +159,16 @@ async def load_run(url: str, prompts: list, levels: list[int], max_tokens: int, 
 
     client = AsyncOpenAI(base_url=url.rstrip("/") + "/v1", api_key=api_key or "unused", max_retries=0, timeout=600)
     model = (await client.models.list()).data[0].id
-    ours = await served_label(client, model, prompts[0])  # also the warm-up
+    ours = await served_label(client, model, prompts[0])
     report = {"url": url, "model": model, "max_tokens": max_tokens, "prompts": len(prompts), "ours": ours,
               "levels": []}
+    # The same warm-up for every engine, unmeasured: the widest level's prompts, 8 tokens each, so that first use
+    # (shapes compiled, KV memory committed: a fresh page costs a fault, which a running server has paid) is
+    # not timed for one engine and spared another
+    await run_level(client, model, prompts[:max(levels)], WARMUP_TOKENS, max(levels))
     prompt_ids = [tokenize(url, messages) for messages in prompts] if peers else []
-    for peer in peers:  # warm-up at the widest level: its shapes compiled, its KV blocks allocated
-        peer.run_level(prompt_ids[:max(levels)], 8, max(levels))
+    for peer in peers:
+        peer.run_level(prompt_ids[:max(levels)], WARMUP_TOKENS, max(levels))
         report.setdefault("peers", {})[peer.name] = {"label": peer.label, "precision": peer.precision}
     for concurrency in levels:
         before = scrape_totals(url)

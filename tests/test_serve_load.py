@@ -195,13 +195,17 @@ def test_bench_serve_client_reports_the_run(server, engine):
     acceptance from /metrics, and a burst past the queue refused with 503."""
     import asyncio
 
-    from mirror_rt.evaluation.serve_bench import load_run
+    from mirror_rt.evaluation.serve_bench import WARMUP_TOKENS, load_run, scrape_totals
 
     prompts = [[{"role": "user", "content": f"question {i}"}] for i in range(4)]
+    before = scrape_totals(server.url)
     with Swapped(engine, "target", lambda t: Delayed(t, 0.005)):
         report = asyncio.run(load_run(server.url, prompts, [1, 2], 20, burst_size=5, api_key=None,
                                       log=lambda *a: None))
     assert [level["completed"] for level in report["levels"]] == [4, 4]
+    # before the levels: the label's answer (8 tokens) and the warm-up at the widest level, unmeasured
+    served = scrape_totals(server.url)["generation_tokens_total"] - before.get("generation_tokens_total", 0)
+    assert served == 8 + 2 * WARMUP_TOKENS + 2 * 4 * 20 + 20 * report["burst"]["admitted"]
     assert all(level["failed"] == 0 and level["output_throughput"] > 0 for level in report["levels"])
     assert all(level["median_itl_ms"] is not None and level["mean_accepted_length"] >= 1
                for level in report["levels"])
