@@ -159,7 +159,10 @@ async def load_run(url: str, prompts: list, levels: list[int], max_tokens: int, 
 
     client = AsyncOpenAI(base_url=url.rstrip("/") + "/v1", api_key=api_key or "unused", max_retries=0, timeout=600)
     model = (await client.models.list()).data[0].id
-    ours = await served_label(client, model, prompts[0])
+    ours, served = await served_label(client, model, prompts[0])
+    for peer in peers:  # a peer that runs our engine loads the server's precision and mode
+        if hasattr(peer, "follow"):
+            peer.follow(served.get("precision") or {}, served.get("mode"))
     report = {"url": url, "model": model, "max_tokens": max_tokens, "prompts": len(prompts), "ours": ours,
               "levels": []}
     # The same warm-up for every engine, unmeasured: the widest level's prompts, 8 tokens each, so that first use
@@ -195,14 +198,14 @@ async def load_run(url: str, prompts: list, levels: list[int], max_tokens: int, 
     return report
 
 
-async def served_label(client, model: str, messages: list) -> str:
-    """What the server runs, from a short non-streamed answer: its mode and each role's precision (mirror-rt's
-    `mirror_rt` object; another server: '?')."""
+async def served_label(client, model: str, messages: list) -> tuple[str, dict]:
+    """What the server runs, from a short non-streamed answer: (its mode and each role's precision as one line,
+    mirror-rt's `mirror_rt` object; another server: '?' and {})."""
     answer = await client.chat.completions.create(model=model, messages=messages, max_tokens=8, temperature=0)
     extra = (answer.model_extra or {}).get("mirror_rt") or {}
     precision = extra.get("precision") or {}
     roles = ", ".join(f"{p} {role}" for role, p in precision.items() if p)
-    return f"{extra.get('mode', '?')}; {roles or '?'}"
+    return f"{extra.get('mode', '?')}; {roles or '?'}", extra
 
 
 def tokenize(url: str, messages: list) -> list[int]:

@@ -80,7 +80,8 @@ def _add_bench_serve(sub) -> None:
     load.add_argument("--api-key", help="the server's key (default: $MIRROR_RT_API_KEY)")
     load.add_argument("--peers", default="", help="comma-separated peers run in this process after each level, on "
                       "the server's token ids: ov-genai-cb (OpenVINO GenAI's ContinuousBatchingPipeline at its "
-                      "default precision), ov-genai-cb-f32 (f32 compute and KV)")
+                      "default precision), ov-genai-cb-f32 (f32 compute and KV), mirror-rt-engine (the server's "
+                      "engine, default model at the server's precision and mode, without HTTP)")
     load.add_argument("--model", help="the peers' model: HF folder, .gguf file or preset (default: the default model; "
                       "name the model the server serves)")
     load.add_argument("--threads", type=positive_int, help="the peers' threads (default: every core, as the server)")
@@ -92,6 +93,9 @@ def cmd_bench_serve(args) -> int:
     import asyncio
     import os
 
+    from mirror_rt.evaluation.engine_peer import NAME as ENGINE_PEER
+    from mirror_rt.evaluation.engine_peer import EnginePeer
+    from mirror_rt.evaluation.genai_serve import PEERS as GENAI_PEERS
     from mirror_rt.evaluation.genai_serve import load_peers
     from mirror_rt.evaluation.serve_bench import compare_with_run, load_run
     from mirror_rt.evaluation.specbench import read_questions
@@ -104,7 +108,13 @@ def cmd_bench_serve(args) -> int:
         raise ValueError(f"--concurrency needs whole numbers >= 1, got '{args.concurrency}'")
     key = args.api_key or os.environ.get("MIRROR_RT_API_KEY")
     names = [p.strip() for p in args.peers.split(",") if p.strip()]
-    peers = load_peers(names, args.model, args.threads or len(available_cores()), args.cache_dir, log=log)
+    unknown = [n for n in names if n not in (ENGINE_PEER, *GENAI_PEERS)]
+    if unknown:
+        raise ValueError(f"unknown bench-serve peer(s): {', '.join(unknown)} (known: "
+                         f"{', '.join((ENGINE_PEER, *GENAI_PEERS))})")
+    peers = [EnginePeer(args.cache_dir) for n in names if n == ENGINE_PEER]
+    peers += load_peers([n for n in names if n != ENGINE_PEER], args.model, args.threads or len(available_cores()),
+                        args.cache_dir, log=log)
     report = {}
     if args.compare_run:
         report["single_stream"] = asyncio.run(compare_with_run(args.url, prompts, args.max_tokens, args.mode, key,

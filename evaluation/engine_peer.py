@@ -1,0 +1,104 @@
+"""Our own engine as a row of `mirror-rt bench-serve`, run in the client's process like the GenAI peers.
+
+The server's numbers include HTTP: the client's parsing and the server's event loop share the two cores with
+the engine, while the GenAI peers run in the client's process with neither. This row runs the engine the server
+runs (the default model at the target precision the server reports) the way `genai_serve` runs GenAI's
+pipeline: `Engine.submit` then `Engine.step` in one loop, `concurrency` requests in flight, the next prompt added
+as soon as one finishes; a token's time is the end of the step that made it. Its gap to the server's row is
+what HTTP costs; its gap to GenAI's rows compares the engines alone.
+"""
+
+from __future__ import annotations
+
+import time
+from collections import deque
+from dataclasses import dataclass, field
+
+from mirror_rt.evaluation.serve_bench import Result
+
+NAME = "mirror-rt-engine"
+
+
+@dataclass
+class Flight:
+    """One request in flight: its generation, when it started, its tokens so far and their arrival gaps."""
+
+    gen: object
+    start: float
+    count: int = 0
+    ttft: float | None = None
+    last_at: float = 0.0
+    gaps: list[float] = field(default_factory=list)
+
+    def collect(self, now: float) -> None:
+        """Take the tokens the last step committed; a gap spread over several tokens counts once per token."""
+        new = len(self.gen.sequence.tokens) - self.count
+        if new <= 0:
+            return
+        if not self.count:
+            self.ttft = now - self.start
+        else:
+            self.gaps += [(now - self.last_at) / new] * new
+        self.count += new
+        self.last_at = now
+
+    def result(self, now: float) -> Result:
+        ok = self.gen.stop_reason not in ("error", "cancelled") and self.count > 0
+        return Result(ok=ok, status=200 if ok else 500, ttft=self.ttft, e2e=now - self.start, tokens=self.count,
+                      token_gaps=self.gaps)
+
+
+class EnginePeer:
+    """The server's engine, loaded in this process once the server says which precision it runs (`follow`)."""
+
+    name = NAME
+    where = "in process (no HTTP)"
+
+    def __init__(self, cache_dir: str | None = None):
+        self.cache_dir = cache_dir
+        self.engine = None
+        self.precision: dict = {}
+        self.mode: str | None = None
+        self.label = self.precision_label = "mirror-rt engine (not loaded)"
+
+    def follow(self, precision: dict, mode: str | None) -> None:
+        """Load the default model's bundle at the server's target precision, in the server's mode."""
+        from mirror_rt.devices.engines import load_engine
+        from mirror_rt.devices.options import EngineOptions
+
+        weights = precision.get("target")
+        self.engine = load_engine(EngineOptions.from_flags(cache_dir=self.cache_dir, weights=weights), mode,
+                                  log=lambda *a: None)
+        self.mode = mode or self.engine.default_mode
+        names = self.engine.names
+        self.precision = {"target": names.get("target_precision"), "draft": names.get("draft_precision")}
+        self.label = (f"mirror-rt engine, {self.mode}; {self.precision['target']} target, "
+                      f"{self.precision['draft']} draft")
+        self.precision_label = f"{self.mode}; {self.precision['target']} target, {self.precision['draft']} draft"
+
+    def run_level(self, prompts: list[list[int]], max_tokens: int, concurrency: int,
+                  decode=None) -> tuple[list[Result], float]:
+        """Every prompt (token ids), at most `concurrency` in flight; (results in prompt order, wall seconds).
+        `decode` (ids -> text), applied once the clock stopped, fills each result's text."""
+        if self.engine is None:
+            raise RuntimeError(f"{NAME}: the server did not say which precision it runs (not a mirror-rt server?)")
+        config = self.engine.config_for(max_new_tokens=max_tokens, ignore_eos=True, mode=self.mode)
+        waiting, running = deque(enumerate(prompts)), {}
+        flights, results = [None] * len(prompts), [None] * len(prompts)
+        start = time.perf_counter()
+        while waiting or running:
+            while waiting and len(running) < concurrency:
+                index, ids = waiting.popleft()
+                running[index] = flights[index] = Flight(self.engine.submit(list(ids), config), time.perf_counter())
+            self.engine.step()
+            now = time.perf_counter()
+            for index, flight in list(running.items()):
+                flight.collect(now)
+                if flight.gen.finished:
+                    results[index] = flight.result(now)
+                    del running[index]
+        wall = time.perf_counter() - start
+        if decode:
+            for result, flight in zip(results, flights):
+                result.text = decode(list(flight.gen.sequence.tokens[:flight.count]))
+        return results, wall
