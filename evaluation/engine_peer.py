@@ -2,7 +2,7 @@
 
 The server's numbers include HTTP: the client's parsing and the server's event loop share the two cores with
 the engine, while the GenAI peers run in the client's process with neither. This row runs the engine the server
-runs (the default model at the target precision the server reports) the way `genai_serve` runs GenAI's
+runs (the default model at the target precision the server reports; no prefix cache) the way `genai_serve` runs GenAI's
 pipeline: `Engine.submit` then `Engine.step` in one loop, `concurrency` requests in flight, the next prompt added
 as soon as one finishes; a token's time is the end of the step that made it. Its gap to the server's row is
 what HTTP costs; its gap to GenAI's rows compares the engines alone.
@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import time
 from collections import deque
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from mirror_rt.evaluation.serve_bench import Result
 
@@ -69,6 +69,8 @@ class EnginePeer:
         weights = precision.get("target")
         self.engine = load_engine(EngineOptions.from_flags(cache_dir=self.cache_dir, weights=weights), mode,
                                   log=lambda *a: None)
+        # no prefix cache, as the GenAI peers: every level repeats the same prompts, which a cache would skip
+        self.engine.batch = replace(self.engine.batch, prefix_cache=False)
         self.mode = mode or self.engine.default_mode
         names = self.engine.names
         self.precision = {"target": names.get("target_precision"), "draft": names.get("draft_precision")}

@@ -62,6 +62,7 @@ def test_it_loads_what_the_server_reports(engine, monkeypatch):
         peer.run_level(PROMPTS, 4, 1)
     peer.follow({"target": "w8a8", "draft": "q4_1"}, "sd")
     assert asked == {"weights": "w8a8", "mode": "sd"}
+    assert not engine.batch.prefix_cache  # the bench repeats its prompts: a cache would skip them
     assert peer.precision_label == "sd; fp64 target, fp64 draft"  # what the loaded engine says it runs
 
 
