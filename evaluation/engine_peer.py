@@ -61,8 +61,11 @@ class EnginePeer:
         self.mode: str | None = None
         self.label = self.precision_label = "mirror-rt engine (not loaded)"
 
-    def follow(self, precision: dict, mode: str | None) -> None:
-        """Load the default model's bundle at the server's target precision, in the server's mode."""
+    def follow(self, precision: dict, mode: str | None, path: str | None = None) -> None:
+        """Load the default model's bundle at the server's target precision, in the server's mode; ValueError when
+        that is not what the server runs (`path`: the server's model path, as its answers report it)."""
+        from pathlib import Path
+
         from mirror_rt.devices.engines import load_engine
         from mirror_rt.devices.options import EngineOptions
 
@@ -73,6 +76,9 @@ class EnginePeer:
         self.engine.batch = replace(self.engine.batch, prefix_cache=False)
         self.mode = mode or self.engine.default_mode
         names = self.engine.names
+        if path is not None and Path(path).name != Path(names.get("path", "")).name:
+            raise ValueError(f"{NAME} runs the default model's bundle ({names.get('path')}); the server runs {path} "
+                             f"(drop {NAME} from --peers)")
         self.precision = {"target": names.get("target_precision"), "draft": names.get("draft_precision")}
         self.label = (f"mirror-rt engine, {self.mode}; {self.precision['target']} target, "
                       f"{self.precision['draft']} draft")

@@ -162,7 +162,7 @@ async def load_run(url: str, prompts: list, levels: list[int], max_tokens: int, 
     ours, served = await served_label(client, model, prompts[0])
     for peer in peers:  # a peer that runs our engine loads the server's precision and mode
         if hasattr(peer, "follow"):
-            peer.follow(served.get("precision") or {}, served.get("mode"))
+            peer.follow(served.get("precision") or {}, served.get("mode"), served.get("path"))
     report = {"url": url, "model": model, "max_tokens": max_tokens, "prompts": len(prompts), "ours": ours,
               "levels": []}
     # The same warm-up for every engine, unmeasured: the widest level's prompts, 8 tokens each, so that first use

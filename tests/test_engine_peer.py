@@ -63,6 +63,8 @@ def test_it_loads_what_the_server_reports(engine, monkeypatch):
     peer.follow({"target": "w8a8", "draft": "q4_1"}, "sd")
     assert asked == {"weights": "w8a8", "mode": "sd"}
     assert not engine.batch.prefix_cache  # the bench repeats its prompts: a cache would skip them
+    with pytest.raises(ValueError, match="the server runs /models/other-bundle"):  # not what the server runs
+        peer.follow({"target": "fp32"}, "mirror", "/models/other-bundle")
     assert peer.precision_label == "sd; fp64 target, fp64 draft"  # what the loaded engine says it runs
 
 
