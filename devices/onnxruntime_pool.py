@@ -201,8 +201,8 @@ def split_prompts(target, chunks: list, caches: list, cpus: tuple[int, int], hel
     """Two prompts' chunks at once (runtime.batch_steps.Prefill): chunks[i] into caches[i] on cpus[i]
     (`on_two_cores`), each through the target's one-thread sessions -> each chunk's last logits [1, vocab] (the
     same bits as one prompt at a time)."""
-    return list(on_two_cores(lambda: _prompt_alone(target, chunks[0], caches[0]),
-                             lambda: _prompt_alone(target, chunks[1], caches[1]), cpus, helper))
+    return list(on_two_cores(lambda: target.forward_last(chunks[0], caches[0]),
+                             lambda: target.forward_last(chunks[1], caches[1]), cpus, helper))
 
 
 def on_two_cores(first, second, cpus: tuple[int, int], helper) -> tuple:
@@ -221,10 +221,3 @@ def on_two_cores(first, second, cpus: tuple[int, int], helper) -> tuple:
 def _rows_alone(target, pool: RowPool, tokens: np.ndarray, first: int) -> np.ndarray:
     hidden = pool.run(0, target.prefix, tokens, first)["hidden"]
     return pool.run(1, target.suffix, hidden, first)["logits"]
-
-
-def _prompt_alone(target, tokens, cache) -> np.ndarray:
-    ids = np.asarray(tokens, dtype=np.int64)
-    cache.check_room(len(ids))
-    hidden = cache.run(0, target.prefix, ids)["hidden"]
-    return cache.run(1, target.suffix, hidden, last_rows=1)["logits"][-1:]

@@ -12,40 +12,25 @@ from __future__ import annotations
 
 import time
 from collections import deque
-from dataclasses import dataclass, field, replace
+from dataclasses import replace
 
+from mirror_rt.evaluation.genai_serve import Flight
 from mirror_rt.evaluation.serve_bench import Result
 
 NAME = "mirror-rt-engine"
 
 
-@dataclass
-class Flight:
-    """One request in flight: its generation, when it started, its tokens so far and their arrival gaps."""
+class EngineFlight(Flight):
+    """One request in flight on our engine (`handle`: its runtime.engine.Generation); the timing is GenAI's."""
 
-    gen: object
-    start: float
-    count: int = 0
-    ttft: float | None = None
-    last_at: float = 0.0
-    gaps: list[float] = field(default_factory=list)
+    def new_ids(self) -> list[int]:
+        return list(self.handle.sequence.tokens[len(self.ids):])
 
-    def collect(self, now: float) -> None:
-        """Take the tokens the last step committed; a gap spread over several tokens counts once per token."""
-        new = len(self.gen.sequence.tokens) - self.count
-        if new <= 0:
-            return
-        if not self.count:
-            self.ttft = now - self.start
-        else:
-            self.gaps += [(now - self.last_at) / new] * new
-        self.count += new
-        self.last_at = now
+    def finished(self) -> bool:
+        return self.handle.finished
 
-    def result(self, now: float) -> Result:
-        ok = self.gen.stop_reason not in ("error", "cancelled") and self.count > 0
-        return Result(ok=ok, status=200 if ok else 500, ttft=self.ttft, e2e=now - self.start, tokens=self.count,
-                      token_gaps=self.gaps)
+    def succeeded(self) -> bool:
+        return self.handle.stop_reason not in ("error", "cancelled")
 
 
 class EnginePeer:
@@ -97,16 +82,17 @@ class EnginePeer:
         while waiting or running:
             while waiting and len(running) < concurrency:
                 index, ids = waiting.popleft()
-                running[index] = flights[index] = Flight(self.engine.submit(list(ids), config), time.perf_counter())
+                running[index] = flights[index] = EngineFlight(self.engine.submit(list(ids), config),
+                                                               time.perf_counter())
             self.engine.step()
             now = time.perf_counter()
             for index, flight in list(running.items()):
                 flight.collect(now)
-                if flight.gen.finished:
+                if flight.finished():
                     results[index] = flight.result(now)
                     del running[index]
         wall = time.perf_counter() - start
         if decode:
             for result, flight in zip(results, flights):
-                result.text = decode(list(flight.gen.sequence.tokens[:flight.count]))
+                result.text = decode(flight.ids)
         return results, wall

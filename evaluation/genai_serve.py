@@ -36,9 +36,7 @@ class Flight:
 
     def collect(self, now: float) -> None:
         """Take the tokens the last step made; a gap spread over several tokens counts once per token."""
-        if not self.handle.can_read():
-            return
-        new = [t for output in self.handle.read().values() for t in output.generated_ids]
+        new = self.new_ids()
         if not new:
             return
         if not self.ids:  # as over HTTP: the first step's tokens set TTFT, later steps' tokens the gaps
@@ -48,11 +46,20 @@ class Flight:
         self.ids += new
         self.last_at = now
 
+    def new_ids(self) -> list[int]:
+        """The tokens the handle holds that this flight has not taken yet."""
+        if not self.handle.can_read():
+            return []
+        return [t for output in self.handle.read().values() for t in output.generated_ids]
+
     def finished(self) -> bool:
         return self.handle.get_status().name != "RUNNING"
 
+    def succeeded(self) -> bool:
+        return self.handle.get_status().name == "FINISHED"
+
     def result(self, now: float) -> Result:
-        ok = self.handle.get_status().name == "FINISHED" and bool(self.ids)
+        ok = self.succeeded() and bool(self.ids)
         return Result(ok=ok, status=200 if ok else 500, ttft=self.ttft, e2e=now - self.start, tokens=len(self.ids),
                       token_gaps=self.gaps)
 
