@@ -203,6 +203,10 @@ class Engine:
         `pieces` iterator when `stream` drives it. GenerationError when it cannot be served."""
         if not ids:
             raise GenerationError("empty prompt")
+        vocab = self.target.vocab_size
+        outside = next((t for t in ids if not 0 <= t < vocab), None)
+        if outside is not None:  # an embedding lookup past the table would fail the whole batch's step
+            raise GenerationError(f"prompt token id {outside} is outside the vocabulary (0..{vocab - 1})")
         if len(ids) >= self.target.max_seq_len:
             raise GenerationError(f"prompt too long: {len(ids)} tokens, the model's context is "
                                   f"{self.target.max_seq_len} (at least one token must be generated)")

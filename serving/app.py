@@ -197,6 +197,9 @@ async def _complete(request: Request, state: ServerState, chat: bool):
     prompt = tools.prompt_ids(req, engine.tokenizer) if chat else engine.prompt_ids(req.text_or_ids(), chat=False)
     if not prompt:
         raise APIError(400, "the prompt is empty", "messages" if chat else "prompt")
+    vocab = engine.target.vocab_size
+    if not chat and not all(0 <= t < vocab for t in prompt):  # token ids given by the client
+        raise APIError(400, f"prompt token ids must be in 0..{vocab - 1}", "prompt")
     constraint, kind, param = structured.constraint_of(req)
     await asyncio.to_thread(structured.checked, constraint, param, engine)  # compiling may take a while
     config = _config(req, len(prompt), state, structured.rules_options(req, constraint, engine.target.vocab_size))

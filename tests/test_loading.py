@@ -65,3 +65,12 @@ def test_prompt_beyond_context_refused():
     engine = mirror_rt.load("tiny")
     with pytest.raises(ValueError, match="prompt too long: 300 tokens.*256"):
         engine.generate("x" * 300)
+
+
+def test_prompt_ids_outside_the_vocabulary_refused():
+    engine = mirror_rt.load("tiny")
+    vocab = engine.target.vocab_size
+    for bad in (vocab, -1):
+        with pytest.raises(ValueError, match=f"prompt token id {bad} is outside the vocabulary \\(0..{vocab - 1}\\)"):
+            engine.submit([1, bad, 2], mirror_rt.GenerationConfig(max_new_tokens=2))
+    assert engine.pending() == 0 and engine.generate([1, vocab - 1], max_new_tokens=2).tokens  # still serves

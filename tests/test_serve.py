@@ -164,6 +164,22 @@ def test_bad_input_gets_the_envelope(server, case, body, status, param):
     assert error["code"] == status and error["param"] == param and error["message"] and error["type"]
 
 
+@pytest.mark.parametrize("ids", [[5, "vocab"], [-1, 5]], ids=["past the vocabulary", "negative"])
+def test_prompt_ids_outside_the_vocabulary_are_refused_and_leave_a_stream_alone(server, reference, ids):
+    """Token ids are checked at the door: an id past the embedding table failed the whole batch's step."""
+    vocab = reference.target.vocab_size
+    body = {"prompt": [vocab if t == "vocab" else t for t in ids], "max_tokens": 4}
+    client = server.client()
+    stream = client.completions.create(model="tiny", prompt=PROMPT, max_tokens=40, temperature=0, stream=True)
+    pieces = [next(stream).choices[0].text]  # running in the batch when the bad request arrives
+    response = httpx.post(server.url + "/v1/completions", json=body, timeout=30)
+    assert response.status_code == 400, response.text
+    error = response.json()["error"]
+    assert error["param"] == "prompt" and str(vocab - 1) in error["message"] and "\n" not in error["message"]
+    pieces += [c.choices[0].text for c in stream]
+    assert "".join(pieces) == ar_text(reference, PROMPT, chat=False, max_new=40)
+
+
 def test_context_overflow_uses_vllms_sentence(server):
     with pytest.raises(openai.BadRequestError) as caught:
         server.client().chat.completions.create(model="tiny", messages=[{"role": "user", "content": "x" * 250}],
