@@ -24,6 +24,7 @@ from collections.abc import Callable
 
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
+from starlette.requests import ClientDisconnect
 
 from mirror_rt.runtime.config import GenerationConfig, make_config
 from mirror_rt.runtime.engine import GenerationError
@@ -71,7 +72,8 @@ class ServerState:
         return self.settings.defaults.mode or self.engine.default_mode
 
     def _stepped(self, batch: int) -> None:
-        """After each decode step: the batch it decoded, the speculation in use, the KV and prefix cache figures."""
+        """After each step: the batch it decoded (0: prompts only, or the last sequences left), the speculation in
+        use, the KV and prefix cache figures."""
         if self.engine.current_decoder is not None:
             self.metrics.step(batch, self.engine.current_decoder)
 
@@ -273,11 +275,20 @@ def _check_key(request: Request, state: ServerState) -> None:
 
 
 async def _json(request: Request):
-    raw = await request.body()
     try:
-        return json.loads(raw)
+        raw = await request.body()
+    except ClientDisconnect:  # gone before its body: nobody reads the answer, nothing to log
+        raise APIError(400, "the client closed the connection before sending the request body") from None
+    try:
+        body = json.loads(raw)
+        json.dumps(body, ensure_ascii=False).encode()  # a lone surrogate ("\\ud800") is JSON but no text
     except (json.JSONDecodeError, UnicodeDecodeError) as exc:
         raise APIError(400, f"the request body is not valid JSON ({exc})") from None
+    except UnicodeEncodeError:
+        raise APIError(400, "the request body holds a lone UTF-16 surrogate (\\ud800-\\udfff): not text") from None
+    except RecursionError:
+        raise APIError(400, "the request body nests too deeply") from None
+    return body
 
 
 def _add_token_routes(app: FastAPI, state: ServerState) -> None:

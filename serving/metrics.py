@@ -146,9 +146,11 @@ class ServerMetrics:
         self.waiting.labels(self.model_name).set(waiting)
 
     def step(self, batch: int, decoder) -> None:
-        """One decode step of `batch` sequences (runtime.batch.BatchDecoder, read after the step)."""
+        """One step that decoded `batch` sequences (0: none, its prompts went in or its last sequences left;
+        runtime.batch.BatchDecoder, read after the step)."""
         m = self.model_name
-        self.batch_size.labels(m).observe(batch)
+        if batch:
+            self.batch_size.labels(m).observe(batch)
         self.gamma.labels(m).set(decoder.gamma)
         self.kv_usage.labels(m).set(decoder.budget.usage())
         cache = decoder.cache

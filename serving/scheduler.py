@@ -101,7 +101,7 @@ class Scheduler:
         self.on_change = on_change or (lambda running, waiting: None)
         self.on_finish = on_finish or (lambda job: None)
         self.on_death = on_death  # called when the engine thread dies (SystemExit and the like), before answering
-        self.on_step = on_step or (lambda batch: None)  # sequences decoded by each step (the server's histogram)
+        self.on_step = on_step or (lambda batch: None)  # after every step: sequences it decoded (0: none)
         self.jobs: dict[int, tuple[Job, int]] = {}  # id(generation) -> (job, choice index), while live
         self.closed = False
         self.lock = threading.Condition()
@@ -207,8 +207,7 @@ class Scheduler:
     def _stepped(self) -> None:
         decoder = self.engine.current_decoder
         running = sum(1 for s in decoder.active if s.state == "running") if decoder is not None else 0
-        if running:
-            self.on_step(running)
+        self.on_step(running)  # every step, prompt-only and last ones too: the KV figures move in each
         self._changed()
 
     def _piece(self, gen, piece: str) -> None:

@@ -128,6 +128,8 @@ def test_models_health_version_tokenize(server, reference):
 BAD = [
     ("malformed json", b'{"messages": [', 400, None),
     ("not an object", b"[1, 2]", 400, None),
+    ("lone surrogate", b'{"messages": [{"role": "user", "content": "a\\ud800b"}]}', 400, None),
+    ("nested too deeply", b'{"x": ' + b"[" * 100000 + b"]" * 100000 + b', "messages": []}', 400, None),
     ("no messages", {"model": "tiny"}, 400, "messages"),
     ("wrong type", {"messages": MESSAGES, "max_tokens": "5"}, 400, "max_tokens"),
     ("negative max tokens", {"messages": MESSAGES, "max_tokens": -1}, 400, "max_tokens"),

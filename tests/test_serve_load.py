@@ -161,6 +161,17 @@ def test_request_timeout_ends_a_long_generation_with_an_error(engine):
         slow.stop()
 
 
+def test_kv_usage_follows_the_batch_down_to_zero(server):
+    """The KV gauge moves at every step, the last one too: held while a request runs, 0 once it has left."""
+    with httpx.stream("POST", server.url + "/v1/completions", json=body(60, stream=True), timeout=30) as response:
+        lines = response.iter_lines()
+        assert next(line for line in lines if line.startswith("data: {"))  # in the batch now
+        assert metric(scrape(server.url), "kv_cache_usage_perc") > 0
+        assert [line for line in lines if line.startswith("data: ")][-1] == "data: [DONE]"
+    assert wait_for(lambda: idle(server))
+    assert metric(scrape(server.url), "kv_cache_usage_perc") == 0
+
+
 @pytest.mark.parametrize("mode", ["sd", "mirror"])
 def test_metrics_add_up(server, mode):
     """Counters move exactly as the responses say: tokens, drafts, accepted per position, draft_n sums."""
