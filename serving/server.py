@@ -97,11 +97,23 @@ def serve(settings: ServerSettings, load) -> int:
     threading.Thread(target=_announce, args=(server, url), name="mirror-announce", daemon=True).start()
     log.info("listening on %s (loading the engine; /health answers 503 until it is ready)", url)
     server.run()
+    _stop_engine(server.state)
     if server.state.status == "failed":
         print(f"mirror-rt: error: the engine failed to load: {server.state.error}", file=sys.stderr)
         return 2
     log.info("stopped")
     return 0
+
+
+def _stop_engine(state: ServerState, timeout: float = 10.0) -> None:
+    """Cancel what is left (a second signal skips the drain) and let the engine thread finish its step: an
+    interpreter that exits under a running ONNX Runtime call aborts (SIGABRT) instead of exiting."""
+    scheduler = state.scheduler
+    if scheduler is None:
+        return
+    scheduler.close()
+    scheduler.cancel_all()
+    scheduler.thread.join(timeout)
 
 
 def _announce(server: DrainingServer, url: str) -> None:

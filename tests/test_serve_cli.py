@@ -4,6 +4,7 @@ finishes the request in flight, answers 503 to new ones and exits 0."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import signal
@@ -71,6 +72,45 @@ def test_serve_drains_on_sigterm_and_exits_0(tmp_path, cache_dir, default_ar_tex
     assert text == default_ar_text  # the request in flight finished, lossless through HTTP
     assert chunks[-1]["choices"][0]["finish_reason"] in ("stop", "length")
     assert "draining" in log.read_text() and "stopped" in log.read_text()
+
+
+def test_a_second_signal_stops_at_once_and_exits_0(tmp_path, cache_dir):
+    """A second SIGTERM skips the drain: what runs is cancelled, and the engine thread ends its step before the
+    interpreter exits (it exited under a running ONNX Runtime call: "terminate called", SIGABRT)."""
+    port, log = free_port(), tmp_path / "serve.log"
+    env = dict(os.environ, MIRROR_RT_CACHE=cache_dir)
+    with open(log, "w") as err:
+        proc = subprocess.Popen([sys.executable, "-m", "mirror_rt.cli", "serve", "--port", str(port)],
+                                stderr=err, stdout=subprocess.DEVNULL, env=env)
+    try:
+        wait_for_line(log, "serving ", proc, timeout=600)
+        url, first = f"http://127.0.0.1:{port}", threading.Event()
+
+        def stream(messages):
+            body = {"messages": messages, "max_tokens": 2000, "ignore_eos": True, "stream": True}
+            with contextlib.suppress(httpx.HTTPError), httpx.stream(
+                    "POST", url + "/v1/chat/completions", json=body, timeout=120) as response:
+                for _ in response.iter_lines():
+                    first.set()
+
+        long = [{"role": "user", "content": "Summarize: " + "the quick brown fox jumps over the lazy dog. " * 300}]
+        readers = [threading.Thread(target=stream, args=(QUESTION,))]
+        readers += [threading.Thread(target=stream, args=(long,)) for _ in range(4)]  # the engine busy prefilling
+        readers[0].start()
+        assert first.wait(120)
+        for reader in readers[1:]:
+            reader.start()
+        time.sleep(0.5)
+        proc.send_signal(signal.SIGTERM)
+        time.sleep(0.3)
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(timeout=60) == 0
+        for reader in readers:
+            reader.join(60)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert "terminate called" not in log.read_text() and "stopped" in log.read_text()
 
 
 def test_serve_refuses_a_bad_model_in_one_line(tmp_path):
