@@ -31,9 +31,11 @@ def add_serve(sub) -> None:
     serve.add_argument("--api-key", default=SERVER.api_key, help="require 'Authorization: Bearer KEY' on /v1/* "
                        "(default: $MIRROR_RT_API_KEY; none when unset)")
     serve.add_argument("--max-queued", type=count, default=SERVER.max_queued,
-                       help="requests waiting beyond the one running; more are refused with 503 (default %(default)s)")
+                       help="requests waiting beyond the --max-num-seqs running; more are refused with 503 "
+                       "(default %(default)s)")
     serve.add_argument("--request-timeout", type=positive_number, default=SERVER.request_timeout,
-                       help="seconds a generation may run before it is stopped with an error (default: no limit)")
+                       help="seconds a request may take, its wait in the queue included, before it is stopped "
+                       "with an error (default: no limit)")
     serve.add_argument("--served-model-name", default=SERVER.served_model_name,
                        help="the model name clients send (default: the model's name)")
     serve.add_argument("--drain-timeout", type=positive_number, default=SERVER.drain_timeout,

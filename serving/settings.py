@@ -27,7 +27,7 @@ class ServerSettings:
     served_model_name: str | None = None  # None: the engine's model name
     api_key: str | None = None  # guards /v1/* when set
     max_queued: int = 16  # requests waiting beyond those running (with replicas: at the proxy); 503 beyond
-    request_timeout: float | None = None  # seconds a generation may run before it is stopped with an error
+    request_timeout: float | None = None  # seconds a request may take (queue included), then an error
     drain_timeout: float = 30.0  # on SIGTERM / Ctrl-C: seconds admitted requests may take to finish
     defaults: GenerationConfig = field(default_factory=GenerationConfig)  # mode, gamma... of requests naming none
     temperature: float = 1.0  # OpenAI's default when a request names none
