@@ -116,6 +116,7 @@ class Sampling(Strict):
     max_completion_tokens: int | None = Field(None, ge=1)
     temperature: float | None = Field(None, ge=0.0, le=2.0, allow_inf_nan=False)
     top_p: float | None = Field(None, gt=0.0, le=1.0, allow_inf_nan=False)
+    top_k: int | None = Field(None, ge=-1)  # vLLM's extension: -1 or 0 is off
     seed: int | None = None
     stop: str | list[str] | None = None
     stream: bool = False
@@ -160,10 +161,13 @@ class Sampling(Strict):
     def fields(self) -> dict:
         """The `GenerationConfig` fields this request sets, by their runtime names (the fields it leaves out
         are the server's): the one place the OpenAI / OVMS / vLLM request names map to them."""
+        top_k = None if self.top_k is None else max(self.top_k, 0)
         values = {"max_new_tokens": self.requested_tokens(), "temperature": self.temperature, "top_p": self.top_p,
-                  "seed": self.seed, "stop_strings": self.stop_strings() or None, "ignore_eos": self.ignore_eos,
-                  "gamma": self.num_assistant_tokens, "mode": "ar" if self.disable_spec_decode else self.mode}
+                  "top_k": top_k, "seed": self.seed, "stop_strings": self.stop_strings() or None,
+                  "ignore_eos": self.ignore_eos, "gamma": self.num_assistant_tokens,
+                  "mode": "ar" if self.disable_spec_decode else self.mode}
         return {name: value for name, value in values.items() if value is not None}
+
     def choices(self) -> int:
         return self.n or 1
 

@@ -103,6 +103,20 @@ def test_sampled_request_with_a_seed_repeats(server):
     assert len({sample(7), sample(8), sample(9)}) > 1
 
 
+@pytest.mark.parametrize("mode", ["ar", "mirror"])
+def test_top_k_one_samples_the_greedy_text_and_off_samples_freely(server, reference, mode):
+    """vLLM's `top_k` extension reaches the sampler (it was dropped as an unknown field): k = 1 leaves one token
+    to draw at any temperature; -1 and 0 mean off, as in vLLM."""
+    greedy = ar_text(reference, PROMPT, chat=False, max_new=24)
+
+    def sampled(**extra):
+        body = {"prompt": PROMPT, "max_tokens": 24, "temperature": 1.5, "seed": 3, "mode": mode}
+        return httpx.post(server.url + "/v1/completions", json=body | extra, timeout=60).json()["choices"][0]["text"]
+
+    assert sampled(top_k=1) == greedy
+    assert sampled(top_k=-1) == sampled(top_k=0) == sampled() != greedy
+
+
 def test_disable_spec_decode_and_num_assistant_tokens(server):
     client = server.client()
     plain = client.completions.create(model="tiny", prompt=PROMPT, max_tokens=20, temperature=0,
@@ -135,6 +149,7 @@ BAD = [
     ("negative max tokens", {"messages": MESSAGES, "max_tokens": -1}, 400, "max_tokens"),
     ("temperature NaN", b'{"messages": [{"role": "user", "content": "hi"}], "temperature": NaN}', 400, "temperature"),
     ("top_p above 1", {"messages": MESSAGES, "top_p": 1.5}, 400, "top_p"),
+    ("top_k below -1", {"messages": MESSAGES, "top_k": -2}, 400, "top_k"),
     ("n above 16", {"messages": MESSAGES, "n": 17}, 400, "n"),
     ("unknown response format", {"messages": MESSAGES, "response_format": {"type": "xml"}}, 400,
      "response_format.type"),
