@@ -114,7 +114,11 @@ def check(constraint: Constraint, tokenizer) -> str:
     except ValueError as exc:
         return str(exc)
     message = llguidance.LLMatcher.validate_grammar(grammar, tokenizer)
-    return "" if not message or message.startswith("WARNING") else one_line(message)
+    if message and not message.startswith("WARNING"):
+        return one_line(message)
+    matcher = llguidance.LLMatcher(tokenizer, grammar, log_level=0)
+    token_mask(matcher, tokenizer.vocab_size)  # a grammar that admits no output (a $ref to itself) errs here
+    return f"it admits no output (llguidance: {one_line(matcher.get_error())})" if matcher.is_error() else ""
 
 
 def one_line(message: str) -> str:

@@ -156,6 +156,8 @@ BAD = [
     ("schema llguidance refuses", {"messages": MESSAGES, "response_format": {"type": "json_schema", "json_schema": {
         "name": "x", "schema": {"type": "object", "properties": {"a": {"type": "strin"}}}}}}, 400, "response_format"),
     ("bad regex", {"messages": MESSAGES, "structured_outputs": {"regex": "(["}}, 400, "structured_outputs"),
+    ("schema that admits nothing", {"messages": MESSAGES, "response_format": {"type": "json_schema", "json_schema": {
+        "name": "x", "schema": {"$ref": "#/$defs/a", "$defs": {"a": {"$ref": "#/$defs/a"}}}}}}, 400, "response_format"),
     ("two constraints", {"messages": MESSAGES, "response_format": {"type": "json_object"},
                          "structured_outputs": {"regex": "a+"}}, 400, "structured_outputs"),
     ("top_logprobs above 20", {"messages": MESSAGES, "logprobs": True, "top_logprobs": 21}, 400, "top_logprobs"),
