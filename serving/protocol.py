@@ -126,6 +126,7 @@ class Sampling(Strict):
     frequency_penalty: float | None = Field(None, ge=-2.0, le=2.0, allow_inf_nan=False)
     repetition_penalty: float | None = Field(None, gt=0.0, le=10.0, allow_inf_nan=False)  # vLLM's extension
     logit_bias: dict[str, float] | None = None
+    response_format: ResponseFormat | None = None  # on text completions too, as vLLM takes it
     structured_outputs: StructuredOutputs | None = None
     mode: Literal[MODES] | None = None
     num_assistant_tokens: int | None = Field(None, ge=1, le=MAX_GAMMA)
@@ -174,7 +175,6 @@ class Sampling(Strict):
 
 class ChatRequest(Sampling):
     messages: list[Message] = Field(min_length=1)
-    response_format: ResponseFormat | None = None
     tools: list[Tool] | None = None
     tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
     logprobs: bool | None = None

@@ -17,7 +17,7 @@ from mirror_rt.serving.errors import APIError
 def constraint_of(req: protocol.Sampling) -> tuple[Constraint | None, str | None, str | None]:
     """(constraint, its kind for the metrics, the parameter it came from) of a request."""
     found = []
-    response_format = getattr(req, "response_format", None)
+    response_format = req.response_format
     if response_format is not None and response_format.type != "text":
         if response_format.type == "json_object":
             found.append((Constraint("json_object"), "json_object", "response_format"))

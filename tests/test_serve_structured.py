@@ -60,6 +60,20 @@ def test_json_schema_answers_equal_constrained_ar_and_validate(server, reference
         assert text == expected and answer.choices[0].finish_reason == "stop"
 
 
+def test_response_format_on_text_completions(server, reference):
+    """vLLM takes `response_format` on /v1/completions too (it was ignored there, an invalid schema included)."""
+    schema = SCHEMAS[0]
+    answer = server.client().completions.create(model="tiny", prompt="pick", max_tokens=120, temperature=0,
+                                                extra_body={"response_format": schema_format(schema)})
+    jsonschema.validate(json.loads(answer.choices[0].text), schema)
+    expected = reference.generate("pick", mode="ar", max_new_tokens=120, temperature=0, chat=False,
+                                  constraint=Constraint.json_schema(schema)).text
+    assert answer.choices[0].text == expected
+    bad = {"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "strin"}}}
+    refused = httpx.post(server.url + "/v1/completions", json={"prompt": "pick", "response_format": bad}, timeout=30)
+    assert refused.status_code == 400 and refused.json()["error"]["param"] == "response_format"
+
+
 @pytest.mark.parametrize("field, value, pattern", [
     ("regex", r"[a-c]{2}-[0-9]{2}", r"[a-c]{2}-[0-9]{2}"),
     ("choice", ["left", "right"], r"left|right"),
