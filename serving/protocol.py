@@ -18,7 +18,7 @@ from __future__ import annotations
 
 from typing import Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
 from mirror_rt.runtime.config import MAX_GAMMA, MODES
 from mirror_rt.serving.errors import APIError
@@ -58,6 +58,15 @@ class Message(Strict):
     content: str | list[TextPart] | None = None
     tool_calls: list[ToolCall] | None = None  # an assistant's earlier calls, sent back
     tool_call_id: str | None = None  # a tool message: the call it answers
+
+    @field_validator("content", mode="before")
+    @classmethod
+    def _text_only(cls, content):
+        for part in content if isinstance(content, list) else ():
+            kind = part.get("type") if isinstance(part, dict) else None
+            if kind not in (None, "text"):
+                raise ValueError(f"content parts of type '{kind}' are not supported: this model reads text only")
+        return content
 
     def text(self) -> str:
         if isinstance(self.content, list):
@@ -241,10 +250,17 @@ def parse(model: type[Sampling], body) -> Sampling:
         request = model.model_validate(body)
     except ValidationError as exc:
         first = exc.errors()[0]
-        param = ".".join(str(p) for p in first["loc"]) or None
+        param = ".".join(str(p) for p in first["loc"] if not _union_tag(p)) or None
         raise APIError(400, f"invalid value for '{param}': {first['msg']}", param) from None
     request.refuse_unsupported()
     return request
+
+
+def _union_tag(part) -> bool:
+    """Whether a pydantic error location part names a member of a union (`str`, `list[int]`, `literal[...]`,
+    a class), not a field: clients get the field's path (`prompt`, not `prompt.str`)."""
+    return isinstance(part, str) and (part in ("str", "int", "float", "bool") or not part.islower()
+                                      or not part.replace("_", "").isalnum())
 
 
 def context_error(context: int, prompt_tokens: int, requested: int) -> APIError:

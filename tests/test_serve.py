@@ -146,6 +146,11 @@ BAD = [
     ("nested too deeply", b'{"x": ' + b"[" * 100000 + b"]" * 100000 + b', "messages": []}', 400, None),
     ("no messages", {"model": "tiny"}, 400, "messages"),
     ("wrong type", {"messages": MESSAGES, "max_tokens": "5"}, 400, "max_tokens"),
+    ("content of a wrong type", {"messages": [{"role": "user", "content": 5}]}, 400, "messages.0.content"),
+    ("an image part", {"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}]},
+     400, "messages.0.content"),
+    ("tool_choice none of the three", {"messages": MESSAGES, "tools": [{"type": "function", "function": {"name": "f"}}],
+                                       "tool_choice": "sometimes"}, 400, "tool_choice"),
     ("negative max tokens", {"messages": MESSAGES, "max_tokens": -1}, 400, "max_tokens"),
     ("temperature NaN", b'{"messages": [{"role": "user", "content": "hi"}], "temperature": NaN}', 400, "temperature"),
     ("top_p above 1", {"messages": MESSAGES, "top_p": 1.5}, 400, "top_p"),
@@ -181,6 +186,8 @@ def test_bad_input_gets_the_envelope(server, case, body, status, param):
     assert response.status_code == status, response.text
     error = response.json()["error"]
     assert error["code"] == status and error["param"] == param and error["message"] and error["type"]
+    if case == "an image part":
+        assert "'image_url' are not supported" in error["message"]
 
 
 @pytest.mark.parametrize("ids", [[5, "vocab"], [-1, 5]], ids=["past the vocabulary", "negative"])
