@@ -194,7 +194,8 @@ def final_events(job, reply: Reply, timeout_s: float | None, calls: dict | None 
     called = calls or {}
     lasts = [reply.delta(i, None if reply.chat else "", _with_calls(reason, called.get(i, False)))
              for i, reason in enumerate(record.finish_reasons)]
-    events = [sse(reply.body([last], chunk=True, **(figures if i == len(lasts) - 1 else {})))
+    so_far = {"usage": usage(record)} if reply.continuous_usage else {}  # vLLM's: on the finishing chunks too
+    events = [sse(reply.body([last], chunk=True, **so_far, **(figures if i == len(lasts) - 1 else {})))
               for i, last in enumerate(lasts)]
     if reply.include_usage:
         events.append(sse(reply.body([], chunk=True, usage=usage(record), **figures)))

@@ -279,6 +279,8 @@ def test_continuous_usage_counts_tokens_per_chunk(server):
     counts = [c.usage.completion_tokens for c in chunks if c.choices and c.choices[0].text]
     assert counts == sorted(counts) and counts[-1] <= 30 and len(counts) >= 2
     assert chunks[-1].usage.completion_tokens == 30 and chunks[-1].choices == []
+    finishing = [c for c in chunks if c.choices and c.choices[0].finish_reason]
+    assert len(finishing) == 1 and finishing[0].usage.completion_tokens == 30  # every chunk, as in vLLM
 
 
 def test_device_fallbacks_are_counted_once_per_role():
