@@ -9,6 +9,7 @@ load-time settings (model, devices, precision, kappa, exit layer) live in `devic
 
 from __future__ import annotations
 
+import numbers
 from dataclasses import dataclass, field
 
 from mirror_rt.runtime.sampling import SamplingConfig
@@ -41,6 +42,12 @@ class GenerationConfig:
         self.validate()
 
     def validate(self) -> None:
+        for name in ("max_new_tokens", "gamma", "seed", "min_window", "draft_lookup"):
+            value = getattr(self, name)
+            if not isinstance(value, numbers.Integral) or isinstance(value, bool):
+                raise ValueError(f"{name} must be an integer, got {value!r}")
+        if isinstance(self.stop_strings, str):
+            raise ValueError(f"stop_strings must be a list of strings, got the string {self.stop_strings!r}")
         if self.max_new_tokens < 1:
             raise ValueError(f"--max-new-tokens must be >= 1, got {self.max_new_tokens}")
         if not 1 <= self.gamma <= MAX_GAMMA:
@@ -79,7 +86,7 @@ def make_config(base: GenerationConfig | None = None, **options) -> GenerationCo
     unknown = set(options) - known
     if unknown:
         raise TypeError(f"unknown generation option(s): {', '.join(sorted(unknown))}")
-    if "stop_strings" in options:
+    if "stop_strings" in options and not isinstance(options["stop_strings"], str):  # a string: validate refuses it
         options["stop_strings"] = tuple(options["stop_strings"])
     if sampling:
         options["sampling"] = dataclasses.replace(base.sampling, **sampling)

@@ -11,8 +11,11 @@ at the next step boundary and frees its row for the others.
 
 from __future__ import annotations
 
+import atexit
+import sys
 import threading
 import time
+import weakref
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field, replace
 
@@ -126,6 +129,9 @@ class Engine:
         if draft is not None and draft.vocab_size != target.vocab_size:
             raise GenerationError(f"vocabulary mismatch: target has {target.vocab_size} tokens, "
                                   f"draft has {draft.vocab_size}")
+        # the draft worker stops before the interpreter tears down: one still inside ONNX Runtime at exit (a stream
+        # left with `break` keeps its generation alive) aborts the process ("terminate called", SIGABRT)
+        atexit.register(_close_at_exit, weakref.ref(self))
 
     @property
     def default_mode(self) -> str:
@@ -193,7 +199,7 @@ class Engine:
         finally:  # closed early (Ctrl-C, a consumer that stopped reading): cancel and let it leave
             if not gen.finished:
                 gen.cancel()
-                while not gen.finished:
+                while not gen.finished and not sys.is_finalizing():  # at exit nothing more runs
                     self.step()
 
     # --- many requests, stepped by one thread ---------------------------------------------
@@ -238,8 +244,14 @@ class Engine:
             raise GenerationError(str(exc)) from None
 
     def step(self) -> bool:
-        """One decoder step; generations that ended get their last text and stats. Returns whether work remains."""
-        more = self.decoder.step()
+        """One decoder step; generations that ended get their last text and stats. Returns whether work remains.
+        A step that fails ends every generation in flight (`reset`) before the error goes on: left in the batch,
+        they would fail every later step."""
+        try:
+            more = self.decoder.step()
+        except Exception:
+            self.reset()
+            raise
         with self._lock:
             done = [live for live in self._live.values() if live.seq.state == "done"]
             for live in done:
@@ -347,3 +359,9 @@ class Engine:
             stats |= mirror_summary(seq.metrics, summed([s for s, _ in parts] or [DraftStats()]), counters)
             seq.metrics.durations["draft_forward"] = [end - start for s, _ in parts for start, end in s.busy]
         return stats
+
+
+def _close_at_exit(ref) -> None:
+    engine = ref()
+    if engine is not None:
+        engine.close()

@@ -74,3 +74,26 @@ def test_prompt_ids_outside_the_vocabulary_refused():
         with pytest.raises(ValueError, match=f"prompt token id {bad} is outside the vocabulary \\(0..{vocab - 1}\\)"):
             engine.submit([1, bad, 2], mirror_rt.GenerationConfig(max_new_tokens=2))
     assert engine.pending() == 0 and engine.generate([1, vocab - 1], max_new_tokens=2).tokens  # still serves
+
+
+def test_wrong_types_are_refused_before_they_reach_the_batch():
+    engine = mirror_rt.load("tiny")
+    for bad in ({"max_new_tokens": 1.5}, {"seed": 1.5}, {"gamma": True}, {"stop_strings": "5"}):
+        with pytest.raises(ValueError, match="must be"):
+            engine.generate("hello", **bad)
+    assert engine.pending() == 0 and engine.generate("hello", max_new_tokens=3).tokens
+
+
+def test_a_failed_step_ends_its_generations_and_the_engine_serves_on(monkeypatch):
+    """Left in the batch, the generations of a failed step failed every later step (float max_new_tokens did)."""
+    engine = mirror_rt.load("tiny")
+    expected = engine.generate("hello", mode="ar", max_new_tokens=6).tokens
+    stream = engine.stream("hello", mode="ar", max_new_tokens=6)
+    pieces = iter(stream)
+    next(pieces)
+    monkeypatch.setattr(engine.decoder, "step", lambda: (_ for _ in ()).throw(RuntimeError("boom")))
+    with pytest.raises(RuntimeError, match="boom"):
+        list(pieces)
+    monkeypatch.undo()
+    assert engine.pending() == 0 and stream.stop_reason == "error"
+    assert engine.generate("hello", mode="ar", max_new_tokens=6).tokens == expected
