@@ -152,7 +152,10 @@ class BatchDecoder:
         self.gamma = gamma
 
     def close(self) -> None:
-        """Stop the draft worker (the decoder can still step: it starts again when needed)."""
+        """Stop the draft worker (the decoder can still step: it starts again when needed); sequences still
+        speculating leave it first, so none keeps a draft row the worker no longer holds."""
+        for seq in self.active:
+            self.mirror.leave(seq)
         self.mirror.close()
 
     # --- rows, blocks, prefix cache -------------------------------------------------------

@@ -105,9 +105,11 @@ class MirrorStep:
         """The sequence stops speculating with the worker (finished, or the batch turns target-only)."""
         row = seq.state_data.pop("mirror", None)
         if row is not None:
-            self.worker.call(seq.id, Leave(), seq.config.draft_timeout_s)
-            stats = self.worker.finished.pop(seq.id, None) or DraftStats()
-            seq.state_data.setdefault("mirror_parts", []).append((stats, row.counters))
+            stats = None
+            if self.worker is not None:  # else stopped already, and the draft row with it
+                self.worker.call(seq.id, Leave(), seq.config.draft_timeout_s)
+                stats = self.worker.finished.pop(seq.id, None)
+            seq.state_data.setdefault("mirror_parts", []).append((stats or DraftStats(), row.counters))
 
     def move(self, seq, pool, dest: int) -> bool:
         """Move a joined sequence's draft row through the worker (in order with its work); False if not joined."""

@@ -87,3 +87,22 @@ def test_ctrl_c_stops_mirror_promptly(cache_dir):
         proc.kill()
     assert proc.returncode == 130 and time.time() - t0 < 10
     assert b"interrupted" in proc.stderr.read()
+
+
+@pytest.mark.parametrize("close", [False, True], ids=["left alone", "engine closed"])
+def test_a_script_that_leaves_streams_unfinished_exits_cleanly(cache_dir, close):
+    """A stream left with `break` (and one never read) keeps its generation alive until exit: the process
+    aborted there (the draft worker inside ONNX Runtime at teardown: "terminate called", exit 134), or printed
+    a traceback from a step run during teardown."""
+    script = ("import mirror_rt\n"
+              f"e = mirror_rt.load(cache_dir={cache_dir!r})\n"
+              "g = e.stream('Write a very long essay about Rome.', max_new_tokens=2000)\n"
+              "for k, piece in enumerate(g):\n"
+              "    if k == 5:\n"
+              "        break\n"
+              "h = e.stream('Write a long essay.', max_new_tokens=500)\n"
+              + ("e.close()\n" if close else "") + "print('left')\n")
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert done.stdout.strip() == "left"
+    assert "terminate called" not in done.stderr and "Traceback" not in done.stderr
