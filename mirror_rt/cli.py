@@ -25,8 +25,16 @@ __all__ = ["build_parser", "main", "ray_serve_app"]  # ray_serve_app: a RayServi
 COMMANDS = {**RUN_COMMANDS, "serve": cmd_serve, **BENCH_COMMANDS, **TRAINING_COMMANDS}
 
 
+class OneLineParser(argparse.ArgumentParser):
+    """A bad argument is one line too (`mirror-rt run: error: ...`, exit 2), not the usage block and then the
+    line; `--help` still shows the usage. Subcommands' parsers are of this class as well."""
+
+    def error(self, message: str):
+        self.exit(2, f"{self.prog}: error: {message} (see {self.prog} --help)\n")
+
+
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="mirror-rt", description="Mirror speculative decoding runtime")
+    parser = OneLineParser(prog="mirror-rt", description="Mirror speculative decoding runtime")
     sub = parser.add_subparsers(dest="command", required=True)
     add_commands(sub)
     add_training(sub)

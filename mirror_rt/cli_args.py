@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 
 
@@ -47,6 +48,13 @@ def count(text: str) -> int:
 
 def budget(text: str) -> int | None:
     return None if text == "auto" else whole(text, 0, "'auto' or a whole number")
+
+
+def output_folder(text: str) -> str:
+    """A folder to write into: refused at once when a file already holds the name (not after the work)."""
+    if os.path.exists(text) and not os.path.isdir(text):
+        raise argparse.ArgumentTypeError(f"{text} exists and is not a folder")
+    return text
 
 
 def log(message: str) -> None:

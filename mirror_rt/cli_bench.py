@@ -5,7 +5,7 @@ from __future__ import annotations
 import json
 import sys
 
-from mirror_rt.cli_args import count, log, positive_int
+from mirror_rt.cli_args import count, log, output_folder, positive_int
 from mirror_rt.cli_options import (
     add_decoding_options,
     add_engine_options,
@@ -34,7 +34,7 @@ def _add_bench(sub) -> None:
     add_decoding_options(bench, mode=False)
     add_request_options(bench)
     bench.add_argument("--profile", action="store_true", help="print mirror's time per phase per step")
-    bench.add_argument("--out", required=True, help="output folder")
+    bench.add_argument("--out", type=output_folder, required=True, help="output folder")
 
 
 def cmd_bench(args) -> int:

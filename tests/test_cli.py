@@ -191,3 +191,15 @@ def test_run_json_schema_and_regex_constrain_every_mode(tmp_path):
     assert_one_line_error(run_cli("run", "x", "--model", "tiny", "--regex", "(["), "the grammar cannot run")
     assert_one_line_error(run_cli("run", "x", "--json-schema", str(path), "--regex", "a"),
                           "--json-schema and --regex both constrain the output")
+
+
+@pytest.mark.parametrize("args, says", [
+    (("run", "hi", "--model", "tiny", "--max-new-tokens", "0"), "argument --max-new-tokens: must be >= 1, got 0"),
+    (("bench", "--limit", "0"), "argument --limit: must be >= 1, got 0"),
+    (("run", "hi", "--no-such-flag"), "unrecognized arguments: --no-such-flag"),
+    (("bench", "--data", "x.jsonl", "--out", __file__), "argument --out: " + __file__ + " exists and is not a folder"),
+])
+def test_a_bad_argument_is_one_line_without_the_usage_block(args, says):
+    proc = run_cli(*args)
+    assert proc.returncode == 2 and proc.stderr.count("\n") == 1 and says in proc.stderr, proc.stderr
+    assert proc.stderr.startswith("mirror-rt") and "usage:" not in proc.stderr
