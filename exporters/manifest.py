@@ -15,6 +15,8 @@ import os
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from mirror_rt.models.config import ModelConfig
+
 # 2: the early exit is its own stateless graph (target_exit); version 1 prefixes computed it.
 # 3: dynamic logits graphs (target_suffix, draft) take `last_rows`; the manifest says `draft_of_target`.
 # 4: shared-KV ONNX graphs take rows of sequences ([B, T] ids, [B, KVH, S, D] buffers, total_len [B]).
@@ -84,7 +86,17 @@ class BundleManifest:
         self.validate()
 
     def validate(self) -> None:
-        """Check the fields agree with each other; raise BundleError naming the field."""
+        """Check the fields' types and that they agree with each other; raise BundleError naming the field."""
+        _check_types(self, "")
+        for g in self.graphs:
+            _check_types(g, f"graph {g.role}: ")
+        for name in ("target_config", "draft_config"):
+            try:
+                ModelConfig.from_dict(getattr(self, name))
+            except (TypeError, ValueError) as exc:
+                raise BundleError(f"{MANIFEST}: {name} is not a model configuration ({exc})") from None
+        if not isinstance(self.tokenizer.get("files", {}), dict):
+            raise BundleError(f"{MANIFEST}: tokenizer.files must be an object")
         roles = sorted(g.role for g in self.graphs)
         if roles != list(ROLES):
             raise BundleError(f"{MANIFEST}: graphs must be target_prefix, target_exit, target_suffix, draft; "
@@ -124,6 +136,22 @@ class BundleManifest:
         d = dict(d)
         d["graphs"] = tuple(GraphEntry(**g) for g in d["graphs"])
         return cls(**d)
+
+
+_TYPES = {"int": int, "bool": bool, "dict": dict, "str": str, "tuple": tuple}
+
+
+def _check_types(entry, where: str) -> None:
+    """Each field of a manifest entry has its declared type (a hand-edited null or string fails here, in one
+    line, not as an AttributeError deep in a loader)."""
+    for f in dataclasses.fields(entry):
+        kind, value = f.type.split(" | ")[0], getattr(entry, f.name)
+        expected = _TYPES.get(kind)
+        if value is None and "None" in f.type or expected is None:
+            continue
+        if not isinstance(value, expected) or (expected is int and isinstance(value, bool)):
+            raise BundleError(f"{MANIFEST}: {where}{f.name} must be {'an object' if kind == 'dict' else kind}, "
+                              f"got {json.dumps(value)}")
 
 
 def sha256_file(path: Path) -> str:

@@ -8,6 +8,7 @@ kernels accumulate ~1e-4 relative error, while a wrong position or KV slot moves
 from __future__ import annotations
 
 import json
+import re
 import shutil
 import time
 import warnings
@@ -77,6 +78,23 @@ def test_unknown_format_version_refused(torch_bundle, tmp_path, version):
     data = json.loads((folder / "manifest.json").read_text())
     (folder / "manifest.json").write_text(json.dumps(data | {"format_version": version}))
     with pytest.raises(BundleError, match=rf"manifest\.json.*format version {version} is not supported") as info:
+        load_parts(folder)
+    assert "\n" not in str(info.value)
+
+
+@pytest.mark.parametrize("edit, says", [
+    (lambda d: d | {"tokenizer": None}, "tokenizer must be an object, got null"),
+    (lambda d: d | {"kv_layout": "x"}, 'kv_layout must be an object, got "x"'),
+    (lambda d: d | {"exit_layer": "2"}, 'exit_layer must be int, got "2"'),
+    (lambda d: d | {"target_config": {}}, "target_config is not a model configuration"),
+    (lambda d: d | {"graphs": [g | {"files": None} for g in d["graphs"]]}, "files must be an object, got null"),
+], ids=["tokenizer null", "kv_layout a string", "exit_layer a string", "empty target_config", "graph files null"])
+def test_a_field_of_the_wrong_type_is_refused_in_one_line(torch_bundle, tmp_path, edit, says):
+    """A hand-edited manifest fails as one line naming the field, not as an AttributeError in a loader."""
+    folder = _copy(torch_bundle, tmp_path)
+    data = json.loads((folder / "manifest.json").read_text())
+    (folder / "manifest.json").write_text(json.dumps(edit(data)))
+    with pytest.raises(BundleError, match=re.escape(says)) as info:
         load_parts(folder)
     assert "\n" not in str(info.value)
 
