@@ -90,6 +90,7 @@ class BundleManifest:
         _check_types(self, "")
         for g in self.graphs:
             _check_types(g, f"graph {g.role}: ")
+            _inside(g.file)
         for name in ("target_config", "draft_config"):
             try:
                 ModelConfig.from_dict(getattr(self, name))
@@ -154,6 +155,12 @@ def _check_types(entry, where: str) -> None:
                               f"got {json.dumps(value)}")
 
 
+def _inside(name: str) -> None:
+    """A file the manifest names lies in the bundle folder: nothing outside it is read."""
+    if os.path.isabs(name) or os.path.normpath(name).startswith(".."):
+        raise BundleError(f"{MANIFEST}: lists {name}, outside the bundle folder")
+
+
 def sha256_file(path: Path) -> str:
     """Hex sha256 of a file, read in 4 MiB chunks."""
     digest = hashlib.sha256()
@@ -214,6 +221,7 @@ def check_files(manifest: BundleManifest, folder: Path, verify: bool = True) -> 
     seen = _read_verified(folder) if verify else {}
     checked = {}
     for name, digest in sorted(listed.items()):
+        _inside(name)
         path = folder / name
         if not path.is_file():
             raise BundleError(f"{path}: missing (listed in {MANIFEST})")

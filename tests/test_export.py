@@ -88,8 +88,13 @@ def test_unknown_format_version_refused(torch_bundle, tmp_path, version):
     (lambda d: d | {"exit_layer": "2"}, 'exit_layer must be int, got "2"'),
     (lambda d: d | {"target_config": {}}, "target_config is not a model configuration"),
     (lambda d: d | {"graphs": [g | {"files": None} for g in d["graphs"]]}, "files must be an object, got null"),
-], ids=["tokenizer null", "kv_layout a string", "exit_layer a string", "empty target_config", "graph files null"])
-def test_a_field_of_the_wrong_type_is_refused_in_one_line(torch_bundle, tmp_path, edit, says):
+    (lambda d: d | {"graphs": [g | {"files": {"../../etc/passwd": "0"}} for g in d["graphs"]]},
+     "lists ../../etc/passwd, outside the bundle folder"),
+    (lambda d: d | {"graphs": [g | {"file": "/etc/passwd"} for g in d["graphs"]]},
+     "lists /etc/passwd, outside the bundle folder"),
+], ids=["tokenizer null", "kv_layout a string", "exit_layer a string", "empty target_config", "graph files null",
+        "a listed file outside the folder", "a graph file outside the folder"])
+def test_a_hand_edited_manifest_is_refused_in_one_line(torch_bundle, tmp_path, edit, says):
     """A hand-edited manifest fails as one line naming the field, not as an AttributeError in a loader."""
     folder = _copy(torch_bundle, tmp_path)
     data = json.loads((folder / "manifest.json").read_text())
