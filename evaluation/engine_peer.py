@@ -11,10 +11,9 @@ what HTTP costs; its gap to GenAI's rows compares the engines alone.
 from __future__ import annotations
 
 import time
-from collections import deque
 from dataclasses import replace
 
-from mirror_rt.evaluation.genai_serve import Flight
+from mirror_rt.evaluation.genai_serve import Flight, closed_loop
 from mirror_rt.evaluation.serve_bench import Result
 
 NAME = "mirror-rt-engine"
@@ -76,23 +75,8 @@ class EnginePeer:
         if self.engine is None:
             raise RuntimeError(f"{NAME}: the server did not say which precision it runs (not a mirror-rt server?)")
         config = self.engine.config_for(max_new_tokens=max_tokens, ignore_eos=True, mode=self.mode)
-        waiting, running = deque(enumerate(prompts)), {}
-        flights, results = [None] * len(prompts), [None] * len(prompts)
-        start = time.perf_counter()
-        while waiting or running:
-            while waiting and len(running) < concurrency:
-                index, ids = waiting.popleft()
-                running[index] = flights[index] = EngineFlight(self.engine.submit(list(ids), config),
-                                                               time.perf_counter())
-            self.engine.step()
-            now = time.perf_counter()
-            for index, flight in list(running.items()):
-                flight.collect(now)
-                if flight.finished():
-                    results[index] = flight.result(now)
-                    del running[index]
-        wall = time.perf_counter() - start
-        if decode:
-            for result, flight in zip(results, flights):
-                result.text = decode(flight.ids)
-        return results, wall
+
+        def submit(ids: list[int]) -> EngineFlight:
+            return EngineFlight(self.engine.submit(list(ids), config), time.perf_counter())
+
+        return closed_loop(prompts, concurrency, submit, self.engine.step, decode)

@@ -83,27 +83,13 @@ class ContinuousBatchingPeer:
         import openvino as ov
 
         config = self._config(max_tokens)
-        waiting, running, flights = deque(enumerate(prompts)), {}, [None] * len(prompts)
-        results = [None] * len(prompts)
-        start = time.perf_counter()
-        while waiting or running:
-            while waiting and len(running) < concurrency:  # closed loop: refill as soon as one finishes
-                index, ids = waiting.popleft()
-                handle = self.pipe.add_request(self._next_id, ov.Tensor(np.array([ids], dtype=np.int64)), config)
-                self._next_id += 1
-                running[index] = flights[index] = Flight(handle, time.perf_counter())
-            self.pipe.step()
-            now = time.perf_counter()
-            for index, flight in list(running.items()):
-                flight.collect(now)
-                if flight.finished():
-                    results[index] = flight.result(now)
-                    del running[index]
-        wall = time.perf_counter() - start
-        if decode:  # after the clock: the texts only say whether the peer wrote what we did
-            for result, flight in zip(results, flights):
-                result.text = decode(flight.ids)
-        return results, wall
+
+        def submit(ids: list[int]) -> Flight:
+            handle = self.pipe.add_request(self._next_id, ov.Tensor(np.array([ids], dtype=np.int64)), config)
+            self._next_id += 1
+            return Flight(handle, time.perf_counter())
+
+        return closed_loop(prompts, concurrency, submit, self.pipe.step, decode)
 
     def _config(self, max_tokens: int):
         import openvino_genai
@@ -155,3 +141,30 @@ def compiled_precision(folder, properties: dict) -> dict:
     compute = compiled.get_property("INFERENCE_PRECISION_HINT").get_type_name()
     kv = SHORT.get(key, key) if key == value else f"{SHORT.get(key, key)} key / {SHORT.get(value, value)} value"
     return {"weights": "fp32", "compute": SHORT.get(compute, compute), "kv": kv}
+
+
+
+def closed_loop(prompts: list[list[int]], concurrency: int, submit, step,
+                decode=None) -> tuple[list[Result], float]:
+    """Every prompt through an engine driven by `step()`, at most `concurrency` in flight, the next added as soon as
+    one finishes (`submit(ids)` -> its Flight); (results in prompt order, wall seconds). `decode` (ids -> text),
+    applied once the clock stopped, fills each result's text: it only says whether the peer wrote what we did."""
+    waiting, running, flights = deque(enumerate(prompts)), {}, [None] * len(prompts)
+    results = [None] * len(prompts)
+    start = time.perf_counter()
+    while waiting or running:
+        while waiting and len(running) < concurrency:
+            index, ids = waiting.popleft()
+            running[index] = flights[index] = submit(ids)
+        step()
+        now = time.perf_counter()
+        for index, flight in list(running.items()):
+            flight.collect(now)
+            if flight.finished():
+                results[index] = flight.result(now)
+                del running[index]
+    wall = time.perf_counter() - start
+    if decode:
+        for result, flight in zip(results, flights):
+            result.text = decode(flight.ids)
+    return results, wall
