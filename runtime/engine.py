@@ -34,6 +34,10 @@ class GenerationError(ValueError):
     """A request that cannot be served (one-line message)."""
 
 
+class PromptError(GenerationError):
+    """A prompt that holds a token id outside the vocabulary (the server's 400 names `prompt`)."""
+
+
 # Where a committed token came from. A later issue adds "forced" (grammar-forced tokens): readers must take
 # an origin they do not know as plain text.
 ORIGINS = ("target", "draft", "correction", "bonus")
@@ -212,7 +216,7 @@ class Engine:
         vocab = self.target.vocab_size
         outside = next((t for t in ids if not 0 <= t < vocab), None)
         if outside is not None:  # an embedding lookup past the table would fail the whole batch's step
-            raise GenerationError(f"prompt token id {outside} is outside the vocabulary (0..{vocab - 1})")
+            raise PromptError(f"prompt token id {outside} is outside the vocabulary (0..{vocab - 1})")
         if len(ids) >= self.target.max_seq_len:
             raise GenerationError(f"prompt too long: {len(ids)} tokens, the model's context is "
                                   f"{self.target.max_seq_len} (at least one token must be generated)")

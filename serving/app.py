@@ -27,7 +27,7 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.requests import ClientDisconnect
 
 from mirror_rt.runtime.config import GenerationConfig, make_config
-from mirror_rt.runtime.engine import GenerationError
+from mirror_rt.runtime.engine import GenerationError, PromptError
 from mirror_rt.serving import protocol, structured, tools
 from mirror_rt.serving.errors import APIError, install_handlers
 from mirror_rt.serving.logprobs import token_bytes_of
@@ -199,9 +199,6 @@ async def _complete(request: Request, state: ServerState, chat: bool):
     prompt = tools.prompt_ids(req, engine.tokenizer) if chat else engine.prompt_ids(req.text_or_ids(), chat=False)
     if not prompt:
         raise APIError(400, "the prompt is empty", "messages" if chat else "prompt")
-    vocab = engine.target.vocab_size
-    if not chat and not all(0 <= t < vocab for t in prompt):  # token ids given by the client
-        raise APIError(400, f"prompt token ids must be in 0..{vocab - 1}", "prompt")
     constraint, kind, param = structured.constraint_of(req)
     await asyncio.to_thread(structured.checked, constraint, param, engine)  # compiling may take a while
     config = _config(req, len(prompt), state, structured.rules_options(req, constraint, engine.target.vocab_size))
@@ -243,6 +240,8 @@ def _admit(job: Job, state: ServerState) -> None:
         state.metrics.rejected("queue_full")
         raise APIError(503, f"the server is busy: {state.engine.batch.max_num_seqs} requests running and "
                             f"{state.settings.max_queued} waiting; retry later", headers=retry) from None
+    except PromptError as exc:  # token ids given by the client, outside the vocabulary
+        raise APIError(400, str(exc), "prompt") from None
     except GenerationError as exc:  # one that can never fit the KV cache
         raise APIError(400, str(exc), "max_tokens") from None
     except Draining:
