@@ -232,6 +232,9 @@ class DraftRow:
 
     def _extend(self, line: Line, context: list[int]) -> None:
         """Draft one more token of `line` (several with SS streams), which continues `context`."""
+        if self._room(len(context) + len(line.tokens)) <= 0:
+            line.ended = True  # past the context limit: no token the target could take (it caps its windows)
+            return None
         if line.rules is not None:
             return self._extend_under_rules(line, context)
         if self.config.sampling.greedy and hasattr(self.draft, "forward_streams"):
@@ -242,6 +245,12 @@ class DraftRow:
         position = len(context) + len(line.tokens)  # the target's draw at that position: coupled proposals
         token = choose_at(logits, self.config.sampling, self.config.seed, position)[0]
         _append(line, token, None, logits)
+
+    def _room(self, length: int) -> int:
+        """Positions left after a text of `length` tokens for guesses fed with its last token: a forward never
+        passes the context limit (an exported draft's rotary tables end there)."""
+        limit = getattr(self.draft, "max_seq_len", 0)
+        return limit - length if limit else 1 << 30
 
     def _extend_under_rules(self, line: Line, context: list[int]) -> None:
         """One token of `line` under its rules: the one the grammar forces (no forward), else the draft's draw
@@ -270,7 +279,7 @@ class DraftRow:
         """One SS forward: confirm the pending guesses (the streams' confident ones, else prompt-lookup's),
         add them and the next token, guess again."""
         full = context + line.tokens
-        guesses = list(line.guesses) or self._lookup(line, full)
+        guesses = (list(line.guesses) or self._lookup(line, full))[:self._room(len(full))]
         streams, offset, n = self._feed_with_guesses(line, full, guesses, streams=True)
         line.guesses = confident_guesses(streams[offset + n], self.settings.stream_confidence)
 
@@ -284,7 +293,7 @@ class DraftRow:
 
     def _lookup(self, line: Line, full: list[int]) -> list[int]:
         """Prompt-lookup guesses the line can still use after its next token ([] when lookup is off)."""
-        room = min(self.config.draft_lookup, self._wanted(line) - len(line.tokens) - 1)
+        room = min(self.config.draft_lookup, self._wanted(line) - len(line.tokens) - 1, self._room(len(full)))
         return lookup_guesses(full, room) if room > 0 else []
 
     def _feed_with_guesses(self, line: Line, full: list[int], guesses: list[int], streams: bool = False):

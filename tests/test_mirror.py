@@ -239,3 +239,27 @@ def test_seeded_sampling_repeats_whatever_the_timing(seed):
     assert not metrics.events and not drafted.events  # no draft fell back (that would draw the text otherwise)
     other, _ = run_mirror(TorchSplitTarget(target), TorchModel(draft), [3, 4, 5], 40, **{**settings, "seed": 12})
     assert other != fast
+
+
+class EdgeCheckedDraft(TorchModel):
+    """A draft that records the furthest position any of its forwards reached."""
+
+    furthest = 0
+
+    def forward(self, tokens, cache, last_rows=None):
+        self.furthest = max(self.furthest, cache.length + len(tokens))
+        return super().forward(tokens, cache, last_rows)
+
+
+@pytest.mark.parametrize("gamma", [2, 6])
+def test_draft_stays_inside_the_context_at_its_edge(gamma):
+    """A sequence that runs into the context limit: the draft never feeds a position past it (an exported
+    graph's rotary tables end there), and the text still equals the target alone up to the limit."""
+    target = tiny_target(seed=2, max_seq_len=64)
+    draft = EdgeCheckedDraft(perturbed_copy(target, noise=0.2, seed=3))
+    prompt = [(i * 11) % 90 + 3 for i in range(40)]
+    tokens, metrics = run_mirror(TorchSplitTarget(target), draft, prompt, 60, mode="mirror", gamma=gamma)
+    assert tokens == flat(generate(TorchModel(target), prompt, 60))
+    assert not metrics.summary()["events"]  # no fallback: the draft never failed
+    assert len(tokens) == 64 - len(prompt)
+    assert 0 < draft.furthest <= 64
