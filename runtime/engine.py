@@ -24,6 +24,7 @@ from mirror_rt.runtime.config import GenerationConfig, make_config
 from mirror_rt.runtime.draft_row import DraftStats
 from mirror_rt.runtime.draft_worker import summed
 from mirror_rt.runtime.mirror_stats import mirror_summary
+from mirror_rt.runtime.prompts import is_token_id, prompt_problem
 from mirror_rt.runtime.reference import token_budget
 from mirror_rt.runtime.sequence import Sequence
 from mirror_rt.runtime.text_stream import TextStream
@@ -150,11 +151,15 @@ class Engine:
         return self._decoder
 
     def prompt_ids(self, prompt, chat: bool = True) -> list[int]:
-        """Token ids for a string (chat template applied if chat), a list of chat messages, or token ids."""
-        if isinstance(prompt, list) and prompt and all(isinstance(t, int) for t in prompt):
-            return list(prompt)
-        if isinstance(prompt, list):
-            return self.tokenizer.chat_prompt(prompt)
+        """Token ids for a string (chat template applied if chat), a list of chat messages, or token ids;
+        PromptError for anything else (runtime.prompts)."""
+        problem = prompt_problem(prompt)
+        if problem:
+            raise PromptError(problem)
+        if not isinstance(prompt, str) and is_token_id(prompt[0]):
+            return [int(t) for t in prompt]
+        if not isinstance(prompt, str):
+            return self.tokenizer.chat_prompt(list(prompt))
         if chat and self.tokenizer.has_chat_template:
             return self.tokenizer.chat_prompt([{"role": "user", "content": prompt}])
         return self.tokenizer.encode(prompt)

@@ -196,7 +196,10 @@ async def _complete(request: Request, state: ServerState, chat: bool):
     if req.model is not None and req.model != state.model_name:
         raise APIError(404, f"The model `{req.model}` does not exist.", "model")
     engine = state.engine
-    prompt = tools.prompt_ids(req, engine.tokenizer) if chat else engine.prompt_ids(req.text_or_ids(), chat=False)
+    try:
+        prompt = tools.prompt_ids(req, engine.tokenizer) if chat else engine.prompt_ids(req.text_or_ids(), chat=False)
+    except PromptError as exc:  # an empty list of token ids
+        raise APIError(400, str(exc), "prompt") from None
     if not prompt:
         raise APIError(400, "the prompt is empty", "messages" if chat else "prompt")
     constraint, kind, param = structured.constraint_of(req)

@@ -76,6 +76,20 @@ def test_prompt_ids_outside_the_vocabulary_refused():
     assert engine.pending() == 0 and engine.generate([1, vocab - 1], max_new_tokens=2).tokens  # still serves
 
 
+@pytest.mark.parametrize("prompt,reason", [
+    (None, "not NoneType"), (5, "not int"), (b"hi", "not bytes"), ("a\ud800", "lone surrogate at index 1"),
+    ([], "empty prompt"), ([1, "a"], "not a mix"), ([{"role": "user"}], "message 0 \\(user\\) has no 'content'"),
+    ([{"content": "x"}], "message 0 needs a string 'role'"), ([{"role": "user", "content": 5}], "of type int"),
+])
+def test_prompts_of_the_wrong_shape_get_one_line(prompt, reason):
+    """Anything but text, token ids or chat messages is a PromptError naming what is wrong, not a tokenizer's
+    or a template's error; the engine still serves after it."""
+    engine = mirror_rt.load("tiny")
+    with pytest.raises(mirror_rt.GenerationError, match=reason):
+        engine.generate(prompt, max_new_tokens=2)
+    assert engine.generate((5, 6, 7), max_new_tokens=2).tokens == engine.generate([5, 6, 7], max_new_tokens=2).tokens
+
+
 def test_wrong_types_are_refused_before_they_reach_the_batch():
     engine = mirror_rt.load("tiny")
     for bad in ({"max_new_tokens": 1.5}, {"seed": 1.5}, {"gamma": True}, {"stop_strings": "5"}):

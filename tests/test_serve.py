@@ -206,6 +206,13 @@ def test_prompt_ids_outside_the_vocabulary_are_refused_and_leave_a_stream_alone(
     assert "".join(pieces) == ar_text(reference, PROMPT, chat=False, max_new=40)
 
 
+@pytest.mark.parametrize("prompt", ["", [], [[]]], ids=["empty text", "no token ids", "an empty list of ids"])
+def test_an_empty_completion_prompt_is_a_400(server, prompt):
+    response = httpx.post(server.url + "/v1/completions", json={"prompt": prompt, "max_tokens": 4}, timeout=30)
+    assert response.status_code == 400, response.text
+    assert response.json()["error"]["param"] == "prompt"
+
+
 def test_context_overflow_uses_vllms_sentence(server):
     with pytest.raises(openai.BadRequestError) as caught:
         server.client().chat.completions.create(model="tiny", messages=[{"role": "user", "content": "x" * 250}],
