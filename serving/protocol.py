@@ -195,12 +195,24 @@ class ChatRequest(Sampling):
             raise APIError(400, f"top_logprobs must be at most {MAX_TOP_LOGPROBS}", "top_logprobs")
         if self.top_logprobs and not self.logprobs:
             raise APIError(400, "top_logprobs needs logprobs: true", "top_logprobs")
+        self._refuse_tool_mistakes()
         if isinstance(self.tool_choice, NamedToolChoice) and self.tool_choice.function.name not in {
                 t.function.name for t in self.tools or ()}:
             raise APIError(400, f"tool_choice names '{self.tool_choice.function.name}', which is not in tools",
                            "tool_choice")
         if self.tool_choice is not None and self.tool_choice != "none" and not self.tools:
             raise APIError(400, "tool_choice needs tools", "tool_choice")
+
+    def _refuse_tool_mistakes(self) -> None:
+        """What OpenAI refuses too: a tool result that names no call, two tools under one name."""
+        for i, message in enumerate(self.messages):
+            if message.role == "tool" and not message.tool_call_id:
+                raise APIError(400, f"messages[{i}] is a tool message without tool_call_id (the call it answers)",
+                               f"messages.{i}.tool_call_id")
+        names = [t.function.name for t in self.tools or ()]
+        twice = next((name for name in names if names.count(name) > 1), None)
+        if twice is not None:
+            raise APIError(400, f"tools has more than one function named '{twice}'", "tools")
 
     def top_logprobs_asked(self) -> int | None:
         return (self.top_logprobs or 0) if self.logprobs else None
@@ -232,6 +244,17 @@ class CompletionRequest(Sampling):
                 raise APIError(400, f"{param} is not supported", param)
         if self.logprobs is not None and self.logprobs > MAX_TOP_LOGPROBS:
             raise APIError(400, f"logprobs must be at most {MAX_TOP_LOGPROBS}", "logprobs")
+
+    def _refuse_tool_mistakes(self) -> None:
+        """What OpenAI refuses too: a tool result that names no call, two tools under one name."""
+        for i, message in enumerate(self.messages):
+            if message.role == "tool" and not message.tool_call_id:
+                raise APIError(400, f"messages[{i}] is a tool message without tool_call_id (the call it answers)",
+                               f"messages.{i}.tool_call_id")
+        names = [t.function.name for t in self.tools or ()]
+        twice = next((name for name in names if names.count(name) > 1), None)
+        if twice is not None:
+            raise APIError(400, f"tools has more than one function named '{twice}'", "tools")
 
     def top_logprobs_asked(self) -> int | None:
         return self.logprobs
