@@ -23,6 +23,8 @@ TOOL_PROMPT = ("You are a function calling AI model. You may call one or more fu
                "function, answer with a JSON object holding the function's name and arguments within "
                "<tool_call></tool_call> tags:\n<tool_call>\n{{\"name\": <function-name>, \"arguments\": "
                "<args-json-object>}}\n</tool_call>")
+# a `required` call cut short: its name and its arguments so far
+CUT_ITEM = re.compile(r'\{\s*"name"\s*:\s*"([A-Za-z0-9_.-]+)"\s*,\s*"parameters"\s*:\s*(.*)\Z', re.S)
 CALL = re.compile(r"<tool_call>\s*(.*?)\s*(?:</tool_call>|$)", re.S)
 
 
@@ -91,13 +93,32 @@ def parse_calls(text: str, names: tuple[str, ...], mode: str | None) -> tuple[st
 
 
 def _required(text: str, names) -> tuple[str | None, list[dict]] | None:
-    try:
-        items = json.loads(text)
-    except json.JSONDecodeError:  # cut by the token budget
+    """The calls of a `required` answer (a JSON array of {"name", "parameters"}); cut by the token budget, the
+    whole items and the one it cut, with its arguments so far (as a named function's cut answer is)."""
+    start = text.lstrip()
+    if not start.startswith("["):
         return None
-    calls = [_call(i["name"], json.dumps(i["parameters"], ensure_ascii=False)) for i in items
-             if isinstance(i, dict) and i.get("name") in names]
+    decoder, calls, pos = json.JSONDecoder(), [], len(text) - len(start) + 1
+    while True:
+        pos = _skip_separators(text, pos)
+        if pos >= len(text) or text[pos] == "]":
+            break
+        try:
+            item, pos = decoder.raw_decode(text, pos)
+        except json.JSONDecodeError:
+            cut = CUT_ITEM.match(text, pos)
+            if cut and cut.group(1) in names:
+                calls.append(_call(cut.group(1), cut.group(2)))
+            break
+        if isinstance(item, dict) and item.get("name") in names:
+            calls.append(_call(item["name"], json.dumps(item.get("parameters", {}), ensure_ascii=False)))
     return (None, calls) if calls else None
+
+
+def _skip_separators(text: str, pos: int) -> int:
+    while pos < len(text) and text[pos] in " \t\r\n,":
+        pos += 1
+    return pos
 
 
 def _auto(text: str, names) -> tuple[str | None, list[dict]] | None:

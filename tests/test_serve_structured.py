@@ -202,6 +202,23 @@ def test_auto_parses_hermes_tags_or_a_whole_call():
     assert parse_calls("just text", names, "auto") == ("just text", [])
 
 
+def test_required_calls_cut_by_the_budget_keep_what_was_written():
+    """A `required` answer cut short by max_tokens: its whole calls, and the cut one with its arguments so far
+    (a named function's cut answer is its partial arguments too); no call named yet is no call."""
+    from mirror_rt.serving.tools import parse_calls
+
+    names = ("f", "g")
+    whole = '[{"name": "f", "parameters": {"a": 1}}, {"name": "g", "parameters": {}}]'
+    assert [c["function"] for c in parse_calls(whole, names, "required")[1]] == [
+        {"name": "f", "arguments": '{"a": 1}'}, {"name": "g", "arguments": "{}"}]
+    content, calls = parse_calls('[{"name": "f", "parameters": {"a": 1}}, {"name": "g", "parameters": {"b": "x', names,
+                                 "required")
+    assert content is None and [c["function"] for c in calls] == [
+        {"name": "f", "arguments": '{"a": 1}'}, {"name": "g", "arguments": '{"b": "x'}]
+    assert parse_calls('[{"name": "f", "param', names, "required") == ('[{"name": "f", "param', [])
+    assert parse_calls('[', names, "required") == ("[", [])
+
+
 def test_penalties_and_bias_over_http_are_lossless(server):
     client = server.client()
     options = {"presence_penalty": 1.0, "frequency_penalty": 0.5, "logit_bias": {str(ord("e") + 2): 5},
