@@ -93,6 +93,21 @@ class Generation:
         """Stop at the next step boundary (safe from any thread); the stop reason becomes `cancelled`."""
         self.cancel_event.set()
 
+    def close(self) -> None:
+        """Stop a stream left early (a `break`): cancelled, and out of the batch once its iterator closes (at
+        once if it was iterated, else at the engine's next step); its text so far stays."""
+        if not self.finished:
+            self.cancel()
+        close = getattr(self.pieces, "close", None)
+        if close is not None:
+            close()
+
+    def __enter__(self) -> Generation:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
     @property
     def cancelled(self) -> bool:
         return self.cancel_event.is_set()

@@ -77,3 +77,18 @@ def test_cancel_before_the_first_step_yields_nothing(engine):
     gen = engine.stream("hello", mode="mirror", max_new_tokens=50)
     gen.cancel()
     assert list(gen) == [] and gen.stop_reason == "cancelled" and gen.tokens == []
+
+
+@pytest.mark.parametrize("iterated", [True, False])
+def test_a_stream_closed_after_break_leaves_the_batch(engine, iterated):
+    """`with engine.stream(...) as gen: ... break` (or gen.close()) cancels it: it leaves the batch, keeps its
+    text so far, and the next generation equals the reference alone."""
+    reference = engine.generate("hello world", mode="ar", max_new_tokens=30, ignore_eos=True).tokens
+    with engine.stream("hello", mode="mirror", max_new_tokens=500, ignore_eos=True) as gen:
+        for _ in gen if iterated else ():
+            break
+    if iterated:
+        assert gen.finished and gen.stop_reason == "cancelled" and 0 < len(gen.tokens) < 500
+    assert gen.cancelled and engine.pending() <= (0 if iterated else 1)
+    again = engine.generate("hello world", mode="ar", max_new_tokens=30, ignore_eos=True)
+    assert again.tokens == reference and engine.pending() == 0 and gen.stop_reason == "cancelled"
