@@ -107,6 +107,7 @@ class BundleManifest:
                 raise BundleError(f"{MANIFEST}: graph {g.role} has unknown format '{g.format}'")
             if g.precision not in PRECISIONS:
                 raise BundleError(f"{MANIFEST}: graph {g.role} has unknown precision '{g.precision}'")
+        _check_counts(self)
         if not 0 < self.exit_layer < self.n_layers:
             raise BundleError(f"{MANIFEST}: exit_layer {self.exit_layer} not in 1..{self.n_layers - 1}")
         if self.exit_adapter is not None and self.exit_adapter.get("exit_layer") != self.exit_layer:
@@ -140,6 +141,21 @@ class BundleManifest:
 
 
 _TYPES = {"int": int, "bool": bool, "dict": dict, "str": str, "tuple": tuple}
+
+
+def _check_counts(manifest: BundleManifest) -> None:
+    """Counts that agree with the target's configuration and are in range (a hand-edited value otherwise loads
+    and fails later, deep inside a graph or a sampler)."""
+    target = manifest.target_config
+    for name in ("vocab_size", "n_layers"):
+        if name in target and getattr(manifest, name) != target[name]:
+            raise BundleError(f"{MANIFEST}: {name} {getattr(manifest, name)} differs from target_config's "
+                              f"{target[name]}")
+    if not 1 <= manifest.kappa <= manifest.vocab_size:
+        raise BundleError(f"{MANIFEST}: kappa {manifest.kappa} not in 1..{manifest.vocab_size}")
+    if manifest.max_context < 2 or manifest.max_window < 0:
+        raise BundleError(f"{MANIFEST}: max_context must be at least 2 and max_window at least 0 (got "
+                          f"{manifest.max_context}, {manifest.max_window})")
 
 
 def _check_types(entry, where: str) -> None:

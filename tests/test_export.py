@@ -92,8 +92,12 @@ def test_unknown_format_version_refused(torch_bundle, tmp_path, version):
      "lists ../../etc/passwd, outside the bundle folder"),
     (lambda d: d | {"graphs": [g | {"file": "/etc/passwd"} for g in d["graphs"]]},
      "lists /etc/passwd, outside the bundle folder"),
+    (lambda d: d | {"vocab_size": -5}, "vocab_size -5 differs from target_config's"),
+    (lambda d: d | {"kappa": 0}, "kappa 0 not in 1.."),
+    (lambda d: d | {"max_context": 0}, "max_context must be at least 2"),
 ], ids=["tokenizer null", "kv_layout a string", "exit_layer a string", "empty target_config", "graph files null",
-        "a listed file outside the folder", "a graph file outside the folder"])
+        "a listed file outside the folder", "a graph file outside the folder", "negative vocabulary", "kappa 0",
+        "no context"])
 def test_a_hand_edited_manifest_is_refused_in_one_line(torch_bundle, tmp_path, edit, says):
     """A hand-edited manifest fails as one line naming the field, not as an AttributeError in a loader."""
     folder = _copy(torch_bundle, tmp_path)
