@@ -25,6 +25,7 @@ from mirror_rt.serving.errors import APIError
 
 MAX_CHOICES = 16  # n: the choices decode together, one sequence each in the batch
 MAX_TOP_LOGPROBS = 20  # OpenAI's and vLLM's bound
+COMPLETION_MAX_TOKENS = 16  # a text completion without max_tokens (OpenAI's and vLLM's default)
 
 
 class Strict(BaseModel):
@@ -232,6 +233,12 @@ class CompletionRequest(Sampling):
     echo: bool | None = None
     suffix: str | None = None
     best_of: int | None = Field(None, ge=1)
+
+    def requested_tokens(self) -> int | None:
+        """OpenAI's and vLLM's default for a text completion that names no limit: 16 tokens (a chat's is the rest
+        of the context)."""
+        given = super().requested_tokens()
+        return COMPLETION_MAX_TOKENS if given is None else given
 
     def refuse_unsupported(self) -> None:
         super().refuse_unsupported()

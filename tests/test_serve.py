@@ -82,6 +82,15 @@ def test_max_completion_tokens_wins_and_counts_exactly(server):
     assert answer.choices[0].finish_reason == "length" and answer.usage.completion_tokens == 5
 
 
+def test_a_text_completion_without_max_tokens_makes_16_as_openai_and_vllm_do(server):
+    answer = server.client().completions.create(model="tiny", prompt=PROMPT, temperature=0,
+                                                extra_body={"ignore_eos": True})
+    assert answer.choices[0].finish_reason == "length" and answer.usage.completion_tokens == 16
+    chat = server.client().chat.completions.create(model="tiny", messages=MESSAGES, temperature=0,
+                                                   extra_body={"ignore_eos": True})
+    assert chat.usage.completion_tokens > 16  # a chat's limit is the rest of the context
+
+
 def test_stop_string_cuts_the_text(server, reference):
     """Target-only sampling with a seed is reproducible: the text up to the first stop string, then stop."""
     full = reference.generate(PROMPT, mode="ar", max_new_tokens=40, chat=False, temperature=1.0, seed=3).text
