@@ -9,6 +9,7 @@ then the server stops and the process exits 0. A second signal stops at once.
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import sys
 import threading
@@ -45,6 +46,13 @@ def describe(state: ServerState, url: str) -> str:
             f"queue {settings.max_queued}")
 
 
+def quiet_cancellations(record: logging.LogRecord) -> bool:
+    """Drop uvicorn's error records of a CancelledError: at a forced stop it cancels the tasks still running (the
+    streams, the lifespan) and logs each with its traceback; they are the stop itself, not faults."""
+    exc = record.exc_info[1] if record.exc_info else None
+    return not (isinstance(exc, asyncio.CancelledError) or str(record.msg).rstrip().endswith("CancelledError"))
+
+
 class DrainingServer:
     """uvicorn.Server with a drain: the first signal stops admissions and waits for the admitted work."""
 
@@ -53,6 +61,7 @@ class DrainingServer:
 
         config = uvicorn.Config(app, host=host, port=port, log_level="warning", access_log=False,
                                 timeout_graceful_shutdown=5, lifespan="on")
+        logging.getLogger("uvicorn.error").addFilter(quiet_cancellations)
         self.server = uvicorn.Server(config)
         self.server.handle_exit = self.handle_exit  # no re-raise of the signal at exit: exit code 0
         self.state: ServerState = app.state.mirror

@@ -110,7 +110,9 @@ def test_a_second_signal_stops_at_once_and_exits_0(tmp_path, cache_dir):
     finally:
         if proc.poll() is None:
             proc.kill()
-    assert "terminate called" not in log.read_text() and "stopped" in log.read_text()
+    text = log.read_text()
+    assert "terminate called" not in text and "stopped" in text
+    assert "Traceback" not in text  # the tasks uvicorn cancels at a forced stop are the stop, not faults
 
 
 def test_serve_refuses_a_bad_model_in_one_line(tmp_path):
