@@ -239,10 +239,9 @@ def _admit(job: Job, state: ServerState) -> None:
     retry = {"Retry-After": str(state.settings.retry_after_s)}
     try:
         state.scheduler.submit(job)
-    except Overloaded:
+    except Overloaded as exc:
         state.metrics.rejected("queue_full")
-        raise APIError(503, f"the server is busy: {state.engine.batch.max_num_seqs} requests running and "
-                            f"{state.settings.max_queued} waiting; retry later", headers=retry) from None
+        raise APIError(503, f"the server is busy: {exc}; retry later", headers=retry) from None
     except PromptError as exc:  # token ids given by the client, outside the vocabulary
         raise APIError(400, str(exc), "prompt") from None
     except GenerationError as exc:  # one that can never fit the KV cache

@@ -122,7 +122,9 @@ class Scheduler:
             if self.closed:
                 raise Draining()
             if len(self.jobs) + job.choices > max(self.capacity, job.choices):
-                raise Overloaded()
+                asks = f"; this request's {job.choices} choices need as many" if job.choices > 1 else ""
+                raise Overloaded(f"{len(self.jobs)} of {self.capacity} places taken ({self.engine.batch.max_num_seqs} "
+                                 f"decoding at once, {self.max_queued} waiting){asks}")
             try:
                 for index in range(job.choices):
                     config = choice_config(job.config, index)

@@ -67,6 +67,7 @@ def test_overload_answers_503_at_once_and_serves_the_admitted(server, engine, re
         if code == 503:
             assert seconds < 1.0 and response.headers["retry-after"] == "1"
             assert response.json()["error"]["type"] == "ServiceUnavailableError"
+            assert "2 of 2 places taken (1 decoding at once, 1 waiting)" in response.json()["error"]["message"]
         else:
             assert response.json()["choices"][0]["text"] == ar_text(reference, 150)
     after = scrape(server.url)
