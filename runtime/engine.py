@@ -337,6 +337,11 @@ class Engine:
             if piece:
                 self._emit(gen, piece)
             if text.done:
+                kept = index - first + 1
+                if kept < len(tokens):  # the text ended inside the step: what follows was never delivered
+                    gen.steps[-1] = replace(gen.steps[-1], tokens=kept, drafted=min(drafted, kept),
+                                            accepted=min(accepted, kept))
+                    seq.metrics.trim_last_step(kept)
                 seq.finish("stop")
                 return
 

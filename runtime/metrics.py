@@ -73,6 +73,20 @@ class Metrics:
             self.proposed_at[j] += 1
             self.accepted_at[j] += j < num_accepted
 
+    def trim_last_step(self, kept: int) -> None:
+        """The text ended after the latest step's first `kept` tokens (an end-of-sequence or a stop string inside
+        the window): positions past them were never delivered, so they count neither as proposed nor accepted."""
+        proposed, accepted = self.window or (0, 0)
+        if kept >= accepted + 1:
+            return
+        for j in range(kept, proposed):
+            self.proposed_at[j] -= 1
+            self.accepted_at[j] -= j < accepted
+        self.drafted -= max(0, proposed - kept)
+        self.committed -= accepted + 1 - kept
+        self.accept_lengths[-1] = kept
+        self.window = (min(proposed, kept), min(accepted, kept))
+
     def take_window(self) -> tuple[int, int]:
         """(proposed, accepted) of the step recorded since the last call; (0, 0) when none (the prompt's first
         token, which no verification produced)."""

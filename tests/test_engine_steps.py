@@ -37,6 +37,23 @@ def test_steps_account_for_every_token_and_agree_with_the_stats(engine, mode):
         assert {"draft", "correction"} <= set(origins)
 
 
+@pytest.mark.parametrize("mode", ["sd", "mirror"])
+def test_a_text_that_ends_inside_a_window_counts_only_what_it_delivered(mode):
+    """A stop string (or an end-of-sequence) inside an accepted window: the window's tokens after it were never
+    delivered, so the steps, the accepted counts and the per-token latencies stop there too."""
+    import mirror_rt
+
+    engine = mirror_rt.load("tiny", "tiny", log=lambda *a: None)  # the draft is the target: windows accepted whole
+    text = engine.generate("hello", mode="ar", max_new_tokens=30, ignore_eos=True).text
+    gen = engine.generate("hello", mode=mode, max_new_tokens=30, stop_strings=[text[5:8]], gamma=4)
+    stats = gen.stats
+    assert gen.stop_reason == "stop_string" and any(step.drafted for step in gen.steps)
+    assert sum(step.tokens for step in gen.steps) == stats["new_tokens"]
+    assert sum(stats["accepted_per_position"]) <= stats["new_tokens"] - 1  # the first token is the prompt's
+    assert [step.tokens for step in gen.steps[1:]] == stats["accept_lengths"]
+    assert sum(step.drafted for step in gen.steps) == sum(stats["proposed_per_position"])
+
+
 def test_tokens_grow_while_the_generation_runs(engine):
     gen = engine.stream("hello there", mode="sd", max_new_tokens=20, ignore_eos=True)
     seen = [len(gen.tokens) for _ in gen]
