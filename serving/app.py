@@ -203,7 +203,8 @@ async def _complete(request: Request, state: ServerState, chat: bool):
     if not prompt:
         raise APIError(400, "the prompt is empty", "messages" if chat else "prompt")
     constraint, kind, param = structured.constraint_of(req)
-    await asyncio.to_thread(structured.checked, constraint, param, engine)  # compiling may take a while
+    offered = req.tools if chat and req.tool_mode() else None
+    await asyncio.to_thread(structured.checked, constraint, param, engine, offered)  # compiling may take a while
     config = _config(req, len(prompt), state, structured.rules_options(req, constraint, engine.target.vocab_size))
     job = Job(f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}", prompt, config, asyncio.get_running_loop(),
               choices=req.choices(), constraint=kind, origins=req.include_origins())
@@ -223,7 +224,7 @@ def _reply(req: protocol.Sampling, job: Job, state: ServerState, prompt_tokens: 
     token_bytes = token_bytes_of(state.engine) if req.top_logprobs_asked() is not None else None
     return Reply(job.id, state.model_name, chat, req.include_usage(), now(), req.continuous_usage(), prompt_tokens,
                  job.choices, tool_mode, tuple(t.function.name for t in req.tools or ()) if tool_mode else (),
-                 token_bytes, origins=job.origins)
+                 token_bytes, origins=job.origins, parallel_tool_calls=not chat or req.parallel_tool_calls is not False)
 
 
 async def _streamed(job: Job, reply: Reply, state: ServerState):

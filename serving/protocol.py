@@ -78,7 +78,7 @@ class Message(Strict):
 class JsonSchemaFormat(Strict):
     name: str | None = None
     description: str | None = None
-    schema_: dict = Field(default_factory=dict, alias="schema")
+    schema_: dict | None = Field(None, alias="schema")  # None: any JSON object (as json_object)
     strict: bool | None = None  # accepted; the schema is always enforced
 
 
@@ -138,6 +138,11 @@ class Sampling(Strict):
     logit_bias: dict[str, float] | None = None
     response_format: ResponseFormat | None = None  # on text completions too, as vLLM takes it
     structured_outputs: StructuredOutputs | None = None
+    # vLLM's older names of structured_outputs' fields (clients still send them)
+    guided_json: dict | str | None = None
+    guided_regex: str | None = None
+    guided_choice: list[str] | None = None
+    guided_grammar: str | None = None
     mode: Literal[MODES] | None = None
     num_assistant_tokens: int | None = Field(None, ge=1, le=MAX_GAMMA)
     disable_spec_decode: bool | None = None
@@ -155,6 +160,16 @@ class Sampling(Strict):
         if self.stop is None:
             return ()
         return (self.stop,) if isinstance(self.stop, str) else tuple(self.stop)
+
+    def structured(self) -> StructuredOutputs | None:
+        """structured_outputs, or the same from vLLM's older `guided_*` fields; a 400 when both are sent."""
+        guided = {name: value for name in ("json", "regex", "choice", "grammar")
+                  if (value := getattr(self, f"guided_{name}")) is not None}
+        if guided and self.structured_outputs is not None:
+            raise APIError(400, "send structured_outputs or the guided_* fields, not both", "structured_outputs")
+        if guided:
+            return StructuredOutputs.model_validate(guided)
+        return self.structured_outputs
 
     def include_usage(self) -> bool:
         """vLLM's rule: once `stream_options` is sent, usage is included unless it says false."""
@@ -187,6 +202,7 @@ class ChatRequest(Sampling):
     messages: list[Message] = Field(min_length=1)
     tools: list[Tool] | None = None
     tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
+    parallel_tool_calls: bool | None = None  # false: at most one call
     logprobs: bool | None = None
     top_logprobs: int | None = Field(None, ge=0)
 

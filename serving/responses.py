@@ -42,6 +42,7 @@ class Reply:
     tool_names: tuple[str, ...] = ()
     token_bytes: Callable[[int], bytes] | None = None  # set when log-probabilities are asked for
     origins: bool = False  # stream_options.include_origins: content chunks carry `mirror_rt.tokens`
+    parallel_tool_calls: bool = True  # false: at most one call per answer
 
     @property
     def object(self) -> str:
@@ -63,7 +64,7 @@ class Reply:
         """A whole choice (non-streamed): the message with any tool calls, or the text."""
         if not self.chat:
             return {"index": index, "text": text, "logprobs": self.logprobs(entries), "finish_reason": finish_reason}
-        content, calls = tools.parse_calls(text, self.tool_names, self.tool_mode)
+        content, calls = tools.parse_calls(text, self.tool_names, self.tool_mode, self.parallel_tool_calls)
         message = {"role": "assistant", "content": content}
         if calls:
             message["tool_calls"] = calls
@@ -82,7 +83,7 @@ class Reply:
     def buffered(self, index: int, text: str, entries) -> tuple[list[dict], bool]:
         """The deltas of a choice held back until its end (tool calls: id and name first, then the
         arguments, keyed by the call's index); also whether it made calls."""
-        content, calls = tools.parse_calls(text, self.tool_names, self.tool_mode)
+        content, calls = tools.parse_calls(text, self.tool_names, self.tool_mode, self.parallel_tool_calls)
         deltas = [self.delta(index, content, entries=entries)] if content or entries else []
         for i, call in enumerate(calls):
             head = {"index": i, "id": call["id"], "type": "function",

@@ -12,6 +12,7 @@ from __future__ import annotations
 from mirror_rt.runtime.grammar import Constraint, check, grammar_tokenizer
 from mirror_rt.serving import protocol, tools
 from mirror_rt.serving.errors import APIError
+from mirror_rt.serving.tool_schema import strict
 
 
 def constraint_of(req: protocol.Sampling) -> tuple[Constraint | None, str | None, str | None]:
@@ -24,12 +25,14 @@ def constraint_of(req: protocol.Sampling) -> tuple[Constraint | None, str | None
         else:
             if response_format.json_schema is None:
                 raise APIError(400, "response_format json_schema needs its 'json_schema'", "response_format")
-            found.append((Constraint.json_schema(response_format.json_schema.schema_), "json_schema",
-                          "response_format"))
-    if req.structured_outputs is not None:
-        found.append(_structured_outputs(req.structured_outputs))
+            schema = response_format.json_schema.schema_
+            found.append((Constraint("json_object") if schema is None else Constraint.json_schema(schema),
+                          "json_schema", "response_format"))
+    structured = req.structured()
+    if structured is not None:
+        found.append(_structured_outputs(structured))
     mode = req.tool_mode() if isinstance(req, protocol.ChatRequest) else None
-    schema = tools.tool_schema(req.tools, mode) if mode else None
+    schema = tools.tool_schema(req.tools, mode, req.parallel_tool_calls is not False) if mode else None
     if schema is not None:
         found.append((Constraint.json_schema(schema), "tools", "tool_choice"))
     if len(found) > 1:
@@ -54,15 +57,23 @@ def _structured_outputs(spec: protocol.StructuredOutputs) -> tuple[Constraint, s
     return Constraint(name, value), name, "structured_outputs"
 
 
-def checked(constraint: Constraint | None, param: str | None, engine) -> None:
-    """A 400 naming `param` when llguidance cannot run the grammar with the engine's tokenizer."""
-    if constraint is None:
+def checked(constraint: Constraint | None, param: str | None, engine, offered: list | None = None) -> None:
+    """A 400 naming `param` when llguidance cannot run the grammar with the engine's tokenizer; first, one
+    naming the tool whose parameters it cannot run (`offered`: the request's tools, in any tool_choice, as
+    OpenAI checks them)."""
+    given = [(i, t) for i, t in enumerate(offered or ()) if t.function.parameters]
+    if constraint is None and not given:
         return
     try:
         tokenizer = grammar_tokenizer(engine.tokenizer, engine.target.vocab_size)
     except ValueError as exc:
         raise APIError(400, f"structured output is not available for this model: {exc}", param) from None
-    reason = check(constraint, tokenizer)
+    for i, tool in given:
+        reason = check(Constraint.json_schema(strict(tool.function.parameters)), tokenizer)
+        if reason:
+            raise APIError(400, f"invalid parameters of tool '{tool.function.name}': {reason}",
+                           f"tools.{i}.function.parameters")
+    reason = check(constraint, tokenizer) if constraint is not None else None
     if reason:
         raise APIError(400, f"invalid {param}: {reason}", param)
 

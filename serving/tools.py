@@ -4,10 +4,10 @@ Prompt: a chat template that renders `tools` itself gets them, with earlier call
 Otherwise (the default model's template) a system message lists the functions as JSON and asks for
 Hermes-style calls, `<tool_call>{"name": ..., "arguments": {...}}</tool_call>`; earlier calls are written
 back the same way into the assistant's text and `tool` messages keep their role.
-Enforcement (vLLM's construction): a named tool_choice constrains the output to that function's
-parameters (the output IS the arguments); `required` to a JSON array of {"name", "parameters"} objects,
-one schema per tool, with no other keys; `auto` is free text, parsed afterwards (Hermes tags, or an answer that is one
-call object). It knows no engine: only a tokenizer's `chat_prompt`.
+Enforcement: a named tool_choice constrains the output to that function's parameters, `required` to a JSON
+array of calls (serving.tool_schema); `auto` is free text, parsed afterwards (Hermes tags, or an answer that is
+one call object). `parallel_tool_calls: false` keeps the first call. It knows no engine: only a tokenizer's
+`chat_prompt`.
 """
 
 from __future__ import annotations
@@ -17,6 +17,7 @@ import re
 import uuid
 
 from mirror_rt.serving import protocol
+from mirror_rt.serving.tool_schema import forced_schema
 
 TOOL_PROMPT = ("You are a function calling AI model. You may call one or more functions to assist with the user "
                "query. The functions you may call, as JSON signatures:\n<tools>\n{tools}\n</tools>\nTo call a "
@@ -24,7 +25,7 @@ TOOL_PROMPT = ("You are a function calling AI model. You may call one or more fu
                "<tool_call></tool_call> tags:\n<tool_call>\n{{\"name\": <function-name>, \"arguments\": "
                "<args-json-object>}}\n</tool_call>")
 # a `required` call cut short: its name and its arguments so far
-CUT_ITEM = re.compile(r'\{\s*"name"\s*:\s*"([A-Za-z0-9_.-]+)"\s*,\s*"parameters"\s*:\s*(.*)\Z', re.S)
+CUT_ITEM = re.compile(r'\{\s*"name"\s*:\s*"([A-Za-z0-9_.-]+)"(?:\s*,\s*"parameters"\s*:\s*(.*))?', re.S)
 CALL = re.compile(r"<tool_call>\s*(.*?)\s*(?:</tool_call>|$)", re.S)
 
 
@@ -68,35 +69,33 @@ def _arguments(text: str):
         return text
 
 
-def tool_schema(tools: list[protocol.Tool], mode: str | None) -> dict | None:
-    """The JSON schema a tool_choice enforces (None for auto and none)."""
+def tool_schema(tools: list[protocol.Tool], mode: str | None, parallel: bool = True) -> dict | None:
+    """The JSON schema a tool_choice enforces (None for auto and none): serving.tool_schema."""
     if mode in (None, "auto", "none"):
         return None
-    parameters = {t.function.name: t.function.parameters or {"type": "object"} for t in tools}
-    if mode != "required":
-        return parameters[mode]
-    # no other keys: a small model would otherwise go on writing keys of its own after the parameters
-    options = [{"type": "object", "properties": {"name": {"type": "string", "enum": [name]}, "parameters": schema},
-                "required": ["name", "parameters"], "additionalProperties": False}
-               for name, schema in parameters.items()]
-    return {"type": "array", "minItems": 1, "items": options[0] if len(options) == 1 else {"anyOf": options}}
+    return forced_schema(tools, mode, parallel)
 
 
-def parse_calls(text: str, names: tuple[str, ...], mode: str | None) -> tuple[str | None, list[dict]]:
-    """(content, tool_calls in OpenAI's shape) of a finished answer; content None when only calls."""
+def parse_calls(text: str, names: tuple[str, ...], mode: str | None,
+                parallel: bool = True) -> tuple[str | None, list[dict]]:
+    """(content, tool_calls in OpenAI's shape) of a finished answer; content None when only calls (at most one
+    when not `parallel`, as vLLM keeps the first)."""
     if mode is None:
         return text, []
     if mode not in ("auto", "required"):  # a named function: the output is its arguments
         return None, [_call(mode, text)]
     found = _required(text, names) if mode == "required" else _auto(text, names)
-    return (text, []) if found is None else found
+    if found is None:
+        return text, []
+    content, calls = found
+    return content, calls if parallel else calls[:1]
 
 
 def _required(text: str, names) -> tuple[str | None, list[dict]] | None:
     """The calls of a `required` answer (a JSON array of {"name", "parameters"}); cut by the token budget, the
     whole items and the one it cut, with its arguments so far (as a named function's cut answer is)."""
     start = text.lstrip()
-    if not start.startswith("["):
+    if not start.startswith("["):  # the grammar writes an array: only a text cut before it starts
         return None
     decoder, calls, pos = json.JSONDecoder(), [], len(text) - len(start) + 1
     while True:
@@ -108,11 +107,11 @@ def _required(text: str, names) -> tuple[str | None, list[dict]] | None:
         except json.JSONDecodeError:
             cut = CUT_ITEM.match(text, pos)
             if cut and cut.group(1) in names:
-                calls.append(_call(cut.group(1), cut.group(2)))
+                calls.append(_call(cut.group(1), cut.group(2) or ""))
             break
         if isinstance(item, dict) and item.get("name") in names:
             calls.append(_call(item["name"], json.dumps(item.get("parameters", {}), ensure_ascii=False)))
-    return (None, calls) if calls else None
+    return None, calls  # the array is the grammar's wrapper, never content, even cut before its first call
 
 
 def _skip_separators(text: str, pos: int) -> int:

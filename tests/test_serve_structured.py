@@ -204,7 +204,8 @@ def test_auto_parses_hermes_tags_or_a_whole_call():
 
 def test_required_calls_cut_by_the_budget_keep_what_was_written():
     """A `required` answer cut short by max_tokens: its whole calls, and the cut one with its arguments so far
-    (a named function's cut answer is its partial arguments too); no call named yet is no call."""
+    (a named function's cut answer is its partial arguments too); no call named yet is no call, and the grammar's
+    array is never content."""
     from mirror_rt.serving.tools import parse_calls
 
     names = ("f", "g")
@@ -215,8 +216,13 @@ def test_required_calls_cut_by_the_budget_keep_what_was_written():
                                  "required")
     assert content is None and [c["function"] for c in calls] == [
         {"name": "f", "arguments": '{"a": 1}'}, {"name": "g", "arguments": '{"b": "x'}]
-    assert parse_calls('[{"name": "f", "param', names, "required") == ('[{"name": "f", "param', [])
-    assert parse_calls('[', names, "required") == ("[", [])
+    content, calls = parse_calls('[{"name": "f", "param', names, "required")
+    assert content is None and [c["function"] for c in calls] == [{"name": "f", "arguments": ""}]
+    assert parse_calls('[{"name": "', names, "required") == (None, [])
+    assert parse_calls('[', names, "required") == (None, [])
+    one = parse_calls('<tool_call>{"name": "f", "arguments": {}}</tool_call><tool_call>{"name": "g", "arguments": {}}'
+                      '</tool_call>', names, "auto", parallel=False)[1]
+    assert [c["function"]["name"] for c in one] == ["f"]  # parallel_tool_calls false: the first call
 
 
 def test_penalties_and_bias_over_http_are_lossless(server):
