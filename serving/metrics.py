@@ -6,7 +6,9 @@ vLLM's. Inter-token latency is observed per token, not per SSE chunk: a step tha
 tokens after a gap d counts k observations of d / k. One registry per app (never the global
 one), so several apps in one process (tests, Ray replicas) never collide. A `sink` makes a
 second family per metric that receives every update too (a Ray replica exports through it).
-The last `RECENT` finished requests are kept as they arrive, for the server page (`status`).
+The last `RECENT` finished requests are kept as they arrive, for the server page (`status`). Every series
+without a label of its own, and those of the finish and rejection reasons and the constraint kinds, exist at 0
+from the first scrape (window positions and device fallbacks appear when they first happen).
 """
 
 from __future__ import annotations
@@ -29,6 +31,8 @@ LATENCY_BUCKETS = (0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.
 BATCH_BUCKETS = (1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64, 128, 256)
 STEP_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0)
 FINISH_REASONS = ("stop", "length", "abort", "error")
+REJECT_REASONS = ("queue_full", "draining")
+CONSTRAINT_KINDS = ("json_object", "json_schema", "regex", "choice", "grammar", "tools")
 RECENT = 50  # finished requests the server page lists
 # sink(kind, name, doc, label names, buckets) -> a family with .labels(*values).inc/set/observe;
 # kind is "counter" | "gauge" | "histogram", name has no prefix, buckets is None but for histograms.
@@ -70,6 +74,10 @@ class ServerMetrics:
         self._histograms()
         for reason in FINISH_REASONS:  # present from the first scrape, at 0
             self.request_success.labels(model_name, reason)
+        for reason in REJECT_REASONS:
+            self.request_rejected.labels(model_name, reason)
+        for kind in CONSTRAINT_KINDS:
+            self.constrained.labels(model_name, kind)
 
     def _gauges(self) -> None:
         g = self._make(Gauge)
@@ -118,9 +126,11 @@ class ServerMetrics:
         def make(name, doc, labels=(), **kw):
             names = ["model_name", *labels]
             family = kind(PREFIX + name, doc, names, registry=self.registry, **kw)
-            if self.sink is None:
-                return family
-            return Tee(family, self.sink(kind.__name__.lower(), name, doc, names, kw.get("buckets")))
+            if self.sink is not None:
+                family = Tee(family, self.sink(kind.__name__.lower(), name, doc, names, kw.get("buckets")))
+            if not labels:  # the series exists from the first scrape, at 0 (as vLLM's): rate() sees the first request
+                family.labels(self.model_name)
+            return family
         return make
 
     def render(self) -> bytes:
