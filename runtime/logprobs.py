@@ -51,3 +51,15 @@ def token_logprobs(rows, tokens: Sequence[int], top_n: int = 0) -> list[TokenLog
     k = (table.shape[1] - 1) // 2
     return [TokenLogprob(int(t), float(r[0]), tuple((int(i), float(v)) for v, i in zip(r[1:1 + k], r[1 + k:])))
             for t, r in zip(tokens, table)]
+
+
+def prompt_logprobs(target, ids: Sequence[int], top_n: int = 0, chunk: int = 256) -> list[TokenLogprob | None]:
+    """Each prompt token's raw log-probability after the tokens before it (None for the first: nothing predicts
+    it), with the top `top_n`; the prompt goes through a cache of its own in chunks, so no vocabulary table
+    larger than a chunk's is ever held (a completion's `echo` with `logprobs`)."""
+    cache = target.new_cache(len(ids) + 1)
+    out: list[TokenLogprob | None] = [None]
+    for start in range(0, len(ids) - 1, chunk):  # rows of positions start.. predict the tokens at start + 1..
+        rows = target.forward(list(ids[start:start + chunk]), cache)
+        out += token_logprobs(rows, ids[start + 1:start + 1 + chunk], top_n)
+    return out

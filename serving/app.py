@@ -29,6 +29,7 @@ from starlette.requests import ClientDisconnect
 from mirror_rt.runtime.config import GenerationConfig, make_config
 from mirror_rt.runtime.engine import GenerationError, PromptError
 from mirror_rt.serving import protocol, structured, tools
+from mirror_rt.serving.echo import echo_of, echo_only
 from mirror_rt.serving.errors import APIError, install_handlers
 from mirror_rt.serving.logprobs import token_bytes_of
 from mirror_rt.serving.metrics import ServerMetrics, Sink
@@ -202,6 +203,9 @@ async def _complete(request: Request, state: ServerState, chat: bool):
         raise APIError(400, str(exc), "prompt") from None
     if not prompt:
         raise APIError(400, "the prompt is empty", "messages" if chat else "prompt")
+    echo = None if chat else await echo_of(req, prompt, engine)
+    if echo is not None and req.requested_tokens() == 0:
+        return echo_only(req, state.model_name, len(prompt), echo, _token_bytes(req, state))
     constraint, kind, param = structured.constraint_of(req)
     offered = req.tools if chat and req.tool_mode() else None
     await asyncio.to_thread(structured.checked, constraint, param, engine, offered)  # compiling may take a while
@@ -209,7 +213,7 @@ async def _complete(request: Request, state: ServerState, chat: bool):
     job = Job(f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}", prompt, config, asyncio.get_running_loop(),
               choices=req.choices(), constraint=kind, origins=req.include_origins())
     _admit(job, state)
-    reply = _reply(req, job, state, len(prompt), chat)
+    reply = _reply(req, job, state, len(prompt), chat, echo)
     timeout = state.settings.request_timeout
     if req.stream:
         return StreamingResponse(_streamed(job, reply, state), media_type="text/event-stream",
@@ -218,13 +222,19 @@ async def _complete(request: Request, state: ServerState, chat: bool):
     return Response(status_code=499) if result is None else result
 
 
-def _reply(req: protocol.Sampling, job: Job, state: ServerState, prompt_tokens: int, chat: bool) -> Reply:
-    """How the request's answer is shaped (choices, tool calls, log-probabilities)."""
+def _token_bytes(req: protocol.Sampling, state: ServerState):
+    return token_bytes_of(state.engine) if req.top_logprobs_asked() is not None else None
+
+
+def _reply(req: protocol.Sampling, job: Job, state: ServerState, prompt_tokens: int, chat: bool,
+           echo: tuple | None = None) -> Reply:
+    """How the request's answer is shaped (choices, tool calls, log-probabilities, an echoed prompt)."""
     tool_mode = req.tool_mode() if chat else None
-    token_bytes = token_bytes_of(state.engine) if req.top_logprobs_asked() is not None else None
+    token_bytes = _token_bytes(req, state)
     return Reply(job.id, state.model_name, chat, req.include_usage(), now(), req.continuous_usage(), prompt_tokens,
                  job.choices, tool_mode, tuple(t.function.name for t in req.tools or ()) if tool_mode else (),
-                 token_bytes, origins=job.origins, parallel_tool_calls=not chat or req.parallel_tool_calls is not False)
+                 token_bytes, origins=job.origins, parallel_tool_calls=not chat or req.parallel_tool_calls is not False,
+                 echo=echo)
 
 
 async def _streamed(job: Job, reply: Reply, state: ServerState):

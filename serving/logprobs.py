@@ -48,6 +48,9 @@ def completion_logprobs(entries, token_bytes: TokenBytes, offset: int = 0) -> di
         tokens.append(text)
         offsets.append(offset)
         offset += len(text)
+        if e.logprob is None:  # an echoed prompt's first token: nothing predicts it
+            tops.append(None)
+            continue
         top = {_text(token_bytes(t)): v for t, v in e.top}
         top.setdefault(text, e.logprob)
         tops.append(top)

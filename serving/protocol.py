@@ -245,8 +245,9 @@ class ChatRequest(Sampling):
 
 class CompletionRequest(Sampling):
     prompt: str | list[str] | list[int]
+    max_tokens: int | None = Field(None, ge=0)  # 0 only with echo: the prompt (and its log-probabilities) alone
     logprobs: int | None = Field(None, ge=0)
-    echo: bool | None = None
+    echo: bool | None = None  # the prompt's text (and its tokens' log-probabilities) before the completion
     suffix: str | None = None
     best_of: int | None = Field(None, ge=1)
 
@@ -262,7 +263,9 @@ class CompletionRequest(Sampling):
             raise APIError(400, "only one prompt per request is supported", "prompt")
         if self.prompt in ("", []):
             raise APIError(400, "the prompt is empty", "prompt")
-        for param, value in (("echo", self.echo), ("suffix", self.suffix), ("best_of", self.best_of not in (None, 1))):
+        if self.requested_tokens() == 0 and not self.echo:
+            raise APIError(400, "max_tokens must be at least 1 (0 only with echo)", "max_tokens")
+        for param, value in (("suffix", self.suffix), ("best_of", self.best_of not in (None, 1))):
             if value:
                 raise APIError(400, f"{param} is not supported", param)
         if self.logprobs is not None and self.logprobs > MAX_TOP_LOGPROBS:

@@ -43,6 +43,7 @@ class Reply:
     token_bytes: Callable[[int], bytes] | None = None  # set when log-probabilities are asked for
     origins: bool = False  # stream_options.include_origins: content chunks carry `mirror_rt.tokens`
     parallel_tool_calls: bool = True  # false: at most one call per answer
+    echo: tuple[str, tuple] | None = None  # text completions' echo: the prompt's text and log-probabilities
 
     @property
     def object(self) -> str:
@@ -63,6 +64,8 @@ class Reply:
     def final(self, index: int, text: str, finish_reason: str, entries) -> dict:
         """A whole choice (non-streamed): the message with any tool calls, or the text."""
         if not self.chat:
+            if self.echo is not None:
+                text, entries = self.echo[0] + text, [*self.echo[1], *entries]
             return {"index": index, "text": text, "logprobs": self.logprobs(entries), "finish_reason": finish_reason}
         content, calls = tools.parse_calls(text, self.tool_names, self.tool_mode, self.parallel_tool_calls)
         message = {"role": "assistant", "content": content}
@@ -146,6 +149,11 @@ async def stream(job, reply: Reply, timeout_s: float | None):
         yield sse(reply.body([{"index": i, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
                                "finish_reason": None} for i in range(reply.choices)], chunk=True))
     held, offsets, calls = defaultdict(list), defaultdict(int), {}  # tool requests hold each choice's text
+    if reply.echo is not None:  # the prompt first (serving.echo)
+        text, entries = reply.echo
+        for index in range(reply.choices):
+            yield sse(reply.body([reply.delta(index, text, entries=entries)], chunk=True))
+            offsets[index] = text_length(entries, reply.token_bytes) if entries else 0
     while True:
         kind, value = await job.events.get()
         batch = [value] if kind == "text" else []

@@ -1,0 +1,56 @@
+"""`echo` on text completions: the prompt's text (and, with `logprobs`, its tokens' log-probabilities) before
+the completion, as vLLM answers it (lm-evaluation-harness scores loglikelihood this way: `echo`, `logprobs`,
+`max_tokens: 0`).
+
+The prompt's log-probabilities are the target's raw ones (runtime.logprobs.prompt_logprobs: a forward of the
+prompt through a cache of its own, off the event loop); its first token has none. With `max_tokens: 0` no
+generation runs: the answer is the prompt alone, finish_reason `length`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import uuid
+
+from fastapi.responses import JSONResponse, StreamingResponse
+
+from mirror_rt.runtime.logprobs import TokenLogprob, prompt_logprobs
+from mirror_rt.serving.protocol import context_error
+from mirror_rt.serving.responses import Reply, now, partial_usage, sse
+
+
+async def echo_of(req, prompt: list[int], engine) -> tuple[str, tuple] | None:
+    """(the prompt's text, its tokens' log-probabilities or ()) when the request echoes; None otherwise."""
+    if not req.echo:
+        return None
+    context = engine.target.max_seq_len
+    if len(prompt) > context:
+        raise context_error(context, len(prompt), 0)
+    given = req.text_or_ids()
+    text = given if isinstance(given, str) else engine.tokenizer.decode(prompt)
+    top = req.top_logprobs_asked()
+    if top is None:
+        return text, ()
+    found = await asyncio.to_thread(prompt_logprobs, engine.target, prompt, top)
+    return text, (TokenLogprob(prompt[0], None), *found[1:])
+
+
+def echo_only(req, model_name: str, prompt_tokens: int, echo: tuple[str, tuple], token_bytes):
+    """The answer of `max_tokens: 0` with echo: the prompt alone, streamed or not."""
+    reply = Reply(f"cmpl-{uuid.uuid4().hex}", model_name, False, req.include_usage(), now(), req.continuous_usage(),
+                  prompt_tokens, req.choices(), token_bytes=token_bytes, echo=echo)
+    usage = partial_usage(prompt_tokens, 0)
+    if not req.stream:
+        choices = [reply.final(i, "", "length", ()) for i in range(reply.choices)]
+        return JSONResponse(reply.body(choices, chunk=False, usage=usage))
+
+    def events():
+        text, entries = echo
+        for i in range(reply.choices):
+            yield sse(reply.body([reply.delta(i, text, entries=entries)], chunk=True))
+        yield sse(reply.body([reply.delta(i, "", "length") for i in range(reply.choices)], chunk=True))
+        if reply.include_usage:
+            yield sse(reply.body([], chunk=True, usage=usage))
+        yield b"data: [DONE]\n\n"
+
+    return StreamingResponse(events(), media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
