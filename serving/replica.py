@@ -7,10 +7,11 @@ routes to a replica only after its constructor and a first health check pass), t
 (its Serve tag, which is also the `replica` label of its metrics), and every metric update is
 recorded through `ray.serve.metrics` too (Ray adds the `deployment`, `replica` and `application`
 labels; the names become `ray_mirror_rt_*`). `check_health` fails once the engine thread is dead,
-so Serve replaces the replica. `answer` serves the proxy's requests that take no generation slot, and
-`drain` is the single server's drain, both called on every replica at once (a Serve broadcast). Before loading, a replica that asked for whole CPUs pins its process
-to that many cores of its node, chosen by its rank on the node, so the engine's workers (which take
-the cores they may run on) use what Ray reserved for them and two replicas never share a core
+so Serve replaces the replica. `answer` serves the proxy's requests that take no generation slot,
+and `drain` is the single server's drain, both called on every replica at once (a Serve broadcast).
+Before loading, a replica that asked for whole CPUs pins its process to that many cores of its node,
+chosen by its rank on the node, so the engine's workers (which take the cores they may run on) use
+what Ray reserved for them and two replicas never share a core
 (assuming this deployment is the node's only CPU-heavy work).
 """
 
