@@ -11,8 +11,10 @@ Limitations:
 - replicas pin themselves to cores by their rank on the node (`serving.replica`), which assumes this
   deployment is the only CPU-heavy work on its nodes;
 - Serve's `max_queued_requests` counts per proxy (one proxy per node by default), loosely under bursts;
-- `/health` and `/metrics` through the proxy take a replica's slot like any request, and answer for
-  that replica only (Ray's metrics export has every replica's).
+- `/health`, `/server` and `/metrics` through our proxy take no replica's slot (`serving.proxy`), but
+  `/server` and `/metrics` answer for one replica at a time (Ray's metrics export has every replica's).
+SIGTERM / Ctrl-C drains as the single server does: every replica is told to (a Serve broadcast), the proxies
+stay up until they have, then Serve and a local Ray go down.
 """
 
 from __future__ import annotations
@@ -20,15 +22,13 @@ from __future__ import annotations
 import math
 import signal
 import time
-from dataclasses import replace
 
 from mirror_rt.runtime.batch import BatchSettings
-from mirror_rt.serving.proxy import PROXY_CALLBACK
-from mirror_rt.serving.replica import DEPLOYMENT, replica_deployment
+from mirror_rt.serving.proxy import APP, DEPLOYMENT, PAGE_VARIABLE, PROXY_CALLBACK
+from mirror_rt.serving.replica import replica_deployment
 from mirror_rt.serving.server import configure_logging, log
 from mirror_rt.serving.settings import ClusterError, ClusterSettings, ServerSettings
 
-APP = "mirror-rt"
 INSTALL = 'pip install "mirror-rt[cluster]"'
 REPLICA_QUEUE = 1  # a replica holds a batch of generations running and this many ready to join
 OBJECT_STORE = 256 * 2**20  # a local Ray's object store: requests and answers are small
@@ -97,8 +97,8 @@ def deployment_options(cluster: ClusterSettings, server: ServerSettings) -> dict
 def build(settings: ServerSettings, cluster: ClusterSettings, load):
     """The Serve application: `load()` runs in each replica to build its engine."""
     require_ray()
-    replica_settings = replace(settings, max_queued=REPLICA_QUEUE)  # Serve never sends a replica more
-    return replica_deployment(deployment_options(cluster, settings)).bind(replica_settings, load)
+    # a replica's own queue is REPLICA_QUEUE (Serve never sends it more); settings.max_queued wait at the proxy
+    return replica_deployment(deployment_options(cluster, settings)).bind(settings, load, REPLICA_QUEUE)
 
 
 # --- a Ray to run on --------------------------------------------------------------------------------
@@ -126,7 +126,7 @@ def start_serve(cluster: ClusterSettings, server: ServerSettings) -> None:
     env = {"RAY_SERVE_HTTP_PROXY_CALLBACK_IMPORT_PATH": PROXY_CALLBACK,
            "RAY_SERVE_SLOW_STARTUP_WARNING_S": str(cluster.placement_timeout),
            "RAY_SERVE_SLOW_STARTUP_WARNING_PERIOD_S": str(cluster.placement_timeout),
-           "RAY_SERVE_FORCE_STOP_UNHEALTHY_REPLICAS": "1"}
+           "RAY_SERVE_FORCE_STOP_UNHEALTHY_REPLICAS": "1", PAGE_VARIABLE: "1" if server.ui else "0"}
     serve.start(http_options={"host": server.host, "port": server.port},
                 controller_options={"runtime_env": {"env_vars": env}})
 
@@ -236,16 +236,33 @@ def serve_replicas(settings: ServerSettings, cluster: ClusterSettings, load) -> 
             stop(local, drain=False)
             raise
         log.info(describe(settings, cluster, options))
+        _wait_for_signal()
+        log.info("draining: no new requests; up to %g s for the admitted ones", settings.drain_timeout)
         try:
-            _wait_for_signal()
-            log.info("draining: the replicas finish their admitted requests (up to %g s)", settings.drain_timeout)
-        finally:
-            stop(local)
+            drained = drain(settings.drain_timeout)
+        except KeyboardInterrupt:  # a second signal: stop at once
+            drained = False
+        stop(local, drain=drained)
     finally:
         for sig, handler in previous.items():
             signal.signal(sig, signal.SIG_DFL if handler is None else handler)
     log.info("stopped")
     return 0
+
+
+def drain(timeout: float) -> bool:
+    """Every replica drains as the single server does (`serving.server.drain_scheduler`), the proxies still up so
+    that what the replicas send reaches the clients; True when done, False when it could not be (then stop at once:
+    Serve's own shutdown stops the proxies first and cuts every stream)."""
+    _, serve = require_ray()
+    try:
+        handle = serve.get_deployment_handle(DEPLOYMENT, APP)
+        handle.broadcast("drain", timeout).results(timeout_s=timeout + 15, return_exceptions=True)
+    except (RuntimeError, TimeoutError, ValueError) as exc:
+        log.warning("the replicas could not drain: %s", exc)
+        return False
+    time.sleep(0.5)  # the proxies pass on the last events
+    return True
 
 
 def _interrupt(signum, frame):

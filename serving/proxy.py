@@ -8,13 +8,17 @@ request whose replica was lost before it sent anything (the proxy sends nothing 
 once more, so a non-streamed request survives a replica's death with the same answer (and so is one
 that a replica refused with `x-mirror-rt-retry` because its engine stopped before answering); a stream
 cut after its 200 ends with the single server's failure events (an SSE error, then `[DONE]`).
-The middleware knows nothing of engines; it only reads and writes ASGI messages.
+What takes no generation slot never waits in Serve's request limits: the page's files come from the
+package here, and `/health`, `/server`, `/metrics` are asked of every replica at once (a Serve broadcast
+to the replica's `answer` method), one answer passed on. Beyond that the middleware knows nothing of
+engines; it only reads and writes ASGI messages.
 """
 
 from __future__ import annotations
 
 import json
 import logging
+import os
 import re
 
 from mirror_rt.serving.errors import envelope
@@ -22,8 +26,11 @@ from mirror_rt.serving.errors import envelope
 REPLICA_HEADER = b"x-mirror-rt-replica"
 RETRY_HEADER = b"x-mirror-rt-retry"  # a replica whose engine stopped before answering: send it elsewhere
 PROXY_CALLBACK = "mirror_rt.serving.proxy:middlewares"
+APP, DEPLOYMENT = "mirror-rt", "MirrorReplica"  # the Serve application `mirror-rt serve` deploys, and its deployment
 RETRIES = 1  # a request whose replica died before answering is sent once more
 LOST = "the replica serving this request was lost"
+PAGE_VARIABLE = "MIRROR_RT_PAGE"  # "1": the proxy serves the playground page's files itself (`serve` without --no-ui)
+LIGHT = ("/health", "/metrics", "/server")  # GETs that take no generation slot: asked of every replica at once
 log = logging.getLogger("ray.serve")
 
 
@@ -43,6 +50,8 @@ class ReplicaLoss:
     async def __call__(self, scope, receive, send):
         if scope["type"] != "http":
             return await self.app(scope, receive, send)
+        if scope["method"] == "GET" and await answer_here(scope, send):
+            return None
         body = await _read_body(receive)
         if body is None:  # the client left before its request was read
             return None
@@ -127,6 +136,90 @@ class Reply:
         self.ended = True
 
 
+# --- what the proxy answers without a replica's request slot ------------------------------------------
+
+
+async def answer_here(scope, send) -> bool:
+    """Answer a GET of the page's files (from the package) or of `LIGHT` (every replica asked outside Serve's
+    request limits, one answer passed on) without taking a replica's slot, so a page loads and a probe answers
+    while every replica is busy; False for anything else, or where no replica can be reached that way."""
+    path = scope["path"]
+    if os.environ.get(PAGE_VARIABLE) == "1" and (path == "/" or path.startswith("/ui/")):
+        status, headers, body = _page_file(path)
+    elif path in LIGHT:
+        answers = await _ask_every_replica(scope)
+        if not answers:
+            return False
+        status, headers, body = _chosen(path, answers)
+    else:
+        return False
+    await send({"type": "http.response.start", "status": status, "headers": headers})
+    await send({"type": "http.response.body", "body": body, "more_body": False})
+    return True
+
+
+def _page_file(path: str) -> tuple[int, list, bytes]:
+    from mirror_rt.serving.page import HEADERS, TYPES, page_files
+
+    global _page
+    _page = _page if _page is not None else page_files()
+    name = "index.html" if path == "/" else path[len("/ui/"):]
+    if name not in _page:
+        body = json.dumps(envelope(404, f"not found: GET {path}")).encode()
+        return 404, [(b"content-type", b"application/json")], body
+    headers = {**HEADERS, "Content-Type": TYPES[name[name.rfind("."):]]}
+    return 200, [(k.lower().encode(), v.encode()) for k, v in headers.items()], _page[name]
+
+
+async def _ask_every_replica(scope) -> list[tuple]:
+    """(status, headers, body) of every replica that answered `scope` (a GET) through its `answer` method."""
+    global _handle
+    try:
+        if _handle is None:
+            from ray import serve
+
+            _handle = serve.get_deployment_handle(DEPLOYMENT, APP)
+        response = _handle.broadcast(
+            "answer", "GET", scope["path"], scope.get("query_string", b""), list(scope.get("headers", [])))
+        answers = await response.results_async(timeout_s=10, return_exceptions=True)
+    except Exception as exc:  # noqa: BLE001 -- no app, no replica, Serve not running here: the usual path then
+        log.info("mirror-rt: %s %s through the request path: %s", scope["method"], scope["path"], exc)
+        return []
+    return [a for a in answers if isinstance(a, tuple)]
+
+
+def _chosen(path: str, answers: list[tuple]) -> tuple:
+    """The answer passed on: for /health any replica's 200 (the app serves while one does); for the others the
+    replicas in turn (each names itself in `x-mirror-rt-replica`, which the page shows)."""
+    global _turn
+    answers = sorted(answers, key=lambda a: dict(a[1]).get(REPLICA_HEADER, b""))
+    ok = [a for a in answers if a[0] == 200] or answers
+    if path == "/health":
+        return ok[0]
+    _turn += 1
+    return ok[_turn % len(ok)]
+
+
+async def call_app(app, method: str, path: str, query: bytes, headers: list) -> tuple[int, list, bytes]:
+    """Run one bodiless request through the ASGI `app` in this process: (status, headers, body)."""
+    scope = {"type": "http", "asgi": {"version": "3.0"}, "http_version": "1.1", "method": method, "scheme": "http",
+             "path": path, "raw_path": path.encode(), "query_string": query, "root_path": "",
+             "headers": [(bytes(k), bytes(v)) for k, v in headers], "client": None, "server": None}
+    answer = {"status": 500, "headers": [], "body": b""}
+
+    async def receive():
+        return {"type": "http.request", "body": b"", "more_body": False}
+
+    async def send(message):
+        if message["type"] == "http.response.start":
+            answer.update(status=message["status"], headers=list(message.get("headers", [])))
+        elif message["type"] == "http.response.body":
+            answer["body"] += message.get("body", b"")
+
+    await app(scope, receive, send)
+    return answer["status"], answer["headers"], answer["body"]
+
+
 def _proxy_message(status: int, text: str) -> str:
     queue = re.search(r"max_queued_requests=(\d+)", text)
     if status == 503 and "backpressure" in text and queue:
@@ -182,3 +275,6 @@ def _count_retry() -> None:
 
 
 _retries = None
+_page = None  # the page's files, read at the first request for one
+_handle = None  # the replicas' deployment, reached outside the request limits
+_turn = 0  # which replica's answer of a LIGHT request goes out next

@@ -7,9 +7,11 @@ routes to a replica only after its constructor and a first health check pass), t
 (its Serve tag, which is also the `replica` label of its metrics), and every metric update is
 recorded through `ray.serve.metrics` too (Ray adds the `deployment`, `replica` and `application`
 labels; the names become `ray_mirror_rt_*`). `check_health` fails once the engine thread is dead,
-so Serve replaces the replica. Before loading, a replica that asked for whole CPUs pins its process
-to that many cores of its node, chosen by its rank on the node, so the engine's workers (which take
-the cores they may run on) use what Ray reserved for them and two replicas never share a core
+so Serve replaces the replica. `answer` serves the proxy's requests that take no generation slot,
+and `drain` is the single server's drain, both called on every replica at once (a Serve broadcast).
+Before loading, a replica that asked for whole CPUs pins its process to that many cores of its node,
+chosen by its rank on the node, so the engine's workers (which take the cores they may run on) use
+what Ray reserved for them and two replicas never share a core
 (assuming this deployment is the node's only CPU-heavy work).
 """
 
@@ -21,9 +23,8 @@ import os
 
 from mirror_rt.runtime.affinity import available_cores
 from mirror_rt.serving.app import ServerSettings, create_app
-from mirror_rt.serving.proxy import REPLICA_HEADER
-
-DEPLOYMENT = "MirrorReplica"
+from mirror_rt.serving.proxy import DEPLOYMENT, REPLICA_HEADER, call_app
+from mirror_rt.serving.server import drain_scheduler
 
 
 class ReplicaHeader:
@@ -132,25 +133,41 @@ def replica_deployment(options: dict):
     class MirrorReplica:
         """One engine behind the app; Serve runs as many as the deployment asks for."""
 
-        async def __init__(self, settings: ServerSettings, load):
+        async def __init__(self, settings: ServerSettings, load, queue: int):
             # an engine thread that dies ends the replica before it answers: the proxy resends the request
             self.settings = dataclasses.replace(settings, exit_on_engine_death=True)
+            self.queue = queue  # its own queue; `settings.max_queued` waits at the proxy, and /server says so
             pin_replica(options.get("ray_actor_options", {}).get("num_cpus", 0), serve.get_replica_context().rank)
             self.engine = await asyncio.to_thread(load)
-            self.state = None
+            self.state = self.asgi = None
 
         def __serve_build_asgi_app__(self):
             engine, tag = self.engine, serve.get_replica_context().replica_tag
             app = create_app(self.settings, lambda: engine, metrics_sink=RayFamily)
             app.add_middleware(ReplicaHeader, replica=tag)
-            self.state = app.state.mirror
+            self.state, self.asgi = app.state.mirror, app
             return app
 
         async def check_health(self):
             while self.state is None or self.state.status == "loading":  # the app attaches its engine
                 await asyncio.sleep(0.05)
+            if self.state.scheduler is not None:  # before the first request: Serve routes after this check
+                self.state.scheduler.max_queued = self.queue
             problem = health_problem(self.state)
             if problem:
                 raise RuntimeError(problem)
+
+        async def answer(self, method: str, path: str, query: bytes, headers: list) -> tuple:
+            """A request answered in-process, outside Serve's request limits: the proxy asks every replica
+            this way for what takes no generation slot (`proxy.LIGHT`)."""
+            return await call_app(self.asgi, method, path, query, headers)
+
+        async def drain(self, timeout: float) -> bool:
+            """The single server's drain (`serving.server.drain_scheduler`): new requests get 503, the admitted
+            ones finish for up to `timeout` s, the rest are cancelled; True when all finished."""
+            self.state.status = "draining"
+            if self.state.scheduler is None:
+                return True
+            return await asyncio.to_thread(drain_scheduler, self.state.scheduler, timeout)
 
     return MirrorReplica

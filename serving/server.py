@@ -78,22 +78,30 @@ class DrainingServer:
         threading.Thread(target=self.drain, name="mirror-drain", daemon=True).start()
 
     def drain(self) -> None:
-        state, scheduler = self.state, self.state.scheduler
+        state = self.state
         state.status = "draining"
         log.info("draining: no new requests; up to %g s for the admitted ones", self.drain_timeout)
-        if scheduler is not None:
-            scheduler.close(cancel_waiting=False)
-            deadline = time.monotonic() + self.drain_timeout
-            while not scheduler.idle() and time.monotonic() < deadline:
-                time.sleep(0.05)
-            if not scheduler.idle():
-                log.info("drain deadline reached: cancelling what is left")
-                scheduler.cancel_all()
-                end = time.monotonic() + 5
-                while not scheduler.idle() and time.monotonic() < end:
-                    time.sleep(0.05)
-            time.sleep(0.2)  # the last events reach their streams
+        if state.scheduler is not None:
+            drain_scheduler(state.scheduler, self.drain_timeout)
         self.server.should_exit = True
+
+
+def drain_scheduler(scheduler, timeout: float) -> bool:
+    """Take no new job and let the admitted ones finish for up to `timeout` s, then cancel what is left (their
+    streams end with an error event); True when all finished. Also what a replica runs when its server drains."""
+    scheduler.close(cancel_waiting=False)
+    deadline = time.monotonic() + timeout
+    while not scheduler.idle() and time.monotonic() < deadline:
+        time.sleep(0.05)
+    finished = scheduler.idle()
+    if not finished:
+        log.info("drain deadline reached: cancelling what is left")
+        scheduler.cancel_all()
+        end = time.monotonic() + 5
+        while not scheduler.idle() and time.monotonic() < end:
+            time.sleep(0.05)
+    time.sleep(0.2)  # the last events reach their streams
+    return finished
 
 
 def serve(settings: ServerSettings, load) -> int:

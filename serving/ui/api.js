@@ -30,24 +30,49 @@ async function failure(response) {
   return response.status === 401 ? new KeyNeeded(message) : new Error(message);
 }
 
-export async function getJSON(path) {
-  const response = await fetch(path, { headers: headers(), cache: "no-store" });
-  if (!response.ok) throw await failure(response);
-  return response.json();
+// fetch, with a network failure (TypeError: "Failed to fetch", "network error") said as what it is.
+async function reach(path, options, what) {
+  try {
+    return await fetch(path, options);
+  } catch (error) {
+    if (error instanceof TypeError) throw new Error(what);
+    throw error;
+  }
 }
 
-// Yield the chunks of a streamed chat completion (SSE), until [DONE]; an error event throws.
+// The JSON of a GET and the replica that answered it (behind `serve --replicas`; null from a single server).
+export async function getAnswer(path) {
+  const response = await reach(path, { headers: headers(), cache: "no-store" }, "the server cannot be reached");
+  if (!response.ok) throw await failure(response);
+  return { data: await response.json(), replica: response.headers.get("x-mirror-rt-replica") };
+}
+
+export async function getJSON(path) {
+  return (await getAnswer(path)).data;
+}
+
+const LOST = "the connection to the server was lost";
+
+// Yield the chunks of a streamed chat completion (SSE), until [DONE]; an error event throws, and so does a stream
+// that breaks or ends before [DONE] (the server died or the network went).
 export async function* streamChat(body, signal) {
-  const response = await fetch("/v1/chat/completions", {
+  const response = await reach("/v1/chat/completions", {
     method: "POST", headers: headers({ "Content-Type": "application/json" }), body: JSON.stringify(body), signal,
-  });
+  }, LOST);
   if (!response.ok) throw await failure(response);
   const reader = response.body.getReader();
   const decoder = new TextDecoder();
   let buffer = "";
   for (;;) {
-    const { value, done } = await reader.read();
-    if (done) return;
+    let part;
+    try {
+      part = await reader.read();
+    } catch (error) {
+      if (error instanceof TypeError) throw new Error(`${LOST} before the answer ended`);
+      throw error;
+    }
+    const { value, done } = part;
+    if (done) throw new Error(`${LOST} before the answer ended`);
     buffer += decoder.decode(value, { stream: true });
     let cut;
     while ((cut = buffer.indexOf("\n\n")) >= 0) {

@@ -80,7 +80,7 @@ export class Chat {
     if (result.error) {
       this.history.pop();
       message.classList.add("failed");
-      if (result.error instanceof KeyNeeded) $("prompt").value = text;
+      $("prompt").value = text; // sent again as it is, or edited
       return;
     }
     this.history.push({ role: "assistant", content: view.text() });
@@ -186,9 +186,23 @@ export class Chat {
 function summary(mode, result, values) {
   const parts = [mode, `${values.tokens} tokens`];
   if (values.rate != null) parts.push(`${values.rate.toFixed(1)} tokens/s`);
+  const skipped = skippedSpeculation(mode, result.final);
+  if (skipped) parts.push(skipped);
   if (result.stopped) parts.push("stopped");
   if (result.error) parts.push(`failed: ${result.error.message}`);
   return parts.join(" · ");
+}
+
+// Why a speculative mode's answer has only target tokens, or how little it speculated: the server's load policy
+// runs a step target-only when speculating would not pay (a batch too large, a model too small); null otherwise.
+function skippedSpeculation(mode, final) {
+  const figures = final?.mirror_rt;
+  if (mode === "ar" || !figures?.steps || figures.speculative_steps == null) return null;
+  if (figures.speculative_steps === 0) return "no speculation: the load policy decoded every step target-only";
+  if (figures.speculative_steps < figures.steps) {
+    return `the load policy speculated in ${figures.speculative_steps} of ${figures.steps} steps`;
+  }
+  return null;
 }
 
 function comparison(body, speculative, ar, left, right) {
@@ -199,5 +213,7 @@ function comparison(body, speculative, ar, left, right) {
     fast && slow ? `speedup ${(fast / slow).toFixed(2)}×` : "speedup –",
     same ? "identical text ✓" : body.temperature > 0 ? "texts differ (sampled: each run draws its own)"
       : "texts differ"];
+  const skipped = skippedSpeculation(body.mode, speculative);
+  if (skipped && speculative.mirror_rt.speculative_steps === 0) parts.unshift(`${skipped} (ar against ar)`);
   return parts.join(" · ");
 }

@@ -1,7 +1,8 @@
 // The server page: requests running and waiting, totals, and the recent requests, polled from GET /server
-// (the server's own metrics: its gauges, counters and the last finished requests) while the tab is shown.
+// (the server's own metrics: its gauges, counters and the last finished requests) while the tab is shown;
+// behind replicas, the replica that answered (x-mirror-rt-replica) labels them.
 
-import { KeyNeeded, getJSON } from "./api.js";
+import { KeyNeeded, getAnswer } from "./api.js";
 import { termList } from "./figures.js";
 
 const $ = (id) => document.getElementById(id);
@@ -34,7 +35,9 @@ export class ServerView {
 
   async poll() {
     try {
-      this.render(await getJSON("/server"));
+      const { data, replica } = await getAnswer("/server");
+      this.render(data);
+      this.replica(replica);
       $("srv-status").textContent = `updated ${new Date().toLocaleTimeString()}`;
       $("srv-status").classList.remove("error");
     } catch (error) {
@@ -69,6 +72,12 @@ export class ServerView {
       row.cells[1].title = r.id;
       body.append(row);
     }
+  }
+
+  // Behind `serve --replicas` each poll may reach another replica: the figures say whose they are.
+  replica(name) {
+    $("srv-replica").hidden = !name;
+    $("srv-replica").textContent = name ? `figures of replica ${name} (each update may come from another)` : "";
   }
 
   totals(data) {

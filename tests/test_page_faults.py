@@ -1,0 +1,100 @@
+"""The playground page when things go wrong or differ from the plain case, in headless Chromium against a real
+server: a file of the page that does not load is said in a line (not "connecting…" forever); behind replicas the
+server tab names the replica that answered; an answer the load policy decoded without speculating says so (and
+so does "Compare with ar"); the prompt stays after any error; a lost connection is said as such."""
+
+from __future__ import annotations
+
+import dataclasses
+import re
+
+import pytest
+from browser_support import Page
+from serve_support import RunningServer, tiny_engine
+
+pytest.importorskip("fastapi")
+
+
+@pytest.fixture(scope="module")
+def server():
+    """The tiny engine whose load policy finds target-only faster at every batch size (as it can at a high load,
+    or for a small model: runtime.policy), its responses named as a replica's."""
+    from mirror_rt.runtime.policy import AR, SpeculationPolicy
+    from mirror_rt.serving.app import ServerSettings, create_app
+    from mirror_rt.serving.replica import ReplicaHeader
+
+    class TargetOnlyWins(SpeculationPolicy):
+        def choose(self, batch: int) -> str:
+            return AR
+
+    engine = tiny_engine()
+    engine.batch = dataclasses.replace(engine.batch, adaptive_speculation=True)
+    engine.reset()
+    engine.decoder.policy = TargetOnlyWins(adaptive=True)
+    app = create_app(ServerSettings(), lambda: engine)
+    app.add_middleware(ReplicaHeader, replica="replica-7")
+    running = RunningServer(app).wait_ready()
+    yield running
+    running.stop()
+
+
+@pytest.fixture
+def page(browser, server):
+    opened = Page(browser, server.url, viewport={"width": 1280, "height": 900})
+    yield opened
+    opened.close()
+
+
+def expect(locator):
+    from playwright.sync_api import expect as playwright_expect
+
+    return playwright_expect(locator)
+
+
+def test_a_file_of_the_page_that_does_not_load_is_said(browser, server):
+    context = browser.new_context()
+    context.route("**/ui/server.js", lambda route: route.fulfill(status=503, body="busy"))
+    page = context.new_page()
+    try:
+        page.goto(server.url + "/")
+        expect(page.locator("#model")).to_have_text("page not loaded")
+        expect(page.locator("#status")).to_contain_text("did not load")
+    finally:
+        context.close()
+
+
+def test_the_server_tab_names_the_replica_that_answered(page):
+    expect(page.page.locator("#model")).to_have_text("tiny")
+    page.page.click("#tab-server")
+    expect(page.page.locator("#srv-replica")).to_contain_text("replica-7")
+
+
+def test_an_answer_decoded_without_speculating_says_why(page):
+    import httpx
+
+    answer = httpx.post(page.page.url + "v1/chat/completions", timeout=60, json={
+        "messages": [{"role": "user", "content": "hi"}], "max_tokens": 8, "mode": "mirror", "temperature": 0})
+    assert answer.json()["mirror_rt"]["speculative_steps"] == 0  # the premise: the policy chose target-only
+    expect(page.page.locator("#model")).to_have_text("tiny")
+    page.ask("hi", mode="mirror", max_tokens=8, temperature=0)
+    page.wait_done()
+    note = page.page.locator(".message.assistant .meta").last
+    expect(note).to_contain_text("no speculation: the load policy decoded every step target-only")
+    page.page.click("#compare-button")
+    expect(page.page.locator("#compare-summary")).to_contain_text("no speculation", timeout=60_000)
+
+
+def test_the_prompt_stays_after_an_error(page):
+    expect(page.page.locator("#model")).to_have_text("tiny")
+    long = "x" * 400  # beyond the tiny model's context of 256: a 400
+    page.ask(long, max_tokens=8)
+    expect(page.page.locator("#status")).to_have_class(re.compile("error"))
+    assert page.page.input_value("#prompt") == long
+
+
+def test_a_lost_connection_is_said(page):
+    expect(page.page.locator("#model")).to_have_text("tiny")
+    page.page.route("**/v1/chat/completions", lambda route: route.abort("connectionreset"))
+    page.ask("hello", max_tokens=8)
+    expect(page.page.locator("#status")).to_contain_text("the connection to the server was lost")
+    assert page.page.input_value("#prompt") == "hello"
