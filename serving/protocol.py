@@ -271,17 +271,6 @@ class CompletionRequest(Sampling):
         if self.logprobs is not None and self.logprobs > MAX_TOP_LOGPROBS:
             raise APIError(400, f"logprobs must be at most {MAX_TOP_LOGPROBS}", "logprobs")
 
-    def _refuse_tool_mistakes(self) -> None:
-        """What OpenAI refuses too: a tool result that names no call, two tools under one name."""
-        for i, message in enumerate(self.messages):
-            if message.role == "tool" and not message.tool_call_id:
-                raise APIError(400, f"messages[{i}] is a tool message without tool_call_id (the call it answers)",
-                               f"messages.{i}.tool_call_id")
-        names = [t.function.name for t in self.tools or ()]
-        twice = next((name for name in names if names.count(name) > 1), None)
-        if twice is not None:
-            raise APIError(400, f"tools has more than one function named '{twice}'", "tools")
-
     def top_logprobs_asked(self) -> int | None:
         return self.logprobs
 

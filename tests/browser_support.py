@@ -8,6 +8,7 @@ Waits use Playwright's locators: the page's Content-Security-Policy forbids the 
 
 from __future__ import annotations
 
+import contextlib
 import os
 import re
 import shutil
@@ -85,3 +86,20 @@ class Page:
 
     def figure(self, name: str) -> str:
         return self.page.text_content(f"#fig-{name}")
+
+
+@contextlib.contextmanager
+def opened_page(browser, url: str):
+    """The page at `url` in a fresh context of a desktop window's size, closed after."""
+    page = Page(browser, url, viewport={"width": 1280, "height": 900})
+    try:
+        yield page
+    finally:
+        page.close()
+
+
+def expect(locator):
+    """Playwright's `expect` (imported on use: the package is optional)."""
+    from playwright.sync_api import expect as playwright_expect
+
+    return playwright_expect(locator)

@@ -187,3 +187,23 @@ def browser():
     yield browser
     browser.close()
     playwright.stop()
+
+
+@pytest.fixture
+def page(browser, server):
+    """The playground page of the module's `server`, in a fresh browser context."""
+    from browser_support import opened_page
+
+    with opened_page(browser, server.url) as opened:
+        yield opened
+
+
+@pytest.fixture(scope="module")
+def server(engine):
+    """A real server (uvicorn on a free port) over the module's `engine`, a queue of 4; modules that need
+    other settings define their own."""
+    from serve_support import start
+
+    running = start(engine, max_queued=4)
+    yield running
+    running.stop()

@@ -10,7 +10,7 @@ import re
 import time
 
 import pytest
-from browser_support import Page
+from browser_support import Page, expect
 from serve_support import Delayed, metric, scrape, start, tiny_engine, wait_for
 
 pytest.importorskip("fastapi")
@@ -31,19 +31,6 @@ def server(slow_engine):
     running = start(slow_engine, max_queued=4)
     yield running
     running.stop()
-
-
-@pytest.fixture
-def page(browser, server):
-    opened = Page(browser, server.url, viewport={"width": 1280, "height": 900})
-    yield opened
-    opened.close()
-
-
-def expect(locator):
-    from playwright.sync_api import expect as playwright_expect
-
-    return playwright_expect(locator)
 
 
 def test_page_loads_without_console_errors(page):

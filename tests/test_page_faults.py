@@ -9,7 +9,7 @@ import dataclasses
 import re
 
 import pytest
-from browser_support import Page
+from browser_support import expect
 from serve_support import RunningServer, tiny_engine
 
 pytest.importorskip("fastapi")
@@ -36,19 +36,6 @@ def server():
     running = RunningServer(app).wait_ready()
     yield running
     running.stop()
-
-
-@pytest.fixture
-def page(browser, server):
-    opened = Page(browser, server.url, viewport={"width": 1280, "height": 900})
-    yield opened
-    opened.close()
-
-
-def expect(locator):
-    from playwright.sync_api import expect as playwright_expect
-
-    return playwright_expect(locator)
 
 
 def test_a_file_of_the_page_that_does_not_load_is_said(browser, server):

@@ -18,13 +18,6 @@ PROMPT = "hello there"
 MESSAGES = [{"role": "user", "content": PROMPT}]
 
 
-@pytest.fixture(scope="module")
-def server(engine):
-    running = start(engine, max_queued=4)
-    yield running
-    running.stop()
-
-
 def ar_text(reference, prompt, chat: bool, max_new: int) -> str:
     return reference.generate(prompt, mode="ar", max_new_tokens=max_new, chat=chat).text
 

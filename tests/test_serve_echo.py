@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import httpx
 import pytest
-from serve_support import start, tiny_engine
 
 from mirror_rt.runtime.logprobs import token_logprobs
 
@@ -13,18 +12,6 @@ pytest.importorskip("fastapi")
 openai = pytest.importorskip("openai")
 
 PROMPT = "hello there"
-
-
-@pytest.fixture(scope="module")
-def engine():
-    return tiny_engine()
-
-
-@pytest.fixture(scope="module")
-def server(engine):
-    running = start(engine, max_queued=4)
-    yield running
-    running.stop()
 
 
 def test_echo_puts_the_prompt_before_the_completion(server):

@@ -19,13 +19,6 @@ ROOT = Path(__file__).resolve().parents[1]
 MESSAGES = [{"role": "user", "content": "hello there"}]
 
 
-@pytest.fixture(scope="module")
-def server(engine):
-    running = start(engine, max_queued=4)
-    yield running
-    running.stop()
-
-
 def stream(server, **options) -> list[dict]:
     body = {"messages": MESSAGES, "max_tokens": 40, "temperature": 0, "stream": True, **options}
     with httpx.stream("POST", server.url + "/v1/chat/completions", json=body, timeout=60) as response:

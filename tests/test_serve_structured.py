@@ -9,7 +9,7 @@ import json
 
 import httpx
 import pytest
-from serve_support import metric, scrape, start, tiny_engine
+from serve_support import metric, scrape, tiny_engine
 from test_token_rules import SCHEMAS
 
 from mirror_rt.runtime.grammar import Constraint
@@ -34,13 +34,6 @@ def engine():
 @pytest.fixture(scope="module")
 def reference():
     return tiny_engine(max_seq_len=1536)
-
-
-@pytest.fixture(scope="module")
-def server(engine):
-    running = start(engine, max_queued=4)
-    yield running
-    running.stop()
 
 
 def schema_format(schema: dict) -> dict:
