@@ -18,7 +18,10 @@ import math
 from dataclasses import dataclass
 from pathlib import Path
 
+from mirror_rt.runtime.config import MAX_GAMMA
 from mirror_rt.runtime.latency import hit_probability, mirror_step, sd_step, tokens_per_step
+
+COSTS = ("target_layer_ms", "target_head_ms", "draft_forward_ms", "rendezvous_ms")  # milliseconds, >= 0
 
 
 @dataclass(frozen=True)
@@ -40,10 +43,24 @@ class SimConfig:
     branches_batched: bool = True  # side branches ride in the main line's draft forwards
 
     def __post_init__(self):
+        for name in ("target_layers", "exit_layer", "gamma", "ss_streams"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool):
+                raise ValueError(f"{name} must be an integer, got {json.dumps(value)}")
+        for name in COSTS + ("window_growth", "acceptance", "root_coverage"):
+            value = getattr(self, name)
+            if not isinstance(value, (int, float)) or isinstance(value, bool) or not math.isfinite(value) or value < 0:
+                raise ValueError(f"{name} must be a finite number >= 0, got {json.dumps(value)}")
         if not 1 <= self.exit_layer < self.target_layers:
             raise ValueError(f"exit_layer must be in 1..{self.target_layers - 1}")
+        if not 1 <= self.gamma <= MAX_GAMMA:
+            raise ValueError(f"gamma must be in 1..{MAX_GAMMA}, got {self.gamma}")
+        if not 0 <= self.ss_streams <= MAX_GAMMA:
+            raise ValueError(f"ss_streams must be in 0..{MAX_GAMMA}, got {self.ss_streams}")
         if not 0 <= self.acceptance < 1 or not 0 <= self.root_coverage <= 1:
             raise ValueError("acceptance must be in [0, 1) and root_coverage in [0, 1]")
+        if self.target_layer_ms + self.target_head_ms <= 0:
+            raise ValueError("target_layer_ms and target_head_ms cannot both be 0 (a target forward costs time)")
 
 
 def target_ms(cfg: SimConfig, layers: int, window: int, head: bool) -> float:
@@ -96,7 +113,7 @@ def load_config(ref: str) -> SimConfig:
         raise ValueError(f"simulate: no preset or file named '{ref}' (presets: {', '.join(PRESETS)})")
     try:
         return SimConfig(**json.loads(path.read_text()))
-    except (json.JSONDecodeError, TypeError) as exc:
+    except (json.JSONDecodeError, TypeError, ValueError, UnicodeDecodeError) as exc:
         raise ValueError(f"simulate: {path}: {exc}") from None
 
 

@@ -34,6 +34,23 @@ def test_streams_and_coverage():
     assert r["mirror_ms_per_step"] == pytest.approx(1 + 5 + 0.125 * 5)
 
 
+HAND = dict(name="hand", target_layers=2, exit_layer=1, target_layer_ms=10, window_growth=0, target_head_ms=0,
+            draft_forward_ms=2, gamma=2, acceptance=0.5, root_coverage=0)
+
+
+@pytest.mark.parametrize("patch, says", [
+    ({"ss_streams": -1}, "ss_streams must be in 0..64"), ({"gamma": 10**9}, "gamma must be in 1..64"),
+    ({"gamma": 2.5}, "gamma must be an integer"), ({"gamma": "4"}, "gamma must be an integer"),
+    ({"target_layer_ms": -1}, "target_layer_ms must be a finite number >= 0"),
+    ({"window_growth": float("nan")}, "window_growth must be a finite number"),
+    ({"target_layer_ms": 0}, "cannot both be 0"),
+])
+def test_impossible_settings_are_refused_in_one_line(patch, says):
+    """Negative costs printed negative speeds, a huge gamma hung, 0 costs divided by zero."""
+    with pytest.raises(ValueError, match=says):
+        SimConfig(**(HAND | patch))
+
+
 def test_cli_preset_and_file(tmp_path):
     out = subprocess.run([sys.executable, "-m", "mirror_rt.cli", "simulate"], capture_output=True, text=True)
     assert out.returncode == 0 and "mirror" in out.stdout and "qwen3-14b" in out.stdout
