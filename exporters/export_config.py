@@ -51,6 +51,9 @@ class ExportConfig:
             if value in ("q4_1", "w8a8") and self.fmt != "onnx":
                 raise ExportError(f"{flag} {value} needs --format onnx (ONNX Runtime's integer products), "
                                   f"got --format {self.fmt}")
+            if value == "fp16" and self.fmt == "onnx":  # checked here, not after the first graphs are written
+                raise ExportError(f"{flag} fp16 needs --format openvino or torch (ONNX Runtime has no fast fp16 "
+                                  "products on the CPU); onnx takes fp32, int8, int4, q4_1, w8a8")
         if self.exit_weights not in EXIT_WEIGHTS:
             raise ExportError(f"--exit-weights must be one of {', '.join(EXIT_WEIGHTS)}, got '{self.exit_weights}'")
         if self.kv is None:

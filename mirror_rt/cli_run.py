@@ -107,8 +107,9 @@ def add_export(sub) -> None:
                         "draft graph (onnx); Mirror's greedy rollouts then confirm several tokens per forward")
     export.add_argument("--format", dest="fmt", default=EXPORT.fmt,
                         help="onnx (default: exact and fastest on CPU here) | openvino | torch")
-    export.add_argument("--weights", default=EXPORT.weights, help="target weights: fp32 (default) | fp16 | int8 (the "
-                        "default bundle's) | int4 | q4_1 | w8a8 (onnx: int8 activations per row; docs/performance.md)")
+    export.add_argument("--weights", default=EXPORT.weights,
+                        help="target weights: fp32 (default, as the default bundle's) | fp16 (openvino, torch) | "
+                        "int8 | int4 | q4_1 | w8a8 (onnx: int8 activations per row; docs/performance.md)")
     export.add_argument("--draft-weights", default=EXPORT.draft_weights,
                         help="draft weights: auto (default: q4_1 where the weights are Q4_1 blocks exactly and the "
                         "format is onnx, else int8) | fp32 | fp16 | int8 | int4 | q4_1 (onnx: 4-bit blocks with a "
