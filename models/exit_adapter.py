@@ -207,6 +207,10 @@ def load_exit_adapter(path, model=None, exit_layer: int | None = None) -> ExitAd
     from safetensors.torch import load_file
 
     weights, meta = adapter_paths(path)
+    missing = [p.name for p in (weights, meta) if not p.is_file()]
+    if missing:  # an adapter is a pair of files: say which was given and what is not there
+        raise AdapterError(f"{path}: not an exit adapter (mirror-rt train-exit --out writes NAME.safetensors and "
+                           f"NAME.json; missing {' and '.join(missing)} in {weights.parent})")
     try:
         record = json.loads(meta.read_text())
         state = load_file(str(weights))

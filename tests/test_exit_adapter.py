@@ -93,6 +93,11 @@ def test_save_load_round_trip(tmp_path):
         load_exit_adapter(tmp_path / "exit", model, exit_layer=1)
     with pytest.raises(AdapterError, match="another model"):
         load_exit_adapter(tmp_path / "exit", tiny_target(seed=0, vocab_size=101))
+    (tmp_path / "exit.json").unlink()
+    with pytest.raises(AdapterError, match=r"exit.safetensors: not an exit adapter .*missing exit.json"):
+        load_exit_adapter(tmp_path / "exit.safetensors", model)  # the path given is named, and what is missing
+    with pytest.raises(AdapterError, match=r"nope: not an exit adapter"):
+        load_exit_adapter(tmp_path / "nope", model)
 
 
 @pytest.mark.parametrize("seed", range(3))
