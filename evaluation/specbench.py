@@ -33,6 +33,8 @@ def question_files(data, command: str) -> list[str]:
     missing = [str(f) for f in files if not Path(f).is_file()]
     if missing:
         raise DataError(f"question file not found: {missing[0]}")
+    if not any(read_questions(f) for f in files):  # read here: a malformed line is said before any model loads
+        raise DataError(f"{command}: no questions in {', '.join(files)}")
     return [str(f) for f in files]
 
 

@@ -12,6 +12,7 @@ from mirror_rt.training.draft_eval import (
     DraftRow,
     accepted_length,
     evaluate_drafts,
+    format_rows,
     greedy_rollout,
 )
 
@@ -133,6 +134,26 @@ def test_cli_refuses_missing_question_files(tmp_path, capsys):
     assert main(["eval-draft", "--bundle", "/b", "--target", "tiny", "--data", str(tmp_path / "none.jsonl")]) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert err == [f"mirror-rt: error: question file not found: {tmp_path / 'none.jsonl'}"]
+
+
+@pytest.mark.parametrize("args, says", [(["--gamma", "1000"], "--gamma must be in 1..64, got 1000"),
+                                        (["--data", "EMPTY"], "eval-draft: no questions in")])
+def test_cli_refuses_what_cannot_be_measured(tmp_path, capsys, args, says):
+    """A window longer than any request may ask for, or a file without questions: one line (a TypeError in the
+    table came out of both)."""
+    from mirror_rt.cli import main
+
+    (tmp_path / "empty.jsonl").write_text("")
+    args = [str(tmp_path / "empty.jsonl") if a == "EMPTY" else a for a in args]
+    data = [] if "--data" in args else ["--data", _questions(tmp_path)]
+    assert main(["eval-draft", "--bundle", "/b", "--target", "tiny", *data, *args]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and says in err[0]
+
+
+def test_a_table_without_windows_shows_dashes():
+    table = format_rows([{**DraftRow("d", gamma=40).summary(), "rollout_vs_first": None}])
+    assert "| d | 40 | 0 |" in table and "None" not in table
 
 
 def test_cli_refuses_a_draft_of_another_vocabulary(tmp_path, capsys):

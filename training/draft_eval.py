@@ -20,7 +20,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from mirror_rt.runtime.affinity import available_cores
-from mirror_rt.runtime.config import DEFAULTS
+from mirror_rt.runtime.config import DEFAULTS, MAX_GAMMA
 from mirror_rt.runtime.draft_row import confident_guesses
 from mirror_rt.runtime.lookup import lookup_guesses, verify_guesses
 
@@ -51,13 +51,13 @@ class DraftRow:
         self.total_ms += 1000 * sum(times)
 
     def summary(self) -> dict:
-        n = max(1, self.windows)
+        n = self.windows  # none: nothing measured (answers shorter than a window), so no figure but the count
         return {"draft": self.name, "gamma": self.gamma, "windows": self.windows,
                 "acceptance_per_position": [round(m / r, 3) if r else None for m, r in zip(self.matched, self.reached)],
-                "mean_accepted_length": round(1 + self.accepted / n, 3),  # accepted + the target's own token
-                "forwards_per_window": round(self.forwards / n, 3),
+                "mean_accepted_length": round(1 + self.accepted / n, 3) if n else None,  # + the target's own token
+                "forwards_per_window": round(self.forwards / n, 3) if n else None,
                 "ms_per_forward": round(self.total_ms / self.forwards, 2) if self.forwards else None,
-                "ms_per_window": round(self.total_ms / n, 2)}
+                "ms_per_window": round(self.total_ms / n, 2) if n else None}
 
 
 def greedy_rollout(draft, cache, context: list[int], gamma: int, draft_lookup: int = 0, min_probability: float = 0.2,
@@ -132,7 +132,7 @@ def evaluate_drafts(drafts: dict, sequences: list[tuple[list[int], int]], gammas
     reference = {r["gamma"]: r["ms_per_window"] for r in out if r["draft"] == first_name}
     for r in out:
         base = reference[r["gamma"]]
-        r["rollout_vs_first"] = round(r["ms_per_window"] / base, 3) if base else None
+        r["rollout_vs_first"] = round(r["ms_per_window"] / base, 3) if base and r["ms_per_window"] else None
     return out
 
 
@@ -142,11 +142,17 @@ def format_rows(rows: list[dict]) -> str:
             "| ms per forward | ms per window | rollout vs first |\n|---|---|---|---|---|---|---|---|---|")
     lines = [head]
     for r in rows:
-        acceptance = " ".join("-" if a is None else f"{a:.2f}" for a in r["acceptance_per_position"])
-        lines.append(f"| {r['draft']} | {r['gamma']} | {r['windows']} | {acceptance} | {r['mean_accepted_length']:.2f} "
-                     f"| {r['forwards_per_window']:.2f} | {r['ms_per_forward']} | {r['ms_per_window']:.1f} "
-                     f"| {r['rollout_vs_first']:.2f}x |")
+        acceptance = " ".join(_shown(a, ".2f") for a in r["acceptance_per_position"])
+        lines.append(f"| {r['draft']} | {r['gamma']} | {r['windows']} | {acceptance} "
+                     f"| {_shown(r['mean_accepted_length'], '.2f')} | {_shown(r['forwards_per_window'], '.2f')} "
+                     f"| {_shown(r['ms_per_forward'], '')} | {_shown(r['ms_per_window'], '.1f')} "
+                     f"| {_shown(r['rollout_vs_first'], '.2f')}x |")
     return "\n".join(lines)
+
+
+def _shown(value, spec: str) -> str:
+    """A figure, or "-" where there was nothing to measure (no window of that length)."""
+    return "-" if value is None else format(value, spec)
 
 
 def eval_draft_main(bundles: list[str], target: str | None = None, data=None, gammas=(4, 7), questions: int = 24,
@@ -166,10 +172,13 @@ def eval_draft_main(bundles: list[str], target: str | None = None, data=None, ga
     from mirror_rt.models.loading import load_checkpoint
     from mirror_rt.training.ss_data import answer_sequences, split
 
+    bad = [g for g in gammas if not 1 <= g <= MAX_GAMMA]
+    if bad:
+        raise ValueError(f"--gamma must be in 1..{MAX_GAMMA}, got {bad[0]}")
     files = question_files(data, "eval-draft")  # inputs are checked before any model loads
     checkpoint = load_checkpoint(target, cache=cache, log=lambda *a: None)
     vocab = checkpoint.model.config.vocab_size
-    manifests = {folder: read_manifest(Path(folder), verify=False) for folder in bundles}  # bad paths fail first
+    manifests = {folder: read_manifest(Path(folder)) for folder in bundles}  # bad paths and corrupt files fail first
     for folder, manifest in manifests.items():
         if manifest.draft_config["vocab_size"] != vocab:
             raise ValueError(f"{folder}: the draft has {manifest.draft_config['vocab_size']} tokens, "
