@@ -27,6 +27,8 @@ PROMPT = "The history of the transistor begins with"
 MODES = ("ar", "sd", "mirror")
 
 CHECK_TOKENS = 48  # tokens per run of the check: enough to time a pair, short enough to check many
+MAX_CHECK_TOKENS = 1024  # the check's prompt and output stay well inside every preset's context
+CHECK_OUT = "devices-check.json"
 
 
 @dataclass
@@ -188,5 +190,6 @@ def _opt(x) -> str:
 
 def write_check(doc: dict, path: str | Path) -> Path:
     path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps(doc, indent=2))
     return path

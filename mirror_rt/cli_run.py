@@ -19,8 +19,9 @@ from mirror_rt.cli_options import (
     engine_options,
     generation_config,
 )
-from mirror_rt.evaluation.device_check import CHECK_TOKENS
+from mirror_rt.evaluation.device_check import CHECK_OUT, CHECK_TOKENS, MAX_CHECK_TOKENS
 from mirror_rt.exporters.export_config import ExportConfig
+from mirror_rt.exporters.paths import check_writable
 from mirror_rt.models.config import DEFAULT_KAPPA
 from mirror_rt.models.default_model import DEFAULT_MODEL
 
@@ -151,16 +152,24 @@ def add_devices(sub) -> None:
     devices.add_argument("--check", action="store_true", help="run every device pair found here (random-weight "
                          "SmolLM2 presets, offline): equality, tokens/s, device reads, launches, peak memory")
     devices.add_argument("--models", help="presets to check (default: smollm2-135m, plus smollm2-1.7b with CUDA)")
-    devices.add_argument("--max-new-tokens", type=positive_int, default=CHECK_TOKENS,
-                         help="tokens per run of the check (default %(default)s)")
+    devices.add_argument("--max-new-tokens", type=positive_int,
+                         help=f"tokens per run of the check (default {CHECK_TOKENS}, at most {MAX_CHECK_TOKENS})")
     devices.add_argument("--compile", action="store_true", help="check the compiled path (torch.compile) instead")
-    devices.add_argument("--out", default="devices-check.json", help="JSON file of the check")
+    devices.add_argument("--out", help=f"JSON file the check writes (default {CHECK_OUT})")
 
 
 def cmd_devices(args) -> int:
     from mirror_rt.devices.engines import draft_choice_here, placements_here
     from mirror_rt.devices.registry import format_devices
 
+    given = [flag for flag, value in (("--models", args.models), ("--max-new-tokens", args.max_new_tokens),
+                                      ("--compile", args.compile), ("--out", args.out)) if value]
+    if given and not args.check:
+        raise ValueError(f"{', '.join(given)}: only with --check")
+    max_new_tokens = args.max_new_tokens or CHECK_TOKENS
+    if max_new_tokens > MAX_CHECK_TOKENS:
+        raise ValueError(f"--max-new-tokens of the check must be at most {MAX_CHECK_TOKENS}, got {max_new_tokens}")
+    out = check_writable(args.out or CHECK_OUT, folder=False) if args.check else None  # before the check runs
     print(format_devices())
     print("\n".join(f"placement, {line}" for line in placements_here()))
     print("\n".join(draft_choice_here()))
@@ -169,9 +178,9 @@ def cmd_devices(args) -> int:
     from mirror_rt.evaluation.device_check import format_check, run_check, write_check
 
     models = args.models.split(",") if args.models else None
-    doc = run_check(models, args.max_new_tokens, args.compile, log=log)
+    doc = run_check(models, max_new_tokens, args.compile, log=log)
     print(format_check(doc))
-    print(f"written to {write_check(doc, args.out)}")
+    print(f"written to {write_check(doc, out)}")
     return 0
 
 

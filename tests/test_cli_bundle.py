@@ -58,6 +58,17 @@ def test_export_bad_option_named(tmp_path, args, named):
     assert proc.returncode == 2 and len(errors) == 1 and named in errors[0]  # on a line of its own, after the bar
 
 
+@pytest.mark.parametrize("args, says", [(["--check", "--out", "FOLDER"], "it is a folder, a file is needed"),
+                                        (["--check", "--max-new-tokens", "99999"], "must be at most 1024"),
+                                        (["--out", "x.json"], "--out: only with --check")])
+def test_devices_check_options_refused_before_the_check(tmp_path, args, says):
+    """A folder as --out failed after the whole check had run; a huge token count ran on and on."""
+    proc = run_cli("devices", *[str(tmp_path) if a == "FOLDER" else a for a in args])
+    lines = proc.stderr.strip().splitlines()
+    assert proc.returncode == 2 and len(lines) == 1 and lines[0].startswith("mirror-rt: error: ")
+    assert says in lines[0] and not proc.stdout
+
+
 def test_devices_lists_backends():
     proc = run_cli("devices")
     assert proc.returncode == 0 and "torch:cpu" in proc.stdout and "openvino:CPU" in proc.stdout
