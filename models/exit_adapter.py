@@ -99,6 +99,8 @@ class ExitAdapter(nn.Module):
         With `attention`, the query starts as layer ℓe-1's own (norm and q projection), which reads its keys.
         """
         c = model.config
+        if not 1 <= rank <= c.hidden_size:
+            raise AdapterError(f"--rank must be in 1..{c.hidden_size} (the hidden size), got {rank}")
         heads = {"n_heads": c.n_heads, "n_kv_heads": c.n_kv_heads, "head_dim": c.head_dim} if attention else {}
         config = ExitAdapterConfig(exit_layer=exit_layer, hidden_size=c.hidden_size, rank=rank, norm_eps=c.norm_eps,
                                    model_fingerprint=model_fingerprint(c), attention=attention, **heads)

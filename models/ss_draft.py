@@ -23,6 +23,8 @@ from torch import nn
 from mirror_rt.models.transformer import Transformer, apply_rope, rope_tables
 from mirror_rt.runtime.lookup import verify_guesses
 
+MAX_STREAMS = 16  # lookahead streams per draft: each adds a row per position to every stream forward
+
 
 class LoRA(nn.Module):
     """x -> B(A(x)) with B initialised to zero (starts as the identity delta)."""
@@ -57,8 +59,10 @@ class StreamDraft(nn.Module):
         n = base.config.n_layers
         if not 1 <= n_stream_layers <= n:
             raise ValueError(f"--stream-layers must be in 1..{n}, got {n_stream_layers}")
-        if n_streams < 1:
-            raise ValueError(f"--streams must be >= 1, got {n_streams}")
+        if not 1 <= n_streams <= MAX_STREAMS:
+            raise ValueError(f"--streams must be in 1..{MAX_STREAMS}, got {n_streams}")
+        if not 1 <= rank <= base.config.hidden_size:
+            raise ValueError(f"--rank must be in 1..{base.config.hidden_size} (the hidden size), got {rank}")
         self.base, self.n_streams, self.first = base, n_streams, n - n_stream_layers
         self.stream_embed = nn.Parameter(torch.zeros(n_streams, base.config.hidden_size))
         nn.init.normal_(self.stream_embed, std=0.02)

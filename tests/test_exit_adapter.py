@@ -80,6 +80,11 @@ def test_split_holds_out_every_fifth_question():
     assert len(train) + len(held_out) == len(data) - int(((data.question == 4) & ~data.is_answer).sum())
 
 
+def test_a_rank_beyond_the_hidden_size_is_refused():
+    with pytest.raises(AdapterError, match="--rank must be in 1.."):  # 99999999 asked for 230 GB
+        ExitAdapter.for_model(tiny_target(seed=0), 1, rank=99999999)
+
+
 def test_save_load_round_trip(tmp_path):
     """Weights and config survive the files; another model or exit layer is refused."""
     model = tiny_target(seed=0)

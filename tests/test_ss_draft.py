@@ -108,6 +108,17 @@ def test_training_is_deterministic_and_resumes(tmp_path):
     resumed = train_streams(StreamDraft(tiny_target(seed=5), rank=4), data, 20, tmp_path / "b", seed=3,
                             save_every=10, progress=False)
     assert resumed == pytest.approx(full[10:], rel=1e-6)
+    with pytest.raises(ValueError, match="holds streams trained with another shape"):  # a size-mismatch traceback
+        train_streams(StreamDraft(tiny_target(seed=5), n_streams=3, rank=4), data, 30, tmp_path / "b", seed=3,
+                      save_every=10, progress=False)
+
+
+@pytest.mark.parametrize("options, says", [({"n_streams": 1000}, "--streams must be in 1..16"),
+                                           ({"rank": 100000}, "--rank must be in 1..")])
+def test_stream_shapes_beyond_reason_are_refused(options, says):
+    """1000 streams were killed for memory; a rank of 100000 filled the disk."""
+    with pytest.raises(ValueError, match=says):
+        StreamDraft(tiny_target(seed=5), **options)
 
 
 def test_replay_counts_forwards():

@@ -87,7 +87,11 @@ def _resume(draft: StreamDraft, optimizer, out_dir: Path) -> int:
     if not state_file.exists():
         return 0
     trained = load_streams(draft.base, out_dir)
-    draft.load_state_dict(trained.state_dict(), strict=False)
+    try:
+        draft.load_state_dict(trained.state_dict(), strict=False)
+    except RuntimeError:  # a size mismatch: the folder holds streams of another shape
+        raise ValueError(f"{out_dir}: holds streams trained with another shape ({trained.n_streams} streams); resume "
+                         "with the same --streams, --stream-layers and --rank, or train into another --out") from None
     state = load_state(state_file, ("optimizer", "step"))
     optimizer.load_state_dict(state["optimizer"])
     return int(state["step"])
