@@ -126,8 +126,8 @@ def _onnxruntime_devices() -> list[str]:
         return []
     from mirror_rt.devices.onnxruntime_backend import PROVIDERS
 
-    names = {v: k for k, v in PROVIDERS.items()}
-    return [names.get(p, p) for p in ort.get_available_providers()]
+    names = {v: k for k, v in PROVIDERS.items()}  # providers a bundle can run on (AzureExecutionProvider is not one)
+    return [names[p] for p in ort.get_available_providers() if p in names]
 
 
 _PROBES = {"torch": _torch_devices, "openvino": _openvino_devices, "onnxruntime": _onnxruntime_devices}

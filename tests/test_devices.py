@@ -277,3 +277,12 @@ def test_worker_budget_pins_only_the_calling_thread():
     thread.join()
     assert seen["worker"] == {min(before)}
     assert os.sched_getaffinity(0) == before
+
+
+def test_providers_no_bundle_can_run_on_are_not_listed(monkeypatch):
+    """`devices` listed ort:AzureExecutionProvider (a remote-inference provider) that `run` then refused."""
+    ort = pytest.importorskip("onnxruntime")
+    from mirror_rt.devices.registry import _onnxruntime_devices
+
+    monkeypatch.setattr(ort, "get_available_providers", lambda: ["AzureExecutionProvider", "CPUExecutionProvider"])
+    assert _onnxruntime_devices() == ["cpu"]
