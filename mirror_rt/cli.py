@@ -10,6 +10,7 @@ Ctrl-C exits with 130 after the committed text was printed.
 from __future__ import annotations
 
 import argparse
+import errno
 import sys
 
 from mirror_rt.cli_bench import COMMANDS as BENCH_COMMANDS
@@ -31,6 +32,10 @@ class OneLineParser(argparse.ArgumentParser):
 
     def error(self, message: str):
         self.exit(2, f"{self.prog}: error: {message} (see {self.prog} --help)\n")
+
+
+# what the machine refused (a full disk, no memory, a read-only place): a line, not a traceback, whatever wrote it
+MACHINE_ERRORS = {errno.ENOSPC, errno.ENOMEM, errno.EROFS, errno.EACCES, errno.EDQUOT}
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -66,6 +71,12 @@ def main(argv=None) -> int:
     except (ValueError, FileNotFoundError, DefaultModelUnavailable) as exc:
         print(f"mirror-rt: error: {exc}", file=sys.stderr)
         return 2
+    except OSError as exc:
+        if exc.errno not in MACHINE_ERRORS:
+            raise
+        where = f" ({exc.filename})" if exc.filename else ""
+        print(f"mirror-rt: error: {exc.strerror or exc}{where}", file=sys.stderr)
+        return 1
 
 
 if __name__ == "__main__":

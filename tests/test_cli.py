@@ -203,3 +203,25 @@ def test_a_bad_argument_is_one_line_without_the_usage_block(args, says):
     proc = run_cli(*args)
     assert proc.returncode == 2 and proc.stderr.count("\n") == 1 and says in proc.stderr, proc.stderr
     assert proc.stderr.startswith("mirror-rt") and "usage:" not in proc.stderr
+
+
+@pytest.mark.parametrize("code, reraised", [(28, False), (12, False), (2, False), (5, True)])
+def test_what_the_machine_refuses_is_one_line(monkeypatch, capsys, code, reraised):
+    """A full disk in the middle of an export ended in torch.onnx's traceback; any command now says it in a line
+    (a missing file stays the usage error it was; other OS errors are faults and keep their traceback)."""
+    import os
+
+    from mirror_rt import cli
+
+    def full(args):
+        raise OSError(code, os.strerror(code), "/tmp/bundle/target.onnx")
+
+    monkeypatch.setitem(cli.COMMANDS, "simulate", full)
+    if reraised:
+        with pytest.raises(OSError):
+            cli.main(["simulate"])
+        return
+    status = cli.main(["simulate"])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith("mirror-rt: error: ") and "/tmp/bundle/target.onnx" in err[0]
+    assert status == (2 if code == 2 else 1)
