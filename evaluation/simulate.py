@@ -18,7 +18,7 @@ import math
 from dataclasses import dataclass
 from pathlib import Path
 
-from mirror_rt.runtime.config import MAX_GAMMA
+from mirror_rt.runtime.config import MAX_GAMMA, is_integer
 from mirror_rt.runtime.latency import hit_probability, mirror_step, sd_step, tokens_per_step
 
 COSTS = ("target_layer_ms", "target_head_ms", "draft_forward_ms", "rendezvous_ms")  # milliseconds, >= 0
@@ -45,7 +45,7 @@ class SimConfig:
     def __post_init__(self):
         for name in ("target_layers", "exit_layer", "gamma", "ss_streams"):
             value = getattr(self, name)
-            if not isinstance(value, int) or isinstance(value, bool):
+            if not is_integer(value):
                 raise ValueError(f"{name} must be an integer, got {json.dumps(value)}")
         for name in COSTS + ("window_growth", "acceptance", "root_coverage"):
             value = getattr(self, name)

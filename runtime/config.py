@@ -20,6 +20,11 @@ EARLY_EXIT = ("auto", "on", "off")
 MAX_GAMMA = 64  # the longest window a request may ask for
 
 
+def is_integer(value) -> bool:
+    """An integer, not a bool (JSON's true and Python's True are ints to isinstance)."""
+    return isinstance(value, numbers.Integral) and not isinstance(value, bool)
+
+
 @dataclass(frozen=True)
 class GenerationConfig:
     """What to generate and how."""
@@ -44,7 +49,7 @@ class GenerationConfig:
     def validate(self) -> None:
         for name in ("max_new_tokens", "gamma", "seed", "min_window", "draft_lookup"):
             value = getattr(self, name)
-            if not isinstance(value, numbers.Integral) or isinstance(value, bool):
+            if not is_integer(value):
                 raise ValueError(f"{name} must be an integer, got {value!r}")
         if isinstance(self.stop_strings, str):
             raise ValueError(f"stop_strings must be a list of strings, got the string {self.stop_strings!r}")

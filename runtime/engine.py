@@ -20,11 +20,11 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field, replace
 
 from mirror_rt.runtime.batch import BatchDecoder, BatchSettings, KVTooLarge
-from mirror_rt.runtime.config import GenerationConfig, make_config
+from mirror_rt.runtime.config import GenerationConfig, is_integer, make_config
 from mirror_rt.runtime.draft_row import DraftStats
 from mirror_rt.runtime.draft_worker import summed
 from mirror_rt.runtime.mirror_stats import mirror_summary
-from mirror_rt.runtime.prompts import is_token_id, prompt_problem
+from mirror_rt.runtime.prompts import prompt_problem
 from mirror_rt.runtime.reference import token_budget
 from mirror_rt.runtime.sequence import Sequence
 from mirror_rt.runtime.text_stream import TextStream
@@ -36,7 +36,8 @@ class GenerationError(ValueError):
 
 
 class PromptError(GenerationError):
-    """A prompt that holds a token id outside the vocabulary (the server's 400 names `prompt`)."""
+    """A prompt that cannot be served as given: not text, token ids or chat messages, or a token id outside the
+    vocabulary (the server's 400 names `prompt`)."""
 
 
 # Where a committed token came from. A later issue adds "forced" (grammar-forced tokens): readers must take
@@ -171,7 +172,7 @@ class Engine:
         problem = prompt_problem(prompt)
         if problem:
             raise PromptError(problem)
-        if not isinstance(prompt, str) and is_token_id(prompt[0]):
+        if not isinstance(prompt, str) and is_integer(prompt[0]):
             return [int(t) for t in prompt]
         if not isinstance(prompt, str):
             return self.tokenizer.chat_prompt(list(prompt))

@@ -36,7 +36,7 @@ class Metrics:
     durations: dict[str, list[float]] = field(default_factory=dict)
     events: list[str] = field(default_factory=list)  # faults and fallbacks, in order
     extra: dict = field(default_factory=dict)  # mode-specific figures (Mirror: reuse, overlap, phases)
-    window: tuple[int, int] | None = None  # (proposed, accepted) of the latest step, until the engine takes it
+    window: tuple[int, int] | None = None  # (proposed, accepted) of the latest step (None: none yet)
     start: float = field(default_factory=time.perf_counter)
     first_token_at: float | None = None
     end: float | None = None
@@ -86,12 +86,6 @@ class Metrics:
         self.committed -= accepted + 1 - kept
         self.accept_lengths[-1] = kept
         self.window = (min(proposed, kept), min(accepted, kept))
-
-    def take_window(self) -> tuple[int, int]:
-        """(proposed, accepted) of the step recorded since the last call; (0, 0) when none (the prompt's first
-        token, which no verification produced)."""
-        window, self.window = self.window or (0, 0), None
-        return window
 
     def finish(self) -> None:
         """Mark the end of the request (wall time, device reads); call from the decoding thread."""

@@ -7,7 +7,7 @@ one-line reason here rather than a tokenizer's or a template engine's error from
 
 from __future__ import annotations
 
-import numbers
+from mirror_rt.runtime.config import is_integer
 
 
 def prompt_problem(prompt) -> str | None:
@@ -18,15 +18,11 @@ def prompt_problem(prompt) -> str | None:
         return f"a prompt is text, a list of token ids or a list of chat messages, not {type(prompt).__name__}"
     if not prompt:
         return "empty prompt"
-    if all(is_token_id(t) for t in prompt):
+    if all(is_integer(t) for t in prompt):
         return None
     if all(isinstance(m, dict) for m in prompt):
         return next((p for p in (message_problem(i, m) for i, m in enumerate(prompt)) if p), None)
     return "a prompt list holds token ids (integers) or chat messages (dicts), not a mix or other values"
-
-
-def is_token_id(value) -> bool:
-    return isinstance(value, numbers.Integral) and not isinstance(value, bool)
 
 
 def message_problem(index: int, message: dict) -> str | None:

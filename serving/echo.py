@@ -16,7 +16,7 @@ from fastapi.responses import JSONResponse, StreamingResponse
 
 from mirror_rt.runtime.logprobs import TokenLogprob, prompt_logprobs
 from mirror_rt.serving.protocol import context_error
-from mirror_rt.serving.responses import Reply, now, partial_usage, sse
+from mirror_rt.serving.responses import Reply, echo_events, now, partial_usage, sse
 
 
 async def echo_of(req, prompt: list[int], engine) -> tuple[str, tuple] | None:
@@ -45,9 +45,7 @@ def echo_only(req, model_name: str, prompt_tokens: int, echo: tuple[str, tuple],
         return JSONResponse(reply.body(choices, chunk=False, usage=usage))
 
     def events():
-        text, entries = echo
-        for i in range(reply.choices):
-            yield sse(reply.body([reply.delta(i, text, entries=entries)], chunk=True))
+        yield from echo_events(reply)
         yield sse(reply.body([reply.delta(i, "", "length") for i in range(reply.choices)], chunk=True))
         if reply.include_usage:
             yield sse(reply.body([], chunk=True, usage=usage))

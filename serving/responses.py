@@ -150,10 +150,9 @@ async def stream(job, reply: Reply, timeout_s: float | None):
                                "finish_reason": None} for i in range(reply.choices)], chunk=True))
     held, offsets, calls = defaultdict(list), defaultdict(int), {}  # tool requests hold each choice's text
     if reply.echo is not None:  # the prompt first (serving.echo)
-        text, entries = reply.echo
-        for index in range(reply.choices):
-            yield sse(reply.body([reply.delta(index, text, entries=entries)], chunk=True))
-            offsets[index] = text_length(entries, reply.token_bytes) if entries else 0
+        for index, event in enumerate(echo_events(reply)):
+            yield event
+            offsets[index] = text_length(reply.echo[1], reply.token_bytes) if reply.echo[1] else 0
     while True:
         kind, value = await job.events.get()
         batch = [value] if kind == "text" else []
@@ -181,6 +180,12 @@ async def stream(job, reply: Reply, timeout_s: float | None):
             break
     for event in final_events(job, reply, timeout_s, calls):
         yield event
+
+
+def echo_events(reply: Reply) -> list[bytes]:
+    """The echoed prompt as each choice's first chunk (text completions' `echo`: serving.echo)."""
+    text, entries = reply.echo
+    return [sse(reply.body([reply.delta(index, text, entries=entries)], chunk=True)) for index in range(reply.choices)]
 
 
 def _grouped(batch: list) -> list:
