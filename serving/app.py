@@ -19,6 +19,7 @@ import logging
 import os
 import secrets
 import threading
+import time
 import uuid
 from collections.abc import Callable
 
@@ -80,6 +81,12 @@ class ServerState:
 
     def _finished(self, job: Job) -> None:
         job.record = record = RequestRecord.from_job(job, self.engine.names)
+        self.metrics.finished(record)
+        log.info(record.log_line())
+
+    def record_echo_only(self, request_id: str, arrived: float, prompt_tokens: int) -> None:
+        """A `max_tokens: 0` echo ran no generation, yet it is a request served: counted and logged as one."""
+        record = RequestRecord(request_id, "done", "length", time.perf_counter() - arrived, None, True, prompt_tokens)
         self.metrics.finished(record)
         log.info(record.log_line())
 
@@ -190,6 +197,7 @@ def _add_completion_routes(app: FastAPI, state: ServerState) -> None:
 
 
 async def _complete(request: Request, state: ServerState, chat: bool):
+    arrived = time.perf_counter()
     _check_key(request, state)
     body = await _json(request)
     req = protocol.parse(protocol.ChatRequest if chat else protocol.CompletionRequest, body)
@@ -205,7 +213,9 @@ async def _complete(request: Request, state: ServerState, chat: bool):
         raise APIError(400, "the prompt is empty", "messages" if chat else "prompt")
     echo = None if chat else await echo_of(req, prompt, engine)
     if echo is not None and req.requested_tokens() == 0:
-        return echo_only(req, state.model_name, len(prompt), echo, _token_bytes(req, state))
+        request_id = f"cmpl-{uuid.uuid4().hex}"
+        state.record_echo_only(request_id, arrived, len(prompt))
+        return echo_only(req, request_id, state.model_name, len(prompt), echo, _token_bytes(req, state))
     constraint, kind, param = structured.constraint_of(req)
     offered = req.tools if chat and req.tool_mode() else None
     await asyncio.to_thread(structured.checked, constraint, param, engine, offered)  # compiling may take a while

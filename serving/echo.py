@@ -10,7 +10,6 @@ generation runs: the answer is the prompt alone, finish_reason `length`.
 from __future__ import annotations
 
 import asyncio
-import uuid
 
 from fastapi.responses import JSONResponse, StreamingResponse
 
@@ -35,9 +34,9 @@ async def echo_of(req, prompt: list[int], engine) -> tuple[str, tuple] | None:
     return text, (TokenLogprob(prompt[0], None), *found[1:])
 
 
-def echo_only(req, model_name: str, prompt_tokens: int, echo: tuple[str, tuple], token_bytes):
+def echo_only(req, request_id: str, model_name: str, prompt_tokens: int, echo: tuple[str, tuple], token_bytes):
     """The answer of `max_tokens: 0` with echo: the prompt alone, streamed or not."""
-    reply = Reply(f"cmpl-{uuid.uuid4().hex}", model_name, False, req.include_usage(), now(), req.continuous_usage(),
+    reply = Reply(request_id, model_name, False, req.include_usage(), now(), req.continuous_usage(),
                   prompt_tokens, req.choices(), token_bytes=token_bytes, echo=echo)
     usage = partial_usage(prompt_tokens, 0)
     if not req.stream:

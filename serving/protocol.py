@@ -127,7 +127,7 @@ class Sampling(Strict):
     temperature: float | None = Field(None, ge=0.0, le=2.0, allow_inf_nan=False)
     top_p: float | None = Field(None, gt=0.0, le=1.0, allow_inf_nan=False)
     top_k: int | None = Field(None, ge=-1)  # vLLM's extension: -1 or 0 is off
-    seed: int | None = None
+    seed: int | None = Field(None, ge=-(2**63), le=2**63 - 1)  # an int64, as vLLM takes it
     stop: str | list[str] | None = None
     stream: bool = False
     stream_options: StreamOptions | None = None

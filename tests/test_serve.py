@@ -157,6 +157,7 @@ BAD = [
     ("temperature NaN", b'{"messages": [{"role": "user", "content": "hi"}], "temperature": NaN}', 400, "temperature"),
     ("top_p above 1", {"messages": MESSAGES, "top_p": 1.5}, 400, "top_p"),
     ("top_k below -1", {"messages": MESSAGES, "top_k": -2}, 400, "top_k"),
+    ("seed beyond int64", {"messages": MESSAGES, "seed": 2**70}, 400, "seed"),
     ("n above 16", {"messages": MESSAGES, "n": 17}, 400, "n"),
     ("unknown response format", {"messages": MESSAGES, "response_format": {"type": "xml"}}, 400,
      "response_format.type"),

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import httpx
 import pytest
+from serve_support import metric, scrape
 
 from mirror_rt.runtime.logprobs import token_logprobs
 
@@ -49,3 +50,14 @@ def test_max_tokens_zero_with_echo_scores_the_prompt_alone(server, engine):
     assert "".join(c.choices[0].text for c in chunks if c.choices) == engine.tokenizer.decode(ids)
     refused = httpx.post(server.url + "/v1/completions", json={"prompt": PROMPT, "max_tokens": 0}, timeout=30)
     assert refused.status_code == 400 and refused.json()["error"]["param"] == "max_tokens"
+
+
+def test_max_tokens_zero_with_echo_is_a_request_served(server, engine):
+    """No generation runs, yet the server counts it: a finished request and its prompt tokens in /metrics."""
+    ids = engine.prompt_ids(PROMPT, chat=False)
+    before = scrape(server.url)
+    server.client().completions.create(model="tiny", prompt=PROMPT, max_tokens=0, echo=True)
+    after = scrape(server.url)
+    ended = [metric(s, "request_success_total", finished_reason="length") for s in (before, after)]
+    prompts = [metric(s, "prompt_tokens_total") for s in (before, after)]
+    assert ended[1] - ended[0] == 1 and prompts[1] - prompts[0] == len(ids)
