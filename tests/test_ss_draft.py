@@ -98,7 +98,7 @@ def test_training_lowers_loss_and_round_trips(tmp_path):
 
 
 def test_training_is_deterministic_and_resumes(tmp_path):
-    from mirror_rt.training.ss_training import train_streams
+    from mirror_rt.training.ss_training import mean_loss, train_streams, trained_steps
 
     data = _pattern_data(n=8)
     full = train_streams(StreamDraft(tiny_target(seed=5), rank=4), data, 20, tmp_path / "a", seed=3,
@@ -108,6 +108,9 @@ def test_training_is_deterministic_and_resumes(tmp_path):
     resumed = train_streams(StreamDraft(tiny_target(seed=5), rank=4), data, 20, tmp_path / "b", seed=3,
                             save_every=10, progress=False)
     assert resumed == pytest.approx(full[10:], rel=1e-6)
+    again = train_streams(StreamDraft(tiny_target(seed=5), rank=4), data, 15, tmp_path / "b", seed=3,
+                          save_every=10, progress=False)  # fewer steps than the folder holds: nothing to train
+    assert again == [] and trained_steps(tmp_path / "b") == 20 and mean_loss(again) is None  # it reported 0.0
     with pytest.raises(ValueError, match="holds streams trained with another shape"):  # a size-mismatch traceback
         train_streams(StreamDraft(tiny_target(seed=5), n_streams=3, rank=4), data, 30, tmp_path / "b", seed=3,
                       save_every=10, progress=False)

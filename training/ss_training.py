@@ -82,6 +82,17 @@ def save_checkpoint(draft: StreamDraft, optimizer, out_dir: Path, step: int) -> 
     save_state(out_dir / "optimizer.pt", {"optimizer": optimizer.state_dict(), "step": step})
 
 
+def mean_loss(losses: list[float]) -> float | None:
+    """The mean of some steps' losses, rounded; None when no step ran (not a loss of 0)."""
+    return round(sum(losses) / len(losses), 4) if losses else None
+
+
+def trained_steps(out_dir: Path) -> int:
+    """Steps the streams in `out_dir` were trained for (0: none there)."""
+    config = out_dir / "streams.json"
+    return int(json.loads(config.read_text()).get("step", 0)) if config.is_file() else 0
+
+
 def _resume(draft: StreamDraft, optimizer, out_dir: Path) -> int:
     state_file = out_dir / "optimizer.pt"
     if not state_file.exists():
@@ -169,9 +180,11 @@ def train_draft_main(target: str | None = None, init: str = "self", streams: int
     after = evaluate_streams(draft, held_out[:12])
     config_path = Path(out) / "streams.json"
     config_path.write_text(json.dumps(json.loads(config_path.read_text()) | {"init": init}, indent=2))
+    if not losses:
+        log(f"train-draft: {out} holds {trained_steps(Path(out))} steps already, not fewer than --steps {steps}: "
+            "nothing trained (raise --steps to go on)")
     return {"out": str(out), "init": init, "train_sequences": len(train), "held_out_sequences": len(held_out[:12]),
-            "first_loss": round(sum(losses[:10]) / max(1, len(losses[:10])), 4),
-            "final_loss": round(sum(losses[-20:]) / max(1, len(losses[-20:])), 4),
+            "steps_trained": len(losses), "first_loss": mean_loss(losses[:10]), "final_loss": mean_loss(losses[-20:]),
             "before": before, "after": after, "data_s": round(t1 - t0, 1),
             "train_s": round(time.perf_counter() - t1, 1)}
 
