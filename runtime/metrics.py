@@ -150,7 +150,7 @@ def format_stats(stats: dict) -> str:
         phases = ", ".join(f"{k} {v:.1f}" for k, v in stats["phase_ms_per_step"].items())
         lines.append(f"reuse hit rate {stats['reuse_hit_rate']:.2f} (main {stats['main_line_hits']}, side "
                      f"{stats['side_branch_hits']}, wrong {stats['misses']}, not ready {stats['not_ready']}); "
-                     f"early-exit coverage {stats['early_exit_coverage']}; hidden draft share "
+                     f"early-exit coverage {_coverage(stats['early_exit_coverage'])}; hidden draft share "
                      f"{stats['hidden_draft_share']:.2f}")
         lines.append(f"draft forwards per token {stats['draft_forwards_per_token']:.2f}; prompt-lookup guesses "
                      f"kept {stats['lookup_guesses_kept']}")
@@ -163,3 +163,8 @@ def format_stats(stats: dict) -> str:
         lines.append(f"load: {stats['load_time_s']:.2f} s (engine ready, before the prompt)")
     lines.append(f"stop: {stats['stop_reason']}")
     return "\n".join(lines)
+
+
+def _coverage(value) -> str:
+    """Early-exit coverage for the stats text: a share, or why there is none (no window was corrected)."""
+    return "- (no corrections)" if value is None else f"{value:.2f}"

@@ -13,7 +13,7 @@ from mirror_rt.devices.torch_backend import TorchModel
 from mirror_rt.devices.torch_split import TorchSplitTarget
 from mirror_rt.runtime.config import GenerationConfig, make_config
 from mirror_rt.runtime.draft_worker import DraftSettings
-from mirror_rt.runtime.metrics import Metrics
+from mirror_rt.runtime.metrics import Metrics, format_stats
 from mirror_rt.runtime.mirror import MirrorSettings, mirror_generate
 from mirror_rt.runtime.reference import generate
 from mirror_rt.runtime.sampling import SamplingConfig
@@ -68,6 +68,9 @@ def test_oracle_draft_full_reuse():
     assert got == flat(generate(TorchModel(target), [3, 4, 5], 40))
     assert extra["reuse_hit_rate"] == 1.0 and extra["misses"] == 0
     assert set(metrics.summary()["acceptance_per_position"]) == {1.0}  # every window fully accepted
+    # no window was corrected, so there is no coverage to show
+    text = format_stats(metrics.summary() | extra | {"mode": "mirror", "stop_reason": "max_new_tokens"})
+    assert "early-exit coverage - (no corrections)" in text and "None" not in text  # it printed "coverage None"
 
 
 def test_side_branches_are_hit():
