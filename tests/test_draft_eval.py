@@ -168,3 +168,41 @@ def test_cli_refuses_a_draft_of_another_vocabulary(tmp_path, capsys):
     assert main(["eval-draft", "--bundle", str(bundle), "--target", "tiny", "--data", _questions(tmp_path)]) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert err == [f"mirror-rt: error: {bundle}: the draft has 64 tokens, the target 258"]
+
+
+class _CharTokenizer:
+    """Characters as token ids (a vocabulary of 97): enough for the answer cache's prompts."""
+
+    eos_token_ids = ()
+
+    def encode(self, text):
+        return [ord(c) % 97 for c in text]
+
+    def decode(self, ids):
+        return "".join(chr(65 + i % 26) for i in ids)
+
+    def chat_prompt(self, messages):
+        return self.encode(messages[0]["content"])
+
+
+def test_held_out_questions_alone_are_answered(tmp_path, monkeypatch):
+    """eval-draft --questions 2 answered every question of --data before measuring 2 of them; it now answers those 2,
+    and takes the same ones from the answers of all where those are cached (train-draft's)."""
+    import json
+
+    from mirror_rt.training import exit_data
+    from mirror_rt.training.ss_data import answer_sequences, split
+
+    data = tmp_path / "q.jsonl"
+    data.write_text("".join(json.dumps({"question_id": i, "category": "qa", "turns": [f"question number {i}?"]}) + "\n"
+                            for i in range(20)))
+    answered, decode = [], exit_data.decode_batch
+    monkeypatch.setattr(exit_data, "decode_batch", lambda m, prompts, *a, **k: answered.extend(prompts) or decode(
+        m, prompts, *a, **k))
+    model, tokenizer = tiny_target(seed=4), _CharTokenizer()
+    some = answer_sequences(model, tokenizer, [data], tmp_path / "cache", 6, progress=False, held_out=2)
+    assert len(answered) == 2 and len(some) == 2
+    every = answer_sequences(model, tokenizer, [data], tmp_path / "cache", 6, progress=False)
+    assert len(answered) == 22 and [s[0][:s[1]] for s in split(every)[1][:2]] == [s[0][:s[1]] for s in some]
+    cached = answer_sequences(model, tokenizer, [data], tmp_path / "cache", 6, progress=False, held_out=2)
+    assert len(answered) == 22 and cached == split(every)[1][:2]

@@ -170,7 +170,7 @@ def eval_draft_main(bundles: list[str], target: str | None = None, data=None, ga
     from mirror_rt.exporters.manifest import read_manifest
     from mirror_rt.models.default_model import cache_dir
     from mirror_rt.models.loading import load_checkpoint
-    from mirror_rt.training.ss_data import answer_sequences, split
+    from mirror_rt.training.ss_data import answer_sequences
 
     bad = [g for g in gammas if not 1 <= g <= MAX_GAMMA]
     if bad:
@@ -183,9 +183,8 @@ def eval_draft_main(bundles: list[str], target: str | None = None, data=None, ga
         if manifest.draft_config["vocab_size"] != vocab:
             raise ValueError(f"{folder}: the draft has {manifest.draft_config['vocab_size']} tokens, "
                              f"the target {vocab}")
-    sequences = answer_sequences(checkpoint.model, checkpoint.tokenizer, files, cache_dir(cache) / "exit-data",
-                                 progress=progress)  # on every core, before the pinning below
-    _, held_out = split(sequences)
+    held_out = answer_sequences(checkpoint.model, checkpoint.tokenizer, files, cache_dir(cache) / "exit-data",
+                                progress=progress, held_out=questions)  # on every core, before the pinning below
     cores = sorted(available_cores())
     budget = WorkerBudget(threads=1, cpus=(cores[-1],) if cores else None)  # the draft worker's share
     drafts, oracle = {}, set()
@@ -196,4 +195,4 @@ def eval_draft_main(bundles: list[str], target: str | None = None, data=None, ga
         if streams and oracle_streams:
             oracle.add(folder + " (oracle streams)")
             drafts[folder + " (oracle streams)"] = draft
-    return evaluate_drafts(drafts, held_out[:questions], gammas, stride, progress, frozenset(oracle), draft_lookup)
+    return evaluate_drafts(drafts, held_out, gammas, stride, progress, frozenset(oracle), draft_lookup)

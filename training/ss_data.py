@@ -14,13 +14,25 @@ from mirror_rt.training import exit_data
 
 
 def answer_sequences(model, tokenizer, data_files, folder: Path, max_new_tokens: int = 96,
-                     max_prompt_tokens: int = 128, progress: bool = True) -> list[tuple[list[int], int]]:
-    """(prompt + answer ids, index of the first answer token) per question, in file order."""
+                     max_prompt_tokens: int = 128, progress: bool = True,
+                     held_out: int | None = None) -> list[tuple[list[int], int]]:
+    """(prompt + answer ids, index of the first answer token) per question, in file order. `held_out`: only the
+    first that many held-out questions (`split`'s), answered alone where the answers of all are not cached yet."""
+    key = exit_data.data_key(model, data_files, max_new_tokens, max_prompt_tokens)
+    prompts = exit_data.first_turn_prompts(tokenizer, data_files, max_prompt_tokens)
+    path = Path(folder) / f"{key}.answers.jsonl"
+    if held_out is None or path.is_file():
+        sequences = _answered(model, tokenizer, path, prompts, max_new_tokens, progress)
+        return sequences if held_out is None else split(sequences)[1][:held_out]
+    some = split(prompts)[1][:held_out]
+    return _answered(model, tokenizer, Path(folder) / f"{key}.held-out-{held_out}.answers.jsonl", some,
+                     max_new_tokens, progress)
+
+
+def _answered(model, tokenizer, path: Path, prompts: list, max_new_tokens: int, progress: bool) -> list:
+    """The target's greedy answers to `prompts`, read from `path` or computed (in batches) and saved there."""
     from tqdm import tqdm
 
-    key = exit_data.data_key(model, data_files, max_new_tokens, max_prompt_tokens)
-    path = Path(folder) / f"{key}.answers.jsonl"
-    prompts = exit_data.first_turn_prompts(tokenizer, data_files, max_prompt_tokens)
     answers = exit_data._read_answers(path, prompts)
     if answers is None:
         eos = tuple(getattr(tokenizer, "eos_token_ids", ()))
@@ -32,7 +44,7 @@ def answer_sequences(model, tokenizer, data_files, folder: Path, max_new_tokens:
                 found.update((i, row[0]) for i, row in zip(batch, rows))
                 bar.update(len(batch))
         answers = [found[i] for i in range(len(prompts))]
-        Path(folder).mkdir(parents=True, exist_ok=True)
+        path.parent.mkdir(parents=True, exist_ok=True)
         exit_data._write_answers(path, prompts, answers, tokenizer)
     return [(list(p) + list(a), len(p)) for (_, p), a in zip(prompts, answers)]
 
