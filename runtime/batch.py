@@ -255,10 +255,23 @@ class BatchDecoder:
         if not per_position:  # caches of their own per sequence: rows are the only limit
             return blocks_for(full)
         if self.settings.kv_cache_gb is not None:
-            return max(1, int(self.settings.kv_cache_gb * 2**30 // (per_position * BLOCK_SIZE)))
+            return self._blocks_of(self.settings.kv_cache_gb, per_position)
         available = kv_bytes if kv_bytes is not None else _available_memory()
         limit = int(0.4 * available // per_position) if available else full
         return blocks_for(min(full, limit))
+
+
+    def _blocks_of(self, gb: float, per_position: int) -> int:
+        """The blocks --kv-cache-gb holds; ValueError when not even the smallest request fits (a server that would
+        refuse every request)."""
+        blocks = int(gb * 2**30 // (per_position * BLOCK_SIZE))
+        smallest, whole = blocks_for(2 + WINDOW_ROOM), blocks_for(self.capacity)  # 1 prompt token + 1 generated
+        if blocks < smallest:
+            size = lambda n: f"{n * BLOCK_SIZE * per_position / 2**30:.4g} GB"  # noqa: E731
+            raise ValueError(f"--kv-cache-gb {gb:g} holds {blocks * BLOCK_SIZE} KV positions, fewer than the smallest "
+                             f"request needs ({smallest * BLOCK_SIZE}): give at least {size(smallest)} "
+                             f"({size(whole)} holds one request at full context)")
+        return blocks
 
 
 def _rebind(seq: Sequence, row: int) -> None:

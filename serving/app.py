@@ -56,6 +56,7 @@ class ServerState:
 
     def attach(self, engine) -> None:
         """Serve `engine`: metrics, the engine thread, ready."""
+        engine.decoder  # noqa: B018 -- built now: a KV budget that fits no request fails the load, not each request
         self.engine = engine
         self.model_name = self.settings.served_model_name or engine.names.get("model", "mirror-rt")
         self.metrics = ServerMetrics(self.model_name, sink=self.metrics_sink)

@@ -67,8 +67,8 @@ class DrainingServer:
         self.state: ServerState = app.state.mirror
         self.drain_timeout, self.draining = drain_timeout, False
 
-    def run(self) -> None:
-        self.server.run()
+    def run(self, sock=None) -> None:
+        self.server.run(sockets=[sock] if sock is not None else None)
 
     def handle_exit(self, sig, frame) -> None:
         if self.draining:  # a second signal: stop now
@@ -109,17 +109,41 @@ def serve(settings: ServerSettings, load) -> int:
     returns the exit code (2 when the engine cannot load)."""
     configure_logging()
     url = f"http://{settings.host}:{settings.port}"
+    try:  # before anything loads: a port in use or an unknown host is one line, not uvicorn's log and exit 3
+        sock = listening_socket(settings.host, settings.port)
+    except OSError as exc:
+        print(f"mirror-rt: error: cannot listen on {settings.host}:{settings.port}: {exc.strerror or exc}",
+              file=sys.stderr)
+        return 1
     app = create_app(settings, load)
     server = DrainingServer(app, settings.host, settings.port, settings.drain_timeout)
     threading.Thread(target=_announce, args=(server, url), name="mirror-announce", daemon=True).start()
     log.info("listening on %s (loading the engine; /health answers 503 until it is ready)", url)
-    server.run()
+    server.run(sock)
     _stop_engine(server.state)
     if server.state.status == "failed":
         print(f"mirror-rt: error: the engine failed to load: {server.state.error}", file=sys.stderr)
         return 2
     log.info("stopped")
     return 0
+
+
+def listening_socket(host: str, port: int):
+    """A TCP socket bound to `host`:`port` and listening, for uvicorn to serve on; OSError (socket.gaierror for
+    an unknown host) when the machine refuses it."""
+    import socket
+
+    family, kind, proto, _, address = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM,
+                                                          flags=socket.AI_PASSIVE)[0]
+    sock = socket.socket(family, kind, proto)
+    try:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as uvicorn binds: a restart reuses the port
+        sock.bind(address)
+        sock.listen(2048)  # uvicorn's default backlog
+    except OSError:
+        sock.close()
+        raise
+    return sock
 
 
 def _stop_engine(state: ServerState, timeout: float = 10.0) -> None:

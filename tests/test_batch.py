@@ -9,6 +9,7 @@ from mirror_rt.devices.torch_backend import TorchModel
 from mirror_rt.devices.torch_split import TorchSplitTarget
 from mirror_rt.runtime.batch import BatchDecoder, BatchSettings, KVTooLarge
 from mirror_rt.runtime.config import GenerationConfig
+from mirror_rt.runtime.kv_pool import BLOCK_SIZE
 from mirror_rt.runtime.reference import generate
 from mirror_rt.runtime.row_split import TRIAL
 from mirror_rt.runtime.sampling import SamplingConfig
@@ -180,9 +181,27 @@ def test_cancel_mid_batch_leaves_the_others(pair):
 
 def test_a_request_too_large_is_refused_in_one_line(pair):
     target, draft = pair
-    decoder = BatchDecoder(target, draft, BatchSettings(max_num_seqs=2, kv_cache_gb=1e-5))
+    per_block = _block_bytes(target, draft)
+    decoder = BatchDecoder(target, draft, BatchSettings(max_num_seqs=2, kv_cache_gb=10 * per_block / 2**30))
+    assert decoder.budget.total == 10
     with pytest.raises(KVTooLarge, match="KV positions but the KV cache holds"):
         decoder.add(sequence(0, [3] * 60, GenerationConfig(max_new_tokens=150, mode="ar")))
+
+
+def test_a_kv_budget_that_fits_no_request_is_refused_at_once(pair):
+    """A server started with such a budget refused every request with a 400; it now fails to start, saying the
+    least that serves one."""
+    target, draft = pair
+    gb = 2 * _block_bytes(target, draft) / 2**30
+    with pytest.raises(ValueError, match=r"holds 32 KV positions, fewer than the smallest request needs \(96\)"):
+        BatchDecoder(target, draft, BatchSettings(max_num_seqs=2, kv_cache_gb=gb))
+
+
+def _block_bytes(target, draft) -> int:
+    """KV bytes of one block of both models' rows (what --kv-cache-gb counts)."""
+    decoder = BatchDecoder(target, draft, BatchSettings(max_num_seqs=2))
+    pools = [p for p in (decoder.target_pool, decoder.draft_pool) if p is not None]
+    return sum(p.bytes_per_position for p in pools) * BLOCK_SIZE
 
 
 def test_a_request_that_cannot_fit_now_waits(pair):

@@ -121,3 +121,21 @@ def test_serve_refuses_a_bad_model_in_one_line(tmp_path):
     assert result.returncode == 2
     errors = [line for line in result.stderr.splitlines() if line.startswith("mirror-rt: error:")]
     assert len(errors) == 1 and "model not found" in errors[0]
+
+
+def test_a_port_in_use_or_an_unknown_host_is_one_line_and_exit_1(tmp_path):
+    """Before, the server said it was listening, then uvicorn logged the bind error and exited 3 (once with a C++
+    abort from the engine's loading thread); now nothing loads and one line says what the machine refused."""
+    import socket
+
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        for host, says in (("127.0.0.1", "in use"), ("no-such-host.invalid", "")):
+            result = subprocess.run([sys.executable, "-m", "mirror_rt.cli", "serve", "--host", host, "--port",
+                                     str(port)], capture_output=True, text=True, timeout=120)
+            assert result.returncode == 1, result.stderr
+            lines = result.stderr.strip().splitlines()
+            assert len(lines) == 1 and lines[0].startswith(f"mirror-rt: error: cannot listen on {host}:{port}: ")
+            assert says in lines[0] and "listening on" not in result.stderr
