@@ -21,12 +21,13 @@ from __future__ import annotations
 
 import math
 import signal
+import sys
 import time
 
 from mirror_rt.runtime.batch import BatchSettings
 from mirror_rt.serving.proxy import APP, DEPLOYMENT, PAGE_VARIABLE, PROXY_CALLBACK
 from mirror_rt.serving.replica import replica_deployment
-from mirror_rt.serving.server import configure_logging, log
+from mirror_rt.serving.server import bind_or_say, configure_logging, log
 from mirror_rt.serving.settings import ClusterError, ClusterSettings, ServerSettings
 
 INSTALL = 'pip install "mirror-rt[cluster]"'
@@ -221,6 +222,12 @@ def serve_replicas(settings: ServerSettings, cluster: ClusterSettings, load) -> 
     """Serve on replicas until SIGTERM / Ctrl-C, then drain and take them down; returns the exit code.
     A signal while deploying takes down what was started; a second signal while draining stops at once."""
     configure_logging()
+    if cluster.ray_address is None:  # the proxy will listen here: a port in use is one line, not Ray's traceback
+        sock, refused = bind_or_say(settings.host, settings.port)
+        if refused:
+            print(refused, file=sys.stderr)
+            return 1
+        sock.close()
     local = start(cluster, settings, local_resources(cluster.actor_options) if cluster.ray_address is None else None)
     # after ray.init, which installs its own; SIGINT too: a process started in the background of a script
     # inherits SIGINT ignored, and Python then never raises KeyboardInterrupt

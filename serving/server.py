@@ -109,11 +109,9 @@ def serve(settings: ServerSettings, load) -> int:
     returns the exit code (2 when the engine cannot load)."""
     configure_logging()
     url = f"http://{settings.host}:{settings.port}"
-    try:  # before anything loads: a port in use or an unknown host is one line, not uvicorn's log and exit 3
-        sock = listening_socket(settings.host, settings.port)
-    except OSError as exc:
-        print(f"mirror-rt: error: cannot listen on {settings.host}:{settings.port}: {exc.strerror or exc}",
-              file=sys.stderr)
+    sock, refused = bind_or_say(settings.host, settings.port)  # before anything loads: not uvicorn's log, exit 3
+    if refused:
+        print(refused, file=sys.stderr)
         return 1
     app = create_app(settings, load)
     server = DrainingServer(app, settings.host, settings.port, settings.drain_timeout)
@@ -126,6 +124,15 @@ def serve(settings: ServerSettings, load) -> int:
         return 2
     log.info("stopped")
     return 0
+
+
+def bind_or_say(host: str, port: int) -> tuple:
+    """(a listening socket, None), or (None, the one-line error) where the machine refuses `host`:`port` (a port in
+    use, an unknown host)."""
+    try:
+        return listening_socket(host, port), None
+    except OSError as exc:
+        return None, f"mirror-rt: error: cannot listen on {host}:{port}: {exc.strerror or exc}"
 
 
 def listening_socket(host: str, port: int):

@@ -132,9 +132,10 @@ def test_a_port_in_use_or_an_unknown_host_is_one_line_and_exit_1(tmp_path):
         taken.bind(("127.0.0.1", 0))
         taken.listen()
         port = taken.getsockname()[1]
-        for host, says in (("127.0.0.1", "in use"), ("no-such-host.invalid", "")):
+        for host, says, more in (("127.0.0.1", "in use", []), ("no-such-host.invalid", "", []),
+                                 ("127.0.0.1", "in use", ["--replicas", "2"])):  # Ray's proxy: its traceback
             result = subprocess.run([sys.executable, "-m", "mirror_rt.cli", "serve", "--host", host, "--port",
-                                     str(port)], capture_output=True, text=True, timeout=120)
+                                     str(port), *more], capture_output=True, text=True, timeout=120)
             assert result.returncode == 1, result.stderr
             lines = result.stderr.strip().splitlines()
             assert len(lines) == 1 and lines[0].startswith(f"mirror-rt: error: cannot listen on {host}:{port}: ")
