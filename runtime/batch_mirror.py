@@ -14,6 +14,7 @@ through it.
 from __future__ import annotations
 
 from mirror_rt.runtime.affinity import pin, restore
+from mirror_rt.runtime.batch_steps import alone
 from mirror_rt.runtime.draft_worker import DraftStats, DraftWorker, Join, Leave, Move
 from mirror_rt.runtime.mirror import DraftLink, TargetRow, draft_rules
 
@@ -34,7 +35,8 @@ class MirrorStep:
             for seq in running:
                 k = min(gamma, seq.config.gamma, seq.remaining - 1)
                 if seq.config.mode == "mirror" and k >= 1 and self.splits():
-                    self._step(seq, k)
+                    with alone(seq):
+                        self._step(seq, k)
                 else:
                     self.decoder.sd.run([seq], gamma)
         finally:

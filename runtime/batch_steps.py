@@ -12,17 +12,29 @@ verify them in one target call, keep the accepted prefix. Every choice is the ta
 
 from __future__ import annotations
 
+import contextlib
 import time
 
 import numpy as np
 
 from mirror_rt.runtime.core_split import balanced_cut
 from mirror_rt.runtime.drafter import ModelDrafter
+from mirror_rt.runtime.grammar import GrammarError
 from mirror_rt.runtime.mirror import draft_rules
 from mirror_rt.runtime.reference import adopts_target_kv, choose_under
 from mirror_rt.runtime.verifier import Verifier
 
 LIKE = 0.6  # two prompts' chunks prefill at once when the shorter is at least this share of the longer
+
+
+@contextlib.contextmanager
+def alone(seq):
+    """A failure of `seq`'s own (its grammar: GrammarError) ends `seq` alone at this step; the batch goes on."""
+    try:
+        yield
+    except GrammarError as exc:
+        seq.error = exc
+        seq.finish("error")
 
 
 class Prefill:
@@ -119,9 +131,12 @@ class Prefill:
         if seq.computed < len(fill):
             return len(chunk)
         if not seq.tokens:  # a new sequence: the prompt's last logits give its first token
-            first = choose_under(seq.rules, logits[-1], seq.config.sampling, seq.config.seed, len(seq.prompt))
-            seq.metrics.first_token_at = time.perf_counter()
-            seq.commit([first], 0, 0)
+            with alone(seq):
+                first = choose_under(seq.rules, logits[-1], seq.config.sampling, seq.config.seed, len(seq.prompt))
+                seq.metrics.first_token_at = time.perf_counter()
+                seq.commit([first], 0, 0)
+            if seq.done:
+                return max(len(chunk), 1)
         self._draft_prefill(seq, fill)
         seq.state = "running"
         if d.cache is not None:
@@ -172,7 +187,8 @@ class ArStep:
         else:
             for seq in running:
                 logits = d.target.forward([seq.last], seq.state_data["target_cache"])
-                self._commit(seq, logits[-1])
+                with alone(seq):
+                    self._commit(seq, logits[-1])
         elapsed = time.perf_counter() - t0
         for seq in running:
             seq.metrics.durations.setdefault("batch_step", []).append(elapsed)
@@ -222,7 +238,8 @@ class ArStep:
         for row, seq in enumerate(rows, start=first):
             if id(seq) in live:
                 self.decoder.target_pool.commit(row, seq.length)  # the last token is in: all but the next one
-                self._commit(seq, logits[row - first, -1])
+                with alone(seq):
+                    self._commit(seq, logits[row - first, -1])
 
     def _lengths(self) -> list[int]:
         """Positions each row attends to in a one-token call (its committed ones and the new token)."""
@@ -245,10 +262,11 @@ class SdStep:
     def run(self, running: list, gamma: int) -> None:
         for seq in running:
             k = min(gamma, seq.config.gamma, seq.remaining - 1)
-            if seq.config.mode == "ar" or k < 1:
-                self._plain(seq)
-            else:
-                self._speculate(seq, k)
+            with alone(seq):
+                if seq.config.mode == "ar" or k < 1:
+                    self._plain(seq)
+                else:
+                    self._speculate(seq, k)
 
     def _speculate(self, seq, k: int) -> None:
         drafter, verifier = self._pair(seq)

@@ -21,9 +21,7 @@ from dataclasses import dataclass, field, replace
 
 from mirror_rt.runtime.batch import BatchDecoder, BatchSettings, KVTooLarge
 from mirror_rt.runtime.config import GenerationConfig, is_integer, make_config
-from mirror_rt.runtime.draft_row import DraftStats
-from mirror_rt.runtime.draft_worker import summed
-from mirror_rt.runtime.mirror_stats import mirror_summary
+from mirror_rt.runtime.mirror_stats import batch_stats
 from mirror_rt.runtime.prompts import prompt_problem
 from mirror_rt.runtime.reference import token_budget
 from mirror_rt.runtime.sequence import Sequence
@@ -221,6 +219,8 @@ class Engine:
                     yield gen.queued.pop(0)
                 else:
                     self.step()
+            if gen.sequence.error is not None:  # this request's own failure (its grammar), not the batch's
+                raise gen.sequence.error
         finally:  # closed early (Ctrl-C, a consumer that stopped reading): cancel and let it leave
             if not gen.finished:
                 gen.cancel()
@@ -366,9 +366,11 @@ class Engine:
         room = self.target.max_seq_len - len(seq.prompt)
         if seq.finish_reason == "cancelled" and not text.stop_reason:
             gen.stop_reason = "cancelled"
+        elif seq.finish_reason == "error":  # its own grammar failed (seq.error), the batch went on
+            gen.stop_reason = "error"
         else:
             gen.stop_reason = text.stop_reason or ("context" if room < seq.config.max_new_tokens else "max_new_tokens")
-        gen.stats = {"mode": seq.config.mode, **self.names, **metrics.summary(), **self._batch_stats(seq),
+        gen.stats = {"mode": seq.config.mode, **self.names, **metrics.summary(), **batch_stats(seq),
                      "stop_reason": gen.stop_reason}
         gen.durations = metrics.durations
         if seq.config.mode in ("sd", "mirror") and self.draft is None:
@@ -376,19 +378,6 @@ class Engine:
         gen.finished = True
         if gen.on_finish is not None:
             gen.on_finish(gen)
-
-    def _batch_stats(self, seq: Sequence) -> dict:
-        """What batching did for this request: its prompt from the prefix cache, its speculative steps, Mirror's."""
-        steps = max(1, seq.metrics.steps)
-        stats = {"prompt_tokens_cached": seq.reused,
-                 "speculative_step_share": round(seq.metrics.speculative_steps / steps, 3)}
-        parts = seq.state_data.get("mirror_parts")
-        if parts:
-            counters = {k: sum(c[k] for _, c in parts) if k != "busy" else [i for _, c in parts for i in c[k]]
-                        for k in parts[0][1]}
-            stats |= mirror_summary(seq.metrics, summed([s for s, _ in parts] or [DraftStats()]), counters)
-            seq.metrics.durations["draft_forward"] = [end - start for s, _ in parts for start, end in s.busy]
-        return stats
 
 
 def _close_at_exit(ref) -> None:

@@ -105,6 +105,11 @@ class _ByteTable:
         return self._encode(text.decode("utf-8", errors="replace") if isinstance(text, bytes) else text)
 
 
+class GrammarError(ValueError):
+    """A request's grammar failed while its output was generated (the parser's limits: a schema too complex, or
+    one with no finite instance); it ends that request alone, never its batch."""
+
+
 def check(constraint: Constraint, tokenizer) -> str:
     """Why `constraint` cannot run with `tokenizer` (llguidance's message), or '' when it can."""
     import llguidance

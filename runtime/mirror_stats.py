@@ -75,3 +75,21 @@ def mirror_summary(metrics, draft_stats, counters: dict) -> dict:
         "lookup_guesses_kept": f"{draft_stats.guesses_kept}/{draft_stats.guessed}",
         "forced_draft_tokens": draft_stats.forced,  # grammar-forced tokens drafted without a forward
     }
+
+
+def batch_stats(seq) -> dict:
+    """What batching did for a finished request (runtime.sequence.Sequence): its prompt from the prefix cache, its
+    speculative steps, Mirror's figures over the parts it speculated in."""
+    from mirror_rt.runtime.draft_row import DraftStats
+    from mirror_rt.runtime.draft_worker import summed
+
+    steps = max(1, seq.metrics.steps)
+    stats = {"prompt_tokens_cached": seq.reused,
+             "speculative_step_share": round(seq.metrics.speculative_steps / steps, 3)}
+    parts = seq.state_data.get("mirror_parts")
+    if parts:
+        counters = {k: sum(c[k] for _, c in parts) if k != "busy" else [i for _, c in parts for i in c[k]]
+                    for k in parts[0][1]}
+        stats |= mirror_summary(seq.metrics, summed([s for s, _ in parts] or [DraftStats()]), counters)
+        seq.metrics.durations["draft_forward"] = [end - start for s, _ in parts for start, end in s.busy]
+    return stats

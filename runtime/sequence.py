@@ -40,6 +40,7 @@ class Sequence:
     admitted: float | None = None  # when it got its row
     state_data: dict = field(default_factory=dict)  # per-mode state (drafter, verifier, draft link)
     rules: object = None  # runtime.token_rules.TokenRules at the committed text between steps; None: no rules
+    error: Exception | None = None  # what ended it alone (finish_reason error: its grammar failed)
 
     @property
     def length(self) -> int:

@@ -117,9 +117,10 @@ class TokenRules:
             x = penalize(x, self.counts, self._seen_on(x.device), c.repetition_penalty, c.frequency_penalty,
                          c.presence_penalty)
         if self.matcher is not None:
+            bits = grammar.token_mask(self.matcher, self.vocab_size)  # an error here leaves no token allowed
             if self.matcher.is_error():
-                raise RuntimeError(f"the grammar failed: {self.matcher.get_error()}")
-            x = grammar.mask_logits(x, grammar.token_mask(self.matcher, self.vocab_size))
+                raise grammar.GrammarError(f"the grammar failed: {grammar.one_line(self.matcher.get_error())}")
+            x = grammar.mask_logits(x, bits)
         return x
 
     def accept(self, token: int) -> bool:

@@ -20,6 +20,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from mirror_rt.runtime.engine import GenerationError
+from mirror_rt.runtime.grammar import GrammarError
 from mirror_rt.serving import tools
 from mirror_rt.serving.errors import APIError, envelope
 from mirror_rt.serving.logprobs import chat_logprobs, completion_logprobs, text_length
@@ -119,7 +120,7 @@ def failure(job, record: RequestRecord, timeout_s: float | None) -> APIError:
     if job.error is not None and not isinstance(job.error, Exception):  # SystemExit and the like: the engine stopped
         return APIError(503, f"the engine stopped before answering ({reason}); retry on another server",
                         headers={"Retry-After": "1", "x-mirror-rt-retry": "engine-stopped"})
-    if isinstance(job.error, GenerationError):  # a request the engine cannot serve (a grammar it cannot run)
+    if isinstance(job.error, (GenerationError, GrammarError)):  # a request the engine cannot serve (its grammar)
         return APIError(400, str(job.error))
     return APIError(500, f"generation failed: {reason}")
 

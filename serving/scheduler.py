@@ -247,6 +247,7 @@ class Scheduler:
         if job.outcome not in ("timeout", "error"):
             if gen.stop_reason == "error":
                 job.outcome = "error"
+                job.error = job.error or (gen.sequence.error if gen.sequence is not None else None)
             elif gen.cancelled:
                 job.outcome = "cancelled"
         if all(p.ended for p in job.progress.values()):

@@ -126,3 +126,26 @@ def test_langchain_bind_tools_and_a_tool_result_sent_back(url, mode):
     result = ToolMessage("Sunny, 21 degrees Celsius.", tool_call_id=call.tool_calls[0]["id"])
     answer = llm.bind_tools([GetWeather]).invoke([question, call, result])
     assert isinstance(answer, AIMessage) and (answer.content or answer.tool_calls)
+
+
+def test_a_grammar_that_fails_mid_answer_is_a_400_and_spares_its_companions(client):
+    """A schema llguidance gives up on a token into the answer failed every request in the batch with a 500; now
+    that request gets a 400 saying why, and one running beside it gets its own text."""
+    import threading
+
+    schema = {"type": "object", "properties": {"a": {"$ref": "#"}}, "required": ["a"], "additionalProperties": False}
+    question = [{"role": "user", "content": "Tell me about the sea."}]
+    alone = client.chat.completions.create(model=MODEL, messages=question, max_tokens=48, temperature=0)
+    got = {}
+
+    def good():
+        got["good"] = client.chat.completions.create(model=MODEL, messages=question, max_tokens=48, temperature=0)
+
+    thread = threading.Thread(target=good)
+    thread.start()
+    with pytest.raises(openai.BadRequestError, match="the grammar failed"):
+        client.chat.completions.create(
+            model=MODEL, messages=[{"role": "user", "content": "JSON please"}], max_tokens=48,
+            response_format={"type": "json_schema", "json_schema": {"name": "x", "schema": schema}})
+    thread.join()
+    assert got["good"].choices[0].message.content == alone.choices[0].message.content

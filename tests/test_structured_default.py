@@ -58,3 +58,27 @@ def test_mirror_logprobs_equal_ar(engine, request):
         assert np.allclose([e.logprob for e in mirror], [e.logprob for e in ar], atol=1e-4)
         for a, m in zip(ar, mirror):
             assert np.allclose([v for _, v in m.top], [v for _, v in a.top], atol=1e-4)
+
+
+TOO_COMPLEX = {"type": "object", "properties": {"a": {"$ref": "#"}}, "required": ["a"], "additionalProperties": False}
+
+
+@pytest.mark.parametrize("mode", ["ar", "sd", "mirror"])
+def test_a_grammar_that_fails_mid_answer_ends_its_request_alone(bundle_engine, mode):
+    """A schema whose every instance nests without end passes the start-up check, then llguidance gives up a token
+    later; that failed every request of the batch (the step raised). Now it ends its own request (GrammarError,
+    stop reason error) and the others' text is what it is alone."""
+    from mirror_rt.runtime.grammar import GrammarError
+
+    engine, config = bundle_engine, bundle_engine.config_for(max_new_tokens=24, mode=mode)
+    prompts = [engine.prompt_ids(q) for q in ("Tell me about the sea.", "Name a color.")]
+    expected = [engine.generate(p, config).text for p in prompts]
+    bad = engine.submit(engine.prompt_ids("Give JSON"), engine.config_for(
+        config, constraint=Constraint.json_schema(TOO_COMPLEX)))
+    good = [engine.submit(p, config) for p in prompts]
+    while engine.step():
+        pass
+    assert bad.stop_reason == "error" and isinstance(bad.sequence.error, GrammarError)
+    assert "\n" not in str(bad.sequence.error) and [g.text for g in good] == expected
+    with pytest.raises(GrammarError, match="the grammar failed"):
+        engine.generate("Give JSON", config, constraint=Constraint.json_schema(TOO_COMPLEX))
