@@ -24,11 +24,14 @@ if TYPE_CHECKING:
     import torch
 
 
+GREEDY_BELOW = 1e-5  # temperatures below this are greedy (vLLM's sampling epsilon)
+
+
 @dataclass(frozen=True)
 class SamplingConfig:
     """How a token is chosen from logits."""
 
-    temperature: float = 0.0  # 0 = greedy (argmax)
+    temperature: float = 0.0  # 0 = greedy (argmax); so is any temperature below GREEDY_BELOW
     top_k: int = 0  # keep the k most likely tokens; 0 = off
     top_p: float = 1.0  # keep the smallest set with this cumulative probability; 1 = off
 
@@ -45,7 +48,8 @@ class SamplingConfig:
 
     @property
     def greedy(self) -> bool:
-        return self.temperature == 0
+        """Argmax: temperature 0, or one so small that dividing by it overflows (5e-324 gave token 0 forever)."""
+        return self.temperature < GREEDY_BELOW
 
 
 def as_tensor(x) -> torch.Tensor:

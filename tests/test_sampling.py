@@ -22,6 +22,13 @@ def test_greedy_is_argmax_without_probs():
     assert token == 1 and probs is None
 
 
+@pytest.mark.parametrize("temperature", [5e-324, 1e-300, 1e-6])
+def test_a_temperature_too_small_to_divide_by_is_greedy(temperature):
+    """5e-324 overflowed the logits to inf and drew token 0 at every position."""
+    token, probs = choose(np.array([0.1, 2.0, 1.0]), SamplingConfig(temperature=temperature), np.random.default_rng(0))
+    assert token == 1 and probs is None
+
+
 @pytest.mark.parametrize("kwargs", [dict(temperature=-1), dict(top_p=0), dict(top_p=1.5), dict(top_k=-2),
                                     dict(temperature=float("nan"))])
 def test_invalid_settings_refused(kwargs):
