@@ -84,11 +84,13 @@ def run_constraint(args):
 
     if args.regex:
         return Constraint("regex", args.regex)
-    with open(args.json_schema) as file:
-        text = file.read()
     try:
+        with open(args.json_schema, encoding="utf-8") as file:
+            text = file.read()
         json.loads(text)
-    except json.JSONDecodeError as exc:
+    except OSError as exc:  # missing, a folder, unreadable
+        raise ValueError(f"--json-schema {args.json_schema}: {exc.strerror or exc}") from None
+    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
         raise ValueError(f"--json-schema {args.json_schema}: not JSON ({exc})") from None
     return Constraint("json_schema", text)
 

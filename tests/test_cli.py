@@ -191,6 +191,11 @@ def test_run_json_schema_and_regex_constrain_every_mode(tmp_path):
     assert_one_line_error(run_cli("run", "x", "--model", "tiny", "--regex", "(["), "the grammar cannot run")
     assert_one_line_error(run_cli("run", "x", "--json-schema", str(path), "--regex", "a"),
                           "--json-schema and --regex both constrain the output")
+    missing = tmp_path / "missing.json"  # it said "[Errno 2] No such file or directory", naming no flag
+    assert_one_line_error(run_cli("run", "x", "--model", "tiny", "--json-schema", str(missing)),
+                          f"--json-schema {missing}: No such file or directory")
+    assert_one_line_error(run_cli("run", "x", "--model", "tiny", "--json-schema", str(tmp_path)),
+                          f"--json-schema {tmp_path}: Is a directory")
 
 
 @pytest.mark.parametrize("args, says", [
