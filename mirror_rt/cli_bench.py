@@ -5,7 +5,7 @@ from __future__ import annotations
 import json
 import sys
 
-from mirror_rt.cli_args import count, log, output_folder, positive_int
+from mirror_rt.cli_args import count, log, output_folder, positive_int, positive_number
 from mirror_rt.cli_options import (
     add_decoding_options,
     add_engine_options,
@@ -13,6 +13,7 @@ from mirror_rt.cli_options import (
     engine_options,
     generation_config,
 )
+from mirror_rt.evaluation.server_ready import READY_TIMEOUT
 from mirror_rt.runtime.config import DEFAULTS
 
 # The engine flags the bench uses: ours run the engine `run` would pick; --model also names the peers' target.
@@ -78,6 +79,8 @@ def _add_bench_serve(sub) -> None:
     load.add_argument("--mode", default=DEFAULTS.mode, help="the server's mode, for --compare-run (default: the "
                       "engine's, as the server's)")
     load.add_argument("--api-key", help="the server's key (default: $MIRROR_RT_API_KEY)")
+    load.add_argument("--ready-timeout", type=positive_number, default=READY_TIMEOUT,
+                      help=f"seconds to wait for a server that is still starting (default {READY_TIMEOUT:g})")
     load.add_argument("--peers", default="", help="comma-separated peers run in this process after each level, on "
                       "the server's token ids: ov-genai-cb (OpenVINO GenAI's ContinuousBatchingPipeline at its "
                       "default precision), ov-genai-cb-f32 (f32 compute and KV), mirror-rt-engine (the server's "
@@ -98,6 +101,7 @@ def cmd_bench_serve(args) -> int:
     from mirror_rt.evaluation.genai_serve import PEERS as GENAI_PEERS
     from mirror_rt.evaluation.genai_serve import load_peers
     from mirror_rt.evaluation.serve_bench import compare_with_run, load_run
+    from mirror_rt.evaluation.server_ready import ServerError, wait_until_ready
     from mirror_rt.evaluation.specbench import read_questions
     from mirror_rt.runtime.affinity import available_cores
 
@@ -112,14 +116,27 @@ def cmd_bench_serve(args) -> int:
     if unknown:
         raise ValueError(f"unknown bench-serve peer(s): {', '.join(unknown)} (known: "
                          f"{', '.join((ENGINE_PEER, *GENAI_PEERS))})")
+    try:  # before any peer loads: a server that is not there is said in a line, and at once
+        wait_until_ready(args.url, key, args.ready_timeout, log=log)
+    except ServerError as exc:
+        log(f"mirror-rt: error: {exc}")
+        return 1
     peers = [EnginePeer(args.cache_dir) for n in names if n == ENGINE_PEER]
     peers += load_peers([n for n in names if n != ENGINE_PEER], args.model, args.threads or len(available_cores()),
                         args.cache_dir, log=log)
+    import httpx
+    import openai
+
     report = {}
-    if args.compare_run:
-        report["single_stream"] = asyncio.run(compare_with_run(args.url, prompts, args.max_tokens, args.mode, key,
-                                                               args.cache_dir, log=log))
-    report |= asyncio.run(load_run(args.url, prompts, levels, args.max_tokens, args.burst, key, log=log, peers=peers))
+    try:  # a server lost mid-run: each request's failure is counted; what the run itself needs is said in a line
+        if args.compare_run:
+            report["single_stream"] = asyncio.run(compare_with_run(args.url, prompts, args.max_tokens, args.mode, key,
+                                                                   args.cache_dir, log=log))
+        report |= asyncio.run(load_run(args.url, prompts, levels, args.max_tokens, args.burst, key, log=log,
+                                       peers=peers))
+    except (openai.APIError, httpx.HTTPError) as exc:
+        log(f"mirror-rt: error: the server at {args.url} failed the run: {type(exc).__name__}: {exc}")
+        return 1
     if args.json:
         from pathlib import Path
 
