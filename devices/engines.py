@@ -95,13 +95,14 @@ def default_bundle(cache_dir: str | None = None, progress: bool = True, log=stde
 
     ONNX Runtime graphs decode the default model about 4x faster on CPU than torch eager, and Mirror
     then beats target-only decoding. The export (~30 s here) writes into a temporary folder of this
-    process, renamed at the end and removed if the export fails, so an interrupted export leaves
-    nothing behind. The folder name carries the bundle version, and `weights` (the target's precision,
-    exporters.export_config.WEIGHTS; None: DEFAULT_WEIGHTS) where it is not the default's: the bench's rows per
-    precision.
+    process, renamed at the end and removed if the export fails; one that a killed process left behind (a
+    server stopped while it loaded) is removed by the next export. The folder name carries the bundle version,
+    and `weights` (the target's precision, exporters.export_config.WEIGHTS; None: DEFAULT_WEIGHTS) where it is
+    not the default's: the bench's rows per precision.
     """
     import shutil
 
+    from mirror_rt.devices.ort_session import sweep_partials
     from mirror_rt.exporters.manifest import BundleError, read_manifest
     from mirror_rt.models.default_model import default_model_folder
 
@@ -117,6 +118,7 @@ def default_bundle(cache_dir: str | None = None, progress: bool = True, log=stde
     from mirror_rt.exporters.export import export_bundle  # torch and the model code: only to export
 
     log(f"mirror-rt: exporting the default model to ONNX once (about 30 s), into {folder}")
+    sweep_partials(folder)  # what an export killed mid-way left (a server stopped while it loaded)
     partial = Path(f"{folder}.partial-{os.getpid()}")  # one per process: two first runs never share one
     try:
         export_bundle(str(default_model_folder(cache_dir, log)), partial, progress=progress, weights=weights)

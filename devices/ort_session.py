@@ -12,6 +12,7 @@ not cached. Outputs are identical either way (tests/test_ort_session.py). It kno
 
 from __future__ import annotations
 
+import glob
 import hashlib
 import json
 import os
@@ -68,8 +69,28 @@ def create_session(path: Path, providers: list[str], make_options):
     return session
 
 
+def sweep_partials(folder: Path) -> None:
+    """Remove `folder`'s unfinished siblings (`NAME.partial-PID[-THREAD]`) whose process no longer runs: what a
+    process killed mid-write left (a server stopped while it loaded, a SIGKILL), which nothing would read."""
+    for partial in folder.parent.glob(f"{glob.escape(folder.name)}.partial-*"):
+        pid = partial.name.rsplit(".partial-", 1)[1].split("-")[0]
+        if pid.isdigit() and not _running(int(pid)):
+            shutil.rmtree(partial, ignore_errors=True)
+
+
+def _running(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except OSError:  # another user's process
+        return True
+    return True
+
+
 def _partial_folder(folder: Path) -> Path | None:
     """A fresh folder of this thread to save into, or None where the bundle cannot be written."""
+    sweep_partials(folder)
     partial = folder.with_name(f"{folder.name}.partial-{os.getpid()}-{threading.get_ident()}")
     try:
         partial.mkdir(parents=True, exist_ok=True)

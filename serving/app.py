@@ -41,6 +41,7 @@ from mirror_rt.serving.scheduler import Draining, Job, Overloaded, Scheduler
 from mirror_rt.serving.settings import ServerSettings
 
 log = logging.getLogger("mirror_rt.serve")
+LOAD_THREAD = "mirror-load"  # the thread that loads the engine while the server already answers
 
 
 class ServerState:
@@ -107,7 +108,7 @@ def create_app(settings: ServerSettings, load: Callable[[], object], metrics_sin
 
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI):
-        threading.Thread(target=_load, args=(state, load), name="mirror-load", daemon=True).start()
+        threading.Thread(target=_load, args=(state, load), name=LOAD_THREAD, daemon=True).start()
         yield
         if state.scheduler is not None:
             state.scheduler.close()

@@ -11,11 +11,12 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import os
 import sys
 import threading
 import time
 
-from mirror_rt.serving.app import ServerState, create_app
+from mirror_rt.serving.app import LOAD_THREAD, ServerState, create_app
 from mirror_rt.serving.settings import ServerSettings
 
 log = logging.getLogger("mirror_rt.serve")
@@ -122,6 +123,14 @@ def serve(settings: ServerSettings, load) -> int:
     if server.state.status == "failed":
         print(f"mirror-rt: error: the engine failed to load: {server.state.error}", file=sys.stderr)
         return 2
+    if any(t.name == LOAD_THREAD and t.is_alive() for t in threading.enumerate()):
+        # stopped while the engine loads: the interpreter must not exit under the loading thread's export or
+        # ONNX Runtime session build (it aborts, exit 134); what it wrote is unfinished and swept next time
+        log.info("stopped while the engine was loading")
+        logging.shutdown()
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(0)
     log.info("stopped")
     return 0
 

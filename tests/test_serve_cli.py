@@ -140,3 +140,32 @@ def test_a_port_in_use_or_an_unknown_host_is_one_line_and_exit_1(tmp_path):
             lines = result.stderr.strip().splitlines()
             assert len(lines) == 1 and lines[0].startswith(f"mirror-rt: error: cannot listen on {host}:{port}: ")
             assert says in lines[0] and "listening on" not in result.stderr
+
+
+def test_serve_stopped_while_loading_exits_0_without_an_abort(tmp_path, cache_dir):
+    """SIGTERM while the engine still loads (here ONNX Runtime building sessions of a bundle not seen before): the
+    interpreter used to exit under the loading thread and abort ('terminate called without an active exception',
+    exit 134, 2 runs in 3); it exits 0 and says so."""
+    import shutil
+
+    from mirror_rt.devices.engines import default_bundle
+
+    source = default_bundle(cache_dir, progress=False)
+    bundle = tmp_path / "bundle"  # its files without ONNX Runtime's cache: loading takes seconds
+    bundle.mkdir()
+    for f in source.iterdir():
+        if f.is_file():
+            shutil.copy(f, bundle / f.name)
+    port, log = free_port(), tmp_path / "serve.log"
+    with open(log, "w") as err:
+        proc = subprocess.Popen([sys.executable, "-m", "mirror_rt.cli", "serve", "--port", str(port), "--bundle",
+                                 str(bundle)], stderr=err, stdout=subprocess.DEVNULL)
+    try:
+        wait_for_line(log, "listening on", proc, timeout=60)
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(timeout=60) == 0
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    text = log.read_text()
+    assert "stopped while the engine was loading" in text and "terminate called" not in text
