@@ -84,6 +84,7 @@ class Generation:
     on_finish: Callable[[Generation], None] | None = None  # push mode: once, after the stats are in
     queued: list[str] = field(default_factory=list)  # pull mode: pieces not yet taken
     sequence: Sequence | None = None  # its state in the decoder (runtime.sequence)
+    settle: Callable[[Generation], None] | None = field(default=None, repr=False)  # pull mode: step until it left
 
     def __iter__(self):
         return self.pieces
@@ -93,13 +94,15 @@ class Generation:
         self.cancel_event.set()
 
     def close(self) -> None:
-        """Stop a stream left early (a `break`): cancelled, and out of the batch once its iterator closes (at
-        once if it was iterated, else at the engine's next step); its text so far stays."""
+        """Stop a stream left early (a `break`): cancelled and out of the batch when this returns; its text so far
+        stays. A stream nobody holds any more is cancelled too, and leaves at the engine's next step."""
         if not self.finished:
             self.cancel()
         close = getattr(self.pieces, "close", None)
         if close is not None:
             close()
+        if self.settle is not None and not self.finished:
+            self.settle(self)
 
     def __enter__(self) -> Generation:
         return self
@@ -114,19 +117,25 @@ class Generation:
 
 @dataclass(eq=False)
 class _Live:
-    """What the engine keeps of a running generation."""
+    """What the engine keeps of a running generation: the Generation only weakly, so that one its caller
+    dropped (a stream left with `break`, never closed) is collected, cancelled, and leaves the batch."""
 
-    gen: Generation
+    ref: weakref.ref
     seq: Sequence
     text: TextStream
+
+    @property
+    def gen(self) -> Generation | None:
+        return self.ref()
 
 
 class Engine:
     """A target model with an optional draft model and a shared tokenizer, decoding a batch of requests.
 
     Limitations:
-    - the draft must share the target's vocabulary (refused otherwise);
-    - `stream` / `generate` step the decoder themselves: one thread drives an engine at a time.
+    - the draft must share the target's vocabulary (refused otherwise).
+    Any number of threads may `stream` / `generate` / `submit` at once: one step runs at a time (`_stepping`),
+    and each step decodes every sequence in the batch, whichever thread runs it.
     """
 
     def __init__(self, target, tokenizer, draft=None, names: dict | None = None,
@@ -144,6 +153,7 @@ class Engine:
         self._decoder: BatchDecoder | None = None
         self._live: dict[int, _Live] = {}  # id(sequence) -> its generation
         self._lock = threading.Lock()
+        self._stepping = threading.Lock()  # one decoder step at a time, whichever thread drives
         self._ids = iter(range(1 << 62))
         if draft is not None and draft.vocab_size != target.vocab_size:
             raise GenerationError(f"vocabulary mismatch: target has {target.vocab_size} tokens, "
@@ -180,8 +190,13 @@ class Engine:
 
     def config_for(self, config: GenerationConfig | None = None, **options) -> GenerationConfig:
         """`config` with `options` (field names) applied and the mode resolved; GenerationError for a mode the
-        engine cannot run."""
-        config = make_config(config, **options)
+        engine cannot run, or for settings that are not valid (the library's own error, naming the setting)."""
+        try:
+            config = make_config(config, **options)
+        except GenerationError:
+            raise
+        except ValueError as exc:
+            raise GenerationError(str(exc)) from None
         if config.mode is None:
             config = replace(config, mode=self.default_mode)
         if config.mode == "mirror" and not hasattr(self.target, "forward_prefix"):
@@ -200,8 +215,8 @@ class Engine:
         (constraint, logit_bias, presence_penalty, frequency_penalty, repetition_penalty, logprobs:
         runtime.token_rules).
         """
-        gen = self.submit(self.prompt_ids(prompt, chat), make_config(config, **options))
-        gen.pieces = self._drive(gen)
+        gen = self.submit(self.prompt_ids(prompt, chat), self.config_for(config, **options))
+        gen.pieces, gen.settle = self._drive(gen), self._settle
         return gen
 
     def generate(self, prompt, config: GenerationConfig | None = None, chat: bool = True,
@@ -218,14 +233,25 @@ class Engine:
                 if gen.queued:
                     yield gen.queued.pop(0)
                 else:
-                    self.step()
+                    self._step_for(gen)
             if gen.sequence.error is not None:  # this request's own failure (its grammar), not the batch's
                 raise gen.sequence.error
-        finally:  # closed early (Ctrl-C, a consumer that stopped reading): cancel and let it leave
-            if not gen.finished:
+        finally:  # closed early (Ctrl-C, a consumer that stopped reading, garbage collection): cancelled, it
+            if not gen.finished:  # leaves at the next step; never stepped here (a collector may run this anywhere)
                 gen.cancel()
-                while not gen.finished and not sys.is_finalizing():  # at exit nothing more runs
-                    self.step()
+
+    def _step_for(self, gen: Generation) -> None:
+        """One step for `gen`, unless another thread's step already brought it pieces or its end."""
+        with self._stepping:
+            if not gen.queued and not gen.finished:
+                self._step()
+
+    def _settle(self, gen: Generation) -> None:
+        """Step until `gen` (cancelled) has left the batch, whatever pieces it still holds."""
+        while not gen.finished and not sys.is_finalizing():  # at exit nothing more runs
+            with self._stepping:
+                if not gen.finished:
+                    self._step()
 
     # --- many requests, stepped by one thread ---------------------------------------------
 
@@ -251,7 +277,8 @@ class Engine:
         grammar = config.rules.constraint is not None  # a grammar's end is end-of-sequence, even under ignore_eos
         eos = () if config.ignore_eos and not grammar else self.tokenizer.eos_token_ids
         with self._lock:
-            self._live[id(seq)] = _Live(gen, seq, TextStream(self.tokenizer, eos, config.stop_strings))
+            self._live[id(seq)] = _Live(weakref.ref(gen), seq, TextStream(self.tokenizer, eos, config.stop_strings))
+        weakref.finalize(gen, gen.cancel_event.set)  # dropped by its caller: cancelled (the event is the sequence's)
         try:
             self.decoder.add(seq)
         except KVTooLarge as exc:
@@ -271,7 +298,11 @@ class Engine:
     def step(self) -> bool:
         """One decoder step; generations that ended get their last text and stats. Returns whether work remains.
         A step that fails ends every generation in flight (`reset`) before the error goes on: left in the batch,
-        they would fail every later step."""
+        they would fail every later step. Safe from any thread: steps run one at a time."""
+        with self._stepping:
+            return self._step()
+
+    def _step(self) -> bool:
         try:
             more = self.decoder.step()
         except Exception:
@@ -317,13 +348,19 @@ class Engine:
         if decoder is not None:
             decoder.close()
         for live in lives:
-            live.gen.stop_reason, live.gen.finished = "error", True
+            gen = live.gen
+            if gen is not None:
+                gen.stop_reason, gen.finished = "error", True
 
     # --- tokens to text ---------------------------------------------------------------------
 
     def _on_tokens(self, seq: Sequence, tokens: list[int], drafted: int, accepted: int) -> None:
-        live = self._live[id(seq)]
-        gen, text = live.gen, live.text
+        live = self._live.get(id(seq))
+        gen = live.gen if live is not None else None
+        if gen is None:  # its caller dropped it: nobody reads its tokens (its finalizer cancelled it)
+            seq.cancel_event.set()
+            return
+        text = live.text
         first = len(seq.tokens) - len(tokens)  # the step's first token's index in the output
         flags = seq.rules.forced_flags if seq.rules is not None else None
         forced = tuple(j for j in range(len(tokens)) if flags and first + j < len(flags) and flags[first + j])
@@ -355,6 +392,9 @@ class Engine:
 
     def _finish(self, live: _Live) -> None:
         gen, seq, text = live.gen, live.seq, live.text
+        if gen is None:  # dropped by its caller: nobody to tell
+            seq.metrics.finish()
+            return
         if not gen.cancelled and seq.finish_reason != "cancelled":
             piece = text.flush()
             if piece:
