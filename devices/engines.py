@@ -102,8 +102,8 @@ def default_bundle(cache_dir: str | None = None, progress: bool = True, log=stde
     """
     import shutil
 
-    from mirror_rt.devices.ort_session import sweep_partials
     from mirror_rt.exporters.manifest import BundleError, read_manifest
+    from mirror_rt.exporters.paths import sweep_partials
     from mirror_rt.models.default_model import default_model_folder
 
     weights = weights or DEFAULT_WEIGHTS

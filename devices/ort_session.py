@@ -12,7 +12,6 @@ not cached. Outputs are identical either way (tests/test_ort_session.py). It kno
 
 from __future__ import annotations
 
-import glob
 import hashlib
 import json
 import os
@@ -20,6 +19,8 @@ import platform
 import shutil
 import threading
 from pathlib import Path
+
+from mirror_rt.exporters.paths import sweep_partials
 
 CACHE_FORMAT = 2  # bump when what is saved changes (2: with the prepacked weights)
 GRAPH_FILE, WEIGHTS_FILE = "model.onnx", "model.onnx.data"
@@ -67,25 +68,6 @@ def create_session(path: Path, providers: list[str], make_options):
     if partial is not None:
         _publish(partial, folder)
     return session
-
-
-def sweep_partials(folder: Path) -> None:
-    """Remove `folder`'s unfinished siblings (`NAME.partial-PID[-THREAD]`) whose process no longer runs: what a
-    process killed mid-write left (a server stopped while it loaded, a SIGKILL), which nothing would read."""
-    for partial in folder.parent.glob(f"{glob.escape(folder.name)}.partial-*"):
-        pid = partial.name.rsplit(".partial-", 1)[1].split("-")[0]
-        if pid.isdigit() and not _running(int(pid)):
-            shutil.rmtree(partial, ignore_errors=True)
-
-
-def _running(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except OSError:  # another user's process
-        return True
-    return True
 
 
 def _partial_folder(folder: Path) -> Path | None:

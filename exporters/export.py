@@ -93,15 +93,25 @@ def export_bundle(model: str | None, out_dir, progress: bool = True, **options) 
 
 def run_export(cfg: ExportConfig, progress: bool = True) -> Path:
     """Export `cfg`; steps: check the output folder, load, validate, four graphs, tokenizer, manifest."""
-    from tqdm import tqdm
+    from mirror_rt.exporters.paths import OutputPathError, check_bundle_folder, staging_folder, swap_in
 
-    from mirror_rt.exporters.paths import OutputPathError, check_writable
-    from mirror_rt.models.loading import load_checkpoint
-
-    try:
-        check_writable(cfg.out_dir)  # before any model is loaded
+    try:  # before any model is loaded
+        out = check_bundle_folder(cfg.out_dir, MANIFEST)
+        staging = staging_folder(out)  # written there, then swapped in: an interrupted export breaks no bundle
     except OutputPathError as exc:
         raise ExportError(str(exc)) from None
+    try:
+        _export_into(replace(cfg, out_dir=staging), progress)
+        swap_in(staging, out)
+    finally:
+        shutil.rmtree(staging, ignore_errors=True)
+    return out
+
+
+def _export_into(cfg: ExportConfig, progress: bool) -> None:
+    from tqdm import tqdm
+
+    from mirror_rt.models.loading import load_checkpoint
 
     with tqdm(total=len(ROLES) + 3, desc="export", unit="step", disable=not progress) as bar:  # closed on errors too
         bar.set_postfix_str("loading models")
@@ -114,7 +124,7 @@ def run_export(cfg: ExportConfig, progress: bool = True) -> Path:
         kept = _load_vocab(cfg, draft.model)
         if cfg.draft_weights == "auto":
             cfg = replace(cfg, draft_weights="q4_1" if cfg.fmt == "onnx" and holds_q4_1(draft.model) else "int8")
-        folder = _prepare_folder(cfg.out_dir)
+        folder = cfg.out_dir
         bar.update()
         entries = []
         for role in ROLES:
@@ -134,7 +144,6 @@ def run_export(cfg: ExportConfig, progress: bool = True) -> Path:
         write_manifest(replace(manifest, exit_adapter=_copy_adapter(cfg, adapter, folder),
                                draft_vocab=_copy_vocab(cfg, kept, folder)), folder)
         bar.update()
-    return folder
 
 
 def _load_adapter(cfg: ExportConfig, model, limits: Limits):
@@ -201,12 +210,6 @@ def _check_draft(target, draft) -> None:
     if draft.model.config.vocab_size != target.model.config.vocab_size or \
             draft.tokenizer.sha256() != target.tokenizer.sha256():
         raise ExportError("--draft must share the target's tokenizer (vocabulary or tokenizer.json differ)")
-
-
-def _prepare_folder(out_dir: Path) -> Path:
-    out_dir.mkdir(parents=True, exist_ok=True)
-    (out_dir / MANIFEST).unlink(missing_ok=True)  # the old manifest must not describe new files
-    return out_dir
 
 
 def _export_role(cfg: ExportConfig, limits: Limits, model, role: str, folder: Path) -> GraphEntry:

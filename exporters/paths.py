@@ -2,12 +2,15 @@
 
 `check_writable` walks up to the nearest existing ancestor of the path and asks whether it is a
 folder this process may write into; it creates nothing. Used by `export` (the bundle folder) and the
-training commands (their output files and folders).
+training commands (their output files and folders). A bundle is written into a staging folder beside its
+place and swapped in when complete (`staging_folder`, `swap_in`); what a killed process left is swept.
 """
 
 from __future__ import annotations
 
+import glob
 import os
+import shutil
 from pathlib import Path
 
 
@@ -34,3 +37,60 @@ def check_writable(path, folder: bool = True) -> Path:
     if not os.access(ancestor, os.W_OK | os.X_OK):
         raise OutputPathError(f"cannot write to {path}: {ancestor} is not writable")
     return path
+
+
+def check_bundle_folder(path, manifest: str) -> Path:
+    """`path` as a bundle's folder to (re)write, absolute: new, empty, or an earlier bundle (it holds `manifest`);
+    never a folder of other files (a bundle's files would land among them: `--out /` wrote into the root)."""
+    given = str(path)
+    if not given.strip():
+        raise OutputPathError("--out is empty: name the bundle's folder")
+    out = check_writable(Path(path)).absolute()
+    if out.exists() and any(out.iterdir()) and not (out / manifest).is_file():
+        raise OutputPathError(f"cannot write the bundle into {given}: it holds other files and no bundle "
+                              f"(name a new or empty folder)")
+    if out.exists() and out.resolve() in (Path.cwd().resolve(), Path(out.anchor)):
+        raise OutputPathError(f"cannot write the bundle into {given}: name a new folder")
+    return out
+
+
+def staging_folder(out: Path) -> Path:
+    """A new folder beside `out` that the export writes into (`NAME.partial-PID`, swept when its process is gone);
+    OutputPathError where it cannot be made (a place that refuses writing: /sys, /proc)."""
+    staging = out.with_name(f"{out.name}.partial-{os.getpid()}")
+    sweep_partials(out)
+    try:
+        shutil.rmtree(staging, ignore_errors=True)
+        staging.mkdir(parents=True)
+    except OSError as exc:
+        raise OutputPathError(f"cannot write to {out}: {exc.strerror or exc}") from None
+    return staging
+
+
+def swap_in(staging: Path, out: Path) -> None:
+    """Put the finished `staging` folder in `out`'s place; an earlier bundle there goes only once it is in."""
+    old = out.with_name(f"{out.name}.partial-{os.getpid()}-old")
+    if out.exists():
+        shutil.rmtree(old, ignore_errors=True)
+        out.rename(old)
+    staging.rename(out)
+    shutil.rmtree(old, ignore_errors=True)
+
+
+def sweep_partials(folder: Path) -> None:
+    """Remove `folder`'s unfinished siblings (`NAME.partial-PID[-...]`) whose process no longer runs: what a
+    process killed mid-write left (a server stopped while it loaded, a SIGKILL), which nothing would read."""
+    for partial in Path(folder).parent.glob(f"{glob.escape(Path(folder).name)}.partial-*"):
+        pid = partial.name.rsplit(".partial-", 1)[1].split("-")[0]
+        if pid.isdigit() and not _running(int(pid)):
+            shutil.rmtree(partial, ignore_errors=True)
+
+
+def _running(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except OSError:  # another user's process
+        return True
+    return True

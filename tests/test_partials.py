@@ -7,7 +7,7 @@ import os
 import subprocess
 import sys
 
-from mirror_rt.devices.ort_session import sweep_partials
+from mirror_rt.exporters.paths import sweep_partials
 
 
 def test_a_dead_processs_partials_are_swept_a_live_ones_kept(tmp_path):
