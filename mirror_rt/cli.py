@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import argparse
 import errno
+import os
 import sys
 
 from mirror_rt.cli_bench import COMMANDS as BENCH_COMMANDS
@@ -58,6 +59,14 @@ def _one_line_warnings() -> None:
     warnings.showwarning = show
 
 
+def _exit_now(code: int) -> None:
+    """Exit at once: a worker thread may still be inside ONNX Runtime or torch (engines load in parallel), and an
+    interpreter that tears down under it aborts ('terminate called without an active exception', exit 134)."""
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
+
+
 def main(argv=None) -> int:
     from mirror_rt.models.default_model import DefaultModelUnavailable
 
@@ -67,7 +76,7 @@ def main(argv=None) -> int:
         return COMMANDS[args.command](args)
     except KeyboardInterrupt:
         print("\nmirror-rt: interrupted", file=sys.stderr)
-        return 130
+        _exit_now(130)
     except (ValueError, FileNotFoundError, DefaultModelUnavailable) as exc:
         print(f"mirror-rt: error: {exc}", file=sys.stderr)
         return 2

@@ -106,3 +106,34 @@ def test_a_script_that_leaves_streams_unfinished_exits_cleanly(cache_dir, close)
     assert done.returncode == 0, done.stderr[-2000:]
     assert done.stdout.strip() == "left"
     assert "terminate called" not in done.stderr and "Traceback" not in done.stderr
+
+
+def test_ctrl_c_while_the_engine_loads_exits_130_without_an_abort(cache_dir, tmp_path):
+    """SIGINT while ONNX Runtime builds the sessions (a bundle not seen before: seconds, in loader threads): exit
+    130 and one line. The interpreter used to tear down under those threads and abort ('terminate called
+    without an active exception', exit 134)."""
+    import shutil
+    import signal
+    import time
+
+    from mirror_rt.devices.engines import default_bundle
+
+    source = default_bundle(cache_dir, progress=False)
+    bundle = tmp_path / "bundle"
+    bundle.mkdir()
+    for f in source.iterdir():
+        if f.is_file():
+            shutil.copy(f, bundle / f.name)
+    proc = subprocess.Popen([sys.executable, "-c", "import mirror_rt.cli, sys; print('ready', flush=True); "
+                             "sys.exit(mirror_rt.cli.main(sys.argv[1:]))", "run", "hi", "--bundle", str(bundle)],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
+    assert proc.stdout.readline() == b"ready\n"  # imports done: the engine loads now
+    time.sleep(0.5)
+    proc.send_signal(signal.SIGINT)
+    try:
+        proc.wait(timeout=60)
+    finally:
+        proc.kill()
+    err = proc.stderr.read().decode()
+    assert proc.returncode == 130 and "interrupted" in err and "terminate called" not in err, err
