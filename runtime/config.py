@@ -53,6 +53,16 @@ class GenerationConfig:
                 raise ValueError(f"{name} must be an integer, got {value!r}")
         if isinstance(self.stop_strings, str):
             raise ValueError(f"stop_strings must be a list of strings, got the string {self.stop_strings!r}")
+        if not isinstance(self.stop_strings, tuple) or not all(isinstance(s, str) for s in self.stop_strings):
+            raise ValueError(f"stop_strings must be a list of strings, got {self.stop_strings!r}")
+        if not isinstance(self.ignore_eos, bool):
+            raise ValueError(f"ignore_eos must be true or false, got {self.ignore_eos!r}")
+        if self.branch_budget is not None and not is_integer(self.branch_budget):
+            raise ValueError(f"branch_budget must be 'auto' or an integer >= 0, got {self.branch_budget!r}")
+        if self.mode is not None and not isinstance(self.mode, str):
+            raise ValueError(f"unknown mode {self.mode!r} (choose from {', '.join(MODES)})")
+        if not isinstance(self.draft_timeout_s, numbers.Real) or isinstance(self.draft_timeout_s, bool):
+            raise ValueError(f"draft_timeout_s must be a number of seconds, got {self.draft_timeout_s!r}")
         if self.max_new_tokens < 1:
             raise ValueError(f"--max-new-tokens must be >= 1, got {self.max_new_tokens}")
         if not 1 <= self.gamma <= MAX_GAMMA:
@@ -82,6 +92,8 @@ def make_config(base: GenerationConfig | None = None, **options) -> GenerationCo
     """
     import dataclasses
 
+    if base is not None and not isinstance(base, GenerationConfig):
+        raise ValueError(f"config must be a GenerationConfig (or give settings as keywords), got {type(base).__name__}")
     base = base or GenerationConfig()
     sampling_fields = {f.name for f in dataclasses.fields(SamplingConfig)}
     sampling = {k: options.pop(k) for k in list(options) if k in sampling_fields}
@@ -91,8 +103,14 @@ def make_config(base: GenerationConfig | None = None, **options) -> GenerationCo
     unknown = set(options) - known
     if unknown:
         raise TypeError(f"unknown generation option(s): {', '.join(sorted(unknown))}")
-    if "stop_strings" in options and not isinstance(options["stop_strings"], str):  # a string: validate refuses it
-        options["stop_strings"] = tuple(options["stop_strings"])
+    if options.get("branch_budget") == "auto":  # the CLI's and the docs' word for None
+        options["branch_budget"] = None
+    if "stop_strings" in options:
+        stop = options["stop_strings"]
+        if stop is None:
+            options["stop_strings"] = ()
+        elif isinstance(stop, (list, tuple)):  # a string, or anything else: validate refuses it in one line
+            options["stop_strings"] = tuple(stop)
     if sampling:
         options["sampling"] = dataclasses.replace(base.sampling, **sampling)
     if rules:

@@ -12,6 +12,7 @@ or OpenVINO never imports torch, runtime.lazy_torch).
 
 from __future__ import annotations
 
+import numbers
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -39,6 +40,12 @@ class SamplingConfig:
         self.validate()
 
     def validate(self) -> None:
+        for name in ("temperature", "top_p"):
+            value = getattr(self, name)
+            if not isinstance(value, numbers.Real) or isinstance(value, bool):
+                raise ValueError(f"{name} must be a number, got {value!r}")
+        if not isinstance(self.top_k, numbers.Integral) or isinstance(self.top_k, bool):
+            raise ValueError(f"top_k must be an integer, got {self.top_k!r}")
         if not (self.temperature >= 0 and np.isfinite(self.temperature)):
             raise ValueError(f"--temperature must be a finite number >= 0, got {self.temperature}")
         if self.top_k < 0:
