@@ -18,7 +18,18 @@ import statistics
 import time
 from dataclasses import dataclass, field
 
+from mirror_rt.evaluation.server_ready import ServerError
+
 WARMUP_TOKENS = 8  # per warm-up request (every engine, before the levels)
+
+
+def _message(exc) -> str:
+    """An API error's one-line message (OpenAI's envelope's `message`, else the exception's text)."""
+    body, message = getattr(exc, "body", None), None
+    if isinstance(body, dict):
+        error = body.get("error", body)
+        message = error.get("message") if isinstance(error, dict) else error
+    return " ".join(str(message or exc.message).split())[:200]
 
 
 @dataclass
@@ -32,6 +43,7 @@ class Result:
     tokens: int = 0
     token_gaps: list[float] = field(default_factory=list)  # per generated token after the first
     text: str = ""
+    error: str = ""  # why it failed, as the server or the connection said
 
 
 async def one_request(client, model: str, messages: list, max_tokens: int) -> Result:
@@ -58,9 +70,9 @@ async def one_request(client, model: str, messages: list, max_tokens: int) -> Re
                 result.tokens = chunk.usage.completion_tokens
         result.ok = result.tokens > 0
     except openai.APIStatusError as exc:
-        result.status = exc.status_code
-    except openai.APIError:
-        result.status = 0
+        result.status, result.error = exc.status_code, f"{exc.status_code} {_message(exc)}"
+    except openai.APIError as exc:
+        result.status, result.error = 0, f"{type(exc).__name__}: {exc}"
     result.e2e, result.text = time.perf_counter() - start, "".join(pieces)
     return result
 
@@ -97,7 +109,9 @@ def summarize(results: list[Result], wall: float, concurrency: int) -> dict:
         value = percentile(values, q)
         return None if value is None else round(value, 1)
 
+    reasons = statistics.multimode(r.error or f"status {r.status}" for r in results if not r.ok)
     return {"concurrency": concurrency, "completed": len(done), "failed": len(results) - len(done),
+            "failure": reasons[0] if reasons else None,  # the most common reason
             "duration_s": round(wall, 2), "request_throughput": round(len(done) / wall, 3),
             "output_throughput": round(output / wall, 1), "median_ttft_ms": ms(ttft, 50), "p95_ttft_ms": ms(ttft, 95),
             "median_itl_ms": ms(itl, 50), "p95_itl_ms": ms(itl, 95),
@@ -176,6 +190,9 @@ async def load_run(url: str, prompts: list, levels: list[int], max_tokens: int, 
     for concurrency in levels:
         before = scrape_totals(url)
         results, wall = await run_level(client, model, prompts, max_tokens, concurrency)
+        if not any(r.ok or r.status for r in results):  # nothing answered: the server is gone, the rest would fail
+            raise ServerError(f"the server at {url} stopped answering at concurrency {concurrency} "
+                              f"({results[0].error})")
         after = scrape_totals(url)
         level = summarize(results, wall, concurrency) | speculation(before, after) | prefix_hits(before, after)
         log(format_level(level))
@@ -247,7 +264,8 @@ def _row(engine: str, precision: str, where: str, f: dict, same: str) -> str:
 
 
 def format_level(level: dict) -> str:
-    return (f"concurrency {level['concurrency']}: {level['completed']} done, {level['failed']} failed, "
+    failure = f" (most often: {level['failure']})" if level.get("failure") else ""
+    return (f"concurrency {level['concurrency']}: {level['completed']} done, {level['failed']} failed{failure}, "
             f"{level['request_throughput']:.2f} req/s, {level['output_throughput']:.1f} tok/s, TTFT p50/p95 "
             f"{level['median_ttft_ms']}/{level['p95_ttft_ms']} ms, ITL p50/p95 {level['median_itl_ms']}/"
             f"{level['p95_itl_ms']} ms, TPOT {level['mean_tpot_ms']} ms, acceptance {level['acceptance_rate']}, "

@@ -83,11 +83,14 @@ def read_questions(path: str | Path, categories: list[str] | None = None, limit:
             continue
         try:
             d = json.loads(line)
-            questions.append(Question(d["question_id"], d["category"], tuple(d["turns"])))
+            turns = d["turns"]
+            questions.append(Question(d["question_id"], d["category"], tuple(turns)))
         except (json.JSONDecodeError, KeyError, TypeError) as exc:
             raise DataError(f"{path}:{number}: not a SpecBench question ({exc})") from None
-        if not questions[-1].turns or not all(isinstance(t, str) for t in questions[-1].turns):
-            raise DataError(f"{path}:{number}: `turns` must be a non-empty list of strings")
+        if not isinstance(turns, list) or not turns or not all(isinstance(t, str) for t in turns):
+            raise DataError(f"{path}:{number}: `turns` must be a non-empty list of strings")  # a string was split
+    if not questions:
+        raise DataError(f"{path}: no questions in it")
     if categories:
         unknown = set(categories) - {q.category for q in questions}
         if unknown:

@@ -28,6 +28,7 @@ def check_writable(path, folder: bool = True) -> Path:
             raise OutputPathError(f"cannot write to {path}: it is a folder, a file is needed")
         if not os.access(path if folder else path.parent, os.W_OK | os.X_OK):
             raise OutputPathError(f"cannot write to {path}: permission denied")
+        _probe(path if folder else path.parent, path)
         return path
     ancestor = path.parent
     while not ancestor.exists():
@@ -36,7 +37,20 @@ def check_writable(path, folder: bool = True) -> Path:
         raise OutputPathError(f"cannot write to {path}: {ancestor} is a file")
     if not os.access(ancestor, os.W_OK | os.X_OK):
         raise OutputPathError(f"cannot write to {path}: {ancestor} is not writable")
+    _probe(ancestor, path)
     return path
+
+
+def _probe(folder: Path, path: Path) -> None:
+    """Create and remove a file in `folder`: places that refuse files whatever their permission bits say (/proc,
+    /sys, a read-only mount as root) are found before the work, not after it."""
+    import tempfile
+
+    try:
+        with tempfile.TemporaryFile(dir=folder):
+            pass
+    except OSError as exc:
+        raise OutputPathError(f"cannot write to {path}: {exc.strerror or exc}") from None
 
 
 def check_bundle_folder(path, manifest: str) -> Path:

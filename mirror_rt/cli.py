@@ -35,8 +35,10 @@ class OneLineParser(argparse.ArgumentParser):
         self.exit(2, f"{self.prog}: error: {message} (see {self.prog} --help)\n")
 
 
-# what the machine refused (a full disk, no memory, a read-only place): a line, not a traceback, whatever wrote it
-MACHINE_ERRORS = {errno.ENOSPC, errno.ENOMEM, errno.EROFS, errno.EACCES, errno.EDQUOT}
+# what the machine refused (a full disk, no memory, a read-only or forbidden place, a file where a folder must be):
+# a line, not a traceback, whatever wrote it
+MACHINE_ERRORS = {errno.ENOSPC, errno.ENOMEM, errno.EROFS, errno.EACCES, errno.EDQUOT, errno.EPERM, errno.ENOTDIR,
+                  errno.EISDIR}
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -51,9 +51,25 @@ def budget(text: str) -> int | None:
 
 
 def output_folder(text: str) -> str:
-    """A folder to write into: refused at once when a file already holds the name (not after the work)."""
-    if os.path.exists(text) and not os.path.isdir(text):
+    """A folder to write into: refused at once (not after the work) when a file holds the name or the place
+    refuses writing."""
+    return _writable(text, folder=True)
+
+
+def output_file(text: str) -> str:
+    """A file to write: refused at once (not after the work) when it is a folder or its place refuses writing."""
+    return _writable(text, folder=False)
+
+
+def _writable(text: str, folder: bool) -> str:
+    from mirror_rt.exporters.paths import OutputPathError, check_writable
+
+    if os.path.exists(text) and folder and not os.path.isdir(text):
         raise argparse.ArgumentTypeError(f"{text} exists and is not a folder")
+    try:
+        check_writable(text, folder=folder)
+    except OutputPathError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
     return text
 
 

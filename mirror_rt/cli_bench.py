@@ -2,10 +2,11 @@
 
 from __future__ import annotations
 
+import argparse
 import json
 import sys
 
-from mirror_rt.cli_args import count, log, output_folder, positive_int, positive_number
+from mirror_rt.cli_args import count, log, output_file, output_folder, positive_int, positive_number
 from mirror_rt.cli_options import (
     add_decoding_options,
     add_engine_options,
@@ -51,7 +52,11 @@ def cmd_bench(args) -> int:
     questions = read_questions(args.data, categories, args.limit)
     config = generation_config(args)
     methods = [m.strip() for m in args.methods.split(",") if m.strip()]
+    if not methods:
+        raise ValueError("--methods names no method")
     runners = bench_runners(methods, engine_options(args), log=log)
+    if not runners:
+        raise ValueError(f"none of --methods {args.methods} can run here (see the lines above)")
     answers = run_bench(runners, questions, BenchSettings(config=config, repeats=args.repeats))
     command = "mirror-rt " + " ".join(shlex.quote(a) for a in sys.argv[1:])
     rows = {r.name: report_row(r) for r in runners}
@@ -65,13 +70,24 @@ def cmd_bench(args) -> int:
     return 1 if any(doc["mismatches"].get(m) for m in exact) else 0
 
 
+def concurrency_levels(text: str) -> list[int]:
+    """bench-serve's --concurrency: comma-separated whole numbers >= 1, each once."""
+    items = [item.strip() for item in text.split(",")]
+    if not all(item.isdigit() and int(item) >= 1 for item in items):
+        raise argparse.ArgumentTypeError(f"expected comma-separated whole numbers >= 1, got '{text}'")
+    if len(set(map(int, items))) < len(items):
+        raise argparse.ArgumentTypeError(f"a level is named twice in '{text}'")
+    return [int(item) for item in items]
+
+
 def _add_bench_serve(sub) -> None:
     load = sub.add_parser("bench-serve", help="load a running server (OpenAI API): throughput, TTFT, ITL per "
                           "token, acceptance, a burst past the queue")
     load.add_argument("--url", default="http://127.0.0.1:8000", help="the server (default http://127.0.0.1:8000)")
     load.add_argument("--data", required=True, help="questions (SpecBench jsonl); their first turns are the prompts")
     load.add_argument("--limit", type=positive_int, default=16, help="questions, picked evenly across categories")
-    load.add_argument("--concurrency", default="1,2,4", help="comma-separated levels (default 1,2,4)")
+    load.add_argument("--concurrency", type=concurrency_levels, default="1,2,4",
+                      help="comma-separated levels (default 1,2,4)")
     load.add_argument("--max-tokens", type=positive_int, default=64, help="tokens per request (ignore_eos)")
     load.add_argument("--burst", type=count, default=0, help="then send this many at once (0: no burst)")
     load.add_argument("--compare-run", action="store_true", help="also single-stream each prompt in this process "
@@ -89,7 +105,7 @@ def _add_bench_serve(sub) -> None:
                       "name the model the server serves)")
     load.add_argument("--threads", type=positive_int, help="the peers' threads (default: every core, as the server)")
     load.add_argument("--cache-dir")
-    load.add_argument("--json", help="write the report here too")
+    load.add_argument("--json", type=output_file, help="write the report here too")
 
 
 def cmd_bench_serve(args) -> int:
@@ -107,9 +123,7 @@ def cmd_bench_serve(args) -> int:
 
     questions = read_questions(args.data, None, args.limit)
     prompts = [[{"role": "user", "content": q.turns[0]}] for q in questions]
-    levels = [int(c) for c in args.concurrency.split(",") if c.strip()]
-    if not levels or min(levels) < 1:
-        raise ValueError(f"--concurrency needs whole numbers >= 1, got '{args.concurrency}'")
+    levels = args.concurrency
     key = args.api_key or os.environ.get("MIRROR_RT_API_KEY")
     names = [p.strip() for p in args.peers.split(",") if p.strip()]
     unknown = [n for n in names if n not in (ENGINE_PEER, *GENAI_PEERS)]
@@ -136,6 +150,9 @@ def cmd_bench_serve(args) -> int:
                                        peers=peers))
     except (openai.APIError, httpx.HTTPError) as exc:
         log(f"mirror-rt: error: the server at {args.url} failed the run: {type(exc).__name__}: {exc}")
+        return 1
+    except ServerError as exc:
+        log(f"mirror-rt: error: {exc}")
         return 1
     if args.json:
         from pathlib import Path

@@ -76,13 +76,13 @@ def cmd_run(args) -> int:
 
 def run_constraint(args):
     """The grammar `--json-schema FILE` or `--regex RE` asks for (None when neither)."""
-    if args.json_schema and args.regex:
+    if args.json_schema is not None and args.regex is not None:
         raise ValueError("--json-schema and --regex both constrain the output: give one")
-    if not (args.json_schema or args.regex):
+    if args.json_schema is None and args.regex is None:
         return None
     from mirror_rt.runtime.grammar import Constraint
 
-    if args.regex:
+    if args.regex is not None:  # '' too: it allows the empty answer only (it was dropped: free text)
         return Constraint("regex", args.regex)
     try:
         with open(args.json_schema, encoding="utf-8") as file:

@@ -63,6 +63,8 @@ class GenerationConfig:
             raise ValueError(f"unknown mode {self.mode!r} (choose from {', '.join(MODES)})")
         if not isinstance(self.draft_timeout_s, numbers.Real) or isinstance(self.draft_timeout_s, bool):
             raise ValueError(f"draft_timeout_s must be a number of seconds, got {self.draft_timeout_s!r}")
+        if not -(2**63) <= self.seed < 2**63:  # an int64, as the server takes it (it wrapped modulo 2**64)
+            raise ValueError(f"--seed must be in -2**63..2**63-1, got {self.seed}")
         if self.max_new_tokens < 1:
             raise ValueError(f"--max-new-tokens must be >= 1, got {self.max_new_tokens}")
         if not 1 <= self.gamma <= MAX_GAMMA:

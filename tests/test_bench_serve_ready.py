@@ -89,3 +89,28 @@ def test_bench_serve_on_no_server_is_one_line_before_any_peer_loads(tmp_path, ca
         err = capsys.readouterr().err.strip().splitlines()
         assert code == 1 and said in err[-1] and err[-1].startswith("mirror-rt: error: ")
         assert not any("Traceback" in line for line in err)
+
+
+def test_a_server_gone_mid_run_ends_the_run_in_one_line(scripted):
+    """Every request of a level failed to connect: the run stops there and says so (it went on through every
+    level, each '0 done, N failed')."""
+    import asyncio
+
+    from mirror_rt.evaluation.serve_bench import run_level
+
+    server, url = scripted(READY)
+    server.shutdown()
+    server.server_close()  # nothing listens any more
+
+    from openai import AsyncOpenAI
+
+    from mirror_rt.evaluation import serve_bench
+
+    async def gone():
+        client = AsyncOpenAI(base_url=url + "/v1", api_key="x", max_retries=0, timeout=10)
+        results, _ = await run_level(client, "m", [[{"role": "user", "content": "hi"}]], 4, 1)
+        return results
+
+    results = asyncio.run(gone())
+    assert results[0].status == 0 and "APIConnectionError" in results[0].error
+    assert serve_bench.summarize(results, 1.0, 1)["failure"].startswith("APIConnectionError")

@@ -255,3 +255,18 @@ def test_an_engine_thread_that_dies_answers_its_client_and_health_goes_503(engin
         assert later.status_code == 503 and "engine thread stopped" in later.json()["error"]["message"]
     finally:
         dying.stop()
+
+
+def test_bench_serve_says_why_requests_failed(server, engine):
+    """A level whose requests the server refuses says the server's reason beside the count (it printed only
+    '0 done, 4 failed')."""
+    import asyncio
+
+    from mirror_rt.evaluation.serve_bench import format_level, load_run
+
+    prompts = [[{"role": "user", "content": f"question {i}"}] for i in range(2)]
+    report = asyncio.run(load_run(server.url, prompts, [1], 10**6, burst_size=0, api_key=None, log=lambda *a: None))
+    level = report["levels"][0]
+    assert level["completed"] == 0 and level["failed"] == 2
+    assert level["failure"].startswith("400 ") and "maximum context length" in level["failure"]
+    assert "failed (most often: 400 " in format_level(level)
