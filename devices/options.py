@@ -12,12 +12,15 @@ the request's (`runtime.config.GenerationConfig`).
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass, field, fields, replace
 
 from mirror_rt.models.config import SplitOptions
 from mirror_rt.runtime.batch import BatchSettings
+from mirror_rt.runtime.config import is_integer
 
 BUNDLE_WEIGHTS = ("fp32", "int8", "int4", "q4_1", "w8a8")  # --weights: the ONNX export's (exporters.onnx.WEIGHTS)
+DRAFT_PRECISIONS = ("f32", "bf16")  # --draft-precision: OpenVINO's CPU compute precision of a draft
 # The options only the torch engine understands: any of them given asks for torch eager.
 TORCH_OPTIONS = ("model", "draft_model", "device", "dtype", "threads", "exit_layer", "kappa", "draft_streams",
                  "compile")
@@ -35,6 +38,13 @@ class ModelOptions:
     torch: bool = False  # torch eager even when no torch-only option is given
     cache_dir: str | None = None  # model cache (None: $MIRROR_RT_CACHE or ~/.cache/mirror-rt)
 
+    def __post_init__(self):
+        for name in ("bundle", "draft_bundle", "model", "draft_model", "draft_streams", "cache_dir"):
+            value = getattr(self, name)
+            if value is not None and not (isinstance(value, (str, os.PathLike)) and str(value).strip()):
+                raise ValueError(f"{name} must be a path or a name, got {value!r}")
+        _flag(self, "torch")
+
 
 @dataclass(frozen=True)
 class DeviceOptions:
@@ -49,6 +59,15 @@ class DeviceOptions:
     threads: int | None = None  # torch: intra-op threads; a bundle: each worker's threads, unpinned
     pin: bool = True  # torch, mirror: pin target and draft to a core each (2+ cores)
 
+    def __post_init__(self):
+        for name in ("target", "draft"):
+            if not isinstance(getattr(self, name), str):
+                raise ValueError(f"{name} must be a device name, got {getattr(self, name)!r}")
+        if self.threads is not None and not (is_integer(self.threads) and self.threads >= 1):
+            raise ValueError(f"threads must be a whole number >= 1, got {self.threads!r}")
+        _flag(self, "strict_devices")
+        _flag(self, "pin")
+
 
 @dataclass(frozen=True)
 class PrecisionOptions:
@@ -60,6 +79,11 @@ class PrecisionOptions:
     dtype: str | None = None  # torch target dtype; None: bf16 on CUDA (fp16 without bf16), else fp32
     draft_precision: str | None = None  # OpenVINO draft compute precision (f32 | bf16); None: exact f32
     compile: bool | None = None  # torch: static-shape windows under torch.compile
+
+    def __post_init__(self):
+        if self.draft_precision is not None and self.draft_precision not in DRAFT_PRECISIONS:
+            raise ValueError(f"draft_precision must be one of {', '.join(DRAFT_PRECISIONS)}, "
+                             f"got {self.draft_precision!r}")
 
 
 @dataclass(frozen=True)
@@ -96,6 +120,11 @@ class EngineOptions:
             if mine:
                 changed[part] = replace(getattr(self, part), **mine)
         return replace(self, **changed)
+
+
+def _flag(options, name: str) -> None:
+    if not isinstance(getattr(options, name), bool):
+        raise ValueError(f"{name} must be true or false, got {getattr(options, name)!r}")
 
 
 _PARTS = {"models": ModelOptions, "devices": DeviceOptions, "precision": PrecisionOptions, "split": SplitOptions,

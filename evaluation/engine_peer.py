@@ -20,7 +20,7 @@ NAME = "mirror-rt-engine"
 
 
 class EngineFlight(Flight):
-    """One request in flight on our engine (`handle`: its runtime.engine.Generation); the timing is GenAI's."""
+    """One request in flight on our engine (`handle`: its runtime.generation.Generation); the timing is GenAI's."""
 
     def new_ids(self) -> list[int]:
         return list(self.handle.sequence.tokens[len(self.ids):])

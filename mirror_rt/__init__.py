@@ -51,4 +51,6 @@ def load_bundle(bundle: str, *, mode: str | None = None, verify: bool = True, **
     draft_precision, threads), `mode` the mode it will mostly run (thread placement; None: Mirror)."""
     from mirror_rt.devices.bundle_engine import load_bundle as load_options
 
+    if bundle is None or not str(bundle).strip():
+        raise ValueError(f"load_bundle needs a bundle's folder (mirror-rt export --out), got {bundle!r}")
     return load_options(EngineOptions.from_flags(bundle=bundle, **options), mode, verify)

@@ -15,7 +15,7 @@ from __future__ import annotations
 import argparse
 
 from mirror_rt.cli_args import budget, count, number, positive_int, positive_number
-from mirror_rt.devices.options import BUNDLE_WEIGHTS, EngineOptions, flag_names
+from mirror_rt.devices.options import BUNDLE_WEIGHTS, DRAFT_PRECISIONS, EngineOptions, flag_names
 from mirror_rt.models.config import DEFAULT_KAPPA
 from mirror_rt.models.default_model import DEFAULT_MODEL
 from mirror_rt.runtime.config import DEFAULTS, EARLY_EXIT, MAX_GAMMA, MODES, make_config
@@ -63,7 +63,7 @@ BATCH = ("max_num_seqs", "kv_cache_gb", "prefill_chunk", "prefix_cache", "adapti
 ENGINE_TYPES = {"threads": positive_int, "exit_layer": positive_int, "kappa": positive_int,
                 "max_num_seqs": positive_int, "kv_cache_gb": positive_number, "prefill_chunk": positive_int}
 ON_OFF = ("prefix_cache", "adaptive_speculation")  # --name / --no-name
-ENGINE_CHOICES = {"draft_precision": ("f32", "bf16"), "weights": BUNDLE_WEIGHTS}
+ENGINE_CHOICES = {"draft_precision": DRAFT_PRECISIONS, "weights": BUNDLE_WEIGHTS}
 SWITCHES = ("torch", "strict_devices", "compile")  # flags without a value
 # The decoding and request options, by field name (sampling fields are SamplingConfig's, given flat).
 DECODING = ("gamma", "branch_budget", "draft_lookup", "early_exit")

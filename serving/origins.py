@@ -1,7 +1,7 @@
 """Where each streamed token came from: the per-token entries of `stream_options.include_origins`.
 
 A mirror-rt extension: a client that asks gets, in every content chunk, `mirror_rt.tokens`, one
-entry per token: its id, the text it released, its origin (`runtime.engine.Step.origin`: draft,
+entry per token: its id, the text it released, its origin (`runtime.generation.Step.origin`: draft,
 correction, bonus, target, forced; more may come, so a reader takes an unknown one as plain text), its
 window (the decode step; 0 is the prompt's first token) and its position in the window. Text
 held back by the detokenizer (a split character, a possible stop string) is released by a later

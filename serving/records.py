@@ -28,7 +28,7 @@ class RequestRecord:
     prompt_tokens: int = 0
     completion_tokens: int = 0
     ttft_s: float | None = None
-    steps: list = field(default_factory=list)  # per choice, runtime.engine.Step per decode step
+    steps: list = field(default_factory=list)  # per choice, runtime.generation.Step per decode step
     stats: dict = field(default_factory=dict)  # Generation.stats
     durations: dict = field(default_factory=dict)  # Generation.durations
     names: dict = field(default_factory=dict)  # Engine.names (devices, path, precision)

@@ -50,7 +50,7 @@ class Job:
     started: float | None = None  # when its first choice got a row of the batch
     first_text_at: float | None = None
     finished: float | None = None
-    generations: list = field(default_factory=list)  # runtime.engine.Generation per choice, once submitted
+    generations: list = field(default_factory=list)  # runtime.generation.Generation per choice, once submitted
     outcome: str = "pending"  # pending | done | cancelled | timeout | error
     error: BaseException | None = None
     record: object = None  # serving.records.RequestRecord, set by on_finish before the end event

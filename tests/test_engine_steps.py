@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from mirror_rt.runtime.engine import ORIGINS, Step
+from mirror_rt.runtime.generation import ORIGINS, Step
 
 
 @pytest.mark.parametrize("drafted, accepted, tokens, origins", [

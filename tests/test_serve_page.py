@@ -151,7 +151,7 @@ def test_origin_trail_credits_held_back_text_to_the_token_that_releases_it():
     and text released by no token (the end of the generation) comes with token null."""
     from types import SimpleNamespace
 
-    from mirror_rt.runtime.engine import Step
+    from mirror_rt.runtime.generation import Step
     from mirror_rt.serving.origins import OriginTrail
 
     gen = SimpleNamespace(tokens=[], steps=[Step(0.0, 1), Step(0.1, 3, drafted=2, accepted=2)])
