@@ -13,6 +13,7 @@ With n_s Speculative-Streaming streams a k-token rollout takes ceil(k / (1 + n_s
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 from dataclasses import dataclass
@@ -51,8 +52,12 @@ class SimConfig:
             value = getattr(self, name)
             if not isinstance(value, (int, float)) or isinstance(value, bool) or not math.isfinite(value) or value < 0:
                 raise ValueError(f"{name} must be a finite number >= 0, got {json.dumps(value)}")
+        if self.target_layers < 2:
+            raise ValueError(f"target_layers must be >= 2 (an exit layer lies between), got {self.target_layers}")
         if not 1 <= self.exit_layer < self.target_layers:
-            raise ValueError(f"exit_layer must be in 1..{self.target_layers - 1}")
+            raise ValueError(f"exit_layer must be in 1..{self.target_layers - 1}, got {self.exit_layer}")
+        if not isinstance(self.branches_batched, bool):
+            raise ValueError(f"branches_batched must be true or false, got {json.dumps(self.branches_batched)}")
         if not 1 <= self.gamma <= MAX_GAMMA:
             raise ValueError(f"gamma must be in 1..{MAX_GAMMA}, got {self.gamma}")
         if not 0 <= self.ss_streams <= MAX_GAMMA:
@@ -112,8 +117,21 @@ def load_config(ref: str) -> SimConfig:
     if not path.is_file():
         raise ValueError(f"simulate: no preset or file named '{ref}' (presets: {', '.join(PRESETS)})")
     try:
-        return SimConfig(**json.loads(path.read_text()))
-    except (json.JSONDecodeError, TypeError, ValueError, UnicodeDecodeError) as exc:
+        fields = json.loads(path.read_text())
+    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+        raise ValueError(f"simulate: {path}: not JSON ({exc})") from None
+    if not isinstance(fields, dict):
+        raise ValueError(f"simulate: {path}: a JSON object of SimConfig's fields is needed, "
+                         f"got {type(fields).__name__}")
+    known = {f.name: f for f in dataclasses.fields(SimConfig)}
+    unknown = sorted(set(fields) - set(known))
+    missing = [n for n, f in known.items() if n not in fields and f.default is dataclasses.MISSING]
+    if unknown or missing:
+        said = [f"unknown {', '.join(unknown)}" if unknown else "", f"missing {', '.join(missing)}" if missing else ""]
+        raise ValueError(f"simulate: {path}: fields {'; '.join(s for s in said if s)}")
+    try:
+        return SimConfig(**fields)
+    except ValueError as exc:
         raise ValueError(f"simulate: {path}: {exc}") from None
 
 

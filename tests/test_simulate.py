@@ -44,6 +44,8 @@ HAND = dict(name="hand", target_layers=2, exit_layer=1, target_layer_ms=10, wind
     ({"target_layer_ms": -1}, "target_layer_ms must be a finite number >= 0"),
     ({"window_growth": float("nan")}, "window_growth must be a finite number"),
     ({"target_layer_ms": 0}, "cannot both be 0"),
+    ({"target_layers": 0}, "target_layers must be >= 2"),  # it said 'exit_layer must be in 1..-1'
+    ({"branches_batched": "no"}, "branches_batched must be true or false"),  # it counted as true
 ])
 def test_impossible_settings_are_refused_in_one_line(patch, says):
     """Negative costs printed negative speeds, a huge gamma hung, 0 costs divided by zero."""
@@ -59,6 +61,11 @@ def test_cli_preset_and_file(tmp_path):
     out = subprocess.run([sys.executable, "-m", "mirror_rt.cli", "simulate", "--config", str(bad)],
                          capture_output=True, text=True)
     assert out.returncode == 2 and "mirror-rt: error: simulate:" in out.stderr
+    assert "fields missing target_layers, exit_layer" in out.stderr  # not SimConfig.__init__()'s TypeError
+    bad.write_text("[1]")
+    out = subprocess.run([sys.executable, "-m", "mirror_rt.cli", "simulate", "--config", str(bad)],
+                         capture_output=True, text=True)
+    assert out.returncode == 2 and "a JSON object of SimConfig's fields is needed, got list" in out.stderr
 
 
 def test_mirror_stats_latency_model_hand_computed():
