@@ -89,8 +89,6 @@ def read_questions(path: str | Path, categories: list[str] | None = None, limit:
             raise DataError(f"{path}:{number}: not a SpecBench question ({exc})") from None
         if not isinstance(turns, list) or not turns or not all(isinstance(t, str) for t in turns):
             raise DataError(f"{path}:{number}: `turns` must be a non-empty list of strings")  # a string was split
-    if not questions:
-        raise DataError(f"{path}: no questions in it")
     if categories:
         unknown = set(categories) - {q.category for q in questions}
         if unknown:

@@ -50,6 +50,8 @@ def cmd_bench(args) -> int:
 
     categories = args.categories.split(",") if args.categories else None
     questions = read_questions(args.data, categories, args.limit)
+    if not questions:  # a report of 0 questions at 0.0 tokens/s said nothing
+        raise ValueError(f"{args.data}: no questions in it")
     config = generation_config(args)
     methods = [m.strip() for m in args.methods.split(",") if m.strip()]
     if not methods:
@@ -122,6 +124,8 @@ def cmd_bench_serve(args) -> int:
     from mirror_rt.runtime.affinity import available_cores
 
     questions = read_questions(args.data, None, args.limit)
+    if not questions:
+        raise ValueError(f"{args.data}: no questions in it")
     prompts = [[{"role": "user", "content": q.turns[0]}] for q in questions]
     levels = args.concurrency
     key = args.api_key or os.environ.get("MIRROR_RT_API_KEY")
