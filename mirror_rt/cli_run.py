@@ -57,6 +57,7 @@ def cmd_run(args) -> int:
     engine = load_engine(engine_options(args), config.mode)
     gen = engine.stream(prompt, config, chat=not args.no_chat)
     try:
+        read_prompt(engine, gen)
         for piece in gen:
             if not args.json:
                 sys.stdout.write(piece)
@@ -72,6 +73,22 @@ def cmd_run(args) -> int:
         if args.stats:
             print(format_stats(gen.stats), file=sys.stderr)
     return 0
+
+
+PROGRESS_FROM = 2048  # prompt tokens from which `run` shows its reading (8,000 tokens take about a minute here)
+
+
+def read_prompt(engine, gen) -> None:
+    """A long prompt's reading as a progress bar on stderr (the answer starts only after it); nothing for others."""
+    seq = gen.sequence
+    if len(seq.prompt) < PROGRESS_FROM:
+        return
+    from tqdm import tqdm
+
+    with tqdm(total=len(seq.prompt), desc="reading the prompt", unit="tok", leave=False, file=sys.stderr) as bar:
+        while seq.state in ("waiting", "prefill") and not gen.finished:
+            engine.step()
+            bar.update(min(seq.computed, len(seq.prompt)) - bar.n)
 
 
 def run_constraint(args):

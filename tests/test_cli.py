@@ -237,3 +237,20 @@ def test_what_the_machine_refuses_is_one_line(monkeypatch, capsys, code, reraise
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and err[0].startswith("mirror-rt: error: ") and "/tmp/bundle/target.onnx" in err[0]
     assert status == (2 if code == 2 else 1)
+
+
+def test_a_long_prompt_shows_its_reading_and_the_same_answer(monkeypatch, capsys):
+    """A prompt from PROGRESS_FROM tokens on is read under a progress bar (an 8,000-token prompt was a minute of
+    silence); the answer is the same as without it."""
+    from mirror_rt import cli, cli_run
+
+    args = ["run", "one two three four five six seven eight nine ten " * 4, "--model", "tiny", "--no-chat",
+            "--max-new-tokens", "6", "--mode", "ar"]
+    monkeypatch.setattr(cli_run, "PROGRESS_FROM", 10**9)
+    assert cli.main(args) == 0
+    plain = capsys.readouterr()
+    monkeypatch.setattr(cli_run, "PROGRESS_FROM", 8)
+    assert cli.main(args) == 0
+    shown = capsys.readouterr()
+    assert "reading the prompt" in shown.err and "reading the prompt" not in plain.err
+    assert shown.out == plain.out and plain.out.strip()
