@@ -141,6 +141,7 @@ def test_default_bundle_falls_back_to_torch_with_a_warning(monkeypatch, capsys):
 def test_default_bundle_is_exported_once_and_never_half(tmp_path, monkeypatch):
     """An interrupted export leaves no bundle behind; a finished one is reused without exporting again."""
     import mirror_rt
+    import mirror_rt.models.loading  # noqa: F401 -- bound to the real default_model_folder before it is patched
     from mirror_rt.exporters import export as export_module
     from mirror_rt.exporters.manifest import read_manifest
     from mirror_rt.models import default_model
