@@ -17,7 +17,7 @@ from dataclasses import dataclass, field, fields, replace
 
 from mirror_rt.models.config import SplitOptions
 from mirror_rt.runtime.batch import BatchSettings
-from mirror_rt.runtime.config import is_integer
+from mirror_rt.runtime.values import is_integer
 
 BUNDLE_WEIGHTS = ("fp32", "int8", "int4", "q4_1", "w8a8")  # --weights: the ONNX export's (exporters.onnx.WEIGHTS)
 DRAFT_PRECISIONS = ("f32", "bf16")  # --draft-precision: OpenVINO's CPU compute precision of a draft

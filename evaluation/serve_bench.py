@@ -18,18 +18,14 @@ import statistics
 import time
 from dataclasses import dataclass, field
 
-from mirror_rt.evaluation.server_ready import ServerError
+from mirror_rt.evaluation.server_ready import ServerError, envelope_message
 
 WARMUP_TOKENS = 8  # per warm-up request (every engine, before the levels)
 
 
 def _message(exc) -> str:
     """An API error's one-line message (OpenAI's envelope's `message`, else the exception's text)."""
-    body, message = getattr(exc, "body", None), None
-    if isinstance(body, dict):
-        error = body.get("error", body)
-        message = error.get("message") if isinstance(error, dict) else error
-    return " ".join(str(message or exc.message).split())[:200]
+    return envelope_message(getattr(exc, "body", None)) or " ".join(str(exc.message).split())[:200]
 
 
 @dataclass

@@ -42,15 +42,20 @@ def wait_until_ready(url: str, api_key: str | None, timeout: float = READY_TIMEO
         time.sleep(poll)
 
 
+def envelope_message(body) -> str | None:
+    """The one-line message of an error body: OpenAI's envelope (`error.message`), a bare `error` or `message`."""
+    error = body.get("error", body) if isinstance(body, dict) else None
+    message = error.get("message") if isinstance(error, dict) else error
+    return " ".join(str(message).split())[:200] if message else None
+
+
 def _error_text(response) -> str:
     """An error answer's message (OpenAI's envelope, or a bare `error` / `message`), else its reason phrase."""
     try:
-        body = response.json()
+        message = envelope_message(response.json())
     except ValueError:
-        body = None
-    error = body.get("error", body) if isinstance(body, dict) else None
-    message = error.get("message") if isinstance(error, dict) else error
+        message = None
     if message:
-        return " ".join(str(message).split())[:200]
+        return message
     hint = " (not an OpenAI-compatible server at this URL?)" if response.status_code == 404 else ""
     return f"{response.reason_phrase}{hint}"

@@ -19,8 +19,9 @@ import math
 from dataclasses import dataclass
 from pathlib import Path
 
-from mirror_rt.runtime.config import MAX_GAMMA, is_integer
+from mirror_rt.runtime.config import MAX_GAMMA
 from mirror_rt.runtime.latency import hit_probability, mirror_step, sd_step, tokens_per_step
+from mirror_rt.runtime.values import is_integer
 
 COSTS = ("target_layer_ms", "target_head_ms", "draft_forward_ms", "rendezvous_ms")  # milliseconds, >= 0
 

@@ -127,36 +127,31 @@ def cmd_bench_serve(args) -> int:
     if not questions:
         raise ValueError(f"{args.data}: no questions in it")
     prompts = [[{"role": "user", "content": q.turns[0]}] for q in questions]
-    levels = args.concurrency
     key = args.api_key or os.environ.get("MIRROR_RT_API_KEY")
     names = [p.strip() for p in args.peers.split(",") if p.strip()]
     unknown = [n for n in names if n not in (ENGINE_PEER, *GENAI_PEERS)]
     if unknown:
         raise ValueError(f"unknown bench-serve peer(s): {', '.join(unknown)} (known: "
                          f"{', '.join((ENGINE_PEER, *GENAI_PEERS))})")
-    try:  # before any peer loads: a server that is not there is said in a line, and at once
-        wait_until_ready(args.url, key, args.ready_timeout, log=log)
-    except ServerError as exc:
-        log(f"mirror-rt: error: {exc}")
-        return 1
-    peers = [EnginePeer(args.cache_dir) for n in names if n == ENGINE_PEER]
-    peers += load_peers([n for n in names if n != ENGINE_PEER], args.model, args.threads or len(available_cores()),
-                        args.cache_dir, log=log)
     import httpx
     import openai
 
     report = {}
-    try:  # a server lost mid-run: each request's failure is counted; what the run itself needs is said in a line
+    try:  # the server first, before any peer loads; then a server lost mid-run is one line too
+        wait_until_ready(args.url, key, args.ready_timeout, log=log)
+        peers = [EnginePeer(args.cache_dir) for n in names if n == ENGINE_PEER]
+        peers += load_peers([n for n in names if n != ENGINE_PEER], args.model,
+                            args.threads or len(available_cores()), args.cache_dir, log=log)
         if args.compare_run:
             report["single_stream"] = asyncio.run(compare_with_run(args.url, prompts, args.max_tokens, args.mode, key,
                                                                    args.cache_dir, log=log))
-        report |= asyncio.run(load_run(args.url, prompts, levels, args.max_tokens, args.burst, key, log=log,
-                                       peers=peers))
-    except (openai.APIError, httpx.HTTPError) as exc:
-        log(f"mirror-rt: error: the server at {args.url} failed the run: {type(exc).__name__}: {exc}")
-        return 1
+        report |= asyncio.run(load_run(args.url, prompts, args.concurrency, args.max_tokens, args.burst, key,
+                                       log=log, peers=peers))
     except ServerError as exc:
         log(f"mirror-rt: error: {exc}")
+        return 1
+    except (openai.APIError, httpx.HTTPError) as exc:
+        log(f"mirror-rt: error: the server at {args.url} failed the run: {type(exc).__name__}: {exc}")
         return 1
     if args.json:
         from pathlib import Path

@@ -9,20 +9,15 @@ load-time settings (model, devices, precision, kappa, exit layer) live in `devic
 
 from __future__ import annotations
 
-import numbers
 from dataclasses import dataclass, field
 
 from mirror_rt.runtime.sampling import SamplingConfig
 from mirror_rt.runtime.token_rules import RulesConfig
+from mirror_rt.runtime.values import is_integer, is_number
 
 MODES = ("ar", "sd", "mirror")
 EARLY_EXIT = ("auto", "on", "off")
 MAX_GAMMA = 64  # the longest window a request may ask for
-
-
-def is_integer(value) -> bool:
-    """An integer, not a bool (JSON's true and Python's True are ints to isinstance)."""
-    return isinstance(value, numbers.Integral) and not isinstance(value, bool)
 
 
 @dataclass(frozen=True)
@@ -61,7 +56,7 @@ class GenerationConfig:
             raise ValueError(f"branch_budget must be 'auto' or an integer >= 0, got {self.branch_budget!r}")
         if self.mode is not None and not isinstance(self.mode, str):
             raise ValueError(f"unknown mode {self.mode!r} (choose from {', '.join(MODES)})")
-        if not isinstance(self.draft_timeout_s, numbers.Real) or isinstance(self.draft_timeout_s, bool):
+        if not is_number(self.draft_timeout_s):
             raise ValueError(f"draft_timeout_s must be a number of seconds, got {self.draft_timeout_s!r}")
         if not -(2**63) <= self.seed < 2**63:  # an int64, as the server takes it (it wrapped modulo 2**64)
             raise ValueError(f"--seed must be in -2**63..2**63-1, got {self.seed}")

@@ -20,7 +20,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass, replace
 
 from mirror_rt.runtime.batch import BatchDecoder, BatchSettings, KVTooLarge
-from mirror_rt.runtime.config import GenerationConfig, is_integer, make_config
+from mirror_rt.runtime.config import GenerationConfig, make_config
 from mirror_rt.runtime.generation import Generation, Step
 from mirror_rt.runtime.mirror_stats import batch_stats
 from mirror_rt.runtime.prompts import prompt_problem
@@ -28,6 +28,7 @@ from mirror_rt.runtime.reference import token_budget
 from mirror_rt.runtime.sequence import Sequence
 from mirror_rt.runtime.text_stream import TextStream
 from mirror_rt.runtime.token_rules import TokenRules
+from mirror_rt.runtime.values import is_integer
 
 
 class GenerationError(ValueError):
@@ -164,18 +165,17 @@ class Engine:
             if not gen.finished:  # leaves at the next step; never stepped here (a collector may run this anywhere)
                 gen.cancel()
 
-    def _step_for(self, gen: Generation) -> None:
-        """One step for `gen`, unless another thread's step already brought it pieces or its end."""
+    def _step_for(self, gen: Generation, settling: bool = False) -> None:
+        """One step for `gen`, unless another thread's step already brought it its end or (reading, not
+        `settling`) pieces to take."""
         with self._stepping:
-            if not gen.queued and not gen.finished:
+            if not gen.finished and (settling or not gen.queued):
                 self._step()
 
     def _settle(self, gen: Generation) -> None:
         """Step until `gen` (cancelled) has left the batch, whatever pieces it still holds."""
         while not gen.finished and not sys.is_finalizing():  # at exit nothing more runs
-            with self._stepping:
-                if not gen.finished:
-                    self._step()
+            self._step_for(gen, settling=True)
 
     # --- many requests, stepped by one thread ---------------------------------------------
 
@@ -282,7 +282,6 @@ class Engine:
         live = self._live.get(id(seq))
         gen = live.gen if live is not None else None
         if gen is None:  # its caller dropped it: nobody reads its tokens (its finalizer cancelled it)
-            seq.cancel_event.set()
             return
         text = live.text
         first = len(seq.tokens) - len(tokens)  # the step's first token's index in the output
@@ -317,7 +316,6 @@ class Engine:
     def _finish(self, live: _Live) -> None:
         gen, seq, text = live.gen, live.seq, live.text
         if gen is None:  # dropped by its caller: nobody to tell
-            seq.metrics.finish()
             return
         if not gen.cancelled and seq.finish_reason != "cancelled":
             piece = text.flush()

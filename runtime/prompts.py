@@ -7,7 +7,7 @@ one-line reason here rather than a tokenizer's or a template engine's error from
 
 from __future__ import annotations
 
-from mirror_rt.runtime.config import is_integer
+from mirror_rt.runtime.values import is_integer
 
 
 def prompt_problem(prompt) -> str | None:

@@ -12,7 +12,6 @@ or OpenVINO never imports torch, runtime.lazy_torch).
 
 from __future__ import annotations
 
-import numbers
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -20,6 +19,7 @@ import numpy as np
 
 from mirror_rt.runtime.lazy_torch import import_torch, is_tensor
 from mirror_rt.runtime.transfer import host_ids
+from mirror_rt.runtime.values import is_integer, is_number
 
 if TYPE_CHECKING:
     import torch
@@ -41,10 +41,9 @@ class SamplingConfig:
 
     def validate(self) -> None:
         for name in ("temperature", "top_p"):
-            value = getattr(self, name)
-            if not isinstance(value, numbers.Real) or isinstance(value, bool):
-                raise ValueError(f"{name} must be a number, got {value!r}")
-        if not isinstance(self.top_k, numbers.Integral) or isinstance(self.top_k, bool):
+            if not is_number(getattr(self, name)):
+                raise ValueError(f"{name} must be a number, got {getattr(self, name)!r}")
+        if not is_integer(self.top_k):
             raise ValueError(f"top_k must be an integer, got {self.top_k!r}")
         if not (self.temperature >= 0 and np.isfinite(self.temperature)):
             raise ValueError(f"--temperature must be a finite number >= 0, got {self.temperature}")

@@ -1,0 +1,16 @@
+"""Type checks the settings' validations share: JSON's true and Python's True are ints to isinstance, and a setting
+given as a bool, a string or None must be refused by name, not fail later inside a comparison."""
+
+from __future__ import annotations
+
+import numbers
+
+
+def is_integer(value) -> bool:
+    """An integer, not a bool."""
+    return isinstance(value, numbers.Integral) and not isinstance(value, bool)
+
+
+def is_number(value) -> bool:
+    """A real number (integers included), not a bool."""
+    return isinstance(value, numbers.Real) and not isinstance(value, bool)
