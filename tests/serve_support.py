@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import socket
 import threading
 import time
@@ -190,10 +191,14 @@ def tiny_engine(max_seq_len: int = 256):
                   batch=BatchSettings(adaptive_speculation=False))
 
 
+SUBMITTED = "submitted"  # Mortal's log of the generations its engine took
+
+
 class Mortal:
     """An engine that dies on cue, for the replica tests: a file `crash` in `cues` makes the process exit
     after `after` pieces of the next generation; a file `stop` ends the engine thread at its next step (the
-    replica lives on, its engine dead). Whoever removes a cue takes it, so one replica dies."""
+    replica lives on, its engine dead). Whoever removes a cue takes it, so one replica dies. Each generation
+    the engine takes adds a line to `submitted` in `cues` (a test waits on it for a request to be admitted)."""
 
     def __init__(self, engine, cues: str, after: int = 2):
         self.engine, self.cues, self.after = engine, cues, after
@@ -206,7 +211,10 @@ class Mortal:
         self.stopping = self.stopping or self._take("stop")
         if self._take("crash"):
             on_piece = crashing(on_piece, self.after)
-        return self.engine.submit(ids, config, on_piece, on_finish)
+        generation = self.engine.submit(ids, config, on_piece, on_finish)
+        with open(os.path.join(self.cues, SUBMITTED), "a") as log:
+            log.write("1\n")
+        return generation
 
     def step(self):
         if self.stopping:
@@ -214,8 +222,6 @@ class Mortal:
         return self.engine.step()
 
     def _take(self, cue: str) -> bool:
-        import os
-
         try:
             os.remove(os.path.join(self.cues, cue))
             return True
@@ -225,8 +231,6 @@ class Mortal:
 
 def crashing(on_piece, after: int):
     """`on_piece` of a generation whose process exits after `after` pieces (a replica lost mid-request)."""
-    import os
-
     count = 0
 
     def piece(gen, text):

@@ -17,7 +17,7 @@ from pathlib import Path
 
 import httpx
 import pytest
-from serve_support import free_port, wait_for, wait_for_line
+from serve_support import SUBMITTED, free_port, wait_for, wait_for_line
 
 pytest.importorskip("fastapi")
 pytest.importorskip("ray.serve")
@@ -103,6 +103,11 @@ def test_server_names_the_replica_that_answered_and_the_queue_asked_for(served):
     assert len(seen) == 2  # the replicas answer in turn, each named
 
 
+def taken(submitted: Path) -> int:
+    """Generations the replicas' engines have taken so far."""
+    return len(submitted.read_text().splitlines()) if submitted.exists() else 0
+
+
 def sse_events(url: str, request: dict, events: list, third: threading.Event) -> None:
     with httpx.stream("POST", url + "/v1/completions", json=request, timeout=120) as response:
         for line in response.iter_lines():
@@ -115,6 +120,8 @@ def sse_events(url: str, request: dict, events: list, third: threading.Event) ->
 def test_sigterm_drains_the_replicas_then_exits_0(served):
     """As the single server: what was admitted finishes (or ends cleanly at the deadline), new requests get 503."""
     process, url, log = served
+    submitted = log.parent / SUBMITTED  # each replica engine's generations, a line each (serve_support.Mortal)
+    before = taken(submitted)
     short, long, third = [], [], threading.Event()
     readers = [threading.Thread(target=sse_events, args=(url, body(40, stream=True), short, third)),
                threading.Thread(target=sse_events, args=(url, body(200, stream=True), long, threading.Event()))]
@@ -122,6 +129,7 @@ def test_sigterm_drains_the_replicas_then_exits_0(served):
         reader.start()
     answers, threads = post_in_background(url, [body(40)])
     assert third.wait(60)
+    assert wait_for(lambda: taken(submitted) == before + 3, timeout=30)  # the three admitted: none still at the proxy
     process.send_signal(signal.SIGTERM)
     assert wait_for(lambda: httpx.get(url + "/health", timeout=10).status_code == 503, timeout=20)
     late = httpx.post(url + "/v1/completions", json=body(4), timeout=30)
