@@ -130,6 +130,24 @@ def test_cpu_torch_engine_reports_its_placement():
     assert engine.placement.describe() == engine.names["placement"] and not engine.placement.fallbacks
 
 
+def test_torch_threads_are_what_the_placement_says_and_at_most_the_cores():
+    """`--threads` is torch's count on each worker (its threads share the worker's core where it is pinned);
+    more than the usable cores is capped to them, with a warning line."""
+    import torch
+
+    cores, lines, previous = len(engines.available_cores()), [], torch.get_num_threads()
+    try:
+        engine = torch_engine.load_torch(EngineOptions.from_flags(model="tiny", draft_model="int8", threads=1000),
+                                         log=lines.append)
+        assert torch.get_num_threads() == cores
+    finally:
+        torch.set_num_threads(previous)
+    assert engine.placement.target_threads == engine.placement.draft_threads == cores
+    assert f"{cores} thread{'s' * (cores != 1)}" in engine.names["placement"]
+    assert lines == [f"mirror-rt: warning: --threads 1000 is more than the {cores} core{'s' * (cores != 1)} "
+                     f"usable here; using {cores}"]
+
+
 @pytest.fixture(scope="module")
 def onnx_bundle(tmp_path_factory):
     from mirror_rt.exporters.export import export_bundle
