@@ -20,17 +20,39 @@ __version__ = "0.1.0"
 __all__ = ["Constraint", "Engine", "EngineOptions", "GenerationConfig", "GenerationError", "RulesConfig",
            "SamplingConfig", "__version__", "default_bundle", "load", "load_bundle"]
 
-from mirror_rt.devices.engines import default_bundle, load_engine
-from mirror_rt.devices.options import EngineOptions
-from mirror_rt.devices.registry import stderr_line
-from mirror_rt.runtime.config import GenerationConfig
-from mirror_rt.runtime.engine import Engine, GenerationError
-from mirror_rt.runtime.grammar import Constraint
-from mirror_rt.runtime.sampling import SamplingConfig
-from mirror_rt.runtime.token_rules import RulesConfig
+from importlib import import_module
+from typing import TYPE_CHECKING
+
+# where each public name lives: imported on first use, so `import mirror_rt` (and the CLI's start, which a Ctrl-C
+# may interrupt) costs nothing until an engine is asked for
+_EXPORTS = {"default_bundle": "mirror_rt.devices.engines", "EngineOptions": "mirror_rt.devices.options",
+            "GenerationConfig": "mirror_rt.runtime.config", "Engine": "mirror_rt.runtime.engine",
+            "GenerationError": "mirror_rt.runtime.engine", "Constraint": "mirror_rt.runtime.grammar",
+            "SamplingConfig": "mirror_rt.runtime.sampling", "RulesConfig": "mirror_rt.runtime.token_rules"}
+
+if TYPE_CHECKING:
+    from mirror_rt.devices.engines import default_bundle
+    from mirror_rt.devices.options import EngineOptions
+    from mirror_rt.runtime.config import GenerationConfig
+    from mirror_rt.runtime.engine import Engine, GenerationError
+    from mirror_rt.runtime.grammar import Constraint
+    from mirror_rt.runtime.sampling import SamplingConfig
+    from mirror_rt.runtime.token_rules import RulesConfig
 
 
-def load(model: str | None = None, draft_model: str | None = None, *, log=stderr_line, **options) -> Engine:
+def __getattr__(name: str):
+    if name not in _EXPORTS:
+        raise AttributeError(f"module 'mirror_rt' has no attribute {name!r}")
+    value = getattr(import_module(_EXPORTS[name]), name)
+    globals()[name] = value
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | set(__all__))
+
+
+def load(model: str | None = None, draft_model: str | None = None, *, log=None, **options) -> Engine:
     """The default engine with no arguments; torch eager with `torch=True` or any torch-only option.
 
     Args:
@@ -42,14 +64,21 @@ def load(model: str | None = None, draft_model: str | None = None, *, log=stderr
             torch eager), torch, bundle, draft_bundle, weights (the default model's target precision:
             fp32, int8, int4, q4_1, w8a8), target, draft, strict_devices, draft_precision,
             cache_dir, pin (torch, mirror: pin target and draft to different cores).
+        log: where progress and warning lines go (None: stderr).
     """
-    return load_engine(EngineOptions.from_flags(model=model, draft_model=draft_model, **options), log=log)
+    from mirror_rt.devices.engines import load_engine
+    from mirror_rt.devices.options import EngineOptions
+    from mirror_rt.devices.registry import stderr_line
+
+    options = EngineOptions.from_flags(model=model, draft_model=draft_model, **options)
+    return load_engine(options, log=log or stderr_line)
 
 
 def load_bundle(bundle: str, *, mode: str | None = None, verify: bool = True, **options) -> Engine:
     """An engine over an exported bundle; `options` as `load`'s (target, draft, draft_bundle, strict_devices,
     draft_precision, threads), `mode` the mode it will mostly run (thread placement; None: Mirror)."""
     from mirror_rt.devices.bundle_engine import load_bundle as load_options
+    from mirror_rt.devices.options import EngineOptions
 
     if bundle is None or not str(bundle).strip():
         raise ValueError(f"load_bundle needs a bundle's folder (mirror-rt export --out), got {bundle!r}")

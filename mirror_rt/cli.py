@@ -72,9 +72,9 @@ def _exit_now(code: int) -> None:
 def main(argv=None) -> int:
     from mirror_rt.models.default_model import DefaultModelUnavailable
 
-    args = build_parser().parse_args(argv)
-    _one_line_warnings()
     try:
+        args = build_parser().parse_args(argv)
+        _one_line_warnings()
         return COMMANDS[args.command](args)
     except KeyboardInterrupt:
         print("\nmirror-rt: interrupted", file=sys.stderr)

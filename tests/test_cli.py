@@ -255,3 +255,27 @@ def test_a_long_prompt_shows_its_reading_and_the_same_answer(monkeypatch, capsys
     shown = capsys.readouterr()
     assert "reading the prompt" in shown.err and "reading the prompt" not in plain.err
     assert shown.out == plain.out and plain.out.strip()
+
+
+@pytest.mark.parametrize("delay", [0.12, 0.2, 0.3, 0.6])
+def test_ctrl_c_at_any_moment_of_the_start_is_one_line_and_130(delay):
+    """The console script (`mirror_rt.entry`) imports the CLI under a Ctrl-C guard, and the CLI parses and runs
+    under its own: a SIGINT while Python imports the engine's modules, or torch, is exit 130 and one line, never
+    a KeyboardInterrupt traceback. (Killed before Python installs its handler at all: the signal's default.)"""
+    import signal
+    import time
+
+    proc = subprocess.Popen([sys.executable, "-m", "mirror_rt.entry", "run", "hi", "--model", "tiny",
+                             "--max-new-tokens", "200"], stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True,
+                            preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
+    time.sleep(delay)
+    proc.send_signal(signal.SIGINT)
+    try:
+        _, err = proc.communicate(timeout=120)
+    finally:
+        proc.kill()
+    if "init_import_site" in err:  # Python's own start (its site module), before any of ours: not this test's
+        pytest.skip("the signal came while Python itself was starting")
+    assert "Traceback" not in err and "KeyboardInterrupt" not in err, err
+    assert proc.returncode == -signal.SIGINT or (proc.returncode == 130 and "mirror-rt: interrupted" in err), err
