@@ -116,7 +116,12 @@ def default_bundle(cache_dir: str | None = None, progress: bool = True, log=stde
     except BundleError:
         pass
     from mirror_rt.exporters.export import export_bundle  # torch and the model code: only to export
+    from mirror_rt.exporters.paths import OutputPathError, check_writable
 
+    try:  # a cache that cannot hold the model cannot run it in torch either: one error, before any work
+        check_writable(folder.parent)
+    except OutputPathError as exc:
+        raise OutputPathError(f"the model cache cannot be used (--cache-dir, $MIRROR_RT_CACHE): {exc}") from None
     log(f"mirror-rt: exporting the default model to ONNX once (about 30 s), into {folder}")
     sweep_partials(folder)  # what an export killed mid-way left (a server stopped while it loaded)
     partial = Path(f"{folder}.partial-{os.getpid()}")  # one per process: two first runs never share one

@@ -279,3 +279,14 @@ def test_ctrl_c_at_any_moment_of_the_start_is_one_line_and_130(delay):
         pytest.skip("the signal came while Python itself was starting")
     assert "Traceback" not in err and "KeyboardInterrupt" not in err, err
     assert proc.returncode == -signal.SIGINT or (proc.returncode == 130 and "mirror-rt: interrupted" in err), err
+
+
+def test_a_cache_that_cannot_be_used_is_one_error_before_any_work(tmp_path):
+    """`--cache-dir` a file (or a place that refuses files): one error line naming the cache, exit 2; not a warning
+    that the model runs in torch instead (torch needs the same cache) followed by the error."""
+    afile = tmp_path / "afile"
+    afile.write_text("")
+    for cache in (afile, "/proc/mirror-rt-cache"):
+        proc = run_cli("run", "hi", "--cache-dir", str(cache))
+        assert_one_line_error(proc, "the model cache cannot be used")
+        assert "warning" not in proc.stderr and "exporting" not in proc.stderr, proc.stderr
