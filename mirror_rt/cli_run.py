@@ -182,12 +182,13 @@ def cmd_devices(args) -> int:
     from mirror_rt.devices.registry import format_devices
 
     given = [flag for flag, value in (("--models", args.models), ("--max-new-tokens", args.max_new_tokens),
-                                      ("--compile", args.compile), ("--out", args.out)) if value]
+                                      ("--compile", args.compile or None), ("--out", args.out)) if value is not None]
     if given and not args.check:
         raise ValueError(f"{', '.join(given)}: only with --check")
     max_new_tokens = args.max_new_tokens or CHECK_TOKENS
     if max_new_tokens > MAX_CHECK_TOKENS:
         raise ValueError(f"--max-new-tokens of the check must be at most {MAX_CHECK_TOKENS}, got {max_new_tokens}")
+    models = check_models(args.models)
     out = check_writable(args.out or CHECK_OUT, folder=False) if args.check else None  # before the check runs
     print(format_devices())
     print("\n".join(f"placement, {line}" for line in placements_here()))
@@ -196,11 +197,20 @@ def cmd_devices(args) -> int:
         return 0
     from mirror_rt.evaluation.device_check import format_check, run_check, write_check
 
-    models = args.models.split(",") if args.models else None
     doc = run_check(models, max_new_tokens, args.compile, log=log)
     print(format_check(doc))
     print(f"written to {write_check(doc, out)}")
     return 0
+
+
+def check_models(given: str | None) -> list[str] | None:
+    """`--models a,b` -> ["a", "b"] (None: the check's defaults); an empty name is refused, not read as none."""
+    if given is None:
+        return None
+    models = [name.strip() for name in given.split(",")]
+    if not all(models):
+        raise ValueError(f"--models takes presets separated by commas (e.g. smollm2-135m), got {given!r}")
+    return models
 
 
 def add_simulate(sub) -> None:

@@ -60,9 +60,13 @@ def test_export_bad_option_named(tmp_path, args, named):
 
 @pytest.mark.parametrize("args, says", [(["--check", "--out", "FOLDER"], "it is a folder, a file is needed"),
                                         (["--check", "--max-new-tokens", "99999"], "must be at most 1024"),
-                                        (["--out", "x.json"], "--out: only with --check")])
+                                        (["--out", "x.json"], "--out: only with --check"),
+                                        (["--models", ""], "--models: only with --check"),
+                                        (["--check", "--models", ""], "--models takes presets"),
+                                        (["--check", "--models", "smollm2-135m,"], "--models takes presets")])
 def test_devices_check_options_refused_before_the_check(tmp_path, args, says):
-    """A folder as --out failed after the whole check had run; a huge token count ran on and on."""
+    """A folder as --out failed after the whole check had run; a huge token count ran on and on; an empty
+    --models ran the default models."""
     proc = run_cli("devices", *[str(tmp_path) if a == "FOLDER" else a for a in args])
     lines = proc.stderr.strip().splitlines()
     assert proc.returncode == 2 and len(lines) == 1 and lines[0].startswith("mirror-rt: error: ")
