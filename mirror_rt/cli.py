@@ -28,11 +28,12 @@ COMMANDS = {**RUN_COMMANDS, "serve": cmd_serve, **BENCH_COMMANDS, **TRAINING_COM
 
 
 class OneLineParser(argparse.ArgumentParser):
-    """A bad argument is one line too (`mirror-rt run: error: ...`, exit 2), not the usage block and then the
-    line; `--help` still shows the usage. Subcommands' parsers are of this class as well."""
+    """A bad argument is one line too, as every other error (`mirror-rt: error: ... (see mirror-rt run --help)`,
+    exit 2), not the usage block and then the line; `--help` still shows the usage. Subcommands' parsers are of
+    this class as well."""
 
     def error(self, message: str):
-        self.exit(2, f"{self.prog}: error: {message} (see {self.prog} --help)\n")
+        self.exit(2, f"mirror-rt: error: {message} (see {self.prog} --help)\n")
 
 
 # what the machine refused (a full disk, no memory, a read-only or forbidden place, a file where a folder must be):
