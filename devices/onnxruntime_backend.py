@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import queue
 import threading
+import time
 from collections.abc import Sequence
 from pathlib import Path
 
@@ -333,6 +334,15 @@ class ORTSplitTarget(SplitTarget):
         """Two prompts' chunks at once, one per core (devices.onnxruntime_pool.split_prompts) -> each chunk's last
         logits [1, vocab]."""
         return split_prompts(self, chunks, caches, cpus, self._row_helper(cpus[1]))
+
+    def prefill_beside(self, chunk: list[int], cache, cpus: tuple[int, int]):
+        """A prompt's chunk into its row cache on cpus[1] (the helper's one thread) while the caller decodes other
+        rows on cpus[0] (runtime.batch_overlap): a future of (its last logits [1, vocab], seconds it took)."""
+        def prefill():
+            t0 = time.perf_counter()
+            return self.forward_last(chunk, cache), time.perf_counter() - t0
+
+        return self._row_helper(cpus[1]).submit(prefill)
 
     def _row_helper(self, cpu: int):
         """The executor whose one thread, pinned to `cpu`, runs the second half of split steps and prompts."""

@@ -20,6 +20,7 @@ import time
 from dataclasses import dataclass
 
 from mirror_rt.runtime.batch_mirror import MirrorStep
+from mirror_rt.runtime.batch_overlap import OverlapStep
 from mirror_rt.runtime.batch_steps import ArStep, Prefill, SdStep
 from mirror_rt.runtime.core_split import CoreSplit
 from mirror_rt.runtime.kv_pool import BLOCK_SIZE, BlockBudget, RowMap, blocks_for
@@ -76,6 +77,7 @@ class BatchDecoder:
         self.gamma = 0  # gamma of the latest step (0: target-only), the server's gauge
         self.prefill, self.ar, self.sd = Prefill(self), ArStep(self), SdStep(self)
         self.mirror = MirrorStep(self, cpus)
+        self.overlap = OverlapStep(self)  # a prompt on one core while the running rows decode on the other
         # target-only steps: one call, or one per group of rows of like lengths (graphs that group rows inside
         # a call: always one call, rows never sorted)
         self.row_split = RowSplit(in_call=int(getattr(target, "attention_groups", 0)) if self.pooled else 0)
@@ -123,15 +125,19 @@ class BatchDecoder:
         if self.policy.prompts_first(prompts):  # the draft worker leaves the other core to the prompts
             for seq in self.active:
                 self.mirror.leave(seq)
-        self.prefill.run()
-        running = [s for s in self.active if s.state == "running" and not s.done and not s.cancel_event.is_set()]
-        if running:
-            self._decode(running, prompts)
-            self.steps += 1
+        if not (prompts and self.overlap.run(self._running())):
+            self.prefill.run()
+            running = self._running()
+            if running:
+                self._decode(running, prompts)
+                self.steps += 1
         self._release()
         if self.idle:  # nothing left to draft for: the draft thread ends (it starts again with the next request)
             self.mirror.close()
         return not self.idle
+
+    def _running(self) -> list[Sequence]:
+        return [s for s in self.active if s.state == "running" and not s.done and not s.cancel_event.is_set()]
 
     def _decode(self, running: list[Sequence], prompts: bool = False) -> None:
         """One decode step of every running sequence, the way the policy picks (`prompts`: prompts prefilled in

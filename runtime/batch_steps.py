@@ -109,7 +109,7 @@ class Prefill:
         elapsed = time.perf_counter() - t0
         for seq, chunk, last in zip(pair, chunks, logits):
             seq.metrics.add_stage("target_prefill", elapsed)
-            self._advance(seq, chunk, last)
+            self.advance(seq, chunk, last)
         self.pairs += 1
 
     def _chunk(self, seq, budget: int) -> int:
@@ -121,9 +121,9 @@ class Prefill:
         if chunk:  # empty only when a resumed sequence found all of it in the prefix cache
             with seq.metrics.stage("target_prefill"):
                 logits = self._forward(chunk, cache, wide=len(chunk) > 1 and not d.mirror.drafting())
-        return self._advance(seq, chunk, logits)
+        return self.advance(seq, chunk, logits)
 
-    def _advance(self, seq, chunk: list[int], logits) -> int:
+    def advance(self, seq, chunk: list[int], logits) -> int:
         """After `chunk` went into `seq`'s row (`logits`: its last position's): the first token once the prompt
         is in, then the draft's row and the prefix cache; returns the positions the step spent on it."""
         d, fill = self.decoder, self.fill(seq)
@@ -211,7 +211,7 @@ class ArStep:
             if not any(id(s) in live for s in order[first:first + rows]):
                 continue  # rows still prefilling only: their placeholder would be dropped anyway
             logits = d.target.forward_rows(tokens[first:first + rows], d.target_pool, first, **wide)  # [rows, 1, V]
-            self._commit_rows(order[first:first + rows], first, logits, live)
+            self.commit_rows(order[first:first + rows], first, logits, live)
         elapsed = time.perf_counter() - t0
         d.row_split.record(elapsed)
         if d.row_split.in_call:
@@ -231,9 +231,9 @@ class ArStep:
         cut = balanced_cut(self._lengths())
         logits = d.target.forward_rows_split(tokens, d.target_pool, cut, d.mirror.cpus)  # [A, 1, V]
         d.core_split.record(len(order), "split", time.perf_counter() - t0)
-        self._commit_rows(order, 0, logits, live)
+        self.commit_rows(order, 0, logits, live)
 
-    def _commit_rows(self, rows: list, first: int, logits, live: set) -> None:
+    def commit_rows(self, rows: list, first: int, logits, live: set) -> None:
         """Each live sequence of `rows` (rows first.. of the pool) takes its token from `logits` [rows, 1, V]."""
         for row, seq in enumerate(rows, start=first):
             if id(seq) in live:
