@@ -125,7 +125,8 @@ class BatchDecoder:
         if self.policy.prompts_first(prompts):  # the draft worker leaves the other core to the prompts
             for seq in self.active:
                 self.mirror.leave(seq)
-        if not (prompts and self.overlap.run(self._running())):
+        # two prompts of like lengths prefill at once, one per core; one prompt prefills beside the decoding
+        if not (prompts and not self.prefill.pairs_now() and self.overlap.run(self._running())):
             self.prefill.run()
             running = self._running()
             if running:

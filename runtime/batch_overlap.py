@@ -1,17 +1,18 @@
 """A prompt on one core while the running sequences decode on the other.
 
-When a prompt waits and sequences are running, the plain step prefills the prompt's chunk on both cores (a thread
-per core: measured here only 1.2-1.45x one thread's speed) and the running sequences wait for it. Here the chunk
-runs on the second core (the target's one-thread sessions) while this thread, on the first core, decodes every
-running sequence target-only, one step after another in one call each, until the chunk is in. Both cores work at
-one thread's full rate, and one core decoding all the rows reads the weights once per step where the split step
-(two calls, one per core) reads them twice. A prompt's first token comes a little later (its chunk has one core);
-the running sequences do not stop for it.
-Each row computes alike on any core and in any call (exporters.exact_kv), so the text is unchanged. It applies
-to a split ONNX Runtime target that takes every row in one call, with two cores of the decoder's own, in steps
-that decode target-only anyway (prompts go first under the adaptive policy, runtime.policy; or every running
-sequence asked for `ar`) while the draft worker holds no sequence, and when the prompt's row comes after every
-running row (the decoding call covers rows 0..n-1; the prompt's row is written by the other core alone).
+When a prompt waits alone (two of like lengths prefill at once, one per core: runtime.batch_steps.Prefill) and
+sequences are running, the plain step prefills the prompt's chunk on both cores (a thread per core: measured here
+only 1.2-1.45x one thread's speed) and the running sequences wait for it. Here the chunk runs on the second core
+(the target's one-thread sessions) while this thread, on the first core, decodes every running sequence target-only,
+one step after another in one call each, until the chunk is in. Both cores work at one thread's full rate, and one
+core decoding all the rows reads the weights once per step where the split step (two calls, one per core) reads them
+twice. A prompt's first token comes a little later (its chunk has one core); the running sequences do not stop for
+it.
+Each row computes alike on any core and in any call (exporters.exact_kv), so the text is unchanged. It applies to a
+split ONNX Runtime target that takes every row in one call, with two cores of the decoder's own, in steps that
+decode target-only anyway (prompts go first under the adaptive policy, runtime.policy; or every running sequence
+asked for `ar`) while the draft worker holds no sequence, and when the prompt's row comes after every running row
+(the decoding call covers rows 0..n-1; the prompt's row is written by the other core alone).
 """
 
 from __future__ import annotations

@@ -81,6 +81,11 @@ class Prefill:
                 return
             budget -= self._chunk(seq, budget)
 
+    def pairs_now(self) -> bool:
+        """Whether this step would prefill two prompts at once, one per core (`_pair`)."""
+        pending = [s for s in self.decoder.active if s.state == "prefill" and not s.done]
+        return self._pair(pending, self.decoder.settings.prefill_chunk) is not None
+
     def _pair(self, pending: list, budget: int) -> tuple[list, list] | None:
         """The oldest prompt and the next one whose chunk is at least LIKE times as long (or the other way), with
         their chunks, where the target can run two prompts at once on two cores of the decoder's own and the draft
