@@ -37,7 +37,7 @@ from mirror_rt.serving.metrics import ServerMetrics, Sink
 from mirror_rt.serving.page import add_page_routes
 from mirror_rt.serving.records import RequestRecord
 from mirror_rt.serving.responses import Reply, collect, now, race_disconnect, stream
-from mirror_rt.serving.scheduler import Draining, Job, Overloaded, Scheduler
+from mirror_rt.serving.scheduler import Draining, Job, Overloaded, Scheduler, TooManyChoices
 from mirror_rt.serving.settings import ServerSettings
 
 log = logging.getLogger("mirror_rt.serve")
@@ -267,6 +267,8 @@ def _admit(job: Job, state: ServerState) -> None:
         raise APIError(503, f"the server is busy: {exc}; retry later", headers=retry) from None
     except PromptError as exc:  # token ids given by the client, outside the vocabulary
         raise APIError(400, str(exc), "prompt") from None
+    except TooManyChoices as exc:
+        raise APIError(400, str(exc), "n") from None
     except GenerationError as exc:  # one that can never fit the KV cache
         raise APIError(400, str(exc), "max_tokens") from None
     except Draining:

@@ -23,6 +23,7 @@ from dataclasses import dataclass, field, replace
 import numpy as np
 
 from mirror_rt.runtime.config import GenerationConfig
+from mirror_rt.runtime.engine import GenerationError
 from mirror_rt.serving.origins import OriginTrail
 
 
@@ -89,6 +90,10 @@ def choice_config(config: GenerationConfig, index: int) -> GenerationConfig:
     return replace(config, seed=seed)
 
 
+class TooManyChoices(GenerationError):
+    """A request with more choices (n) than the server has places, running and waiting: a 400 on `n`."""
+
+
 class Scheduler:
     """The engine thread and its bounded admission."""
 
@@ -121,7 +126,11 @@ class Scheduler:
         with self.lock:
             if self.closed:
                 raise Draining()
-            if len(self.jobs) + job.choices > max(self.capacity, job.choices):
+            if job.choices > self.capacity:  # never: not even an idle server holds them (--max-queued bounds waits)
+                raise TooManyChoices(f"n={job.choices} needs {job.choices} places at once and this server has "
+                                      f"{self.capacity} ({self.engine.batch.max_num_seqs} decoding at once, "
+                                      f"{self.max_queued} waiting: --max-num-seqs, --max-queued)")
+            if len(self.jobs) + job.choices > self.capacity:
                 asks = f"; this request's {job.choices} choices need as many" if job.choices > 1 else ""
                 raise Overloaded(f"{len(self.jobs)} of {self.capacity} places taken ({self.engine.batch.max_num_seqs} "
                                  f"decoding at once, {self.max_queued} waiting){asks}")

@@ -270,3 +270,16 @@ def test_bench_serve_says_why_requests_failed(server, engine):
     assert level["completed"] == 0 and level["failed"] == 2
     assert level["failure"].startswith("400 ") and "maximum context length" in level["failure"]
     assert "failed (most often: 400 " in format_level(level)
+
+
+def test_more_choices_than_places_is_a_400_on_n_even_when_idle(server):
+    """n=3 on a server of 2 places (1 row, 1 waiting): a 400 naming n and the limits, not admitted over
+    --max-queued (it was, on an idle server: the gauges read 2 waiting of 1, and the next request's 503 said '3 of
+    2 places taken'). n=2 fits and is served."""
+    assert wait_for(lambda: idle(server))
+    too_many = httpx.post(server.url + "/v1/completions", json=body(4, n=3), timeout=60)
+    assert too_many.status_code == 400, too_many.text
+    error = too_many.json()["error"]
+    assert error["param"] == "n" and error["message"].startswith("n=3 needs 3 places at once and this server has 2")
+    fits = httpx.post(server.url + "/v1/completions", json=body(4, n=2), timeout=60)
+    assert fits.status_code == 200 and len(fits.json()["choices"]) == 2
