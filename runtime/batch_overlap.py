@@ -70,14 +70,13 @@ class OverlapStep:
                 and running and target_only and not d.mirror.drafting())
         if not able:
             return None
-        pending = [s for s in d.active if s.state == "prefill" and not s.done]
-        last_running = max(s.row for s in running)
-        for seq in pending:  # oldest first
-            if seq.row > last_running and seq.computed < len(d.prefill.fill(seq)):
-                rows = seq.row
-                if all(s.state == "running" for s in d.rows.order[:rows]):
-                    return seq, rows
-        return None
+        turn = d.prefill.in_turn()  # the prompt whose turn it is (oldest, short ones before a long one)
+        seq = turn[0] if turn else None
+        if seq is None or seq.computed >= len(d.prefill.fill(seq)) or seq.row <= max(s.row for s in running):
+            return None  # (its row among the running ones: the plain step; a prompt never waits for a later one)
+        if not all(s.state == "running" for s in d.rows.order[:seq.row]):
+            return None
+        return seq, seq.row
 
     def _decode(self, order: list, live: list) -> None:
         """One target-only step of rows 0..len(order)-1 in one call on this core; the live sequences commit."""

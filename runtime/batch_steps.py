@@ -1,7 +1,8 @@
 """The steps of the batched decoder: prefill a prompt into its row, a batched target-only step, a speculative one.
 
-`Prefill` takes one chunk's worth of prompt positions per decoder step, oldest prompt first (so prompts stall
-the running sequences by one chunk at most), from where the prefix cache left it; the last chunk's logits give
+`Prefill` takes one chunk's worth of prompt positions per decoder step, oldest prompt first but short ones before
+a long one (so prompts stall the running sequences by one chunk at most, and a short prompt waits for no long
+one's whole prefill), from where the prefix cache left it; the last chunk's logits give
 the first token, then the draft's row adopts the target's KV (a draft that is the target's copy) or prefills
 its own.
 `ArStep` feeds every row its last token in one target call (rows still prefilling get a placeholder token
@@ -71,7 +72,7 @@ class Prefill:
         one step (fewer steps of a half-filled batch), a long one takes the whole chunk. Two prompts whose next
         chunks are of like lengths take a chunk each at once, one per core (`_pair`)."""
         budget = self.decoder.settings.prefill_chunk
-        pending = [s for s in self.decoder.active if s.state == "prefill" and not s.done]
+        pending = self.in_turn()
         pair = self._pair(pending, budget)
         if pair:
             self._two_cores(*pair)
@@ -81,10 +82,22 @@ class Prefill:
                 return
             budget -= self._chunk(seq, budget)
 
+    def in_turn(self) -> list:
+        """The prompts still prefilling in the order they take the chunk: oldest first, except that short ones go
+        before a long one, up to half the chunk between them (a question is not held behind a document's
+        prefill for all its chunks; the long one still gets half of each)."""
+        pending = [s for s in self.decoder.active if s.state == "prefill" and not s.done]
+        half, first = self.decoder.settings.prefill_chunk // 2, []
+        for seq in pending:
+            left = len(self.fill(seq)) - seq.computed
+            if left <= half:
+                first.append(seq)
+                half -= left
+        return first + [s for s in pending if s not in first]
+
     def pairs_now(self) -> bool:
         """Whether this step would prefill two prompts at once, one per core (`_pair`)."""
-        pending = [s for s in self.decoder.active if s.state == "prefill" and not s.done]
-        return self._pair(pending, self.decoder.settings.prefill_chunk) is not None
+        return self._pair(self.in_turn(), self.decoder.settings.prefill_chunk) is not None
 
     def _pair(self, pending: list, budget: int) -> tuple[list, list] | None:
         """The oldest prompt and the next one whose chunk is at least LIKE times as long (or the other way), with

@@ -415,3 +415,41 @@ def test_a_row_computes_alike_in_any_group(precision_pair, monkeypatch):
     for name in ("one", "each", "two"):
         for row in range(4):
             assert np.array_equal(outputs[name][row], outputs["one alone"][row]), (name, row)
+
+
+def test_a_short_prompt_waits_for_no_long_prompts_whole_prefill(pair):
+    """A long prompt prefilling chunk by chunk, a short one arriving a step later: the short one takes its turn
+    before the long one's chunks (which still get half of every step's chunk), so its first token comes while the
+    long one is still prefilling; both texts equal their references."""
+    target, draft = pair
+    decoder = BatchDecoder(target, draft, BatchSettings(max_num_seqs=4, prefill_chunk=16))
+    config = GenerationConfig(max_new_tokens=6, mode="ar")
+    long = sequence(0, [(7 * j) % 90 + 3 for j in range(160)], config)
+    short = sequence(1, [11, 12, 13, 14, 15, 16], config)
+    decoder.add(long)
+    decoder.step()
+    decoder.add(short)
+    decoder.step()
+    assert short.tokens and long.state == "prefill"  # the short one's first token: 9 steps before the long one's
+    run(decoder, [])
+    for seq in (long, short):
+        assert seq.tokens == reference(target, seq.prompt, seq.config), seq.id
+
+
+def test_a_prompt_prefills_beside_the_running_rows(pair):
+    """Two cores of the decoder's own: a prompt arriving while others run prefills on one core while they decode
+    on the other, several steps per chunk (runtime.batch_overlap); every text equals its reference."""
+    from mirror_rt.runtime.affinity import available_cores
+
+    target, draft = pair
+    cores = sorted(available_cores())
+    if len(cores) < 2 or not hasattr(target, "prefill_beside"):
+        pytest.skip("needs two cores and a target that prefills beside the decoding (ONNX Runtime)")
+    decoder = BatchDecoder(target, draft, BatchSettings(max_num_seqs=4, prefill_chunk=64), cpus=tuple(cores[:2]))
+    config = GenerationConfig(max_new_tokens=30, mode="ar")
+    seqs = [(0, sequence(0, prompts(1)[0], config)), (3, sequence(1, [(5 * j) % 90 + 3 for j in range(120)], config)),
+            (8, sequence(2, prompts(4)[3], config))]
+    run(decoder, seqs)
+    assert decoder.overlap.steps > 0 and decoder.overlap.decodes >= decoder.overlap.steps
+    for _, seq in seqs:
+        assert seq.tokens == reference(target, seq.prompt, seq.config), seq.id
