@@ -174,17 +174,29 @@ class BatchDecoder:
     def _admit(self) -> None:
         while self.waiting and len(self.rows) < self.rows.rows:
             seq = self.waiting[0]
-            need = self.blocks_needed(seq)
-            cached = len(self.cache) if self.cache else 0
-            if not self.budget.reserve(seq, need, cached):
-                if not self.cache or not self.cache.evict(need - self.budget.spare + cached):
-                    return  # waits for running sequences to finish (FIFO: nobody overtakes it)
-                continue
+            if not self._reserve(seq):
+                return  # waits for running sequences to finish (FIFO: nobody overtakes it)
             with self.lock:
                 self.waiting.popleft()
             seq.row, seq.state, seq.admitted = self.rows.add(seq), "prefill", time.perf_counter()
             self.active.append(seq)
             self.prefill.start(seq)
+            if self.cache is not None and len(self.cache) > self.budget.spare:  # its own blocks, now in its row
+                self.cache.evict(len(self.cache) - self.budget.spare)
+
+    def _reserve(self, seq: Sequence) -> bool:
+        """Reserve `seq`'s blocks, evicting cached blocks it does not reuse first; where only its own cached prefix
+        stands in the way, that prefix is copied into its row at admission and leaves the cache then (it was
+        evicted first: a repeated prompt of more than half the pool lost its own prefix)."""
+        need = self.blocks_needed(seq)
+        cached = len(self.cache) if self.cache else 0
+        if self.budget.reserve(seq, need, cached):
+            return True
+        if not self.cache:
+            return False
+        own = self.cache.held(self.prefill.cache_tokens(seq))
+        self.cache.evict(need - self.budget.spare + cached, keep=own)
+        return self.budget.reserve(seq, need, len(self.cache) - len(own))
 
     def _drop_cancelled_waiting(self) -> None:
         with self.lock:
@@ -200,9 +212,9 @@ class BatchDecoder:
             seq.finish("cancelled")  # no-op when it already finished
             self.mirror.leave(seq)
             self.sd.forget(seq)
-            self._keep_prefix(seq)
             self.active.remove(seq)
-            self.budget.release(seq)
+            self.budget.release(seq)  # first: its blocks are the room its prefix is kept in
+            self._keep_prefix(seq)
             move = self.rows.remove(seq)
             if move is not None:
                 self._move_row(*move)

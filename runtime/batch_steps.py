@@ -57,10 +57,15 @@ class Prefill:
         seq.state_data["caches"] = [target_cache]
         seq.computed = 0
         if d.cache is not None:
-            keys = d.cache.lookup(self.fill(seq) if not seq.tokens else self.fill(seq) + [seq.last])
+            keys = d.cache.lookup(self.cache_tokens(seq))
             seq.reused = seq.computed = d.cache.load(d.target_pool, seq.row, keys)
             d.target_pool.commit(seq.row, seq.computed)
         seq.metrics.prompt_tokens = len(seq.prompt)
+
+    @classmethod
+    def cache_tokens(cls, seq) -> list[int]:
+        """What the prefix cache is asked for: the positions to fill and the next one (its logits are computed)."""
+        return cls.fill(seq) if not seq.tokens else cls.fill(seq) + [seq.last]
 
     @staticmethod
     def fill(seq) -> list[int]:

@@ -57,6 +57,11 @@ class PrefixCache:
         self.hits += len(found) * self.block_size
         return found
 
+    def held(self, tokens: list[int]) -> list[bytes]:
+        """The keys `lookup` would find for `tokens`, without counting a query (admission asks before it evicts)."""
+        keys = block_keys(tokens[:-1], self.salt, self.block_size)
+        return keys[:next((i for i, key in enumerate(keys) if key not in self.blocks), len(keys))]
+
     def load(self, pool, row: int, keys: list[bytes]) -> int:
         """Copy the blocks `keys` into `row` from position 0; they become the most recently used. Returns
         the positions written."""
@@ -84,13 +89,19 @@ class PrefixCache:
         self._touch(keys)
         return added
 
-    def evict(self, count: int) -> int:
-        """Drop the `count` least recently used blocks; returns how many were dropped."""
-        dropped = 0
-        while dropped < count and self.blocks:
-            self.blocks.popitem(last=False)
-            dropped += 1
-        return dropped
+    def evict(self, count: int, keep: list[bytes] = ()) -> int:
+        """Drop the `count` least recently used blocks, none of `keep`; returns how many were dropped."""
+        if not keep:
+            dropped = 0
+            while dropped < count and self.blocks:
+                self.blocks.popitem(last=False)
+                dropped += 1
+            return dropped
+        kept = set(keep)
+        victims = [key for key in self.blocks if key not in kept][:max(count, 0)]
+        for key in victims:
+            del self.blocks[key]
+        return len(victims)
 
     def _touch(self, keys: list[bytes]) -> None:
         """Make `keys` the most recently used, leaf first (a parent stays younger than its children)."""

@@ -239,6 +239,28 @@ def test_second_turn_hits_the_prefix_cache(pair):
     assert again.tokens == second.tokens and again.reused == 0
 
 
+def test_a_repeated_prompt_of_most_of_the_pool_reuses_its_own_cached_prefix(pair):
+    """A pool of 15 blocks: a 130-token prompt (8 full blocks kept after it) asked again needs 14 blocks, so the
+    cache must give up blocks to admit it. It gives up others first, and its own prefix goes into its row before
+    it leaves the cache: all 8 blocks hit (1 did: a finished request kept its blocks only in the room its own
+    reservation left, then admission evicted them before the lookup). Same text."""
+    target, draft = pair
+    config = GenerationConfig(max_new_tokens=8, mode="ar")
+    decoder = BatchDecoder(target, draft, BatchSettings(max_num_seqs=2))
+    decoder.budget.total = decoder.cache.max_blocks = 15
+    prompt = [(11 * j) % 90 + 3 for j in range(130)]
+    first = sequence(0, prompt, config)
+    run(decoder, [(0, first)])
+    other = sequence(1, [5, 6, 7, 8, 9] * 2, config)  # a block kept after it, more recent: evicted first
+    run(decoder, [(0, other)])
+    assert len(decoder.cache) == 9
+    again = sequence(2, prompt, config)
+    run(decoder, [(0, again)])
+    assert again.reused == 8 * BLOCK_SIZE
+    assert again.tokens == first.tokens == reference(target, prompt, config)
+    assert decoder.budget.reserved == 0 and len(decoder.cache) <= decoder.budget.total
+
+
 def test_memory_stays_bounded_over_many_requests(pair):
     """200 short requests through 4 rows: rows, reservations and cached blocks never pass their limits."""
     target, draft = pair
