@@ -101,14 +101,16 @@ class ServerState:
                            headers={"Retry-After": str(self.settings.retry_after_s)})
 
 
-def create_app(settings: ServerSettings, load: Callable[[], object], metrics_sink: Sink | None = None) -> FastAPI:
+def create_app(settings: ServerSettings, load: Callable[[], object], metrics_sink: Sink | None = None,
+               log_failure: bool = True) -> FastAPI:
     """The app; `load()` builds the engine (run in a background thread at startup); every metric
-    update also reaches `metrics_sink`'s families when one is given (`serving.metrics.Sink`)."""
+    update also reaches `metrics_sink`'s families when one is given (`serving.metrics.Sink`). `log_failure`:
+    a load that fails is logged (False: whoever runs the app says it, as `mirror-rt serve` does on exit)."""
     state = ServerState(settings, metrics_sink)
 
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI):
-        threading.Thread(target=_load, args=(state, load), name=LOAD_THREAD, daemon=True).start()
+        threading.Thread(target=_load, args=(state, load, log_failure), name=LOAD_THREAD, daemon=True).start()
         yield
         if state.scheduler is not None:
             state.scheduler.close()
@@ -129,13 +131,14 @@ def _exit_now(error: BaseException) -> None:
     os._exit(1)
 
 
-def _load(state: ServerState, load) -> None:
+def _load(state: ServerState, load, log_failure: bool = True) -> None:
     try:
         state.attach(load())
         log.info("engine ready: %s", state.model_name)
     except BaseException as exc:  # noqa: BLE001 -- reported by /health and every request
         state.status, state.error = "failed", f"{type(exc).__name__}: {exc}"
-        log.error("the engine failed to load: %s", state.error)
+        if log_failure:
+            log.error("the engine failed to load: %s", state.error)
 
 
 def _add_status_routes(app: FastAPI, state: ServerState) -> None:

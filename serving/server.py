@@ -114,7 +114,7 @@ def serve(settings: ServerSettings, load) -> int:
     if refused:
         print(refused, file=sys.stderr)
         return 1
-    app = create_app(settings, load)
+    app = create_app(settings, load, log_failure=False)  # said once, on exit
     server = DrainingServer(app, settings.host, settings.port, settings.drain_timeout)
     threading.Thread(target=_announce, args=(server, url), name="mirror-announce", daemon=True).start()
     log.info("listening on %s (loading the engine; /health answers 503 until it is ready)", url)

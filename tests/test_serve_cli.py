@@ -121,6 +121,7 @@ def test_serve_refuses_a_bad_model_in_one_line(tmp_path):
     assert result.returncode == 2
     errors = [line for line in result.stderr.splitlines() if line.startswith("mirror-rt: error:")]
     assert len(errors) == 1 and "model not found" in errors[0]
+    assert result.stderr.count("model not found") == 1, result.stderr  # not also the loading thread's log line
 
 
 def test_a_port_in_use_or_an_unknown_host_is_one_line_and_exit_1(tmp_path):
