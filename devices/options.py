@@ -13,6 +13,7 @@ the request's (`runtime.config.GenerationConfig`).
 from __future__ import annotations
 
 import os
+import re
 from dataclasses import dataclass, field, fields, replace
 
 from mirror_rt.models.config import SplitOptions
@@ -21,6 +22,8 @@ from mirror_rt.runtime.values import is_integer
 
 BUNDLE_WEIGHTS = ("fp32", "int8", "int4", "q4_1", "w8a8")  # --weights: the ONNX export's (exporters.onnx.WEIGHTS)
 DRAFT_PRECISIONS = ("f32", "bf16")  # --draft-precision: OpenVINO's CPU compute precision of a draft
+TORCH_DEVICE = re.compile(r"(cpu|cuda(:\d+)?)")  # --device: where torch runs the target (--target names the rest)
+DTYPES = ("float32", "bfloat16", "float16", "float64", "fp32", "bf16", "fp16", "fp64")  # --dtype
 # The options only the torch engine understands: any of them given asks for torch eager.
 TORCH_OPTIONS = ("model", "draft_model", "device", "dtype", "threads", "exit_layer", "kappa", "draft_streams",
                  "compile")
@@ -65,6 +68,9 @@ class DeviceOptions:
                 raise ValueError(f"{name} must be a device name, got {getattr(self, name)!r}")
         if self.threads is not None and not (is_integer(self.threads) and self.threads >= 1):
             raise ValueError(f"threads must be a whole number >= 1, got {self.threads!r}")
+        if self.device is not None and not (isinstance(self.device, str) and TORCH_DEVICE.fullmatch(self.device)):
+            raise ValueError(f"device must be torch's device for the target: cpu, cuda or cuda:N, got {self.device!r} "
+                             "(--target names the other devices: npu, gpu, openvino:CPU, ort:qnn, ...)")
         _flag(self, "strict_devices")
         _flag(self, "pin")
 
@@ -81,6 +87,8 @@ class PrecisionOptions:
     compile: bool | None = None  # torch: static-shape windows under torch.compile
 
     def __post_init__(self):
+        if self.dtype is not None and self.dtype not in DTYPES:
+            raise ValueError(f"dtype must be one of {', '.join(DTYPES)}, got {self.dtype!r}")
         if self.draft_precision is not None and self.draft_precision not in DRAFT_PRECISIONS:
             raise ValueError(f"draft_precision must be one of {', '.join(DRAFT_PRECISIONS)}, "
                              f"got {self.draft_precision!r}")

@@ -22,6 +22,8 @@ class OutputPathError(ValueError):
 
 def check_writable(path, folder: bool = True) -> Path:
     """`path` itself (a folder when `folder`, else a file) can be created or overwritten; returns it."""
+    if not str(path).strip():  # Path("") is the current folder: a bench or a check would write its files there
+        raise OutputPathError(f"cannot write to {str(path)!r}: an empty path (name a {'folder' if folder else 'file'})")
     path = Path(path).expanduser()
     if path.exists():
         if folder and not path.is_dir():

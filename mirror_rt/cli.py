@@ -32,6 +32,10 @@ class OneLineParser(argparse.ArgumentParser):
     exit 2), not the usage block and then the line; `--help` still shows the usage. Subcommands' parsers are of
     this class as well."""
 
+    def __init__(self, *args, **kwargs):
+        kwargs.setdefault("allow_abbrev", False)  # `bench --mode ar` was read as `--model ar`
+        super().__init__(*args, **kwargs)
+
     def error(self, message: str):
         self.exit(2, f"mirror-rt: error: {message} (see {self.prog} --help)\n")
 

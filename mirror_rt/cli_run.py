@@ -189,7 +189,7 @@ def cmd_devices(args) -> int:
     if max_new_tokens > MAX_CHECK_TOKENS:
         raise ValueError(f"--max-new-tokens of the check must be at most {MAX_CHECK_TOKENS}, got {max_new_tokens}")
     models = check_models(args.models)
-    out = check_writable(args.out or CHECK_OUT, folder=False) if args.check else None  # before the check runs
+    out = check_writable(CHECK_OUT if args.out is None else args.out, folder=False) if args.check else None
     print(format_devices())
     print("\n".join(f"placement, {line}" for line in placements_here()))
     print("\n".join(draft_choice_here()))

@@ -290,3 +290,17 @@ def test_a_cache_that_cannot_be_used_is_one_error_before_any_work(tmp_path):
         proc = run_cli("run", "hi", "--cache-dir", str(cache))
         assert_one_line_error(proc, "the model cache cannot be used")
         assert "warning" not in proc.stderr and "exporting" not in proc.stderr, proc.stderr
+
+
+@pytest.mark.parametrize("args, says", [
+    (["bench", "--data", "x.jsonl", "--out", "o", "--mode", "ar"], "unrecognized arguments: --mode ar"),  # not --model
+    (["run", "hi", "--max", "3"], "unrecognized arguments: --max 3"),
+    (["bench", "--data", "x.jsonl", "--out", ""], "cannot write to '': an empty path"),
+    (["devices", "--check", "--out", ""], "cannot write to '': an empty path"),
+    (["run", "hi", "--device", "npu"], "device must be torch's device for the target"),
+])
+def test_flags_are_taken_whole_and_empty_paths_refused(args, says):
+    """A shortened flag was read as the flag it starts (`bench --mode ar` failed as `--model ar`: model not found);
+    `--out ''` wrote a bench's files or the check's JSON into the current folder; `--device npu` was torch's
+    traceback."""
+    assert_one_line_error(run_cli(*args), says)

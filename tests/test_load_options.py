@@ -16,6 +16,10 @@ import mirror_rt
     ({"model": ""}, "model must be a path or a name, got ''"),
     ({"draft_precision": "x"}, "draft_precision must be one of f32, bf16, got 'x'"),
     ({"torch": "yes"}, "torch must be true or false, got 'yes'"),
+    ({"device": "npu"}, "device must be torch's device for the target: cpu, cuda or cuda:N, got 'npu'"),
+    ({"device": "meta"}, "device must be torch's device for the target"),  # was torch's NotImplementedError
+    ({"device": ""}, "device must be torch's device for the target"),  # was the CPU, silently
+    ({"dtype": ""}, "dtype must be one of float32, bfloat16"),
 ])
 def test_load_refuses_options_it_cannot_use(options, says):
     with pytest.raises(ValueError, match=says.replace("(", r"\(")):
