@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import queue
 import threading
-import time
 from collections.abc import Sequence
 from pathlib import Path
 
@@ -27,7 +26,9 @@ from mirror_rt.devices.base import CacheBounds, SplitTarget
 from mirror_rt.devices.onnxruntime_pool import (
     RowPool,
     forward_rows,
+    pinned_helper,
     prefix_rows,
+    prompt_beside,
     split_prompts,
     split_rows,
     suffix_rows,
@@ -331,26 +332,16 @@ class ORTSplitTarget(SplitTarget):
         return split_rows(self, pool, tokens, cut, cpus, self._row_helper(cpus[1]))
 
     def prefill_split(self, chunks: list, caches: list, cpus: tuple[int, int]) -> list[np.ndarray]:
-        """Two prompts' chunks at once, one per core (devices.onnxruntime_pool.split_prompts) -> each chunk's last
-        logits [1, vocab]."""
+        """Two prompts' chunks at once, one per core (onnxruntime_pool.split_prompts) -> each's last logits [1, V]."""
         return split_prompts(self, chunks, caches, cpus, self._row_helper(cpus[1]))
 
     def prefill_beside(self, chunk: list[int], cache, cpus: tuple[int, int]):
-        """A prompt's chunk into its row cache on cpus[1] (the helper's one thread) while the caller decodes other
-        rows on cpus[0] (runtime.batch_overlap): a future of (its last logits [1, vocab], seconds it took)."""
-        def prefill():
-            t0 = time.perf_counter()
-            return self.forward_last(chunk, cache), time.perf_counter() - t0
-
-        return self._row_helper(cpus[1]).submit(prefill)
+        """A prompt's chunk on cpus[1] while the caller decodes on cpus[0] (devices.onnxruntime_pool.prompt_beside)."""
+        return prompt_beside(self, chunk, cache, self._row_helper(cpus[1]))
 
     def _row_helper(self, cpu: int):
         """The executor whose one thread, pinned to `cpu`, runs the second half of split steps and prompts."""
-        if self._helper is None or self._helper[0] != cpu:
-            from concurrent.futures import ThreadPoolExecutor
-
-            executor = ThreadPoolExecutor(1, thread_name_prefix="mirror-rows", initializer=pin, initargs=(cpu,))
-            self._helper = (cpu, executor)
+        self._helper = pinned_helper(self._helper, cpu)
         return self._helper[1]
 
     def _prefix_outputs(self, ids: np.ndarray, cache: ORTCache) -> dict:

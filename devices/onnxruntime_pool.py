@@ -15,6 +15,8 @@ Invariant: a batched forward writes at filled[graph][row].. and advances nothing
 
 from __future__ import annotations
 
+import time
+
 import numpy as np
 
 from mirror_rt.devices.lazy_memory import lazy_zeros
@@ -203,6 +205,25 @@ def split_prompts(target, chunks: list, caches: list, cpus: tuple[int, int], hel
     same bits as one prompt at a time)."""
     return list(on_two_cores(lambda: target.forward_last(chunks[0], caches[0]),
                              lambda: target.forward_last(chunks[1], caches[1]), cpus, helper))
+
+
+def pinned_helper(helper: tuple | None, cpu: int) -> tuple:
+    """(cpu, an executor of one thread pinned to `cpu`): `helper` where it is that already, else a new one."""
+    if helper is None or helper[0] != cpu:
+        from concurrent.futures import ThreadPoolExecutor
+
+        helper = (cpu, ThreadPoolExecutor(1, thread_name_prefix="mirror-rows", initializer=pin, initargs=(cpu,)))
+    return helper
+
+
+def prompt_beside(target, chunk: list[int], cache, helper):
+    """A prompt's chunk into its row cache in `helper` (its thread pinned to the second core) while the caller decodes
+    other rows on the first (runtime.batch_overlap): a future of (the chunk's last logits [1, vocab], its seconds)."""
+    def prefill():
+        t0 = time.perf_counter()
+        return target.forward_last(chunk, cache), time.perf_counter() - t0
+
+    return helper.submit(prefill)
 
 
 def on_two_cores(first, second, cpus: tuple[int, int], helper) -> tuple:
