@@ -8,12 +8,11 @@ place and swapped in when complete (`staging_folder`, `swap_in`); what a killed 
 
 from __future__ import annotations
 
-import glob
 import os
 import shutil
 from pathlib import Path
 
-from mirror_rt.models.default_model import process_running
+from mirror_rt.models.partials import sweep_partials
 
 
 class OutputPathError(ValueError):
@@ -93,12 +92,3 @@ def swap_in(staging: Path, out: Path) -> None:
         out.rename(old)
     staging.rename(out)
     shutil.rmtree(old, ignore_errors=True)
-
-
-def sweep_partials(folder: Path) -> None:
-    """Remove `folder`'s unfinished siblings (`NAME.partial-PID[-...]`) whose process no longer runs: what a
-    process killed mid-write left (a server stopped while it loaded, a SIGKILL), which nothing would read."""
-    for partial in Path(folder).parent.glob(f"{glob.escape(Path(folder).name)}.partial-*"):
-        pid = partial.name.rsplit(".partial-", 1)[1].split("-")[0]
-        if pid.isdigit() and not process_running(int(pid)):
-            shutil.rmtree(partial, ignore_errors=True)

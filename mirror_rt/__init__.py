@@ -49,7 +49,7 @@ def __getattr__(name: str):
 
 
 def __dir__() -> list[str]:
-    return sorted(set(globals()) | set(__all__))
+    return sorted(__all__)
 
 
 def load(model: str | None = None, draft_model: str | None = None, *, log=None, **options) -> Engine:

@@ -49,7 +49,11 @@ def cmd_run(args) -> int:
     if prompt is None:
         if sys.stdin is None or sys.stdin.isatty():
             raise ValueError("no prompt: pass it as an argument or on stdin")
-        prompt = sys.stdin.read()
+        data = sys.stdin.buffer.read() if hasattr(sys.stdin, "buffer") else sys.stdin.read().encode()
+        try:
+            prompt = data.decode("utf-8")
+        except UnicodeDecodeError as exc:  # (Python's own reading made it "a lone surrogate at index 0")
+            raise ValueError(f"stdin is not UTF-8 text: byte 0x{data[exc.start]:02x} at offset {exc.start}") from None
     config = generation_config(args)  # validate before loading anything
     constraint = run_constraint(args)
     if constraint is not None:

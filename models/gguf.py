@@ -13,8 +13,9 @@ from __future__ import annotations
 
 import json
 import shutil
-import tempfile
 from pathlib import Path
+
+from mirror_rt.models.partials import partial_folder, sweep_partials
 
 # Pre-tokenizer of SmolLM2 / StarCoder-style byte-level BPE: one digit per pre-token.
 _BYTE_LEVEL_PRE_TOKENIZER = {
@@ -39,7 +40,10 @@ def convert_gguf(gguf_path: Path, out_dir: Path, log=print) -> Path:
         raise FileNotFoundError(f"GGUF file not found: {gguf_path}")
     out_dir = Path(out_dir)
     out_dir.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=out_dir.name + ".", dir=out_dir.parent))
+    sweep_partials(out_dir)  # what a conversion killed mid-way left
+    tmp = partial_folder(out_dir)
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir()
     try:
         log(f"converting {gguf_path.name} to safetensors (one time)...")
         tokenizer = AutoTokenizer.from_pretrained(gguf_path.parent, gguf_file=gguf_path.name)

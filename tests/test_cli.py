@@ -304,3 +304,11 @@ def test_flags_are_taken_whole_and_empty_paths_refused(args, says):
     `--out ''` wrote a bench's files or the check's JSON into the current folder; `--device npu` was torch's
     traceback."""
     assert_one_line_error(run_cli(*args), says)
+
+
+def test_stdin_that_is_not_utf8_is_one_line_naming_the_byte():
+    proc = subprocess.run([sys.executable, "-m", "mirror_rt.cli", "run", "--model", "tiny", "--max-new-tokens", "2"],
+                          input=b"ok \xc3\x28", capture_output=True, timeout=300)
+    err = proc.stderr.decode()
+    assert proc.returncode == 2 and "Traceback" not in err
+    assert err.strip().splitlines()[-1] == "mirror-rt: error: stdin is not UTF-8 text: byte 0xc3 at offset 3"

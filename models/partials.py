@@ -1,0 +1,37 @@
+"""Unfinished folders a killed process left: `NAME.partial-PID[-...]` beside the folder it was writing.
+
+Every writer of a cached folder (the default model's conversion, a bundle's export, ONNX Runtime's session cache)
+writes into such a folder of its own and renames it when complete; the next writer of the same folder removes
+those whose process no longer runs (a SIGTERM or SIGKILL mid-write), which nothing would ever read.
+"""
+
+from __future__ import annotations
+
+import glob
+import os
+import shutil
+from pathlib import Path
+
+
+def partial_folder(folder: Path) -> Path:
+    """This process's unfinished copy of `folder`."""
+    return Path(f"{folder}.partial-{os.getpid()}")
+
+
+def sweep_partials(folder: Path) -> None:
+    """Remove `folder`'s unfinished siblings (`NAME.partial-PID[-...]`) whose process no longer runs."""
+    for partial in Path(folder).parent.glob(f"{glob.escape(Path(folder).name)}.partial-*"):
+        pid = partial.name.rsplit(".partial-", 1)[1].split("-")[0]
+        if pid.isdigit() and not process_running(int(pid)):
+            shutil.rmtree(partial, ignore_errors=True)
+
+
+def process_running(pid: int) -> bool:
+    """Whether process `pid` runs (another user's counts as running): a folder it was writing is still its own."""
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except OSError:  # another user's process
+        return True
+    return True
