@@ -28,7 +28,6 @@ from mirror_rt.devices.onnxruntime_pool import (
     forward_rows,
     pinned_helper,
     prefix_rows,
-    prompt_beside,
     split_prompts,
     split_rows,
     suffix_rows,
@@ -334,10 +333,6 @@ class ORTSplitTarget(SplitTarget):
     def prefill_split(self, chunks: list, caches: list, cpus: tuple[int, int]) -> list[np.ndarray]:
         """Two prompts' chunks at once, one per core (onnxruntime_pool.split_prompts) -> each's last logits [1, V]."""
         return split_prompts(self, chunks, caches, cpus, self._row_helper(cpus[1]))
-
-    def prefill_beside(self, chunk: list[int], cache, cpus: tuple[int, int]):
-        """A prompt's chunk on cpus[1] while the caller decodes on cpus[0] (devices.onnxruntime_pool.prompt_beside)."""
-        return prompt_beside(self, chunk, cache, self._row_helper(cpus[1]))
 
     def _row_helper(self, cpu: int):
         """The executor whose one thread, pinned to `cpu`, runs the second half of split steps and prompts."""

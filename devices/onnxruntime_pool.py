@@ -15,8 +15,6 @@ Invariant: a batched forward writes at filled[graph][row].. and advances nothing
 
 from __future__ import annotations
 
-import time
-
 import numpy as np
 
 from mirror_rt.devices.lazy_memory import lazy_zeros
@@ -214,16 +212,6 @@ def pinned_helper(helper: tuple | None, cpu: int) -> tuple:
 
         helper = (cpu, ThreadPoolExecutor(1, thread_name_prefix="mirror-rows", initializer=pin, initargs=(cpu,)))
     return helper
-
-
-def prompt_beside(target, chunk: list[int], cache, helper):
-    """A prompt's chunk into its row cache in `helper` (its thread pinned to the second core) while the caller decodes
-    other rows on the first (runtime.batch_overlap): a future of (the chunk's last logits [1, vocab], its seconds)."""
-    def prefill():
-        t0 = time.perf_counter()
-        return target.forward_last(chunk, cache), time.perf_counter() - t0
-
-    return helper.submit(prefill)
 
 
 def on_two_cores(first, second, cpus: tuple[int, int], helper) -> tuple:

@@ -20,7 +20,6 @@ import time
 from dataclasses import dataclass
 
 from mirror_rt.runtime.batch_mirror import MirrorStep
-from mirror_rt.runtime.batch_overlap import OverlapStep
 from mirror_rt.runtime.batch_steps import ArStep, Prefill, SdStep
 from mirror_rt.runtime.core_split import CoreSplit
 from mirror_rt.runtime.kv_pool import BLOCK_SIZE, BlockBudget, RowMap, blocks_for
@@ -77,7 +76,6 @@ class BatchDecoder:
         self.gamma = 0  # gamma of the latest step (0: target-only), the server's gauge
         self.prefill, self.ar, self.sd = Prefill(self), ArStep(self), SdStep(self)
         self.mirror = MirrorStep(self, cpus)
-        self.overlap = OverlapStep(self)  # a prompt on one core while the running rows decode on the other
         # target-only steps: one call, or one per group of rows of like lengths (graphs that group rows inside
         # a call: always one call, rows never sorted)
         self.row_split = RowSplit(in_call=int(getattr(target, "attention_groups", 0)) if self.pooled else 0)
@@ -125,13 +123,11 @@ class BatchDecoder:
         if self.policy.prompts_first(prompts):  # the draft worker leaves the other core to the prompts
             for seq in self.active:
                 self.mirror.leave(seq)
-        # two prompts of like lengths prefill at once, one per core; one prompt prefills beside the decoding
-        if not (prompts and not self.prefill.pairs_now() and self.overlap.run(self._running())):
-            self.prefill.run()
-            running = self._running()
-            if running:
-                self._decode(running, prompts)
-                self.steps += 1
+        self.prefill.run()
+        running = self._running()
+        if running:
+            self._decode(running, prompts)
+            self.steps += 1
         self._release()
         if self.idle:  # nothing left to draft for: the draft thread ends (it starts again with the next request)
             self.mirror.close()

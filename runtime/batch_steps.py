@@ -100,10 +100,6 @@ class Prefill:
                 half -= left
         return first + [s for s in pending if s not in first]
 
-    def pairs_now(self) -> bool:
-        """Whether this step would prefill two prompts at once, one per core (`_pair`)."""
-        return self._pair(self.in_turn(), self.decoder.settings.prefill_chunk) is not None
-
     def _pair(self, pending: list, budget: int) -> tuple[list, list] | None:
         """The oldest prompt and the next one whose chunk is at least LIKE times as long (or the other way), with
         their chunks, where the target can run two prompts at once on two cores of the decoder's own and the draft
@@ -132,7 +128,7 @@ class Prefill:
         elapsed = time.perf_counter() - t0
         for seq, chunk, last in zip(pair, chunks, logits):
             seq.metrics.add_stage("target_prefill", elapsed)
-            self.advance(seq, chunk, last)
+            self._advance(seq, chunk, last)
         self.pairs += 1
 
     def _chunk(self, seq, budget: int) -> int:
@@ -144,9 +140,9 @@ class Prefill:
         if chunk:  # empty only when a resumed sequence found all of it in the prefix cache
             with seq.metrics.stage("target_prefill"):
                 logits = self._forward(chunk, cache, wide=len(chunk) > 1 and not d.mirror.drafting())
-        return self.advance(seq, chunk, logits)
+        return self._advance(seq, chunk, logits)
 
-    def advance(self, seq, chunk: list[int], logits) -> int:
+    def _advance(self, seq, chunk: list[int], logits) -> int:
         """After `chunk` went into `seq`'s row (`logits`: its last position's): the first token once the prompt
         is in, then the draft's row and the prefix cache; returns the positions the step spent on it."""
         d, fill = self.decoder, self.fill(seq)
@@ -234,7 +230,7 @@ class ArStep:
             if not any(id(s) in live for s in order[first:first + rows]):
                 continue  # rows still prefilling only: their placeholder would be dropped anyway
             logits = d.target.forward_rows(tokens[first:first + rows], d.target_pool, first, **wide)  # [rows, 1, V]
-            self.commit_rows(order[first:first + rows], first, logits, live)
+            self._commit_rows(order[first:first + rows], first, logits, live)
         elapsed = time.perf_counter() - t0
         d.row_split.record(elapsed)
         if d.row_split.in_call:
@@ -254,9 +250,9 @@ class ArStep:
         cut = balanced_cut(self._lengths())
         logits = d.target.forward_rows_split(tokens, d.target_pool, cut, d.mirror.cpus)  # [A, 1, V]
         d.core_split.record(len(order), "split", time.perf_counter() - t0)
-        self.commit_rows(order, 0, logits, live)
+        self._commit_rows(order, 0, logits, live)
 
-    def commit_rows(self, rows: list, first: int, logits, live: set) -> None:
+    def _commit_rows(self, rows: list, first: int, logits, live: set) -> None:
         """Each live sequence of `rows` (rows first.. of the pool) takes its token from `logits` [rows, 1, V]."""
         for row, seq in enumerate(rows, start=first):
             if id(seq) in live:

@@ -456,22 +456,3 @@ def test_a_short_prompt_waits_for_no_long_prompts_whole_prefill(pair):
     run(decoder, [])
     for seq in (long, short):
         assert seq.tokens == reference(target, seq.prompt, seq.config), seq.id
-
-
-def test_a_prompt_prefills_beside_the_running_rows(pair):
-    """Two cores of the decoder's own: a prompt arriving while others run prefills on one core while they decode
-    on the other, several steps per chunk (runtime.batch_overlap); every text equals its reference."""
-    from mirror_rt.runtime.affinity import available_cores
-
-    target, draft = pair
-    cores = sorted(available_cores())
-    if len(cores) < 2 or not hasattr(target, "prefill_beside"):
-        pytest.skip("needs two cores and a target that prefills beside the decoding (ONNX Runtime)")
-    decoder = BatchDecoder(target, draft, BatchSettings(max_num_seqs=4, prefill_chunk=64), cpus=tuple(cores[:2]))
-    config = GenerationConfig(max_new_tokens=30, mode="ar")
-    seqs = [(0, sequence(0, prompts(1)[0], config)), (3, sequence(1, [(5 * j) % 90 + 3 for j in range(120)], config)),
-            (8, sequence(2, prompts(4)[3], config))]
-    run(decoder, seqs)
-    assert decoder.overlap.steps > 0 and decoder.overlap.decodes >= decoder.overlap.steps
-    for _, seq in seqs:
-        assert seq.tokens == reference(target, seq.prompt, seq.config), seq.id

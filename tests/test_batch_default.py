@@ -55,8 +55,6 @@ def test_staggered_questions_equal_single_stream(bundle_engine, mode, max_num_se
     decoder.close()
     for seq in seqs:
         assert seq.tokens == reference(engine, seq.prompt, 24), seq.id
-    if mode == "ar" and engine.cpus:  # arrivals while others run: prompts prefilled beside decoding, same text
-        assert decoder.overlap.steps > 0 and decoder.overlap.decodes > decoder.overlap.steps
 
 
 def test_second_turn_from_the_prefix_cache(bundle_engine):
