@@ -77,8 +77,12 @@ def read_questions(path: str | Path, categories: list[str] | None = None, limit:
     path = Path(path)
     if not path.is_file():
         raise DataError(f"question file not found: {path}")
-    questions = []
-    for number, line in enumerate(path.read_text().splitlines(), 1):
+    try:
+        text = path.read_text(encoding="utf-8")
+    except UnicodeDecodeError as exc:
+        raise DataError(f"{path}: not UTF-8 text (byte 0x{exc.object[exc.start]:02x} at offset {exc.start})") from None
+    questions, seen = [], {}
+    for number, line in enumerate(text.splitlines(), 1):
         if not line.strip():
             continue
         try:
@@ -87,6 +91,9 @@ def read_questions(path: str | Path, categories: list[str] | None = None, limit:
             questions.append(Question(d["question_id"], d["category"], tuple(turns)))
         except (json.JSONDecodeError, KeyError, TypeError) as exc:
             raise DataError(f"{path}:{number}: not a SpecBench question ({exc})") from None
+        if seen.setdefault(repr(d["question_id"]), number) != number:  # answers and reports are keyed by it
+            raise DataError(f"{path}:{number}: question_id {d['question_id']!r} again (first at line "
+                            f"{seen[repr(d['question_id'])]})")
         if not isinstance(turns, list) or not turns or not all(isinstance(t, str) for t in turns):
             raise DataError(f"{path}:{number}: `turns` must be a non-empty list of strings")  # a string was split
     if categories:

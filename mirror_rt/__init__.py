@@ -17,7 +17,7 @@ Public API (re-exports only; engines are assembled in `mirror_rt.devices.engines
 from __future__ import annotations
 
 __version__ = "0.1.0"
-__all__ = ["Constraint", "Engine", "EngineOptions", "GenerationConfig", "GenerationError", "RulesConfig",
+__all__ = ["Constraint", "Engine", "EngineOptions", "GenerationConfig", "GenerationError", "PromptError", "RulesConfig",
            "SamplingConfig", "__version__", "default_bundle", "load", "load_bundle"]
 
 from importlib import import_module
@@ -27,14 +27,15 @@ from typing import TYPE_CHECKING
 # may interrupt) costs nothing until an engine is asked for
 _EXPORTS = {"default_bundle": "mirror_rt.devices.engines", "EngineOptions": "mirror_rt.devices.options",
             "GenerationConfig": "mirror_rt.runtime.config", "Engine": "mirror_rt.runtime.engine",
-            "GenerationError": "mirror_rt.runtime.engine", "Constraint": "mirror_rt.runtime.grammar",
+            "GenerationError": "mirror_rt.runtime.engine", "PromptError": "mirror_rt.runtime.engine",
+            "Constraint": "mirror_rt.runtime.grammar",
             "SamplingConfig": "mirror_rt.runtime.sampling", "RulesConfig": "mirror_rt.runtime.token_rules"}
 
 if TYPE_CHECKING:
     from mirror_rt.devices.engines import default_bundle
     from mirror_rt.devices.options import EngineOptions
     from mirror_rt.runtime.config import GenerationConfig
-    from mirror_rt.runtime.engine import Engine, GenerationError
+    from mirror_rt.runtime.engine import Engine, GenerationError, PromptError
     from mirror_rt.runtime.grammar import Constraint
     from mirror_rt.runtime.sampling import SamplingConfig
     from mirror_rt.runtime.token_rules import RulesConfig

@@ -244,7 +244,7 @@ class ChatRequest(Sampling):
 
 
 class CompletionRequest(Sampling):
-    prompt: str | list[str] | list[int]
+    prompt: str | list[str] | list[int] | list[list[int]]  # OpenAI's forms: a batch of one prompt is served
     max_tokens: int | None = Field(None, ge=0)  # 0 only with echo: the prompt (and its log-probabilities) alone
     logprobs: int | None = Field(None, ge=0)
     echo: bool | None = None  # the prompt's text (and its tokens' log-probabilities) before the completion
@@ -259,9 +259,10 @@ class CompletionRequest(Sampling):
 
     def refuse_unsupported(self) -> None:
         super().refuse_unsupported()
-        if isinstance(self.prompt, list) and self.prompt and isinstance(self.prompt[0], str) and len(self.prompt) != 1:
+        if isinstance(self.prompt, list) and self.prompt and isinstance(self.prompt[0], (str, list)) \
+                and len(self.prompt) != 1:
             raise APIError(400, "only one prompt per request is supported", "prompt")
-        if self.prompt in ("", []):
+        if self.prompt in ("", [], [[]]):
             raise APIError(400, "the prompt is empty", "prompt")
         if self.requested_tokens() == 0 and not self.echo:
             raise APIError(400, "max_tokens must be at least 1 (0 only with echo)", "max_tokens")
@@ -275,8 +276,8 @@ class CompletionRequest(Sampling):
         return self.logprobs
 
     def text_or_ids(self) -> str | list[int]:
-        if isinstance(self.prompt, list) and self.prompt and isinstance(self.prompt[0], str):
-            return self.prompt[0]
+        if isinstance(self.prompt, list) and self.prompt and isinstance(self.prompt[0], (str, list)):
+            return self.prompt[0]  # a batch of one: ["text"] or [[ids]]
         return self.prompt
 
 

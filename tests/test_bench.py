@@ -36,6 +36,13 @@ def test_bad_question_file_named(tmp_path):
         read_questions(path)
     with pytest.raises(DataError, match="not found"):
         read_questions(tmp_path / "missing.jsonl")
+    binary = tmp_path / "binary.jsonl"  # was codecs' message, without the file
+    binary.write_bytes(b'{"question_id": 1, "category": "x", "turns": ["\xff"]}\n')
+    with pytest.raises(DataError, match=r"binary.jsonl: not UTF-8 text \(byte 0xff at offset 47\)"):
+        read_questions(binary)
+    twice = write_questions(tmp_path / "twice.jsonl", [{"question_id": 7, "category": "x", "turns": [t]} for t in "ab"])
+    with pytest.raises(DataError, match=r"twice.jsonl:2: question_id 7 again \(first at line 1\)"):
+        read_questions(twice)  # answers and reports are keyed by the id: the second overwrote the first
 
 
 def test_answer_file_round_trip(tmp_path):
