@@ -260,14 +260,15 @@ def test_a_long_prompt_shows_its_reading_and_the_same_answer(monkeypatch, capsys
 @pytest.mark.parametrize("delay", [0.12, 0.2, 0.3, 0.6])
 def test_ctrl_c_at_any_moment_of_the_start_is_one_line_and_130(delay):
     """The console script (`mirror_rt.entry`) imports the CLI under a Ctrl-C guard, and the CLI parses and runs
-    under its own: a SIGINT while Python imports the engine's modules, or torch, is exit 130 and one line, never
-    a KeyboardInterrupt traceback. (Killed before Python installs its handler at all: the signal's default.)"""
+    under its own: a SIGINT while Python imports the CLI and the engine's modules, or while `run` waits for its
+    prompt on stdin, is exit 130 and one line, never a KeyboardInterrupt traceback. (Killed before Python installs
+    its handler at all: the signal's default.) The prompt never comes, so no model loads: a SIGINT inside torch's
+    own import can still abort in C++ (see the note of this stop), which this test does not cover."""
     import signal
     import time
 
-    proc = subprocess.Popen([sys.executable, "-m", "mirror_rt.entry", "run", "hi", "--model", "tiny",
-                             "--max-new-tokens", "200"], stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE, text=True,
+    proc = subprocess.Popen([sys.executable, "-m", "mirror_rt.entry", "run", "--model", "tiny"],
+                            stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                             preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
     time.sleep(delay)
     proc.send_signal(signal.SIGINT)
