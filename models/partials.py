@@ -20,8 +20,13 @@ def partial_folder(folder: Path) -> Path:
 
 def sweep_partials(folder: Path) -> None:
     """Remove `folder`'s unfinished siblings (`NAME.partial-PID[-...]`) whose process no longer runs."""
-    for partial in Path(folder).parent.glob(f"{glob.escape(Path(folder).name)}.partial-*"):
-        pid = partial.name.rsplit(".partial-", 1)[1].split("-")[0]
+    sweep_dead(Path(folder).parent, f"{Path(folder).name}.partial-")
+
+
+def sweep_dead(parent: Path, stem: str) -> None:
+    """Remove the folders `STEM + PID[-...]` in `parent` whose process no longer runs."""
+    for partial in Path(parent).glob(f"{glob.escape(stem)}*"):
+        pid = partial.name[len(stem):].split("-")[0]
         if pid.isdigit() and not process_running(int(pid)):
             shutil.rmtree(partial, ignore_errors=True)
 
