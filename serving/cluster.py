@@ -10,7 +10,8 @@ answers 503 with Retry-After. Ray is imported lazily: the package works without 
 Limitations:
 - replicas pin themselves to cores by their rank on the node (`serving.replica`), which assumes this
   deployment is the only CPU-heavy work on its nodes;
-- Serve's `max_queued_requests` counts per proxy (one proxy per node by default), loosely under bursts;
+- Serve's `max_queued_requests` counts per proxy (one proxy per node by default), loosely under bursts
+  (a few more or fewer than the room are admitted);
 - `/health`, `/server` and `/metrics` through our proxy take no replica's slot (`serving.proxy`), but
   `/server` and `/metrics` answer for one replica at a time (Ray's metrics export has every replica's).
 SIGTERM / Ctrl-C drains as the single server does: every replica is told to (a Serve broadcast), the proxies

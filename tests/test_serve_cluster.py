@@ -201,19 +201,20 @@ def test_metrics_of_both_replicas_reach_one_scrape_with_their_label(ray_cluster,
 def test_overload_is_a_503_with_retry_after_from_the_proxy_and_none_is_lost(ray_cluster, reference):
     """More requests than the replicas hold (`max_ongoing_requests` each) and the proxy queues (`max_queued`),
     all sent before any can finish (100 slowed forwards: 2 s at least): the rest are refused at once with a 503,
-    every other one gets the reference text, none is lost. Serve counts its queue loosely under a burst (it may
-    refuse more than it must), so only that at least the surplus is refused is asserted."""
+    every other one gets the reference text, none is lost. Serve counts its queue loosely under a burst: it may
+    refuse more than it must, or admit a few more (40 of room 38 + 4 in one CI run), so twice the room is sent
+    and at least half the surplus must be refused."""
     settings, url, _ = ray_cluster
     options = cluster.deployment_options(settings, SERVER)
     room = settings.replicas * options["max_ongoing_requests"] + options["max_queued_requests"]
-    surplus = 4
+    surplus = room
     timed = post_timed(url, [body(100, mode="ar")] * (room + surplus))
     responses = [response for response, _, _ in timed]
     codes = [r.status_code for r in responses]
     last_sent = max(sent for _, sent, _ in timed)
     assert last_sent < min(done for r, _, done in timed if r.status_code == 200), "sent after the first answer"
     assert codes.count(200) + codes.count(503) == len(timed), codes
-    assert codes.count(200) >= 2 and codes.count(503) >= surplus, codes
+    assert codes.count(200) >= 2 and codes.count(503) >= surplus // 2, codes
     expected = ar_text(reference, 100)
     assert all(r.json()["choices"][0]["text"] == expected for r in responses if r.status_code == 200)
     busy = [r for r in responses if r.status_code == 503]
