@@ -1,6 +1,7 @@
 """The CLI through a subprocess: text on stdout, one-line errors with exit code 2."""
 
 import json
+import os
 import re
 import subprocess
 import sys
@@ -262,8 +263,8 @@ def test_ctrl_c_at_any_moment_of_the_start_is_one_line_and_130(delay):
     """The console script (`mirror_rt.entry`) imports the CLI under a Ctrl-C guard, and the CLI parses and runs
     under its own: a SIGINT while Python imports the CLI and the engine's modules, or while `run` waits for its
     prompt on stdin, is exit 130 and one line, never a KeyboardInterrupt traceback. (Killed before Python installs
-    its handler at all: the signal's default.) The prompt never comes, so no model loads: a SIGINT inside torch's
-    own import can still abort in C++ (see the note of this stop), which this test does not cover."""
+    its handler at all: the signal's default.) The prompt never comes, so no model loads; a SIGINT inside torch's
+    own import is the next test's."""
     import signal
     import time
 
@@ -280,6 +281,25 @@ def test_ctrl_c_at_any_moment_of_the_start_is_one_line_and_130(delay):
         pytest.skip("the signal came while Python itself was starting")
     assert "Traceback" not in err and "KeyboardInterrupt" not in err, err
     assert proc.returncode == -signal.SIGINT or (proc.returncode == 130 and "mirror-rt: interrupted" in err), err
+
+
+def test_ctrl_c_inside_an_import_exits_at_once_in_one_line(tmp_path):
+    """A SIGINT that lands while a module is being imported (torch and ONNX Runtime load inside commands) exits
+    130 at once with one line: raised there, the KeyboardInterrupt can cross C++ frames (torch's initialisation
+    calls back into Python through pybind11) and abort the process, as one CI run saw at 0.6 s. Here the module
+    being imported interrupts itself, so the signal surely lands inside an import."""
+    import signal
+
+    (tmp_path / "slow_to_import.py").write_text(
+        "import os, signal, time\nos.kill(os.getpid(), signal.SIGINT)\ndeadline = time.time() + 10\n"
+        "while time.time() < deadline:\n    pass\n")
+    script = ("import sys, signal; from mirror_rt import entry\n"
+              "signal.signal(signal.SIGINT, entry.on_sigint)\nimport slow_to_import\nprint('imported')\n")
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(tmp_path), *sys.path])}
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=60, env=env,
+                          preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
+    assert (done.returncode, done.stdout) == (130, ""), done
+    assert done.stderr.strip() == "mirror-rt: interrupted", done.stderr
 
 
 def test_a_cache_that_cannot_be_used_is_one_error_before_any_work(tmp_path):
