@@ -23,6 +23,7 @@ from mirror_rt.runtime.lazy_torch import import_torch
 if TYPE_CHECKING:
     import torch
 
+JSON_TYPES = {list: "array", str: "string", int: "number", float: "number", type(None): "null"}
 KINDS = ("json_schema", "json_object", "regex", "choice", "grammar")
 # compact JSON as OpenAI writes it: no free whitespace, so a small model cannot loop on newlines, and
 # the separators are forced tokens (free drafts)
@@ -55,8 +56,13 @@ class Constraint:
         if self.kind == "json_object":
             return llguidance.LLMatcher.grammar_from_json_schema({"type": "object"}, overrides=JSON_OPTIONS)
         if self.kind == "json_schema":
-            return llguidance.LLMatcher.grammar_from_json_schema(_json(self.spec, "a JSON schema"),
-                                                                 overrides=JSON_OPTIONS)
+            schema = _json(self.spec, "a JSON schema")
+            if schema is False:  # true and false are schemas too: any value, and none
+                raise ValueError("the JSON schema false admits no output")
+            schema = {} if schema is True else schema
+            if not isinstance(schema, dict):
+                raise ValueError(f"a JSON schema is an object, not a JSON {JSON_TYPES.get(type(schema), 'value')}")
+            return llguidance.LLMatcher.grammar_from_json_schema(schema, overrides=JSON_OPTIONS)
         if self.kind == "choice":
             options = _json(self.spec, "a list of strings")
             if not (isinstance(options, list) and options and all(isinstance(o, str) for o in options)):

@@ -202,6 +202,23 @@ def test_run_json_schema_and_regex_constrain_every_mode(tmp_path):
                           f"--json-schema {tmp_path}: Is a directory")
 
 
+def test_a_json_schema_file_holding_no_schema_object_is_one_line_naming_what_it_holds(tmp_path):
+    """A JSON array or string is no schema (it was llguidance's 'Expecting object schema to apply options', and
+    'expected value at line 1 column 1' for a string); the boolean schemas: true admits any value, false none."""
+    for content, says in (("[1, 2]", "a JSON schema is an object, not a JSON array"),
+                          ('"x"', "a JSON schema is an object, not a JSON string"),
+                          ("false", "the JSON schema false admits no output")):
+        (tmp_path / "schema.json").write_text(content)
+        assert_one_line_error(run_cli("run", "x", "--model", "tiny", "--json-schema", str(tmp_path / "schema.json")),
+                              says)
+    (tmp_path / "schema.json").write_text("true")
+    proc = run_cli("run", "x", "--model", "tiny", "--no-chat", "--json-schema", str(tmp_path / "schema.json"),
+                   "--max-new-tokens", "12", "--json")
+    assert proc.returncode == 0, proc.stderr
+    text = json.loads(proc.stdout)["text"]
+    assert text  # a prefix of some JSON value: 12 tokens may end it anywhere
+
+
 @pytest.mark.parametrize("args, says", [
     (("run", "hi", "--model", "tiny", "--max-new-tokens", "0"), "argument --max-new-tokens: must be >= 1, got 0"),
     (("bench", "--limit", "0"), "argument --limit: must be >= 1, got 0"),
