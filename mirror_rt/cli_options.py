@@ -41,7 +41,8 @@ ENGINE_HELP = {
                "into the cache (int8 | int4 | q4_1: the GGUF's own blocks | w8a8: int8 weights and activations, "
                "fastest in batches; docs/performance.md)",
     "strict_devices": "fail instead of falling back to a CPU backend",
-    "device": "torch device of the target (cpu by default, cuda, cuda:1; as --target)",
+    "device": ("torch device of the target: cpu (default), cuda, cuda:1; one torch cannot see is an error, where "
+               "--target falls back to the CPU with a warning"),
     "threads": "torch threads (default: all cores)",
     "dtype": "torch target dtype: bf16 on CUDA (fp16 without bf16), else fp32 by default; float32 | bfloat16 | "
              "float16 | float64 (or fp32, bf16, fp16)",
