@@ -195,6 +195,8 @@ class DraftRow:
             return False
         if budget is None and not self._fits_before_verdict():
             return False
+        if len(self.line.tokens) <= k:  # an ended line has no guess past the window: nothing to branch beside
+            return False
         window = self.line.tokens[:k]
         alternatives = [self._alternatives(row) for row in self.line.rows[:k + 1]]
         roots = rank_roots(window, self.line.tokens[k], alternatives, self.exit_rows, self.acceptance)
@@ -261,19 +263,18 @@ class DraftRow:
             rules.accept(forced[0])
             self.stats.forced += 1
             return _append(line, forced[0], None, None)
-        if rules.finished() and line.tokens and line.tokens[-1] in self.draft_eos():
-            line.ended = True
-            return None
         row = rules.apply(self._logits_after(context + line.tokens))
         position = len(context) + len(line.tokens)
         token = choose_at(row, self.config.sampling, self.config.seed, position)[0]
+        if rules.finished():  # complete: only an end-of-sequence may follow, the line's last token (the target's
+            line.ended = True  # window then ends the text; with none drafted, an empty window was a draft fault)
+            if float(row[token]) != float("-inf"):  # a stopped matcher consumes nothing, so it is not asked
+                _append(line, token, None, row)
+            return None
         if not rules.accept(token):  # nothing the grammar allows (a masked-out row): stop drafting this line
             line.ended = True
             return None
         _append(line, token, None, row)
-
-    def draft_eos(self) -> tuple[int, ...]:
-        return tuple(getattr(self.draft, "eos_token_ids", ()) or ())
 
     def _extend_with_streams(self, line: Line, context: list[int]) -> None:
         """One SS forward: confirm the pending guesses (the streams' confident ones, else prompt-lookup's),
