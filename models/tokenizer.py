@@ -10,6 +10,7 @@ interface, so it never depends on transformers' tokenizer classes directly.
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import json
 from pathlib import Path
@@ -54,12 +55,23 @@ class HFTokenizer:
     def encode(self, text: str) -> list[int]:
         return self._tok.encode(text, add_special_tokens=False).ids
 
+    def token_names(self, ids) -> list[str]:
+        """The vocabulary's names of `ids` (byte-level BPE's 'Ġword', added tokens as written)."""
+        return [self._tok.id_to_token(int(i)) for i in ids]
+
     def decode(self, ids) -> str:
         text = self._tok.decode(list(ids), skip_special_tokens=True)
         if self._clean_up:
             for before, after in _CLEAN_UP:
                 text = text.replace(before, after)
         return text
+
+    @functools.cached_property
+    def longest_token_chars(self) -> int:
+        """The most characters one token stands for (one more than its longest decoded text, for decoders that
+        drop a word's leading space): a text of n characters has at least n / this many tokens."""
+        ids = self._tok.get_vocab(with_added_tokens=True).values()
+        return 1 + max((len(self._tok.decode([i], skip_special_tokens=False)) for i in ids), default=1)
 
     @property
     def renders_tools(self) -> bool:
@@ -139,11 +151,16 @@ class ByteTokenizer:
     def encode(self, text: str) -> list[int]:
         return [b + 2 for b in text.encode("utf-8")]
 
+    def token_names(self, ids) -> list[str]:
+        names = self.token_bytes()
+        return [names[i].decode("latin-1") if i < len(names) else f"<unused{i}>" for i in ids]
+
     def decode(self, ids) -> str:
         data = bytes(i - 2 for i in ids if 2 <= i < 258)
         return data.decode("utf-8", errors="replace")
 
     renders_tools = False
+    longest_token_chars = 1  # a byte: one character at most
 
     def chat_prompt(self, messages: list[dict], tools: list[dict] | None = None) -> list[int]:
         return self.encode("".join(m["content"] or "" for m in messages))

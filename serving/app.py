@@ -2,12 +2,13 @@
 
 `create_app(settings, load)` returns a FastAPI app whose lifespan loads the engine in the
 background (`/health` answers 503 until it is ready) and starts the scheduler's engine thread.
-Routes: `POST /v1/chat/completions`, `POST /v1/completions`, `GET /v1/models` (behind the API
+Routes: `POST /v1/chat/completions`, `POST /v1/completions`, `GET /v1/models[/ID]` (behind the API
 key when one is set), `GET /health`, `GET /metrics`, `GET /version`, `POST /tokenize`,
 `POST /detokenize` (never behind the key); `GET /` and `GET /ui/*`, the playground page
 (`serving.page`, off with `ServerSettings.ui` False), whose data comes from `/v1/*` and
 `GET /server` (load, totals, recent requests; behind the key). A request is validated, tokenized
-and checked against the context in the event loop, then queued; a full queue answers 503 with Retry-After.
+and checked against the context in the event loop (text too long by its characters alone is refused unread),
+then queued; a full queue answers 503 with Retry-After.
 """
 
 from __future__ import annotations
@@ -171,12 +172,23 @@ def _add_status_routes(app: FastAPI, state: ServerState) -> None:
         _check_key(request, state)
         return _server_status(state)
 
+    def card() -> dict:
+        return {"id": state.model_name, "object": "model", "created": now(), "owned_by": "mirror-rt",
+                "max_model_len": state.engine.target.max_seq_len}
+
     @app.get("/v1/models")
     async def models(request: Request):
         _check_key(request, state)
         state.require_ready()
-        return {"object": "list", "data": [{"id": state.model_name, "object": "model", "created": now(),
-                                            "owned_by": "mirror-rt", "max_model_len": state.engine.target.max_seq_len}]}
+        return {"object": "list", "data": [card()]}
+
+    @app.get("/v1/models/{model:path}")  # the client's models.retrieve(); a path: served names may hold '/'
+    async def model(request: Request, model: str):
+        _check_key(request, state)
+        state.require_ready()
+        if model != state.model_name:
+            raise APIError(404, f"The model `{model}` does not exist.", "model")
+        return card()
 
 
 def _server_status(state: ServerState) -> dict:
@@ -210,6 +222,8 @@ async def _complete(request: Request, state: ServerState, chat: bool):
     if req.model is not None and req.model != state.model_name:
         raise APIError(404, f"The model `{req.model}` does not exist.", "model")
     engine = state.engine
+    _refuse_unread([m.text() for m in req.messages] if chat else [req.text_or_ids()], engine,
+                   req.requested_tokens() or 0)
     try:
         prompt = tools.prompt_ids(req, engine.tokenizer) if chat else engine.prompt_ids(req.text_or_ids(), chat=False)
     except PromptError as exc:  # an empty list of token ids
@@ -279,6 +293,16 @@ def _admit(job: Job, state: ServerState) -> None:
         raise APIError(503, "the server is shutting down", headers=retry) from None
 
 
+def _refuse_unread(texts: list, engine, requested: int) -> None:
+    """A 400 for `texts` (a prompt's; token ids are skipped) whose characters alone need more tokens than the
+    context holds, before they are tokenized: the tokenizer holds the GIL, so 8 MB of text took 8 s in which no
+    other request moved."""
+    least = -(-sum(len(t) for t in texts if isinstance(t, str)) // engine.tokenizer.longest_token_chars)
+    context = engine.target.max_seq_len
+    if least > context:
+        raise protocol.context_error(context, least, requested)
+
+
 def _config(req: protocol.Sampling, prompt_tokens: int, state: ServerState, rules: dict) -> GenerationConfig:
     """The request's generation settings over the server's defaults (with its token `rules`); a 400 when it
     cannot fit."""
@@ -326,14 +350,19 @@ def _add_token_routes(app: FastAPI, state: ServerState) -> None:
         body = await _json(request)
         state.require_ready()
         engine = state.engine
+        if isinstance(body, dict) and body.get("model") not in (None, state.model_name):
+            raise APIError(404, f"The model `{body['model']}` does not exist.", "model")
         if isinstance(body, dict) and isinstance(body.get("messages"), list):
             req = protocol.parse(protocol.ChatRequest, body)
+            _refuse_unread([m.text() for m in req.messages], engine, 0)
             ids = tools.prompt_ids(req, engine.tokenizer)
         elif isinstance(body, dict) and isinstance(body.get("prompt"), str):
+            _refuse_unread([body["prompt"]], engine, 0)
             ids = engine.prompt_ids(body["prompt"], chat=False)
         else:
             raise APIError(400, "send 'prompt' (a string) or 'messages' (a list)", "prompt")
-        return {"count": len(ids), "max_model_len": engine.target.max_seq_len, "tokens": ids, "token_strs": None}
+        names = engine.tokenizer.token_names(ids) if body.get("return_token_strs") is True else None
+        return {"count": len(ids), "max_model_len": engine.target.max_seq_len, "tokens": ids, "token_strs": names}
 
     @app.post("/detokenize")
     async def detokenize(request: Request):

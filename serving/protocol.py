@@ -76,10 +76,10 @@ class Message(Strict):
 
 
 class JsonSchemaFormat(Strict):
-    name: str | None = None
+    name: str = Field(min_length=1, max_length=64, pattern=r"^[A-Za-z0-9_-]+$")  # OpenAI's (vLLM's: required)
     description: str | None = None
     schema_: dict | None = Field(None, alias="schema")  # None: any JSON object (as json_object)
-    strict: bool | None = None  # accepted; the schema is always enforced
+    strict: bool | None = None  # true: objects take no properties they do not declare (the schema is enforced)
 
 
 class ResponseFormat(Strict):
@@ -129,7 +129,7 @@ class Sampling(Strict):
     top_k: int | None = Field(None, ge=-1)  # vLLM's extension: -1 or 0 is off
     seed: int | None = Field(None, ge=-(2**63), le=2**63 - 1)  # an int64, as vLLM takes it
     stop: str | list[str] | None = None
-    stream: bool = False
+    stream: bool | None = False  # null: false (OpenAI's and vLLM's)
     stream_options: StreamOptions | None = None
     n: int | None = Field(None, ge=1, le=MAX_CHOICES)
     presence_penalty: float | None = Field(None, ge=-2.0, le=2.0, allow_inf_nan=False)
@@ -151,7 +151,9 @@ class Sampling(Strict):
     def refuse_unsupported(self) -> None:
         """A 400 naming the first parameter that asks for something not implemented."""
         checks = [("stop", isinstance(self.stop, list) and "" in self.stop, "stop strings must not be empty"),
-                  ("stop", self.stop == "", "stop strings must not be empty")]
+                  ("stop", self.stop == "", "stop strings must not be empty"),
+                  ("stream_options", self.stream_options is not None and not self.stream,
+                   "stream_options can only be sent with stream true")]  # vLLM's 400
         for param, failed, message in checks:
             if failed:
                 raise APIError(400, message, param)
@@ -179,7 +181,7 @@ class Sampling(Strict):
         return self.stream_options is not None and bool(self.stream_options.continuous_usage_stats)
 
     def include_origins(self) -> bool:
-        return self.stream and self.stream_options is not None and bool(self.stream_options.include_origins)
+        return bool(self.stream) and self.stream_options is not None and bool(self.stream_options.include_origins)
 
     def requested_tokens(self) -> int | None:
         return self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens

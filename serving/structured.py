@@ -12,7 +12,7 @@ from __future__ import annotations
 from mirror_rt.runtime.grammar import Constraint, check, grammar_tokenizer
 from mirror_rt.serving import protocol, tools
 from mirror_rt.serving.errors import APIError
-from mirror_rt.serving.tool_schema import strict
+from mirror_rt.serving.tool_schema import closed, strict
 
 
 def constraint_of(req: protocol.Sampling) -> tuple[Constraint | None, str | None, str | None]:
@@ -26,6 +26,8 @@ def constraint_of(req: protocol.Sampling) -> tuple[Constraint | None, str | None
             if response_format.json_schema is None:
                 raise APIError(400, "response_format json_schema needs its 'json_schema'", "response_format")
             schema = response_format.json_schema.schema_
+            if schema is not None and response_format.json_schema.strict:
+                schema = closed(schema)
             found.append((Constraint("json_object") if schema is None else Constraint.json_schema(schema),
                           "json_schema", "response_format"))
     structured = req.structured()

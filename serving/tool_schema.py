@@ -39,7 +39,13 @@ def strict(parameters: dict | None) -> dict:
     if not parameters or (parameters.get("type") == "object" and not parameters.get("properties")
                           and not _has_alternatives(parameters)):
         return dict(NO_ARGUMENTS)
-    schema = copy.deepcopy(parameters)
+    return closed(parameters)
+
+
+def closed(schema: dict) -> dict:
+    """A copy of `schema` whose object schemas with declared properties take no others where they leave it unsaid:
+    OpenAI's strict reading (it refuses such a schema; xgrammar's strict mode, vLLM's default, closes it too)."""
+    schema = copy.deepcopy(schema)
     _close_objects(schema)
     return schema
 

@@ -139,6 +139,30 @@ def test_models_health_version_tokenize(server, reference):
     assert tokens["tokens"] == reference.prompt_ids(PROMPT, chat=False) and tokens["count"] == len(tokens["tokens"])
     assert tokens["max_model_len"] == reference.target.max_seq_len
     assert httpx.post(server.url + "/detokenize", json={"tokens": tokens["tokens"]}).json() == {"prompt": PROMPT}
+    named = httpx.post(server.url + "/tokenize", json={"prompt": PROMPT, "return_token_strs": True}).json()
+    assert named["token_strs"] == list(PROMPT) and tokens["token_strs"] is None  # the byte tokenizer's names
+    other = httpx.post(server.url + "/tokenize", json={"prompt": PROMPT, "model": "other"})
+    assert other.status_code == 404 and other.json()["error"]["param"] == "model"
+    card = client.models.retrieve("tiny")  # GET /v1/models/{id}
+    assert (card.id, card.object, card.model_extra["max_model_len"]) == ("tiny", "model", reference.target.max_seq_len)
+    with pytest.raises(openai.NotFoundError):
+        client.models.retrieve("other")
+
+
+def test_text_too_long_by_its_characters_alone_is_refused_unread(server, reference):
+    """A prompt whose characters need more tokens than the context holds (a token stands for at most
+    `longest_token_chars`) gets vLLM's context-length 400 before it is tokenized: a tokenizer holds the GIL (8 MB
+    took 8 s with the default model's, every other request waiting). The same 400 as a tokenized prompt's."""
+    context = reference.target.max_seq_len
+    for path, body in (("/v1/chat/completions", {"messages": [{"role": "user", "content": "ab" * context}]}),
+                       ("/v1/completions", {"prompt": "ab" * context}), ("/tokenize", {"prompt": "ab" * context})):
+        answer = httpx.post(server.url + path, json={"model": "tiny", "max_tokens": 4, **body}, timeout=60)
+        error = answer.json()["error"]
+        assert answer.status_code == 400, answer.text
+        assert error["message"].startswith(f"This model's maximum context length is {context} tokens.")
+        assert f"your prompt contains at least {2 * context} input tokens" in error["message"]
+    fits = httpx.post(server.url + "/v1/completions", json={"prompt": "a" * (context - 8), "max_tokens": 4})
+    assert fits.status_code == 200, fits.text
 
 
 BAD = [
@@ -159,6 +183,10 @@ BAD = [
     ("top_k below -1", {"messages": MESSAGES, "top_k": -2}, 400, "top_k"),
     ("seed beyond int64", {"messages": MESSAGES, "seed": 2**70}, 400, "seed"),
     ("n above 16", {"messages": MESSAGES, "n": 17}, 400, "n"),
+    ("stream_options without stream", {"messages": MESSAGES, "stream_options": {"include_usage": True}}, 400,
+     "stream_options"),
+    ("json_schema without its name", {"messages": MESSAGES, "response_format": {"type": "json_schema", "json_schema": {
+        "schema": {"type": "object"}}}}, 400, "response_format.json_schema.name"),
     ("unknown response format", {"messages": MESSAGES, "response_format": {"type": "xml"}}, 400,
      "response_format.type"),
     ("schema llguidance refuses", {"messages": MESSAGES, "response_format": {"type": "json_schema", "json_schema": {
@@ -195,6 +223,13 @@ def test_bad_input_gets_the_envelope(server, case, body, status, param):
     assert error["code"] == status and error["param"] == param and error["message"] and error["type"]
     if case == "an image part":
         assert "'image_url' are not supported" in error["message"]
+
+
+def test_stream_null_is_false(server):
+    """OpenAI's spec has `stream` nullable, default false (it was a 400: 'Input should be a valid boolean')."""
+    for path, body in (("/v1/chat/completions", {"messages": MESSAGES}), ("/v1/completions", {"prompt": PROMPT})):
+        answer = httpx.post(server.url + path, json={**body, "stream": None, "max_tokens": 4}, timeout=30)
+        assert answer.status_code == 200 and answer.headers["content-type"] == "application/json", answer.text
 
 
 def test_a_batch_of_one_token_id_prompt_is_served_as_the_ids(server, reference):

@@ -239,3 +239,22 @@ def test_constrained_requests_are_counted_by_kind(server):
         count = metric(after, "constrained_requests_total", kind=kind) - metric(before, "constrained_requests_total",
                                                                                  kind=kind)
         assert count == 1
+
+
+def test_a_strict_json_schema_closes_its_objects():
+    """`strict: true` is OpenAI's strict reading: objects take only the properties they declare where the schema
+    leaves it unsaid (a strict schema without `additionalProperties: false` produced `{"x": 30, "y": "cat"}`);
+    not strict, the schema is enforced as sent."""
+    from mirror_rt.serving import protocol, structured
+
+    schema = {"type": "object", "properties": {"x": {"type": "integer"}, "inner": {
+        "type": "object", "properties": {"b": {"type": "boolean"}}}}, "required": ["x"]}
+    for strict, closed in ((True, False), (False, None), (None, None)):
+        body = {"messages": MESSAGES, "response_format": {"type": "json_schema", "json_schema": {
+            "name": "s", "schema": schema, "strict": strict}}}
+        constraint, kind, param = structured.constraint_of(protocol.parse(protocol.ChatRequest, body))
+        sent = json.loads(constraint.spec)
+        assert (kind, param) == ("json_schema", "response_format")
+        assert sent.get("additionalProperties") is closed
+        assert sent["properties"]["inner"].get("additionalProperties") is closed
+    assert "additionalProperties" not in schema  # the request's own schema is left as sent
