@@ -236,6 +236,12 @@ class ChatRequest(Sampling):
     def top_logprobs_asked(self) -> int | None:
         return (self.top_logprobs or 0) if self.logprobs else None
 
+    def fields(self) -> dict:
+        """A forced tool call (required, a named function) is not cut by stop strings: they would leave its
+        arguments invalid JSON under finish_reason tool_calls."""
+        forced = self.tool_mode() not in (None, "auto")
+        return super().fields() | ({"stop_strings": ()} if forced else {})
+
     def tool_mode(self) -> str | None:
         """none | auto | required | the named function; None without tools (or with tool_choice none)."""
         if not self.tools or self.tool_choice == "none":

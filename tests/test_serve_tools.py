@@ -66,6 +66,19 @@ def test_forced_arguments_hold_no_undeclared_keys(server):
             assert set(passenger) <= {"name", "age"}
 
 
+@pytest.mark.parametrize("tool_choice", ["required", {"type": "function", "function": {"name": "book"}}],
+                         ids=["required", "named"])
+def test_stop_strings_do_not_cut_a_forced_call(server, tool_choice):
+    """`passengers` is a key every forced call writes: as a stop string it cut the arguments to invalid JSON under
+    finish_reason tool_calls. Forced calls are not cut: the calls equal those made without it."""
+    made, reason = calls(server, tools=[BOOK], tool_choice=tool_choice, stop=["passengers"])
+    assert reason == "tool_calls" and made
+    assert all(isinstance(json.loads(c.function.arguments), dict) for c in made)
+    plain, _ = calls(server, tools=[BOOK], tool_choice=tool_choice)
+    assert [(c.function.name, c.function.arguments) for c in made] == [
+        (c.function.name, c.function.arguments) for c in plain]
+
+
 def test_parallel_tool_calls_false_makes_at_most_one_call(server):
     many, _ = calls(server, tools=[BOOK, PING, EMPTY], tool_choice="required", temperature=1.0, seed=3)
     one, _ = calls(server, tools=[BOOK, PING, EMPTY], tool_choice="required", temperature=1.0, seed=3,
