@@ -147,13 +147,19 @@ class Sampling(Strict):
     num_assistant_tokens: int | None = Field(None, ge=1, le=MAX_GAMMA)
     disable_spec_decode: bool | None = None
     ignore_eos: bool | None = None  # vLLM's extension: keep generating past end-of-sequence (load tests)
+    # vLLM's extensions not implemented: their defaults are taken, any other value is a 400 (not ignored)
+    min_p: float | None = Field(None, ge=0.0, le=1.0, allow_inf_nan=False)
+    min_tokens: int | None = Field(None, ge=0)
+    include_stop_str_in_output: bool | None = None
 
     def refuse_unsupported(self) -> None:
         """A 400 naming the first parameter that asks for something not implemented."""
         checks = [("stop", isinstance(self.stop, list) and "" in self.stop, "stop strings must not be empty"),
                   ("stop", self.stop == "", "stop strings must not be empty"),
                   ("stream_options", self.stream_options is not None and not self.stream,
-                   "stream_options can only be sent with stream true")]  # vLLM's 400
+                   "stream_options can only be sent with stream true"),  # vLLM's 400
+                  *[(name, getattr(self, name) not in (None, 0, False), f"{name} is not supported")
+                    for name in ("min_p", "min_tokens", "include_stop_str_in_output")]]
         for param, failed, message in checks:
             if failed:
                 raise APIError(400, message, param)
@@ -207,9 +213,12 @@ class ChatRequest(Sampling):
     parallel_tool_calls: bool | None = None  # false: at most one call
     logprobs: bool | None = None
     top_logprobs: int | None = Field(None, ge=0)
+    continue_final_message: bool | None = None  # vLLM's; not implemented (true is a 400)
 
     def refuse_unsupported(self) -> None:
         super().refuse_unsupported()
+        if self.continue_final_message:
+            raise APIError(400, "continue_final_message is not supported", "continue_final_message")
         if self.top_logprobs is not None and self.top_logprobs > MAX_TOP_LOGPROBS:
             raise APIError(400, f"top_logprobs must be at most {MAX_TOP_LOGPROBS}", "top_logprobs")
         if self.top_logprobs and not self.logprobs:

@@ -183,6 +183,12 @@ BAD = [
     ("top_k below -1", {"messages": MESSAGES, "top_k": -2}, 400, "top_k"),
     ("seed beyond int64", {"messages": MESSAGES, "seed": 2**70}, 400, "seed"),
     ("n above 16", {"messages": MESSAGES, "n": 17}, 400, "n"),
+    ("min_p", {"messages": MESSAGES, "min_p": 0.1}, 400, "min_p"),
+    ("min_p out of range", {"messages": MESSAGES, "min_p": 2}, 400, "min_p"),
+    ("min_tokens", {"messages": MESSAGES, "min_tokens": 5}, 400, "min_tokens"),
+    ("include_stop_str_in_output", {"messages": MESSAGES, "include_stop_str_in_output": True}, 400,
+     "include_stop_str_in_output"),
+    ("continue_final_message", {"messages": MESSAGES, "continue_final_message": True}, 400, "continue_final_message"),
     ("stream_options without stream", {"messages": MESSAGES, "stream_options": {"include_usage": True}}, 400,
      "stream_options"),
     ("json_schema without its name", {"messages": MESSAGES, "response_format": {"type": "json_schema", "json_schema": {
@@ -223,6 +229,14 @@ def test_bad_input_gets_the_envelope(server, case, body, status, param):
     assert error["code"] == status and error["param"] == param and error["message"] and error["type"]
     if case == "an image part":
         assert "'image_url' are not supported" in error["message"]
+
+
+def test_vllm_extensions_at_their_defaults_are_taken(server):
+    """min_p 0, min_tokens 0, include_stop_str_in_output and continue_final_message false (what vLLM clients send
+    by default) are served; other values are 400s naming them, never silently ignored."""
+    body = {"messages": MESSAGES, "max_tokens": 4, "min_p": 0.0, "min_tokens": 0, "include_stop_str_in_output": False,
+            "continue_final_message": False}
+    assert httpx.post(server.url + "/v1/chat/completions", json=body, timeout=30).status_code == 200
 
 
 def test_stream_null_is_false(server):
