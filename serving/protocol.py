@@ -305,9 +305,10 @@ def parse(model: type[Sampling], body) -> Sampling:
     try:
         request = model.model_validate(body)
     except ValidationError as exc:
-        first = exc.errors()[0]
-        param = ".".join(str(p) for p in first["loc"] if not _union_tag(p)) or None
-        raise APIError(400, f"invalid value for '{param}': {first['msg']}", param) from None
+        paths = [[str(p) for p in error["loc"] if not _union_tag(p)] for error in exc.errors()]
+        deepest = max(range(len(paths)), key=lambda i: len(paths[i]))  # the union member that got furthest
+        param = ".".join(paths[deepest]) or None
+        raise APIError(400, f"invalid value for '{param}': {exc.errors()[deepest]['msg']}", param) from None
     request.refuse_unsupported()
     return request
 

@@ -183,6 +183,12 @@ BAD = [
     ("top_k below -1", {"messages": MESSAGES, "top_k": -2}, 400, "top_k"),
     ("seed beyond int64", {"messages": MESSAGES, "seed": 2**70}, 400, "seed"),
     ("n above 16", {"messages": MESSAGES, "n": 17}, 400, "n"),
+    # a union's error from the member that got furthest: it said "Input should be 'none', 'auto' or 'required'"
+    ("named tool_choice without its function", {"messages": MESSAGES, "tools": [
+        {"type": "function", "function": {"name": "f"}}], "tool_choice": {"type": "function"}}, 400,
+     "tool_choice.function"),
+    ("text part without its text", {"messages": [{"role": "user", "content": [{"type": "text"}]}]}, 400,
+     "messages.0.content.0.text"),
     ("min_p", {"messages": MESSAGES, "min_p": 0.1}, 400, "min_p"),
     ("min_p out of range", {"messages": MESSAGES, "min_p": 2}, 400, "min_p"),
     ("min_tokens", {"messages": MESSAGES, "min_tokens": 5}, 400, "min_tokens"),
