@@ -202,11 +202,16 @@ def load_streams(base, folder: Path) -> StreamDraft:
     c = base.config
     if shape != (c.vocab_size, c.n_layers, c.hidden_size):
         raise ValueError(f"{folder}: streams were trained for another draft shape")
+    if not all(bool(torch.isfinite(t).all()) for t in state.values()):
+        raise ValueError(f"{folder}: stream weights are not finite (NaN or inf: the training diverged)")
     draft = StreamDraft(base, *sizes)
-    try:
-        missing = draft.load_state_dict(state, strict=False)
+    layers = {k.removeprefix("stream_layers."): v for k, v in state.items() if k.startswith("stream_layers.")}
+    if set(state) != {"stream_embed", *(f"stream_layers.{k}" for k in layers)}:
+        raise ValueError(f"{folder}: stream weights do not match their config")
+    try:  # the stream parts alone: the base may be an int8 copy, whose modules load no float weights
+        draft.stream_layers.load_state_dict(layers, strict=True)
+        with torch.no_grad():
+            draft.stream_embed.copy_(state["stream_embed"])
     except RuntimeError:
         raise ValueError(f"{folder}: stream weights do not match their config") from None
-    if missing.unexpected_keys or any(not k.startswith("base.") for k in missing.missing_keys):
-        raise ValueError(f"{folder}: stream weights do not match their config")
     return draft

@@ -133,3 +133,39 @@ def test_replay_counts_forwards():
     assert _replay(guess, ids, 5, 7) == 3  # 1 + 3 + 3 tokens
     wrong = torch.zeros_like(guess)
     assert _replay(wrong, ids, 5, 7) == 7
+
+
+def _saved_streams(folder, draft) -> None:
+    import json
+
+    from safetensors.torch import save_file
+
+    from mirror_rt.models.ss_draft import stream_config
+
+    folder.mkdir()
+    own = {k: v.contiguous() for k, v in draft.state_dict().items() if not k.startswith("base.")}
+    save_file(own, str(folder / "streams.safetensors"))
+    (folder / "streams.json").write_text(json.dumps(stream_config(draft)))
+
+
+def test_streams_load_over_an_int8_copy_and_refuse_non_finite_weights(tmp_path):
+    """`run --draft-streams DIR` over the default draft (an int8 copy of the target): loading the whole state dict
+    reached the quantized base modules, which raised KeyError '...q_proj.scale' (a traceback). And streams whose
+    training diverged (NaN or inf) are refused by name, not run at a mean accepted length of 1."""
+    from mirror_rt.models.quantize import int8_copy
+    from mirror_rt.models.ss_draft import load_streams
+
+    base = tiny_target(seed=3)
+    trained = StreamDraft(base, n_streams=2, n_stream_layers=2)
+    with torch.no_grad():
+        for p in trained.stream_layers.parameters():
+            p.normal_(0, 0.5)
+    _saved_streams(tmp_path / "ok", trained)
+    loaded = load_streams(int8_copy(base), tmp_path / "ok")
+    pairs = zip(loaded.stream_layers.parameters(), trained.stream_layers.parameters())
+    assert all(torch.allclose(a.double(), b.double(), atol=1e-6) for a, b in pairs)  # the int8 copy runs fp32
+    with torch.no_grad():
+        trained.stream_embed[0, 0] = float("nan")
+    _saved_streams(tmp_path / "nan", trained)
+    with pytest.raises(ValueError, match="stream weights are not finite"):
+        load_streams(base, tmp_path / "nan")
