@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import json
 
-from mirror_rt.cli_args import count, log, number, positive_int
+from mirror_rt.cli_args import count, log, positive_int, positive_number
 from mirror_rt.runtime.config import DEFAULTS
 
 
@@ -18,7 +18,7 @@ def add_training(sub) -> None:
     draft.add_argument("--data", nargs="+", required=True,
                        help="SpecBench-format jsonl question files (e.g. ../shared/data/specbench-dev.jsonl)")
     draft.add_argument("--steps", type=positive_int, default=300)
-    draft.add_argument("--lr", type=number, default=2e-3)
+    draft.add_argument("--lr", type=positive_number, default=2e-3, help="learning rate (default %(default)s)")
     draft.add_argument("--seed", type=int, default=0)
     draft.add_argument("--cache-dir")
     draft.add_argument("--out", required=True, help="folder for streams.safetensors / streams.json (resumes)")

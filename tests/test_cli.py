@@ -222,6 +222,7 @@ def test_a_json_schema_file_holding_no_schema_object_is_one_line_naming_what_it_
 @pytest.mark.parametrize("args, says", [
     (("run", "hi", "--model", "tiny", "--max-new-tokens", "0"), "argument --max-new-tokens: must be >= 1, got 0"),
     (("bench", "--limit", "0"), "argument --limit: must be >= 1, got 0"),
+    (("train-draft", "--lr", "inf"), "argument --lr: must be a positive number, got 'inf'"),  # NaN streams followed
     (("run", "hi", "--no-such-flag"), "unrecognized arguments: --no-such-flag"),
     (("bench", "--data", "x.jsonl", "--out", __file__), "argument --out: " + __file__ + " exists and is not a folder"),
     # a place that refuses writing: before the work, not a PermissionError traceback after it

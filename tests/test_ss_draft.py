@@ -6,6 +6,7 @@ from conftest import tiny_target
 
 from mirror_rt.models.ss_draft import (
     StreamDraft,
+    load_streams,
     stream_mask,
     stream_rollout,
 )
@@ -114,6 +115,28 @@ def test_training_is_deterministic_and_resumes(tmp_path):
     with pytest.raises(ValueError, match="holds streams trained with another shape"):  # a size-mismatch traceback
         train_streams(StreamDraft(tiny_target(seed=5), n_streams=3, rank=4), data, 30, tmp_path / "b", seed=3,
                       save_every=10, progress=False)
+
+
+def test_a_diverged_training_stops_and_writes_no_non_finite_streams(tmp_path, monkeypatch):
+    """A NaN loss (`--lr inf` gave one; the CLI now refuses that) went on to an all-NaN artifact that every later
+    command ran; the training now stops at that step, before the optimizer applies it."""
+    from mirror_rt.training import ss_training
+
+    data = _pattern_data(n=8)
+    ss_training.train_streams(StreamDraft(tiny_target(seed=5), rank=4), data, 4, tmp_path / "s", seed=3,
+                              save_every=2, progress=False)
+    real = ss_training.stream_loss
+    calls = []
+
+    def diverging(*args):
+        calls.append(1)
+        return real(*args) * (float("nan") if len(calls) == 2 else 1.0)
+
+    monkeypatch.setattr(ss_training, "stream_loss", diverging)
+    with pytest.raises(ValueError, match="the training diverged at step 6: the loss is nan"):
+        ss_training.train_streams(StreamDraft(tiny_target(seed=5), rank=4), data, 8, tmp_path / "s", seed=3,
+                                  save_every=1, progress=False)
+    assert load_streams(tiny_target(seed=5), tmp_path / "s").stream_embed.isfinite().all()
 
 
 @pytest.mark.parametrize("options, says", [({"n_streams": 1000}, "--streams must be in 1..16"),

@@ -18,6 +18,15 @@ class CheckpointError(ValueError):
     """A checkpoint file that is not one of ours (one-line message naming the file)."""
 
 
+def finite_loss(loss: torch.Tensor, step: int) -> float:
+    """The step's loss as a number; ValueError when it is NaN or infinite (the training diverged): stopped before
+    the optimizer applies it, so the last checkpoint and the weights written stay finite."""
+    value = loss.item()
+    if value != value or value in (float("inf"), float("-inf")):
+        raise ValueError(f"the training diverged at step {step + 1}: the loss is {value} (try a lower --lr)")
+    return value
+
+
 def save_state(path: Path, state: dict) -> None:
     """Write `state` to `path` atomically."""
     path = Path(path)

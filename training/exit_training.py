@@ -26,7 +26,7 @@ import torch.nn.functional as F
 
 from mirror_rt.models.config import SplitOptions
 from mirror_rt.models.exit_adapter import ExitAdapter, exit_logits, save_exit_adapter
-from mirror_rt.training.checkpoints import load_state, save_state
+from mirror_rt.training.checkpoints import finite_loss, load_state, save_state
 from mirror_rt.training.exit_data import (
     ExitData,
     cached_answers,
@@ -156,10 +156,10 @@ def fit(model, adapter: ExitAdapter, train: ExitData | list[ExitSequence], cfg: 
             for group in optimizer.param_groups:
                 group["lr"] = _lr_at(step, cfg.steps, cfg.lr)
             loss = _batch_loss(model, adapter, train, cfg, gen)
+            losses.append(finite_loss(loss, step))
             optimizer.zero_grad(set_to_none=True)
             loss.backward()
             optimizer.step()
-            losses.append(loss.item())
             bar.set_postfix(loss=f"{sum(losses[-20:]) / len(losses[-20:]):.3f}")
             bar.update()
             if checkpoint is not None and ((step + 1) % cfg.save_every == 0 or step + 1 == cfg.steps):

@@ -17,7 +17,7 @@ import torch
 import torch.nn.functional as F
 
 from mirror_rt.models.ss_draft import StreamDraft, load_streams, stream_config
-from mirror_rt.training.checkpoints import load_state, save_state
+from mirror_rt.training.checkpoints import finite_loss, load_state, save_state
 
 
 def stream_parameters(draft: StreamDraft) -> dict[str, torch.Tensor]:
@@ -61,11 +61,11 @@ def train_streams(draft: StreamDraft, sequences: list[tuple[list[int], int]], st
         lo = max(0, min(first - 8, len(ids) - window))  # a window covering the answer
         tokens = torch.tensor(ids[lo:lo + window])
         loss = stream_loss(draft, tokens, first - lo)
+        losses.append(finite_loss(loss, step))
         optimizer.zero_grad()
         loss.backward()
         optimizer.step()
-        losses.append(loss.item())
-        bar.set_postfix(loss=f"{loss.item():.3f}")
+        bar.set_postfix(loss=f"{losses[-1]:.3f}")
         if (step + 1) % save_every == 0 or step + 1 == steps:
             save_checkpoint(draft, optimizer, out_dir, step + 1)
     return losses
