@@ -14,6 +14,7 @@ import errno
 import os
 import sys
 
+from mirror_rt import cli_signals
 from mirror_rt.cli_bench import COMMANDS as BENCH_COMMANDS
 from mirror_rt.cli_bench import add_bench
 from mirror_rt.cli_run import COMMANDS as RUN_COMMANDS
@@ -81,9 +82,13 @@ def main(argv=None) -> int:
         args = build_parser().parse_args(argv)
         _one_line_warnings()
         return COMMANDS[args.command](args)
-    except KeyboardInterrupt:
-        print("\nmirror-rt: interrupted", file=sys.stderr)
-        _exit_now(130)
+    except KeyboardInterrupt as exc:  # Ctrl-C, or SIGTERM (cli_signals.Terminated)
+        code = cli_signals.exit_code(exc)
+        print(f"\nmirror-rt: {'terminated' if code == 143 else 'interrupted'}", file=sys.stderr)
+        _exit_now(code)
+    except BrokenPipeError:  # the reader went away (`| head -1`): stop quietly, as other command-line tools do
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        _exit_now(141)
     except (ValueError, FileNotFoundError, DefaultModelUnavailable) as exc:
         print(f"mirror-rt: error: {exc}", file=sys.stderr)
         return 2
@@ -96,4 +101,5 @@ def main(argv=None) -> int:
 
 
 if __name__ == "__main__":
+    cli_signals.install(sigterm="serve" not in sys.argv[1:2])
     sys.exit(main())

@@ -11,6 +11,7 @@ import json
 import sys
 from dataclasses import replace
 
+from mirror_rt import cli_signals
 from mirror_rt.cli_args import log, positive_int
 from mirror_rt.cli_options import (
     add_decoding_options,
@@ -66,10 +67,10 @@ def cmd_run(args) -> int:
             if not args.json:
                 sys.stdout.write(piece)
                 sys.stdout.flush()
-    except KeyboardInterrupt:
+    except KeyboardInterrupt as exc:  # Ctrl-C, or SIGTERM (cli_signals.Terminated)
         gen.pieces.close()
         print("\n[interrupted]", file=sys.stderr)
-        return 130
+        return cli_signals.exit_code(exc)
     if args.json:
         print(json.dumps({"text": gen.text, "stats": gen.stats}, ensure_ascii=False))
     else:

@@ -301,6 +301,32 @@ def test_ctrl_c_at_any_moment_of_the_start_is_one_line_and_130(delay):
     assert proc.returncode == -signal.SIGINT or (proc.returncode == 130 and "mirror-rt: interrupted" in err), err
 
 
+def test_sigterm_is_one_line_and_143_after_the_commands_cleanup():
+    """SIGTERM raises where Ctrl-C does (`cli_signals.Terminated`), so an export's staging folder goes as on Ctrl-C
+    (it stayed: 421 MB per killed export); here `run` waits for its prompt on stdin when it comes."""
+    import signal
+    import time
+
+    proc = subprocess.Popen([sys.executable, "-m", "mirror_rt.entry", "run", "--model", "tiny"],
+                            stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    time.sleep(2.0)
+    proc.send_signal(signal.SIGTERM)
+    try:
+        _, err = proc.communicate(timeout=120)
+    finally:
+        proc.kill()
+    assert proc.returncode == 143 and err.strip() == "mirror-rt: terminated", (proc.returncode, err)
+
+
+def test_a_reader_that_goes_away_ends_the_command_quietly():
+    """`mirror-rt simulate | true`: the closed pipe was a BrokenPipeError traceback; now exit 141, nothing said."""
+    proc = subprocess.Popen([sys.executable, "-m", "mirror_rt.entry", "simulate"], stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE)
+    proc.stdout.close()
+    err = proc.stderr.read().decode()
+    assert proc.wait(timeout=120) == 141 and err == "", err
+
+
 def test_ctrl_c_inside_an_import_exits_at_once_in_one_line(tmp_path):
     """A SIGINT that lands while a module is being imported (torch and ONNX Runtime load inside commands) exits
     130 at once with one line: raised there, the KeyboardInterrupt can cross C++ frames (torch's initialisation
@@ -311,8 +337,8 @@ def test_ctrl_c_inside_an_import_exits_at_once_in_one_line(tmp_path):
     (tmp_path / "slow_to_import.py").write_text(
         "import os, signal, time\nos.kill(os.getpid(), signal.SIGINT)\ndeadline = time.time() + 10\n"
         "while time.time() < deadline:\n    pass\n")
-    script = ("import sys, signal; from mirror_rt import entry\n"
-              "signal.signal(signal.SIGINT, entry.on_sigint)\nimport slow_to_import\nprint('imported')\n")
+    script = ("import sys, signal; from mirror_rt import cli_signals\n"
+              "signal.signal(signal.SIGINT, cli_signals.on_signal)\nimport slow_to_import\nprint('imported')\n")
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(tmp_path), *sys.path])}
     done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=60, env=env,
                           preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))

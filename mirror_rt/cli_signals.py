@@ -1,0 +1,57 @@
+"""How the CLI takes Ctrl-C and SIGTERM: an exception its commands clean up on, or an exit at once.
+
+A Ctrl-C raises KeyboardInterrupt, and a SIGTERM `Terminated` (one), so `finally` blocks run: an export removes
+its staging folder, a bench keeps an earlier run's results, as they do on Ctrl-C (`serve` drains instead, with
+handlers of its own). A signal that lands while any module is being imported (torch and ONNX Runtime load
+lazily, inside commands) exits at once: raised there, the exception may cross C++ frames (torch's
+initialisation calls back into Python through pybind11) and abort the process ('terminate called ...
+KeyboardInterrupt', exit 134). Anything staged by then is a `NAME.partial-PID` folder, swept by the next writer.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import sys
+
+IMPORT_MACHINERY = "<frozen importlib._bootstrap>"
+EXIT_CODES = {signal.SIGINT: 130, signal.SIGTERM: 143}
+
+
+class Terminated(KeyboardInterrupt):
+    """SIGTERM, raised where Ctrl-C raises KeyboardInterrupt (exit 143 instead of 130)."""
+
+
+def install(sigterm: bool = True) -> None:
+    """Take Ctrl-C (unless inherited as ignored) and, with `sigterm`, SIGTERM as this module says."""
+    if signal.getsignal(signal.SIGINT) is signal.default_int_handler:
+        signal.signal(signal.SIGINT, on_signal)
+    if sigterm and signal.getsignal(signal.SIGTERM) == signal.SIG_DFL:
+        signal.signal(signal.SIGTERM, on_signal)
+
+
+def on_signal(signum, frame) -> None:
+    if importing(frame):
+        stop_now(signum)
+    raise Terminated if signum == signal.SIGTERM else KeyboardInterrupt
+
+
+def importing(frame) -> bool:
+    """Whether the main thread's stack (from `frame` down) is inside an import."""
+    while frame is not None:
+        if frame.f_code.co_filename == IMPORT_MACHINERY:
+            return True
+        frame = frame.f_back
+    return False
+
+
+def exit_code(exc: KeyboardInterrupt) -> int:
+    return EXIT_CODES[signal.SIGTERM if isinstance(exc, Terminated) else signal.SIGINT]
+
+
+def stop_now(signum: int = signal.SIGINT) -> None:
+    """One line and exit at once: modules half imported, nothing to clean up, nothing to run at exit."""
+    sys.stdout.flush()
+    sys.stderr.write(f"\nmirror-rt: {'terminated' if signum == signal.SIGTERM else 'interrupted'}\n")
+    sys.stderr.flush()
+    os._exit(EXIT_CODES[signum])
