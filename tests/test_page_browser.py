@@ -149,3 +149,34 @@ def test_the_key_is_asked_for_and_kept(browser, slow_engine):
     finally:
         opened.close()
         guarded.stop()
+
+
+def test_an_answer_stopped_before_its_first_token_is_left_out_of_the_conversation(browser, server):
+    """The stopped exchange went into the history as an empty assistant turn, after which the model answered every
+    later question with nothing; it is left out, and its prompt is put back in the box."""
+    page = Page(browser, server.url)
+    held = []
+
+    def hold_the_first(route):
+        if held:
+            route.continue_()
+        else:
+            held.append(route)  # never answered: the answer is stopped before its first token
+
+    try:
+        expect(page.page.locator("#model")).to_have_text("tiny")
+        page.page.route("**/v1/chat/completions", hold_the_first)
+        page.ask("first question", max_tokens=8)
+        expect(page.page.locator("#stop")).to_be_enabled()
+        page.page.wait_for_timeout(200)
+        page.page.click("#stop")
+        expect(page.page.locator("#status")).to_contain_text("stopped")
+        assert held and page.page.input_value("#prompt") == "first question"
+        with page.page.expect_request("**/v1/chat/completions") as request:
+            page.ask("second question", max_tokens=8)
+        sent = request.value.post_data_json["messages"]
+        assert [m for m in sent if m["role"] != "system"] == [{"role": "user", "content": "second question"}], sent
+        page.wait_done()
+        assert page.answer().text_content()
+    finally:
+        page.close()

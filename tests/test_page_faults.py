@@ -38,14 +38,22 @@ def server():
     running.stop()
 
 
-def test_a_file_of_the_page_that_does_not_load_is_said(browser, server):
+@pytest.mark.parametrize("file", ["server.js", "page.css"])
+def test_a_file_of_the_page_that_does_not_load_is_said(browser, server, file):
+    """In a banner the page's modules leave alone: a stylesheet that failed left them running, and they cleared the
+    status line, so nothing was said (the page lost its token colours without a word)."""
     context = browser.new_context()
-    context.route("**/ui/server.js", lambda route: route.fulfill(status=503, body="busy"))
+    context.route(f"**/ui/{file}", lambda route: route.fulfill(status=503, body="busy"))
     page = context.new_page()
     try:
         page.goto(server.url + "/")
-        expect(page.locator("#model")).to_have_text("page not loaded")
-        expect(page.locator("#status")).to_contain_text("did not load")
+        if file.endswith(".js"):
+            expect(page.locator("#model")).to_have_text("page not loaded")
+            expect(page.locator("#status")).to_contain_text("did not load")
+        else:
+            expect(page.locator("#model")).to_have_text("tiny")  # the modules ran
+        named = "/ui/main.js, or one it imports" if file.endswith(".js") else "/ui/page.css"  # a module's import
+        expect(page.locator(".load-error")).to_contain_text(f"did not load ({named}")
     finally:
         context.close()
 

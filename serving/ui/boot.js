@@ -10,11 +10,18 @@ window.addEventListener("error", (event) => {
   const say = () => {
     const model = document.getElementById("model");
     const status = document.getElementById("status");
+    const line = `a file of this page did not load (${file}, or one it imports): reload the page`;
     if (failed instanceof HTMLScriptElement && model) model.textContent = "page not loaded";
     if (status) {
-      status.textContent = `a file of this page did not load (${file}, or one it imports): reload the page`;
+      status.textContent = line;
       status.classList.add("error");
     }
+    // the page's modules may run (a stylesheet failed) and rewrite the status line: the banner stays
+    const banner = document.createElement("p");
+    banner.className = "load-error";
+    banner.setAttribute("role", "alert");
+    banner.textContent = line;
+    document.body.prepend(banner);
   };
   if (document.readyState === "loading") document.addEventListener("DOMContentLoaded", say);
   else say();

@@ -77,13 +77,16 @@ export class Chat {
     if (!result.final) this.figures.stop();
     this.figures.render();
     meta.textContent = summary(body.mode, result, this.figures.values());
-    if (result.error) {
+    if (result.error || !view.text()) {
+      // a failed exchange, or one without text (stopped before its first token, or ended at once), is left out of
+      // the conversation sent next: an empty assistant turn made every later answer empty
       this.history.pop();
-      message.classList.add("failed");
+      if (result.error) message.classList.add("failed");
       $("prompt").value = text; // sent again as it is, or edited
-      return;
+      if (result.error) return;
+    } else {
+      this.history.push({ role: "assistant", content: view.text() });
     }
-    this.history.push({ role: "assistant", content: view.text() });
     this.last = result.final ? { body, view, final: result.final } : null;
     $("compare-button").disabled = !this.last || body.mode === "ar";
   }
@@ -108,7 +111,7 @@ export class Chat {
     } catch (error) {
       if (error.name === "AbortError") {
         result.stopped = true;
-        this.status("stopped: the server cancelled the generation");
+        this.status("stopped (the generation was cancelled on the server)");
       } else {
         result.error = error;
         this.status(error.message, true);

@@ -79,8 +79,9 @@ export class Figures {
     const ttft = this.first != null ? this.first - this.sent : null;
     const server = this.final?.mirror_rt;
     if (!server) return { ...live, ttft, tokens: this.tokens, hidden: null, reuse: null };
-    return {
-      rate: this.final.timings?.predicted_per_second ?? live.rate, ttft, tokens: this.tokens,
+    return { // the server's count: it includes the end-of-sequence token, which streams no text
+      rate: this.final.timings?.predicted_per_second ?? live.rate, ttft,
+      tokens: this.final.timings?.predicted_n ?? this.tokens,
       meanAccepted: server.mean_accepted_length, perPosition: server.acceptance_per_position || [],
       hidden: server.hidden_draft_share, reuse: server.reuse_hit_rate,
     };
@@ -90,7 +91,7 @@ export class Figures {
     const v = this.values();
     $("fig-rate").textContent = fixed(v.rate, 1);
     $("fig-ttft").textContent = fixed(v.ttft, 0, " ms");
-    $("fig-tokens").textContent = this.tokens ? String(this.tokens) : "–";
+    $("fig-tokens").textContent = v.tokens ? String(v.tokens) : "–";
     $("fig-mal").textContent = fixed(v.meanAccepted, 2);
     $("fig-hidden").textContent = percent(v.hidden);
     $("fig-reuse").textContent = percent(v.reuse);
