@@ -168,7 +168,7 @@ def test_an_answer_stopped_before_its_first_token_is_left_out_of_the_conversatio
         page.page.route("**/v1/chat/completions", hold_the_first)
         page.ask("first question", max_tokens=8)
         expect(page.page.locator("#stop")).to_be_enabled()
-        page.page.wait_for_timeout(200)
+        expect(page.page.locator("#status")).to_contain_text("waiting for the first token")  # it was blank
         page.page.click("#stop")
         expect(page.page.locator("#status")).to_contain_text("stopped")
         assert held and page.page.input_value("#prompt") == "first question"

@@ -96,10 +96,17 @@ export class Chat {
     this.busy(true);
     this.controller = new AbortController();
     const result = { final: null, stopped: false, error: null };
+    // a queue or a long prompt can hold the first token for seconds: the request is said to be alive meanwhile
+    this.status("waiting for the first token (in the queue, or reading the prompt)…");
+    let waiting = true;
     try {
       for await (const chunk of streamChat(body, this.controller.signal)) {
         const choice = chunk.choices?.[0];
         const content = choice?.delta?.content;
+        if (content && waiting) {
+          waiting = false;
+          this.status("answering…");
+        }
         if (content) {
           const entries = chunk.mirror_rt?.tokens ?? [{ token: null, text: content, origin: null }];
           view.add(entries);
