@@ -16,7 +16,6 @@ file is copied into the bundle). It does not run graphs; `devices.bundle_engine.
 from __future__ import annotations
 
 import shutil
-import warnings
 from dataclasses import dataclass, replace
 from importlib import metadata
 from pathlib import Path
@@ -123,7 +122,8 @@ def _export_into(cfg: ExportConfig, progress: bool) -> None:
         streams = _load_streams(cfg, draft.model)
         kept = _load_vocab(cfg, draft.model)
         if cfg.draft_weights == "auto":
-            cfg = replace(cfg, draft_weights="q4_1" if cfg.fmt == "onnx" and holds_q4_1(draft.model) else "int8")
+            auto = "q4_1" if cfg.fmt == "onnx" and holds_q4_1(draft.model) else "fp32" if cfg.fmt == "torch" else "int8"
+            cfg = replace(cfg, draft_weights=auto)
         folder = cfg.out_dir
         bar.update()
         entries = []
@@ -248,10 +248,6 @@ def _export_torch(model, role: str, weights: str, folder: Path, shares_target: b
     import torch
     from safetensors.torch import save_file
 
-    if weights in ("int8", "int4"):
-        warnings.warn(f"torch bundles keep full-precision weights: {role} stored as fp32, not {weights}",
-                      stacklevel=3)
-        weights = "fp32"
     dtype = {"fp32": torch.float32, "fp16": torch.float16}[weights]
     target_path = folder / "target.safetensors"
     if role in ("target_exit", "target_suffix") or \

@@ -51,6 +51,9 @@ class ExportConfig:
             if value in ("q4_1", "w8a8") and self.fmt != "onnx":
                 raise ExportError(f"{flag} {value} needs --format onnx (ONNX Runtime's integer products), "
                                   f"got --format {self.fmt}")
+            if value in ("int8", "int4") and self.fmt == "torch":  # it was written as fp32, a warning said
+                raise ExportError(f"{flag} {value} needs --format onnx or openvino; torch bundles keep fp32 or fp16 "
+                                  "weights")
             if value == "fp16" and self.fmt == "onnx":  # checked here, not after the first graphs are written
                 raise ExportError(f"{flag} fp16 needs --format openvino or torch (ONNX Runtime has no fast fp16 "
                                   "products on the CPU); onnx takes fp32, int8, int4, q4_1, w8a8")

@@ -137,8 +137,8 @@ def add_export(sub) -> None:
                         "int8 | int4 | q4_1 | w8a8 (onnx: int8 activations per row; docs/performance.md)")
     export.add_argument("--draft-weights", default=EXPORT.draft_weights,
                         help="draft weights: auto (default: q4_1 where the weights are Q4_1 blocks exactly and the "
-                        "format is onnx, else int8) | fp32 | fp16 | int8 | int4 | q4_1 (onnx: 4-bit blocks with a "
-                        "minimum, exact for Q4_1 GGUF weights such as the default model's)")
+                        "format is onnx, fp32 for torch, else int8) | fp32 | fp16 | int8 | int4 | q4_1 (onnx: 4-bit "
+                        "blocks with a minimum, exact for Q4_1 GGUF weights such as the default model's)")
     export.add_argument("--exit-weights", default=EXPORT.exit_weights, help="early-exit head weights: fp32 | int8 "
                         "(default %(default)s: it only ranks draft branches, never changes the output)")
     export.add_argument("--exit-adapter", help="a trained exit adapter (mirror-rt train-exit) to carry")

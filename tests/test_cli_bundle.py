@@ -51,6 +51,10 @@ def test_corrupt_bundle_file_named(tiny_bundle, tmp_path):
 @pytest.mark.parametrize("args,named", [(["--exit-layer", "99"], "--exit-layer"), (["--kv", "mine"], "--kv must be"),
                                         (["--format", "openvino", "--kv", "shared"], "--kv shared needs --format onnx"),
                                         (["--format", "torch", "--draft-weights", "q4_1"], "q4_1 needs --format onnx"),
+                                        # written as fp32 with a warning, run as fp32 under the int8 name
+                                        (["--format", "torch", "--weights", "int8"], "int8 needs --format onnx or "
+                                                                                     "openvino"),
+                                        (["--format", "torch", "--draft-weights", "int4"], "int4 needs --format onnx"),
                                         (["--weights", "fp16"], "fp16 needs --format openvino or torch")])
 def test_export_bad_option_named(tmp_path, args, named):
     proc = run_cli("export", "--model", "tiny", *args, "--out", str(tmp_path / "x"))
