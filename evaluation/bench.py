@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import statistics
+import sys
 from dataclasses import dataclass, replace
 from pathlib import Path
 
@@ -101,11 +102,14 @@ def run_bench(runners: list, questions: list[Question], settings: BenchSettings,
             try:
                 done = {runner.name: _answer_question(runner, question, settings) for runner in order}
             except GenerationError as exc:
-                log(f"bench: skipping question {question.question_id}: {exc}")
+                with bar.external_write_mode(file=sys.stderr):  # on a line of its own, not under the bar's redraw
+                    log(f"bench: skipping question {question.question_id}: {exc}")
                 done = {}
             for name, answer in done.items():
                 answers[name].append(answer)
             bar.update(len(order))
+    if questions and not any(answers.values()):  # a report of zeros would read as a measurement
+        raise GenerationError(f"no question could be answered ({len(questions)} skipped): nothing was measured")
     return answers
 
 
@@ -135,6 +139,8 @@ def write_results(out_dir: Path, answers: dict[str, list[Answer]], rows: dict[st
     """
     out_dir.mkdir(parents=True, exist_ok=True)
     (out_dir / "answers").mkdir(exist_ok=True)
+    for stale in (out_dir / "answers").glob("*.jsonl"):  # an earlier run's methods: not this report's
+        stale.unlink()
     for method, items in answers.items():
         write_answers(out_dir / "answers" / f"{method}.jsonl", items)
     base, fastest = report.baselines(answers, rows)
@@ -147,9 +153,14 @@ def write_results(out_dir: Path, answers: dict[str, list[Answer]], rows: dict[st
            "mismatches": {m: len(v) for m, v in mismatches.items()},
            "mismatch_list": {m: v for m, v in mismatches.items() if v}}
     (out_dir / "summary.json").write_text(json.dumps(doc, indent=2))
-    lines = [f"Command: `{command}`", "", "Speedup 1.0 per precision (fastest target-only row): " +
-             ", ".join(f"{p} `{m}`" for p, m in base.items()) + f"; fastest target-only overall: `{fastest}` "
-             "(column 'vs fastest')", "", report.markdown_table(summary, methods, labels)]
+    if any(rows[m].target_only for m in answers if m in rows):
+        baseline = ("Speedup 1.0 per precision (fastest target-only row): " +
+                    ", ".join(f"{p} `{m}`" for p, m in base.items()) + f"; fastest target-only overall: `{fastest}` "
+                    "(column 'vs fastest')")
+    else:
+        baseline = (f"No target-only row ran (add `ar` to --methods): speedups are against `{fastest}`, not a "
+                    "baseline, and no greedy text was compared")
+    lines = [f"Command: `{command}`", "", baseline, "", report.markdown_table(summary, methods, labels)]
     if refs:
         lines.append("Greedy output mismatches against our target-only row over the same target (else of the same "
                      "precision): " + ", ".join(f"{m} {len(v)} (vs `{refs[m]}`)" for m, v in mismatches.items()) +

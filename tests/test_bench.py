@@ -95,6 +95,37 @@ def test_smoke_run_writes_everything(tmp_path):
     assert "| overall | mirror |" in (out / "report.md").read_text()
 
 
+def bench_cli(*args) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "mirror_rt.cli", "bench", "--model", "tiny", "--max-new-tokens", "4",
+                           *args], capture_output=True, text=True, timeout=300)
+
+
+def test_skipped_questions_are_said_and_a_run_of_none_is_an_error(tmp_path):
+    """A question whose second turn overflows the context is skipped with a line (it was dropped silently under the
+    bar's redraw), and a run that answered nothing is an error, not a report of zeros with exit 0."""
+    long = "y" * 300  # beyond the tiny model's 256 positions
+    data = write_questions(tmp_path / "q.jsonl", [{"question_id": 1, "category": "a", "turns": ["hi", long]},
+                                                  {"question_id": 2, "category": "a", "turns": ["hello"]}])
+    proc = bench_cli("--data", str(data), "--methods", "ar", "--out", str(tmp_path / "one"))
+    assert proc.returncode == 0, proc.stderr
+    assert "bench: skipping question 1: prompt too long" in proc.stdout
+    assert json.loads((tmp_path / "one" / "summary.json").read_text())["summary"]["overall"]["ar-torch-1t"][
+        "questions"] == 1
+    data = write_questions(tmp_path / "none.jsonl", [{"question_id": 1, "category": "a", "turns": ["hi", long]}])
+    proc = bench_cli("--data", str(data), "--methods", "ar", "--out", str(tmp_path / "none"))
+    assert proc.returncode == 2 and "no question could be answered (1 skipped): nothing was measured" in proc.stderr
+    assert not (tmp_path / "none" / "report.md").exists()
+
+
+def test_a_rerun_into_the_same_folder_keeps_only_its_own_answers_and_says_when_no_baseline_ran(tmp_path):
+    data = write_questions(tmp_path / "q.jsonl", [{"question_id": 1, "category": "a", "turns": ["hello"]}])
+    out = tmp_path / "out"
+    assert bench_cli("--data", str(data), "--methods", "sd", "--out", str(out)).returncode == 0
+    assert "No target-only row ran (add `ar` to --methods)" in (out / "report.md").read_text()  # 'sd 1.00x vs sd'
+    assert bench_cli("--data", str(data), "--methods", "ar", "--out", str(out)).returncode == 0
+    assert sorted(f.name for f in (out / "answers").iterdir()) == ["ar-torch-1t.jsonl", "ar-torch-2t.jsonl"]
+
+
 def test_hf_assisted_smoke(tmp_path):
     """transformers' assisted generation on a tiny HF folder: runs and matches our greedy ar."""
     from conftest import write_hf_folder
