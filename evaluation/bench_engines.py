@@ -86,13 +86,15 @@ def bench_runners(methods: list[str], options, log=print) -> list:
     from mirror_rt.devices.torch_engine import load_torch
     from mirror_rt.evaluation.bench_llama import METHODS as LLAMA_METHODS
     from mirror_rt.evaluation.bench_llama import find_gguf
-    from mirror_rt.evaluation.bench_methods import KNOWN_METHODS, OURS, build_runners
+    from mirror_rt.evaluation.bench_methods import KNOWN_METHODS, OURS, PRECISION_METHODS, build_runners
     from mirror_rt.models.loading import resolve_folder
 
     unknown = [m for m in methods if m not in KNOWN_METHODS]
     if unknown:
         raise ValueError(f"unknown bench method(s): {', '.join(unknown)} (known: {', '.join(KNOWN_METHODS)})")
     models, compile = options.models, bool(options.precision.compile)
+    if models.bundle is not None and models.torch:  # as `run` refuses it
+        raise ValueError("a bundle runs as exported: --torch runs torch eager (drop one)")
     bundle, model, draft_model, cache_dir = models.bundle, models.model, models.draft_model, models.cache_dir
     if bundle is None and not models.torch and draft_model is None and model is None:
         bundle = str(default_bundle(cache_dir, log=log))
@@ -100,7 +102,12 @@ def bench_runners(methods: list[str], options, log=print) -> list:
     if bundle is None:
         engine = load_torch(options, log=log)
         runners = build_runners(methods, engine, engine.names.get("target"), log=log, gguf=gguf)
+        runners += precision_runners(methods, model, cache_dir, log)
         return runners + bf16_runners(methods, model, None, draft_model, compile, cache_dir, log)
+    if models.bundle is not None and model is None:  # the rows below would run the default model, not --bundle's
+        methods = _bundle_alone(methods, log)
+    elif models.bundle is not None and not [m for m in methods if m not in OURS or m in PRECISION_METHODS]:
+        log(f"bench: --model {model} names the target of peers and bf16 rows, and none runs: every row runs --bundle")
     ours = [m for m in methods if m in ("ar", "sd", "mirror", "mirror-no-lookup")]
     runners = bundle_runners(ours, bundle, models.draft_bundle, options.precision.draft_precision, log=log)
     runners += precision_runners(methods, model, cache_dir, log)
@@ -111,6 +118,18 @@ def bench_runners(methods: list[str], options, log=print) -> list:
         folder = model if model and not os.path.exists(model) else str(resolve_folder(model, cache_dir, log=log))
         runners += build_runners(peers, _Peers(tokenizer), folder, log=log, gguf=gguf)
     return runners
+
+
+def _bundle_alone(methods: list[str], log) -> list[str]:
+    """`methods` less the rows that run a model of their own (precision rows, bf16 rows, peers: the default model
+    unless --model names one), each said in a line: beside --bundle they compared another model, unsaid."""
+    from mirror_rt.evaluation.bench_methods import OURS, PRECISION_METHODS
+
+    other = [m for m in methods if m in PRECISION_METHODS or m not in OURS]
+    if other:
+        log(f"bench: skipping {', '.join(other)}: beside --bundle they would run the default model; --model names "
+            "the bundle's model for them")
+    return [m for m in methods if m not in other]
 
 
 def precision_runners(methods: list[str], model: str | None, cache_dir: str | None, log) -> list:

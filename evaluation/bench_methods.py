@@ -53,6 +53,8 @@ def build_runners(methods: list[str], engine, model_folder: str | None, log=prin
             continue  # a second engine: bench_engines.bf16_runners
         elif method in LLAMA_METHODS:
             continue  # below, both from one GGUF
+        elif method in PRECISION_METHODS:
+            continue  # the default model's bundles: bench_engines.precision_runners (it ran as a GenAI row here)
         else:
             runners.append(_ov_genai(method, model_folder, engine.tokenizer, cores, log))
     runners += llama_runners(methods, gguf, engine.tokenizer, cores, log)

@@ -59,7 +59,7 @@ def cmd_bench(args) -> int:
     runners = bench_runners(methods, engine_options(args), log=log)
     if not runners:
         raise ValueError(f"none of --methods {args.methods} can run here (see the lines above)")
-    answers = run_bench(runners, questions, BenchSettings(config=config, repeats=args.repeats))
+    answers = run_bench(runners, questions, BenchSettings(config=config, repeats=args.repeats), log=log)
     command = "mirror-rt " + " ".join(shlex.quote(a) for a in sys.argv[1:])
     rows = {r.name: report_row(r) for r in runners}
     doc = write_results(Path(args.out), answers, rows, command, greedy=config.sampling.greedy)

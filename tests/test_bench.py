@@ -95,9 +95,10 @@ def test_smoke_run_writes_everything(tmp_path):
     assert "| overall | mirror |" in (out / "report.md").read_text()
 
 
-def bench_cli(*args) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "mirror_rt.cli", "bench", "--model", "tiny", "--max-new-tokens", "4",
-                           *args], capture_output=True, text=True, timeout=300)
+def bench_cli(*args, model: str | None = "tiny") -> subprocess.CompletedProcess:
+    named = ["--model", model] if model else []
+    return subprocess.run([sys.executable, "-m", "mirror_rt.cli", "bench", *named, "--max-new-tokens", "4", *args],
+                          capture_output=True, text=True, timeout=300)
 
 
 def test_skipped_questions_are_said_and_a_run_of_none_is_an_error(tmp_path):
@@ -108,7 +109,7 @@ def test_skipped_questions_are_said_and_a_run_of_none_is_an_error(tmp_path):
                                                   {"question_id": 2, "category": "a", "turns": ["hello"]}])
     proc = bench_cli("--data", str(data), "--methods", "ar", "--out", str(tmp_path / "one"))
     assert proc.returncode == 0, proc.stderr
-    assert "bench: skipping question 1: prompt too long" in proc.stdout
+    assert "bench: skipping question 1: prompt too long" in proc.stderr
     assert json.loads((tmp_path / "one" / "summary.json").read_text())["summary"]["overall"]["ar-torch-1t"][
         "questions"] == 1
     data = write_questions(tmp_path / "none.jsonl", [{"question_id": 1, "category": "a", "turns": ["hi", long]}])
@@ -124,6 +125,28 @@ def test_a_rerun_into_the_same_folder_keeps_only_its_own_answers_and_says_when_n
     assert "No target-only row ran (add `ar` to --methods)" in (out / "report.md").read_text()  # 'sd 1.00x vs sd'
     assert bench_cli("--data", str(data), "--methods", "ar", "--out", str(out)).returncode == 0
     assert sorted(f.name for f in (out / "answers").iterdir()) == ["ar-torch-1t.jsonl", "ar-torch-2t.jsonl"]
+
+
+def test_rows_that_would_run_another_model_than_the_one_named_are_skipped_with_a_line(tmp_path):
+    """Beside --bundle (no --model) a precision row or a peer ran the default model unsaid; with --model tiny a
+    precision row ran the tiny model labelled as OpenVINO GenAI at bf16; --bundle with --torch ran the bundle."""
+    from mirror_rt.exporters.export import export_bundle
+
+    bundle = export_bundle("tiny", tmp_path / "bundle", progress=False)
+    data = write_questions(tmp_path / "q.jsonl", [{"question_id": 1, "category": "a", "turns": ["hello"]}])
+    proc = bench_cli("--data", str(data), "--bundle", str(bundle), "--methods", "ar,ar-int8,ov-genai", "--out",
+                     str(tmp_path / "b"), model=None)
+    assert proc.returncode == 0, proc.stderr
+    assert "bench: skipping ar-int8, ov-genai: beside --bundle they would run the default model" in proc.stderr
+    assert all(m.startswith("ar-") and "int8" not in m
+               for m in json.loads((tmp_path / "b" / "summary.json").read_text())["paths"])
+    proc = bench_cli("--data", str(data), "--methods", "ar,ar-int8", "--out", str(tmp_path / "m"))
+    assert proc.returncode == 0 and "bench: skipping ar-int8: precision rows run the default model's" in proc.stderr
+    assert not any("genai" in path for path in json.loads((tmp_path / "m" / "summary.json").read_text())["paths"
+                                                                                                         ].values())
+    proc = bench_cli("--data", str(data), "--bundle", str(bundle), "--torch", "--methods", "ar", "--out",
+                     str(tmp_path / "t"), model=None)
+    assert proc.returncode == 2 and "a bundle runs as exported: --torch runs torch eager" in proc.stderr
 
 
 def test_hf_assisted_smoke(tmp_path):
