@@ -24,6 +24,8 @@ from mirror_rt.runtime.latency import hit_probability, mirror_step, sd_step, tok
 from mirror_rt.runtime.values import is_integer
 
 COSTS = ("target_layer_ms", "target_head_ms", "draft_forward_ms", "rendezvous_ms")  # milliseconds, >= 0
+MAX_MS = 1e6  # a cost beyond 1000 s is a typo, and 1e308 ms overflowed to inf tokens/s and NaN speedups
+MAX_LAYERS = 10_000
 
 
 @dataclass(frozen=True)
@@ -45,6 +47,8 @@ class SimConfig:
     branches_batched: bool = True  # side branches ride in the main line's draft forwards
 
     def __post_init__(self):
+        if not isinstance(self.name, str):
+            raise ValueError(f"name must be a string, got {json.dumps(self.name)}")
         for name in ("target_layers", "exit_layer", "gamma", "ss_streams"):
             value = getattr(self, name)
             if not is_integer(value):
@@ -53,8 +57,11 @@ class SimConfig:
             value = getattr(self, name)
             if not isinstance(value, (int, float)) or isinstance(value, bool) or not math.isfinite(value) or value < 0:
                 raise ValueError(f"{name} must be a finite number >= 0, got {json.dumps(value)}")
-        if self.target_layers < 2:
-            raise ValueError(f"target_layers must be >= 2 (an exit layer lies between), got {self.target_layers}")
+            if name in COSTS + ("window_growth",) and value > MAX_MS:
+                raise ValueError(f"{name} must be at most {MAX_MS:g}, got {json.dumps(value)}")
+        if not 2 <= self.target_layers <= MAX_LAYERS:
+            raise ValueError(f"target_layers must be in 2..{MAX_LAYERS} (an exit layer lies between), "
+                             f"got {self.target_layers}")
         if not 1 <= self.exit_layer < self.target_layers:
             raise ValueError(f"exit_layer must be in 1..{self.target_layers - 1}, got {self.exit_layer}")
         if not isinstance(self.branches_batched, bool):
@@ -63,8 +70,10 @@ class SimConfig:
             raise ValueError(f"gamma must be in 1..{MAX_GAMMA}, got {self.gamma}")
         if not 0 <= self.ss_streams <= MAX_GAMMA:
             raise ValueError(f"ss_streams must be in 0..{MAX_GAMMA}, got {self.ss_streams}")
-        if not 0 <= self.acceptance < 1 or not 0 <= self.root_coverage <= 1:
-            raise ValueError("acceptance must be in [0, 1) and root_coverage in [0, 1]")
+        if not 0 <= self.acceptance < 1:
+            raise ValueError(f"acceptance must be in [0, 1), got {self.acceptance}")
+        if not 0 <= self.root_coverage <= 1:
+            raise ValueError(f"root_coverage must be in [0, 1], got {self.root_coverage}")
         if self.target_layer_ms + self.target_head_ms <= 0:
             raise ValueError("target_layer_ms and target_head_ms cannot both be 0 (a target forward costs time)")
 

@@ -44,7 +44,12 @@ HAND = dict(name="hand", target_layers=2, exit_layer=1, target_layer_ms=10, wind
     ({"target_layer_ms": -1}, "target_layer_ms must be a finite number >= 0"),
     ({"window_growth": float("nan")}, "window_growth must be a finite number"),
     ({"target_layer_ms": 0}, "cannot both be 0"),
-    ({"target_layers": 0}, "target_layers must be >= 2"),  # it said 'exit_layer must be in 1..-1'
+    ({"target_layers": 0}, "target_layers must be in 2..10000"),  # it said 'exit_layer must be in 1..-1'
+    ({"target_layers": 100000}, "target_layers must be in 2..10000"),  # 0.0 tokens/s at a 3.77x speedup
+    ({"target_layer_ms": 1e308}, "target_layer_ms must be at most 1e\\+06"),  # inf ms, NaN speedups, JSON NaN
+    ({"name": None}, "name must be a string"),  # it printed 'None: gamma 7'
+    ({"acceptance": 1.5}, r"acceptance must be in \[0, 1\), got 1.5"),  # one message for two fields
+    ({"root_coverage": 2}, r"root_coverage must be in \[0, 1\], got 2"),
     ({"branches_batched": "no"}, "branches_batched must be true or false"),  # it counted as true
 ])
 def test_impossible_settings_are_refused_in_one_line(patch, says):
