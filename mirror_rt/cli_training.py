@@ -81,7 +81,8 @@ def cmd_prune_vocab(args) -> int:
 def cmd_eval_draft(args) -> int:
     from mirror_rt.training.draft_eval import eval_draft_main, format_rows
 
-    rows = eval_draft_main(args.bundle, args.target, args.data, tuple(args.gamma or (4, 7)), args.questions,
+    gammas = tuple(dict.fromkeys(args.gamma or (4, 7)))  # a gamma given twice made a second row of it
+    rows = eval_draft_main(args.bundle, args.target, args.data, gammas, args.questions,
                            args.stride, cache=args.cache_dir, oracle_streams=args.oracle_streams,
                            draft_lookup=args.draft_lookup)
     print(json.dumps(rows, indent=2) if args.json else format_rows(rows))
