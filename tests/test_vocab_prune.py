@@ -232,3 +232,19 @@ def test_draft_vocab_refusals(tmp_path, kept):
         with pytest.raises(ExportError, match=message) as error:
             _export(tmp_path / "out", path, **options)
         assert "\n" not in str(error.value)
+
+
+def test_nothing_held_out_is_null_not_a_coverage_of_zero(tmp_path):
+    """Three questions hold none out: the summary said a held-out coverage of 0.0 (train-draft says null)."""
+    import subprocess
+    import sys
+
+    data = tmp_path / "q.jsonl"
+    data.write_text("".join(json.dumps({"question_id": i, "category": "a", "turns": [f"question {i}"]}) + "\n"
+                            for i in range(3)))
+    proc = subprocess.run([sys.executable, "-m", "mirror_rt.cli", "prune-vocab", "--target", "tiny", "--data",
+                           str(data), "--size", "100", "--out", str(tmp_path / "kept.json"),
+                           "--cache-dir", str(tmp_path / "cache")], capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr
+    summary = json.loads(proc.stdout)
+    assert summary["held_out_sequences"] == 0 and summary["held_out_coverage"] is None

@@ -88,4 +88,4 @@ def evaluate_sequences(model, adapter: ExitAdapter | None, held_out: list[ExitSe
         hits1 += (top[:, :1] == target).sum().item()
         hits8 += (top == target).any(-1).sum().item()
         n += len(rows)
-    return {"top1": hits1 / max(1, n), "top8": hits8 / max(1, n), "positions": n}
+    return {"top1": hits1 / n if n else None, "top8": hits8 / n if n else None, "positions": n}  # none: null

@@ -129,8 +129,8 @@ def evaluate_exit(model, exit_layer: int, adapter: ExitAdapter | None, held_out:
         top = torch.topk(exit_logits(model, h, adapter).float(), 8, dim=-1).indices  # [n, 8]
         hits1 += (top[:, :1] == target).sum().item()
         hits8 += (top == target).any(-1).sum().item()
-    n = max(1, len(held_out))
-    return {"top1": hits1 / n, "top8": hits8 / n, "positions": len(held_out)}
+    n = len(held_out)  # none held out: no figure (null), not a coverage of 0
+    return {"top1": hits1 / n if n else None, "top8": hits8 / n if n else None, "positions": n}
 
 
 def _lr_at(step: int, steps: int, peak: float) -> float:

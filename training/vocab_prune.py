@@ -92,6 +92,7 @@ def prune_vocab_main(target: str | None = None, data=None, size: int = 16384, ou
     path = save_kept(out, kept, vocab, source)
     return {"out": str(path), "vocab_size": vocab, "size": size, "always_kept": list(always),
             "train_sequences": len(train), "held_out_sequences": len(held_out),
-            "held_out_answer_tokens": answer_tokens, "held_out_coverage": round(held, 4),
+            "held_out_answer_tokens": answer_tokens,  # none held out: null, not a coverage of 0
+            "held_out_coverage": round(held, 4) if answer_tokens else None,
             "train_coverage": round(coverage(kept, train, vocab)[0], 4),
             "seconds": round(time.perf_counter() - started, 1)}
