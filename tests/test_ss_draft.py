@@ -99,7 +99,8 @@ def test_training_lowers_loss_and_round_trips(tmp_path):
 
 
 def test_training_is_deterministic_and_resumes(tmp_path):
-    from mirror_rt.training.ss_training import mean_loss, train_streams, trained_steps
+    from mirror_rt.training.checkpoints import loss_summary
+    from mirror_rt.training.ss_training import train_streams, trained_steps
 
     data = _pattern_data(n=8)
     full = train_streams(StreamDraft(tiny_target(seed=5), rank=4), data, 20, tmp_path / "a", seed=3,
@@ -111,7 +112,7 @@ def test_training_is_deterministic_and_resumes(tmp_path):
     assert resumed == pytest.approx(full[10:], rel=1e-6)
     again = train_streams(StreamDraft(tiny_target(seed=5), rank=4), data, 15, tmp_path / "b", seed=3,
                           save_every=10, progress=False)  # fewer steps than the folder holds: nothing to train
-    assert again == [] and trained_steps(tmp_path / "b") == 20 and mean_loss(again) is None  # it reported 0.0
+    assert again == [] and trained_steps(tmp_path / "b") == 20 and loss_summary(again)["final_loss"] is None  # not 0.0
     with pytest.raises(ValueError, match="holds streams trained with another shape"):  # a size-mismatch traceback
         train_streams(StreamDraft(tiny_target(seed=5), n_streams=3, rank=4), data, 30, tmp_path / "b", seed=3,
                       save_every=10, progress=False)
@@ -192,3 +193,15 @@ def test_streams_load_over_an_int8_copy_and_refuse_non_finite_weights(tmp_path):
     _saved_streams(tmp_path / "nan", trained)
     with pytest.raises(ValueError, match="stream weights are not finite"):
         load_streams(base, tmp_path / "nan")
+
+
+def test_the_loss_summary_never_mixes_the_first_and_last_steps():
+    """first_loss was the mean of the first 10 steps and final_loss of the last 20: under 20 steps they shared
+    steps (train-exit's were equal under 10), and neither said what it averaged."""
+    from mirror_rt.training.checkpoints import loss_summary
+
+    assert loss_summary([5.0, 4.0, 3.0, 2.0]) == {"first_loss": 4.5, "final_loss": 2.5, "loss_mean_over_steps": 2}
+    losses = [float(i) for i in range(100, 0, -1)]
+    assert loss_summary(losses) == {"first_loss": 90.5, "final_loss": 10.5, "loss_mean_over_steps": 20}
+    assert loss_summary([3.0]) == {"first_loss": 3.0, "final_loss": 3.0, "loss_mean_over_steps": 1}
+    assert loss_summary([])["first_loss"] is None

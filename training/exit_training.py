@@ -26,7 +26,7 @@ import torch.nn.functional as F
 
 from mirror_rt.models.config import SplitOptions
 from mirror_rt.models.exit_adapter import ExitAdapter, exit_logits, save_exit_adapter
-from mirror_rt.training.checkpoints import finite_loss, load_state, save_state
+from mirror_rt.training.checkpoints import finite_loss, load_state, loss_summary, save_state
 from mirror_rt.training.exit_data import (
     ExitData,
     cached_answers,
@@ -228,8 +228,8 @@ def train_exit(cfg: TrainExitConfig, progress: bool = True, log=print) -> dict:
     adapter.eval().requires_grad_(False)
     after = evaluate(adapter)
     trained = time.perf_counter()
-    notes = {"data": [Path(f).name for f in files], "steps": len(losses), "final_loss": _mean_tail(losses),
-             "attention": cfg.attention, "batch_size": cfg.batch_size,
+    notes = {"data": [Path(f).name for f in files], "steps": len(losses),
+             "final_loss": loss_summary(losses)["final_loss"], "attention": cfg.attention, "batch_size": cfg.batch_size,
              "held_out_before": before, "held_out_after": after, "seed": cfg.seed, "lr": cfg.lr}
     adapter.config = replace(adapter.config, notes=notes)
     weights, meta = save_exit_adapter(adapter, out)
@@ -237,7 +237,7 @@ def train_exit(cfg: TrainExitConfig, progress: bool = True, log=print) -> dict:
     return {"adapter": str(weights), "config": str(meta), "exit_layer": exit_layer, "rank": cfg.rank,
             "attention": cfg.attention,
             "parameters": adapter.num_parameters(), "bytes": weights.stat().st_size, "before": before,
-            "after": after, "first_loss": _mean_head(losses), "final_loss": _mean_tail(losses),
+            "after": after, **loss_summary(losses),
             "train_positions": sizes[0], "data_s": round(collected - started, 1),
             "train_s": round(trained - collected, 1)}
 
@@ -257,14 +257,6 @@ def _default_out(cfg: TrainExitConfig, source: str, exit_layer: int) -> Path:
 
     kind = "attn" if cfg.attention else "rank"
     return cache_dir(cfg.cache) / "exit-adapters" / f"{Path(source).name}-layer{exit_layer}-{kind}{cfg.rank}"
-
-
-def _mean_head(losses: list[float], n: int = 10) -> float:
-    return sum(losses[:n]) / max(1, len(losses[:n]))
-
-
-def _mean_tail(losses: list[float], n: int = 20) -> float:
-    return sum(losses[-n:]) / max(1, len(losses[-n:]))
 
 
 def train_exit_main(target: str | None = None, exit_layer: int | None = None, data=None, steps: int = 600,

@@ -17,7 +17,7 @@ import torch
 import torch.nn.functional as F
 
 from mirror_rt.models.ss_draft import StreamDraft, load_streams, stream_config
-from mirror_rt.training.checkpoints import finite_loss, load_state, save_state
+from mirror_rt.training.checkpoints import finite_loss, load_state, loss_summary, save_state
 
 
 def stream_parameters(draft: StreamDraft) -> dict[str, torch.Tensor]:
@@ -65,7 +65,7 @@ def train_streams(draft: StreamDraft, sequences: list[tuple[list[int], int]], st
         optimizer.zero_grad()
         loss.backward()
         optimizer.step()
-        bar.set_postfix(loss=f"{losses[-1]:.3f}")
+        bar.set_postfix(loss=f"{sum(losses[-20:]) / len(losses[-20:]):.3f}")  # as the summary's final_loss
         if (step + 1) % save_every == 0 or step + 1 == steps:
             save_checkpoint(draft, optimizer, out_dir, step + 1)
     return losses
@@ -80,11 +80,6 @@ def save_checkpoint(draft: StreamDraft, optimizer, out_dir: Path, step: int) -> 
     save_file(weights, str(out_dir / "streams.safetensors"))
     (out_dir / "streams.json").write_text(json.dumps(stream_config(draft) | {"step": step}, indent=2))
     save_state(out_dir / "optimizer.pt", {"optimizer": optimizer.state_dict(), "step": step})
-
-
-def mean_loss(losses: list[float]) -> float | None:
-    """The mean of some steps' losses, rounded; None when no step ran (not a loss of 0)."""
-    return round(sum(losses) / len(losses), 4) if losses else None
 
 
 def trained_steps(out_dir: Path) -> int:
@@ -184,7 +179,7 @@ def train_draft_main(target: str | None = None, init: str = "self", streams: int
         log(f"train-draft: {out} holds {trained_steps(Path(out))} steps already, not fewer than --steps {steps}: "
             "nothing trained (raise --steps to go on)")
     return {"out": str(out), "init": init, "train_sequences": len(train), "held_out_sequences": len(held_out[:12]),
-            "steps_trained": len(losses), "first_loss": mean_loss(losses[:10]), "final_loss": mean_loss(losses[-20:]),
+            "steps_trained": len(losses), **loss_summary(losses),
             "before": before, "after": after, "data_s": round(t1 - t0, 1),
             "train_s": round(time.perf_counter() - t1, 1)}
 
