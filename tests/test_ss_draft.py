@@ -116,6 +116,9 @@ def test_training_is_deterministic_and_resumes(tmp_path):
     with pytest.raises(ValueError, match="holds streams trained with another shape"):  # a size-mismatch traceback
         train_streams(StreamDraft(tiny_target(seed=5), n_streams=3, rank=4), data, 30, tmp_path / "b", seed=3,
                       save_every=10, progress=False)
+    with pytest.raises(ValueError, match=r"another shape \(2 streams, 2 stream layers, rank 4\)"):  # torch's words
+        train_streams(StreamDraft(tiny_target(seed=5), n_stream_layers=3, rank=4), data, 30, tmp_path / "b",
+                      seed=3, save_every=10, progress=False)
 
 
 def test_a_diverged_training_stops_and_writes_no_non_finite_streams(tmp_path, monkeypatch):

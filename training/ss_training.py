@@ -93,11 +93,13 @@ def _resume(draft: StreamDraft, optimizer, out_dir: Path) -> int:
     if not state_file.exists():
         return 0
     trained = load_streams(draft.base, out_dir)
-    try:
-        draft.load_state_dict(trained.state_dict(), strict=False)
-    except RuntimeError:  # a size mismatch: the folder holds streams of another shape
-        raise ValueError(f"{out_dir}: holds streams trained with another shape ({trained.n_streams} streams); resume "
-                         "with the same --streams, --stream-layers and --rank, or train into another --out") from None
+    shape = ("n_streams", "n_stream_layers", "rank")
+    held, asked = ([stream_config(d)[k] for k in shape] for d in (trained, draft))
+    if held != asked:  # another --stream-layers loaded, then failed in the optimizer's state with torch's words
+        raise ValueError(f"{out_dir}: holds streams trained with another shape ({held[0]} streams, {held[1]} stream "
+                         f"layers, rank {held[2]}); resume with the same --streams, --stream-layers and --rank, or "
+                         "train into another --out")
+    draft.load_state_dict(trained.state_dict(), strict=False)
     state = load_state(state_file, ("optimizer", "step"))
     optimizer.load_state_dict(state["optimizer"])
     return int(state["step"])
@@ -193,10 +195,11 @@ def _init_base(init: str, target_ckpt, cache):
     if init == "self":
         return copy.deepcopy(target_ckpt.model)
     if init.startswith("layers:"):
-        k = int(init.split(":", 1)[1])
+        given, n = init.split(":", 1)[1], target_ckpt.model.config.n_layers
+        if not given.strip().isdigit() or not 1 <= int(given) <= n:  # 'x' was "invalid literal for int()"
+            raise ValueError(f"--init layers:K needs a whole number 1 <= K <= {n}, got '{given}'")
+        k = int(given)
         model = copy.deepcopy(target_ckpt.model)
-        if not 1 <= k <= model.config.n_layers:
-            raise ValueError(f"--init layers:K needs 1 <= K <= {model.config.n_layers}, got {k}")
         import dataclasses
 
         model.layers = model.layers[:k]
