@@ -209,7 +209,7 @@ def _check_draft(target, draft) -> None:
         return
     if draft.model.config.vocab_size != target.model.config.vocab_size or \
             draft.tokenizer.sha256() != target.tokenizer.sha256():
-        raise ExportError("--draft must share the target's tokenizer (vocabulary or tokenizer.json differ)")
+        raise ExportError("--draft-model must share the target's tokenizer (vocabulary or tokenizer.json differ)")
 
 
 def _export_role(cfg: ExportConfig, limits: Limits, model, role: str, folder: Path) -> GraphEntry:
