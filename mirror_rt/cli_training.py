@@ -26,7 +26,8 @@ def add_training(sub) -> None:
                            "keys + a low-rank map) distilled from the final layer")
     exit_.add_argument("--target", help="target model (default: SmolLM2-135M-Instruct)")
     exit_.add_argument("--exit-layer", type=positive_int, help="default N/2")
-    exit_.add_argument("--rank", type=positive_int, default=512)
+    exit_.add_argument("--rank", type=positive_int, help="adapter rank (default: 512, or the model's hidden size "
+                       "where smaller)")
     exit_.add_argument("--no-attention", dest="attention", action="store_false",
                        help="per-position low-rank map only (no read of earlier positions; weaker)")
     exit_.add_argument("--data", nargs="+", required=True,

@@ -136,6 +136,10 @@ def test_train_exit_main_end_to_end(tmp_path):
     assert len(list((tmp_path / "cache" / "exit-data").glob("*.answers.jsonl"))) == 1
     again = train_exit_main(**kwargs)  # same seed, cached data: the same adapter
     assert again["after"] == report["after"] and again["final_loss"] == pytest.approx(report["final_loss"])
+    unranked = train_exit_main(**(kwargs | {"rank": None, "steps": 2, "out": str(tmp_path / "b")}))
+    assert unranked["rank"] == 64  # the tiny model's hidden size: 512 was refused although no rank was given
+    with pytest.raises(ValueError, match="cannot write to '': an empty path"):  # it trained into the cache
+        train_exit_main(**(kwargs | {"out": ""}))
 
 
 def test_export_refuses_mismatched_adapter(tmp_path):

@@ -50,7 +50,7 @@ class TrainExitConfig:
     exit_layer: int | None = None  # None: the model's default (models.config.SplitOptions)
     data: tuple[str, ...] = ()  # SpecBench-format jsonl files (required)
     steps: int = 600  # optimizer steps
-    rank: int = 512  # adapter rank
+    rank: int | None = None  # adapter rank (None: DEFAULT_RANK, or the model's hidden size where smaller)
     attention: bool = True  # read layer ℓe-1's cached keys (models.exit_adapter); False: per position only
     lr: float | None = None  # AdamW peak learning rate (None: 3e-3 with attention, 1e-2 without)
     seed: int = 0  # adapter init and batch order
@@ -68,13 +68,14 @@ class TrainExitConfig:
         if self.lr is None:
             object.__setattr__(self, "lr", 3e-3 if self.attention else 1e-2)
         for name in ("steps", "rank", "batch_size", "save_every", "max_new_tokens", "max_prompt_tokens"):
-            if getattr(self, name) < 1:
+            if getattr(self, name) is not None and getattr(self, name) < 1:
                 raise ValueError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(self, name)}")
         if self.hold_out_every < 2:
             raise ValueError(f"--hold-out-every must be >= 2, got {self.hold_out_every}")
 
 
 SEQS_PER_STEP = 8  # questions per step of an attention adapter
+DEFAULT_RANK = 512
 
 
 def distill_loss(model, adapter: ExitAdapter, batch: ExitData) -> torch.Tensor:
@@ -199,12 +200,17 @@ def train_exit(cfg: TrainExitConfig, progress: bool = True, log=print) -> dict:
     from mirror_rt.models.loading import load_checkpoint
 
     files = question_files(cfg.data, "train-exit")  # inputs and the output are checked before any model loads
-    if cfg.out:
+    if cfg.out is not None:  # '' too: it trained into the cache
         check_writable(cfg.out, folder=False)
     if cfg.threads:
         torch.set_num_threads(cfg.threads)
     loaded = load_checkpoint(cfg.target, log=lambda *a: None, cache=cfg.cache)
     model = loaded.model
+    hidden = model.config.hidden_size
+    if cfg.rank is None:  # 512 failed on a smaller model although no rank was given
+        cfg = replace(cfg, rank=min(DEFAULT_RANK, hidden))
+    if cfg.rank > hidden:  # before the data is collected, not after
+        raise ValueError(f"--rank must be in 1..{hidden} (the hidden size), got {cfg.rank}")
     exit_layer, _ = SplitOptions(cfg.exit_layer).resolve(model.config)
     started = time.perf_counter()
     folder, settings = cache_dir(cfg.cache) / "exit-data", (cfg.max_new_tokens, cfg.max_prompt_tokens)
@@ -220,7 +226,7 @@ def train_exit(cfg: TrainExitConfig, progress: bool = True, log=print) -> dict:
         sizes = len(train), len(held_out)
     collected = time.perf_counter()
     log(f"train-exit: {sizes[0]} training / {sizes[1]} held-out positions at exit layer {exit_layer}")
-    out = Path(cfg.out) if cfg.out else _default_out(cfg, loaded.source, exit_layer)
+    out = Path(cfg.out) if cfg.out is not None else _default_out(cfg, loaded.source, exit_layer)
     torch.manual_seed(cfg.seed)
     adapter = ExitAdapter.for_model(model, exit_layer, cfg.rank, attention=cfg.attention)
     before = evaluate(None)
@@ -260,7 +266,7 @@ def _default_out(cfg: TrainExitConfig, source: str, exit_layer: int) -> Path:
 
 
 def train_exit_main(target: str | None = None, exit_layer: int | None = None, data=None, steps: int = 600,
-                    rank: int = 512, out: str | None = None, seed: int = 0, resume: bool = True,
+                    rank: int | None = None, out: str | None = None, seed: int = 0, resume: bool = True,
                     progress: bool = True, **options) -> dict:
     """CLI entry (`mirror-rt train-exit`): train and return the report (before/after coverage, sizes, times).
 
