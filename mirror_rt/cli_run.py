@@ -161,6 +161,8 @@ def cmd_export(args) -> int:
     if args.draft_device_spelling is not None:
         raise ValueError("export --draft is now --draft-model (the draft model; --draft names the draft's device "
                          "in run and serve)")
+    if not args.out_dir.strip():  # Path("") is the current folder
+        raise ValueError("--out is empty: name the bundle's folder")
     config = ExportConfig(**{f.name: getattr(args, f.name) for f in fields(ExportConfig)} | {
         "out_dir": Path(args.out_dir)})
     folder = run_export(config)

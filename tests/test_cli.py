@@ -224,6 +224,7 @@ def test_a_json_schema_file_holding_no_schema_object_is_one_line_naming_what_it_
     (("run", "hi", "--model", "tiny", "--max-new-tokens", "0"), "argument --max-new-tokens: must be >= 1, got 0"),
     (("bench", "--limit", "0"), "argument --limit: must be >= 1, got 0"),
     (("train-draft", "--lr", "inf"), "argument --lr: must be a positive number, got 'inf'"),  # NaN streams followed
+    (("export", "--model", "tiny", "--out", ""), "--out is empty: name the bundle's folder"),  # 'into .: it holds'
     (("train-draft", "--target", "tiny", "--init", "layers:x", "--data",
       str(Path(__file__).parents[1] / "evaluation" / "data" / "short-prompts.jsonl"), "--out", "/tmp/unused-ss"),
      "--init layers:K needs a whole number 1 <= K <= 4, got 'x'"),  # it was "invalid literal for int()"
