@@ -30,7 +30,9 @@ def _add_bench(sub) -> None:
                        "ar-bf16,mirror-bf16 (a torch bf16 target with the bundle's draft),ar-bf16-compiled,"
                        "mirror-bf16-compiled (the same under torch.compile, beside the eager rows),hf-assisted,"
                        "ov-genai (GenAI's default precision),ov-genai-f32,ov-genai-sd,llama-cpp,llama-cpp-lookup "
-                       "(llama.cpp on the model's GGUF, plain and with prompt lookup: pip install -e \".[llama-cpp]\")")
+                       "(llama.cpp on the model's GGUF, plain and with prompt lookup: pip install -e \".[llama-cpp]\"),"
+                       "ar-P,sd-P,mirror-P (the default model's bundle with its target at precision P: fp32, int8, "
+                       "int4, q4_1, w8a8)")
     bench.add_argument("--repeats", type=positive_int, default=1, help="runs per turn (median wall time kept)")
     add_engine_options(bench, BENCH_ENGINE)
     add_decoding_options(bench, mode=False)
@@ -48,7 +50,7 @@ def cmd_bench(args) -> int:
     from mirror_rt.evaluation.bench_engines import bench_runners
     from mirror_rt.evaluation.specbench import read_questions
 
-    categories = args.categories.split(",") if args.categories else None
+    categories = [c.strip() for c in args.categories.split(",")] if args.categories else None  # "a, b": b
     questions = read_questions(args.data, categories, args.limit)
     if not questions:  # a report of 0 questions at 0.0 tokens/s said nothing
         raise ValueError(f"{args.data}: no questions in it")
