@@ -17,6 +17,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
+import numpy as np
+
 from mirror_rt.runtime import grammar
 from mirror_rt.runtime.grammar import Constraint
 from mirror_rt.runtime.lazy_torch import import_torch
@@ -149,6 +151,14 @@ class TokenRules:
     def forced(self) -> list[int]:
         """Tokens the grammar forces next, in order ([] when none or no grammar)."""
         return [] if self.matcher is None or self.matcher.is_stopped() else self.matcher.compute_ff_tokens()
+
+    def only_allowed(self) -> int | None:
+        """The one token the grammar allows next (a complete grammar's end-of-sequence), else None."""
+        if self.matcher is None:
+            return None
+        bits = grammar.token_mask(self.matcher, self.vocab_size)
+        ids = np.flatnonzero(np.unpackbits(bits.view(np.uint8), bitorder="little")[:self.vocab_size])
+        return int(ids[0]) if len(ids) == 1 else None
 
     def finished(self) -> bool:
         """Whether only end-of-sequence may follow (the grammar is complete)."""
