@@ -101,6 +101,8 @@ def test_server_page_lists_the_requests(page):
     expect(first).to_contain_text("mirror")
     cells = first.locator("td").all_text_contents()
     assert cells[3] == "length" and cells[4].endswith("→ 20") and cells[8].endswith("%")
+    assert re.fullmatch(r"\d+ ms", cells[5]) and re.fullmatch(r"\d+\.\d", cells[6])  # "27547.5 ms", raw rates
+    assert re.fullmatch(r"\d\.\d\d", cells[7])  # accepted length as the chat shows it ("2.333" beside "2.54")
     expect(page.page.locator("#srv-engine")).to_contain_text("target on torch:cpu (fp64)")
     assert page.page.is_hidden("#chat")
 

@@ -219,7 +219,8 @@ function comparison(body, speculative, ar, left, right) {
   const fast = speculative.timings?.predicted_per_second;
   const slow = ar.timings?.predicted_per_second;
   const same = left.text() === right.text();
-  const parts = [`${body.mode} ${fast ?? "–"} tokens/s`, `ar ${slow ?? "–"} tokens/s`,
+  const rate = (value) => (value != null ? value.toFixed(1) : "–"); // it showed 19.69 beside 19.3
+  const parts = [`${body.mode} ${rate(fast)} tokens/s`, `ar ${rate(slow)} tokens/s`,
     fast && slow ? `speedup ${(fast / slow).toFixed(2)}×` : "speedup –",
     same ? "identical text ✓" : body.temperature > 0 ? "texts differ (sampled: each run draws its own)"
       : "texts differ"];

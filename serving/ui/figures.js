@@ -82,7 +82,7 @@ export class Figures {
     return { // the server's count: it includes the end-of-sequence token, which streams no text
       rate: this.final.timings?.predicted_per_second ?? live.rate, ttft,
       tokens: this.final.timings?.predicted_n ?? this.tokens,
-      meanAccepted: server.mean_accepted_length, perPosition: server.acceptance_per_position || [],
+      meanAccepted: server.mean_accepted_length || null, perPosition: server.acceptance_per_position || [],
       hidden: server.hidden_draft_share, reuse: server.reuse_hit_rate,
     };
   }

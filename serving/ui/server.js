@@ -66,8 +66,9 @@ export class ServerView {
     for (const r of data.recent || []) {
       const row = document.createElement("tr");
       row.append(cell(ago(now - r.ended_at)), cell(r.id.slice(0, 18), "id"), cell(r.mode), cell(r.finish_reason),
-        cell(`${r.prompt_tokens} → ${r.completion_tokens}`), cell(r.ttft_ms != null ? `${r.ttft_ms} ms` : null),
-        cell(r.tokens_per_s), cell(r.mean_accepted_length),
+        cell(`${r.prompt_tokens} → ${r.completion_tokens}`), cell(duration(r.ttft_ms)),
+        cell(r.tokens_per_s != null ? r.tokens_per_s.toFixed(1) : null),
+        cell(r.mean_accepted_length ? r.mean_accepted_length.toFixed(2) : null), // 0: no verification ran
         cell(r.acceptance != null ? `${Math.round(100 * r.acceptance)}%` : null));
       row.cells[1].title = r.id;
       body.append(row);
@@ -88,4 +89,10 @@ export class ServerView {
         : "–"]];
     termList($("srv-totals"), rows);
   }
+}
+
+// A time in ms as people read it: "412 ms", "27.5 s" (it showed "27547.5 ms").
+function duration(ms) {
+  if (ms == null) return null;
+  return ms < 10000 ? `${Math.round(ms)} ms` : `${(ms / 1000).toFixed(1)} s`;
 }
