@@ -246,7 +246,8 @@ def _export_torch(model, role: str, weights: str, folder: Path, shares_target: b
     The exit and the suffix share the prefix's file, and so does a self-draft of the same precision.
     """
     import torch
-    from safetensors.torch import save_file
+
+    from mirror_rt.models.tensor_files import save_tensors
 
     dtype = {"fp32": torch.float32, "fp16": torch.float16}[weights]
     target_path = folder / "target.safetensors"
@@ -256,7 +257,7 @@ def _export_torch(model, role: str, weights: str, folder: Path, shares_target: b
     path = folder / f"{'draft' if role == 'draft' else 'target'}.safetensors"
     state = {k: v.detach().to(dtype).contiguous() for k, v in model.state_dict().items()
              if not (k == "lm_head.weight" and model.config.tie_embeddings)}
-    save_file(state, str(path))
+    save_tensors(state, path)
     return weights, [path]
 
 

@@ -192,12 +192,12 @@ def adapter_paths(path) -> tuple[Path, Path]:
 
 def save_exit_adapter(adapter: ExitAdapter, path) -> tuple[Path, Path]:
     """Write the weights (float32) and the json config; returns both paths."""
-    from safetensors.torch import save_file
+    from mirror_rt.models.tensor_files import save_tensors
 
     weights, meta = adapter_paths(path)
     weights.parent.mkdir(parents=True, exist_ok=True)
     state = {k: v.detach().float().contiguous().cpu() for k, v in adapter.state_dict().items()}
-    save_file(state, str(weights))
+    save_tensors(state, weights)
     record = {"kind": ADAPTER_KIND, "version": ADAPTER_VERSION, **asdict(adapter.config)}
     meta.write_text(json.dumps(record, indent=2, sort_keys=True) + "\n")
     return weights, meta

@@ -208,3 +208,17 @@ def test_the_loss_summary_never_mixes_the_first_and_last_steps():
     assert loss_summary(losses) == {"first_loss": 90.5, "final_loss": 10.5, "loss_mean_over_steps": 20}
     assert loss_summary([3.0]) == {"first_loss": 3.0, "final_loss": 3.0, "loss_mean_over_steps": 1}
     assert loss_summary([])["first_loss"] is None
+
+
+def test_tensor_files_are_as_readable_as_the_json_beside_them(tmp_path):
+    """safetensors writes 0600: streams, adapters and torch bundles copied for another account could not be read."""
+    import os
+
+    from mirror_rt.models.tensor_files import save_tensors
+
+    old = os.umask(0o022)
+    try:
+        save_tensors({"x": torch.zeros(2)}, tmp_path / "t.safetensors")
+    finally:
+        os.umask(old)
+    assert (tmp_path / "t.safetensors").stat().st_mode & 0o777 == 0o644

@@ -182,8 +182,10 @@ def _batches(order, size):
 def collect(model, tokenizer, data_files, exit_layer: int, folder: Path, max_new_tokens: int = 96,
             max_prompt_tokens: int = 192, batch_size: int = 16, progress: bool = True) -> ExitData:
     """ExitData of every question's first turn, from the cache folder or generated (see module docstring)."""
-    from safetensors.torch import load_file, save_file
+    from safetensors.torch import load_file
     from tqdm import tqdm
+
+    from mirror_rt.models.tensor_files import save_tensors
 
     key = data_key(model, data_files, max_new_tokens, max_prompt_tokens)
     answers_path = folder / f"{key}.answers.jsonl"
@@ -207,7 +209,7 @@ def collect(model, tokenizer, data_files, exit_layer: int, folder: Path, max_new
     if forced is None:
         _write_answers(answers_path, prompts, [results[i][0] for i in range(len(prompts))], tokenizer)
     data = _stack(results)
-    save_file({k: v.contiguous() for k, v in data.__dict__.items()}, str(features_path))
+    save_tensors({k: v.contiguous() for k, v in data.__dict__.items()}, features_path)
     return data
 
 

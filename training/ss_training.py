@@ -73,11 +73,11 @@ def train_streams(draft: StreamDraft, sequences: list[tuple[list[int], int]], st
 
 def save_checkpoint(draft: StreamDraft, optimizer, out_dir: Path, step: int) -> None:
     """Stream weights (safetensors), their config, and the optimizer state for resuming."""
-    from safetensors.torch import save_file
+    from mirror_rt.models.tensor_files import save_tensors
 
     out_dir.mkdir(parents=True, exist_ok=True)
     weights = {n: p.detach().contiguous() for n, p in stream_parameters(draft).items()}
-    save_file(weights, str(out_dir / "streams.safetensors"))
+    save_tensors(weights, out_dir / "streams.safetensors")
     (out_dir / "streams.json").write_text(json.dumps(stream_config(draft) | {"step": step}, indent=2))
     save_state(out_dir / "optimizer.pt", {"optimizer": optimizer.state_dict(), "step": step})
 
