@@ -72,9 +72,11 @@ def resolve_limits(cfg: ExportConfig, model_config) -> Limits:
         raise ExportError(str(exc)) from None
     context = cfg.max_context or (min(STATIC_DEFAULT_CONTEXT, model_config.max_seq_len) if cfg.static
                                   else model_config.max_seq_len)
-    if not 1 <= context <= model_config.max_seq_len:
-        raise ExportError(f"--max-context must be in 1..{model_config.max_seq_len} (the model's context), "
+    if not 2 <= context <= model_config.max_seq_len:  # a prompt token and one generated (the manifest's rule)
+        raise ExportError(f"--max-context must be in 2..{model_config.max_seq_len} (the model's context), "
                           f"got {context}")
+    if cfg.max_window and not cfg.static:  # a dynamic bundle takes any window: it was recorded and never read
+        raise ExportError("--max-window needs --static (dynamic graphs take any window)")
     window = cfg.max_window or (STATIC_DEFAULT_WINDOW if cfg.static else 0)
     if cfg.static and not 1 <= window <= min(MAX_STATIC_WINDOW, context):
         raise ExportError(f"--max-window must be in 1..{min(MAX_STATIC_WINDOW, context)} with --static, "

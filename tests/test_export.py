@@ -165,6 +165,8 @@ def test_missing_manifest_refused(tmp_path):
     (dict(static=True, fmt="onnx"), "--static"),
     (dict(static=True, max_context=10_000), "--max-context"),
     (dict(static=True, max_context=32, max_window=65), "--max-window"),
+    (dict(max_window=4), "--max-window needs --static"),  # recorded in a dynamic bundle and never read
+    (dict(max_context=1), r"--max-context must be in 2\.\."),  # the range said 1.., the manifest then refused 1
 ])
 def test_limits_validated_before_exporting(tmp_path, kwargs, flag):
     """Bad options fail with a message naming the flag, and nothing is written."""
