@@ -60,7 +60,8 @@ def _ar_runners(bundle: str, manifest, log, tag: str | None = None) -> list:
     runners = []
     for device in FORMAT_BACKENDS.get(graph_format, ()):
         if manifest.kv_layout.get("shared") and not device.startswith("ort:"):
-            log(f"bench: ar on {device}: the bundle's shared-KV graphs run on ONNX Runtime only, skipped")
+            if tag is None:  # once, for the main bundle: every precision row's bundle would say it again
+                log(f"bench: ar on {device}: the bundle's shared-KV graphs run on ONNX Runtime only, skipped")
             continue
         if not is_available(parse_device(device), devices):
             log(f"bench: ar on {device}: not available here, skipped")
