@@ -147,6 +147,7 @@ class Sampling(Strict):
     num_assistant_tokens: int | None = Field(None, ge=1, le=MAX_GAMMA)
     disable_spec_decode: bool | None = None
     ignore_eos: bool | None = None  # vLLM's extension: keep generating past end-of-sequence (load tests)
+    user: str | None = None  # OpenAI's end-user id: taken, unused
     # vLLM's extensions not implemented: their defaults are taken, any other value is a 400 (not ignored)
     min_p: float | None = Field(None, ge=0.0, le=1.0, allow_inf_nan=False)
     min_tokens: int | None = Field(None, ge=0)
@@ -237,6 +238,8 @@ class ChatRequest(Sampling):
             if message.role == "tool" and not message.tool_call_id:
                 raise APIError(400, f"messages[{i}] is a tool message without tool_call_id (the call it answers)",
                                f"messages.{i}.tool_call_id")
+            if message.content is None and message.role != "assistant":  # only an assistant's calls stand alone
+                raise APIError(400, f"messages[{i}] ({message.role}) needs its content", f"messages.{i}.content")
         names = [t.function.name for t in self.tools or ()]
         twice = next((name for name in names if names.count(name) > 1), None)
         if twice is not None:

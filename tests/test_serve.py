@@ -189,6 +189,8 @@ BAD = [
      "tool_choice.function"),
     ("text part without its text", {"messages": [{"role": "user", "content": [{"type": "text"}]}]}, 400,
      "messages.0.content.0.text"),
+    ("user message without content", {"messages": [{"role": "user", "content": None}]}, 400, "messages.0.content"),
+    ("user that is no string", {"messages": MESSAGES, "user": 5}, 400, "user"),  # OpenAI refuses both
     ("min_p", {"messages": MESSAGES, "min_p": 0.1}, 400, "min_p"),
     ("min_p out of range", {"messages": MESSAGES, "min_p": 2}, 400, "min_p"),
     ("min_tokens", {"messages": MESSAGES, "min_tokens": 5}, 400, "min_tokens"),
