@@ -83,9 +83,7 @@ def main(argv=None) -> int:
         _one_line_warnings()
         return COMMANDS[args.command](args)
     except KeyboardInterrupt as exc:  # Ctrl-C, or SIGTERM (cli_signals.Terminated)
-        code = cli_signals.exit_code(exc)
-        print(f"\nmirror-rt: {'terminated' if code == 143 else 'interrupted'}", file=sys.stderr)
-        _exit_now(code)
+        cli_signals.stop_now(cli_signals.signal_of(exc))
     except BrokenPipeError:  # the reader went away (`| head -1`): stop quietly, as other command-line tools do
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
         _exit_now(141)

@@ -45,12 +45,17 @@ def importing(frame) -> bool:
     return False
 
 
+def signal_of(exc: KeyboardInterrupt) -> int:
+    return signal.SIGTERM if isinstance(exc, Terminated) else signal.SIGINT
+
+
 def exit_code(exc: KeyboardInterrupt) -> int:
-    return EXIT_CODES[signal.SIGTERM if isinstance(exc, Terminated) else signal.SIGINT]
+    return EXIT_CODES[signal_of(exc)]
 
 
 def stop_now(signum: int = signal.SIGINT) -> None:
-    """One line and exit at once: modules half imported, nothing to clean up, nothing to run at exit."""
+    """One line and exit at once, whatever still runs: half-imported modules, or worker threads inside ONNX Runtime
+    or torch (an interpreter that tears down under them aborts: 'terminate called without an active exception')."""
     sys.stdout.flush()
     sys.stderr.write(f"\nmirror-rt: {'terminated' if signum == signal.SIGTERM else 'interrupted'}\n")
     sys.stderr.flush()

@@ -6,7 +6,6 @@ Importing the CLI takes a few hundred milliseconds (numpy, the engine's modules)
 
 from __future__ import annotations
 
-import signal
 import sys
 
 from mirror_rt import cli_signals
@@ -17,7 +16,7 @@ def main() -> int:
     try:
         from mirror_rt.cli import main as cli_main
     except KeyboardInterrupt as exc:
-        cli_signals.stop_now(signal.SIGTERM if isinstance(exc, cli_signals.Terminated) else signal.SIGINT)
+        cli_signals.stop_now(cli_signals.signal_of(exc))
     return cli_main()
 
 

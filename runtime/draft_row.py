@@ -263,29 +263,24 @@ class DraftRow:
             rules.accept(forced[0])
             self.stats.forced += 1
             return _append(line, forced[0], None, None)
-        if rules.finished():  # complete: only an end-of-sequence may follow, the line's last token (the target's
-            line.ended = True  # window then ends the text; with none drafted, an empty window was a draft fault)
-            return self._end_line(line, context)
+        finished = rules.finished()  # complete: only an end-of-sequence may follow, as the line's last token (the
+        if finished:  # target's window then ends the text; with none drafted, an empty window was a draft fault)
+            line.ended = True
+            only = rules.only_allowed()
+            if only is not None:  # drafted without a forward
+                self.stats.forced += 1
+                return _append(line, only, None, None)
         row = rules.apply(self._logits_after(context + line.tokens))
         position = len(context) + len(line.tokens)
         token = choose_at(row, self.config.sampling, self.config.seed, position)[0]
+        if finished:  # a stopped matcher consumes nothing, so the mask alone says whether the draw is allowed
+            if float(row[token]) != float("-inf"):
+                _append(line, token, None, row)
+            return None
         if not rules.accept(token):  # nothing the grammar allows (a masked-out row): stop drafting this line
             line.ended = True
             return None
         _append(line, token, None, row)
-
-    def _end_line(self, line: Line, context: list[int]) -> None:
-        """The end-of-sequence a complete grammar allows, as the line's last token: the one it allows without a
-        forward, else the draft's draw among them (a stopped matcher consumes nothing, so it is not asked)."""
-        only = line.rules.only_allowed()
-        if only is not None:
-            self.stats.forced += 1
-            return _append(line, only, None, None)
-        row = line.rules.apply(self._logits_after(context + line.tokens))
-        token = choose_at(row, self.config.sampling, self.config.seed, len(context) + len(line.tokens))[0]
-        if float(row[token]) != float("-inf"):
-            _append(line, token, None, row)
-        return None
 
     def _extend_with_streams(self, line: Line, context: list[int]) -> None:
         """One SS forward: confirm the pending guesses (the streams' confident ones, else prompt-lookup's),

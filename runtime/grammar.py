@@ -161,12 +161,17 @@ def _shifts(device: torch.device) -> torch.Tensor:
     return torch.arange(32, dtype=torch.int32, device=device)
 
 
+def allowed_tokens(bits: np.ndarray, vocab_size: int) -> np.ndarray:
+    """`token_mask`'s bits as one bool per token [vocab_size]."""
+    return np.unpackbits(bits.view(np.uint8), bitorder="little")[:vocab_size].view(bool)
+
+
 def mask_logits(x: torch.Tensor, bits: np.ndarray) -> torch.Tensor:
     """Logits [vocab] with every token outside `bits` at -inf, on x's device (only the bits travel there)."""
     torch = import_torch()
     if x.device.type == "cpu" and x.dtype in (torch.float32, torch.float64):
         # on the host numpy unpacks and selects about twice as fast as tensor ops
-        allowed = np.unpackbits(bits.view(np.uint8), bitorder="little")[:x.shape[-1]].view(bool)
+        allowed = allowed_tokens(bits, x.shape[-1])
         return torch.from_numpy(np.where(allowed, x.numpy(), np.array(-np.inf, dtype=x.numpy().dtype)))
     packed = torch.from_numpy(bits).to(x.device)
     allowed = ((packed[:, None] >> _shifts(x.device)) & 1).reshape(-1)[:x.shape[-1]].bool()

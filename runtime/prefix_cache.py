@@ -16,6 +16,7 @@ Counters use vLLM's names and units (tokens): prefix_cache_queries, prefix_cache
 from __future__ import annotations
 
 import hashlib
+import itertools
 from collections import OrderedDict
 
 import numpy as np
@@ -91,14 +92,8 @@ class PrefixCache:
 
     def evict(self, count: int, keep: list[bytes] = ()) -> int:
         """Drop the `count` least recently used blocks, none of `keep`; returns how many were dropped."""
-        if not keep:
-            dropped = 0
-            while dropped < count and self.blocks:
-                self.blocks.popitem(last=False)
-                dropped += 1
-            return dropped
         kept = set(keep)
-        victims = [key for key in self.blocks if key not in kept][:max(count, 0)]
+        victims = list(itertools.islice((key for key in self.blocks if key not in kept), max(count, 0)))
         for key in victims:
             del self.blocks[key]
         return len(victims)

@@ -156,8 +156,8 @@ class TokenRules:
         """The one token the grammar allows next (a complete grammar's end-of-sequence), else None."""
         if self.matcher is None:
             return None
-        bits = grammar.token_mask(self.matcher, self.vocab_size)
-        ids = np.flatnonzero(np.unpackbits(bits.view(np.uint8), bitorder="little")[:self.vocab_size])
+        ids = np.flatnonzero(grammar.allowed_tokens(grammar.token_mask(self.matcher, self.vocab_size),
+                                                    self.vocab_size))
         return int(ids[0]) if len(ids) == 1 else None
 
     def finished(self) -> bool:

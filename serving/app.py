@@ -101,6 +101,11 @@ class ServerState:
             raise APIError(503, what.get(self.status, f"the engine failed to load: {self.error}"),
                            headers={"Retry-After": str(self.settings.retry_after_s)})
 
+    def require_model(self, name) -> None:
+        """A 404 for a model name other than the served one (None: the request names none)."""
+        if name is not None and name != self.model_name:
+            raise APIError(404, f"The model `{name}` does not exist.", "model")
+
 
 def create_app(settings: ServerSettings, load: Callable[[], object], metrics_sink: Sink | None = None,
                log_failure: bool = True) -> FastAPI:
@@ -186,8 +191,7 @@ def _add_status_routes(app: FastAPI, state: ServerState) -> None:
     async def model(request: Request, model: str):
         _check_key(request, state)
         state.require_ready()
-        if model != state.model_name:
-            raise APIError(404, f"The model `{model}` does not exist.", "model")
+        state.require_model(model)
         return card()
 
 
@@ -219,8 +223,7 @@ async def _complete(request: Request, state: ServerState, chat: bool):
     body = await _json(request)
     req = protocol.parse(protocol.ChatRequest if chat else protocol.CompletionRequest, body)
     state.require_ready()
-    if req.model is not None and req.model != state.model_name:
-        raise APIError(404, f"The model `{req.model}` does not exist.", "model")
+    state.require_model(req.model)
     engine = state.engine
     _refuse_unread([m.text() for m in req.messages] if chat else [req.text_or_ids()], engine,
                    req.requested_tokens() or 0)
@@ -350,8 +353,7 @@ def _add_token_routes(app: FastAPI, state: ServerState) -> None:
         body = await _json(request)
         state.require_ready()
         engine = state.engine
-        if isinstance(body, dict) and body.get("model") not in (None, state.model_name):
-            raise APIError(404, f"The model `{body['model']}` does not exist.", "model")
+        state.require_model(body.get("model") if isinstance(body, dict) else None)
         if isinstance(body, dict) and isinstance(body.get("messages"), list):
             req = protocol.parse(protocol.ChatRequest, body)
             _refuse_unread([m.text() for m in req.messages], engine, 0)

@@ -26,7 +26,7 @@ import torch.nn.functional as F
 
 from mirror_rt.models.config import SplitOptions
 from mirror_rt.models.exit_adapter import ExitAdapter, exit_logits, save_exit_adapter
-from mirror_rt.training.checkpoints import finite_loss, load_state, loss_summary, save_state
+from mirror_rt.training.checkpoints import load_state, save_state
 from mirror_rt.training.exit_data import (
     ExitData,
     cached_answers,
@@ -40,6 +40,7 @@ from mirror_rt.training.exit_sequences import (
     sequence_data,
     split_sequences,
 )
+from mirror_rt.training.losses import finite_loss, loss_summary
 
 
 @dataclass(frozen=True)

@@ -17,7 +17,8 @@ import torch
 import torch.nn.functional as F
 
 from mirror_rt.models.ss_draft import StreamDraft, load_streams, stream_config
-from mirror_rt.training.checkpoints import finite_loss, load_state, loss_summary, save_state
+from mirror_rt.training.checkpoints import load_state, save_state
+from mirror_rt.training.losses import finite_loss, loss_summary
 
 
 def stream_parameters(draft: StreamDraft) -> dict[str, torch.Tensor]:
