@@ -1,4 +1,5 @@
-"""Unfinished folders a killed process left: `NAME.partial-PID[-...]` beside the folder it was writing.
+"""Unfinished folders a killed process left: `NAME.partial-PID[-...]` (or `NAME.partial-PID.partial-PID`: the
+default bundle's export stages inside a staging name of its own) beside the folder it was writing.
 
 Every writer of a cached folder (the default model's conversion, a bundle's export, ONNX Runtime's session cache)
 writes into such a folder of its own and renames it when complete; the next writer of the same folder removes
@@ -9,6 +10,7 @@ from __future__ import annotations
 
 import glob
 import os
+import re
 import shutil
 from pathlib import Path
 
@@ -26,8 +28,8 @@ def sweep_partials(folder: Path) -> None:
 def sweep_dead(parent: Path, stem: str) -> None:
     """Remove the folders `STEM + PID[-...]` in `parent` whose process no longer runs."""
     for partial in Path(parent).glob(f"{glob.escape(stem)}*"):
-        pid = partial.name[len(stem):].split("-")[0]
-        if pid.isdigit() and not process_running(int(pid)):
+        pid = re.match(r"(\d+)(?:[-.]|$)", partial.name[len(stem):])
+        if pid and not process_running(int(pid.group(1))):
             shutil.rmtree(partial, ignore_errors=True)
 
 

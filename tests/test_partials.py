@@ -14,13 +14,15 @@ def test_a_dead_processs_partials_are_swept_a_live_ones_kept(tmp_path):
     dead = subprocess.Popen([sys.executable, "-c", "pass"])
     dead.wait()
     folder = tmp_path / "bundle-0.6.0"
-    gone = [tmp_path / f"bundle-0.6.0.partial-{dead.pid}", tmp_path / f"bundle-0.6.0.partial-{dead.pid}-1234"]
+    gone = [tmp_path / f"bundle-0.6.0.partial-{dead.pid}", tmp_path / f"bundle-0.6.0.partial-{dead.pid}-1234",
+            tmp_path / f"bundle-0.6.0.partial-{dead.pid}.partial-{dead.pid}"]  # the default bundle's export, nested
     kept = [tmp_path / f"bundle-0.6.0.partial-{os.getpid()}-99", tmp_path / "bundle-0.6.0-w8a8.partial-1",
+            tmp_path / f"bundle-0.6.0.partial-{os.getpid()}.partial-{os.getpid()}", tmp_path / "bundle-0.6.0.partial-x1",
             tmp_path / "other.partial-1", folder]
     for f in gone + kept:
         (f / "sub").mkdir(parents=True)
     sweep_partials(folder)
-    assert [f.exists() for f in gone] == [False, False]
+    assert [f.exists() for f in gone] == [False, False, False]
     assert all(f.exists() for f in kept)
 
 
