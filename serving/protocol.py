@@ -207,6 +207,35 @@ class Sampling(Strict):
         return self.n or 1
 
 
+def _refuse_unanswered_calls(messages: list[Message]) -> None:
+    """As OpenAI: a tool message answers a call of the assistant message right before it (tool messages between),
+    and every call with an id gets its answer before the next other message."""
+    called: set[str] | None = None  # the ids of the calls just before; None: no assistant calls just before
+    waiting: set[str] = set()
+    for i, message in enumerate(messages):
+        if message.role == "tool":
+            if called is None:
+                raise APIError(400, f"messages[{i}]: a message with role 'tool' must answer a preceding assistant "
+                                    f"message with 'tool_calls'", f"messages.{i}.role")
+            if called and message.tool_call_id not in called:
+                raise APIError(400, f"messages[{i}] answers tool_call_id '{message.tool_call_id}', which the "
+                                    f"assistant message before it did not call", f"messages.{i}.tool_call_id")
+            waiting.discard(message.tool_call_id)
+            continue
+        if waiting:
+            raise _unanswered(waiting, i)
+        calls = message.tool_calls if message.role == "assistant" else None
+        called = {call.id for call in calls if call.id} if calls else None
+        waiting = set(called or ())
+    if waiting:
+        raise _unanswered(waiting, len(messages))
+
+
+def _unanswered(ids: set[str], i: int) -> APIError:
+    return APIError(400, f"an assistant message with 'tool_calls' must be followed by tool messages answering each "
+                         f"tool_call_id; no answer for: {', '.join(sorted(ids))}", f"messages.{i}")
+
+
 class ChatRequest(Sampling):
     messages: list[Message] = Field(min_length=1)
     tools: list[Tool] | None = None
@@ -240,6 +269,7 @@ class ChatRequest(Sampling):
                                f"messages.{i}.tool_call_id")
             if message.content is None and message.role != "assistant":  # only an assistant's calls stand alone
                 raise APIError(400, f"messages[{i}] ({message.role}) needs its content", f"messages.{i}.content")
+        _refuse_unanswered_calls(self.messages)
         names = [t.function.name for t in self.tools or ()]
         twice = next((name for name in names if names.count(name) > 1), None)
         if twice is not None:

@@ -165,6 +165,8 @@ def test_text_too_long_by_its_characters_alone_is_refused_unread(server, referen
     assert fits.status_code == 200, fits.text
 
 
+CALLED = {"role": "assistant", "content": None, "tool_calls": [{"id": "c1", "type": "function", "function": {
+    "name": "f", "arguments": "{}"}}]}
 BAD = [
     ("malformed json", b'{"messages": [', 400, None),
     ("not an object", b"[1, 2]", 400, None),
@@ -218,6 +220,12 @@ BAD = [
      "tool_choice"),
     ("tool message without its call", {"messages": [*MESSAGES, {"role": "tool", "content": "4"}]}, 400,
      "messages.1.tool_call_id"),
+    ("tool message after no call", {"messages": [*MESSAGES, {"role": "tool", "tool_call_id": "c1", "content": "4"}]},
+     400, "messages.1.role"),
+    ("tool message answering another call", {"messages": [*MESSAGES, CALLED, {
+        "role": "tool", "tool_call_id": "c2", "content": "4"}]}, 400, "messages.2.tool_call_id"),
+    ("a call left unanswered", {"messages": [*MESSAGES, CALLED, {"role": "user", "content": "and?"}]}, 400,
+     "messages.2"),
     ("two tools of one name", {"messages": MESSAGES, "tools": [{"type": "function", "function": {"name": "f"}}] * 2},
      400, "tools"),
     ("unknown mode", {"messages": MESSAGES, "mode": "fast"}, 400, "mode"),
