@@ -19,6 +19,7 @@ from typing import TYPE_CHECKING
 import numpy as np
 
 from mirror_rt.runtime.lazy_torch import import_torch
+from mirror_rt.runtime.schema_finite import unending
 
 if TYPE_CHECKING:
     import torch
@@ -62,6 +63,10 @@ class Constraint:
             schema = {} if schema is True else schema
             if not isinstance(schema, dict):
                 raise ValueError(f"a JSON schema is an object, not a JSON {JSON_TYPES.get(type(schema), 'value')}")
+            where = unending(schema)
+            if where is not None:
+                raise ValueError(f"the JSON schema has no finite instance: a value of {where} must always hold "
+                                 f"another (an answer could never end)")
             return llguidance.LLMatcher.grammar_from_json_schema(schema, overrides=JSON_OPTIONS)
         if self.kind == "choice":
             options = _json(self.spec, "a list of strings")

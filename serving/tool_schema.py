@@ -54,18 +54,22 @@ def _has_alternatives(schema: dict) -> bool:
     return any(key in schema for key in (*LISTS, "$ref", "additionalProperties", "patternProperties"))
 
 
-def _close_objects(schema) -> None:
-    """additionalProperties: false on every object schema with declared properties that leaves it unsaid."""
+def _close_objects(schema, merged: bool = False) -> None:
+    """additionalProperties: false on every object schema with declared properties that leaves it unsaid; not on
+    the parts of an allOf, the schema holding it, nor their alternatives (`merged`): each would refuse the keys the
+    others declare."""
     if not isinstance(schema, dict):
         return
-    if "properties" in schema and "additionalProperties" not in schema and "patternProperties" not in schema:
+    merged = merged or "allOf" in schema
+    if ("properties" in schema and "additionalProperties" not in schema and "patternProperties" not in schema
+            and not merged):
         schema["additionalProperties"] = False
     for key in NESTED:
         for sub in (schema.get(key) or {}).values() if isinstance(schema.get(key), dict) else ():
             _close_objects(sub)
     for key in LISTS:
         for sub in schema.get(key) or () if isinstance(schema.get(key), list) else ():
-            _close_objects(sub)
+            _close_objects(sub, merged=key == "allOf" or (merged and key in ("anyOf", "oneOf")))
     for key in SINGLE:
         _close_objects(schema.get(key))
 

@@ -258,3 +258,19 @@ def test_a_strict_json_schema_closes_its_objects():
         assert sent.get("additionalProperties") is closed
         assert sent["properties"]["inner"].get("additionalProperties") is closed
     assert "additionalProperties" not in schema  # the request's own schema is left as sent
+
+
+def test_a_strict_schemas_allof_parts_stay_open():
+    """The parts of an allOf (and the schema holding it, and their alternatives) are not closed: each would refuse
+    the keys the others declare (a strict allOf of {a} and {b} was refused as unsatisfiable); objects inside them
+    are."""
+    from mirror_rt.serving.tool_schema import closed
+
+    part = {"type": "object", "properties": {"a": {"type": "integer"}, "deep": {
+        "type": "object", "properties": {"z": {"type": "boolean"}}}}, "required": ["a"]}
+    schema = {"properties": {"c": {"type": "integer"}}, "allOf": [part, {"anyOf": [
+        {"type": "object", "properties": {"b": {"type": "integer"}}, "required": ["b"]}]}]}
+    sent = closed(schema)
+    assert "additionalProperties" not in sent and "additionalProperties" not in sent["allOf"][0]
+    assert "additionalProperties" not in sent["allOf"][1]["anyOf"][0]
+    assert sent["allOf"][0]["properties"]["deep"]["additionalProperties"] is False
