@@ -50,7 +50,8 @@ class AttentionPlan(torch.autograd.Function):
         first = 0
         for end, keys in groups.tolist():
             bounds = [torch.zeros(size, dtype=torch.long) for size in (2, 2, 1, 1)]  # distinct: the tracer
-            out += bounds + [torch.zeros(end - first, 1, T * rep, keys, dtype=torch.float32)]
+            queries = T * rep if rep > 1 else T  # a traced `T * 1` is folded away, and the exporter then fails
+            out += bounds + [torch.zeros(end - first, 1, queries, keys, dtype=torch.float32)]
             first = end
         return tuple(out)
 

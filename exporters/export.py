@@ -30,6 +30,7 @@ from mirror_rt.exporters.manifest import (
     write_manifest,
 )
 from mirror_rt.exporters.q4_min import holds_q4_1
+from mirror_rt.exporters.shared_kv import GQA_HEAD_MULTIPLE
 from mirror_rt.exporters.split import (
     KV_LAYOUT,
     PAST_NAMES,
@@ -218,6 +219,9 @@ def _export_role(cfg: ExportConfig, limits: Limits, model, role: str, folder: Pa
     weights = {"draft": cfg.draft_weights, "target_exit": cfg.exit_weights}.get(role, cfg.weights)
     spec = graph_spec(role, model.config.n_layers, limits.exit_layer, limits.kappa, cfg.static,
                       limits.table_len, limits.max_window, shared_kv=cfg.kv == "shared", exit_mix=mixes_exit(model))
+    odd_heads = model.config.head_dim % GQA_HEAD_MULTIPLE != 0  # ONNX Runtime's GroupQueryAttention refuses them
+    if spec.shared_kv and odd_heads:  # the draft attends with standard ops as targets do (exporters.exact_kv)
+        spec = replace(spec, exact=True)
     if cfg.fmt == "openvino":
         from mirror_rt.exporters.openvino import export_openvino_graph
 
@@ -225,7 +229,7 @@ def _export_role(cfg: ExportConfig, limits: Limits, model, role: str, folder: Pa
     elif cfg.fmt == "onnx" and hasattr(model, "stream_layers"):  # an SS draft (exporters.ss_graph)
         from mirror_rt.exporters.ss_graph import export_stream_draft
 
-        shared = cfg.kv == "shared" and not model.config.qk_norm  # else explicit (exporters.ss_graph)
+        shared = cfg.kv == "shared" and not model.config.qk_norm and not odd_heads  # else explicit (ss_graph)
         spec = replace(spec, shared_kv=shared)
         files = export_stream_draft(model, limits.table_len, weights, folder / f"{role}.onnx", shared)
     elif cfg.fmt == "onnx":

@@ -22,6 +22,7 @@ from __future__ import annotations
 import torch
 
 DOMAIN = "com.microsoft"
+GQA_HEAD_MULTIPLE = 8  # the op's CPU kernel takes head sizes that are multiples of 8 only
 TOTAL_LEN = "total_len"  # int32 [B]: positions each row holds after the call
 
 

@@ -47,8 +47,10 @@ def tiny_pair():
     return TorchModel(target), TorchModel(perturbed_copy(target, noise=0.3, seed=1))
 
 
-def write_hf_folder(folder: Path, vocab_size: int = 64, model_type: str = "llama", seed: int = 0) -> Path:
-    """A tiny Hugging Face folder: config.json, safetensors weights, a word-level tokenizer."""
+def write_hf_folder(folder: Path, vocab_size: int = 64, model_type: str = "llama", seed: int = 0,
+                    **sizes) -> Path:
+    """A tiny Hugging Face folder: config.json, safetensors weights, a word-level tokenizer (`sizes`: config
+    fields to change, e.g. num_key_value_heads)."""
     from safetensors.torch import save_file
     from tokenizers import Tokenizer, models, pre_tokenizers
 
@@ -56,7 +58,7 @@ def write_hf_folder(folder: Path, vocab_size: int = 64, model_type: str = "llama
     hf = dict(model_type=model_type, vocab_size=vocab_size, hidden_size=32, intermediate_size=64,
               num_hidden_layers=2, num_attention_heads=2, num_key_value_heads=1,
               max_position_embeddings=64, rope_theta=10000.0, rms_norm_eps=1e-5,
-              tie_word_embeddings=False, eos_token_id=1)
+              tie_word_embeddings=False, eos_token_id=1) | sizes
     (folder / "config.json").write_text(json.dumps(hf))
     if model_type in ("llama", "mistral", "qwen2", "qwen3"):
         model = random_model(ModelConfig.from_hf(hf), seed=seed)

@@ -310,13 +310,17 @@ def test_onnx_int8_draft_agrees_with_fp32(onnx_int8_bundle):
 
 
 @pytest.mark.skipif(not available_devices()["onnxruntime"], reason="onnxruntime not installed")
-@pytest.mark.parametrize("model_type", ["qwen2", "qwen3"])  # q/k/v biases (fused graph); q/k norms (unfused)
-def test_shared_kv_graphs_match_torch_with_bias_and_qk_norm(tmp_path, model_type):
-    """Shared-KV ONNX graphs of families with attention biases or q/k norms equal torch: prompt, then a window."""
+@pytest.mark.parametrize("model_type, sizes", [
+    ("qwen2", {}), ("qwen3", {}),  # q/k/v biases (fused graph); q/k norms (unfused)
+    ("llama", {"num_key_value_heads": 2}),  # multi-head attention: its export failed in TorchScript's peephole pass
+    ("llama", {"hidden_size": 24}),  # head size 12: GroupQueryAttention refuses it, so the draft attends as targets
+], ids=["qwen2", "qwen3", "mha", "head12"])
+def test_shared_kv_graphs_match_torch_with_bias_and_qk_norm(tmp_path, model_type, sizes):
+    """Shared-KV ONNX graphs of families with attention biases or q/k norms, multi-head attention or an odd head
+    size equal torch: prompt, then a window."""
     from conftest import write_hf_folder
 
-
-    folder = write_hf_folder(tmp_path / model_type, vocab_size=64, model_type=model_type, seed=3)
+    folder = write_hf_folder(tmp_path / model_type, vocab_size=64, model_type=model_type, seed=3, **sizes)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         bundle = export_bundle(str(folder), tmp_path / "bundle", fmt="onnx", kv="shared", draft_weights="fp32",
