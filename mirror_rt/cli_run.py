@@ -60,6 +60,9 @@ def cmd_run(args) -> int:
     if constraint is not None:
         config = replace(config, rules=replace(config.rules, constraint=constraint))
     engine = load_engine(engine_options(args), config.mode)
+    if not args.no_chat and not engine.tokenizer.has_chat_template:
+        print("mirror-rt: note: the model has no chat template; the prompt goes in as plain text (as --no-chat)",
+              file=sys.stderr)
     gen = engine.stream(prompt, config, chat=not args.no_chat)
     try:
         read_prompt(engine, gen)

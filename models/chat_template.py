@@ -85,9 +85,19 @@ def compile_template(source: str):
     return env.from_string(source)
 
 
+class TemplateError(ValueError):
+    """The chat template refused the messages: its `raise_exception` ("roles must alternate"), or a field it
+    reads that they lack."""
+
+
 def render(template, messages: list[dict], specials: dict, add_generation_prompt: bool = True,
            tools: list[dict] | None = None) -> str:
     """The chat as text, ready for the assistant turn when `add_generation_prompt` (`tools`: for a template
-    that renders them)."""
-    return template.render(messages=messages, tools=tools or None, documents=None,
-                           add_generation_prompt=add_generation_prompt, **specials)
+    that renders them); TemplateError where the template refuses them."""
+    import jinja2
+
+    try:
+        return template.render(messages=messages, tools=tools or None, documents=None,
+                               add_generation_prompt=add_generation_prompt, **specials)
+    except jinja2.exceptions.TemplateError as exc:
+        raise TemplateError(f"the chat template refused the messages: {exc}") from None

@@ -77,6 +77,7 @@ class ModelConfig:
         if arch not in SUPPORTED_ARCHITECTURES:
             raise UnsupportedArchitecture(_unsupported_message(arch))
         family = SUPPORTED_ARCHITECTURES[arch]
+        _refuse_unimplemented(hf, arch)
         eos = hf.get("eos_token_id")
         eos_ids = tuple(eos) if isinstance(eos, list) else ((eos,) if eos is not None else ())
         scaling = hf.get("rope_scaling")
@@ -91,7 +92,7 @@ class ModelConfig:
             n_heads=hf["num_attention_heads"],
             n_kv_heads=hf.get("num_key_value_heads") or hf["num_attention_heads"],
             head_dim=hf.get("head_dim") or 0,
-            max_seq_len=hf.get("max_position_embeddings", 2048),
+            max_seq_len=_context(hf),
             rope_theta=float(hf.get("rope_theta", 10000.0)),
             rope_scaling=scaling,
             norm_eps=float(hf.get("rms_norm_eps", 1e-5)),
@@ -122,6 +123,28 @@ class ModelConfig:
         if name not in PRESETS:
             raise ValueError(f"unknown model preset '{name}' (known: {', '.join(PRESETS)})")
         return cls(**PRESETS[name])
+
+
+def _refuse_unimplemented(hf: dict, arch: str) -> None:
+    """UnsupportedArchitecture for a config field that changes what the model computes and that the runtime does
+    not implement (it would run another model, silently)."""
+    act = hf.get("hidden_act", hf.get("hidden_activation", "silu"))
+    if act not in ("silu", "swish"):
+        raise UnsupportedArchitecture(f"unsupported hidden_act '{act}' (mirror-rt runs SiLU-gated MLPs)")
+    if arch in ("llama", "mistral") and hf.get("attention_bias"):
+        raise UnsupportedArchitecture(f"unsupported attention_bias on a {arch} model: its o_proj has a bias too, "
+                                      "which mirror-rt does not implement (q/k/v biases alone: Qwen2)")
+    if hf.get("mlp_bias"):
+        raise UnsupportedArchitecture("unsupported mlp_bias (mirror-rt's MLPs have no biases)")
+
+
+def _context(hf: dict) -> int:
+    """The context limit: max_position_embeddings, or the sliding window where the model attends through one
+    (Mistral's sliding_window; Qwen's only with use_sliding_window). Within the window every key is in it, so
+    full attention computes the same; beyond it the runtime would attend to keys the model does not see."""
+    context = hf.get("max_position_embeddings", 2048)
+    window = hf.get("sliding_window") if hf.get("use_sliding_window", True) else None
+    return min(context, window) if isinstance(window, int) and window > 0 else context
 
 
 DEFAULT_KAPPA = 8  # early-exit candidates per position: enough to cover most corrections, cheap to send

@@ -104,10 +104,21 @@ def _load_weights(model: Transformer, folder: Path) -> None:
         raise ModelError(f"no .safetensors weights in {folder}")
     state = {}
     for f in files:
-        for name, tensor in load_file(f).items():
+        try:
+            tensors = load_file(f)
+        except Exception as exc:  # noqa: BLE001 -- a truncated or corrupt file (safetensors' own error type)
+            raise ModelError(f"cannot read {f}: {str(exc).splitlines()[0] if str(exc) else type(exc).__name__}") \
+                from None
+        for name, tensor in tensors.items():
             state[name.removeprefix("model.")] = tensor
     if model.config.tie_embeddings:
         state.pop("lm_head.weight", None)
+    expected = model.state_dict()
+    wrong = [f"{k} is {list(v.shape)} in the weights, {list(expected[k].shape)} by the config"
+             for k, v in state.items() if k in expected and v.shape != expected[k].shape]
+    if wrong:
+        raise ModelError(f"{folder}: weights do not match the config: {wrong[0]}"
+                         + (f" (and {len(wrong) - 1} more)" if len(wrong) > 1 else ""))
     result = model.load_state_dict(state, strict=False)
     missing = [k for k in result.missing_keys if not (k == "lm_head.weight" and model.config.tie_embeddings)]
     if missing or result.unexpected_keys:

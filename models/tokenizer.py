@@ -20,6 +20,8 @@ from mirror_rt.models import chat_template
 # tokenizer classes whose fast tokenizer is tokenizer.json as saved (no Python-side rules on load)
 PLAIN_CLASSES = ("PreTrainedTokenizerFast", "GPT2Tokenizer", "GPT2TokenizerFast", "Qwen2Tokenizer",
                  "Qwen2TokenizerFast")
+# files a tokenizer is built from (transformers reads the others beside one of these)
+TOKENIZER_SOURCES = ("tokenizer.json", "tokenizer.model", "vocab.json", "spiece.model", "vocab.txt")
 # transformers' clean_up_tokenization (applied on decode where tokenizer_config asks for it)
 _CLEAN_UP = ((" .", "."), (" ?", "?"), (" !", "!"), (" ,", ","), (" ' ", "'"), (" n't", "n't"), (" 'm", "'m"),
              (" 's", "'s"), (" 've", "'ve"), (" 're", "'re"))
@@ -119,9 +121,15 @@ def _backend(folder: Path, config: dict):
         tok = Tokenizer.from_file(str(path))
         _match_prefix_space(tok, bool(config.get("add_prefix_space", False)))
         return tok
+    if not any((folder / name).is_file() for name in TOKENIZER_SOURCES):
+        raise ValueError(f"no tokenizer in {folder} (expected {' or '.join(TOKENIZER_SOURCES[:2])})")
     from transformers import AutoTokenizer  # other classes (Llama's, sentencepiece folders) adjust it on load
 
-    fast = AutoTokenizer.from_pretrained(folder)
+    try:
+        fast = AutoTokenizer.from_pretrained(folder)
+    except Exception as exc:  # noqa: BLE001 -- transformers raises many kinds for a folder it cannot read
+        raise ValueError(f"{folder}: transformers cannot load its tokenizer ({type(exc).__name__}: "
+                         f"{str(exc).splitlines()[0] if str(exc) else ''})") from None
     if not hasattr(fast, "backend_tokenizer"):
         raise ValueError(f"{folder}: transformers has no fast tokenizer for it")
     return fast.backend_tokenizer

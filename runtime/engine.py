@@ -108,7 +108,10 @@ class Engine:
         if not isinstance(prompt, str) and is_integer(prompt[0]):
             return [int(t) for t in prompt]
         if not isinstance(prompt, str):
-            return self.tokenizer.chat_prompt(list(prompt))
+            try:
+                return self.tokenizer.chat_prompt(list(prompt))
+            except ValueError as exc:  # no chat template, or one that refuses these messages
+                raise PromptError(str(exc)) from None
         if chat and self.tokenizer.has_chat_template:
             return self.tokenizer.chat_prompt([{"role": "user", "content": prompt}])
         return self.tokenizer.encode(prompt)

@@ -17,6 +17,7 @@ import re
 import uuid
 
 from mirror_rt.serving import protocol
+from mirror_rt.serving.errors import APIError
 from mirror_rt.serving.tool_schema import forced_schema
 
 TOOL_PROMPT = ("You are a function calling AI model. You may call one or more functions to assist with the user "
@@ -40,9 +41,10 @@ def prompt_ids(req: protocol.ChatRequest, tokenizer) -> list[int]:
             messages[0] = {**messages[0], "content": messages[0]["content"] + "\n\n" + text}
         else:
             messages.insert(0, {"role": "system", "content": text})
-    if native:
-        return tokenizer.chat_prompt(messages, tools=offered)
-    return tokenizer.chat_prompt(messages)
+    try:
+        return tokenizer.chat_prompt(messages, tools=offered) if native else tokenizer.chat_prompt(messages)
+    except ValueError as exc:  # no chat template (/v1/completions takes plain text), or one that refuses these
+        raise APIError(400, str(exc), "messages") from None
 
 
 def _message(message: protocol.Message, native: bool) -> dict:

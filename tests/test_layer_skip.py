@@ -8,8 +8,8 @@ import json
 def test_all_layers_agree_everywhere_and_a_subset_is_measured(tmp_path):
     import torch
     import transformers
-
     from conftest import write_hf_folder
+
     from mirror_rt.evaluation.layer_skip import agreement, target_answers
     from mirror_rt.evaluation.specbench import Question
 

@@ -34,6 +34,67 @@ def test_weights_not_matching_config(tmp_path):
         load_checkpoint(str(folder))
 
 
+@pytest.mark.parametrize("fields, says", [
+    ({"hidden_act": "gelu"}, "unsupported hidden_act 'gelu'"),
+    ({"attention_bias": True}, "unsupported attention_bias on a llama model: its o_proj has a bias too"),
+    ({"mlp_bias": True}, "unsupported mlp_bias"),
+])
+def test_fields_that_change_the_model_are_refused_not_ignored(tmp_path, fields, says):
+    """An activation, o_proj or MLP bias the runtime does not implement would run another model, silently."""
+    folder = write_hf_folder(tmp_path / "m")
+    (folder / "config.json").write_text(json.dumps(json.loads((folder / "config.json").read_text()) | fields))
+    with pytest.raises(ModelError, match=says):
+        load_checkpoint(str(folder))
+
+
+@pytest.mark.parametrize("fields, context", [
+    ({"model_type": "mistral", "sliding_window": 16}, 16),  # full attention is exact within the window
+    ({"model_type": "mistral", "sliding_window": None}, 64),
+    ({"model_type": "qwen2", "sliding_window": 16, "use_sliding_window": False}, 64),
+    ({"model_type": "qwen2", "sliding_window": 16, "use_sliding_window": True}, 16),
+    ({"model_type": "mistral", "sliding_window": 4096}, 64),
+])
+def test_a_sliding_window_caps_the_context(tmp_path, fields, context):
+    folder = write_hf_folder(tmp_path / "m", **fields)
+    assert load_checkpoint(str(folder)).model.config.max_seq_len == context
+
+
+def test_shapes_that_do_not_match_are_named(tmp_path):
+    folder = write_hf_folder(tmp_path / "m")
+    cfg = json.loads((folder / "config.json").read_text())
+    cfg["intermediate_size"] = 96
+    (folder / "config.json").write_text(json.dumps(cfg))
+    with pytest.raises(ModelError, match=r"weights do not match the config: layers\.0\.mlp\.\w+\.weight is "
+                                         r"\[\d+, \d+\] in the weights, \[\d+, \d+\] by the config \(and 5 more\)"):
+        load_checkpoint(str(folder))
+
+
+def test_a_truncated_weights_file_is_one_line(tmp_path):
+    folder = write_hf_folder(tmp_path / "m")
+    weights = folder / "model.safetensors"
+    weights.write_bytes(weights.read_bytes()[:100])
+    with pytest.raises(ModelError, match="cannot read .*model.safetensors: "):
+        load_checkpoint(str(folder))
+
+
+def test_a_folder_without_a_tokenizer_is_one_line(tmp_path):
+    folder = write_hf_folder(tmp_path / "m")
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        (folder / name).unlink()
+    with pytest.raises(ValueError, match="no tokenizer in .*m \\(expected tokenizer.json or tokenizer.model\\)"):
+        load_checkpoint(str(folder))
+
+
+def test_chat_messages_without_a_chat_template_are_a_prompt_error(tmp_path):
+    from mirror_rt.runtime.engine import PromptError
+
+    engine = mirror_rt.load(str(write_hf_folder(tmp_path / "m")), "target")
+    assert not engine.tokenizer.has_chat_template
+    with pytest.raises(PromptError, match="no chat template"):
+        engine.generate([{"role": "user", "content": "w5"}], max_new_tokens=2)
+    assert engine.generate("w5 w6", max_new_tokens=2).tokens  # plain text runs
+
+
 def test_vocabulary_mismatch_names_both_sizes(tmp_path):
     target, draft = write_hf_folder(tmp_path / "t", 64), write_hf_folder(tmp_path / "d", 80)
     with pytest.raises(ValueError, match="vocabulary mismatch.*64.*80"):

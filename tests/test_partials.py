@@ -17,7 +17,8 @@ def test_a_dead_processs_partials_are_swept_a_live_ones_kept(tmp_path):
     gone = [tmp_path / f"bundle-0.6.0.partial-{dead.pid}", tmp_path / f"bundle-0.6.0.partial-{dead.pid}-1234",
             tmp_path / f"bundle-0.6.0.partial-{dead.pid}.partial-{dead.pid}"]  # the default bundle's export, nested
     kept = [tmp_path / f"bundle-0.6.0.partial-{os.getpid()}-99", tmp_path / "bundle-0.6.0-w8a8.partial-1",
-            tmp_path / f"bundle-0.6.0.partial-{os.getpid()}.partial-{os.getpid()}", tmp_path / "bundle-0.6.0.partial-x1",
+            tmp_path / f"bundle-0.6.0.partial-{os.getpid()}.partial-{os.getpid()}",
+            tmp_path / "bundle-0.6.0.partial-x1",
             tmp_path / "other.partial-1", folder]
     for f in gone + kept:
         (f / "sub").mkdir(parents=True)

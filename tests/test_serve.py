@@ -210,7 +210,8 @@ BAD = [
     ("bad regex", {"messages": MESSAGES, "structured_outputs": {"regex": "(["}}, 400, "structured_outputs"),
     ("schema that admits nothing", {"messages": MESSAGES, "response_format": {"type": "json_schema", "json_schema": {
         "name": "x", "schema": {"$ref": "#/$defs/a", "$defs": {"a": {"$ref": "#/$defs/a"}}}}}}, 400, "response_format"),
-    ("schema with no finite instance", {"messages": MESSAGES, "response_format": {"type": "json_schema", "json_schema": {
+    ("schema with no finite instance", {"messages": MESSAGES, "response_format": {"type": "json_schema",
+                                                                                  "json_schema": {
         "name": "x", "schema": {"$defs": {"n": {"type": "object", "properties": {"c": {"$ref": "#/$defs/n"}},
                                                 "required": ["c"]}}, "$ref": "#/$defs/n"}}}}, 400, "response_format"),
     ("two constraints", {"messages": MESSAGES, "response_format": {"type": "json_object"},

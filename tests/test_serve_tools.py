@@ -115,3 +115,28 @@ def test_a_json_schema_format_without_its_schema_answers_a_json_object(server):
                                                      response_format={"type": "json_schema",
                                                                       "json_schema": {"name": "x"}})
     assert isinstance(json.loads(answer.choices[0].message.content), dict)
+
+
+@pytest.mark.parametrize("template, says", [
+    (None, "has no chat template"),
+    ("{% if messages[0]['role'] != 'system' %}{{ raise_exception('a system message comes first') }}{% endif %}",
+     "the chat template refused the messages: a system message comes first"),
+    ("{{ messages[0]['content'].upper() }}{{ messages[0].nope.deeper }}", "the chat template refused the messages"),
+])
+def test_a_chat_the_template_cannot_render_is_a_400_naming_messages(tmp_path, template, says):
+    """A model without a chat template, or a template that refuses the messages (its raise_exception, a field the
+    messages lack), is the client's 400 on `messages`, not a 500."""
+    from conftest import write_hf_folder
+
+    from mirror_rt.models.tokenizer import HFTokenizer
+    from mirror_rt.serving import protocol, tools
+    from mirror_rt.serving.errors import APIError
+
+    folder = write_hf_folder(tmp_path / "m")
+    if template is not None:
+        config = json.loads((folder / "tokenizer_config.json").read_text()) | {"chat_template": template}
+        (folder / "tokenizer_config.json").write_text(json.dumps(config))
+    req = protocol.parse(protocol.ChatRequest, {"messages": [{"role": "user", "content": "w5"}]})
+    with pytest.raises(APIError) as caught:
+        tools.prompt_ids(req, HFTokenizer(folder))
+    assert caught.value.status == 400 and caught.value.param == "messages" and says in str(caught.value)
