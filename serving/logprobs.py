@@ -8,6 +8,7 @@ multi-byte character), its bytes exact: read from the tokenizer's table, never r
 
 from __future__ import annotations
 
+import codecs
 from collections.abc import Callable
 
 from mirror_rt.runtime.grammar import grammar_tokenizer
@@ -40,14 +41,34 @@ def chat_logprobs(entries, token_bytes: TokenBytes) -> dict:
             "refusal": None}
 
 
-def completion_logprobs(entries, token_bytes: TokenBytes, offset: int = 0) -> dict:
-    """The completions `logprobs` object; `offset`: characters of the completion before these tokens."""
+class TextOffsets:
+    """OpenAI's `text_offset`: the characters of a completion's text before each token. A character whose bytes
+    span several tokens starts where the first of them does and counts once it is whole, so every offset indexes
+    the text (a running sum of the tokens' texts drifted past the end: a piece of a character reads as U+FFFD)."""
+
+    def __init__(self, entries=(), token_bytes: TokenBytes | None = None):
+        self.chars = 0
+        self._decoder = codecs.getincrementaldecoder("utf-8")(errors="replace")
+        for e in entries:
+            self.next(token_bytes(e.token))
+
+    def next(self, data: bytes) -> int:
+        """The offset of the token of bytes `data`, the text so far then moved past it."""
+        at = self.chars
+        self.chars += len(self._decoder.decode(data))
+        return at
+
+
+def completion_logprobs(entries, token_bytes: TokenBytes, at: TextOffsets | None = None) -> dict:
+    """The completions `logprobs` object; `at`: where the completion's text stands before these tokens (moved
+    past them), a new one for a whole completion."""
+    at = at or TextOffsets()
     tokens, offsets, tops = [], [], []
     for e in entries:
-        text = _text(token_bytes(e.token))
+        data = token_bytes(e.token)
+        text = _text(data)
         tokens.append(text)
-        offsets.append(offset)
-        offset += len(text)
+        offsets.append(at.next(data))
         if e.logprob is None:  # an echoed prompt's first token: nothing predicts it
             tops.append(None)
             continue
@@ -56,8 +77,3 @@ def completion_logprobs(entries, token_bytes: TokenBytes, offset: int = 0) -> di
         tops.append(top)
     return {"tokens": tokens, "token_logprobs": [e.logprob for e in entries], "top_logprobs": tops,
             "text_offset": offsets}
-
-
-def text_length(entries, token_bytes: TokenBytes) -> int:
-    """Characters the tokens' texts take (the next streamed chunk's offset)."""
-    return sum(len(_text(token_bytes(e.token))) for e in entries)

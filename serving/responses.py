@@ -23,7 +23,7 @@ from mirror_rt.runtime.engine import GenerationError
 from mirror_rt.runtime.grammar import GrammarError
 from mirror_rt.serving import tools
 from mirror_rt.serving.errors import APIError, envelope
-from mirror_rt.serving.logprobs import chat_logprobs, completion_logprobs, text_length
+from mirror_rt.serving.logprobs import TextOffsets, chat_logprobs, completion_logprobs
 from mirror_rt.serving.records import RequestRecord
 
 
@@ -55,12 +55,12 @@ class Reply:
         return {"id": self.id, "object": kind, "created": self.created, "model": self.model, "choices": choices,
                 **extra}
 
-    def logprobs(self, entries, offset: int = 0) -> dict | None:
+    def logprobs(self, entries, at: TextOffsets | None = None) -> dict | None:
         if self.token_bytes is None:
             return None
         if self.chat:
             return chat_logprobs(entries, self.token_bytes)
-        return completion_logprobs(entries, self.token_bytes, offset)
+        return completion_logprobs(entries, self.token_bytes, at)
 
     def final(self, index: int, text: str, finish_reason: str, entries) -> dict:
         """A whole choice (non-streamed): the message with any tool calls, or the text."""
@@ -76,9 +76,10 @@ class Reply:
                 "finish_reason": _with_calls(finish_reason, bool(calls))}
 
     def delta(self, index: int, text: str | None, finish_reason: str | None = None, entries=(),
-              offset: int = 0) -> dict:
-        """One streamed choice: new text (and its tokens' log-probabilities) or the finish."""
-        logprobs = self.logprobs(entries, offset) if entries else None
+              at: TextOffsets | None = None) -> dict:
+        """One streamed choice: new text (and its tokens' log-probabilities, `at`: the choice's text offsets so
+        far) or the finish."""
+        logprobs = self.logprobs(entries, at) if entries else None
         if not self.chat:
             return {"index": index, "text": text or "", "logprobs": logprobs, "finish_reason": finish_reason}
         delta = {"content": text} if text is not None else {}
@@ -149,11 +150,11 @@ async def stream(job, reply: Reply, timeout_s: float | None):
     if reply.chat:
         yield sse(reply.body([{"index": i, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
                                "finish_reason": None} for i in range(reply.choices)], chunk=True))
-    held, offsets, calls = defaultdict(list), defaultdict(int), {}  # tool requests hold each choice's text
+    held, offsets, calls = defaultdict(list), defaultdict(TextOffsets), {}  # tool requests hold each choice's text
     if reply.echo is not None:  # the prompt first (serving.echo)
         for index, event in enumerate(echo_events(reply)):
             yield event
-            offsets[index] = text_length(reply.echo[1], reply.token_bytes) if reply.echo[1] else 0
+            offsets[index] = TextOffsets(reply.echo[1] if reply.token_bytes else (), reply.token_bytes)
     while True:
         kind, value = await job.events.get()
         batch = [value] if kind == "text" else []
@@ -168,10 +169,8 @@ async def stream(job, reply: Reply, timeout_s: float | None):
             extra = {"usage": partial_usage(reply.prompt_tokens, made)} if reply.continuous_usage else {}
             if reply.origins and text:
                 extra["mirror_rt"] = {"tokens": origins}
-            yield sse(reply.body([reply.delta(index, text, entries=entries, offset=offsets[index])], chunk=True,
+            yield sse(reply.body([reply.delta(index, text, entries=entries, at=offsets[index])], chunk=True,
                                  **extra))
-            if entries and not reply.chat:
-                offsets[index] += text_length(entries, reply.token_bytes)
         if kind == "choice_end" and reply.tool_mode:
             text = "".join(t for t, _ in held[value])
             deltas, calls[value] = reply.buffered(value, text, [e for _, es in held[value] for e in es])

@@ -61,3 +61,17 @@ def test_max_tokens_zero_with_echo_is_a_request_served(server, engine):
     ended = [metric(s, "request_success_total", finished_reason="length") for s in (before, after)]
     prompts = [metric(s, "prompt_tokens_total") for s in (before, after)]
     assert ended[1] - ended[0] == 1 and prompts[1] - prompts[0] == len(ids)
+
+
+def test_text_offsets_index_the_text_when_a_character_spans_tokens(server):
+    """A character of several bytes (a token each here) starts where its first token does and counts once whole:
+    the offsets index the text, and the first generated token's is the prompt's length (a running sum of the
+    tokens' texts, U+FFFD for each piece, drifted past the end)."""
+    prompt = "a\U0001F389\u00e9"  # 1 + 4 + 2 bytes
+    kwargs = dict(model="tiny", prompt=prompt, max_tokens=3, temperature=0, echo=True, logprobs=0)
+    whole = server.client().completions.create(**kwargs)
+    offsets = whole.choices[0].logprobs.text_offset
+    assert offsets[:8] == [0, 1, 1, 1, 1, 2, 2, 3] and all(o <= len(whole.choices[0].text) for o in offsets)
+    chunks = list(server.client().completions.create(**kwargs, stream=True))
+    assert [o for c in chunks if c.choices and c.choices[0].logprobs for o in c.choices[0].logprobs.text_offset] \
+        == offsets
