@@ -137,10 +137,18 @@ def check(constraint: Constraint, tokenizer) -> str:
     return f"it admits no output (llguidance: {one_line(matcher.get_error())})" if matcher.is_error() else ""
 
 
+# llguidance's advice that names its own options, none of which a request can set: what the client can do instead
+ADVICE = {"oneOf constraints are not supported. Enable 'coerce_one_of' option to approximate oneOf with anyOf":
+          "a oneOf whose branches may overlap is not supported (only one may match): write anyOf where any may"}
+
+
 def one_line(message: str) -> str:
     """llguidance's multi-line message (with a caret drawing) as one line: its first line and its `error:`."""
     lines = [line.strip() for line in message.splitlines() if line.strip()]
-    return " ".join(lines[:1] + [line for line in lines[1:] if line.startswith("error:")])
+    text = " ".join(lines[:1] + [line for line in lines[1:] if line.startswith("error:")])
+    for theirs, ours in ADVICE.items():
+        text = text.replace(theirs, ours)
+    return text
 
 
 def new_matcher(constraint: Constraint, tokenizer):
