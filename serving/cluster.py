@@ -11,7 +11,10 @@ Limitations:
 - replicas pin themselves to cores by their rank on the node (`serving.replica`), which assumes this
   deployment is the only CPU-heavy work on its nodes;
 - Serve's `max_queued_requests` counts per proxy (one proxy per node by default), loosely under bursts
-  (a few more or fewer than the room are admitted);
+  (the proxy asks again for up to `serving.proxy.BUSY_PATIENCE_S` before its 503; a few more than the room may
+  be admitted);
+- a group signal (`kill -TERM -PGID`, systemd's control-group kill) reaches a local Ray's own processes too,
+  which stop at once: the drain then cannot reach the replicas, and the exit waits for Ray's GCS timeout;
 - `/health`, `/server` and `/metrics` through our proxy take no replica's slot (`serving.proxy`), but
   `/server` and `/metrics` answer for one replica at a time (Ray's metrics export has every replica's).
 SIGTERM / Ctrl-C drains as the single server does: every replica is told to (a Serve broadcast), the proxies
@@ -115,8 +118,22 @@ def start(cluster: ClusterSettings, server: ServerSettings, custom_resources: di
                  _metrics_export_port=cluster.metrics_export_port)
     else:
         ray.init(address=cluster.ray_address)
+        _refuse_a_second_app()
     start_serve(cluster, server)
     return local
+
+
+def _refuse_a_second_app() -> None:
+    """A ClusterError when the cluster joined already runs `mirror-rt serve`'s app: deploying would take it over
+    (one app name, and Serve has one HTTP proxy per node, at the port the first server chose)."""
+    _, serve = require_ray()
+    try:
+        running = APP in serve.status().applications
+    except Exception:  # noqa: BLE001 -- no Serve on that cluster yet (Ray's error type varies by version)
+        running = False
+    if running:
+        raise ClusterError(f"this Ray cluster already serves mirror-rt (Serve app '{APP}'): stop that server first "
+                           "(one per cluster: Serve has one HTTP proxy per node, on the first server's port)")
 
 
 def start_serve(cluster: ClusterSettings, server: ServerSettings) -> None:
@@ -223,6 +240,9 @@ def serve_replicas(settings: ServerSettings, cluster: ClusterSettings, load) -> 
     """Serve on replicas until SIGTERM / Ctrl-C, then drain and take them down; returns the exit code.
     A signal while deploying takes down what was started; a second signal while draining stops at once."""
     configure_logging()
+    if settings.max_queued < 1:  # Serve's max_queued_requests: -1 (no limit) or positive
+        raise ClusterError("--max-queued 0 needs a single engine: with replicas, Ray Serve's proxy queues at least "
+                           "one request (use --max-queued 1 or more)")
     if cluster.ray_address is None:  # the proxy will listen here: a port in use is one line, not Ray's traceback
         sock, refused = bind_or_say(settings.host, settings.port)
         if refused:

@@ -16,10 +16,12 @@ engines; it only reads and writes ASGI messages.
 
 from __future__ import annotations
 
+import asyncio
 import json
 import logging
 import os
 import re
+import time
 
 from mirror_rt.serving.errors import envelope
 
@@ -28,6 +30,7 @@ RETRY_HEADER = b"x-mirror-rt-retry"  # a replica whose engine stopped before ans
 PROXY_CALLBACK = "mirror_rt.serving.proxy:middlewares"
 APP, DEPLOYMENT = "mirror-rt", "MirrorReplica"  # the Serve application `mirror-rt serve` deploys, and its deployment
 RETRIES = 1  # a request whose replica died before answering is sent once more
+BUSY_PATIENCE_S, BUSY_RETRY_S = 0.5, 0.05  # Serve's "at its limit" is asked again for this long, this often
 LOST = "the replica serving this request was lost"
 PAGE_VARIABLE = "MIRROR_RT_PAGE"  # "1": the proxy serves the playground page's files itself (`serve` without --no-ui)
 LIGHT = ("/health", "/metrics", "/server")  # GETs that take no generation slot: asked of every replica at once
@@ -55,28 +58,32 @@ class ReplicaLoss:
         body = await _read_body(receive)
         if body is None:  # the client left before its request was read
             return None
-        client = Client(body, receive)
-        for attempt in range(self.retries + 1):
-            reply = Reply(send)
+        client, attempt, patience = Client(body, receive), 0, time.monotonic() + BUSY_PATIENCE_S
+        while True:
+            reply = Reply(send, hold_busy=time.monotonic() < patience)
             try:
                 await self.app(scope, client.receive_again(), reply.send)
             except Exception as exc:  # noqa: BLE001 -- the proxy's failure; decided below like a silent end
                 reply.error = f"{type(exc).__name__}: {exc}"
             if client.gone:  # the proxy stopped because the client left: nobody to answer
                 return None
+            if reply.busy:  # Serve's count of its queue lags under a burst: ask again while replicas may have room
+                await asyncio.sleep(BUSY_RETRY_S)
+                continue
             if reply.started or attempt == self.retries:
                 return await reply.finish()
             log.warning("mirror-rt: %s before answering %s %s; sending it again", LOST, scope.get("method"),
                         scope.get("path"))
-            _count_retry()
-        return None
+            _count("retries")
+            attempt += 1
 
 
 class Reply:
     """One attempt's response on its way to the client."""
 
-    def __init__(self, send):
+    def __init__(self, send, hold_busy: bool = False):
         self.client_send, self.started, self.ended = send, False, False
+        self.hold_busy, self.busy = hold_busy, False  # Serve's "at its limit" held back (to ask again), not sent
         self.event_stream, self.error = False, None
         self.rewrite: dict | None = None  # the proxy's own error response, held until its body is read
         self.held: list | None = None  # a replica's "retry elsewhere" answer, sent only by the last attempt
@@ -98,8 +105,14 @@ class Reply:
             return
         elif kind == "http.response.body" and self.rewrite is not None:
             self.rewrite["body"] += message.get("body", b"")
-            if not message.get("more_body", False):
-                await self._send_enveloped()
+            if message.get("more_body", False):
+                return
+            if _backpressure(self.rewrite["status"], self.rewrite["body"]):
+                if self.hold_busy:
+                    self.busy = True
+                    return
+                _count("rejected")
+            await self._send_enveloped()
             return
         elif kind == "http.response.body":
             self.ended = not message.get("more_body", False)
@@ -261,20 +274,33 @@ async def _read_body(receive) -> bytes | None:
             return b"".join(chunks)
 
 
-def _count_retry() -> None:
-    """`ray_mirror_rt_proxy_retries_total` on the proxy's node (only when Ray runs this proxy)."""
-    global _retries
+def _backpressure(status: int, body: bytes) -> bool:
+    """Whether the proxy's own error is Serve's "every replica at its limit" (max_queued_requests)."""
+    return status == 503 and b"backpressure" in body.lower()
+
+
+COUNTERS = {  # the proxy's own counts, in Ray's metrics export (ray_mirror_rt_...) of the proxy's node
+    "retries": ("mirror_rt_proxy_retries", "Requests sent again because their replica was lost", {}),
+    "rejected": ("mirror_rt_proxy_rejected", "Requests refused (503): every replica at its limit",
+                 {"reason": "queue_full"}),
+}
+
+
+def _count(name: str) -> None:
+    """Add one to the proxy's counter `name` (COUNTERS; only when Ray runs this proxy)."""
     try:
-        if _retries is None:
+        if name not in _counters:
             from ray.util.metrics import Counter
 
-            _retries = Counter("mirror_rt_proxy_retries", "Requests sent again because their replica was lost")
-        _retries.inc(1)
+            metric, description, tags = COUNTERS[name]
+            _counters[name] = (Counter(metric, description, tag_keys=tuple(tags)), tags)
+        counter, tags = _counters[name]
+        counter.inc(1, tags=tags or None)
     except ImportError:
         pass
 
 
-_retries = None
+_counters: dict = {}
 _page = None  # the page's files, read at the first request for one
 _handle = None  # the replicas' deployment, reached outside the request limits
 _turn = 0  # which replica's answer of a LIGHT request goes out next

@@ -153,6 +153,7 @@ def replica_deployment(options: dict):
                 await asyncio.sleep(0.05)
             if self.state.scheduler is not None:  # before the first request: Serve routes after this check
                 self.state.scheduler.max_queued = self.queue
+                self.state.scheduler.queue_source = "each replica's own, the rest wait at the proxy"
             problem = health_problem(self.state)
             if problem:
                 raise RuntimeError(problem)

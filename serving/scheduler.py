@@ -103,6 +103,7 @@ class Scheduler:
                  on_death: Callable[[BaseException], None] | None = None,
                  on_step: Callable[[int], None] | None = None):
         self.engine, self.max_queued, self.timeout_s = engine, max_queued, timeout_s
+        self.queue_source = "--max-queued"  # what sets max_queued (a replica: its own queue, not the flag)
         self.on_change = on_change or (lambda running, waiting: None)
         self.on_finish = on_finish or (lambda job: None)
         self.on_death = on_death  # called when the engine thread dies (SystemExit and the like), before answering
@@ -128,8 +129,8 @@ class Scheduler:
                 raise Draining()
             if job.choices > self.capacity:  # never: not even an idle server holds them (--max-queued bounds waits)
                 raise TooManyChoices(f"n={job.choices} needs {job.choices} places at once and this server has "
-                                      f"{self.capacity} ({self.engine.batch.max_num_seqs} decoding at once, "
-                                      f"{self.max_queued} waiting: --max-num-seqs, --max-queued)")
+                                      f"{self.capacity} ({self.engine.batch.max_num_seqs} decoding at once: "
+                                      f"--max-num-seqs; {self.max_queued} waiting: {self.queue_source})")
             if len(self.jobs) + job.choices > self.capacity:
                 asks = f"; this request's {job.choices} choices need as many" if job.choices > 1 else ""
                 raise Overloaded(f"{len(self.jobs)} of {self.capacity} places taken ({self.engine.batch.max_num_seqs} "

@@ -309,3 +309,13 @@ def test_an_engine_that_fails_to_load_fails_the_deploy_in_one_line(ray_cluster):
 
 def _fail(message: str):
     raise FileNotFoundError(message)
+
+
+def test_a_second_server_on_the_same_cluster_is_refused_and_the_first_keeps_serving(ray_cluster, reference):
+    """`--ray-address` to a cluster that already serves mirror-rt: redeploying its app under the same name took
+    the first server over and deleted it on exit; now it is refused in one line, before anything is deployed."""
+    _, url, _ = ray_cluster
+    with pytest.raises(cluster.ClusterError, match="^this Ray cluster already serves mirror-rt [^\n]*$"):
+        cluster._refuse_a_second_app()
+    response = httpx.post(url + "/v1/completions", json=body(8), timeout=60)
+    assert response.status_code == 200 and response.json()["choices"][0]["text"] == ar_text(reference, 8)

@@ -23,7 +23,7 @@ from mirror_rt.runtime.batch import BatchSettings
 pytest.importorskip("fastapi")
 
 from mirror_rt.serving.cluster import ClusterError, ClusterSettings, deployment_options, replica_resources  # noqa: E402
-from mirror_rt.serving.proxy import REPLICA_HEADER, ReplicaLoss  # noqa: E402
+from mirror_rt.serving.proxy import BUSY_PATIENCE_S, REPLICA_HEADER, ReplicaLoss  # noqa: E402
 from mirror_rt.serving.replica import ReplicaHeader, health_problem, own_cores  # noqa: E402
 from mirror_rt.serving.settings import ServerSettings  # noqa: E402
 
@@ -97,15 +97,27 @@ def test_a_second_loss_is_a_500_in_the_envelope():
     assert len(app.bodies) == 2
 
 
+BUSY = [start(503, (b"content-type", b"text/plain; charset=utf-8"), (b"retry-after", b"1")),
+        chunk(b"Request dropped due to backpressure (num_queued_requests=4, max_queued_requests=4).")]
+
+
 def test_the_proxys_backpressure_503_gets_the_envelope_and_keeps_retry_after():
-    plain = (b"content-type", b"text/plain; charset=utf-8")
-    text = b"Request dropped due to backpressure (num_queued_requests=4, max_queued_requests=4)."
-    app = Downstream([start(503, plain, (b"retry-after", b"1")), chunk(text)])
+    """Serve's "at its limit", still so after BUSY_PATIENCE_S of asking again, goes out in the envelope."""
+    app = Downstream(*[BUSY] * 100)
+    t0 = time.monotonic()
     status, headers, body = answer(run(app))
     assert status == 503 and headers[b"retry-after"] == b"1" and headers[b"content-type"] == b"application/json"
     assert json.loads(body)["error"]["message"] == ("the server is busy: every replica is at its limit and 4 "
                                                      "requests wait; retry later")
-    assert len(app.bodies) == 1
+    assert BUSY_PATIENCE_S <= time.monotonic() - t0 < BUSY_PATIENCE_S + 1 and 2 <= len(app.bodies) < 100
+
+
+def test_a_burst_refused_by_serves_lagging_count_is_asked_again_and_answered():
+    """Serve refused requests of a burst although replicas had room (its count of its queue lags): asked again
+    a moment later, the request gets its answer."""
+    app = Downstream(BUSY, BUSY, [start(200, JSON, NAMED), chunk(b'{"ok": 1}')])
+    status, _, body = answer(run(app))
+    assert (status, body) == (200, b'{"ok": 1}') and app.bodies == [BODY] * 3
 
 
 def test_a_replica_whose_engine_stopped_is_retried_and_its_answer_kept_for_the_last_attempt():
@@ -247,6 +259,16 @@ def test_a_replica_asks_for_the_devices_its_roles_run_on(mode, target, draft, th
 ])
 def test_a_replica_takes_its_own_cores_by_its_rank_on_the_node(cores, num_cpus, rank, expected):
     assert own_cores(cores, num_cpus, rank) == expected
+
+
+def test_max_queued_0_with_replicas_is_refused_before_ray_starts(monkeypatch):
+    """Serve's proxy queues at least one request: --max-queued 0 failed after Ray's start-up in pydantic's
+    four lines; now one line, at once."""
+    from mirror_rt.serving import cluster
+
+    monkeypatch.setattr(cluster, "start", lambda *a: pytest.fail("Ray started"))
+    with pytest.raises(ClusterError, match="^--max-queued 0 needs a single engine"):
+        cluster.serve_replicas(ServerSettings(max_queued=0), ClusterSettings(replicas=2), tiny_engine)
 
 
 def test_a_cuda_index_is_refused_with_replicas():
