@@ -204,7 +204,8 @@ def test_overload_is_a_503_with_retry_after_from_the_proxy_and_none_is_lost(ray_
     every other one gets the reference text, none is lost. Serve counts its queue loosely under a burst: it may
     refuse more than it must, or admit a few more (40 of room 38 + 4 in one CI run), so twice the room is sent
     and at least half the surplus must be refused."""
-    settings, url, _ = ray_cluster
+    settings, url, metrics_url = ray_cluster
+    rejected = proxy_retries(metrics_url, REJECTED)
     options = cluster.deployment_options(settings, SERVER)
     room = settings.replicas * options["max_ongoing_requests"] + options["max_queued_requests"]
     surplus = room
@@ -220,6 +221,10 @@ def test_overload_is_a_503_with_retry_after_from_the_proxy_and_none_is_lost(ray_
     busy = [r for r in responses if r.status_code == 503]
     assert all(r.headers["retry-after"] == "1" and HEADER not in r.headers for r in busy)
     assert all(r.json()["error"]["message"].startswith("the server is busy") for r in busy)
+    deadline = time.monotonic() + 30  # Ray exports its metrics every few seconds
+    while proxy_retries(metrics_url, REJECTED) < rejected + len(busy) and time.monotonic() < deadline:
+        time.sleep(0.5)
+    assert proxy_retries(metrics_url, REJECTED) == rejected + len(busy)
 
 
 def test_a_replica_killed_mid_stream_ends_its_stream_cleanly_and_comes_back(ray_cluster, reference):
@@ -257,12 +262,15 @@ def test_a_replica_lost_before_answering_is_retried_with_the_right_answer(ray_cl
     assert proxy_retries(metrics_url) == retries + 1
 
 
-def proxy_retries(metrics_url: str) -> float:
-    """`ray_mirror_rt_proxy_retries_total` in Ray's export (0 before the first)."""
+REJECTED = "ray_mirror_rt_proxy_rejected_total"  # the proxy's 503s: every replica at its limit
+
+
+def proxy_retries(metrics_url: str, name: str = "ray_mirror_rt_proxy_retries_total") -> float:
+    """`name` (the proxy's retries) in Ray's export (0 before the first)."""
     from prometheus_client.parser import text_string_to_metric_families
 
     families = text_string_to_metric_families(httpx.get(metrics_url, timeout=10).text)
-    return sum(s.value for f in families for s in f.samples if s.name == "ray_mirror_rt_proxy_retries_total")
+    return sum(s.value for f in families for s in f.samples if s.name == name)
 
 
 def test_a_dead_engine_thread_fails_the_health_check_and_the_replica_is_replaced(ray_cluster, reference, cues):
