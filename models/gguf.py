@@ -33,8 +33,6 @@ _BYTE_LEVEL_POST = {"type": "ByteLevel", "add_prefix_space": True, "trim_offsets
 
 def convert_gguf(gguf_path: Path, out_dir: Path, log=print) -> Path:
     """Dequantize `gguf_path` into a safetensors folder `out_dir` (atomically); returns it."""
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
     gguf_path = Path(gguf_path)
     if not gguf_path.is_file():
         raise FileNotFoundError(f"GGUF file not found: {gguf_path}")
@@ -46,8 +44,7 @@ def convert_gguf(gguf_path: Path, out_dir: Path, log=print) -> Path:
     tmp.mkdir()
     try:
         log(f"converting {gguf_path.name} to safetensors (one time)...")
-        tokenizer = AutoTokenizer.from_pretrained(gguf_path.parent, gguf_file=gguf_path.name)
-        model = AutoModelForCausalLM.from_pretrained(gguf_path.parent, gguf_file=gguf_path.name)
+        tokenizer, model = _read_gguf(gguf_path)
         model.save_pretrained(tmp, safe_serialization=True)
         tokenizer.save_pretrained(tmp)
         if is_byte_level_bpe(tmp / "tokenizer.json"):
@@ -61,6 +58,39 @@ def convert_gguf(gguf_path: Path, out_dir: Path, log=print) -> Path:
         if tmp.exists():
             shutil.rmtree(tmp, ignore_errors=True)
     return out_dir
+
+
+def _read_gguf(gguf_path: Path) -> tuple:
+    """(tokenizer, model) of a GGUF file through transformers; a one-line ValueError naming the file for one it
+    cannot read (cut short, not GGUF), of a family mirror-rt does not run, or lacking weights (transformers would
+    fill them with random numbers: another model, silently)."""
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+
+    from mirror_rt.models.config import SUPPORTED_ARCHITECTURES, _unsupported_message
+
+    where, name = gguf_path.parent, gguf_path.name
+    arch = _readable(gguf_path, lambda: AutoConfig.from_pretrained(where, gguf_file=name).model_type)
+    if arch not in SUPPORTED_ARCHITECTURES:
+        raise ValueError(f"{gguf_path}: {_unsupported_message(arch)}")
+    tokenizer = _readable(gguf_path, lambda: AutoTokenizer.from_pretrained(where, gguf_file=name))
+    model, loading = _readable(gguf_path, lambda: AutoModelForCausalLM.from_pretrained(
+        where, gguf_file=name, output_loading_info=True))
+    missing = [key for key in loading["missing_keys"] if not (key == "lm_head.weight" and
+                                                                model.config.tie_word_embeddings)]
+    if missing:
+        raise ValueError(f"{gguf_path} lacks weights the model needs: {', '.join(missing[:3])}"
+                         + (f" (and {len(missing) - 3} more)" if len(missing) > 3 else ""))
+    return tokenizer, model
+
+
+def _readable(gguf_path: Path, read):
+    """`read()`, or a one-line ValueError naming the file (transformers and gguf raise many kinds for one they
+    cannot read)."""
+    try:
+        return read()
+    except Exception as exc:  # noqa: BLE001
+        text = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+        raise ValueError(f"cannot read {gguf_path} (cut short, or not a GGUF model?): {text}") from None
 
 
 def _complete(folder: Path) -> bool:
