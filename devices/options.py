@@ -92,6 +92,8 @@ class PrecisionOptions:
         if self.draft_precision is not None and self.draft_precision not in DRAFT_PRECISIONS:
             raise ValueError(f"draft_precision must be one of {', '.join(DRAFT_PRECISIONS)}, "
                              f"got {self.draft_precision!r}")
+        if self.compile is not None:
+            _flag(self, "compile")
 
 
 @dataclass(frozen=True)

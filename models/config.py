@@ -12,6 +12,8 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass, field
 
+from mirror_rt.runtime.values import is_integer
+
 # HF `model_type` values this runtime implements, with the per-family switches.
 SUPPORTED_ARCHITECTURES = {
     "llama": {},
@@ -161,6 +163,11 @@ class SplitOptions:
 
     exit_layer: int | None = None  # ℓe: layers in the target's prefix; None: N // 2
     kappa: int | None = None  # early-exit candidates per position; None: DEFAULT_KAPPA
+
+    def __post_init__(self):
+        for flag, value in (("--exit-layer", self.exit_layer), ("--kappa", self.kappa)):
+            if value is not None and not is_integer(value):
+                raise ValueError(f"{flag} must be a whole number, got {value!r}")
 
     def resolve(self, config: ModelConfig) -> tuple[int, int]:
         """(exit layer, kappa) for a model of `config`; ValueError naming the flag when either cannot be."""

@@ -27,6 +27,7 @@ from mirror_rt.runtime.policy import AR, SPEC, SpeculationPolicy
 from mirror_rt.runtime.prefix_cache import PrefixCache
 from mirror_rt.runtime.row_split import RowSplit
 from mirror_rt.runtime.sequence import Sequence
+from mirror_rt.runtime.values import is_integer, is_number
 
 WINDOW_ROOM = 80  # positions past the committed text a step may write (window, padding, draft guesses)
 
@@ -42,12 +43,15 @@ class BatchSettings:
     adaptive_speculation: bool = True  # speculate only while it pays at this load (runtime.policy); False: as asked
 
     def __post_init__(self):
-        if self.max_num_seqs < 1:
-            raise ValueError(f"--max-num-seqs must be >= 1, got {self.max_num_seqs}")
-        if self.kv_cache_gb is not None and not self.kv_cache_gb > 0:
-            raise ValueError(f"--kv-cache-gb must be > 0, got {self.kv_cache_gb}")
-        if self.prefill_chunk < 1:
-            raise ValueError(f"--prefill-chunk must be >= 1, got {self.prefill_chunk}")
+        if not (is_integer(self.max_num_seqs) and self.max_num_seqs >= 1):
+            raise ValueError(f"--max-num-seqs must be a whole number >= 1, got {self.max_num_seqs!r}")
+        if self.kv_cache_gb is not None and not (is_number(self.kv_cache_gb) and self.kv_cache_gb > 0):
+            raise ValueError(f"--kv-cache-gb must be a number > 0, got {self.kv_cache_gb!r}")
+        if not (is_integer(self.prefill_chunk) and self.prefill_chunk >= 1):
+            raise ValueError(f"--prefill-chunk must be a whole number >= 1, got {self.prefill_chunk!r}")
+        for name in ("prefix_cache", "adaptive_speculation"):
+            if not isinstance(getattr(self, name), bool):
+                raise ValueError(f"{name} must be true or false, got {getattr(self, name)!r}")
 
 
 class KVTooLarge(ValueError):

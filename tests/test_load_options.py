@@ -20,6 +20,13 @@ import mirror_rt
     ({"device": "meta"}, "device must be torch's device for the target"),  # was torch's NotImplementedError
     ({"device": ""}, "device must be torch's device for the target"),  # was the CPU, silently
     ({"dtype": ""}, "dtype must be one of float32, bfloat16"),
+    ({"exit_layer": 1.5}, "--exit-layer must be a whole number, got 1.5"),  # was a TypeError naming nothing
+    ({"kappa": 1.5}, "--kappa must be a whole number, got 1.5"),  # was taken
+    ({"kappa": True}, "--kappa must be a whole number, got True"),  # was taken as 1
+    ({"kv_cache_gb": "x"}, "--kv-cache-gb must be a number > 0, got 'x'"),  # was a TypeError naming nothing
+    ({"max_num_seqs": 2.5}, "--max-num-seqs must be a whole number >= 1, got 2.5"),
+    ({"compile": "no"}, "compile must be true or false, got 'no'"),  # compiled
+    ({"prefix_cache": "no"}, "prefix_cache must be true or false, got 'no'"),  # was taken
 ])
 def test_load_refuses_options_it_cannot_use(options, says):
     with pytest.raises(ValueError, match=says.replace("(", r"\(")):
