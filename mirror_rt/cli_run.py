@@ -31,7 +31,8 @@ EXPORT = ExportConfig(model=None, out_dir=".")  # the export defaults, read by t
 
 def add_run(sub) -> None:
     run = sub.add_parser("run", help="generate text for a prompt (argument or stdin)")
-    run.add_argument("prompt", nargs="?", help="the prompt; read from stdin when omitted")
+    run.add_argument("prompt", nargs="?", help="the prompt; read from stdin when omitted (without a byte-order "
+                     "mark and the one line end that ends it)")
     add_engine_options(run)
     add_decoding_options(run)
     add_request_options(run)
@@ -55,6 +56,7 @@ def cmd_run(args) -> int:
             prompt = data.decode("utf-8")
         except UnicodeDecodeError as exc:  # (Python's own reading made it "a lone surrogate at index 0")
             raise ValueError(f"stdin is not UTF-8 text: byte 0x{data[exc.start]:02x} at offset {exc.start}") from None
+        prompt = stdin_text(prompt)
     config = generation_config(args)  # validate before loading anything
     constraint = run_constraint(args)
     if constraint is not None:
@@ -64,15 +66,20 @@ def cmd_run(args) -> int:
         print("mirror-rt: note: the model has no chat template; the prompt goes in as plain text (as --no-chat)",
               file=sys.stderr)
     gen = engine.stream(prompt, config, chat=not args.no_chat)
+    written = False
     try:
         read_prompt(engine, gen)
         for piece in gen:
             if not args.json:
                 sys.stdout.write(piece)
                 sys.stdout.flush()
+                written = written or bool(piece)
     except KeyboardInterrupt as exc:  # Ctrl-C, or SIGTERM (cli_signals.Terminated)
         gen.pieces.close()
-        print("\n[interrupted]", file=sys.stderr)
+        if args.json:  # what was generated, as a finished run prints it (its stop reason says it was cut)
+            stats = gen.stats or {"new_tokens": len(gen.sequence.tokens), "stop_reason": "cancelled"}
+            print(json.dumps({"text": gen.text, "stats": stats}, ensure_ascii=False))
+        cli_signals.say_stopped(cli_signals.signal_of(exc), after_text=written)
         return cli_signals.exit_code(exc)
     if args.json:
         print(json.dumps({"text": gen.text, "stats": gen.stats}, ensure_ascii=False))
@@ -84,6 +91,13 @@ def cmd_run(args) -> int:
 
 
 PROGRESS_FROM = 2048  # prompt tokens from which `run` shows its reading (8,000 tokens take about a minute here)
+
+
+def stdin_text(text: str) -> str:
+    """A prompt read from stdin as the same prompt given as an argument: without a byte-order mark, and without the
+    one line end that `echo` or an editor puts last."""
+    text = text.removeprefix("\ufeff")
+    return text[:-2] if text.endswith("\r\n") else text[:-1] if text.endswith("\n") else text
 
 
 def read_prompt(engine, gen) -> None:

@@ -53,10 +53,16 @@ def exit_code(exc: KeyboardInterrupt) -> int:
     return EXIT_CODES[signal_of(exc)]
 
 
+def say_stopped(signum: int, after_text: bool = False) -> None:
+    """The one line a signal ends the CLI with (on a line of its own after an answer's partial text)."""
+    sys.stdout.flush()
+    word = "terminated" if signum == signal.SIGTERM else "interrupted"
+    sys.stderr.write(f"{chr(10) if after_text else ''}mirror-rt: {word}\n")
+    sys.stderr.flush()
+
+
 def stop_now(signum: int = signal.SIGINT) -> None:
     """One line and exit at once, whatever still runs: half-imported modules, or worker threads inside ONNX Runtime
     or torch (an interpreter that tears down under them aborts: 'terminate called without an active exception')."""
-    sys.stdout.flush()
-    sys.stderr.write(f"\nmirror-rt: {'terminated' if signum == signal.SIGTERM else 'interrupted'}\n")
-    sys.stderr.flush()
+    say_stopped(signum)
     os._exit(EXIT_CODES[signum])

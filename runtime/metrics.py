@@ -22,7 +22,7 @@ class Metrics:
     """Counters for one request."""
 
     prompt_tokens: int = 0
-    new_tokens: int = 0  # tokens delivered to the caller
+    new_tokens: int = 0  # tokens the model generated: an ending EOS included (as usage.completion_tokens)
     steps: int = 0  # decode steps (target forwards after prefill)
     committed: int = 0  # tokens committed by decode steps (prefill's first token excluded)
     speculative_steps: int = 0  # steps that verified draft tokens (the rest: target-only, as the load policy chose)

@@ -34,8 +34,11 @@ def test_run_preset_sd_equals_ar_json():
     assert out["sd"]["stats"]["mean_accepted_length"] > 1.0
 
 
-def test_prompt_from_stdin():
-    proc = run_cli("run", "--model", "tiny", "--max-new-tokens", "5", "--json", stdin="hello")
+@pytest.mark.parametrize("stdin", ["hello", "hello\n", "hello\r\n", "\ufeffhello\n"])
+def test_prompt_from_stdin(stdin):
+    """`echo hello | mirror-rt run` is `mirror-rt run hello`: the line end that ends it and a byte-order mark were
+    read as part of the prompt (another text)."""
+    proc = run_cli("run", "--model", "tiny", "--max-new-tokens", "5", "--json", "--no-chat", stdin=stdin)
     assert proc.returncode == 0 and json.loads(proc.stdout)["stats"]["prompt_tokens"] == 5
 
 
