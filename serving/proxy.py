@@ -7,7 +7,9 @@ sent (replicas name themselves in `x-mirror-rt-replica`) is the proxy's own: its
 request whose replica was lost before it sent anything (the proxy sends nothing then) is sent
 once more, so a non-streamed request survives a replica's death with the same answer (and so is one
 that a replica refused with `x-mirror-rt-retry` because its engine stopped before answering); a stream
-cut after its 200 ends with the single server's failure events (an SSE error, then `[DONE]`).
+cut after its 200 ends with the single server's failure events (an SSE error, then `[DONE]`). Serve's "every
+replica at its limit" (its count of its queue lags under a burst) is asked again for up to BUSY_PATIENCE_S before
+the 503 goes out, counted.
 What takes no generation slot never waits in Serve's request limits: the page's files come from the
 package here, and `/health`, `/server`, `/metrics` are asked of every replica at once (a Serve broadcast
 to the replica's `answer` method), one answer passed on. Beyond that the middleware knows nothing of
