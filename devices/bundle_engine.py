@@ -75,6 +75,12 @@ def load_bundle(options: EngineOptions, mode: str | None = None, verify: bool = 
     if len(found) > 1:  # --draft auto with a choice to make: time every candidate beside the target
         target, draft, placement, chosen_mode, auto_rows = _auto_draft(options, jobs, (target, draft, tokenizer),
                                                                        found, placement, mode)
+    if draft.max_seq_len < target.max_seq_len:  # a static draft of a short context beside a long target
+        from mirror_rt.devices.registry import stderr_line
+
+        stderr_line(f"mirror-rt: the draft holds {draft.max_seq_len} positions, the target {target.max_seq_len}: "
+                    f"the context is {draft.max_seq_len}")
+        target.max_seq_len = draft.max_seq_len  # every request's limit, in every mode (the draft's cache fills)
     both = placement.worker_cores
     # the draft starts from the target's prompt KV only when it is the target's copy and reads its caches
     draft.same_model_as_target = draft_copies_target(manifest, draft_manifest) and adopts_from(draft, target)

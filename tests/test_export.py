@@ -350,3 +350,19 @@ def test_q4_1_draft_bundle(tmp_path):
     target, draft, _, _ = load_parts(bundle, "ort:cpu", "ort:cpu", strict=True, threads=1)
     speculative = [t for step in speculative_generate(target, draft, PROMPT, 24, 3) for t in step]
     assert speculative == [t for step in generate(target, PROMPT, 24) for t in step]
+
+
+@needs_openvino
+def test_a_draft_bundle_of_a_shorter_context_caps_the_context_in_one_line(torch_bundle, static_bundle, capsys):
+    """A static draft of 48 positions beside a target of 256: sd crashed with CacheFull (a traceback) once a request
+    passed 48. The context is the draft's, said at load; every mode gives ar's text up to it, and a longer prompt
+    is refused in one line."""
+    import mirror_rt
+    from mirror_rt.runtime.engine import GenerationError
+
+    engine = mirror_rt.load_bundle(str(torch_bundle), draft_bundle=str(static_bundle), draft="openvino:CPU")
+    assert engine.target.max_seq_len == 48 and "the draft holds 48 positions, the target 256" in capsys.readouterr().err
+    texts = {mode: engine.generate(PROMPT, mode=mode, max_new_tokens=100).tokens for mode in ("ar", "sd", "mirror")}
+    assert texts["sd"] == texts["ar"] == texts["mirror"] and len(PROMPT) + len(texts["ar"]) <= 48
+    with pytest.raises(GenerationError, match="prompt too long: 60 tokens, the model's context is 48"):
+        engine.generate(list(range(2, 62)), max_new_tokens=4)
