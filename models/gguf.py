@@ -16,6 +16,7 @@ import shutil
 from pathlib import Path
 
 from mirror_rt.models.partials import partial_folder, sweep_partials
+from mirror_rt.runtime.values import error_line
 
 # Pre-tokenizer of SmolLM2 / StarCoder-style byte-level BPE: one digit per pre-token.
 _BYTE_LEVEL_PRE_TOKENIZER = {
@@ -89,8 +90,7 @@ def _readable(gguf_path: Path, read):
     try:
         return read()
     except Exception as exc:  # noqa: BLE001
-        text = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
-        raise ValueError(f"cannot read {gguf_path} (cut short, or not a GGUF model?): {text}") from None
+        raise ValueError(f"cannot read {gguf_path} (cut short, or not a GGUF model?): {error_line(exc)}") from None
 
 
 def _complete(folder: Path) -> bool:

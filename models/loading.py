@@ -24,6 +24,7 @@ from mirror_rt.models.default_model import (
 from mirror_rt.models.gguf import convert_gguf
 from mirror_rt.models.tokenizer import ByteTokenizer, HFTokenizer
 from mirror_rt.models.transformer import Transformer, random_model
+from mirror_rt.runtime.values import error_line
 
 DTYPES = {"float32": torch.float32, "float64": torch.float64, "bfloat16": torch.bfloat16,
           "float16": torch.float16}
@@ -107,8 +108,7 @@ def _load_weights(model: Transformer, folder: Path) -> None:
         try:
             tensors = load_file(f)
         except Exception as exc:  # noqa: BLE001 -- a truncated or corrupt file (safetensors' own error type)
-            raise ModelError(f"cannot read {f}: {str(exc).splitlines()[0] if str(exc) else type(exc).__name__}") \
-                from None
+            raise ModelError(f"cannot read {f}: {error_line(exc)}") from None
         for name, tensor in tensors.items():
             state[name.removeprefix("model.")] = tensor
     if model.config.tie_embeddings:

@@ -16,6 +16,7 @@ import json
 from pathlib import Path
 
 from mirror_rt.models import chat_template
+from mirror_rt.runtime.values import error_line
 
 # tokenizer classes whose fast tokenizer is tokenizer.json as saved (no Python-side rules on load)
 PLAIN_CLASSES = ("PreTrainedTokenizerFast", "GPT2Tokenizer", "GPT2TokenizerFast", "Qwen2Tokenizer",
@@ -129,7 +130,7 @@ def _backend(folder: Path, config: dict):
         fast = AutoTokenizer.from_pretrained(folder)
     except Exception as exc:  # noqa: BLE001 -- transformers raises many kinds for a folder it cannot read
         raise ValueError(f"{folder}: transformers cannot load its tokenizer ({type(exc).__name__}: "
-                         f"{str(exc).splitlines()[0] if str(exc) else ''})") from None
+                         f"{error_line(exc)})") from None
     if not hasattr(fast, "backend_tokenizer"):
         raise ValueError(f"{folder}: transformers has no fast tokenizer for it")
     return fast.backend_tokenizer

@@ -47,7 +47,7 @@ def _collect_refs(node, root, out: dict) -> None:
 
 def _resolve(root, ref: str):
     node = root
-    for token in ref[1:].split("/")[1:] if ref != "#" else ():
+    for token in ref[1:].split("/")[1:]:  # "#": none
         token = token.replace("~1", "/").replace("~0", "~")
         if isinstance(node, dict) and token in node:
             node = node[token]

@@ -109,7 +109,7 @@ class Reply:
             self.rewrite["body"] += message.get("body", b"")
             if message.get("more_body", False):
                 return
-            if _backpressure(self.rewrite["status"], self.rewrite["body"]):
+            if _backpressure(self.rewrite["status"], self.rewrite["body"].decode(errors="replace")):
                 if self.hold_busy:
                     self.busy = True
                     return
@@ -237,7 +237,7 @@ async def call_app(app, method: str, path: str, query: bytes, headers: list) -> 
 
 def _proxy_message(status: int, text: str) -> str:
     queue = re.search(r"max_queued_requests=(\d+)", text)
-    if status == 503 and "backpressure" in text and queue:
+    if _backpressure(status, text) and queue:
         return f"the server is busy: every replica is at its limit and {queue[1]} requests wait; retry later"
     return text or f"the proxy answered {status}"
 
@@ -276,9 +276,9 @@ async def _read_body(receive) -> bytes | None:
             return b"".join(chunks)
 
 
-def _backpressure(status: int, body: bytes) -> bool:
+def _backpressure(status: int, text: str) -> bool:
     """Whether the proxy's own error is Serve's "every replica at its limit" (max_queued_requests)."""
-    return status == 503 and b"backpressure" in body.lower()
+    return status == 503 and "backpressure" in text.lower()
 
 
 COUNTERS = {  # the proxy's own counts, in Ray's metrics export (ray_mirror_rt_...) of the proxy's node

@@ -42,7 +42,7 @@ def prompt_ids(req: protocol.ChatRequest, tokenizer) -> list[int]:
         else:
             messages.insert(0, {"role": "system", "content": text})
     try:
-        return tokenizer.chat_prompt(messages, tools=offered) if native else tokenizer.chat_prompt(messages)
+        return tokenizer.chat_prompt(messages, tools=offered if native else None)
     except ValueError as exc:  # no chat template (/v1/completions takes plain text), or one that refuses these
         raise APIError(400, str(exc), "messages") from None
 

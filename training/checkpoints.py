@@ -13,6 +13,8 @@ from pathlib import Path
 
 import torch
 
+from mirror_rt.runtime.values import error_line
+
 
 class CheckpointError(ValueError):
     """A checkpoint file that is not one of ours (one-line message naming the file)."""
@@ -32,8 +34,7 @@ def load_state(path: Path, keys: tuple[str, ...]) -> dict:
     try:
         state = torch.load(path, weights_only=True, map_location="cpu")
     except (pickle.UnpicklingError, RuntimeError, EOFError, OSError, AttributeError, ValueError) as exc:
-        reason = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
-        raise CheckpointError(f"{path}: not a mirror-rt training checkpoint ({reason[:160]})") from None
+        raise CheckpointError(f"{path}: not a mirror-rt training checkpoint ({error_line(exc)[:160]})") from None
     if not isinstance(state, dict) or any(k not in state for k in keys):
         raise CheckpointError(f"{path}: not a mirror-rt training checkpoint (expected the entries {', '.join(keys)})")
     return state
