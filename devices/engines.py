@@ -23,7 +23,7 @@ from mirror_rt.models.default_model import DEFAULT_MODEL
 from mirror_rt.runtime.affinity import available_cores
 from mirror_rt.runtime.engine import Engine, GenerationError
 
-BUNDLE_VERSION = "0.6.0"  # part of the default bundle's folder name: bump when the default export changes
+BUNDLE_VERSION = "0.7.0"  # part of the default bundle's folder name: bump when the default export changes
 # The default bundle's target precision (`mirror-rt export --weights`). int8 and q4_1 targets decode about 1.9x
 # faster than fp32 here, but the int8 target answered the README's own question with nonsense, and a q4_1 target
 # costs what the q4_1 draft costs, which leaves speculation nothing to gain (docs/performance.md): fp32, the

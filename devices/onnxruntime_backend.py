@@ -5,9 +5,8 @@ the window, so the cache is a list of host arrays per graph; rollback slices the
 views), and each call copies the whole cache. Shared-KV graphs (`--kv shared`, the ONNX
 default; exporters.shared_kv) write the window's KV in place into preallocated buffers bound
 as both past and present through IO binding: no copy, rollback is a count. The split target
-can also prefill pipelined over two cores, and a self-draft can adopt its prompt KV. Sessions load
-their optimized graphs from the bundle's cache once made (devices.ort_session).
-onnxruntime is imported lazily; the runtime core never imports it.
+can also prefill pipelined over two cores, and a self-draft can adopt its prompt KV. Sessions load their
+optimized graphs from the bundle's cache once made (devices.ort_session). onnxruntime is imported lazily.
 Invariant: between calls every graph of a cache holds exactly `length` positions, except
 that after `forward_prefix` the suffix lags until `forward_suffix` runs. The split target's
 exit graph is stateless and belongs to no cache.
@@ -33,11 +32,13 @@ from mirror_rt.devices.onnxruntime_pool import (
     suffix_rows,
 )
 from mirror_rt.devices.ort_session import create_session
+from mirror_rt.exporters.native_op import ATTENTION, register
 from mirror_rt.runtime.affinity import pin
 
 PREFILL_CHUNK = 64  # prompt tokens per pipelined prefill stage
 LAST_ROWS = "last_rows"  # optional graph input (exporters.split.LAST_ROWS): logits rows from the window's end
 TOTAL_LEN = "total_len"  # input of shared-KV graphs (exporters.shared_kv.TOTAL_LEN)
+ROWS_APART = 1 << 16  # attention_groups of pool graphs: as many as rows
 GROUPS = "attention_groups"  # input of exact graphs since format 6 (exporters.exact_kv.GROUPS_INPUT)
 STREAM_LOGITS = "stream_logits"  # second output of SS draft graphs (exporters.ss_graph.STREAM_LOGITS)
 
@@ -57,11 +58,8 @@ def _onnxruntime():
 
 
 def session_options(threads: int | None):
-    """One intra-op pool of `threads`, no inter-op pool, no spinning.
-
-    Spinning is off so that an idle worker leaves its cores to the other worker (target and
-    draft share the machine); it costs a little latency on a quiet machine.
-    """
+    """One intra-op pool of `threads`, no inter-op pool, no spinning (an idle worker leaves its cores to the
+    other worker: target and draft share the machine; it costs a little latency on a quiet machine)."""
     ort = _onnxruntime()
     options = ort.SessionOptions()
     options.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_ALL
@@ -70,6 +68,7 @@ def session_options(threads: int | None):
     if threads:
         options.intra_op_num_threads = int(threads)
     options.add_session_config_entry("session.intra_op.allow_spinning", "0")
+    register(options)  # mirror-rt's ops (exporters.native_op), where they build
     return options
 
 
@@ -95,6 +94,8 @@ class ORTGraph:
         self.past_names = [n for n in names[1:] if n not in (LAST_ROWS, TOTAL_LEN, GROUPS)]
         # attention groups of rows the graph takes (exact graphs since format 6): 0 where it has none
         self.groups = next((i.shape[0] for i in self.session.get_inputs() if i.name == GROUPS), 0)
+        # pool graphs (format 7, exporters.pool_kv): each row reads its own keys, whatever its companions' lengths
+        self.rows_apart = self.session.get_modelmeta().custom_metadata_map.get(ATTENTION) == "pool"
         self.output_names = [o.name for o in self.session.get_outputs()]
         self.n_head_outputs = len(self.output_names) - len(self.past_names)
         self.kv_shape = kv_shape  # (kv_heads, head_dim)
@@ -302,7 +303,10 @@ class ORTSplitTarget(SplitTarget):
 
     @property
     def attention_groups(self) -> int:
-        """Groups of rows each call's attention can read apart (exporters.exact_kv, format 6; 0: none)."""
+        """Groups of rows each call's attention can read apart (exporters.exact_kv, format 6; 0: none; pool
+        graphs: every row apart)."""
+        if self.prefix.rows_apart and self.suffix.rows_apart:
+            return ROWS_APART
         return min(self.prefix.groups, self.suffix.groups)
 
     def new_pool(self, rows: int, capacity: int) -> RowPool:

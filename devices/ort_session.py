@@ -15,11 +15,11 @@ from __future__ import annotations
 import hashlib
 import json
 import os
-import platform
 import shutil
 import threading
 from pathlib import Path
 
+from mirror_rt.exporters.native_op import DOMAIN, cpu_fingerprint
 from mirror_rt.exporters.paths import sweep_partials
 
 CACHE_FORMAT = 2  # bump when what is saved changes (2: with the prepacked weights)
@@ -27,16 +27,6 @@ GRAPH_FILE, WEIGHTS_FILE = "model.onnx", "model.onnx.data"
 # The weights as the CPU kernels repack them at session creation (most of its time) are saved too, and read back
 # as they are: the same bytes, so the same results.
 SAVE_PREPACKED = "session.save_external_prepacked_constant_initializers"
-
-
-def cpu_fingerprint() -> str:
-    """This CPU's model name and feature flags (Linux), else what `platform` knows."""
-    try:
-        with open("/proc/cpuinfo", encoding="utf-8") as f:
-            lines = [line for line in f if line.startswith(("model name", "flags"))]
-        return "".join(sorted(set(lines)))
-    except OSError:
-        return f"{platform.machine()} {platform.processor()}"
 
 
 def cache_folder(path: Path, providers: list[str], options) -> Path:
@@ -50,14 +40,37 @@ def cache_folder(path: Path, providers: list[str], options) -> Path:
 
 
 def create_session(path: Path, providers: list[str], make_options):
-    """An InferenceSession over `path`; `make_options()` gives fresh SessionOptions (optimization level set)."""
+    """An InferenceSession over `path`; `make_options()` gives fresh SessionOptions (optimization level set).
+    A graph with mirror-rt's ops where they cannot be built: BundleError saying why."""
+    try:
+        return _create_session(path, providers, make_options)
+    except Exception as exc:
+        if f"{DOMAIN}:" not in str(exc) or "not a registered function/op" not in str(exc):
+            raise
+        from mirror_rt.exporters.manifest import BundleError
+        from mirror_rt.exporters.native_op import NativeOpUnavailable, library
+
+        try:
+            library()
+            reason = "ONNX Runtime did not take it"
+        except NativeOpUnavailable as unavailable:
+            reason = str(unavailable)
+        raise BundleError(f"{path} attends through mirror-rt's own ONNX Runtime op, which this machine cannot "
+                          f"use ({reason}); export the bundle here with --attention standard") from None
+
+
+def _create_session(path: Path, providers: list[str], make_options):
     import onnxruntime as ort
 
     options = make_options()
     folder = cache_folder(Path(path), providers, options)
     if (folder / GRAPH_FILE).is_file():
-        options.graph_optimization_level = ort.GraphOptimizationLevel.ORT_DISABLE_ALL  # optimized already
-        return ort.InferenceSession(str(folder / GRAPH_FILE), options, providers=providers)
+        cached = make_options()
+        cached.graph_optimization_level = ort.GraphOptimizationLevel.ORT_DISABLE_ALL  # optimized already
+        try:
+            return ort.InferenceSession(str(folder / GRAPH_FILE), cached, providers=providers)
+        except Exception:  # damaged from outside (a full disk, a cut copy): built again below, the cache replaced
+            shutil.rmtree(folder, ignore_errors=True)
     partial = _partial_folder(folder)
     if partial is not None:
         options.optimized_model_filepath = str(partial / GRAPH_FILE)

@@ -124,6 +124,7 @@ def _export_into(cfg: ExportConfig, progress: bool) -> None:
         _check_draft(target, draft)
         streams = _load_streams(cfg, draft.model)
         kept = _load_vocab(cfg, draft.model)
+        cfg = replace(cfg, attention=_attention(cfg))
         if cfg.draft_weights == "auto":
             auto = "q4_1" if cfg.fmt == "onnx" and holds_q4_1(draft.model) else "fp32" if cfg.fmt == "torch" else "int8"
             cfg = replace(cfg, draft_weights=auto)
@@ -147,6 +148,21 @@ def _export_into(cfg: ExportConfig, progress: bool) -> None:
         write_manifest(replace(manifest, exit_adapter=_copy_adapter(cfg, adapter, folder),
                                draft_vocab=_copy_vocab(cfg, kept, folder)), folder)
         bar.update()
+
+
+def _attention(cfg: ExportConfig) -> str:
+    """The targets' attention (ExportConfig.attention): pool where the op builds here, unless asked otherwise."""
+    from mirror_rt.exporters.native_op import NativeOpUnavailable, library
+
+    if cfg.kv != "shared" or cfg.attention == "standard":
+        return "standard"
+    try:
+        library()
+        return "pool"
+    except NativeOpUnavailable as exc:
+        if cfg.attention == "pool":
+            raise ExportError(f"--attention pool: {exc}") from None
+        return "standard"
 
 
 def _load_adapter(cfg: ExportConfig, model, limits: Limits):
@@ -218,7 +234,8 @@ def _check_draft(target, draft) -> None:
 def _export_role(cfg: ExportConfig, limits: Limits, model, role: str, folder: Path) -> GraphEntry:
     weights = {"draft": cfg.draft_weights, "target_exit": cfg.exit_weights}.get(role, cfg.weights)
     spec = graph_spec(role, model.config.n_layers, limits.exit_layer, limits.kappa, cfg.static,
-                      limits.table_len, limits.max_window, shared_kv=cfg.kv == "shared", exit_mix=mixes_exit(model))
+                      limits.table_len, limits.max_window, shared_kv=cfg.kv == "shared", exit_mix=mixes_exit(model),
+                      pool=cfg.attention == "pool")
     odd_heads = model.config.head_dim % GQA_HEAD_MULTIPLE != 0  # ONNX Runtime's GroupQueryAttention refuses them
     if spec.shared_kv and odd_heads:  # the draft attends with standard ops as targets do (exporters.exact_kv)
         spec = replace(spec, exact=True)
@@ -294,7 +311,8 @@ def _manifest(cfg: ExportConfig, limits: Limits, target, draft, entries, tokeniz
     kv = {"layout": KV_LAYOUT, "n_kv_heads": c.n_kv_heads, "head_dim": c.head_dim, "dtype": "float32",
           "past": list(PAST_NAMES), "present": list(PRESENT_NAMES),
           "state": {"openvino": "openvino model state"}.get(cfg.fmt, "explicit inputs/outputs"),
-          "shared": cfg.kv == "shared"}  # buffers written in place (exporters.shared_kv): ONNX Runtime only
+          "shared": cfg.kv == "shared",  # buffers written in place (exporters.shared_kv): ONNX Runtime only
+          "attention": cfg.attention}  # targets': pool (exporters.pool_kv: mirror-rt's op) | standard
     if kv["shared"]:
         kv["state"] = "shared buffers [rows, KVH, capacity, D] + total_len [rows] (GroupQueryAttention)"
     return BundleManifest(

@@ -13,6 +13,7 @@ FORMATS = ("openvino", "onnx", "torch")
 WEIGHTS = ("fp32", "fp16", "int8", "int4", "q4_1", "w8a8")
 EXIT_WEIGHTS = ("fp32", "int8")
 KV_MODES = ("explicit", "shared")
+ATTENTION = ("pool", "standard")  # target attention of shared-KV ONNX graphs (ExportConfig.attention)
 
 
 class ExportError(ValueError):
@@ -41,6 +42,9 @@ class ExportConfig:
                            # for onnx (fastest on ONNX Runtime: no cache copy per call), explicit otherwise
     draft_streams: str | None = None  # trained SS streams (mirror-rt train-draft --out) exported with the draft (onnx)
     draft_vocab: str | None = None  # kept ids (mirror-rt prune-vocab --out): the draft's LM head over those rows only
+    attention: str | None = None  # targets of shared-KV ONNX graphs: pool (mirror-rt's op reads the KV in place:
+                                  # exporters.pool_kv; a C++ compiler builds it here and where the bundle runs) |
+                                  # standard (standard ops: exporters.exact_kv); None: pool where the op builds here
 
     def __post_init__(self):
         if self.fmt not in FORMATS:
@@ -65,6 +69,11 @@ class ExportConfig:
             raise ExportError(f"--kv must be one of {', '.join(KV_MODES)}, got '{self.kv}'")
         if self.kv == "shared" and self.fmt != "onnx":
             raise ExportError(f"--kv shared needs --format onnx (got --format {self.fmt})")
+        if self.attention not in (None, *ATTENTION):
+            raise ExportError(f"--attention must be one of {', '.join(ATTENTION)}, got '{self.attention}'")
+        if self.attention == "pool" and self.kv != "shared":
+            raise ExportError(f"--attention pool needs --format onnx with --kv shared (got --format {self.fmt}, "
+                              f"--kv {self.kv})")
         if self.static and self.fmt != "openvino":
             raise ExportError(f"--static needs --format openvino (got --format {self.fmt})")
         if self.draft_streams is not None and self.fmt != "onnx":

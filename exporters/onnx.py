@@ -20,6 +20,8 @@ from pathlib import Path
 
 import torch
 
+from mirror_rt.exporters.native_op import ATTENTION
+from mirror_rt.exporters.native_op import DOMAIN as NATIVE_DOMAIN
 from mirror_rt.exporters.q4_min import quantize_q4_min
 from mirror_rt.exporters.shared_kv import DOMAIN, TOTAL_LEN
 from mirror_rt.exporters.split import (
@@ -54,11 +56,30 @@ def export_onnx_graph(model, spec: GraphSpec, table_len: int, weights: str, path
         warnings.simplefilter("ignore")  # tracer warnings about shape-to-int conversions
         torch.onnx.export(graph, example_inputs(model, spec), str(raw), input_names=ins, output_names=outs,
                           dynamic_axes=_dynamic_axes(spec, ins, outs), opset_version=OPSET, dynamo=False,
-                          do_constant_folding=True, custom_opsets={DOMAIN: 1} if spec.shared_kv else None)
+                          do_constant_folding=True, custom_opsets=_opsets(spec))
     if weights != "fp32":
-        quantize_weights(raw, path, weights, getattr(model, "head_size", model.config.vocab_size))  # pruned head
+        quantize_weights(raw, path, weights, getattr(model, "head_size", model.config.vocab_size),  # pruned head
+                         native=spec.pool)
         raw.unlink()
+    if spec.pool:
+        _mark(path, {ATTENTION: "pool"})
     return [path]
+
+
+def _mark(path: Path, props: dict) -> None:
+    """Model metadata the backend reads (ATTENTION: the graph's rows attend apart, whatever their lengths)."""
+    import onnx
+
+    model = onnx.load(str(path))
+    onnx.helper.set_model_props(model, props)
+    onnx.save(model, str(path))
+
+
+def _opsets(spec: GraphSpec) -> dict | None:
+    """The custom domains a graph uses: com.microsoft's ops in shared-KV graphs, mirror-rt's op in pool graphs."""
+    if not spec.shared_kv:
+        return None
+    return {DOMAIN: 1, **({NATIVE_DOMAIN: 1} if spec.pool else {})}
 
 
 def _dynamic_axes(spec: GraphSpec, ins: list[str], outs: list[str]) -> dict:
@@ -89,9 +110,10 @@ def _shared_axes(spec: GraphSpec, ins: list[str], outs: list[str]) -> dict:
     return axes
 
 
-def quantize_weights(src: Path, dst: Path, weights: str, vocab_size: int, keep: tuple[str, ...] = ()) -> None:
+def quantize_weights(src: Path, dst: Path, weights: str, vocab_size: int, keep: tuple[str, ...] = (),
+                     native: bool = False) -> None:
     """Quantization of `src` into `dst`: MatMulNBits "int8" or "int4" (see NBITS), "q4_1" (exporters.q4_min),
-    "w8a8" (exporters.w8a8). MatMuls named in `keep` stay fp32.
+    "w8a8" (exporters.w8a8; `native`: its activations quantized by mirror-rt's op). MatMuls named in `keep` stay fp32.
 
     The LM head (a MatMul whose weight has `vocab_size` columns; the tied embedding's
     transposed copy) gets the head's bits; the embedding Gather stays fp32 (a lookup costs
@@ -105,7 +127,7 @@ def quantize_weights(src: Path, dst: Path, weights: str, vocab_size: int, keep: 
     if weights == "w8a8":  # every product, heads included (one row's scale serves a whole product)
         from mirror_rt.exporters.w8a8 import quantize_w8a8
 
-        model = quantize_w8a8(model, keep)
+        model = quantize_w8a8(model, keep, native)
     elif weights == "q4_1":  # heads int8 first, then every other product in 4 bits with a minimum
         others = [n.name for n in model.graph.node if n.op_type == "MatMul" and n.name not in heads]
         model = quantize_q4_min(_quantize_matmuls(model, 8, exclude=others + keep), keep, ACCURACY_LEVEL)

@@ -26,6 +26,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from mirror_rt.exporters.exact_kv import GROUPS, GROUPS_INPUT, exact_attention_plan, exact_rope_attention
+from mirror_rt.exporters.pool_kv import pool_attention_plan, pool_rope_attention
 from mirror_rt.exporters.shared_kv import TOTAL_LEN, shared_kv_rope_attention
 from mirror_rt.models.exit_adapter import attends, exit_logits
 from mirror_rt.models.transformer import (
@@ -60,6 +61,12 @@ class GraphSpec:
     # shared-KV attention from standard ops, alike in every call shape (exporters.exact_kv; targets), else
     # GroupQueryAttention (exporters.shared_kv; drafts: faster at one token)
     exact: bool = False
+    pool: bool = False  # exact attention through mirror_rt::PoolAttention (exporters.pool_kv), in place
+
+    @property
+    def takes_groups(self) -> bool:
+        """Standard-op exact graphs attend per group of rows (exporters.exact_kv); pool graphs per row."""
+        return self.exact and not self.pool
 
     @property
     def takes_tokens(self) -> bool:
@@ -89,7 +96,7 @@ def input_names(spec: GraphSpec) -> list[str]:
         names.append(LAST_ROWS)
     if spec.shared_kv and spec.has_kv:
         names.append(TOTAL_LEN)
-        if spec.exact:
+        if spec.takes_groups:
             names.append(GROUPS_INPUT)
     return names + kv_names(spec.n_layers, PAST_NAMES)
 
@@ -181,7 +188,7 @@ class SplitGraph(nn.Module):
             return self._exit(x)
         if self.shared:
             last_rows, rest = (rest[0], rest[1:]) if spec.takes_last_rows else (None, rest)
-            groups, kv = (rest[1], rest[2:]) if spec.exact else (None, rest[1:])
+            groups, kv = (rest[1], rest[2:]) if spec.takes_groups else (None, rest[1:])
             return self._shared_layers(x, kv, rest[0], last_rows, groups)
         if spec.static:
             position, kv = rest[0], rest[1:]
@@ -208,7 +215,7 @@ class SplitGraph(nn.Module):
         rope = (self.rope_cos_half, self.rope_sin_half, positions)
         sizes = [self.n_heads * self.head_dim] + [self.n_kv_heads * self.head_dim] * 2
         h = self.model.embed(x) if self.spec.takes_tokens else x
-        plan = exact_attention_plan(positions, groups, self.n_heads, self.n_kv_heads) if self.spec.exact else None
+        plan = self._attention_plan(positions, groups)
         presents = []
         for i in range(self.spec.n_layers):
             block = self.model.layers[self.spec.first + i]
@@ -217,7 +224,10 @@ class SplitGraph(nn.Module):
             if attn.qk_norm:  # per head, before RoPE
                 q = attn.q_norm(q.reshape(B, T, self.n_heads, self.head_dim)).reshape(B, T, -1)
                 k = attn.k_norm(k.reshape(B, T, self.n_kv_heads, self.head_dim)).reshape(B, T, -1)
-            if plan is not None:
+            if self.spec.pool:
+                out, keys, values = pool_rope_attention(q, k, v, kv[2 * i], kv[2 * i + 1], rope, plan, self.n_heads,
+                                                        self.n_kv_heads, self.head_dim)
+            elif plan is not None:
                 out, keys, values = exact_rope_attention(q, k, v, kv[2 * i], kv[2 * i + 1], rope, plan, self.n_heads,
                                                          self.n_kv_heads, self.head_dim)
             else:
@@ -233,6 +243,12 @@ class SplitGraph(nn.Module):
         if last_rows is not None:  # the LM head over the last rows only (prefill needs one)
             h = h[:, T - last_rows[0]:]
         return (self.model.logits(h), *presents)
+
+    def _attention_plan(self, positions, groups):
+        """What every layer of an exact graph's call shares (exporters.exact_kv / pool_kv); None otherwise."""
+        if self.spec.pool:
+            return pool_attention_plan(positions, self.n_kv_heads)
+        return exact_attention_plan(positions, groups, self.n_heads, self.n_kv_heads) if self.spec.exact else None
 
     def _mask(self, positions: torch.Tensor, n_keys) -> torch.Tensor:
         """[T, S] bool: query at position p sees keys 0..p."""
@@ -304,13 +320,15 @@ def _side_by_side(*linears: nn.Linear) -> nn.Linear:
 
 
 def graph_spec(role: str, n_layers: int, exit_layer: int, kappa: int, static: bool = False,
-               context: int = 0, window: int = 0, shared_kv: bool = False, exit_mix: bool = False) -> GraphSpec:
-    """The spec of `role` for a model of `n_layers` cut at `exit_layer` (`exit_mix`: see GraphSpec)."""
+               context: int = 0, window: int = 0, shared_kv: bool = False, exit_mix: bool = False,
+               pool: bool = False) -> GraphSpec:
+    """The spec of `role` for a model of `n_layers` cut at `exit_layer` (`exit_mix`, `pool`: see GraphSpec)."""
     first, last = {"target_prefix": (0, exit_layer), "target_exit": (exit_layer, exit_layer),
                    "target_suffix": (exit_layer, n_layers), "draft": (0, n_layers)}[role]
     shared = shared_kv and role != "target_exit"
     return GraphSpec(role, first, last, kappa if role == "target_exit" else 0, static, context, window, shared,
-                     exit_mix and role == "target_prefix", exact=shared and role != "draft")
+                     exit_mix and role == "target_prefix", exact=shared and role != "draft",
+                     pool=pool and shared and role != "draft")
 
 
 def example_inputs(model: Transformer, spec: GraphSpec, tokens: int = 3, past: int = 2) -> tuple:
@@ -341,6 +359,6 @@ def _shared_example(model: Transformer, spec: GraphSpec, x: torch.Tensor, past: 
     kv = [torch.zeros(2, c.n_kv_heads, past + T + 2, c.head_dim, dtype=dtype) for _ in range(2 * spec.n_layers)]
     head = [x, torch.tensor([T], dtype=torch.long)] if spec.takes_last_rows else [x]
     head.append(torch.tensor([past + T, past + T + 1], dtype=torch.int32))
-    if spec.exact:  # a group per row, then empty groups
+    if spec.takes_groups:  # a group per row, then empty groups
         head.append(torch.tensor([[1, past + T], [2, past + T + 1]] + [[2, 1]] * (GROUPS - 2), dtype=torch.long))
     return tuple(head + kv)

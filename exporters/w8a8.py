@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import numpy as np
 
+from mirror_rt.exporters.native_op import DOMAIN, QUANTIZE_ROWS
 from mirror_rt.exporters.q4_min import replace_nodes
 
 LEVELS = 127  # symmetric int8: -127..127 (no -128, so negation is exact)
@@ -25,8 +26,10 @@ ZERO_POINT = 128  # activations as uint8: q + 128
 TINY = 1e-30  # an all-zero row gets this scale instead of 0 (no 0/0)
 
 
-def quantize_w8a8(model, exclude: list[str]):
-    """Every constant-weight 2-D MatMul of `model` (onnx ModelProto) not in `exclude` -> the w8a8 form; in place."""
+def quantize_w8a8(model, exclude: list[str], native: bool = False):
+    """Every constant-weight 2-D MatMul of `model` (onnx ModelProto) not in `exclude` -> the w8a8 form; in place.
+    `native`: each input's rows quantized by mirror-rt's op (`mirror_rt::QuantizeRows`, exporters.native_op: the
+    same bits in one node where the standard ops take six)."""
 
     if _opset(model) < 13:  # QuantizeLinear with a scalar scale and uint8 zero point, as used here
         raise ValueError(f"w8a8 needs an ONNX opset >= 13, the graph has {_opset(model)}")
@@ -42,8 +45,12 @@ def quantize_w8a8(model, exclude: list[str]):
         used.add(weight.name)
         x = node.input[0]
         if x not in quantized:
-            quantized[x] = _quantize_rows(nodes, x, constants)
+            quantized[x] = (_quantize_rows_native if native else _quantize_rows)(nodes, x, constants)
         nodes += _integer_product(graph, node, weight, quantized[x], constants)
+    if native and not any(o.domain == DOMAIN for o in model.opset_import):
+        from onnx import helper
+
+        model.opset_import.append(helper.make_opsetid(DOMAIN, 1))
     return replace_nodes(model, nodes, used)
 
 
@@ -85,6 +92,15 @@ def _quantize_rows(nodes: list, x: str, c: dict) -> tuple[str, str]:
               helper.make_node("Div", [x, n["scale"]], [n["scaled"]], name=n["scaled"]),
               helper.make_node("QuantizeLinear", [n["scaled"], c["one"], c["zero_point"]], [n["q"]], name=n["q"])]
     return n["q"], n["scale"]
+
+
+def _quantize_rows_native(nodes: list, x: str, c: dict) -> tuple[str, str]:
+    """As _quantize_rows, in one node of mirror-rt's op."""
+    from onnx import helper
+
+    q, scale = f"{x}.w8a8_q", f"{x}.w8a8_scale"
+    nodes.append(helper.make_node(QUANTIZE_ROWS, [x], [q, scale], name=q, domain=DOMAIN))
+    return q, scale
 
 
 def _integer_product(graph, node, weight, quantized: tuple[str, str], c: dict) -> list:

@@ -21,7 +21,7 @@ from mirror_rt.cli_options import (
     generation_config,
 )
 from mirror_rt.evaluation.device_check import CHECK_OUT, CHECK_TOKENS, MAX_CHECK_TOKENS
-from mirror_rt.exporters.export_config import ExportConfig
+from mirror_rt.exporters.export_config import ATTENTION, ExportConfig
 from mirror_rt.exporters.paths import check_writable
 from mirror_rt.models.config import DEFAULT_KAPPA
 from mirror_rt.models.default_model import DEFAULT_MODEL
@@ -161,6 +161,10 @@ def add_export(sub) -> None:
     export.add_argument("--exit-adapter", help="a trained exit adapter (mirror-rt train-exit) to carry")
     export.add_argument("--kv", help="shared (default with onnx: KV written in place, no copy per call; ONNX "
                         "Runtime only) | explicit (KV in and out: OpenVINO can load the .onnx too)")
+    export.add_argument("--attention", choices=ATTENTION, help="the target's attention with --kv shared: pool "
+                        "(mirror-rt's ONNX Runtime op reads the KV in place; built with the machine's C++ compiler, "
+                        "here and wherever the bundle runs) | standard (standard ONNX ops); default: pool where it "
+                        "builds")
     export.add_argument("--draft-vocab", help="kept token ids (mirror-rt prune-vocab --out): the draft's LM head "
                         "over those rows only, -inf elsewhere (onnx, openvino; the output never changes)")
     export.add_argument("--static", action="store_true", help="fixed shapes (NPUs need them)")

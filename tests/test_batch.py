@@ -94,18 +94,21 @@ def test_modes_mix_in_one_batch(pair):
     assert not [t for t in __import__("threading").enumerate() if t.name == "mirror-draft" and t.is_alive()]
 
 
-@pytest.fixture(scope="module", params=["fp32", "int8", "q4_1", "w8a8"])
+@pytest.fixture(scope="module", params=["fp32", "int8", "q4_1", "w8a8", "w8a8-standard"])
 def precision_pair(request, tmp_path_factory):
     """(target, draft) of a tiny ONNX bundle with its target at each precision (`mirror-rt export --weights`): with
     quantized activations a last-bit difference between call shapes would change tokens, so every target must
-    compute a position alike whether it comes in a one-token step, a row of a batch or a verify window."""
+    compute a position alike whether it comes in a one-token step, a row of a batch or a verify window. The
+    targets attend through mirror-rt's op where it builds; `-standard`: through standard ops (exporters.exact_kv,
+    what machines without a compiler export)."""
     from mirror_rt import load_bundle
     from mirror_rt.exporters.export import export_bundle
 
+    weights, _, attention = request.param.partition("-")
     folder = export_bundle("tiny", tmp_path_factory.mktemp(f"bundle-{request.param}"), progress=False,
-                           weights=request.param)
+                           weights=weights, attention=attention or None)
     engine = load_bundle(str(folder), mode="mirror")
-    assert engine.names["target_precision"] == request.param
+    assert engine.names["target_precision"] == weights
     return engine.target, engine.draft
 
 
@@ -386,10 +389,13 @@ def staggered(target, draft, mode: str, count: int = 10):
 
 
 def assert_rows_were_grouped(decoder: BatchDecoder, rotating: dict) -> None:
-    """Bundles group rows inside their calls (never cut, never sorted); torch cuts its steps."""
+    """Bundles group rows inside their calls (never cut, never sorted; rows of pool graphs attend apart, with no
+    groups to make); torch cuts its steps."""
+    from mirror_rt.devices.onnxruntime_backend import ROWS_APART
+
     split = decoder.row_split
     if split.in_call:
-        assert rotating["grouped"] > 0 and split.splits == split.sorts == 0
+        assert (rotating["grouped"] > 0 or split.in_call == ROWS_APART) and split.splits == split.sorts == 0
     else:
         assert split.splits > 0 and (split.sorts > 0 or not decoder.pooled)
 

@@ -19,7 +19,7 @@ import torch
 from conftest import load_parts
 
 from mirror_rt.devices.registry import available_devices
-from mirror_rt.exporters.exact_kv import GROUPS
+from mirror_rt.exporters.exact_kv import GROUPS, GROUPS_INPUT
 from mirror_rt.exporters.export import ExportError, export_bundle
 from mirror_rt.exporters.manifest import FORMAT_VERSION, BundleError, read_manifest
 from mirror_rt.exporters.openvino import int4_group_size
@@ -57,7 +57,7 @@ def static_bundle(tmp_path_factory):
 def test_manifest_describes_the_bundle(torch_bundle):
     """Defaults: exit layer N/2, the four roles, tokenizer hash, versions, kv layout."""
     manifest = read_manifest(torch_bundle)
-    assert manifest.format_version == FORMAT_VERSION == 6
+    assert manifest.format_version == FORMAT_VERSION == 7
     assert manifest.exit_layer == manifest.n_layers // 2 and manifest.kappa == 4
     assert {g.role for g in manifest.graphs} == {"target_prefix", "target_exit", "target_suffix", "draft"}
     exit_graph = manifest.graph("target_exit")  # torch: computed from the target's own weights
@@ -269,16 +269,38 @@ def test_onnx_int8_draft_is_weight_only(onnx_int8_bundle):
     assert rotary == [1] * n_layers
 
 
-def test_onnx_targets_attend_with_standard_ops(onnx_int8_bundle):
-    """Target prefix and suffix attend without GroupQueryAttention (exporters.exact_kv: the same kernels in every
-    call shape), writing their KV in place with ScatterND; the draft keeps GroupQueryAttention."""
+def test_onnx_targets_attend_in_place(onnx_int8_bundle):
+    """Where mirror-rt's op builds, target prefix and suffix attend through it (exporters.pool_kv: one node a layer
+    reading the KV buffers in place, no attention groups), writing their KV in place with ScatterND."""
     import onnx
 
+    from mirror_rt.exporters import native_op
+
+    if not native_op.available():
+        pytest.skip("no C++ compiler: the bundle attends with standard ops")
+    assert read_manifest(onnx_int8_bundle).kv_layout["attention"] == "pool"
     for role in ("target_prefix", "target_suffix"):
-        ops = [n.op_type for n in onnx.load(str(onnx_int8_bundle / f"{role}.onnx")).graph.node]
+        graph = onnx.load(str(onnx_int8_bundle / f"{role}.onnx")).graph
+        ops = [n.op_type for n in graph.node]
         layers = ops.count("ScatterND") // 2
-        assert layers >= 1 and "GroupQueryAttention" not in ops
+        assert layers >= 1 and ops.count(native_op.OP) == layers and "Softmax" not in ops
+        assert GROUPS_INPUT not in [i.name for i in graph.input]
+
+
+def test_onnx_targets_attend_with_standard_ops(tmp_path):
+    """`--attention standard` (and machines without a compiler): target prefix and suffix attend without
+    GroupQueryAttention (exporters.exact_kv: the same kernels in every call shape), per group of rows; the draft
+    keeps GroupQueryAttention."""
+    import onnx
+
+    folder = _export(tmp_path / "standard", fmt="onnx", draft_weights="int8", kappa=4, attention="standard")
+    assert read_manifest(folder).kv_layout["attention"] == "standard"
+    for role in ("target_prefix", "target_suffix"):
+        ops = [n.op_type for n in onnx.load(str(folder / f"{role}.onnx")).graph.node]
+        layers = ops.count("ScatterND") // 2
+        assert layers >= 1 and "GroupQueryAttention" not in ops and "PoolAttention" not in ops
         assert ops.count("RotaryEmbedding") * GROUPS == ops.count("Softmax") * 2 == 2 * GROUPS * layers  # per group
+    assert "GroupQueryAttention" in [n.op_type for n in onnx.load(str(folder / "draft.onnx")).graph.node]
 
 
 def test_onnx_exit_is_its_own_int8_graph(onnx_int8_bundle):

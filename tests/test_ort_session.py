@@ -76,3 +76,35 @@ def test_unwritable_bundle_builds_sessions_without_a_cache(bundle, monkeypatch):
     monkeypatch.setattr(ort_session, "cpu_fingerprint", lambda: "another cpu")
     graph, _, _ = _logits(bundle / "draft.onnx", [5, 6, 7])
     assert graph.session._model_path == str(bundle / "draft.onnx")
+
+
+def test_a_damaged_cache_is_built_again(bundle):
+    """A cached graph damaged from outside (its weights cut short: a full disk, a cut copy) is replaced: the session
+    is built from the bundle's graph again, with the same logits."""
+    from mirror_rt.devices.onnxruntime_backend import session_options
+    from mirror_rt.devices.ort_session import GRAPH_FILE, WEIGHTS_FILE, cache_folder
+
+    graph = bundle / "draft.onnx"
+    ids = [5, 70, 80]
+    _, prompt, step = _logits(graph, ids)  # made (or read) the cache
+    folder = cache_folder(graph, ["CPUExecutionProvider"], session_options(1))
+    weights = folder / WEIGHTS_FILE
+    weights.write_bytes(weights.read_bytes()[: weights.stat().st_size // 3])
+    rebuilt, prompt_again, step_again = _logits(graph, ids)
+    assert rebuilt.session._model_path == str(graph) and (folder / GRAPH_FILE).is_file()
+    assert np.array_equal(prompt, prompt_again) and np.array_equal(step, step_again)
+    assert cache_folder(graph, ["CPUExecutionProvider"], session_options(1)) == folder
+
+
+def test_a_graph_needing_the_native_op_says_why_it_cannot_load(bundle, monkeypatch):
+    """A pool-attention graph where mirror-rt's op cannot be built: one line naming the reason and the way out."""
+    from mirror_rt.devices.onnxruntime_backend import ORTGraph
+    from mirror_rt.exporters import native_op
+    from mirror_rt.exporters.manifest import BundleError, read_manifest
+
+    if read_manifest(bundle).kv_layout.get("attention") != "pool":
+        pytest.skip("the bundle attends with standard ops (no compiler here)")
+    monkeypatch.setattr(native_op, "compiler", lambda: None)
+    shutil.rmtree(bundle / ".cache" / "ort", ignore_errors=True)
+    with pytest.raises(BundleError, match="no C\\+\\+ compiler.*--attention standard$"):
+        ORTGraph(bundle / "target_suffix.onnx", "cpu", (2, 16), threads=1)

@@ -1,0 +1,315 @@
+// mirror_rt.PoolAttention: causal attention that reads each row's keys and values in place in the KV buffers,
+// an ONNX Runtime custom op (CPU). Built on first use by devices/native_ops.py; see exporters/pool_kv.py.
+//
+// Inputs: q [B, T, H*D] (rotated), keys and values [B, KVH, S, D] (this call's already written at each query's
+// position), positions [B, T] int64. Output [B, T, H*D]. Query head h reads KV head h / (H / KVH).
+// A query at position p attends to keys 0..p of its own row, always with the same float operations in the same
+// order (dot products over 16 lanes then a fixed tree, max, exp, sums over keys in order): its result does not
+// depend on the call's other rows, on how many tokens the call holds, or on anything past p in the buffers.
+// That is the losslessness contract (a window verified in one call equals the same tokens decoded one by one).
+
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <algorithm>
+#include <atomic>
+#include <thread>
+#include <vector>
+#ifdef __AVX512F__
+#include <immintrin.h>
+#endif
+
+namespace {
+
+constexpr int W = 16;  // lanes of every partial sum
+
+inline float tree_sum(const float* a) {  // a fixed order: the result's bits do not depend on the compiler's choice
+  float t[8], u[4];
+  for (int i = 0; i < 8; ++i) t[i] = a[i] + a[i + 8];
+  for (int i = 0; i < 4; ++i) u[i] = t[i] + t[i + 4];
+  return (u[0] + u[2]) + (u[1] + u[3]);
+}
+
+inline float dot(const float* q, const float* k, int d) {
+  float acc[W] = {0};
+  int full = d - d % W;
+  for (int i = 0; i < full; i += W)
+    for (int l = 0; l < W; ++l) acc[l] += q[i + l] * k[i + l];
+  for (int i = full; i < d; ++i) acc[i - full] += q[i] * k[i];
+  return tree_sum(acc);
+}
+
+inline void exp_lanes(float* x) {  // e^x for x <= 0 over W lanes: 2^n * polynomial(r), |error| ~ 1 ulp
+  for (int l = 0; l < W; ++l) {
+    float v = x[l] < -87.0f ? -87.0f : x[l];
+    float n = std::floor(v * 1.44269504088896341f + 0.5f);
+    float r = v - n * 0.693359375f;
+    r = r - n * -2.12194440e-4f;
+    float p = 1.9875691500e-4f;
+    p = p * r + 1.3981999507e-3f;
+    p = p * r + 8.3334519073e-3f;
+    p = p * r + 4.1665795894e-2f;
+    p = p * r + 1.6666665459e-1f;
+    p = p * r + 5.0000001201e-1f;
+    p = p * (r * r) + (r + 1.0f);
+    int32_t bits = (static_cast<int32_t>(n) + 127) << 23;
+    float scale;
+    std::memcpy(&scale, &bits, sizeof scale);
+    x[l] = p * scale;
+  }
+}
+
+struct Shape {
+  int64_t rows, tokens, heads, kv_heads, capacity, dim;
+};
+
+// One query position of one row over the `rep` query heads of one KV head; `scores` holds rep x (n rounded up).
+void attend_generic(const Shape& s, const float* q, const float* keys, const float* values, int64_t n, float* out,
+            std::vector<float>& scores) {
+  const int rep = static_cast<int>(s.heads / s.kv_heads), d = static_cast<int>(s.dim);
+  const int64_t padded = (n + W - 1) / W * W;
+  scores.resize(static_cast<size_t>(rep * padded));
+  const float scale = 1.0f / std::sqrt(static_cast<float>(d));
+  for (int r = 0; r < rep; ++r) {
+    float* row = scores.data() + r * padded;
+    for (int64_t j = 0; j < n; ++j) row[j] = dot(q + r * d, keys + j * d, d) * scale;
+    for (int64_t j = n; j < padded; ++j) row[j] = -INFINITY;
+    float top[W];
+    for (int l = 0; l < W; ++l) top[l] = -INFINITY;
+    for (int64_t j = 0; j < padded; j += W)
+      for (int l = 0; l < W; ++l) top[l] = row[j + l] > top[l] ? row[j + l] : top[l];
+    float m = top[0];
+    for (int l = 1; l < W; ++l) m = top[l] > m ? top[l] : m;
+    float sum[W] = {0};
+    for (int64_t j = 0; j < padded; j += W) {
+      float* x = row + j;
+      for (int l = 0; l < W; ++l) x[l] -= m;
+      exp_lanes(x);
+      for (int l = 0; l < W; ++l) sum[l] += j + l < n ? x[l] : 0.0f;
+    }
+    const float inverse = 1.0f / tree_sum(sum);
+    float* o = out + r * d;
+    for (int i = 0; i < d; ++i) o[i] = 0.0f;
+    for (int64_t j = 0; j < n; ++j) {
+      const float w = row[j];
+      const float* v = values + j * d;
+      for (int i = 0; i < d; ++i) o[i] += w * v[i];
+    }
+    for (int i = 0; i < d; ++i) o[i] *= inverse;
+  }
+}
+
+#ifdef __AVX512F__
+inline __m512 exp16(__m512 x) {  // the same arithmetic as exp_lanes, 16 lanes at once
+  x = _mm512_max_ps(x, _mm512_set1_ps(-87.0f));
+  __m512 n = _mm512_roundscale_ps(_mm512_fmadd_ps(x, _mm512_set1_ps(1.44269504088896341f), _mm512_set1_ps(0.5f)),
+                                  _MM_FROUND_TO_NEG_INF | _MM_FROUND_NO_EXC);
+  __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), x);
+  r = _mm512_fnmadd_ps(n, _mm512_set1_ps(-2.12194440e-4f), r);
+  __m512 p = _mm512_set1_ps(1.9875691500e-4f);
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.3981999507e-3f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(8.3334519073e-3f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(4.1665795894e-2f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.6666665459e-1f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(5.0000001201e-1f));
+  p = _mm512_fmadd_ps(p, _mm512_mul_ps(r, r), _mm512_add_ps(r, _mm512_set1_ps(1.0f)));
+  return _mm512_scalef_ps(p, n);
+}
+
+// 16 vectors -> one: lane k = the sum of a[k]'s lanes, by one tree for every k whatever its place.
+inline __m512 reduce16(const __m512* a) {
+  __m512 t[8], u[4];
+  for (int i = 0; i < 8; ++i)
+    t[i] = _mm512_add_ps(_mm512_unpacklo_ps(a[2 * i], a[2 * i + 1]), _mm512_unpackhi_ps(a[2 * i], a[2 * i + 1]));
+  for (int i = 0; i < 4; ++i)
+    u[i] = _mm512_add_ps(_mm512_shuffle_ps(t[2 * i], t[2 * i + 1], 0x44), _mm512_shuffle_ps(t[2 * i], t[2 * i + 1], 0xEE));
+  __m512 x0 = _mm512_add_ps(_mm512_shuffle_f32x4(u[0], u[1], 0x44), _mm512_shuffle_f32x4(u[0], u[1], 0xEE));
+  __m512 x1 = _mm512_add_ps(_mm512_shuffle_f32x4(u[2], u[3], 0x44), _mm512_shuffle_f32x4(u[2], u[3], 0xEE));
+  return _mm512_add_ps(_mm512_shuffle_f32x4(x0, x1, 0x88), _mm512_shuffle_f32x4(x0, x1, 0xDD));
+}
+
+// Scores of one query head (d = 64) over keys 0..n-1, 16 keys at a time; -inf past n up to `padded`.
+inline void scores64(const float* q, const float* keys, int64_t n, float scale, float* row) {
+  const __m512 q0 = _mm512_loadu_ps(q), q1 = _mm512_loadu_ps(q + 16), q2 = _mm512_loadu_ps(q + 32),
+               q3 = _mm512_loadu_ps(q + 48);
+  const __m512 s = _mm512_set1_ps(scale), lowest = _mm512_set1_ps(-INFINITY);
+  __m512 acc[16];
+  for (int64_t j0 = 0; j0 < n; j0 += 16) {
+    const int live = n - j0 < 16 ? static_cast<int>(n - j0) : 16;
+    for (int k = 0; k < 16; ++k) {
+      if (k >= live) {
+        acc[k] = _mm512_setzero_ps();
+        continue;
+      }
+      const float* key = keys + (j0 + k) * 64;
+      __m512 a = _mm512_mul_ps(q0, _mm512_loadu_ps(key));
+      a = _mm512_fmadd_ps(q1, _mm512_loadu_ps(key + 16), a);
+      a = _mm512_fmadd_ps(q2, _mm512_loadu_ps(key + 32), a);
+      acc[k] = _mm512_fmadd_ps(q3, _mm512_loadu_ps(key + 48), a);
+    }
+    const __mmask16 mask = live == 16 ? 0xFFFF : static_cast<__mmask16>((1u << live) - 1);
+    _mm512_storeu_ps(row + j0, _mm512_mask_mul_ps(lowest, mask, reduce16(acc), s));
+  }
+}
+
+// attend() for d = 64: the same steps as attend_generic, vectorized (its own bits, the same in every call shape).
+template <int rep>
+void attend64(const float* q, const float* keys, const float* values, int64_t n, float* out,
+              std::vector<float>& scores) {
+  const int64_t padded = (n + 15) / 16 * 16;
+  scores.resize(static_cast<size_t>(rep * padded));
+  const float scale = 1.0f / std::sqrt(64.0f);
+  float inverse[rep];
+  for (int r = 0; r < rep; ++r) {
+    float* row = scores.data() + r * padded;
+    scores64(q + r * 64, keys, n, scale, row);
+    __m512 top = _mm512_set1_ps(-INFINITY);
+    for (int64_t j = 0; j < padded; j += 16) top = _mm512_max_ps(top, _mm512_loadu_ps(row + j));
+    const __m512 m = _mm512_set1_ps(_mm512_reduce_max_ps(top));
+    __m512 sum = _mm512_setzero_ps();
+    for (int64_t j = 0; j < padded; j += 16) {
+      const int live = n - j < 16 ? static_cast<int>(n - j) : 16;
+      const __mmask16 mask = live == 16 ? 0xFFFF : static_cast<__mmask16>((1u << live) - 1);
+      __m512 e = _mm512_maskz_mov_ps(mask, exp16(_mm512_sub_ps(_mm512_loadu_ps(row + j), m)));
+      _mm512_storeu_ps(row + j, e);
+      sum = _mm512_add_ps(sum, e);
+    }
+    float lanes[16];
+    _mm512_storeu_ps(lanes, sum);
+    inverse[r] = 1.0f / tree_sum(lanes);
+  }
+  // values: the rep heads share each value vector; sums over keys in order
+  __m512 o[rep][4];
+  for (int r = 0; r < rep; ++r)
+    for (int c = 0; c < 4; ++c) o[r][c] = _mm512_setzero_ps();
+  for (int64_t j = 0; j < n; ++j) {
+    const float* v = values + j * 64;
+    const __m512 v0 = _mm512_loadu_ps(v), v1 = _mm512_loadu_ps(v + 16), v2 = _mm512_loadu_ps(v + 32),
+                 v3 = _mm512_loadu_ps(v + 48);
+    for (int r = 0; r < rep; ++r) {
+      const __m512 w = _mm512_set1_ps(scores[r * padded + j]);
+      o[r][0] = _mm512_fmadd_ps(w, v0, o[r][0]);
+      o[r][1] = _mm512_fmadd_ps(w, v1, o[r][1]);
+      o[r][2] = _mm512_fmadd_ps(w, v2, o[r][2]);
+      o[r][3] = _mm512_fmadd_ps(w, v3, o[r][3]);
+    }
+  }
+  for (int r = 0; r < rep; ++r) {
+    const __m512 scale_out = _mm512_set1_ps(inverse[r]);
+    for (int c = 0; c < 4; ++c) _mm512_storeu_ps(out + r * 64 + 16 * c, _mm512_mul_ps(o[r][c], scale_out));
+  }
+}
+#endif
+
+void attend(const Shape& s, const float* q, const float* keys, const float* values, int64_t n, float* out,
+            std::vector<float>& scores) {
+#ifdef __AVX512F__
+  if (s.dim == 64) {
+    switch (s.heads / s.kv_heads) {  // the query heads of one KV head, in registers together
+      case 1: return attend64<1>(q, keys, values, n, out, scores);
+      case 2: return attend64<2>(q, keys, values, n, out, scores);
+      case 3: return attend64<3>(q, keys, values, n, out, scores);
+      case 4: return attend64<4>(q, keys, values, n, out, scores);
+      case 5: return attend64<5>(q, keys, values, n, out, scores);
+      case 6: return attend64<6>(q, keys, values, n, out, scores);
+      default: break;
+    }
+  }
+#endif
+  attend_generic(s, q, keys, values, n, out, scores);
+}
+
+// Keys one query attends to: position + 1, within the buffer.
+inline int64_t keys_of(const Shape& s, const int64_t* positions, int64_t unit) {
+  const int64_t p = positions[unit];
+  return p < 0 ? 0 : (p + 1 > s.capacity ? s.capacity : p + 1);
+}
+
+// Units first..last-1 of the call's work: unit u is query (row, token) u / KVH over KV head u % KVH.
+void run_units(const Shape& s, const float* q, const float* keys, const float* values, const int64_t* positions,
+               float* out, int64_t first, int64_t last) {
+  std::vector<float> scores;
+  const int64_t rep = s.heads / s.kv_heads, width = s.heads * s.dim;
+  for (int64_t unit = first; unit < last; ++unit) {
+    const int64_t query = unit / s.kv_heads, h = unit % s.kv_heads, b = query / s.tokens;
+    const int64_t base = (b * s.kv_heads + h) * s.capacity * s.dim, at = query * width + h * rep * s.dim;
+    const int64_t n = keys_of(s, positions, query);
+    if (n == 0)
+      std::memset(out + at, 0, sizeof(float) * rep * s.dim);
+    else
+      attend(s, q + at, keys + base, values + base, n, out + at, scores);
+  }
+}
+
+int g_threads = 1;              // threads the calls of this process may use together (mirror_rt_ops_threads)
+std::atomic<int> g_running{0};  // calls running now: they share g_threads
+
+constexpr int64_t SPLIT_KEYS = 1 << 15;  // a call attending to fewer keys in all runs on its own thread
+
+void compute(const Shape& s, const float* q, const float* keys, const float* values, const int64_t* positions,
+             float* out) {
+  const int64_t units = s.rows * s.tokens * s.kv_heads;
+  int64_t total = 0;
+  for (int64_t query = 0; query < s.rows * s.tokens; ++query) total += keys_of(s, positions, query);
+  total *= s.kv_heads;
+  const int running = ++g_running;
+  const int threads = total < SPLIT_KEYS ? 1 : std::max(1, g_threads / running);
+  if (threads <= 1) {
+    run_units(s, q, keys, values, positions, out, 0, units);
+    --g_running;
+    return;
+  }
+  // contiguous ranges of units with like numbers of keys (a query's cost grows with its position)
+  std::vector<int64_t> cuts{0};
+  int64_t done = 0;
+  for (int64_t unit = 0; unit < units && static_cast<int>(cuts.size()) < threads; ++unit) {
+    done += keys_of(s, positions, unit / s.kv_heads);
+    if (done * threads >= total * static_cast<int64_t>(cuts.size())) cuts.push_back(unit + 1);
+  }
+  cuts.push_back(units);
+  std::vector<std::thread> helpers;
+  for (size_t i = 1; i + 1 < cuts.size(); ++i)
+    helpers.emplace_back(run_units, std::cref(s), q, keys, values, positions, out, cuts[i], cuts[i + 1]);
+  run_units(s, q, keys, values, positions, out, cuts[0], cuts[1]);
+  for (auto& t : helpers) t.join();
+  --g_running;
+}
+
+}  // namespace
+
+extern "C" {
+
+void mirror_rt_ops_threads(int threads) { g_threads = threads < 1 ? 1 : threads; }
+
+// The kernel without ONNX Runtime (tests call it through ctypes); returns 0.
+int mirror_rt_pool_attention(const float* q, const float* keys, const float* values, const int64_t* positions,
+                             float* out, int64_t rows, int64_t tokens, int64_t heads, int64_t kv_heads,
+                             int64_t capacity, int64_t dim) {
+  Shape s{rows, tokens, heads, kv_heads, capacity, dim};
+  compute(s, q, keys, values, positions, out);
+  return 0;
+}
+
+// Rows of x [rows, k] as uint8 around 128 with one scale per row: scale = max(max|x| * (1/127), 1e-30),
+// q = round-half-even(x / scale) + 128. The same float operations as the standard-op form of exporters.w8a8
+// (Abs, ReduceMax, Mul, Max, Div, QuantizeLinear), so the same bits, in one pass over the row.
+void mirror_rt_quantize_rows(const float* x, uint8_t* q, float* scales, int64_t rows, int64_t k) {
+  const float inverse_levels = static_cast<float>(1.0 / 127.0), tiny = 1e-30f;  // as numpy's float32 of each
+  for (int64_t r = 0; r < rows; ++r) {
+    const float* row = x + r * k;
+    float top = 0.0f;
+    for (int64_t i = 0; i < k; ++i) top = std::fabs(row[i]) > top ? std::fabs(row[i]) : top;
+    float scale = top * inverse_levels;
+    scale = scale > tiny ? scale : tiny;
+    scales[r] = scale;
+    uint8_t* out = q + r * k;
+    for (int64_t i = 0; i < k; ++i) {
+      float v = std::nearbyint(row[i] / scale) + 128.0f;
+      out[i] = static_cast<uint8_t>(v < 0.0f ? 0.0f : (v > 255.0f ? 255.0f : v));
+    }
+  }
+}
+
+}  // extern "C"
+
+#include "pool_attention_ort.inc"

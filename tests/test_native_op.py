@@ -1,0 +1,132 @@
+"""mirror-rt's ONNX Runtime ops (exporters/pool_attention.cpp): attention read in place, rows quantized in one node.
+
+The kernel is called through ctypes and through ONNX Runtime; its contract is bitwise: a query's output depends
+on its own row's keys up to its position only, never on the call's other rows or tokens or on stale slots."""
+
+import ctypes
+
+import numpy as np
+import pytest
+
+from mirror_rt.exporters import native_op
+
+pytestmark = pytest.mark.skipif(not native_op.available(), reason="no C++ compiler to build the op")
+
+
+def kernel():
+    lib = ctypes.CDLL(str(native_op.library()))
+    f = lib.mirror_rt_pool_attention
+    f.argtypes = [ctypes.c_void_p] * 5 + [ctypes.c_int64] * 6
+    return f
+
+
+def attend(q, keys, values, positions):
+    B, T, width = q.shape
+    _, kv_heads, capacity, dim = keys.shape
+    out = np.full_like(q, np.nan)
+    arrays = [np.ascontiguousarray(a) for a in (q, keys, values, positions)]
+    kernel()(*(a.ctypes.data for a in arrays), out.ctypes.data, B, T, width // dim, kv_heads, capacity, dim)
+    return out
+
+
+def reference(q, keys, values, positions):
+    """Causal attention in float64: query (b, t) over keys 0..positions[b, t] of row b."""
+    B, T, width = q.shape
+    _, kv_heads, _, dim = keys.shape
+    heads = width // dim
+    out = np.zeros(q.shape)
+    for b in range(B):
+        for t in range(T):
+            n = positions[b, t] + 1
+            for h in range(heads):
+                kv = h // (heads // kv_heads)
+                scores = keys[b, kv, :n].astype(np.float64) @ q[b, t, h * dim:(h + 1) * dim] / np.sqrt(dim)
+                weights = np.exp(scores - scores.max())
+                out[b, t, h * dim:(h + 1) * dim] = weights / weights.sum() @ values[b, kv, :n]
+    return out
+
+
+@pytest.mark.parametrize("dim,heads,kv_heads", [(64, 9, 3), (64, 4, 4), (16, 4, 2), (12, 6, 2)])
+def test_matches_float64_attention(dim, heads, kv_heads):
+    """The vectorized path (head size 64) and the plain one, against causal attention computed in float64."""
+    rng = np.random.default_rng(dim + heads)
+    B, T, capacity = 3, 5, 90
+    keys, values = (rng.standard_normal((B, kv_heads, capacity, dim), dtype=np.float32) for _ in range(2))
+    q = rng.standard_normal((B, T, heads * dim), dtype=np.float32)
+    positions = np.array([[p - T + 1 + t for t in range(T)] for p in (20, 89, 4)], dtype=np.int64)
+    assert np.abs(attend(q, keys, values, positions) - reference(q, keys, values, positions)).max() < 2e-6
+
+
+@pytest.mark.parametrize("dim", [64, 16])
+def test_a_query_computes_alike_in_every_call_shape(dim):
+    """Bitwise: each query of a 3-row, 7-token call equals itself alone in a one-token call, in a window of its
+    row, and after the slots past its position were overwritten; long rows go through the threaded path."""
+    rng = np.random.default_rng(dim)
+    B, T, capacity, kv_heads, heads = 3, 7, 3000, 2, 6
+    keys, values = (rng.standard_normal((B, kv_heads, capacity, dim), dtype=np.float32) for _ in range(2))
+    q = rng.standard_normal((B, T, heads * dim), dtype=np.float32)
+    positions = np.array([[end - T + t for t in range(T)] for end in (10, 2999, 700)], dtype=np.int64)
+    native_op.set_threads(2)
+    together = attend(q, keys, values, positions)
+    for b in range(B):
+        window = attend(q[b:b + 1, 2:], keys[b:b + 1], values[b:b + 1], positions[b:b + 1, 2:])
+        assert np.array_equal(window[0], together[b, 2:])
+        for t in range(T):
+            stale_keys, stale_values = keys[b:b + 1].copy(), values[b:b + 1].copy()
+            stale_keys[:, :, positions[b, t] + 1:] = 7.0
+            stale_values[:, :, positions[b, t] + 1:] = -7.0
+            alone = attend(q[b:b + 1, t:t + 1], stale_keys, stale_values, positions[b:b + 1, t:t + 1])
+            assert np.array_equal(alone[0, 0], together[b, t]), (b, t)
+
+
+def test_quantize_rows_equals_the_standard_ops():
+    """QuantizeRows gives the bits of exporters.w8a8's six standard ops (zero rows and ties included)."""
+    import onnxruntime as ort
+    from onnx import TensorProto, helper
+
+    from mirror_rt.exporters.w8a8 import _constants, _quantize_rows
+
+    graph = helper.make_graph([], "rows", [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["B", "T", 96])], [])
+    nodes = []
+    standard = _quantize_rows(nodes, "x", _constants(graph, axes_input=True))
+    nodes.append(helper.make_node(native_op.QUANTIZE_ROWS, ["x"], ["q", "scale"], domain=native_op.DOMAIN))
+    graph.node.extend(nodes)
+    graph.output.extend(helper.make_tensor_value_info(name, kind, None) for name, kind in
+                        ((standard[0], TensorProto.UINT8), (standard[1], TensorProto.FLOAT),
+                         ("q", TensorProto.UINT8), ("scale", TensorProto.FLOAT)))
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 18),
+                                                    helper.make_opsetid(native_op.DOMAIN, 1)])
+    options = ort.SessionOptions()
+    options.register_custom_ops_library(str(native_op.library()))
+    session = ort.InferenceSession(model.SerializeToString(), options, providers=["CPUExecutionProvider"])
+    rng = np.random.default_rng(0)
+    for trial in range(50):
+        x = (rng.standard_normal((3, 4, 96)) * rng.uniform(0.01, 50)).astype(np.float32)
+        x[0, 0] = 0.0
+        x[1, 2, :8] = np.float32(0.5) * np.abs(x[1, 2]).max()  # x / scale = 63.5: a tie, rounded to even
+        q_standard, scale_standard, q, scale = session.run(None, {"x": x})
+        assert np.array_equal(q, q_standard) and np.array_equal(scale, scale_standard), trial
+
+
+def test_without_a_compiler_it_says_why(monkeypatch, tmp_path):
+    """No compiler: one line naming what to install, and exports fall back to the standard-op graphs."""
+    from mirror_rt.exporters.export import _attention
+    from mirror_rt.exporters.export_config import ExportConfig
+
+    monkeypatch.setattr(native_op, "compiler", lambda: None)
+    with pytest.raises(native_op.NativeOpUnavailable, match="no C\\+\\+ compiler"):
+        native_op.library(tmp_path)
+    assert _attention(ExportConfig(model="tiny", out_dir=tmp_path / "b")) == "standard"
+    with pytest.raises(ValueError, match="--attention pool: no C\\+\\+ compiler"):
+        _attention(ExportConfig(model="tiny", out_dir=tmp_path / "b", attention="pool"))
+
+
+def test_a_failing_build_says_why_in_one_line(monkeypatch, tmp_path):
+    """A compiler that fails: its first error line, and nothing half-built left in the cache."""
+    fake = tmp_path / "cxx"
+    fake.write_text("#!/bin/sh\necho 'x.cpp:1:1: error: something broke' >&2\nexit 1\n")
+    fake.chmod(0o755)
+    monkeypatch.setenv("CXX", str(fake))
+    with pytest.raises(native_op.NativeOpUnavailable, match="failed: x.cpp:1:1: error: something broke$"):
+        native_op.library(tmp_path)
+    assert not list((tmp_path / "native").iterdir())
