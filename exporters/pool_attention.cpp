@@ -128,10 +128,12 @@ inline __m512 reduce16(const __m512* a) {
   return _mm512_add_ps(_mm512_shuffle_f32x4(x0, x1, 0x88), _mm512_shuffle_f32x4(x0, x1, 0xDD));
 }
 
-// Scores of one query head (d = 64) over keys 0..n-1, 16 keys at a time; -inf past n up to `padded`.
-inline void scores64(const float* q, const float* keys, int64_t n, float scale, float* row) {
-  const __m512 q0 = _mm512_loadu_ps(q), q1 = _mm512_loadu_ps(q + 16), q2 = _mm512_loadu_ps(q + 32),
-               q3 = _mm512_loadu_ps(q + 48);
+// Scores of one query head (d = 16 * CH) over keys 0..n-1, 16 keys at a time; -inf past n up to the padding.
+template <int CH>
+inline void scores_x16(const float* q, const float* keys, int64_t n, float scale, float* row) {
+  constexpr int d = 16 * CH;
+  __m512 qv[CH];
+  for (int c = 0; c < CH; ++c) qv[c] = _mm512_loadu_ps(q + 16 * c);
   const __m512 s = _mm512_set1_ps(scale), lowest = _mm512_set1_ps(-INFINITY);
   __m512 acc[16];
   for (int64_t j0 = 0; j0 < n; j0 += 16) {
@@ -141,28 +143,29 @@ inline void scores64(const float* q, const float* keys, int64_t n, float scale, 
         acc[k] = _mm512_setzero_ps();
         continue;
       }
-      const float* key = keys + (j0 + k) * 64;
-      __m512 a = _mm512_mul_ps(q0, _mm512_loadu_ps(key));
-      a = _mm512_fmadd_ps(q1, _mm512_loadu_ps(key + 16), a);
-      a = _mm512_fmadd_ps(q2, _mm512_loadu_ps(key + 32), a);
-      acc[k] = _mm512_fmadd_ps(q3, _mm512_loadu_ps(key + 48), a);
+      const float* key = keys + (j0 + k) * d;
+      __m512 a = _mm512_mul_ps(qv[0], _mm512_loadu_ps(key));
+      for (int c = 1; c < CH; ++c) a = _mm512_fmadd_ps(qv[c], _mm512_loadu_ps(key + 16 * c), a);
+      acc[k] = a;
     }
     const __mmask16 mask = live == 16 ? 0xFFFF : static_cast<__mmask16>((1u << live) - 1);
     _mm512_storeu_ps(row + j0, _mm512_mask_mul_ps(lowest, mask, reduce16(acc), s));
   }
 }
 
-// attend() for d = 64: the same steps as attend_generic, vectorized (its own bits, the same in every call shape).
-template <int rep>
-void attend64(const float* q, const float* keys, const float* values, int64_t n, float* out,
-              std::vector<float>& scores) {
+// attend() for d = 16 * CH: the same steps as attend_generic, vectorized (its own bits, the same in every call
+// shape); the `rep` query heads of one KV head share each key and value read.
+template <int rep, int CH>
+void attend_x16(const float* q, const float* keys, const float* values, int64_t n, float* out,
+                std::vector<float>& scores) {
+  constexpr int d = 16 * CH;
   const int64_t padded = (n + 15) / 16 * 16;
   scores.resize(static_cast<size_t>(rep * padded));
-  const float scale = 1.0f / std::sqrt(64.0f);
+  const float scale = 1.0f / std::sqrt(static_cast<float>(d));
   float inverse[rep];
   for (int r = 0; r < rep; ++r) {
     float* row = scores.data() + r * padded;
-    scores64(q + r * 64, keys, n, scale, row);
+    scores_x16<CH>(q + r * d, keys, n, scale, row);
     __m512 top = _mm512_set1_ps(-INFINITY);
     for (int64_t j = 0; j < padded; j += 16) top = _mm512_max_ps(top, _mm512_loadu_ps(row + j));
     const __m512 m = _mm512_set1_ps(_mm512_reduce_max_ps(top));
@@ -178,25 +181,49 @@ void attend64(const float* q, const float* keys, const float* values, int64_t n,
     _mm512_storeu_ps(lanes, sum);
     inverse[r] = 1.0f / tree_sum(lanes);
   }
-  // values: the rep heads share each value vector; sums over keys in order
-  __m512 o[rep][4];
+  // values: sums over keys in order
+  __m512 o[rep][CH];
   for (int r = 0; r < rep; ++r)
-    for (int c = 0; c < 4; ++c) o[r][c] = _mm512_setzero_ps();
+    for (int c = 0; c < CH; ++c) o[r][c] = _mm512_setzero_ps();
   for (int64_t j = 0; j < n; ++j) {
-    const float* v = values + j * 64;
-    const __m512 v0 = _mm512_loadu_ps(v), v1 = _mm512_loadu_ps(v + 16), v2 = _mm512_loadu_ps(v + 32),
-                 v3 = _mm512_loadu_ps(v + 48);
+    const float* v = values + j * d;
+    __m512 vv[CH];
+    for (int c = 0; c < CH; ++c) vv[c] = _mm512_loadu_ps(v + 16 * c);
     for (int r = 0; r < rep; ++r) {
       const __m512 w = _mm512_set1_ps(scores[r * padded + j]);
-      o[r][0] = _mm512_fmadd_ps(w, v0, o[r][0]);
-      o[r][1] = _mm512_fmadd_ps(w, v1, o[r][1]);
-      o[r][2] = _mm512_fmadd_ps(w, v2, o[r][2]);
-      o[r][3] = _mm512_fmadd_ps(w, v3, o[r][3]);
+      for (int c = 0; c < CH; ++c) o[r][c] = _mm512_fmadd_ps(w, vv[c], o[r][c]);
     }
   }
   for (int r = 0; r < rep; ++r) {
     const __m512 scale_out = _mm512_set1_ps(inverse[r]);
-    for (int c = 0; c < 4; ++c) _mm512_storeu_ps(out + r * 64 + 16 * c, _mm512_mul_ps(o[r][c], scale_out));
+    for (int c = 0; c < CH; ++c) _mm512_storeu_ps(out + r * d + 16 * c, _mm512_mul_ps(o[r][c], scale_out));
+  }
+}
+
+using Attend = void (*)(const float*, const float*, const float*, int64_t, float*, std::vector<float>&);
+
+template <int CH>
+Attend vectorized_for(int64_t rep) {
+  switch (rep) {  // the query heads of one KV head, in registers together
+    case 1: return attend_x16<1, CH>;
+    case 2: return attend_x16<2, CH>;
+    case 3: return attend_x16<3, CH>;
+    case 4: return attend_x16<4, CH>;
+    case 5: return attend_x16<5, CH>;
+    case 6: return attend_x16<6, CH>;
+    case 7: return attend_x16<7, CH>;
+    case 8: return attend_x16<8, CH>;
+    default: return nullptr;
+  }
+}
+
+Attend vectorized(int64_t dim, int64_t rep) {
+  switch (dim) {
+    case 32: return vectorized_for<2>(rep);
+    case 64: return vectorized_for<4>(rep);
+    case 96: return vectorized_for<6>(rep);
+    case 128: return vectorized_for<8>(rep);
+    default: return nullptr;
   }
 }
 #endif
@@ -204,17 +231,7 @@ void attend64(const float* q, const float* keys, const float* values, int64_t n,
 void attend(const Shape& s, const float* q, const float* keys, const float* values, int64_t n, float* out,
             std::vector<float>& scores) {
 #ifdef __AVX512F__
-  if (s.dim == 64) {
-    switch (s.heads / s.kv_heads) {  // the query heads of one KV head, in registers together
-      case 1: return attend64<1>(q, keys, values, n, out, scores);
-      case 2: return attend64<2>(q, keys, values, n, out, scores);
-      case 3: return attend64<3>(q, keys, values, n, out, scores);
-      case 4: return attend64<4>(q, keys, values, n, out, scores);
-      case 5: return attend64<5>(q, keys, values, n, out, scores);
-      case 6: return attend64<6>(q, keys, values, n, out, scores);
-      default: break;
-    }
-  }
+  if (Attend f = vectorized(s.dim, s.heads / s.kv_heads)) return f(q, keys, values, n, out, scores);
 #endif
   attend_generic(s, q, keys, values, n, out, scores);
 }

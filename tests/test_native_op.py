@@ -46,9 +46,10 @@ def reference(q, keys, values, positions):
     return out
 
 
-@pytest.mark.parametrize("dim,heads,kv_heads", [(64, 9, 3), (64, 4, 4), (16, 4, 2), (12, 6, 2)])
+@pytest.mark.parametrize("dim,heads,kv_heads", [(64, 9, 3), (64, 4, 4), (128, 8, 2), (32, 16, 2), (16, 4, 2), (12, 6, 2)])
 def test_matches_float64_attention(dim, heads, kv_heads):
-    """The vectorized path (head size 64) and the plain one, against causal attention computed in float64."""
+    """The vectorized paths (head sizes 32, 64, 96, 128; up to 8 query heads a KV head) and the plain one (other
+    head sizes, or 16 query heads a KV head, or no AVX-512), against causal attention computed in float64."""
     rng = np.random.default_rng(dim + heads)
     B, T, capacity = 3, 5, 90
     keys, values = (rng.standard_normal((B, kv_heads, capacity, dim), dtype=np.float32) for _ in range(2))
@@ -57,7 +58,7 @@ def test_matches_float64_attention(dim, heads, kv_heads):
     assert np.abs(attend(q, keys, values, positions) - reference(q, keys, values, positions)).max() < 2e-6
 
 
-@pytest.mark.parametrize("dim", [64, 16])
+@pytest.mark.parametrize("dim", [64, 128, 16])
 def test_a_query_computes_alike_in_every_call_shape(dim):
     """Bitwise: each query of a 3-row, 7-token call equals itself alone in a one-token call, in a window of its
     row, and after the slots past its position were overwritten; long rows go through the threaded path."""
