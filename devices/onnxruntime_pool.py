@@ -106,15 +106,15 @@ class RowPool:
         for b, a in zip(flat, arrays):
             b[row, :, start:start + a.shape[1]] = a
 
-    def copy_from(self, row: int, source: RowPool, source_row: int, n: int) -> None:
-        """The first `n` positions of `source`'s row, every layer in order (a draft that is the target's copy
-        starts from the target's prompt KV: its 30 layers are the prefix's 15 then the suffix's 15)."""
+    def copy_from(self, row: int, source: RowPool, source_row: int, n: int, start: int = 0) -> None:
+        """Positions start..n-1 of `source`'s row, every layer in order (a draft that is the target's copy starts
+        from the target's prompt KV: its 30 layers are the prefix's 15 then the suffix's 15); `row` then holds n."""
         mine = [b for graph in self.buffers for b in graph]
         theirs = [b for graph in source.buffers for b in graph]
         if len(mine) != len(theirs) or mine[0].shape[1:] != theirs[0].shape[1:]:
             raise ValueError("cannot adopt KV of another shape (the draft is not a copy of the target)")
         for b, s in zip(mine, theirs):
-            b[row, :, :n] = s[source_row, :, :n]
+            b[row, :, start:n] = s[source_row, :, start:n]
         self.commit(row, n)
 
 

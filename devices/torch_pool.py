@@ -61,11 +61,12 @@ class TorchPool:
         for t, a in zip((self.keys, self.values), arrays):
             t[:, row, :, start:start + a.shape[2]] = a
 
-    def copy_from(self, row: int, source: TorchPool, source_row: int, n: int) -> None:
+    def copy_from(self, row: int, source: TorchPool, source_row: int, n: int, start: int = 0) -> None:
+        """Positions start..n-1 of `source`'s row into `row`, which then holds n."""
         if self.keys.shape[0] != source.keys.shape[0] or self.keys.shape[2:] != source.keys.shape[2:]:
             raise ValueError("cannot adopt KV of another shape (the draft is not a copy of the target)")
         for t, s in ((self.keys, source.keys), (self.values, source.values)):
-            t[:, row, :, :n] = s[:, source_row, :, :n].to(t)
+            t[:, row, :, start:n] = s[:, source_row, :, start:n].to(t)
         self.commit(row, n)
 
 

@@ -14,7 +14,7 @@ through it.
 from __future__ import annotations
 
 from mirror_rt.runtime.affinity import pin, restore
-from mirror_rt.runtime.batch_steps import alone
+from mirror_rt.runtime.batch_steps import adopt_missed, alone
 from mirror_rt.runtime.draft_worker import DraftStats, DraftWorker, Join, Leave, Move
 from mirror_rt.runtime.mirror import DraftLink, TargetRow, draft_rules
 
@@ -61,6 +61,7 @@ class MirrorStep:
         row = seq.state_data.get("mirror")
         if row is None:
             worker = self._worker()
+            adopt_missed(self.decoder, seq)  # (before the row is the draft thread's)
             link = DraftLink(worker, seq.id, seq.config.draft_timeout_s)
             row = TargetRow(self.decoder.target, seq.config, seq.metrics, link, cache=seq.state_data["target_cache"],
                             rules=seq.rules)

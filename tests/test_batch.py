@@ -340,6 +340,34 @@ def test_a_draft_of_its_own_fills_its_row_at_its_first_speculative_step(pair, mo
         assert seq.tokens == reference(target, seq.prompt, seq.config), seq.id
 
 
+@pytest.mark.parametrize("mode", ["sd", "mirror"])
+def test_a_self_draft_adopts_the_text_it_missed(pair, mode):
+    """A draft that is the target's copy, back to speculating after target-only steps, takes the target's KV of the
+    text it missed instead of reading it (the q4_1 draft reads 62 positions in 200 ms here): its first call then
+    reads one window, not the missed text; the texts stay equal."""
+    from mirror_rt.runtime.policy import AR, SPEC, Rate, SpeculationPolicy
+    from mirror_rt.runtime.reference import adopts_target_kv
+
+    target, draft = pair
+    policy = SpeculationPolicy(refresh=10**6)  # target-only measured faster: no speculation, no trials
+    policy.rates = {(AR, 1): Rate(1000.0, 1.0, 10, 10), (SPEC, 1): Rate(10.0, 1.0, 10, 10)}
+    decoder = BatchDecoder(target, draft, BatchSettings(max_num_seqs=1), policy=policy)
+    if not (decoder.pooled and adopts_target_kv(draft)):
+        pytest.skip("the torch pair's draft is no copy of its target")
+    seq = sequence(0, prompts(1, 6)[0], GenerationConfig(max_new_tokens=60, mode=mode, gamma=3))
+    decoder.add(seq)
+    while len(seq.tokens) < 25:
+        decoder.step()
+    assert decoder.gamma == 0 and int(decoder.draft_pool.lengths[seq.row]) == len(seq.prompt)  # the prompt only
+    reads, run_rows = [], decoder.draft_pool.run
+    decoder.draft_pool.run = lambda graph_index, graph, x, first, last_rows=None: (
+        reads.append(x.shape[1]), run_rows(graph_index, graph, x, first, last_rows))[1]
+    policy.rates[(SPEC, 1)] = Rate(10**6, 1.0, 10, 10)
+    run(decoder, [])
+    assert reads and max(reads) < 20, reads  # windows (and a verdict's tokens), no call over the 24 missed
+    assert seq.tokens == reference(target, seq.prompt, seq.config)
+
+
 # --- rows of different lengths: attention groups inside a call (exporters.exact_kv), or calls per group of rows
 # and rows sorted by length (runtime.row_split; graphs without groups, and torch) ---
 

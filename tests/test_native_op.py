@@ -46,7 +46,8 @@ def reference(q, keys, values, positions):
     return out
 
 
-@pytest.mark.parametrize("dim,heads,kv_heads", [(64, 9, 3), (64, 4, 4), (128, 8, 2), (32, 16, 2), (16, 4, 2), (12, 6, 2)])
+@pytest.mark.parametrize("dim,heads,kv_heads",
+                         [(64, 9, 3), (64, 4, 4), (128, 8, 2), (32, 16, 2), (16, 4, 2), (12, 6, 2)])
 def test_matches_float64_attention(dim, heads, kv_heads):
     """The vectorized paths (head sizes 32, 64, 96, 128; up to 8 query heads a KV head) and the plain one (other
     head sizes, or 16 query heads a KV head, or no AVX-512), against causal attention computed in float64."""
