@@ -99,6 +99,8 @@ class ORTGraph:
         self.output_names = [o.name for o in self.session.get_outputs()]
         self.n_head_outputs = len(self.output_names) - len(self.past_names)
         self.kv_shape = kv_shape  # (kv_heads, head_dim)
+        past = next((i for i in self.session.get_inputs() if i.name in self.past_names[:1]), None)
+        self.kv_dtype = np.float16 if past is not None and past.type == "tensor(float16)" else np.float32
         # batched shared-KV graphs (exporters.shared_kv) take rows: ids [B, T] / hidden [B, T, hidden]
         rank = len(self.session.get_inputs()[0].shape)
         self.batched = self.shared_kv and rank == (2 if self.input_name == "input_ids" else 3)
@@ -106,9 +108,9 @@ class ORTGraph:
     def empty_kv(self, capacity: int) -> list:
         """Explicit: zero-length arrays. Shared: (buffers [1, KVH, capacity, D], their OrtValues)."""
         if not self.shared_kv:
-            return [np.zeros((1, self.kv_shape[0], 0, self.kv_shape[1]), dtype=np.float32) for _ in self.past_names]
+            return [np.zeros((1, self.kv_shape[0], 0, self.kv_shape[1]), dtype=self.kv_dtype) for _ in self.past_names]
         ort = _onnxruntime()
-        buffers = [np.zeros((1, self.kv_shape[0], capacity, self.kv_shape[1]), dtype=np.float32)
+        buffers = [np.zeros((1, self.kv_shape[0], capacity, self.kv_shape[1]), dtype=self.kv_dtype)
                    for _ in self.past_names]
         return [(b, ort.OrtValue.ortvalue_from_numpy(b)) for b in buffers]  # the OrtValues share the memory
 

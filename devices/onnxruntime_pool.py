@@ -33,7 +33,7 @@ class RowPool:
 
         self.ort = _onnxruntime()
         kvh, d = graphs[0].kv_shape
-        self.buffers = [[lazy_zeros((rows, kvh, capacity, d)) for _ in g.past_names] for g in graphs]
+        self.buffers = [[lazy_zeros((rows, kvh, capacity, d), g.kv_dtype) for _ in g.past_names] for g in graphs]
         self.rows, self.capacity = rows, capacity
         self.filled = np.zeros((len(graphs), rows), dtype=np.int64)  # positions each graph holds per row
         self.hidden = None  # split target: (first row, prefix output [B, T, hidden], suffix graph) pending

@@ -82,15 +82,18 @@ def scatter_indices(g, positions, n_kv_heads: int):
 
 
 def rotate_and_store(g, q, k, v, past_k, past_v, positions, cos, sin, indices, n_heads: int, n_kv_heads: int,
-                     head_dim: int) -> tuple:
+                     head_dim: int, half: bool = False) -> tuple:
     """RoPE on q and k (com.microsoft RotaryEmbedding, per element), then the call's keys and values written into
-    the buffers (ScatterND: in place when ONNX Runtime binds past and present to one buffer) -> (q, keys, values)."""
+    the buffers (ScatterND: in place when ONNX Runtime binds past and present to one buffer) -> (q, keys, values).
+    `half`: the buffers hold float16 (exporters.pool_kv), the keys and values rounded to it first."""
     const = lambda value: _const(g, value)  # noqa: E731
     rotary = dict(interleaved_i=0)
     q = g.op(f"{DOMAIN}::RotaryEmbedding", q, positions, cos, sin, num_heads_i=n_heads, **rotary)
     k = g.op(f"{DOMAIN}::RotaryEmbedding", k, positions, cos, sin, num_heads_i=n_kv_heads, **rotary)
     by_head = const([0, -1, n_kv_heads, head_dim])  # [B, T, KVH, D] -> [B, KVH, T, D]
     k, v = (g.op("Transpose", g.op("Reshape", x, by_head), perm_i=[0, 2, 1, 3]) for x in (k, v))
+    if half:
+        k, v = (g.op("Cast", x, to_i=10) for x in (k, v))  # TensorProto.FLOAT16
     return q, g.op("ScatterND", past_k, indices, k), g.op("ScatterND", past_v, indices, v)
 
 

@@ -125,6 +125,7 @@ def _export_into(cfg: ExportConfig, progress: bool) -> None:
         streams = _load_streams(cfg, draft.model)
         kept = _load_vocab(cfg, draft.model)
         cfg = replace(cfg, attention=_attention(cfg))
+        cfg = replace(cfg, kv_dtype=_kv_dtype(cfg))
         if cfg.draft_weights == "auto":
             auto = "q4_1" if cfg.fmt == "onnx" and holds_q4_1(draft.model) else "fp32" if cfg.fmt == "torch" else "int8"
             cfg = replace(cfg, draft_weights=auto)
@@ -163,6 +164,15 @@ def _attention(cfg: ExportConfig) -> str:
         if cfg.attention == "pool":
             raise ExportError(f"--attention pool: {exc}") from None
         return "standard"
+
+
+def _kv_dtype(cfg: ExportConfig) -> str:
+    """The targets' KV buffers (ExportConfig.kv_dtype): fp16 by default for w8a8 targets with pool attention."""
+    if cfg.attention != "pool":
+        if cfg.kv_dtype == "fp16":
+            raise ExportError("--kv-dtype fp16 needs mirror-rt's attention op, which cannot be built here")
+        return "fp32"
+    return cfg.kv_dtype or ("fp16" if cfg.weights == "w8a8" else "fp32")
 
 
 def _load_adapter(cfg: ExportConfig, model, limits: Limits):
@@ -235,7 +245,7 @@ def _export_role(cfg: ExportConfig, limits: Limits, model, role: str, folder: Pa
     weights = {"draft": cfg.draft_weights, "target_exit": cfg.exit_weights}.get(role, cfg.weights)
     spec = graph_spec(role, model.config.n_layers, limits.exit_layer, limits.kappa, cfg.static,
                       limits.table_len, limits.max_window, shared_kv=cfg.kv == "shared", exit_mix=mixes_exit(model),
-                      pool=cfg.attention == "pool")
+                      pool=cfg.attention == "pool", kv_half=cfg.kv_dtype == "fp16")
     odd_heads = model.config.head_dim % GQA_HEAD_MULTIPLE != 0  # ONNX Runtime's GroupQueryAttention refuses them
     if spec.shared_kv and odd_heads:  # the draft attends with standard ops as targets do (exporters.exact_kv)
         spec = replace(spec, exact=True)
@@ -308,7 +318,8 @@ def _copy_tokenizer(tokenizer, folder: Path, fmt: str) -> dict:
 
 def _manifest(cfg: ExportConfig, limits: Limits, target, draft, entries, tokenizer: dict) -> BundleManifest:
     c = target.config
-    kv = {"layout": KV_LAYOUT, "n_kv_heads": c.n_kv_heads, "head_dim": c.head_dim, "dtype": "float32",
+    kv = {"layout": KV_LAYOUT, "n_kv_heads": c.n_kv_heads, "head_dim": c.head_dim,
+          "dtype": "float16" if cfg.kv_dtype == "fp16" else "float32",  # the target's (drafts' are float32)
           "past": list(PAST_NAMES), "present": list(PRESENT_NAMES),
           "state": {"openvino": "openvino model state"}.get(cfg.fmt, "explicit inputs/outputs"),
           "shared": cfg.kv == "shared",  # buffers written in place (exporters.shared_kv): ONNX Runtime only

@@ -14,6 +14,7 @@ WEIGHTS = ("fp32", "fp16", "int8", "int4", "q4_1", "w8a8")
 EXIT_WEIGHTS = ("fp32", "int8")
 KV_MODES = ("explicit", "shared")
 ATTENTION = ("pool", "standard")  # target attention of shared-KV ONNX graphs (ExportConfig.attention)
+KV_DTYPES = ("fp32", "fp16")  # the target's KV buffers with pool attention (ExportConfig.kv_dtype)
 
 
 class ExportError(ValueError):
@@ -45,6 +46,9 @@ class ExportConfig:
     attention: str | None = None  # targets of shared-KV ONNX graphs: pool (mirror-rt's op reads the KV in place:
                                   # exporters.pool_kv; a C++ compiler builds it here and where the bundle runs) |
                                   # standard (standard ops: exporters.exact_kv); None: pool where the op builds here
+    kv_dtype: str | None = None  # the target's KV buffers with pool attention: fp32 | fp16 (half the memory and the
+                                 # reads of attention); None: fp16 for w8a8 targets (their activations are int8
+                                 # already), fp32 otherwise
 
     def __post_init__(self):
         if self.fmt not in FORMATS:
@@ -71,6 +75,11 @@ class ExportConfig:
             raise ExportError(f"--kv shared needs --format onnx (got --format {self.fmt})")
         if self.attention not in (None, *ATTENTION):
             raise ExportError(f"--attention must be one of {', '.join(ATTENTION)}, got '{self.attention}'")
+        if self.kv_dtype not in (None, *KV_DTYPES):
+            raise ExportError(f"--kv-dtype must be one of {', '.join(KV_DTYPES)}, got '{self.kv_dtype}'")
+        if self.kv_dtype == "fp16" and (self.attention == "standard" or self.kv != "shared"):
+            raise ExportError("--kv-dtype fp16 needs --attention pool (mirror-rt's op reads float16 KV; the "
+                              "standard ops and GroupQueryAttention take float32)")
         if self.attention == "pool" and self.kv != "shared":
             raise ExportError(f"--attention pool needs --format onnx with --kv shared (got --format {self.fmt}, "
                               f"--kv {self.kv})")

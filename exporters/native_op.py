@@ -26,6 +26,7 @@ SOURCES = ("pool_attention.cpp", "pool_attention_ort.inc")
 LIBRARY = "libmirror_rt_ops.so"
 DOMAIN = "mirror_rt"  # the op's ONNX domain
 OP = "PoolAttention"
+OP_HALF = "PoolAttentionHalf"  # the same over float16 keys and values (ExportConfig.kv_dtype fp16)
 QUANTIZE_ROWS = "QuantizeRows"  # exporters.w8a8's activations per row, in one node
 ATTENTION = "attention"  # model metadata of graphs with the op: "pool" (the backend's sign that rows attend apart)
 FLAGS = ["-O3", "-march=native", "-std=c++17", "-shared", "-fPIC", "-pthread"]

@@ -2,7 +2,7 @@
 // an ONNX Runtime custom op (CPU). Built on first use by devices/native_ops.py; see exporters/pool_kv.py.
 //
 // Inputs: q [B, T, H*D] (rotated), keys and values [B, KVH, S, D] (this call's already written at each query's
-// position), positions [B, T] int64. Output [B, T, H*D]. Query head h reads KV head h / (H / KVH).
+// position; float, or binary16 for the op PoolAttentionHalf), positions [B, T] int64. Output [B, T, H*D]. Query head h reads KV head h / (H / KVH).
 // A query at position p attends to keys 0..p of its own row, always with the same float operations in the same
 // order (dot products over 16 lanes then a fixed tree, max, exp, sums over keys in order): its result does not
 // depend on the call's other rows, on how many tokens the call holds, or on anything past p in the buffers.
@@ -30,12 +30,41 @@ inline float tree_sum(const float* a) {  // a fixed order: the result's bits do 
   return (u[0] + u[2]) + (u[1] + u[3]);
 }
 
-inline float dot(const float* q, const float* k, int d) {
+struct half {  // IEEE binary16 as the KV buffers of fp16 graphs hold it
+  uint16_t bits;
+};
+
+inline float widen(float x) { return x; }
+
+inline float widen(half x) {  // exact: every binary16 value is a float
+  const uint32_t sign = static_cast<uint32_t>(x.bits & 0x8000) << 16, exponent = (x.bits >> 10) & 0x1F;
+  uint32_t mantissa = x.bits & 0x3FF, out;
+  if (exponent == 0x1F) {
+    out = sign | 0x7F800000 | (mantissa << 13);
+  } else if (exponent != 0) {
+    out = sign | ((exponent + 112) << 23) | (mantissa << 13);
+  } else if (mantissa == 0) {
+    out = sign;
+  } else {  // subnormal: normalize
+    int shift = 0;
+    while (!(mantissa & 0x400)) {
+      mantissa <<= 1;
+      ++shift;
+    }
+    out = sign | (static_cast<uint32_t>(113 - shift) << 23) | ((mantissa & 0x3FF) << 13);
+  }
+  float f;
+  std::memcpy(&f, &out, sizeof f);
+  return f;
+}
+
+template <typename T>
+inline float dot(const float* q, const T* k, int d) {
   float acc[W] = {0};
   int full = d - d % W;
   for (int i = 0; i < full; i += W)
-    for (int l = 0; l < W; ++l) acc[l] += q[i + l] * k[i + l];
-  for (int i = full; i < d; ++i) acc[i - full] += q[i] * k[i];
+    for (int l = 0; l < W; ++l) acc[l] += q[i + l] * widen(k[i + l]);
+  for (int i = full; i < d; ++i) acc[i - full] += q[i] * widen(k[i]);
   return tree_sum(acc);
 }
 
@@ -64,8 +93,9 @@ struct Shape {
 };
 
 // One query position of one row over the `rep` query heads of one KV head; `scores` holds rep x (n rounded up).
-void attend_generic(const Shape& s, const float* q, const float* keys, const float* values, int64_t n, float* out,
-            std::vector<float>& scores) {
+template <typename T>
+void attend_generic(const Shape& s, const float* q, const T* keys, const T* values, int64_t n, float* out,
+                    std::vector<float>& scores) {
   const int rep = static_cast<int>(s.heads / s.kv_heads), d = static_cast<int>(s.dim);
   const int64_t padded = (n + W - 1) / W * W;
   scores.resize(static_cast<size_t>(rep * padded));
@@ -92,8 +122,8 @@ void attend_generic(const Shape& s, const float* q, const float* keys, const flo
     for (int i = 0; i < d; ++i) o[i] = 0.0f;
     for (int64_t j = 0; j < n; ++j) {
       const float w = row[j];
-      const float* v = values + j * d;
-      for (int i = 0; i < d; ++i) o[i] += w * v[i];
+      const T* v = values + j * d;
+      for (int i = 0; i < d; ++i) o[i] += w * widen(v[i]);
     }
     for (int i = 0; i < d; ++i) o[i] *= inverse;
   }
@@ -128,44 +158,68 @@ inline __m512 reduce16(const __m512* a) {
   return _mm512_add_ps(_mm512_shuffle_f32x4(x0, x1, 0x88), _mm512_shuffle_f32x4(x0, x1, 0xDD));
 }
 
-// Scores of one query head (d = 16 * CH) over keys 0..n-1, 16 keys at a time; -inf past n up to the padding.
-template <int CH>
-inline void scores_x16(const float* q, const float* keys, int64_t n, float scale, float* row) {
-  constexpr int d = 16 * CH;
-  __m512 qv[CH];
-  for (int c = 0; c < CH; ++c) qv[c] = _mm512_loadu_ps(q + 16 * c);
-  const __m512 s = _mm512_set1_ps(scale), lowest = _mm512_set1_ps(-INFINITY);
-  __m512 acc[16];
-  for (int64_t j0 = 0; j0 < n; j0 += 16) {
-    const int live = n - j0 < 16 ? static_cast<int>(n - j0) : 16;
-    for (int k = 0; k < 16; ++k) {
-      if (k >= live) {
-        acc[k] = _mm512_setzero_ps();
-        continue;
-      }
-      const float* key = keys + (j0 + k) * d;
-      __m512 a = _mm512_mul_ps(qv[0], _mm512_loadu_ps(key));
-      for (int c = 1; c < CH; ++c) a = _mm512_fmadd_ps(qv[c], _mm512_loadu_ps(key + 16 * c), a);
-      acc[k] = a;
-    }
-    const __mmask16 mask = live == 16 ? 0xFFFF : static_cast<__mmask16>((1u << live) - 1);
-    _mm512_storeu_ps(row + j0, _mm512_mask_mul_ps(lowest, mask, reduce16(acc), s));
-  }
+inline __m512 load16(const float* p) { return _mm512_loadu_ps(p); }
+inline __m512 load16(const half* p) {
+  return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
 }
 
-// attend() for d = 16 * CH: the same steps as attend_generic, vectorized (its own bits, the same in every call
-// shape); the `rep` query heads of one KV head share each key and value read.
-template <int rep, int CH>
-void attend_x16(const float* q, const float* keys, const float* values, int64_t n, float* out,
-                std::vector<float>& scores) {
+// Four vectors -> the sum of each one's lanes, in lanes 0..3 (the rest zero): one fixed tree whatever the place
+// of a vector among the four (halves of 256 bits, then of 128, then pairs of lanes).
+inline __m512 reduce4(__m512 a0, __m512 a1, __m512 a2, __m512 a3) {
+  const __m512 t01 = _mm512_add_ps(_mm512_shuffle_f32x4(a0, a1, 0x44), _mm512_shuffle_f32x4(a0, a1, 0xEE));
+  const __m512 t23 = _mm512_add_ps(_mm512_shuffle_f32x4(a2, a3, 0x44), _mm512_shuffle_f32x4(a2, a3, 0xEE));
+  // t01 = [a0: b0+b2, b1+b3 | a1: b0+b2, b1+b3]; u = per 128-bit block k: vector k's (b0+b2) + (b1+b3)
+  const __m512 u = _mm512_add_ps(_mm512_shuffle_f32x4(t01, t23, 0x88), _mm512_shuffle_f32x4(t01, t23, 0xDD));
+  const __m512 v = _mm512_add_ps(u, _mm512_permute_ps(u, 0x4E));  // lanes (0+2, 1+3, 2+0, 3+1) of each block
+  const __m512 w = _mm512_add_ps(v, _mm512_permute_ps(v, 0xB1));  // every lane of block k: vector k's sum
+  return _mm512_maskz_permutexvar_ps(0x000F, _mm512_setr_epi32(0, 4, 8, 12, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0), w);
+}
+
+// Scores of the `rep` query heads of one KV head (d = 16 * CH) over keys 0..n-1, four keys at a time, each read
+// once for all heads: a dot product summed over 16 lanes, then across them by reduce4; -inf past n up to `padded`.
+template <int rep, int CH, typename T>
+inline void scores_x16(const float* q, const T* keys, int64_t n, float scale, float* rows, int64_t padded) {
+  constexpr int d = 16 * CH;
+  __m512 qv[rep][CH];
+  for (int r = 0; r < rep; ++r)
+    for (int c = 0; c < CH; ++c) qv[r][c] = _mm512_loadu_ps(q + r * d + 16 * c);
+  const __m512 s = _mm512_set1_ps(scale);
+  for (int64_t j = 0; j < n; j += 4) {
+    const int live = n - j < 4 ? static_cast<int>(n - j) : 4;
+    __m512 acc[rep][4];
+    for (int k = 0; k < 4; ++k) {
+      if (k >= live) {  // past the last key: zeros, which change no other key's sum
+        for (int r = 0; r < rep; ++r) acc[r][k] = _mm512_setzero_ps();
+        continue;
+      }
+      __m512 kv[CH];
+      for (int c = 0; c < CH; ++c) kv[c] = load16(keys + (j + k) * d + 16 * c);
+      for (int r = 0; r < rep; ++r) {
+        __m512 a = _mm512_mul_ps(qv[r][0], kv[0]);
+        for (int c = 1; c < CH; ++c) a = _mm512_fmadd_ps(qv[r][c], kv[c], a);
+        acc[r][k] = a;
+      }
+    }
+    const __mmask16 mask = static_cast<__mmask16>((1u << live) - 1);
+    for (int r = 0; r < rep; ++r)
+      _mm512_mask_storeu_ps(rows + r * padded + j, mask,
+                            _mm512_mul_ps(reduce4(acc[r][0], acc[r][1], acc[r][2], acc[r][3]), s));
+  }
+  for (int r = 0; r < rep; ++r)
+    for (int64_t j = n; j < padded; ++j) rows[r * padded + j] = -INFINITY;
+}
+
+// attend() for d = 16 * CH: the steps of attend_generic, vectorized (its own bits, the same in every call shape);
+// the `rep` query heads of one KV head share each key and value read.
+template <int rep, int CH, typename T>
+void attend_x16(const float* q, const T* keys, const T* values, int64_t n, float* out, std::vector<float>& scores) {
   constexpr int d = 16 * CH;
   const int64_t padded = (n + 15) / 16 * 16;
   scores.resize(static_cast<size_t>(rep * padded));
-  const float scale = 1.0f / std::sqrt(static_cast<float>(d));
+  scores_x16<rep, CH>(q, keys, n, 1.0f / std::sqrt(static_cast<float>(d)), scores.data(), padded);
   float inverse[rep];
   for (int r = 0; r < rep; ++r) {
     float* row = scores.data() + r * padded;
-    scores_x16<CH>(q + r * d, keys, n, scale, row);
     __m512 top = _mm512_set1_ps(-INFINITY);
     for (int64_t j = 0; j < padded; j += 16) top = _mm512_max_ps(top, _mm512_loadu_ps(row + j));
     const __m512 m = _mm512_set1_ps(_mm512_reduce_max_ps(top));
@@ -181,14 +235,12 @@ void attend_x16(const float* q, const float* keys, const float* values, int64_t 
     _mm512_storeu_ps(lanes, sum);
     inverse[r] = 1.0f / tree_sum(lanes);
   }
-  // values: sums over keys in order
-  __m512 o[rep][CH];
+  __m512 o[rep][CH];  // values: sums over keys in order
   for (int r = 0; r < rep; ++r)
     for (int c = 0; c < CH; ++c) o[r][c] = _mm512_setzero_ps();
   for (int64_t j = 0; j < n; ++j) {
-    const float* v = values + j * d;
     __m512 vv[CH];
-    for (int c = 0; c < CH; ++c) vv[c] = _mm512_loadu_ps(v + 16 * c);
+    for (int c = 0; c < CH; ++c) vv[c] = load16(values + j * d + 16 * c);
     for (int r = 0; r < rep; ++r) {
       const __m512 w = _mm512_set1_ps(scores[r * padded + j]);
       for (int c = 0; c < CH; ++c) o[r][c] = _mm512_fmadd_ps(w, vv[c], o[r][c]);
@@ -200,38 +252,39 @@ void attend_x16(const float* q, const float* keys, const float* values, int64_t 
   }
 }
 
-using Attend = void (*)(const float*, const float*, const float*, int64_t, float*, std::vector<float>&);
+template <typename T>
+using Attend = void (*)(const float*, const T*, const T*, int64_t, float*, std::vector<float>&);
 
-template <int CH>
-Attend vectorized_for(int64_t rep) {
+template <int CH, typename T>
+Attend<T> vectorized_for(int64_t rep) {
   switch (rep) {  // the query heads of one KV head, in registers together
-    case 1: return attend_x16<1, CH>;
-    case 2: return attend_x16<2, CH>;
-    case 3: return attend_x16<3, CH>;
-    case 4: return attend_x16<4, CH>;
-    case 5: return attend_x16<5, CH>;
-    case 6: return attend_x16<6, CH>;
-    case 7: return attend_x16<7, CH>;
-    case 8: return attend_x16<8, CH>;
+    case 1: return attend_x16<1, CH, T>;
+    case 2: return attend_x16<2, CH, T>;
+    case 3: return attend_x16<3, CH, T>;
+    case 4: return attend_x16<4, CH, T>;
+    case 5: return attend_x16<5, CH, T>;
+    case 6: return attend_x16<6, CH, T>;
     default: return nullptr;
   }
 }
 
-Attend vectorized(int64_t dim, int64_t rep) {
+template <typename T>
+Attend<T> vectorized(int64_t dim, int64_t rep) {
   switch (dim) {
-    case 32: return vectorized_for<2>(rep);
-    case 64: return vectorized_for<4>(rep);
-    case 96: return vectorized_for<6>(rep);
-    case 128: return vectorized_for<8>(rep);
+    case 32: return vectorized_for<2, T>(rep);
+    case 64: return vectorized_for<4, T>(rep);
+    case 96: return vectorized_for<6, T>(rep);
+    case 128: return vectorized_for<8, T>(rep);
     default: return nullptr;
   }
 }
 #endif
 
-void attend(const Shape& s, const float* q, const float* keys, const float* values, int64_t n, float* out,
+template <typename T>
+void attend(const Shape& s, const float* q, const T* keys, const T* values, int64_t n, float* out,
             std::vector<float>& scores) {
 #ifdef __AVX512F__
-  if (Attend f = vectorized(s.dim, s.heads / s.kv_heads)) return f(q, keys, values, n, out, scores);
+  if (Attend<T> f = vectorized<T>(s.dim, s.heads / s.kv_heads)) return f(q, keys, values, n, out, scores);
 #endif
   attend_generic(s, q, keys, values, n, out, scores);
 }
@@ -243,8 +296,9 @@ inline int64_t keys_of(const Shape& s, const int64_t* positions, int64_t unit) {
 }
 
 // Units first..last-1 of the call's work: unit u is query (row, token) u / KVH over KV head u % KVH.
-void run_units(const Shape& s, const float* q, const float* keys, const float* values, const int64_t* positions,
-               float* out, int64_t first, int64_t last) {
+template <typename T>
+void run_units(const Shape& s, const float* q, const T* keys, const T* values, const int64_t* positions, float* out,
+               int64_t first, int64_t last) {
   std::vector<float> scores;
   const int64_t rep = s.heads / s.kv_heads, width = s.heads * s.dim;
   for (int64_t unit = first; unit < last; ++unit) {
@@ -263,8 +317,8 @@ std::atomic<int> g_running{0};  // calls running now: they share g_threads
 
 constexpr int64_t SPLIT_KEYS = 1 << 15;  // a call attending to fewer keys in all runs on its own thread
 
-void compute(const Shape& s, const float* q, const float* keys, const float* values, const int64_t* positions,
-             float* out) {
+template <typename T>
+void compute(const Shape& s, const float* q, const T* keys, const T* values, const int64_t* positions, float* out) {
   const int64_t units = s.rows * s.tokens * s.kv_heads;
   int64_t total = 0;
   for (int64_t query = 0; query < s.rows * s.tokens; ++query) total += keys_of(s, positions, query);
@@ -286,7 +340,7 @@ void compute(const Shape& s, const float* q, const float* keys, const float* val
   cuts.push_back(units);
   std::vector<std::thread> helpers;
   for (size_t i = 1; i + 1 < cuts.size(); ++i)
-    helpers.emplace_back(run_units, std::cref(s), q, keys, values, positions, out, cuts[i], cuts[i + 1]);
+    helpers.emplace_back(run_units<T>, std::cref(s), q, keys, values, positions, out, cuts[i], cuts[i + 1]);
   run_units(s, q, keys, values, positions, out, cuts[0], cuts[1]);
   for (auto& t : helpers) t.join();
   --g_running;
@@ -298,12 +352,20 @@ extern "C" {
 
 void mirror_rt_ops_threads(int threads) { g_threads = threads < 1 ? 1 : threads; }
 
-// The kernel without ONNX Runtime (tests call it through ctypes); returns 0.
+// The kernel without ONNX Runtime (tests call it through ctypes): keys and values as float, or as binary16
+// (`_half`); returns 0.
 int mirror_rt_pool_attention(const float* q, const float* keys, const float* values, const int64_t* positions,
                              float* out, int64_t rows, int64_t tokens, int64_t heads, int64_t kv_heads,
                              int64_t capacity, int64_t dim) {
-  Shape s{rows, tokens, heads, kv_heads, capacity, dim};
-  compute(s, q, keys, values, positions, out);
+  compute(Shape{rows, tokens, heads, kv_heads, capacity, dim}, q, keys, values, positions, out);
+  return 0;
+}
+
+int mirror_rt_pool_attention_half(const float* q, const uint16_t* keys, const uint16_t* values,
+                                  const int64_t* positions, float* out, int64_t rows, int64_t tokens, int64_t heads,
+                                  int64_t kv_heads, int64_t capacity, int64_t dim) {
+  compute(Shape{rows, tokens, heads, kv_heads, capacity, dim}, q, reinterpret_cast<const half*>(keys),
+          reinterpret_cast<const half*>(values), positions, out);
   return 0;
 }
 

@@ -18,7 +18,7 @@ from __future__ import annotations
 import torch
 
 from mirror_rt.exporters.exact_kv import rotate_and_store, scatter_indices
-from mirror_rt.exporters.native_op import DOMAIN, OP
+from mirror_rt.exporters.native_op import DOMAIN, OP, OP_HALF
 
 
 class ScatterPlan(torch.autograd.Function):
@@ -47,9 +47,10 @@ class PoolAttention(torch.autograd.Function):
     def symbolic(g, q, k, v, past_k, past_v, positions, cos, sin, indices, n_heads: int, n_kv_heads: int,
                  head_dim: int):
         shape = q.type()
+        half = past_k.type().scalarType() == "Half"  # float16 buffers (ExportConfig.kv_dtype)
         q, present_k, present_v = rotate_and_store(g, q, k, v, past_k, past_v, positions, cos, sin, indices, n_heads,
-                                                   n_kv_heads, head_dim)
-        out = g.op(f"{DOMAIN}::{OP}", q, present_k, present_v, positions)
+                                                   n_kv_heads, head_dim, half)
+        out = g.op(f"{DOMAIN}::{OP_HALF if half else OP}", q, present_k, present_v, positions)
         out.setType(shape)
         present_k.setType(past_k.type())
         present_v.setType(past_v.type())

@@ -62,6 +62,7 @@ class GraphSpec:
     # GroupQueryAttention (exporters.shared_kv; drafts: faster at one token)
     exact: bool = False
     pool: bool = False  # exact attention through mirror_rt::PoolAttention (exporters.pool_kv), in place
+    kv_half: bool = False  # pool graphs: KV buffers of float16 (ExportConfig.kv_dtype)
 
     @property
     def takes_groups(self) -> bool:
@@ -272,7 +273,7 @@ class SplitGraph(nn.Module):
         Key slots past a query's position are masked, so stale slots of a shared or static buffer never count.
         """
         rope = (torch.index_select(self.rope_cos, 0, positions), torch.index_select(self.rope_sin, 0, positions))
-        return self.exit_adapter.mix(h, keys[0], values[0], rope, self._mask(positions, keys.shape[2]))
+        return self.exit_adapter.mix(h, keys[0].float(), values[0].float(), rope, self._mask(positions, keys.shape[2]))
 
     def _exit(self, h: torch.Tensor) -> tuple:
         """Exit hidden h [T, hidden] (an attention adapter's first stage when it has one) -> top-kappa
@@ -321,14 +322,15 @@ def _side_by_side(*linears: nn.Linear) -> nn.Linear:
 
 def graph_spec(role: str, n_layers: int, exit_layer: int, kappa: int, static: bool = False,
                context: int = 0, window: int = 0, shared_kv: bool = False, exit_mix: bool = False,
-               pool: bool = False) -> GraphSpec:
-    """The spec of `role` for a model of `n_layers` cut at `exit_layer` (`exit_mix`, `pool`: see GraphSpec)."""
+               pool: bool = False, kv_half: bool = False) -> GraphSpec:
+    """The spec of `role` for a model of `n_layers` cut at `exit_layer` (`exit_mix`, `pool`, `kv_half`: see
+    GraphSpec)."""
     first, last = {"target_prefix": (0, exit_layer), "target_exit": (exit_layer, exit_layer),
                    "target_suffix": (exit_layer, n_layers), "draft": (0, n_layers)}[role]
     shared = shared_kv and role != "target_exit"
     return GraphSpec(role, first, last, kappa if role == "target_exit" else 0, static, context, window, shared,
                      exit_mix and role == "target_prefix", exact=shared and role != "draft",
-                     pool=pool and shared and role != "draft")
+                     pool=pool and shared and role != "draft", kv_half=kv_half and pool and shared and role != "draft")
 
 
 def example_inputs(model: Transformer, spec: GraphSpec, tokens: int = 3, past: int = 2) -> tuple:
@@ -356,7 +358,8 @@ def _shared_example(model: Transformer, spec: GraphSpec, x: torch.Tensor, past: 
     c, T = model.config, x.shape[0]
     dtype = model.embed_tokens.weight.dtype
     x = torch.stack((x, x))  # [2, T] or [2, T, hidden]
-    kv = [torch.zeros(2, c.n_kv_heads, past + T + 2, c.head_dim, dtype=dtype) for _ in range(2 * spec.n_layers)]
+    kv_dtype = torch.float16 if spec.kv_half else dtype
+    kv = [torch.zeros(2, c.n_kv_heads, past + T + 2, c.head_dim, dtype=kv_dtype) for _ in range(2 * spec.n_layers)]
     head = [x, torch.tensor([T], dtype=torch.long)] if spec.takes_last_rows else [x]
     head.append(torch.tensor([past + T, past + T + 1], dtype=torch.int32))
     if spec.takes_groups:  # a group per row, then empty groups

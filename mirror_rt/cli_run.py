@@ -21,7 +21,7 @@ from mirror_rt.cli_options import (
     generation_config,
 )
 from mirror_rt.evaluation.device_check import CHECK_OUT, CHECK_TOKENS, MAX_CHECK_TOKENS
-from mirror_rt.exporters.export_config import ATTENTION, ExportConfig
+from mirror_rt.exporters.export_config import ATTENTION, KV_DTYPES, ExportConfig
 from mirror_rt.exporters.paths import check_writable
 from mirror_rt.models.config import DEFAULT_KAPPA
 from mirror_rt.models.default_model import DEFAULT_MODEL
@@ -165,6 +165,8 @@ def add_export(sub) -> None:
                         "(mirror-rt's ONNX Runtime op reads the KV in place; built with the machine's C++ compiler, "
                         "here and wherever the bundle runs) | standard (standard ONNX ops); default: pool where it "
                         "builds")
+    export.add_argument("--kv-dtype", choices=KV_DTYPES, help="the target's KV with --attention pool: fp16 (half "
+                        "the memory and the reads of attention) | fp32; default: fp16 for --weights w8a8, else fp32")
     export.add_argument("--draft-vocab", help="kept token ids (mirror-rt prune-vocab --out): the draft's LM head "
                         "over those rows only, -inf elsewhere (onnx, openvino; the output never changes)")
     export.add_argument("--static", action="store_true", help="fixed shapes (NPUs need them)")

@@ -287,6 +287,28 @@ def test_onnx_targets_attend_in_place(onnx_int8_bundle):
         assert GROUPS_INPUT not in [i.name for i in graph.input]
 
 
+def test_w8a8_targets_keep_float16_kv(tmp_path):
+    """`--weights w8a8` with pool attention: the target's KV buffers are float16 by default (`--kv-dtype`), read by
+    PoolAttentionHalf; `--kv-dtype fp16` beside the standard ops is refused in one line before anything loads."""
+    import onnx
+
+    from mirror_rt.exporters import native_op
+    from mirror_rt.exporters.export import ExportError
+
+    with pytest.raises(ExportError, match="^--kv-dtype fp16 needs --attention pool"):
+        _export(tmp_path / "refused", fmt="onnx", kv_dtype="fp16", attention="standard")
+    if not native_op.available():
+        pytest.skip("no C++ compiler: the bundle attends with standard ops")
+    folder = _export(tmp_path / "w8a8", fmt="onnx", weights="w8a8", kappa=4)
+    assert read_manifest(folder).kv_layout["dtype"] == "float16"
+    graph = onnx.load(str(folder / "target_suffix.onnx")).graph
+    past = [i for i in graph.input if i.name.startswith("past_")]
+    assert past and all(i.type.tensor_type.elem_type == onnx.TensorProto.FLOAT16 for i in past)
+    assert native_op.OP_HALF in [n.op_type for n in graph.node]
+    draft_past = [i for i in onnx.load(str(folder / "draft.onnx")).graph.input if i.name.startswith("past_")]
+    assert all(i.type.tensor_type.elem_type == onnx.TensorProto.FLOAT for i in draft_past)
+
+
 def test_onnx_targets_attend_with_standard_ops(tmp_path):
     """`--attention standard` (and machines without a compiler): target prefix and suffix attend without
     GroupQueryAttention (exporters.exact_kv: the same kernels in every call shape), per group of rows; the draft

@@ -13,19 +13,21 @@ from mirror_rt.exporters import native_op
 pytestmark = pytest.mark.skipif(not native_op.available(), reason="no C++ compiler to build the op")
 
 
-def kernel():
+def kernel(half: bool = False):
     lib = ctypes.CDLL(str(native_op.library()))
-    f = lib.mirror_rt_pool_attention
+    f = lib.mirror_rt_pool_attention_half if half else lib.mirror_rt_pool_attention
     f.argtypes = [ctypes.c_void_p] * 5 + [ctypes.c_int64] * 6
     return f
 
 
 def attend(q, keys, values, positions):
+    """The op over float32 keys and values, or float16 ones (PoolAttentionHalf)."""
     B, T, width = q.shape
     _, kv_heads, capacity, dim = keys.shape
     out = np.full_like(q, np.nan)
     arrays = [np.ascontiguousarray(a) for a in (q, keys, values, positions)]
-    kernel()(*(a.ctypes.data for a in arrays), out.ctypes.data, B, T, width // dim, kv_heads, capacity, dim)
+    kernel(keys.dtype == np.float16)(*(a.ctypes.data for a in arrays), out.ctypes.data, B, T, width // dim, kv_heads,
+                                     capacity, dim)
     return out
 
 
@@ -46,26 +48,29 @@ def reference(q, keys, values, positions):
     return out
 
 
+@pytest.mark.parametrize("dtype", [np.float32, np.float16])
 @pytest.mark.parametrize("dim,heads,kv_heads",
                          [(64, 9, 3), (64, 4, 4), (128, 8, 2), (32, 16, 2), (16, 4, 2), (12, 6, 2)])
-def test_matches_float64_attention(dim, heads, kv_heads):
+def test_matches_float64_attention(dim, heads, kv_heads, dtype):
     """The vectorized paths (head sizes 32, 64, 96, 128; up to 8 query heads a KV head) and the plain one (other
     head sizes, or 16 query heads a KV head, or no AVX-512), against causal attention computed in float64."""
     rng = np.random.default_rng(dim + heads)
     B, T, capacity = 3, 5, 90
-    keys, values = (rng.standard_normal((B, kv_heads, capacity, dim), dtype=np.float32) for _ in range(2))
+    keys, values = (rng.standard_normal((B, kv_heads, capacity, dim)).astype(dtype) for _ in range(2))
+    keys[0, 0, 3, :2] = np.float16(3e-6)  # a float16 subnormal (exact in float32 too)
     q = rng.standard_normal((B, T, heads * dim), dtype=np.float32)
     positions = np.array([[p - T + 1 + t for t in range(T)] for p in (20, 89, 4)], dtype=np.int64)
     assert np.abs(attend(q, keys, values, positions) - reference(q, keys, values, positions)).max() < 2e-6
 
 
+@pytest.mark.parametrize("dtype", [np.float32, np.float16])
 @pytest.mark.parametrize("dim", [64, 128, 16])
-def test_a_query_computes_alike_in_every_call_shape(dim):
+def test_a_query_computes_alike_in_every_call_shape(dim, dtype):
     """Bitwise: each query of a 3-row, 7-token call equals itself alone in a one-token call, in a window of its
     row, and after the slots past its position were overwritten; long rows go through the threaded path."""
     rng = np.random.default_rng(dim)
     B, T, capacity, kv_heads, heads = 3, 7, 3000, 2, 6
-    keys, values = (rng.standard_normal((B, kv_heads, capacity, dim), dtype=np.float32) for _ in range(2))
+    keys, values = (rng.standard_normal((B, kv_heads, capacity, dim)).astype(dtype) for _ in range(2))
     q = rng.standard_normal((B, T, heads * dim), dtype=np.float32)
     positions = np.array([[end - T + t for t in range(T)] for end in (10, 2999, 700)], dtype=np.int64)
     native_op.set_threads(2)
