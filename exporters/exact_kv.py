@@ -58,43 +58,20 @@ class AttentionPlan(torch.autograd.Function):
     @staticmethod
     def symbolic(g, positions, groups, n_kv_heads: int, rep: int):
         const = lambda value: _const(g, value)  # noqa: E731
-        out = [scatter_indices(g, positions, n_kv_heads)]
-        tokens = g.op("Slice", g.op("Shape", positions), const([1]), const([2]))
+        shape = g.op("Shape", positions)  # [B, T]
+        batch, tokens = (g.op("Slice", shape, const([i]), const([i + 1])) for i in (0, 1))
+        rows = g.op("Range", const(0), g.op("Squeeze", batch, const([0])), const(1))  # [B]
+        heads = const(list(range(n_kv_heads)))
+        grid = g.op("Concat", batch, const([n_kv_heads]), tokens, const([1]), axis_i=0)  # [B, KVH, T, 1]
+        b = g.op("Expand", g.op("Reshape", rows, const([-1, 1, 1, 1])), grid)
+        h = g.op("Expand", g.op("Reshape", heads, const([1, -1, 1, 1])), grid)
+        p = g.op("Expand", g.op("Unsqueeze", g.op("Unsqueeze", positions, const([1])), const([3])), grid)
+        out = [g.op("Concat", b, h, p, axis_i=3)]
         row_ends = g.op("Reshape", g.op("Slice", groups, const([0]), const([1]), const([1])), const([-1]))  # [G]
         starts = g.op("Concat", const([0]), row_ends, axis_i=0)  # [G + 1]: where each group starts, then B
         for i in range(GROUPS):
             out += _group_plan(g, positions, groups, starts, i, tokens, rep)
         return tuple(out)
-
-
-def scatter_indices(g, positions, n_kv_heads: int):
-    """ScatterND indices [B, KVH, T, 3] writing a call's keys (or values) [B, KVH, T, D] at each row's positions."""
-    const = lambda value: _const(g, value)  # noqa: E731
-    shape = g.op("Shape", positions)  # [B, T]
-    batch, tokens = (g.op("Slice", shape, const([i]), const([i + 1])) for i in (0, 1))
-    rows = g.op("Range", const(0), g.op("Squeeze", batch, const([0])), const(1))  # [B]
-    heads = const(list(range(n_kv_heads)))
-    grid = g.op("Concat", batch, const([n_kv_heads]), tokens, const([1]), axis_i=0)  # [B, KVH, T, 1]
-    b = g.op("Expand", g.op("Reshape", rows, const([-1, 1, 1, 1])), grid)
-    h = g.op("Expand", g.op("Reshape", heads, const([1, -1, 1, 1])), grid)
-    p = g.op("Expand", g.op("Unsqueeze", g.op("Unsqueeze", positions, const([1])), const([3])), grid)
-    return g.op("Concat", b, h, p, axis_i=3)
-
-
-def rotate_and_store(g, q, k, v, past_k, past_v, positions, cos, sin, indices, n_heads: int, n_kv_heads: int,
-                     head_dim: int, half: bool = False) -> tuple:
-    """RoPE on q and k (com.microsoft RotaryEmbedding, per element), then the call's keys and values written into
-    the buffers (ScatterND: in place when ONNX Runtime binds past and present to one buffer) -> (q, keys, values).
-    `half`: the buffers hold float16 (exporters.pool_kv), the keys and values rounded to it first."""
-    const = lambda value: _const(g, value)  # noqa: E731
-    rotary = dict(interleaved_i=0)
-    q = g.op(f"{DOMAIN}::RotaryEmbedding", q, positions, cos, sin, num_heads_i=n_heads, **rotary)
-    k = g.op(f"{DOMAIN}::RotaryEmbedding", k, positions, cos, sin, num_heads_i=n_kv_heads, **rotary)
-    by_head = const([0, -1, n_kv_heads, head_dim])  # [B, T, KVH, D] -> [B, KVH, T, D]
-    k, v = (g.op("Transpose", g.op("Reshape", x, by_head), perm_i=[0, 2, 1, 3]) for x in (k, v))
-    if half:
-        k, v = (g.op("Cast", x, to_i=10) for x in (k, v))  # TensorProto.FLOAT16
-    return q, g.op("ScatterND", past_k, indices, k), g.op("ScatterND", past_v, indices, v)
 
 
 def _group_plan(g, positions, groups, starts, i: int, tokens, rep: int) -> list:
@@ -131,9 +108,13 @@ class ExactAttention(torch.autograd.Function):
                  *plan):
         const = lambda value: _const(g, value)  # noqa: E731
         rep = n_heads // n_kv_heads
+        rotary = dict(interleaved_i=0)
+        q = g.op(f"{DOMAIN}::RotaryEmbedding", q, positions, cos, sin, num_heads_i=n_heads, **rotary)
+        k = g.op(f"{DOMAIN}::RotaryEmbedding", k, positions, cos, sin, num_heads_i=n_kv_heads, **rotary)
+        by_head = const([0, -1, n_kv_heads, head_dim])  # [B, T, KVH, D] -> [B, KVH, T, D]
+        k, v = (g.op("Transpose", g.op("Reshape", x, by_head), perm_i=[0, 2, 1, 3]) for x in (k, v))
         indices, groups = plan[0], plan[1:]
-        q, present_k, present_v = rotate_and_store(g, q, k, v, past_k, past_v, positions, cos, sin, indices, n_heads,
-                                                   n_kv_heads, head_dim)
+        present_k, present_v = g.op("ScatterND", past_k, indices, k), g.op("ScatterND", past_v, indices, v)
         grouped = g.op("Reshape", q, const([0, -1, n_kv_heads, rep, head_dim]))  # [B, T, KVH, rep, D]
         grouped = g.op("Reshape", g.op("Transpose", grouped, perm_i=[0, 2, 1, 3, 4]), const([0, 0, -1, head_dim]))
         scale = g.op("Constant", value_t=torch.tensor(head_dim ** -0.5, dtype=torch.float32))

@@ -1,8 +1,9 @@
 // mirror_rt.PoolAttention: causal attention that reads each row's keys and values in place in the KV buffers,
 // an ONNX Runtime custom op (CPU). Built on first use by devices/native_ops.py; see exporters/pool_kv.py.
 //
-// Inputs: q [B, T, H*D] (rotated), keys and values [B, KVH, S, D] (this call's already written at each query's
-// position; float, or binary16 for the op PoolAttentionHalf), positions [B, T] int64. Output [B, T, H*D]. Query head h reads KV head h / (H / KVH).
+// Inputs: q [B, T, H*D] and k [B, T, KVH*D] (rotated), v [B, T, KVH*D], the KV buffers [B, KVH, S, D] (float, or
+// binary16 for the op PoolAttentionHalf), positions [B, T] int64. Outputs [B, T, H*D] and the buffers with this
+// call's keys and values stored at their positions (in place: ONNX Runtime binds the buffers as both). Query head h reads KV head h / (H / KVH).
 // A query at position p attends to keys 0..p of its own row, always with the same float operations in the same
 // order (dot products over 16 lanes then a fixed tree, max, exp, sums over keys in order): its result does not
 // depend on the call's other rows, on how many tokens the call holds, or on anything past p in the buffers.
@@ -15,7 +16,7 @@
 #include <atomic>
 #include <thread>
 #include <vector>
-#ifdef __AVX512F__
+#if defined(__AVX512F__) || defined(__F16C__)
 #include <immintrin.h>
 #endif
 
@@ -56,6 +57,36 @@ inline float widen(half x) {  // exact: every binary16 value is a float
   float f;
   std::memcpy(&f, &out, sizeof f);
   return f;
+}
+
+inline void narrow(float x, float* out) { *out = x; }
+
+inline void narrow(float x, half* out) {  // round to nearest, ties to even (IEEE, as F16C's conversion)
+#ifdef __F16C__
+  out->bits = _cvtss_sh(x, _MM_FROUND_TO_NEAREST_INT);
+#else
+  uint32_t bits;
+  std::memcpy(&bits, &x, sizeof bits);
+  const uint32_t sign = (bits >> 16) & 0x8000, magnitude = bits & 0x7FFFFFFF;
+  uint32_t h;
+  if (magnitude >= 0x7F800000) {
+    h = magnitude > 0x7F800000 ? 0x7E00 : 0x7C00;  // NaN, infinity
+  } else if (magnitude >= 0x47800000) {
+    h = 0x7C00;  // 65536 and up: infinity
+  } else if (magnitude >= 0x38800000) {  // a normal binary16 (a carry past 65504 gives infinity)
+    h = ((((magnitude >> 23) - 112) << 10) | ((magnitude & 0x7FFFFF) >> 13));
+    const uint32_t rest = magnitude & 0x1FFF;
+    h += rest > 0x1000 || (rest == 0x1000 && (h & 1));
+  } else if (magnitude >= 0x33000000) {  // a subnormal binary16
+    const uint32_t mantissa = (magnitude & 0x7FFFFF) | 0x800000, shift = 126 - (magnitude >> 23);
+    h = mantissa >> shift;
+    const uint32_t rest = mantissa & ((1u << shift) - 1), halfway = 1u << (shift - 1);
+    h += rest > halfway || (rest == halfway && (h & 1));
+  } else {
+    h = 0;
+  }
+  out->bits = static_cast<uint16_t>(sign | h);
+#endif
 }
 
 template <typename T>
@@ -317,6 +348,24 @@ std::atomic<int> g_running{0};  // calls running now: they share g_threads
 
 constexpr int64_t SPLIT_KEYS = 1 << 15;  // a call attending to fewer keys in all runs on its own thread
 
+// The call's keys and values k, v [B, T, KVH*D] into the buffers [B, KVH, S, D] at each token's position.
+template <typename T>
+void store(const Shape& s, const float* k, const float* v, T* keys, T* values, const int64_t* positions) {
+  for (int64_t b = 0; b < s.rows; ++b)
+    for (int64_t t = 0; t < s.tokens; ++t) {
+      const int64_t p = positions[b * s.tokens + t];
+      if (p < 0 || p >= s.capacity) continue;
+      for (int64_t h = 0; h < s.kv_heads; ++h) {
+        const int64_t from = ((b * s.tokens + t) * s.kv_heads + h) * s.dim;
+        const int64_t to = ((b * s.kv_heads + h) * s.capacity + p) * s.dim;
+        for (int64_t i = 0; i < s.dim; ++i) {
+          narrow(k[from + i], keys + to + i);
+          narrow(v[from + i], values + to + i);
+        }
+      }
+    }
+}
+
 template <typename T>
 void compute(const Shape& s, const float* q, const T* keys, const T* values, const int64_t* positions, float* out) {
   const int64_t units = s.rows * s.tokens * s.kv_heads;
@@ -353,19 +402,24 @@ extern "C" {
 void mirror_rt_ops_threads(int threads) { g_threads = threads < 1 ? 1 : threads; }
 
 // The kernel without ONNX Runtime (tests call it through ctypes): keys and values as float, or as binary16
-// (`_half`); returns 0.
-int mirror_rt_pool_attention(const float* q, const float* keys, const float* values, const int64_t* positions,
-                             float* out, int64_t rows, int64_t tokens, int64_t heads, int64_t kv_heads,
-                             int64_t capacity, int64_t dim) {
-  compute(Shape{rows, tokens, heads, kv_heads, capacity, dim}, q, keys, values, positions, out);
+// (`_half`); with k and v (not null), this call's keys and values [B, T, KVH*D] are first stored at their positions.
+int mirror_rt_pool_attention(const float* q, const float* k, const float* v, float* keys, float* values,
+                             const int64_t* positions, float* out, int64_t rows, int64_t tokens, int64_t heads,
+                             int64_t kv_heads, int64_t capacity, int64_t dim) {
+  const Shape s{rows, tokens, heads, kv_heads, capacity, dim};
+  if (k != nullptr && v != nullptr) store(s, k, v, keys, values, positions);
+  compute<float>(s, q, keys, values, positions, out);
   return 0;
 }
 
-int mirror_rt_pool_attention_half(const float* q, const uint16_t* keys, const uint16_t* values,
+int mirror_rt_pool_attention_half(const float* q, const float* k, const float* v, uint16_t* keys, uint16_t* values,
                                   const int64_t* positions, float* out, int64_t rows, int64_t tokens, int64_t heads,
                                   int64_t kv_heads, int64_t capacity, int64_t dim) {
-  compute(Shape{rows, tokens, heads, kv_heads, capacity, dim}, q, reinterpret_cast<const half*>(keys),
-          reinterpret_cast<const half*>(values), positions, out);
+  const Shape s{rows, tokens, heads, kv_heads, capacity, dim};
+  auto* keys16 = reinterpret_cast<half*>(keys);
+  auto* values16 = reinterpret_cast<half*>(values);
+  if (k != nullptr && v != nullptr) store(s, k, v, keys16, values16, positions);
+  compute<half>(s, q, keys16, values16, positions, out);
   return 0;
 }
 
@@ -376,13 +430,30 @@ void mirror_rt_quantize_rows(const float* x, uint8_t* q, float* scales, int64_t 
   const float inverse_levels = static_cast<float>(1.0 / 127.0), tiny = 1e-30f;  // as numpy's float32 of each
   for (int64_t r = 0; r < rows; ++r) {
     const float* row = x + r * k;
+    uint8_t* out = q + r * k;
+    int64_t i = 0;
     float top = 0.0f;
-    for (int64_t i = 0; i < k; ++i) top = std::fabs(row[i]) > top ? std::fabs(row[i]) : top;
+#ifdef __AVX512F__
+    __m512 tops = _mm512_setzero_ps();
+    for (; i + 16 <= k; i += 16) tops = _mm512_max_ps(tops, _mm512_abs_ps(_mm512_loadu_ps(row + i)));
+    top = _mm512_reduce_max_ps(tops);  // (a maximum is exact in any order)
+#endif
+    for (; i < k; ++i) top = std::fabs(row[i]) > top ? std::fabs(row[i]) : top;
     float scale = top * inverse_levels;
     scale = scale > tiny ? scale : tiny;
     scales[r] = scale;
-    uint8_t* out = q + r * k;
-    for (int64_t i = 0; i < k; ++i) {
+    i = 0;
+#ifdef __AVX512F__
+    const __m512 divisor = _mm512_set1_ps(scale), zero_point = _mm512_set1_ps(128.0f);
+    const __m512 low = _mm512_setzero_ps(), high = _mm512_set1_ps(255.0f);
+    for (; i + 16 <= k; i += 16) {  // the same division and round-half-to-even as below, 16 at a time
+      __m512 v = _mm512_roundscale_ps(_mm512_div_ps(_mm512_loadu_ps(row + i), divisor),
+                                      _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+      v = _mm512_min_ps(_mm512_max_ps(_mm512_add_ps(v, zero_point), low), high);
+      _mm_storeu_si128(reinterpret_cast<__m128i*>(out + i), _mm512_cvtepi32_epi8(_mm512_cvtps_epi32(v)));
+    }
+#endif
+    for (; i < k; ++i) {
       float v = std::nearbyint(row[i] / scale) + 128.0f;
       out[i] = static_cast<uint8_t>(v < 0.0f ? 0.0f : (v > 255.0f ? 255.0f : v));
     }

@@ -17,21 +17,8 @@ from __future__ import annotations
 
 import torch
 
-from mirror_rt.exporters.exact_kv import rotate_and_store, scatter_indices
 from mirror_rt.exporters.native_op import DOMAIN, OP, OP_HALF
-
-
-class ScatterPlan(torch.autograd.Function):
-    """The ScatterND indices [B, KVH, T, 3] every layer of a call shares; eager forward: shapes for the tracer."""
-
-    @staticmethod
-    def forward(ctx, positions, n_kv_heads: int):
-        B, T = positions.shape
-        return torch.zeros(B, n_kv_heads, T, 3, dtype=torch.long)
-
-    @staticmethod
-    def symbolic(g, positions, n_kv_heads: int):
-        return scatter_indices(g, positions, n_kv_heads)
+from mirror_rt.exporters.shared_kv import DOMAIN as ROPE_DOMAIN
 
 
 class PoolAttention(torch.autograd.Function):
@@ -39,31 +26,26 @@ class PoolAttention(torch.autograd.Function):
     present k, v: the same buffers). Its eager forward only gives the tracer shapes."""
 
     @staticmethod
-    def forward(ctx, q, k, v, past_k, past_v, positions, cos, sin, indices, n_heads: int, n_kv_heads: int,
-                head_dim: int):
+    def forward(ctx, q, k, v, past_k, past_v, positions, cos, sin, n_heads: int, n_kv_heads: int):
         return torch.zeros_like(q), past_k.clone(), past_v.clone()
 
     @staticmethod
-    def symbolic(g, q, k, v, past_k, past_v, positions, cos, sin, indices, n_heads: int, n_kv_heads: int,
-                 head_dim: int):
+    def symbolic(g, q, k, v, past_k, past_v, positions, cos, sin, n_heads: int, n_kv_heads: int):
         shape = q.type()
         half = past_k.type().scalarType() == "Half"  # float16 buffers (ExportConfig.kv_dtype)
-        q, present_k, present_v = rotate_and_store(g, q, k, v, past_k, past_v, positions, cos, sin, indices, n_heads,
-                                                   n_kv_heads, head_dim, half)
-        out = g.op(f"{DOMAIN}::{OP_HALF if half else OP}", q, present_k, present_v, positions)
+        rotary = dict(interleaved_i=0)
+        q = g.op(f"{ROPE_DOMAIN}::RotaryEmbedding", q, positions, cos, sin, num_heads_i=n_heads, **rotary)
+        k = g.op(f"{ROPE_DOMAIN}::RotaryEmbedding", k, positions, cos, sin, num_heads_i=n_kv_heads, **rotary)
+        out, present_k, present_v = g.op(f"{DOMAIN}::{OP_HALF if half else OP}", q, k, v, past_k, past_v, positions,
+                                         outputs=3)
         out.setType(shape)
         present_k.setType(past_k.type())
         present_v.setType(past_v.type())
         return out, present_k, present_v
 
 
-def pool_attention_plan(positions, n_kv_heads: int):
-    """The per-call part every layer shares, computed once per graph."""
-    return ScatterPlan.apply(positions, n_kv_heads)
-
-
-def pool_rope_attention(q, k, v, past_k, past_v, rope, indices, n_heads: int, n_kv_heads: int, head_dim: int):
+def pool_rope_attention(q, k, v, past_k, past_v, rope, n_heads: int, n_kv_heads: int):
     """As exporters.exact_kv.exact_rope_attention (rope = (cos, sin [table, D/2], positions [B, T])), through
-    mirror_rt::PoolAttention; `indices` from pool_attention_plan."""
+    mirror_rt::PoolAttention, which also stores the call's keys and values."""
     cos, sin, positions = rope
-    return PoolAttention.apply(q, k, v, past_k, past_v, positions, cos, sin, indices, n_heads, n_kv_heads, head_dim)
+    return PoolAttention.apply(q, k, v, past_k, past_v, positions, cos, sin, n_heads, n_kv_heads)

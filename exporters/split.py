@@ -26,7 +26,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from mirror_rt.exporters.exact_kv import GROUPS, GROUPS_INPUT, exact_attention_plan, exact_rope_attention
-from mirror_rt.exporters.pool_kv import pool_attention_plan, pool_rope_attention
+from mirror_rt.exporters.pool_kv import pool_rope_attention
 from mirror_rt.exporters.shared_kv import TOTAL_LEN, shared_kv_rope_attention
 from mirror_rt.models.exit_adapter import attends, exit_logits
 from mirror_rt.models.transformer import (
@@ -226,8 +226,8 @@ class SplitGraph(nn.Module):
                 q = attn.q_norm(q.reshape(B, T, self.n_heads, self.head_dim)).reshape(B, T, -1)
                 k = attn.k_norm(k.reshape(B, T, self.n_kv_heads, self.head_dim)).reshape(B, T, -1)
             if self.spec.pool:
-                out, keys, values = pool_rope_attention(q, k, v, kv[2 * i], kv[2 * i + 1], rope, plan, self.n_heads,
-                                                        self.n_kv_heads, self.head_dim)
+                out, keys, values = pool_rope_attention(q, k, v, kv[2 * i], kv[2 * i + 1], rope, self.n_heads,
+                                                        self.n_kv_heads)
             elif plan is not None:
                 out, keys, values = exact_rope_attention(q, k, v, kv[2 * i], kv[2 * i + 1], rope, plan, self.n_heads,
                                                          self.n_kv_heads, self.head_dim)
@@ -246,10 +246,10 @@ class SplitGraph(nn.Module):
         return (self.model.logits(h), *presents)
 
     def _attention_plan(self, positions, groups):
-        """What every layer of an exact graph's call shares (exporters.exact_kv / pool_kv); None otherwise."""
-        if self.spec.pool:
-            return pool_attention_plan(positions, self.n_kv_heads)
-        return exact_attention_plan(positions, groups, self.n_heads, self.n_kv_heads) if self.spec.exact else None
+        """What every layer of a standard-op exact graph's call shares (exporters.exact_kv); None otherwise."""
+        if self.spec.exact and not self.spec.pool:
+            return exact_attention_plan(positions, groups, self.n_heads, self.n_kv_heads)
+        return None
 
     def _mask(self, positions: torch.Tensor, n_keys) -> torch.Tensor:
         """[T, S] bool: query at position p sees keys 0..p."""

@@ -16,18 +16,21 @@ pytestmark = pytest.mark.skipif(not native_op.available(), reason="no C++ compil
 def kernel(half: bool = False):
     lib = ctypes.CDLL(str(native_op.library()))
     f = lib.mirror_rt_pool_attention_half if half else lib.mirror_rt_pool_attention
-    f.argtypes = [ctypes.c_void_p] * 5 + [ctypes.c_int64] * 6
+    f.argtypes = [ctypes.c_void_p] * 7 + [ctypes.c_int64] * 6
     return f
 
 
-def attend(q, keys, values, positions):
-    """The op over float32 keys and values, or float16 ones (PoolAttentionHalf)."""
+def attend(q, keys, values, positions, new=None):
+    """The op over float32 keys and values, or float16 ones (PoolAttentionHalf); `new` = (k, v) [B, T, KVH*D]: the
+    call's keys and values, stored into `keys` and `values` first (in place)."""
     B, T, width = q.shape
     _, kv_heads, capacity, dim = keys.shape
     out = np.full_like(q, np.nan)
-    arrays = [np.ascontiguousarray(a) for a in (q, keys, values, positions)]
-    kernel(keys.dtype == np.float16)(*(a.ctypes.data for a in arrays), out.ctypes.data, B, T, width // dim, kv_heads,
-                                     capacity, dim)
+    q, positions = np.ascontiguousarray(q), np.ascontiguousarray(positions)
+    assert keys.flags.c_contiguous and values.flags.c_contiguous
+    k, v = (None, None) if new is None else (np.ascontiguousarray(x, dtype=np.float32) for x in new)
+    pointers = [None if a is None else a.ctypes.data for a in (q, k, v, keys, values, positions, out)]
+    kernel(keys.dtype == np.float16)(*pointers, B, T, width // dim, kv_heads, capacity, dim)
     return out
 
 
@@ -76,7 +79,7 @@ def test_a_query_computes_alike_in_every_call_shape(dim, dtype):
     native_op.set_threads(2)
     together = attend(q, keys, values, positions)
     for b in range(B):
-        window = attend(q[b:b + 1, 2:], keys[b:b + 1], values[b:b + 1], positions[b:b + 1, 2:])
+        window = attend(q[b:b + 1, 2:], keys[b:b + 1].copy(), values[b:b + 1].copy(), positions[b:b + 1, 2:])
         assert np.array_equal(window[0], together[b, 2:])
         for t in range(T):
             stale_keys, stale_values = keys[b:b + 1].copy(), values[b:b + 1].copy()
@@ -86,6 +89,27 @@ def test_a_query_computes_alike_in_every_call_shape(dim, dtype):
             assert np.array_equal(alone[0, 0], together[b, t]), (b, t)
 
 
+@pytest.mark.parametrize("dtype", [np.float32, np.float16])
+def test_the_op_stores_the_calls_keys_and_values(dtype):
+    """Given this call's keys and values, the op stores them at each token's position (float16 buffers: rounded to
+    nearest, ties to even, as numpy rounds) and attends as over buffers written beforehand; other slots untouched."""
+    rng = np.random.default_rng(5)
+    B, T, kv_heads, heads, dim, capacity = 2, 3, 2, 4, 64, 40
+    k, v = (rng.standard_normal((B, T, kv_heads * dim), dtype=np.float32) * 3 for _ in range(2))
+    k[0, 0, :4] = [1e-6, 65519.0, -3.0009765625, 2.0 ** -25]  # a subnormal, to the largest finite, a tie, a tie to 0
+    positions = np.array([[7, 8, 9], [30, 31, 32]], dtype=np.int64)
+    q = rng.standard_normal((B, T, heads * dim), dtype=np.float32)
+    keys, values = (rng.standard_normal((B, kv_heads, capacity, dim)).astype(dtype) for _ in range(2))
+    written_keys, written_values = keys.copy(), values.copy()
+    for b in range(B):
+        for t in range(T):
+            written_keys[b, :, positions[b, t]] = k[b, t].reshape(kv_heads, dim).astype(dtype)
+            written_values[b, :, positions[b, t]] = v[b, t].reshape(kv_heads, dim).astype(dtype)
+    stored = attend(q, keys, values, positions, new=(k, v))
+    assert np.array_equal(keys, written_keys) and np.array_equal(values, written_values)
+    assert np.array_equal(stored, attend(q, written_keys, written_values, positions))
+
+
 def test_quantize_rows_equals_the_standard_ops():
     """QuantizeRows gives the bits of exporters.w8a8's six standard ops (zero rows and ties included)."""
     import onnxruntime as ort
@@ -93,7 +117,7 @@ def test_quantize_rows_equals_the_standard_ops():
 
     from mirror_rt.exporters.w8a8 import _constants, _quantize_rows
 
-    graph = helper.make_graph([], "rows", [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["B", "T", 96])], [])
+    graph = helper.make_graph([], "rows", [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["B", "T", 100])], [])
     nodes = []
     standard = _quantize_rows(nodes, "x", _constants(graph, axes_input=True))
     nodes.append(helper.make_node(native_op.QUANTIZE_ROWS, ["x"], ["q", "scale"], domain=native_op.DOMAIN))
@@ -108,7 +132,7 @@ def test_quantize_rows_equals_the_standard_ops():
     session = ort.InferenceSession(model.SerializeToString(), options, providers=["CPUExecutionProvider"])
     rng = np.random.default_rng(0)
     for trial in range(50):
-        x = (rng.standard_normal((3, 4, 96)) * rng.uniform(0.01, 50)).astype(np.float32)
+        x = (rng.standard_normal((3, 4, 100)) * rng.uniform(0.01, 50)).astype(np.float32)
         x[0, 0] = 0.0
         x[1, 2, :8] = np.float32(0.5) * np.abs(x[1, 2]).max()  # x / scale = 63.5: a tie, rounded to even
         q_standard, scale_standard, q, scale = session.run(None, {"x": x})
