@@ -22,7 +22,7 @@ from pathlib import Path
 
 from mirror_rt.models.default_model import cache_dir
 
-SOURCES = ("pool_attention.cpp", "pool_attention_ort.inc")
+SOURCES = ("pool_attention.cpp", "native_numbers.inc", "quantize_rows.inc", "pool_attention_ort.inc")
 LIBRARY = "libmirror_rt_ops.so"
 DOMAIN = "mirror_rt"  # the op's ONNX domain
 OP = "PoolAttention"

@@ -1,9 +1,12 @@
 // mirror_rt.PoolAttention: causal attention that reads each row's keys and values in place in the KV buffers,
-// an ONNX Runtime custom op (CPU). Built on first use by devices/native_ops.py; see exporters/pool_kv.py.
+// an ONNX Runtime custom op (CPU), with the numbers it uses (native_numbers.inc), QuantizeRows (quantize_rows.inc)
+// and the ops' registration (pool_attention_ort.inc). Built on first use by exporters/native_op.py; see
+// exporters/pool_kv.py.
 //
 // Inputs: q [B, T, H*D] and k [B, T, KVH*D] (rotated), v [B, T, KVH*D], the KV buffers [B, KVH, S, D] (float, or
 // binary16 for the op PoolAttentionHalf), positions [B, T] int64. Outputs [B, T, H*D] and the buffers with this
-// call's keys and values stored at their positions (in place: ONNX Runtime binds the buffers as both). Query head h reads KV head h / (H / KVH).
+// call's keys and values stored at their positions (in place: ONNX Runtime binds the buffers as both). Query head
+// h reads KV head h / (H / KVH).
 // A query at position p attends to keys 0..p of its own row, always with the same float operations in the same
 // order (dot products over 16 lanes then a fixed tree, max, exp, sums over keys in order): its result does not
 // depend on the call's other rows, on how many tokens the call holds, or on anything past p in the buffers.
@@ -22,102 +25,7 @@
 
 namespace {
 
-constexpr int W = 16;  // lanes of every partial sum
-
-inline float tree_sum(const float* a) {  // a fixed order: the result's bits do not depend on the compiler's choice
-  float t[8], u[4];
-  for (int i = 0; i < 8; ++i) t[i] = a[i] + a[i + 8];
-  for (int i = 0; i < 4; ++i) u[i] = t[i] + t[i + 4];
-  return (u[0] + u[2]) + (u[1] + u[3]);
-}
-
-struct half {  // IEEE binary16 as the KV buffers of fp16 graphs hold it
-  uint16_t bits;
-};
-
-inline float widen(float x) { return x; }
-
-inline float widen(half x) {  // exact: every binary16 value is a float
-  const uint32_t sign = static_cast<uint32_t>(x.bits & 0x8000) << 16, exponent = (x.bits >> 10) & 0x1F;
-  uint32_t mantissa = x.bits & 0x3FF, out;
-  if (exponent == 0x1F) {
-    out = sign | 0x7F800000 | (mantissa << 13);
-  } else if (exponent != 0) {
-    out = sign | ((exponent + 112) << 23) | (mantissa << 13);
-  } else if (mantissa == 0) {
-    out = sign;
-  } else {  // subnormal: normalize
-    int shift = 0;
-    while (!(mantissa & 0x400)) {
-      mantissa <<= 1;
-      ++shift;
-    }
-    out = sign | (static_cast<uint32_t>(113 - shift) << 23) | ((mantissa & 0x3FF) << 13);
-  }
-  float f;
-  std::memcpy(&f, &out, sizeof f);
-  return f;
-}
-
-inline void narrow(float x, float* out) { *out = x; }
-
-inline void narrow(float x, half* out) {  // round to nearest, ties to even (IEEE, as F16C's conversion)
-#ifdef __F16C__
-  out->bits = _cvtss_sh(x, _MM_FROUND_TO_NEAREST_INT);
-#else
-  uint32_t bits;
-  std::memcpy(&bits, &x, sizeof bits);
-  const uint32_t sign = (bits >> 16) & 0x8000, magnitude = bits & 0x7FFFFFFF;
-  uint32_t h;
-  if (magnitude >= 0x7F800000) {
-    h = magnitude > 0x7F800000 ? 0x7E00 : 0x7C00;  // NaN, infinity
-  } else if (magnitude >= 0x47800000) {
-    h = 0x7C00;  // 65536 and up: infinity
-  } else if (magnitude >= 0x38800000) {  // a normal binary16 (a carry past 65504 gives infinity)
-    h = ((((magnitude >> 23) - 112) << 10) | ((magnitude & 0x7FFFFF) >> 13));
-    const uint32_t rest = magnitude & 0x1FFF;
-    h += rest > 0x1000 || (rest == 0x1000 && (h & 1));
-  } else if (magnitude >= 0x33000000) {  // a subnormal binary16
-    const uint32_t mantissa = (magnitude & 0x7FFFFF) | 0x800000, shift = 126 - (magnitude >> 23);
-    h = mantissa >> shift;
-    const uint32_t rest = mantissa & ((1u << shift) - 1), halfway = 1u << (shift - 1);
-    h += rest > halfway || (rest == halfway && (h & 1));
-  } else {
-    h = 0;
-  }
-  out->bits = static_cast<uint16_t>(sign | h);
-#endif
-}
-
-template <typename T>
-inline float dot(const float* q, const T* k, int d) {
-  float acc[W] = {0};
-  int full = d - d % W;
-  for (int i = 0; i < full; i += W)
-    for (int l = 0; l < W; ++l) acc[l] += q[i + l] * widen(k[i + l]);
-  for (int i = full; i < d; ++i) acc[i - full] += q[i] * widen(k[i]);
-  return tree_sum(acc);
-}
-
-inline void exp_lanes(float* x) {  // e^x for x <= 0 over W lanes: 2^n * polynomial(r), |error| ~ 1 ulp
-  for (int l = 0; l < W; ++l) {
-    float v = x[l] < -87.0f ? -87.0f : x[l];
-    float n = std::floor(v * 1.44269504088896341f + 0.5f);
-    float r = v - n * 0.693359375f;
-    r = r - n * -2.12194440e-4f;
-    float p = 1.9875691500e-4f;
-    p = p * r + 1.3981999507e-3f;
-    p = p * r + 8.3334519073e-3f;
-    p = p * r + 4.1665795894e-2f;
-    p = p * r + 1.6666665459e-1f;
-    p = p * r + 5.0000001201e-1f;
-    p = p * (r * r) + (r + 1.0f);
-    int32_t bits = (static_cast<int32_t>(n) + 127) << 23;
-    float scale;
-    std::memcpy(&scale, &bits, sizeof scale);
-    x[l] = p * scale;
-  }
-}
+#include "native_numbers.inc"
 
 struct Shape {
   int64_t rows, tokens, heads, kv_heads, capacity, dim;
@@ -161,39 +69,6 @@ void attend_generic(const Shape& s, const float* q, const T* keys, const T* valu
 }
 
 #ifdef __AVX512F__
-inline __m512 exp16(__m512 x) {  // the same arithmetic as exp_lanes, 16 lanes at once
-  x = _mm512_max_ps(x, _mm512_set1_ps(-87.0f));
-  __m512 n = _mm512_roundscale_ps(_mm512_fmadd_ps(x, _mm512_set1_ps(1.44269504088896341f), _mm512_set1_ps(0.5f)),
-                                  _MM_FROUND_TO_NEG_INF | _MM_FROUND_NO_EXC);
-  __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), x);
-  r = _mm512_fnmadd_ps(n, _mm512_set1_ps(-2.12194440e-4f), r);
-  __m512 p = _mm512_set1_ps(1.9875691500e-4f);
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.3981999507e-3f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(8.3334519073e-3f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(4.1665795894e-2f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.6666665459e-1f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(5.0000001201e-1f));
-  p = _mm512_fmadd_ps(p, _mm512_mul_ps(r, r), _mm512_add_ps(r, _mm512_set1_ps(1.0f)));
-  return _mm512_scalef_ps(p, n);
-}
-
-// 16 vectors -> one: lane k = the sum of a[k]'s lanes, by one tree for every k whatever its place.
-inline __m512 reduce16(const __m512* a) {
-  __m512 t[8], u[4];
-  for (int i = 0; i < 8; ++i)
-    t[i] = _mm512_add_ps(_mm512_unpacklo_ps(a[2 * i], a[2 * i + 1]), _mm512_unpackhi_ps(a[2 * i], a[2 * i + 1]));
-  for (int i = 0; i < 4; ++i)
-    u[i] = _mm512_add_ps(_mm512_shuffle_ps(t[2 * i], t[2 * i + 1], 0x44), _mm512_shuffle_ps(t[2 * i], t[2 * i + 1], 0xEE));
-  __m512 x0 = _mm512_add_ps(_mm512_shuffle_f32x4(u[0], u[1], 0x44), _mm512_shuffle_f32x4(u[0], u[1], 0xEE));
-  __m512 x1 = _mm512_add_ps(_mm512_shuffle_f32x4(u[2], u[3], 0x44), _mm512_shuffle_f32x4(u[2], u[3], 0xEE));
-  return _mm512_add_ps(_mm512_shuffle_f32x4(x0, x1, 0x88), _mm512_shuffle_f32x4(x0, x1, 0xDD));
-}
-
-inline __m512 load16(const float* p) { return _mm512_loadu_ps(p); }
-inline __m512 load16(const half* p) {
-  return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
-}
-
 // Four vectors -> the sum of each one's lanes, in lanes 0..3 (the rest zero): one fixed tree whatever the place
 // of a vector among the four (halves of 256 bits, then of 128, then pairs of lanes).
 inline __m512 reduce4(__m512 a0, __m512 a1, __m512 a2, __m512 a3) {
@@ -423,42 +298,7 @@ int mirror_rt_pool_attention_half(const float* q, const float* k, const float* v
   return 0;
 }
 
-// Rows of x [rows, k] as uint8 around 128 with one scale per row: scale = max(max|x| * (1/127), 1e-30),
-// q = round-half-even(x / scale) + 128. The same float operations as the standard-op form of exporters.w8a8
-// (Abs, ReduceMax, Mul, Max, Div, QuantizeLinear), so the same bits, in one pass over the row.
-void mirror_rt_quantize_rows(const float* x, uint8_t* q, float* scales, int64_t rows, int64_t k) {
-  const float inverse_levels = static_cast<float>(1.0 / 127.0), tiny = 1e-30f;  // as numpy's float32 of each
-  for (int64_t r = 0; r < rows; ++r) {
-    const float* row = x + r * k;
-    uint8_t* out = q + r * k;
-    int64_t i = 0;
-    float top = 0.0f;
-#ifdef __AVX512F__
-    __m512 tops = _mm512_setzero_ps();
-    for (; i + 16 <= k; i += 16) tops = _mm512_max_ps(tops, _mm512_abs_ps(_mm512_loadu_ps(row + i)));
-    top = _mm512_reduce_max_ps(tops);  // (a maximum is exact in any order)
-#endif
-    for (; i < k; ++i) top = std::fabs(row[i]) > top ? std::fabs(row[i]) : top;
-    float scale = top * inverse_levels;
-    scale = scale > tiny ? scale : tiny;
-    scales[r] = scale;
-    i = 0;
-#ifdef __AVX512F__
-    const __m512 divisor = _mm512_set1_ps(scale), zero_point = _mm512_set1_ps(128.0f);
-    const __m512 low = _mm512_setzero_ps(), high = _mm512_set1_ps(255.0f);
-    for (; i + 16 <= k; i += 16) {  // the same division and round-half-to-even as below, 16 at a time
-      __m512 v = _mm512_roundscale_ps(_mm512_div_ps(_mm512_loadu_ps(row + i), divisor),
-                                      _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-      v = _mm512_min_ps(_mm512_max_ps(_mm512_add_ps(v, zero_point), low), high);
-      _mm_storeu_si128(reinterpret_cast<__m128i*>(out + i), _mm512_cvtepi32_epi8(_mm512_cvtps_epi32(v)));
-    }
-#endif
-    for (; i < k; ++i) {
-      float v = std::nearbyint(row[i] / scale) + 128.0f;
-      out[i] = static_cast<uint8_t>(v < 0.0f ? 0.0f : (v > 255.0f ? 255.0f : v));
-    }
-  }
-}
+#include "quantize_rows.inc"
 
 }  // extern "C"
 
