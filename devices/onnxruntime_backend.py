@@ -52,8 +52,7 @@ def _onnxruntime():
     try:
         import onnxruntime
     except ImportError as exc:
-        raise ImportError("the ONNX Runtime backend needs the 'onnxruntime' package "
-                          "(pip install onnxruntime)") from exc
+        raise ImportError("the ONNX Runtime backend needs the 'onnxruntime' package (pip install onnxruntime)") from exc
     return onnxruntime
 
 
@@ -87,31 +86,30 @@ class ORTGraph:
         if providers[0] != "CPUExecutionProvider":
             providers.append("CPUExecutionProvider")  # ops the EP does not take
         self.session = create_session(Path(path), providers, lambda: session_options(threads))
-        names = [i.name for i in self.session.get_inputs()]
+        inputs = {i.name: i for i in self.session.get_inputs()}
+        names = list(inputs)
         self.input_name = names[0]
         self.takes_last_rows = LAST_ROWS in names  # logits graphs of bundles since format 3
         self.shared_kv = TOTAL_LEN in names
         self.past_names = [n for n in names[1:] if n not in (LAST_ROWS, TOTAL_LEN, GROUPS)]
-        # attention groups of rows the graph takes (exact graphs since format 6): 0 where it has none
-        self.groups = next((i.shape[0] for i in self.session.get_inputs() if i.name == GROUPS), 0)
+        self.groups = inputs[GROUPS].shape[0] if GROUPS in inputs else 0  # attention groups of rows (format 6)
         # pool graphs (format 7, exporters.pool_kv): each row reads its own keys, whatever its companions' lengths
         self.rows_apart = self.session.get_modelmeta().custom_metadata_map.get(ATTENTION) == "pool"
         self.output_names = [o.name for o in self.session.get_outputs()]
         self.n_head_outputs = len(self.output_names) - len(self.past_names)
         self.kv_shape = kv_shape  # (kv_heads, head_dim)
-        past = next((i for i in self.session.get_inputs() if i.name in self.past_names[:1]), None)
-        self.kv_dtype = np.float16 if past is not None and past.type == "tensor(float16)" else np.float32
+        half = self.past_names and inputs[self.past_names[0]].type == "tensor(float16)"  # pool graphs' --kv-dtype
+        self.kv_dtype = np.float16 if half else np.float32
         # batched shared-KV graphs (exporters.shared_kv) take rows: ids [B, T] / hidden [B, T, hidden]
-        rank = len(self.session.get_inputs()[0].shape)
-        self.batched = self.shared_kv and rank == (2 if self.input_name == "input_ids" else 3)
+        self.batched = self.shared_kv and len(inputs[names[0]].shape) == (2 if self.input_name == "input_ids" else 3)
 
     def empty_kv(self, capacity: int) -> list:
         """Explicit: zero-length arrays. Shared: (buffers [1, KVH, capacity, D], their OrtValues)."""
+        shape = (1, self.kv_shape[0], capacity if self.shared_kv else 0, self.kv_shape[1])
+        buffers = [np.zeros(shape, dtype=self.kv_dtype) for _ in self.past_names]
         if not self.shared_kv:
-            return [np.zeros((1, self.kv_shape[0], 0, self.kv_shape[1]), dtype=self.kv_dtype) for _ in self.past_names]
+            return buffers
         ort = _onnxruntime()
-        buffers = [np.zeros((1, self.kv_shape[0], capacity, self.kv_shape[1]), dtype=self.kv_dtype)
-                   for _ in self.past_names]
         return [(b, ort.OrtValue.ortvalue_from_numpy(b)) for b in buffers]  # the OrtValues share the memory
 
     def run(self, x: np.ndarray, kv: list, last_rows: int | None = None, start: int = 0) -> tuple[dict, list]:
