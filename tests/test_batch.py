@@ -342,9 +342,9 @@ def test_a_draft_of_its_own_fills_its_row_at_its_first_speculative_step(pair, mo
 
 @pytest.mark.parametrize("mode", ["sd", "mirror"])
 def test_a_self_draft_adopts_the_text_it_missed(pair, mode):
-    """A draft that is the target's copy, back to speculating after target-only steps, takes the target's KV of the
-    text it missed instead of reading it (the q4_1 draft reads 62 positions in 200 ms here): its first call then
-    reads one window, not the missed text; the texts stay equal."""
+    """A draft that is the target's copy, speculating after target-only steps, takes the target's KV of the text it
+    missed (the prompt included: nothing is copied for a sequence that never speculates) instead of reading it (the
+    q4_1 draft reads 62 positions in 200 ms here): its first call then reads one window; the texts stay equal."""
     from mirror_rt.runtime.policy import AR, SPEC, Rate, SpeculationPolicy
     from mirror_rt.runtime.reference import adopts_target_kv
 
@@ -358,7 +358,7 @@ def test_a_self_draft_adopts_the_text_it_missed(pair, mode):
     decoder.add(seq)
     while len(seq.tokens) < 25:
         decoder.step()
-    assert decoder.gamma == 0 and int(decoder.draft_pool.lengths[seq.row]) == len(seq.prompt)  # the prompt only
+    assert decoder.gamma == 0 and int(decoder.draft_pool.lengths[seq.row]) == 0  # nothing yet, not even the prompt
     reads, run_rows = [], decoder.draft_pool.run
     decoder.draft_pool.run = lambda graph_index, graph, x, first, last_rows=None: (
         reads.append(x.shape[1]), run_rows(graph_index, graph, x, first, last_rows))[1]
