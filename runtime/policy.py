@@ -28,6 +28,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 AR, SPEC = "target-only", "speculative"
+SWITCH_MIN = 16  # tokens a sequence must have left for the batch to turn from target-only to speculation
 
 
 @dataclass
@@ -70,8 +71,15 @@ class SpeculationPolicy:
         speculating = [s.config.gamma for s in running if s.config.mode != "ar"]
         if not speculating:
             return 0
-        self.last = AR if self.prompts_first(prompts) else self.choose(len(running))
+        self.last = AR if self.prompts_first(prompts) or self.too_late(running) else self.choose(len(running))
         return max(speculating) if self.last == SPEC else 0
+
+    def too_late(self, running: list) -> bool:
+        """Whether speculation would start too late to pay: adaptive, after target-only steps, with fewer than
+        SWITCH_MIN tokens left to every sequence. A switch makes the draft take the text it missed and pays a
+        first window, which a few last tokens never win back (measured here: a batch's one-stream tail spent
+        70-100 ms on its first Mirror step, for 2 tokens)."""
+        return self.adaptive and self.previous == AR and max(s.remaining for s in running) < SWITCH_MIN
 
     def prompts_first(self, prompts: bool) -> bool:
         """Whether a step with prompts to prefill decodes target-only: adaptive, yes. The draft worker then leaves

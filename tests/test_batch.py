@@ -325,7 +325,7 @@ def test_a_draft_of_its_own_fills_its_row_at_its_first_speculative_step(pair, mo
     decoder = BatchDecoder(target, draft, BatchSettings(max_num_seqs=2), policy=policy)
     if not decoder.pooled:
         pytest.skip("torch drafts keep caches of their own")
-    seqs = [sequence(i, p, GenerationConfig(max_new_tokens=12, mode=mode)) for i, p in enumerate(prompts(2, 5))]
+    seqs = [sequence(i, p, GenerationConfig(max_new_tokens=30, mode=mode)) for i, p in enumerate(prompts(2, 5))]
     drafted = []
     for seq in seqs:
         seq.sink = lambda s, tokens, d, a: drafted.append(d)

@@ -108,8 +108,29 @@ def test_a_step_with_prompts_to_prefill_decodes_target_only_when_adaptive():
     adaptive speculation off, every request speculates as it asks."""
     from types import SimpleNamespace
 
-    running = [SimpleNamespace(config=SimpleNamespace(mode="mirror", gamma=4))]
+    running = [SimpleNamespace(config=SimpleNamespace(mode="mirror", gamma=4), remaining=100)]
     policy = SpeculationPolicy()
     assert policy.gamma(None, running, prompts=True) == 0 and policy.last == AR
     assert policy.gamma(None, running) == 4 and policy.last == SPEC
     assert SpeculationPolicy(adaptive=False).gamma(None, running, prompts=True) == 4
+
+
+def test_speculation_does_not_start_for_the_last_few_tokens():
+    """After target-only steps, a batch whose sequences all have fewer than SWITCH_MIN tokens left stays
+    target-only (the draft's catch-up and first window would not pay); one already speculating goes on."""
+    from types import SimpleNamespace
+
+    from mirror_rt.runtime.policy import SWITCH_MIN
+
+    def seqs(left):
+        return [SimpleNamespace(config=SimpleNamespace(mode="mirror", gamma=4), remaining=n) for n in left]
+
+    policy = SpeculationPolicy()  # one stream: speculation goes first
+    policy.record(AR, 1, 1, 1.0)
+    assert policy.gamma(None, seqs([SWITCH_MIN - 1])) == 0 and policy.last == AR
+    assert policy.gamma(None, seqs([SWITCH_MIN])) == 4
+    policy.record(SPEC, 1, 3, 1.0)
+    assert policy.gamma(None, seqs([2])) == 4  # speculating already: no switch to pay for
+    policy.record(AR, 2, 2, 1.0)
+    assert policy.gamma(None, seqs([3, SWITCH_MIN + 5])) > 0 or policy.last == AR  # one has room: the policy decides
+    assert not SpeculationPolicy(adaptive=False).too_late(seqs([1]))
