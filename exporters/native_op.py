@@ -16,11 +16,11 @@ import os
 import platform
 import shutil
 import subprocess
-import tempfile
 import threading
 from pathlib import Path
 
 from mirror_rt.models.default_model import cache_dir
+from mirror_rt.models.partials import partial_folder, sweep_partials
 
 SOURCES = ("pool_attention.cpp", "native_numbers.inc", "quantize_rows.inc", "pool_attention_ort.inc")
 LIBRARY = "libmirror_rt_ops.so"
@@ -97,7 +97,9 @@ def _build(cxx: str, folder: Path) -> tuple[Path | None, str]:
     here = Path(__file__).parent
     try:
         folder.parent.mkdir(parents=True, exist_ok=True)
-        staging = Path(tempfile.mkdtemp(prefix=f"{folder.name}.partial-", dir=folder.parent))
+        sweep_partials(folder)  # what a killed build left
+        staging = Path(f"{partial_folder(folder)}-{threading.get_ident()}")
+        staging.mkdir()
     except OSError as exc:
         return None, f"cannot build mirror-rt's attention op in {folder.parent}: {exc.strerror or exc}"
     try:
