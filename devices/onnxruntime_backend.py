@@ -67,7 +67,7 @@ def session_options(threads: int | None):
     if threads:
         options.intra_op_num_threads = int(threads)
     options.add_session_config_entry("session.intra_op.allow_spinning", "0")
-    register(options)  # mirror-rt's ops (exporters.native_op), where they build
+    register(options, threads)  # mirror-rt's ops (exporters.native_op), where they build
     return options
 
 

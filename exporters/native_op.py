@@ -128,12 +128,18 @@ def set_threads(threads: int) -> None:
     ctypes.CDLL(str(library())).mirror_rt_ops_threads(int(threads))
 
 
-def register(options) -> None:
+def register(options, threads: int | None = None) -> None:
     """The ops into ONNX Runtime SessionOptions `options`, where they build here (a graph that needs them and
-    finds none fails at load: devices.ort_session says why). Their calls may use every core of this process."""
+    finds none fails at load: devices.ort_session says why). Their calls may use as many threads together as the
+    widest session of this process asks for (`threads`; None: every core this process may run on)."""
     try:
         path = library()
     except NativeOpUnavailable:
         return
     options.register_custom_ops_library(str(path))
-    set_threads(len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1)
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+    _widest[0] = max(_widest[0], int(threads or cores))
+    set_threads(_widest[0])
+
+
+_widest = [1]  # the most threads a session of this process was given

@@ -155,7 +155,7 @@ def add_export(sub) -> None:
     export.add_argument("--draft-weights", default=EXPORT.draft_weights,
                         help="draft weights: auto (default: q4_1 where the weights are Q4_1 blocks exactly and the "
                         "format is onnx, fp32 for torch, else int8) | fp32 | fp16 | int8 | int4 | q4_1 (onnx: 4-bit "
-                        "blocks with a minimum, exact for Q4_1 GGUF weights such as the default model's)")
+                        "blocks with a minimum, exact for Q4_1 GGUF weights such as the default model's) | w8a8 (onnx)")
     export.add_argument("--exit-weights", default=EXPORT.exit_weights, help="early-exit head weights: fp32 | int8 "
                         "(default %(default)s: it only ranks draft branches, never changes the output)")
     export.add_argument("--exit-adapter", help="a trained exit adapter (mirror-rt train-exit) to carry")
