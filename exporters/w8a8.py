@@ -35,7 +35,7 @@ def quantize_w8a8(model, exclude: list[str], native: bool = False):
         raise ValueError(f"w8a8 needs an ONNX opset >= 13, the graph has {_opset(model)}")
     graph = model.graph
     weights = {t.name: t for t in graph.initializer}
-    constants = _constants(graph, axes_input=_opset(model) >= 18)
+    constants = _constants(graph, axes_input=_opset(model) >= 18, rows=not native)
     nodes, quantized, used = [], {}, set()
     for node in graph.node:
         weight = weights.get(node.input[1]) if node.op_type == "MatMul" else None
@@ -66,13 +66,15 @@ def _opset(model) -> int:
     return next((o.version for o in model.opset_import if o.domain in ("", "ai.onnx")), 0)
 
 
-def _constants(graph, axes_input: bool) -> dict:
-    """Scalar constants every quantized input uses, added once (ReduceMax's axes: an input from opset 18)."""
+def _constants(graph, axes_input: bool, rows: bool = True) -> dict:
+    """Scalar constants every quantized input uses, added once: the products' scale and zero point, and with
+    `rows` those of the standard ops that quantize the rows (ReduceMax's axes: an input from opset 18)."""
     from onnx import numpy_helper
 
-    values = {"inv_levels": np.array(1 / LEVELS, np.float32), "tiny": np.array(TINY, np.float32),
-              "one": np.array(1.0, np.float32), "zero_point": np.array(ZERO_POINT, np.uint8)}
-    if axes_input:
+    values = {"one": np.array(1.0, np.float32), "zero_point": np.array(ZERO_POINT, np.uint8)}
+    if rows:
+        values |= {"inv_levels": np.array(1 / LEVELS, np.float32), "tiny": np.array(TINY, np.float32)}
+    if rows and axes_input:
         values["axes"] = np.array([-1], np.int64)
     graph.initializer.extend(numpy_helper.from_array(v, f"w8a8.{k}") for k, v in values.items())
     return {k: f"w8a8.{k}" for k in values}
