@@ -18,6 +18,7 @@
 #include <algorithm>
 #include <atomic>
 #include <thread>
+#include <utility>
 #include <vector>
 #if defined(__AVX512F__) || defined(__F16C__)
 #include <immintrin.h>
@@ -301,5 +302,7 @@ int mirror_rt_pool_attention_half(const float* q, const float* k, const float* v
 #include "quantize_rows.inc"
 
 }  // extern "C"
+
+#include "gguf_matmul.inc"
 
 #include "pool_attention_ort.inc"
