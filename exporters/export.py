@@ -42,9 +42,8 @@ from mirror_rt.exporters.split import (
 )
 from mirror_rt.models.config import SplitOptions
 from mirror_rt.models.pruned_head import PrunedHeadDraft, load_kept
+from mirror_rt.models.tokenizer_files import TOKENIZER_FILES
 
-TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "chat_template.jinja",
-                   "generation_config.json", "config.json", "vocab.json", "merges.txt", "tokenizer.model")
 VERSIONED = ("mirror-rt", "torch", "openvino", "nncf", "openvino-tokenizers", "onnx", "onnxruntime",
              "transformers")
 STATIC_DEFAULT_CONTEXT, STATIC_DEFAULT_WINDOW, MAX_STATIC_WINDOW = 1024, 8, 64
@@ -113,9 +112,15 @@ def run_export(cfg: ExportConfig, progress: bool = True) -> Path:
 def _export_into(cfg: ExportConfig, progress: bool) -> None:
     from tqdm import tqdm
 
+    from mirror_rt.exporters.stream_export import stream_export, streams
     from mirror_rt.models.loading import load_checkpoint
 
     with tqdm(total=len(ROLES) + 3, desc="export", unit="step", disable=not progress) as bar:  # closed on errors too
+        if streams(cfg):  # a GGUF file or a model over 1 GB: one tensor at a time
+            stream_export(cfg, bar)
+            return
+        if cfg.weights == "auto":
+            cfg = replace(cfg, weights="fp32")
         bar.set_postfix_str("loading models")
         target = load_checkpoint(cfg.model, log=lambda *a: None)
         limits = resolve_limits(cfg, target.model.config)

@@ -10,7 +10,10 @@ from dataclasses import dataclass
 from pathlib import Path
 
 FORMATS = ("openvino", "onnx", "torch")
-WEIGHTS = ("fp32", "fp16", "int8", "int4", "q4_1", "w8a8")
+# the traced exporter's, then those of GGUF files and models over 1 GB (exporters.stream_export): a GGUF's own
+# blocks, bf16 / f16 values, llama.cpp's 8- and 4-bit blocks of 32
+WEIGHTS = ("fp32", "fp16", "int8", "int4", "q4_1", "w8a8", "gguf", "bf16", "f16", "q8_0", "q4_0")
+STREAMED_ONLY = ("gguf", "bf16", "f16", "q8_0", "q4_0")
 EXIT_WEIGHTS = ("fp32", "int8")
 KV_MODES = ("explicit", "shared")
 ATTENTION = ("pool", "standard")  # target attention of shared-KV ONNX graphs (ExportConfig.attention)
@@ -32,7 +35,7 @@ class ExportConfig:
     exit_layer: int | None = None  # None: the model's default (models.config.SplitOptions)
     kappa: int | None = None  # early-exit candidates per position; None: the default (models.config.SplitOptions)
     fmt: str = "onnx"  # "onnx" | "openvino" | "torch" (onnx: exact and fastest on CPU here)
-    weights: str = "fp32"  # target weights
+    weights: str = "auto"  # target weights; auto: a GGUF's own blocks (exporters.stream_export), else fp32
     draft_weights: str = "auto"  # draft weights; auto: see the module docstring
     static: bool = False  # fixed shapes (NPU); OpenVINO only
     max_context: int | None = None  # None: the model's context (static: 1024)
@@ -54,7 +57,7 @@ class ExportConfig:
         if self.fmt not in FORMATS:
             raise ExportError(f"--format must be one of {', '.join(FORMATS)}, got '{self.fmt}'")
         for flag, value in (("--weights", self.weights), ("--draft-weights", self.draft_weights)):
-            if value not in WEIGHTS and not (flag == "--draft-weights" and value == "auto"):
+            if value not in WEIGHTS and value != "auto":
                 raise ExportError(f"{flag} must be one of {', '.join(WEIGHTS)}, got '{value}'")
             if value in ("q4_1", "w8a8") and self.fmt != "onnx":
                 raise ExportError(f"{flag} {value} needs --format onnx (ONNX Runtime's integer products), "
@@ -62,9 +65,8 @@ class ExportConfig:
             if value in ("int8", "int4") and self.fmt == "torch":  # it was written as fp32, a warning said
                 raise ExportError(f"{flag} {value} needs --format onnx or openvino; torch bundles keep fp32 or fp16 "
                                   "weights")
-            if value == "fp16" and self.fmt == "onnx":  # checked here, not after the first graphs are written
-                raise ExportError(f"{flag} fp16 needs --format openvino or torch (ONNX Runtime has no fast fp16 "
-                                  "products on the CPU); onnx takes fp32, int8, int4, q4_1, w8a8")
+            if value in STREAMED_ONLY and self.fmt != "onnx":
+                raise ExportError(f"{flag} {value} needs --format onnx (mirror-rt's own products)")
         if self.exit_weights not in EXIT_WEIGHTS:
             raise ExportError(f"--exit-weights must be one of {', '.join(EXIT_WEIGHTS)}, got '{self.exit_weights}'")
         if self.kv is None:

@@ -18,12 +18,16 @@ ALIGN = 64
 
 
 class WeightsFile:
-    """weights.bin, written as weights are added; `ref(key)` says where one lies."""
+    """weights.bin, written as weights are added (`add` says where one lies), hashed as it is written."""
 
     def __init__(self, folder: Path):
         self.path = Path(folder) / WEIGHTS_FILE
-        self._file = open(self.path, "wb")  # noqa: SIM115 -- closed by close()
+        self._file = _HashingWriter(open(self.path, "wb"))  # noqa: SIM115 -- closed by close()
         self._where: dict = {}  # key -> (offset, length)
+
+    @property
+    def sha256(self) -> str:
+        return self._file.digest.hexdigest()
 
     def add(self, key, write) -> tuple[int, int]:
         """Where the weight `key` lies, writing it first (`write(file)` streams its bytes) unless it was added."""
@@ -37,8 +41,28 @@ class WeightsFile:
         return self._where[key]
 
     def close(self) -> None:
-        self._file.flush()
         self._file.close()
+
+
+class _HashingWriter:
+    """A binary file that hashes (sha256) what is written to it."""
+
+    def __init__(self, file):
+        import hashlib
+
+        self.file, self.digest = file, hashlib.sha256()
+
+    def write(self, data) -> int:
+        self.digest.update(data)
+        return self.file.write(data)
+
+    def tell(self) -> int:
+        return self.file.tell()
+
+    def close(self) -> None:
+        if not self.file.closed:
+            self.file.flush()
+            self.file.close()
 
 
 class GraphBuilder:

@@ -54,12 +54,13 @@ def row_bytes(ggml_type: int, columns: int) -> int:
 class LlamaGraphs:
     """Writes graphs of one checkpoint (`source`: models.weights) into `folder`, sharing one weights.bin."""
 
-    def __init__(self, source, folder: Path):
+    def __init__(self, source, folder: Path, file: WeightsFile | None = None):
         self.source, self.config, self.folder = source, source.config, Path(folder)
-        self.file = WeightsFile(folder)
+        self.file = file or WeightsFile(folder)  # a draft of another checkpoint writes into the target's file
         self.interleaved = int(bool(source.permuted))
 
-    def write(self, plan: GraphPlan, path: Path) -> None:
+    def write(self, plan: GraphPlan, path: Path, progress=lambda: None) -> None:
+        """Write the graph of `plan` to `path`; `progress()` after each layer (and once for the exit)."""
         b = GraphBuilder(plan.role)
         c = self.config
         if plan.role == "target_exit":
@@ -70,7 +71,8 @@ class LlamaGraphs:
                                ["exit_logprobs", "exit_ids"], axis=-1)
             b.output("exit_ids", TensorProto.INT64, ["window", plan.kappa])
             b.output("exit_logprobs", TensorProto.FLOAT, ["window", plan.kappa])
-            b.save(path, {})
+            b.save(path, {NATIVE: 1})
+            progress()
             return
         takes_ids = plan.role in ("target_prefix", "draft")
         x = (b.input("input_ids", TensorProto.INT64, ["batch", "window"]) if takes_ids
@@ -87,6 +89,7 @@ class LlamaGraphs:
             local = i - plan.first
             h = self._layer(b, h, i, past[2 * local:2 * local + 2], [f"present_key.{local}", f"present_value.{local}"],
                             rope, plan)
+            progress()
         if plan.role == "target_prefix":
             b.op("Identity", [h], ["hidden"])
             b.output("hidden", TensorProto.FLOAT, ["batch", "window", c.hidden_size])
@@ -157,8 +160,9 @@ class LlamaGraphs:
         """The external initializer of weight `name` at the plan's precision (written to weights.bin once)."""
         info = self.source.tensors[name]
         ggml_type, write = self._encoding(info, plan.precision)
-        where = self.file.add((name, ggml_type), write)
-        tensor = b.external(f"{name}.{ggml_type}", np.uint8, (info.rows, row_bytes(ggml_type, info.columns)), where)
+        where = self.file.add((str(self.source.path), name, ggml_type), write)
+        tensor = b.external(f"{name}.{ggml_type}.{where[0]}", np.uint8, (info.rows, row_bytes(ggml_type, info.columns)),
+                            where)
         return tensor, ggml_type, info
 
     def _encoding(self, info, precision: str):

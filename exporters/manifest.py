@@ -25,14 +25,16 @@ from mirror_rt.models.config import ModelConfig
 # 6: exact attention per group of rows (input `attention_groups`): each group reads its own longest row's keys.
 # 7: target attention through mirror-rt's op (exporters.pool_kv: the KV read in place; `kv_layout.attention` says
 #    pool or standard), w8a8 activations quantized by its other op; where the op does not build, format 6's graphs.
-FORMAT_VERSION = 7
+# 8: graphs may compute on the bundle's weights.bin as it lies (exporters.llama_graphs: mirror-rt's MatMulGGUF and
+#    GatherGGUF over a GGUF's own blocks or float rows; precisions gguf, f16, q8_0, q4_0).
+FORMAT_VERSION = 8
 # backends detect `last_rows` and batched graphs per graph: older bundles still run (one sequence a call: runtime.batch
 # decodes their requests side by side, without shared calls)
-READABLE_VERSIONS = (2, 3, 4, 5, 6, 7)
+READABLE_VERSIONS = (2, 3, 4, 5, 6, 7, 8)
 MANIFEST = "manifest.json"
 VERIFIED = ".cache/verified.json"  # files hashed already: {name: [size, mtime_ns, sha256]}
 GRAPH_FORMATS = ("torch", "onnx", "openvino")
-PRECISIONS = ("fp32", "fp16", "bf16", "int8", "int4", "q4_1", "w8a8")
+PRECISIONS = ("fp32", "fp16", "bf16", "int8", "int4", "q4_1", "w8a8", "gguf", "f16", "q8_0", "q4_0")
 ROLES = ("draft", "target_exit", "target_prefix", "target_suffix")  # sorted
 
 

@@ -61,6 +61,17 @@ def convert_gguf(gguf_path: Path, out_dir: Path, log=print) -> Path:
     return out_dir
 
 
+def write_gguf_tokenizer(gguf_path: Path, folder: Path) -> None:
+    """The GGUF's tokenizer as Hugging Face files in `folder` (its weights are not read)."""
+    from transformers import AutoTokenizer
+
+    gguf_path = Path(gguf_path)
+    tokenizer = _readable(gguf_path, lambda: AutoTokenizer.from_pretrained(gguf_path.parent, gguf_file=gguf_path.name))
+    tokenizer.save_pretrained(folder)
+    if is_byte_level_bpe(Path(folder) / "tokenizer.json"):
+        repair_tokenizer(folder)
+
+
 def _read_gguf(gguf_path: Path) -> tuple:
     """(tokenizer, model) of a GGUF file through transformers; a one-line ValueError naming the file for one it
     cannot read (cut short, not GGUF), of a family mirror-rt does not run, or lacking weights (transformers would
