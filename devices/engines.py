@@ -43,6 +43,8 @@ def load_engine(options: EngineOptions | None = None, mode: str | None = None, l
     """
     options = options or EngineOptions()
     models = options.models
+    if models.bundle is None and not models.torch and streams_model(models.model):  # a GGUF or a model over 1 GB
+        return _model_bundle(options, mode, log)
     asked = options.torch_asked()
     if models.bundle is not None and (models.torch or asked):
         raise GenerationError(f"a bundle runs as exported: {', '.join(asked) or 'torch'} applies to torch eager only "
@@ -63,6 +65,64 @@ def load_engine(options: EngineOptions | None = None, mode: str | None = None, l
     if models.bundle is not None:
         return load_bundle(options, mode)
     return load_torch(options, mode, log)
+
+
+def streams_model(model: str | None) -> bool:
+    """Whether `model` runs from a bundle of its own in the cache (exporters.stream_export): a GGUF file or a
+    Hugging Face folder over 1 GB; smaller folders and presets run in torch eager."""
+    if model is None or model in ("default", DEFAULT_MODEL):
+        return False
+    from mirror_rt.exporters.stream_export import STREAM_BYTES, checkpoint_bytes
+
+    path = Path(model).expanduser()
+    return path.suffix == ".gguf" and path.is_file() or path.is_dir() and checkpoint_bytes(path) > STREAM_BYTES
+
+
+def _model_bundle(options: EngineOptions, mode: str | None, log) -> Engine:
+    """`--model` (and `--draft-model`) exported once into a bundle in the cache, then loaded as `--bundle`."""
+    models = options.models
+    torch_only = [name for name in options.torch_asked() if name not in ("model", "draft_model")]
+    if torch_only:
+        raise GenerationError(f"{', '.join(torch_only)} applies to torch eager only: --model {models.model} runs "
+                              "from its bundle (add --torch for torch eager)")
+    draft = models.draft_model if models.draft_model not in (None, "int8", "target") else None
+    if models.draft_model in ("int8", "target"):
+        raise GenerationError(f"--draft-model {models.draft_model} is a torch draft: --model {models.model} runs "
+                              "from its bundle, whose default draft is the target's own weights at 4 bits")
+    weights = options.precision.weights or "auto"
+    folder = model_bundle(models.model, draft, models.cache_dir, weights, log=log)
+    engine = load_bundle(options.with_flags(bundle=str(folder), model=None, draft_model=None), mode)
+    engine.names["model"] = Path(models.model).name
+    return engine
+
+
+def model_bundle(model: str, draft: str | None = None, cache_dir: str | None = None, weights: str = "auto",
+                 progress: bool = True, log=stderr_line) -> Path:
+    """The bundle of `model` (a GGUF file or a Hugging Face folder) in the cache, exported on first use; its folder
+    name carries a digest of the source (path, size, time), the draft and the precision, so a changed file is
+    exported again."""
+    import hashlib
+
+    from mirror_rt.exporters.manifest import FORMAT_VERSION
+    from mirror_rt.models.default_model import cache_dir as resolve_cache
+
+    key = [FORMAT_VERSION, weights]
+    for source in (model, draft):
+        if source is not None:
+            path = Path(source).expanduser().resolve()
+            stat = path.stat()
+            key += [str(path), stat.st_size, stat.st_mtime_ns]
+    digest = hashlib.sha256(repr(key).encode()).hexdigest()[:12]
+    folder = resolve_cache(cache_dir) / "bundles" / f"{Path(model).stem}-{digest}"
+    message = f"mirror-rt: exporting {Path(model).name} once (weights as they lie, one tensor at a time), into {folder}"
+    return _cached_bundle(folder, lambda out: export_bundle_of(model, out, progress, draft_model=draft,
+                                                               weights=weights), message, log)
+
+
+def export_bundle_of(model, out: Path, progress: bool, **options) -> None:
+    from mirror_rt.exporters.export import export_bundle  # torch and the model code: only to export
+
+    export_bundle(str(model), out, progress=progress, **options)
 
 
 def _torch_target(options: EngineOptions, log) -> EngineOptions:
@@ -100,33 +160,39 @@ def default_bundle(cache_dir: str | None = None, progress: bool = True, log=stde
     and `weights` (the target's precision, exporters.export_config.WEIGHTS; None: DEFAULT_WEIGHTS) where it is
     not the default's: the bench's rows per precision.
     """
-    import shutil
-
-    from mirror_rt.exporters.manifest import BundleError, read_manifest
-    from mirror_rt.exporters.paths import sweep_partials
     from mirror_rt.models.default_model import default_model_folder
 
     weights = weights or DEFAULT_WEIGHTS
     if weights not in BUNDLE_WEIGHTS:
         raise GenerationError(f"unknown --weights {weights} (the default bundle's: {', '.join(BUNDLE_WEIGHTS)})")
     folder = default_bundle_folder(cache_dir, weights)
+    message = f"mirror-rt: exporting the default model to ONNX once (about 30 s), into {folder}"
+    return _cached_bundle(folder, lambda out: export_bundle_of(default_model_folder(cache_dir, log), out, progress,
+                                                               weights=weights), message, log)
+
+
+def _cached_bundle(folder: Path, export, message: str, log) -> Path:
+    """`folder` when it holds a bundle, else `export(partial)` into a folder of this process, renamed into place
+    at the end and removed if the export fails (one that a killed process left is removed by the next export)."""
+    import shutil
+
+    from mirror_rt.exporters.manifest import BundleError, read_manifest
+    from mirror_rt.exporters.paths import OutputPathError, check_writable, sweep_partials
+
     try:
         read_manifest(folder, verify=False)
         return folder
     except BundleError:
         pass
-    from mirror_rt.exporters.export import export_bundle  # torch and the model code: only to export
-    from mirror_rt.exporters.paths import OutputPathError, check_writable
-
     try:  # a cache that cannot hold the model cannot run it in torch either: one error, before any work
         check_writable(folder.parent)
     except OutputPathError as exc:
         raise OutputPathError(f"the model cache cannot be used (--cache-dir, $MIRROR_RT_CACHE): {exc}") from None
-    log(f"mirror-rt: exporting the default model to ONNX once (about 30 s), into {folder}")
+    log(message)
     sweep_partials(folder)  # what an export killed mid-way left (a server stopped while it loaded)
     partial = Path(f"{folder}.partial-{os.getpid()}")  # one per process: two first runs never share one
     try:
-        export_bundle(str(default_model_folder(cache_dir, log)), partial, progress=progress, weights=weights)
+        export(partial)
         try:
             read_manifest(folder, verify=False)  # another process finished first: keep its bundle
         except BundleError:

@@ -21,20 +21,24 @@ from mirror_rt.devices.lazy_memory import lazy_zeros
 from mirror_rt.runtime.affinity import pin, restore
 from mirror_rt.runtime.row_split import GROUP_COST, cheapest_groups
 
+INITIAL_POSITIONS = 256  # a pool's room per row before its first request asks for more
 
 class RowPool:
     """KV buffers of one model's graphs (a split target: prefix and suffix; a draft: one graph) for `rows` rows.
 
-    Memory is committed as positions are written (devices.lazy_memory), at most rows x capacity.
+    Rows hold up to `capacity` positions; the buffers are allocated for `allocated` of them and `grow` as requests
+    need more (a copy of what they hold): the pool's address space follows the longest request so far, never rows
+    x the model's context. Memory is committed as positions are written (devices.lazy_memory).
     """
 
     def __init__(self, graphs: list, rows: int, capacity: int):
         from mirror_rt.devices.onnxruntime_backend import _onnxruntime
 
         self.ort = _onnxruntime()
+        self.rows, self.capacity, self.allocated = rows, capacity, min(capacity, INITIAL_POSITIONS)
         kvh, d = graphs[0].kv_shape
-        self.buffers = [[lazy_zeros((rows, kvh, capacity, d), g.kv_dtype) for _ in g.past_names] for g in graphs]
-        self.rows, self.capacity = rows, capacity
+        self.buffers = [[lazy_zeros((rows, kvh, self.allocated, d), g.kv_dtype) for _ in g.past_names]
+                        for g in graphs]
         self.filled = np.zeros((len(graphs), rows), dtype=np.int64)  # positions each graph holds per row
         self.hidden = None  # split target: (first row, prefix output [B, T, hidden], suffix graph) pending
         self._values: dict = {}  # (graph, first, count) -> OrtValues over the rows' slices
@@ -45,6 +49,20 @@ class RowPool:
         """Positions held per row (by the first graph; a split target's suffix lags only inside a call)."""
         return self.filled[0]
 
+    def grow(self, positions: int) -> None:
+        """Room for `positions` per row (at least twice the current room, at most `capacity`): new buffers hold what
+        every row held. Not while another thread runs the pool (the decoder grows it at admission)."""
+        if positions <= self.allocated:
+            return
+        size = min(self.capacity, max(positions, 2 * self.allocated))
+        held = int(self.filled.max(initial=0))
+        for graph in self.buffers:
+            for i, old in enumerate(graph):
+                new = lazy_zeros(old.shape[:2] + (size, old.shape[3]), old.dtype)
+                new[:, :, :held] = old[:, :, :held]
+                graph[i] = new
+        self.allocated = size
+        self._values.clear()  # OrtValues over the old buffers
     def commit(self, row: int, length: int) -> None:
         """Row `row` holds `length` positions in every graph (after a batched call, or a rollback)."""
         self.filled[:, row] = length
@@ -70,9 +88,9 @@ class RowPool:
         """Graph `graph_index` over rows first..first+B-1: x [B, T] ids or [B, T, hidden]; returns head outputs."""
         B, T = x.shape[0], x.shape[1]
         ends = self.filled[graph_index, first:first + B] + T
-        if len(ends) != B or ends.max() > self.capacity:
+        if len(ends) != B or ends.max() > self.allocated:
             raise ValueError(f"rows {first}..{first + B - 1} cannot take {T} more positions "
-                             f"(pool of {self.rows} rows, capacity {self.capacity})")
+                             f"(pool of {self.rows} rows, room for {self.allocated})")
         groups = self.attention_groups(ends, T, graph.groups) if graph.groups else None
         return graph.run_rows(x, self.values(graph_index, first, B), ends.astype(np.int32), last_rows, groups)
 

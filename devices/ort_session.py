@@ -27,6 +27,9 @@ GRAPH_FILE, WEIGHTS_FILE = "model.onnx", "model.onnx.data"
 # The weights as the CPU kernels repack them at session creation (most of its time) are saved too, and read back
 # as they are: the same bytes, so the same results.
 SAVE_PREPACKED = "session.save_external_prepacked_constant_initializers"
+# Graphs whose weights lie in the bundle's weights.bin (exporters.llama_graphs) are not cached: ONNX Runtime maps the
+# file and mirror-rt's ops read it as it is, so an optimized copy would only double the bundle on disk.
+MAPPED_WEIGHTS = "weights.bin"
 
 
 def cache_folder(path: Path, providers: list[str], options) -> Path:
@@ -63,6 +66,8 @@ def _create_session(path: Path, providers: list[str], make_options):
     import onnxruntime as ort
 
     options = make_options()
+    if (Path(path).parent / MAPPED_WEIGHTS).is_file():  # weights read where they lie: nothing to save
+        return ort.InferenceSession(str(path), options, providers=providers)
     folder = cache_folder(Path(path), providers, options)
     if (folder / GRAPH_FILE).is_file():
         cached = make_options()

@@ -18,6 +18,14 @@ from mirror_rt.devices.lazy_memory import lazy_zeros
 from mirror_rt.runtime.kv_cache import KVCache
 
 NUMPY_DTYPES = {torch.float32: np.float32, torch.float64: np.float64, torch.float16: np.float16}
+INITIAL_POSITIONS = 256  # a pool's room per row before its first request asks for more
+
+
+def _zeros(shape: tuple, dtype: torch.dtype, device) -> torch.Tensor:
+    """Zeros committed as written on the CPU (devices.lazy_memory), torch.zeros elsewhere."""
+    if torch.device(device).type == "cpu" and dtype in NUMPY_DTYPES:
+        return torch.from_numpy(lazy_zeros(shape, NUMPY_DTYPES[dtype]))
+    return torch.zeros(shape, dtype=dtype, device=device)
 
 
 class TorchPool:
@@ -25,11 +33,9 @@ class TorchPool:
 
     def __init__(self, n_layers: int, n_kv_heads: int, head_dim: int, rows: int, capacity: int,
                  dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu"):
-        shape = (n_layers, rows, n_kv_heads, capacity, head_dim)
-        lazy = torch.device(device).type == "cpu" and dtype in NUMPY_DTYPES
-        self.keys, self.values = (torch.from_numpy(lazy_zeros(shape, NUMPY_DTYPES[dtype])) if lazy
-                                  else torch.zeros(shape, dtype=dtype, device=device) for _ in range(2))
-        self.rows, self.capacity = rows, capacity
+        self.rows, self.capacity, self.allocated = rows, capacity, min(capacity, INITIAL_POSITIONS)
+        self.keys, self.values = (_zeros((n_layers, rows, n_kv_heads, self.allocated, head_dim), dtype, device)
+                                  for _ in range(2))
         self.filled = np.zeros((1, rows), dtype=np.int64)  # positions held per row
         self.hidden = None  # split target: (first row, prefix output [B, T, hidden], T) waiting for the suffix
 
@@ -37,6 +43,18 @@ class TorchPool:
     def lengths(self) -> np.ndarray:
         return self.filled[0]
 
+    def grow(self, positions: int) -> None:
+        """Room for `positions` per row, as devices.onnxruntime_pool.RowPool.grow."""
+        if positions <= self.allocated:
+            return
+        size = min(self.capacity, max(positions, 2 * self.allocated))
+        held = int(self.filled.max(initial=0))
+        for name in ("keys", "values"):
+            old = getattr(self, name)
+            new = _zeros(old.shape[:3] + (size, old.shape[4]), old.dtype, old.device)
+            new[:, :, :, :held] = old[:, :, :, :held]
+            setattr(self, name, new)
+        self.allocated = size
     @property
     def bytes_per_position(self) -> int:
         n, _, kvh, _, d = self.keys.shape

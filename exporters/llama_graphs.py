@@ -182,16 +182,16 @@ class LlamaGraphs:
     def _rope(self, b: GraphBuilder, x: str, total_len: str) -> tuple:
         """(positions [B, T], their flat indices [B, T], cos, sin [B * T, D / 2]): positions total_len - T + t."""
         window = b.op("Shape", [x], start=1, end=2)
+        zero, one = b.const(np.array(0, np.int64)), b.const(np.array(1, np.int64))
         total = b.op("Unsqueeze", [b.op("Cast", [total_len], to=TensorProto.INT64), b.const(np.array([1], np.int64))])
-        steps = b.op("Range", [b.const(np.array(0, np.int64)), b.op("Squeeze", [window]), b.const(np.array(1, np.int64))])
+        steps = b.op("Range", [zero, b.op("Squeeze", [window]), one])
         positions = b.op("Add", [b.op("Sub", [total, window]), steps])  # [B, T]
         flat = b.op("Reshape", [positions, b.const(np.array([-1, 1], np.int64))])
         angles = b.op("Mul", [b.op("Cast", [flat], to=TensorProto.DOUBLE), b.const(self._inverse_frequencies()[None])])
         cos = b.op("Cast", [b.op("Cos", [angles])], to=TensorProto.FLOAT)
         sin = b.op("Cast", [b.op("Sin", [angles])], to=TensorProto.FLOAT)
         count = b.op("ReduceProd", [b.op("Shape", [positions])], keepdims=0)
-        ids = b.op("Reshape", [b.op("Range", [b.const(np.array(0, np.int64)), count, b.const(np.array(1, np.int64))]),
-                               b.op("Shape", [positions])])
+        ids = b.op("Reshape", [b.op("Range", [zero, count, one]), b.op("Shape", [positions])])
         return positions, ids, cos, sin
 
     def _inverse_frequencies(self) -> np.ndarray:

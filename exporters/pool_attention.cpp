@@ -13,6 +13,9 @@
 // That is the losslessness contract (a window verified in one call equals the same tokens decoded one by one).
 
 #include <cmath>
+#ifdef __linux__
+#include <sched.h>
+#endif
 #include <cstdint>
 #include <cstring>
 #include <algorithm>

@@ -28,7 +28,7 @@ def streams(cfg: ExportConfig) -> bool:
     path = Path(cfg.model or "")
     if cfg.model is None or not path.exists():
         return False
-    big = path.suffix == ".gguf" or _checkpoint_bytes(path) > STREAM_BYTES
+    big = path.suffix == ".gguf" or checkpoint_bytes(path) > STREAM_BYTES
     own = {cfg.weights, cfg.draft_weights} & {"gguf", "bf16", "f16", "q8_0", "q4_0"} or (
         cfg.weights == "fp16" and cfg.fmt == "onnx")
     if not (big or own):
@@ -127,7 +127,8 @@ def _check_draft(target, draft, cfg: ExportConfig) -> None:
                           "differs)")
 
 
-def _checkpoint_bytes(path: Path) -> int:
+def checkpoint_bytes(path: Path) -> int:
+    """Bytes of a checkpoint's weights (a folder's safetensors, or the file)."""
     if path.is_dir():
         return sum(f.stat().st_size for f in path.glob("*.safetensors"))
     return path.stat().st_size if path.is_file() else 0

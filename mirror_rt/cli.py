@@ -90,6 +90,13 @@ def main(argv=None) -> int:
     except (ValueError, FileNotFoundError, DefaultModelUnavailable) as exc:
         print(f"mirror-rt: error: {exc}", file=sys.stderr)
         return 2
+    except MemoryError as exc:  # a step that needs more than there is: one line with both figures
+        from mirror_rt.models.memory import OutOfMemory, out_of_memory
+
+        if not isinstance(exc, OutOfMemory):
+            exc = out_of_memory(f"{args.command} ({str(exc).splitlines()[0] if str(exc) else 'an allocation'})")
+        print(f"mirror-rt: error: {exc}", file=sys.stderr)
+        return 1
     except OSError as exc:
         if exc.errno not in MACHINE_ERRORS:
             raise

@@ -61,7 +61,7 @@ def cmd_run(args) -> int:
     constraint = run_constraint(args)
     if constraint is not None:
         config = replace(config, rules=replace(config.rules, constraint=constraint))
-    engine = load_engine(engine_options(args), config.mode)
+    engine = load_engine(engine_options(args, max_num_seqs=1), config.mode)  # one prompt: one KV row
     if not args.no_chat and not engine.tokenizer.has_chat_template:
         print("mirror-rt: note: the model has no chat template; the prompt goes in as plain text (as --no-chat)",
               file=sys.stderr)

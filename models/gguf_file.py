@@ -152,7 +152,8 @@ def _check_weights(config: ModelConfig, tensors: dict, path: Path) -> None:
     per_layer += ["q_bias", "k_bias", "v_bias"] if config.attention_bias else []
     per_layer += ["q_norm", "k_norm"] if config.qk_norm else []
     missing = [n for n in ["embed", "norm"] if n not in tensors]
-    missing += [f"layers.{i}.{n}" for i in range(config.n_layers) for n in per_layer if f"layers.{i}.{n}" not in tensors]
+    names = [f"layers.{i}.{n}" for i in range(config.n_layers) for n in per_layer]
+    missing += [name for name in names if name not in tensors]
     if missing:
         raise GGUFError(f"{path} lacks weights the model needs: {', '.join(missing[:3])}"
                         + (f" (and {len(missing) - 3} more)" if len(missing) > 3 else ""))

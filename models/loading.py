@@ -51,11 +51,55 @@ def load_checkpoint(ref: str | None = None, dtype: str = "float32", cache: str |
     if ref in PRESETS:
         model = random_model(ModelConfig.from_name(ref), seed=0, dtype=DTYPES[dtype], scale=20.0)
         return LoadedCheckpoint(model, ByteTokenizer(model.config.vocab_size), ref)
+    if ref is not None and str(ref).endswith(".gguf") and Path(ref).expanduser().is_file():
+        return _load_gguf(Path(ref).expanduser(), DTYPES[dtype], cache, log)
     folder = resolve_folder(ref, cache, log)
     config = read_config(folder)
     model = Transformer(config)
     _load_weights(model, folder)
     return LoadedCheckpoint(model.to(DTYPES[dtype]).eval(), HFTokenizer(folder), str(folder))
+
+
+def _load_gguf(path: Path, dtype, cache: str | None, log) -> LoadedCheckpoint:
+    """A GGUF in torch: each tensor dequantized on its own into a model allocated once at `dtype` (no float32 copy
+    of the whole model); the tokenizer from the file's own vocabulary, kept in the cache."""
+    from mirror_rt.models.gguf import write_gguf_tokenizer
+    from mirror_rt.models.gguf_file import GGUFModel
+    from mirror_rt.models.memory import check_fits, out_of_memory
+    from mirror_rt.models.weights import HF_LAYER_NAMES, HF_TOP_NAMES
+
+    source = GGUFModel(path)
+    c = source.config
+    params = sum(t.rows * t.columns for t in source.tensors.values() if t.name != "rope_freqs")
+    needed = params * torch.finfo(dtype).bits // 8
+    what = f"{path.name} in torch at {str(dtype).removeprefix('torch.')}"
+    check_fits(needed, what)
+    try:
+        with torch.device("meta"):
+            model = Transformer(c).to(dtype)
+        model = model.to_empty(device="cpu")
+    except RuntimeError as exc:  # torch's "can't allocate memory"
+        raise out_of_memory(what, needed) from exc
+    if c.tie_embeddings:
+        model.lm_head.weight = model.embed_tokens.weight
+    names = {v: k.removeprefix("model.") for k, v in HF_TOP_NAMES.items()}
+    names |= {f"layers.{i}.{v}": f"layers.{i}.{k}" for i in range(c.n_layers) for k, v in HF_LAYER_NAMES.items()}
+    state = dict(model.named_parameters())
+    with torch.no_grad():
+        for name in source.tensors:
+            if name in names and names[name] in state:
+                state[names[name]].copy_(torch.from_numpy(source.array(name)).reshape(state[names[name]].shape))
+    folder = _gguf_tokenizer_folder(path, cache)
+    if not (folder / "tokenizer.json").is_file():
+        folder.mkdir(parents=True, exist_ok=True)
+        write_gguf_tokenizer(path, folder)
+    return LoadedCheckpoint(model.eval(), HFTokenizer(folder), str(path))
+
+
+def _gguf_tokenizer_folder(gguf: Path, cache: str | None) -> Path:
+    stat = gguf.stat()
+    key = hashlib.sha256(f"{gguf.resolve()}:{stat.st_size}:{stat.st_mtime_ns}".encode()).hexdigest()[:12]
+    return cache_dir(cache) / "tokenizers" / f"{gguf.stem}-{key}"
 
 
 def resolve_folder(ref: str | None, cache: str | None = None, log=print) -> Path:

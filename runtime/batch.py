@@ -179,10 +179,20 @@ class BatchDecoder:
             with self.lock:
                 self.waiting.popleft()
             seq.row, seq.state, seq.admitted = self.rows.add(seq), "prefill", time.perf_counter()
+            self._grow(seq)
             self.active.append(seq)
             self.prefill.start(seq)
             if self.cache is not None and len(self.cache) > self.budget.spare:  # its own blocks, now in its row
                 self.cache.evict(len(self.cache) - self.budget.spare)
+
+    def _grow(self, seq: Sequence) -> None:
+        """Room in the pools for all `seq` may hold: a pool's buffers follow the longest request so far (their
+        address space too), not every row at the model's context."""
+        if self.pooled:
+            need = min(len(seq.prompt) + seq.budget, self.capacity - WINDOW_ROOM) + WINDOW_ROOM
+            self.target_pool.grow(need)
+            if self.draft_pool is not None:
+                self.mirror.grow(self.draft_pool, need)
 
     def _reserve(self, seq: Sequence) -> bool:
         """Reserve `seq`'s blocks, evicting cached blocks it does not reuse first; where only its own cached prefix

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 from mirror_rt.runtime.affinity import pin, restore
 from mirror_rt.runtime.batch_steps import adopt_missed, alone
-from mirror_rt.runtime.draft_worker import DraftStats, DraftWorker, Join, Leave, Move
+from mirror_rt.runtime.draft_worker import DraftStats, DraftWorker, Grow, Join, Leave, Move
 from mirror_rt.runtime.mirror import DraftLink, TargetRow, draft_rules
 
 
@@ -120,6 +120,15 @@ class MirrorStep:
             return False
         self.worker.call(seq.id, Move(pool, dest), seq.config.draft_timeout_s)
         return True
+
+    def grow(self, pool, positions: int) -> None:
+        """Grow the draft's pool: through the worker while it runs (in order with its forwards), else here."""
+        if self.worker is not None and self.worker.thread.is_alive():
+            message = Grow(pool, positions)
+            self.worker.call(None, message)
+            if message.done.is_set():
+                return
+        pool.grow(positions)
 
     def close(self) -> None:
         if self.worker is not None:

@@ -54,6 +54,15 @@ class Move:
     done: threading.Event = field(default_factory=threading.Event)  # set once handled
 
 
+@dataclass(frozen=True)
+class Grow:
+    """A pool the worker reads needs room for `positions` per row (new buffers: not while a forward runs)."""
+
+    pool: object
+    positions: int
+    done: threading.Event = field(default_factory=threading.Event)  # set once handled
+
+
 class DraftWorker:
     """Runs in its own thread; rows join and leave at any time."""
 
@@ -145,6 +154,9 @@ class DraftWorker:
             self._join(key, message)
         elif isinstance(message, Leave):
             self._leave(key)
+            message.done.set()
+        elif isinstance(message, Grow):
+            message.pool.grow(message.positions)
             message.done.set()
         elif isinstance(message, Move):
             row = self.rows.get(key)
