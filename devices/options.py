@@ -1,11 +1,11 @@
 """What an engine is assembled from: one small frozen dataclass per concern, each field named as its CLI flag.
 
 `ModelOptions` (what runs), `DeviceOptions` (where), `PrecisionOptions` (at what precision), the split
-(`models.config.SplitOptions`: exit layer, kappa) and the batch (`runtime.batch.BatchSettings`: sequences decoded
-at once, KV memory, prefix cache, adaptive speculation) travel together as `EngineOptions`, which `load_engine`,
-`load_torch`, `load_bundle` and `mirror_rt.load` take. Each default is written once, here (the split's in
-`SplitOptions`); `EngineOptions.from_flags` is the one place flat flag-named values become these objects.
-Torch-only settings are None when not given: giving any of them, even at its default value, asks for torch
+(`models.config.SplitOptions`: exit layer, kappa) and the batch (`runtime.batch.decoder.BatchSettings`:
+sequences decoded at once, KV memory, prefix cache, adaptive speculation) travel together as `EngineOptions`,
+which `load_engine`, `load_torch`, `load_bundle` and `mirror_rt.load` take. Each default is written once, here
+(the split's in `SplitOptions`); `EngineOptions.from_flags` is the one place flat flag-named values become these
+objects. Torch-only settings are None when not given: giving any of them, even at its default value, asks for torch
 eager, so the engine choice never compares a value with a default. Decoding settings are not here: they are
 the request's (`runtime.config.GenerationConfig`).
 """
@@ -17,7 +17,7 @@ import re
 from dataclasses import dataclass, field, fields, replace
 
 from mirror_rt.models.config import SplitOptions
-from mirror_rt.runtime.batch import BatchSettings
+from mirror_rt.runtime.batch.decoder import BatchSettings
 from mirror_rt.runtime.values import is_integer
 
 BUNDLE_WEIGHTS = ("fp32", "int8", "int4", "q4_1", "w8a8")  # --weights: the ONNX export's (exporters.onnx.WEIGHTS)

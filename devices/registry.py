@@ -124,7 +124,7 @@ def _onnxruntime_devices() -> list[str]:
         import onnxruntime as ort
     except ImportError:
         return []
-    from mirror_rt.devices.onnxruntime_backend import PROVIDERS
+    from mirror_rt.devices.onnxruntime.backend import PROVIDERS
 
     names = {v: k for k, v in PROVIDERS.items()}  # providers a bundle can run on (AzureExecutionProvider is not one)
     return [names[p] for p in ort.get_available_providers() if p in names]

@@ -48,7 +48,7 @@ def load_torch(options: EngineOptions | None = None, mode: str | None = None, lo
     """
     import torch
 
-    from mirror_rt.devices.torch_split import TorchSplitTarget
+    from mirror_rt.devices.torch.split import TorchSplitTarget
     from mirror_rt.models.loading import load_checkpoint
 
     started = time.perf_counter()
@@ -141,7 +141,7 @@ def _bundle_draft(folder, manifest, where, placement, precision: str | None):
 
 def _torch_draft(draft_model: str, draft_streams: str | None, target, dtype: str, cache_dir, log):
     """The torch draft on the CPU (None: the target drafts for itself); returns (model, names)."""
-    from mirror_rt.devices.torch_backend import TorchModel
+    from mirror_rt.devices.torch.backend import TorchModel
 
     draft = _load_draft(draft_model, target, dtype, cache_dir, log)
     names = {"draft_precision": "int8" if draft_model == "int8" else DTYPE_NAMES[dtype]}
@@ -149,7 +149,7 @@ def _torch_draft(draft_model: str, draft_streams: str | None, target, dtype: str
         names["draft"] = "int8 copy of the target" if draft_model == "int8" else str(draft_model)
     model = TorchModel(draft, "cpu") if draft is not None else None
     if draft_streams:
-        from mirror_rt.devices.torch_streams import TorchStreamDraft
+        from mirror_rt.devices.torch.streams import TorchStreamDraft
         from mirror_rt.models.ss_draft import load_streams
 
         model = TorchStreamDraft(load_streams(draft if draft is not None else target.model, draft_streams), "cpu")

@@ -26,8 +26,8 @@ from mirror_rt.models.config import ModelConfig
 # 7: target attention through mirror-rt's op (exporters.pool_kv: the KV read in place; `kv_layout.attention` says
 #    pool or standard), w8a8 activations quantized by its other op; where the op does not build, format 6's graphs.
 FORMAT_VERSION = 7
-# backends detect `last_rows` and batched graphs per graph: older bundles still run (one sequence a call: runtime.batch
-# decodes their requests side by side, without shared calls)
+# backends detect `last_rows` and batched graphs per graph: older bundles still run (one sequence a call:
+# runtime.batch.decoder decodes their requests side by side, without shared calls)
 READABLE_VERSIONS = (2, 3, 4, 5, 6, 7)
 MANIFEST = "manifest.json"
 VERIFIED = ".cache/verified.json"  # files hashed already: {name: [size, mtime_ns, sha256]}

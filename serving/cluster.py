@@ -28,7 +28,7 @@ import signal
 import sys
 import time
 
-from mirror_rt.runtime.batch import BatchSettings
+from mirror_rt.runtime.batch.decoder import BatchSettings
 from mirror_rt.serving.proxy import APP, DEPLOYMENT, PAGE_VARIABLE, PROXY_CALLBACK
 from mirror_rt.serving.replica import replica_deployment
 from mirror_rt.serving.server import bind_or_say, configure_logging, log

@@ -174,13 +174,13 @@ def wait_for_line(path, needle: str, proc, timeout: float) -> str:
 def tiny_engine(max_seq_len: int = 256):
     """The tiny preset in float64 (greedy equality stays exact whatever the window sizes) with a noisy
     float64 copy as the draft, named as `load_torch` names its engines; it speculates whenever a request's mode
-    does (target-only steps would win at every load for models this small: runtime.policy)."""
+    does (target-only steps would win at every load for models this small: runtime.batch.policy)."""
     from conftest import perturbed_copy, tiny_target
 
-    from mirror_rt.devices.torch_backend import TorchModel
-    from mirror_rt.devices.torch_split import TorchSplitTarget
+    from mirror_rt.devices.torch.backend import TorchModel
+    from mirror_rt.devices.torch.split import TorchSplitTarget
     from mirror_rt.models.tokenizer import ByteTokenizer
-    from mirror_rt.runtime.batch import BatchSettings
+    from mirror_rt.runtime.batch.decoder import BatchSettings
     from mirror_rt.runtime.engine import Engine
 
     target = tiny_target(seed=4, vocab_size=258, max_seq_len=max_seq_len)

@@ -5,15 +5,15 @@ import dataclasses
 import pytest
 from conftest import perturbed_copy, tiny_target
 
-from mirror_rt.devices.torch_backend import TorchModel
-from mirror_rt.devices.torch_split import TorchSplitTarget
-from mirror_rt.runtime.batch import BatchDecoder, BatchSettings, KVTooLarge
+from mirror_rt.devices.torch.backend import TorchModel
+from mirror_rt.devices.torch.split import TorchSplitTarget
+from mirror_rt.runtime.batch.decoder import BatchDecoder, BatchSettings, KVTooLarge
+from mirror_rt.runtime.batch.kv_rows import BLOCK_SIZE
+from mirror_rt.runtime.batch.row_split import TRIAL
+from mirror_rt.runtime.batch.sequence import Sequence
 from mirror_rt.runtime.config import GenerationConfig
-from mirror_rt.runtime.kv_pool import BLOCK_SIZE
 from mirror_rt.runtime.reference import generate
-from mirror_rt.runtime.row_split import TRIAL
 from mirror_rt.runtime.sampling import SamplingConfig
-from mirror_rt.runtime.sequence import Sequence
 
 
 def prompts(count: int, seed: int = 0) -> list[list[int]]:
@@ -286,7 +286,7 @@ def test_memory_stays_bounded_over_many_requests(pair):
 def test_a_step_that_prefills_prompts_decodes_target_only(pair):
     """Adaptive speculation: while a new prompt prefills, the running stream decodes target-only (the draft worker
     leaves the other core to the prompt), then speculates again; both texts equal their references."""
-    from mirror_rt.runtime.policy import AR, SPEC, Rate, SpeculationPolicy
+    from mirror_rt.runtime.batch.policy import AR, SPEC, Rate, SpeculationPolicy
 
     target, draft = pair
     policy = SpeculationPolicy(refresh=10**6)  # one stream: speculation measured faster already, no trials
@@ -315,8 +315,8 @@ def test_a_step_that_prefills_prompts_decodes_target_only(pair):
 def test_a_draft_of_its_own_fills_its_row_at_its_first_speculative_step(pair, mode, monkeypatch):
     """A pooled draft that is not the target's copy computes nothing while its sequence prefills (under load the
     batch decodes target-only); its first speculative step catches up on the whole text, and the texts stay equal."""
-    from mirror_rt.runtime import batch_steps
-    from mirror_rt.runtime.policy import AR, SPEC, Rate, SpeculationPolicy
+    from mirror_rt.runtime.batch import steps as batch_steps
+    from mirror_rt.runtime.batch.policy import AR, SPEC, Rate, SpeculationPolicy
 
     target, draft = pair
     monkeypatch.setattr(batch_steps, "adopts_target_kv", lambda model: False)  # the tiny bundle's draft adopts
@@ -345,7 +345,7 @@ def test_a_self_draft_adopts_the_text_it_missed(pair, mode):
     """A draft that is the target's copy, speculating after target-only steps, takes the target's KV of the text it
     missed (the prompt included: nothing is copied for a sequence that never speculates) instead of reading it (the
     q4_1 draft reads 62 positions in 200 ms here): its first call then reads one window; the texts stay equal."""
-    from mirror_rt.runtime.policy import AR, SPEC, Rate, SpeculationPolicy
+    from mirror_rt.runtime.batch.policy import AR, SPEC, Rate, SpeculationPolicy
     from mirror_rt.runtime.reference import adopts_target_kv
 
     target, draft = pair
@@ -369,14 +369,14 @@ def test_a_self_draft_adopts_the_text_it_missed(pair, mode):
 
 
 # --- rows of different lengths: attention groups inside a call (exporters.exact_kv), or calls per group of rows
-# and rows sorted by length (runtime.row_split; graphs without groups, and torch) ---
+# and rows sorted by length (runtime.batch.row_split; graphs without groups, and torch) ---
 
 
 @pytest.fixture
 def rotating_groups(monkeypatch):
     """Every grouped call's attention cut into as many groups as the graph takes, at rows that move from call
-    to call (devices.onnxruntime_pool): each row in turn alone or beside rows of other lengths."""
-    from mirror_rt.devices import onnxruntime_pool
+    to call (devices.onnxruntime.pool): each row in turn alone or beside rows of other lengths."""
+    from mirror_rt.devices.onnxruntime import pool as onnxruntime_pool
 
     calls = {"calls": 0, "grouped": 0}
 
@@ -419,7 +419,7 @@ def staggered(target, draft, mode: str, count: int = 10):
 def assert_rows_were_grouped(decoder: BatchDecoder, rotating: dict) -> None:
     """Bundles group rows inside their calls (never cut, never sorted; rows of pool graphs attend apart, with no
     groups to make); torch cuts its steps."""
-    from mirror_rt.devices.onnxruntime_backend import ROWS_APART
+    from mirror_rt.devices.onnxruntime.backend import ROWS_APART
 
     split = decoder.row_split
     if split.in_call:
@@ -451,7 +451,7 @@ def test_a_row_computes_alike_in_any_group(precision_pair, monkeypatch):
     in a group per row, and in two groups; each row as its own one-row call."""
     import numpy as np
 
-    from mirror_rt.devices import onnxruntime_pool
+    from mirror_rt.devices.onnxruntime import pool as onnxruntime_pool
 
     target, _ = precision_pair
     if not target.attention_groups:

@@ -7,10 +7,10 @@ from pathlib import Path
 
 import pytest
 
-from mirror_rt.runtime.batch import BatchDecoder, BatchSettings
+from mirror_rt.runtime.batch.decoder import BatchDecoder, BatchSettings
+from mirror_rt.runtime.batch.sequence import Sequence
 from mirror_rt.runtime.config import GenerationConfig
 from mirror_rt.runtime.reference import generate
-from mirror_rt.runtime.sequence import Sequence
 
 DATA = Path(__file__).resolve().parents[2] / "shared" / "data" / "specbench-dev.jsonl"
 pytestmark = pytest.mark.slow

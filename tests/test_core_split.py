@@ -1,13 +1,14 @@
-"""Target-only steps on two cores (runtime.core_split): the way chosen by measurement, the same text either way."""
+"""Target-only steps on two cores (runtime.batch.core_split): the way chosen by measurement, the same text either
+way."""
 
 import pytest
 from test_batch import prompts, reference, run, sequence
 
-from mirror_rt.runtime import batch_steps
 from mirror_rt.runtime.affinity import available_cores
-from mirror_rt.runtime.batch import BatchDecoder, BatchSettings
+from mirror_rt.runtime.batch import steps as batch_steps
+from mirror_rt.runtime.batch.core_split import EXPLORE, KEEP, TRIAL, CoreSplit, balanced_cut
+from mirror_rt.runtime.batch.decoder import BatchDecoder, BatchSettings
 from mirror_rt.runtime.config import GenerationConfig
-from mirror_rt.runtime.core_split import EXPLORE, KEEP, TRIAL, CoreSplit, balanced_cut
 
 CORES = sorted(available_cores())
 CPUS = (CORES[0], CORES[-1])  # two cores where the machine has them (pinning to one core twice also works)

@@ -18,8 +18,8 @@ pytest.importorskip("fastapi")
 @pytest.fixture(scope="module")
 def server():
     """The tiny engine whose load policy finds target-only faster at every batch size (as it can at a high load,
-    or for a small model: runtime.policy), its responses named as a replica's."""
-    from mirror_rt.runtime.policy import AR, SpeculationPolicy
+    or for a small model: runtime.batch.policy), its responses named as a replica's."""
+    from mirror_rt.runtime.batch.policy import AR, SpeculationPolicy
     from mirror_rt.serving.app import ServerSettings, create_app
     from mirror_rt.serving.replica import ReplicaHeader
 

@@ -18,7 +18,7 @@ import httpx
 import pytest
 from serve_support import RunningServer, tiny_engine
 
-from mirror_rt.runtime.batch import BatchSettings
+from mirror_rt.runtime.batch.decoder import BatchSettings
 
 pytest.importorskip("fastapi")
 
@@ -339,8 +339,8 @@ def test_kuberay_builds_the_same_app_from_serve_options():
     """`mirror_rt.cli:ray_serve_app` (a RayService's import_path) turns `mirror-rt serve` options into the app."""
     serve = pytest.importorskip("ray.serve")
     from mirror_rt.cli import build_parser, ray_serve_app
-    from mirror_rt.cli_replicas import cluster_settings
-    from mirror_rt.cli_serve import serve_parts
+    from mirror_rt.cli.replicas import cluster_settings
+    from mirror_rt.cli.serve import serve_parts
 
     options = "--torch --model tiny --mode mirror --replicas 3 --max-queued 5 --device cuda"
     assert isinstance(ray_serve_app({"options": options}), serve.Application)

@@ -17,7 +17,7 @@ pytest.importorskip("openai")
 def test_second_turn_reuses_the_first_only_with_the_prefix_cache(engine, tmp_path, prefix_cache):
     from mirror_rt.evaluation.specbench import read_questions
     from mirror_rt.evaluation.turn_bench import report, run
-    from mirror_rt.runtime.batch import BatchSettings
+    from mirror_rt.runtime.batch.decoder import BatchSettings
 
     data = tmp_path / "q.jsonl"
     data.write_text("\n".join(json.dumps({"question_id": i, "category": "c", "turns": [

@@ -11,7 +11,7 @@ from collections.abc import Sequence
 import numpy as np
 import torch
 
-from mirror_rt.devices.torch_backend import TorchModel
+from mirror_rt.devices.torch.backend import TorchModel
 
 
 class TorchStreamDraft(TorchModel):

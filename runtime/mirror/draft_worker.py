@@ -1,6 +1,6 @@
 """The Mirror-SD draft worker: one thread that drafts for every sequence of a batch while the target verifies.
 
-Each sequence is a `DraftRow` (runtime.draft_row) keyed by the caller's key; the target side talks to it only
+Each sequence is a `DraftRow` (runtime.mirror.draft_row) keyed by the caller's key; the target side talks to it only
 through this worker: `send(key, message)` puts (key, message) in the one inbox, and the row's windows come out
 of its own outbox (`outbox(key)`). Between messages the thread spends one draft forward at a time on the row
 that needs it most: a main line shorter than its next window first (rows in the target's verification order,
@@ -19,8 +19,8 @@ from dataclasses import dataclass, field
 
 from mirror_rt.runtime.affinity import pin
 from mirror_rt.runtime.config import GenerationConfig
-from mirror_rt.runtime.draft_row import DraftRow, DraftSettings, DraftStats, Line  # noqa: F401 (re-exported)
-from mirror_rt.runtime.messages import STOP, Fault, Start, Verdict
+from mirror_rt.runtime.mirror.draft_row import DraftRow, DraftSettings, DraftStats, Line  # noqa: F401 (re-exported)
+from mirror_rt.runtime.mirror.messages import STOP, Fault, Start, Verdict
 from mirror_rt.runtime.reference import prefill_logits
 
 

@@ -1,6 +1,6 @@
 """Rows and blocks of the batched KV cache: which sequence holds which row, and how much it may hold.
 
-The physical pools come from the models (`new_pool`: devices.onnxruntime_pool, devices.torch_pool): one row of
+The physical pools come from the models (`new_pool`: devices.onnxruntime.pool, devices.torch.pool): one row of
 every layer's buffer per sequence. `RowMap` keeps the sequences that hold a row in rows 0..A-1, so a batched call
 takes the first A rows; a sequence that leaves is replaced by the last one (`remove` returns that move: the
 caller copies the row in every pool). `BlockBudget` is the memory account: KV is counted in blocks of

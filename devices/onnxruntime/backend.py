@@ -6,7 +6,7 @@ views), and each call copies the whole cache. Shared-KV graphs (`--kv shared`, t
 default; exporters.shared_kv) write the window's KV in place into preallocated buffers bound
 as both past and present through IO binding: no copy, rollback is a count. The split target
 can also prefill pipelined over two cores, and a self-draft can adopt its prompt KV. Sessions load their
-optimized graphs from the bundle's cache once made (devices.ort_session). onnxruntime is imported lazily.
+optimized graphs from the bundle's cache once made (devices.onnxruntime.session). onnxruntime is imported lazily.
 Invariant: between calls every graph of a cache holds exactly `length` positions, except
 that after `forward_prefix` the suffix lags until `forward_suffix` runs. The split target's
 exit graph is stateless and belongs to no cache.
@@ -22,7 +22,7 @@ from pathlib import Path
 import numpy as np
 
 from mirror_rt.devices.base import CacheBounds, SplitTarget
-from mirror_rt.devices.onnxruntime_pool import (
+from mirror_rt.devices.onnxruntime.pool import (
     RowPool,
     forward_rows,
     pinned_helper,
@@ -31,7 +31,7 @@ from mirror_rt.devices.onnxruntime_pool import (
     split_rows,
     suffix_rows,
 )
-from mirror_rt.devices.ort_session import create_session
+from mirror_rt.devices.onnxruntime.session import create_session
 from mirror_rt.exporters.native_op import ATTENTION, register
 from mirror_rt.runtime.affinity import pin
 
@@ -224,7 +224,7 @@ class ORTModel:
         return self.graph.batched
 
     def new_pool(self, rows: int, capacity: int) -> RowPool:
-        """KV rows for `rows` sequences of up to `capacity` positions (devices.onnxruntime_pool)."""
+        """KV rows for `rows` sequences of up to `capacity` positions (devices.onnxruntime.pool)."""
         return RowPool([self.graph], rows, capacity)
 
     def forward_rows(self, tokens: np.ndarray, pool: RowPool, first: int, last_rows: int | None = None) -> np.ndarray:
@@ -310,7 +310,7 @@ class ORTSplitTarget(SplitTarget):
         return min(self.prefix.groups, self.suffix.groups)
 
     def new_pool(self, rows: int, capacity: int) -> RowPool:
-        """KV rows of prefix and suffix for `rows` sequences (devices.onnxruntime_pool)."""
+        """KV rows of prefix and suffix for `rows` sequences (devices.onnxruntime.pool)."""
         return RowPool([self.prefix, self.suffix], rows, capacity)
 
     def forward_prefix_rows(self, tokens: np.ndarray, pool: RowPool, first: int, exit_: bool = True):
@@ -331,7 +331,7 @@ class ORTSplitTarget(SplitTarget):
 
     def forward_rows_split(self, tokens: np.ndarray, pool: RowPool, cut: int, cpus: tuple[int, int]) -> np.ndarray:
         """All of the pool's rows, tokens [B, T], as two calls at once on two cores (rows ..cut-1 on cpus[0],
-        the others on cpus[1]; devices.onnxruntime_pool.split_rows) -> logits [B, T, vocab]."""
+        the others on cpus[1]; devices.onnxruntime.pool.split_rows) -> logits [B, T, vocab]."""
         return split_rows(self, pool, tokens, cut, cpus, self._row_helper(cpus[1]))
 
     def prefill_split(self, chunks: list, caches: list, cpus: tuple[int, int]) -> list[np.ndarray]:

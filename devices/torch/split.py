@@ -17,8 +17,8 @@ from collections.abc import Sequence
 import numpy as np
 import torch
 
-from mirror_rt.devices.torch_backend import TorchModel
-from mirror_rt.devices.torch_pool import row_logits, row_views, run_rows
+from mirror_rt.devices.torch.backend import TorchModel
+from mirror_rt.devices.torch.pool import row_logits, row_views, run_rows
 from mirror_rt.models.config import SplitOptions
 from mirror_rt.models.exit_adapter import cached_exit_logits, check_compatible
 from mirror_rt.runtime.transfer import PendingRead

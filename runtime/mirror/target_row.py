@@ -21,10 +21,10 @@ import numpy as np
 
 from mirror_rt.runtime.affinity import pin, restore
 from mirror_rt.runtime.config import GenerationConfig
-from mirror_rt.runtime.draft_worker import DraftSettings, DraftStats, DraftWorker, Join, Leave
-from mirror_rt.runtime.messages import EarlyExit, Fault, Start, Window
 from mirror_rt.runtime.metrics import Metrics
-from mirror_rt.runtime.mirror_stats import mirror_summary
+from mirror_rt.runtime.mirror.draft_worker import DraftSettings, DraftStats, DraftWorker, Join, Leave
+from mirror_rt.runtime.mirror.messages import EarlyExit, Fault, Start, Window
+from mirror_rt.runtime.mirror.stats import mirror_summary
 from mirror_rt.runtime.reference import adopts_target_kv, choose_under, prefill_logits, token_budget
 from mirror_rt.runtime.token_rules import TokenRules
 from mirror_rt.runtime.verifier import verify_window

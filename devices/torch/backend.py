@@ -14,8 +14,8 @@ from collections.abc import Sequence
 import numpy as np
 import torch
 
-from mirror_rt.devices.torch_pool import TorchPool, row_logits, run_rows
-from mirror_rt.devices.torch_static import StaticWindows, low_precision
+from mirror_rt.devices.torch.pool import TorchPool, row_logits, run_rows
+from mirror_rt.devices.torch.static import StaticWindows, low_precision
 from mirror_rt.models.transformer import Transformer
 from mirror_rt.runtime.kv_cache import KVCache
 
@@ -92,7 +92,7 @@ class TorchModel:
         return self.static is None
 
     def new_pool(self, rows: int, capacity: int) -> TorchPool:
-        """KV rows for `rows` sequences of up to `capacity` positions (devices.torch_pool)."""
+        """KV rows for `rows` sequences of up to `capacity` positions (devices.torch.pool)."""
         c, p = self.model.config, self.model.embed_tokens.weight
         return TorchPool(c.n_layers, c.n_kv_heads, c.head_dim, rows, min(capacity, self.max_seq_len), p.dtype, p.device)
 

@@ -78,10 +78,10 @@ def mirror_summary(metrics, draft_stats, counters: dict) -> dict:
 
 
 def batch_stats(seq) -> dict:
-    """What batching did for a finished request (runtime.sequence.Sequence): its prompt from the prefix cache, its
+    """What batching did for a finished request (runtime.batch.sequence.Sequence): its prompt from the prefix cache, its
     speculative steps, Mirror's figures over the parts it speculated in."""
-    from mirror_rt.runtime.draft_row import DraftStats
-    from mirror_rt.runtime.draft_worker import summed
+    from mirror_rt.runtime.mirror.draft_row import DraftStats
+    from mirror_rt.runtime.mirror.draft_worker import summed
 
     steps = max(1, seq.metrics.steps)
     stats = {"prompt_tokens_cached": seq.reused,

@@ -1,9 +1,9 @@
 """The `mirror-rt` command line: the parser of every subcommand, and dispatch.
 
-Subcommands live beside it: `run`, `export`, `devices`, `simulate` (`cli_run`), `serve` (`cli_serve`,
-replicas: `cli_replicas`), `bench`, `bench-serve` (`cli_bench`), training and draft evaluation
-(`cli_training`); the options `run`, `serve` and `bench` share are `cli_options`, argument types
-`cli_args`. Every user error ends as one line on stderr (`mirror-rt: error: ...`) and exit code 2;
+Subcommands live beside it: `run`, `export`, `devices`, `simulate` (`run`), `serve` (`serve`,
+replicas: `replicas`), `bench`, `bench-serve` (`bench`), training and draft evaluation
+(`training`); the options `run`, `serve` and `bench` share are `options`, argument types
+`args`. Every user error ends as one line on stderr (`mirror-rt: error: ...`) and exit code 2;
 Ctrl-C exits with 130 after the committed text was printed.
 """
 
@@ -14,14 +14,14 @@ import errno
 import os
 import sys
 
-from mirror_rt import cli_signals
-from mirror_rt.cli_bench import COMMANDS as BENCH_COMMANDS
-from mirror_rt.cli_bench import add_bench
-from mirror_rt.cli_run import COMMANDS as RUN_COMMANDS
-from mirror_rt.cli_run import add_commands
-from mirror_rt.cli_serve import add_serve, cmd_serve, ray_serve_app
-from mirror_rt.cli_training import COMMANDS as TRAINING_COMMANDS
-from mirror_rt.cli_training import add_training
+from mirror_rt.cli import signals
+from mirror_rt.cli.bench import COMMANDS as BENCH_COMMANDS
+from mirror_rt.cli.bench import add_bench
+from mirror_rt.cli.run import COMMANDS as RUN_COMMANDS
+from mirror_rt.cli.run import add_commands
+from mirror_rt.cli.serve import add_serve, cmd_serve, ray_serve_app
+from mirror_rt.cli.training import COMMANDS as TRAINING_COMMANDS
+from mirror_rt.cli.training import add_training
 
 __all__ = ["build_parser", "main", "ray_serve_app"]  # ray_serve_app: a RayService's import_path (KubeRay)
 
@@ -82,8 +82,8 @@ def main(argv=None) -> int:
         args = build_parser().parse_args(argv)
         _one_line_warnings()
         return COMMANDS[args.command](args)
-    except KeyboardInterrupt as exc:  # Ctrl-C, or SIGTERM (cli_signals.Terminated)
-        cli_signals.stop_now(cli_signals.signal_of(exc))
+    except KeyboardInterrupt as exc:  # Ctrl-C, or SIGTERM (signals.Terminated)
+        signals.stop_now(signals.signal_of(exc))
     except BrokenPipeError:  # the reader went away (`| head -1`): stop quietly, as other command-line tools do
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
         _exit_now(141)
@@ -96,8 +96,3 @@ def main(argv=None) -> int:
         where = f" ({exc.filename})" if exc.filename else ""
         print(f"mirror-rt: error: {exc.strerror or exc}{where}", file=sys.stderr)
         return 1
-
-
-if __name__ == "__main__":
-    cli_signals.install(sigterm="serve" not in sys.argv[1:2])
-    sys.exit(main())

@@ -2,7 +2,7 @@
 
 A step of B running sequences is decoded one of two ways: target-only (one batched target call on every
 core, one token per sequence) or speculative (each speculating sequence verifies a window of up to gamma draft
-tokens: Mirror or sd; Mirror also adapts its window to acceptance, runtime.draft_row). The policy keeps, per
+tokens: Mirror or sd; Mirror also adapts its window to acceptance, runtime.mirror.draft_row). The policy keeps, per
 batch size and way, tokens committed per second of decode step (what the latency model predicts from step costs and
 acceptance, measured directly: a decaying ratio of summed tokens to summed seconds, never a mean of per-step
 ratios, which one lucky window skews), and takes the faster way: gamma = 0 is target-only. Only settled steps

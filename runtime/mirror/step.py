@@ -3,7 +3,7 @@
 The decoder's thread is the target worker: it verifies the running sequences one after another, each through
 its `mirror.TargetRow` (prefix, early exit sent at once, suffix, verdict); one `DraftWorker` thread drafts for
 all of them on its own core, so while the target verifies one sequence the draft prepares the next windows of
-the others (runtime.draft_worker). A sequence joins the worker at its first Mirror step, from its committed text
+the others (runtime.mirror.draft_worker). A sequence joins the worker at its first Mirror step, from its committed text
 and its draft row; it leaves when it finishes, when the batch turns to target-only steps (its draft row is
 rolled back to committed text, and it joins again, catching up in one forward, when speculation resumes), or
 when its draft fails (it then goes on target-only, nothing lost). Sequences in sd or ar mode step as SdStep
@@ -14,9 +14,9 @@ through it.
 from __future__ import annotations
 
 from mirror_rt.runtime.affinity import pin, restore
-from mirror_rt.runtime.batch_steps import adopt_missed, alone
-from mirror_rt.runtime.draft_worker import DraftStats, DraftWorker, Join, Leave, Move
-from mirror_rt.runtime.mirror import DraftLink, TargetRow, draft_rules
+from mirror_rt.runtime.batch.steps import adopt_missed, alone
+from mirror_rt.runtime.mirror.draft_worker import DraftStats, DraftWorker, Join, Leave, Move
+from mirror_rt.runtime.mirror.target_row import DraftLink, TargetRow, draft_rules
 
 
 class MirrorStep:

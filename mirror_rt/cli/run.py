@@ -1,6 +1,6 @@
 """`mirror-rt run`, `export`, `devices` and `simulate`: parsers and commands (the work is in the code folders).
 
-Each flag is a settings field of the same name (`cli_options`); formatting lives with what it formats
+Each flag is a settings field of the same name (`options`); formatting lives with what it formats
 (`runtime.metrics.format_stats`, `evaluation.simulate.format_prediction`, `devices.registry.format_devices`).
 """
 
@@ -11,9 +11,9 @@ import json
 import sys
 from dataclasses import replace
 
-from mirror_rt import cli_signals
-from mirror_rt.cli_args import log, positive_int
-from mirror_rt.cli_options import (
+from mirror_rt.cli import signals
+from mirror_rt.cli.args import log, positive_int
+from mirror_rt.cli.options import (
     add_decoding_options,
     add_engine_options,
     add_request_options,
@@ -74,13 +74,13 @@ def cmd_run(args) -> int:
                 sys.stdout.write(piece)
                 sys.stdout.flush()
                 written = written or bool(piece)
-    except KeyboardInterrupt as exc:  # Ctrl-C, or SIGTERM (cli_signals.Terminated)
+    except KeyboardInterrupt as exc:  # Ctrl-C, or SIGTERM (signals.Terminated)
         gen.pieces.close()
         if args.json:  # what was generated, as a finished run prints it (its stop reason says it was cut)
             stats = gen.stats or {"new_tokens": len(gen.sequence.tokens), "stop_reason": "cancelled"}
             print(json.dumps({"text": gen.text, "stats": stats}, ensure_ascii=False))
-        cli_signals.say_stopped(cli_signals.signal_of(exc), after_text=written)
-        return cli_signals.exit_code(exc)
+        signals.say_stopped(signals.signal_of(exc), after_text=written)
+        return signals.exit_code(exc)
     if args.json:
         print(json.dumps({"text": gen.text, "stats": gen.stats}, ensure_ascii=False))
     else:

@@ -7,7 +7,7 @@ the buffers' [first:first+B] slices (contiguous, bound as both past and present,
 Rows need not have the same length; they must be contiguous, which the runtime keeps by moving a row into
 a hole (`move`). `row_cache(r)` is one row seen as a single-sequence cache (the ORTCache interface), so
 every single-stream code path runs on a pool row unchanged. The pool does not know sequences or blocks:
-runtime.kv_pool keeps that accounting and runtime.prefix_cache reads and writes positions through
+runtime.batch.kv_rows keeps that accounting and runtime.batch.prefix_cache reads and writes positions through
 `read` / `write`.
 Invariant: a batched forward writes at filled[graph][row].. and advances nothing; the caller commits
 (`commit`); a row cache advances its own row like ORTCache does.
@@ -19,7 +19,7 @@ import numpy as np
 
 from mirror_rt.devices.lazy_memory import lazy_zeros
 from mirror_rt.runtime.affinity import pin, restore
-from mirror_rt.runtime.row_split import GROUP_COST, cheapest_groups
+from mirror_rt.runtime.batch.row_split import GROUP_COST, cheapest_groups
 
 
 class RowPool:
@@ -29,7 +29,7 @@ class RowPool:
     """
 
     def __init__(self, graphs: list, rows: int, capacity: int):
-        from mirror_rt.devices.onnxruntime_backend import _onnxruntime
+        from mirror_rt.devices.onnxruntime.backend import _onnxruntime
 
         self.ort = _onnxruntime()
         kvh, d = graphs[0].kv_shape
@@ -78,7 +78,7 @@ class RowPool:
 
     def attention_groups(self, ends: np.ndarray, tokens: int, groups: int) -> np.ndarray:
         """Contiguous groups of rows whose attention reads their own longest row's keys (exporters.exact_kv):
-        [groups, 2] of (row end, keys), the cheapest cut (runtime.row_split.cheapest_groups), empty ones last."""
+        [groups, 2] of (row end, keys), the cheapest cut (runtime.batch.row_split.cheapest_groups), empty ones last."""
         key, cached = (ends.tobytes(), tokens, groups), self._groups  # (one read: a pipelined prefill's threads)
         if cached[0] == key:
             return cached[1]
@@ -188,7 +188,7 @@ def suffix_rows(target, pool: RowPool, last_rows: int | None = None) -> np.ndarr
 
 
 def split_rows(target, pool: RowPool, tokens: np.ndarray, cut: int, cpus: tuple[int, int], helper) -> np.ndarray:
-    """Target-only rows 0..B-1 of `pool` as two calls at once (runtime.core_split): rows 0..cut-1 on cpus[0], the
+    """Target-only rows 0..B-1 of `pool` as two calls at once (runtime.batch.core_split): rows 0..cut-1 on cpus[0], the
     others on cpus[1] (`on_two_cores`), each through the target's one-thread sessions -> logits [B, T, vocab], the
     same bits as one call (a row computes alike in any call)."""
     tokens = np.asarray(tokens, dtype=np.int64)
@@ -198,7 +198,7 @@ def split_rows(target, pool: RowPool, tokens: np.ndarray, cut: int, cpus: tuple[
 
 
 def split_prompts(target, chunks: list, caches: list, cpus: tuple[int, int], helper) -> list[np.ndarray]:
-    """Two prompts' chunks at once (runtime.batch_steps.Prefill): chunks[i] into caches[i] on cpus[i]
+    """Two prompts' chunks at once (runtime.batch.steps.Prefill): chunks[i] into caches[i] on cpus[i]
     (`on_two_cores`), each through the target's one-thread sessions -> each chunk's last logits [1, vocab] (the
     same bits as one prompt at a time)."""
     return list(on_two_cores(lambda: target.forward_last(chunks[0], caches[0]),

@@ -1,7 +1,7 @@
 """Rows of very different lengths in one batch: attention groups inside a call, or calls per group of rows.
 
 Bundles since format 6 attend per group of contiguous rows inside one call (exporters.exact_kv): each group reads
-its own longest row's keys, and `cheapest_groups` picks the groups for every call (devices.onnxruntime_pool).
+its own longest row's keys, and `cheapest_groups` picks the groups for every call (devices.onnxruntime.pool).
 There a target-only step is always one call, and rows are not sorted: with four groups, unsorted rows group
 nearly as well, and swapping rows' KV cost more than it saved (measured: w8a8 target, 8 streams, 0.7 s of
 copies in a 6.2 s run; 166.6 tokens/s with sorting, 181.5 without).

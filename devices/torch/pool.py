@@ -1,6 +1,6 @@
 """KV rows for a torch Transformer: one key and one value tensor [layers, rows, KVH, capacity, D] for all sequences.
 
-The torch twin of devices.onnxruntime_pool.RowPool (same verbs: `row_cache`, `commit`, `move`, `read`, `write`,
+The torch twin of devices.onnxruntime.pool.RowPool (same verbs: `row_cache`, `commit`, `move`, `read`, `write`,
 `copy_from`, `filled`), for models run eagerly. A "batched" forward (`run_rows`) runs rows first..first+B-1 with
 windows of any length one row at a time: torch's matrix products round a row differently when they hold
 another number of rows (measured: 5e-15 apart in float64 between 1 and 3 rows; bf16 far more), and every row

@@ -8,7 +8,7 @@ rolling back to the longest common prefix and feeding the rest in one forward, s
 between branches costs one forward (and so does catching up on text committed while the
 sequence decoded target-only).
 
-Work order between verdicts, one draft forward at a time (runtime.draft_worker interleaves the
+Work order between verdicts, one draft forward at a time (runtime.mirror.draft_worker interleaves the
 rows of a batch and checks the inbox between forwards):
 1. extend the line up to (window in flight) + 1 + gamma tokens: the full-acceptance branch;
 2. roll out side branches ranked by `branches.rank_roots`, within the branch budget;
@@ -33,10 +33,10 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from mirror_rt.runtime.branches import exit_distribution, rank_roots, top_alternatives
 from mirror_rt.runtime.config import GenerationConfig
-from mirror_rt.runtime.lookup import lookup_guesses, verify_guesses
-from mirror_rt.runtime.messages import EarlyExit, Verdict, Window
+from mirror_rt.runtime.mirror.branches import exit_distribution, rank_roots, top_alternatives
+from mirror_rt.runtime.mirror.lookup import lookup_guesses, verify_guesses
+from mirror_rt.runtime.mirror.messages import EarlyExit, Verdict, Window
 from mirror_rt.runtime.sampling import choose_at, greedy_ids
 from mirror_rt.runtime.token_rules import TokenRules
 from mirror_rt.runtime.transfer import to_host
@@ -291,7 +291,7 @@ class DraftRow:
         line.guesses = confident_guesses(streams[offset + n], self.settings.stream_confidence)
 
     def _extend_with_lookup(self, line: Line, context: list[int]) -> None:
-        """One forward with prompt-lookup guesses after the line (runtime.lookup); keeps the right ones."""
+        """One forward with prompt-lookup guesses after the line (runtime.mirror.lookup); keeps the right ones."""
         full = context + line.tokens
         guesses = self._lookup(line, full)
         self.stats.guessed += len(guesses)

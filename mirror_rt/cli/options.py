@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import argparse
 
-from mirror_rt.cli_args import budget, count, number, positive_int, positive_number
+from mirror_rt.cli.args import budget, count, number, positive_int, positive_number
 from mirror_rt.devices.options import BUNDLE_WEIGHTS, DRAFT_PRECISIONS, EngineOptions, flag_names
 from mirror_rt.models.config import DEFAULT_KAPPA
 from mirror_rt.models.default_model import DEFAULT_MODEL

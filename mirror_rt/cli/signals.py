@@ -66,3 +66,14 @@ def stop_now(signum: int = signal.SIGINT) -> None:
     or torch (an interpreter that tears down under them aborts: 'terminate called without an active exception')."""
     say_stopped(signum)
     os._exit(EXIT_CODES[signum])
+
+
+def start() -> int:
+    """The command line (`mirror-rt`, `python -m mirror_rt.cli`): its modules imported under a Ctrl-C guard (a few
+    hundred milliseconds: numpy, the engine's modules), then `dispatch.main` under its own."""
+    install(sigterm="serve" not in sys.argv[1:2])  # serve drains on SIGTERM, with its own handlers
+    try:
+        from mirror_rt.cli.dispatch import main
+    except KeyboardInterrupt as exc:
+        stop_now(signal_of(exc))
+    return main()

@@ -4,8 +4,8 @@ One `step()`: admit waiting sequences while rows and KV blocks allow (prefix cac
 chunk of the prompts not yet in their rows (oldest first), one decode step for every running sequence, then
 release the sequences that finished (end of text, length, cancel) and fill their rows. The decode step is
 batched target-only (one target call for every row, its attention per group of like lengths; older bundles:
-a call per group, runtime.row_split) or
-speculative (sd or mirror, per sequence), as `runtime.policy` decides from the step costs this engine measures.
+a call per group, runtime.batch.row_split) or
+speculative (sd or mirror, per sequence), as `runtime.batch.policy` decides from the step costs this engine measures.
 Every token is the target's own choice at its position (runtime.sampling.choose_at), so a sequence's text does
 not depend on its companions, its mode or its windows. Models that cannot batch rows (OpenVINO graphs, compiled
 torch windows) decode their sequences one call each, from caches of their own, without the prefix cache. Not
@@ -19,14 +19,14 @@ import threading
 import time
 from dataclasses import dataclass
 
-from mirror_rt.runtime.batch_mirror import MirrorStep
-from mirror_rt.runtime.batch_steps import ArStep, Prefill, SdStep
-from mirror_rt.runtime.core_split import CoreSplit
-from mirror_rt.runtime.kv_pool import BLOCK_SIZE, BlockBudget, RowMap, blocks_for
-from mirror_rt.runtime.policy import AR, SPEC, SpeculationPolicy
-from mirror_rt.runtime.prefix_cache import PrefixCache
-from mirror_rt.runtime.row_split import RowSplit
-from mirror_rt.runtime.sequence import Sequence
+from mirror_rt.runtime.batch.core_split import CoreSplit
+from mirror_rt.runtime.batch.kv_rows import BLOCK_SIZE, BlockBudget, RowMap, blocks_for
+from mirror_rt.runtime.batch.policy import AR, SPEC, SpeculationPolicy
+from mirror_rt.runtime.batch.prefix_cache import PrefixCache
+from mirror_rt.runtime.batch.row_split import RowSplit
+from mirror_rt.runtime.batch.sequence import Sequence
+from mirror_rt.runtime.batch.steps import ArStep, Prefill, SdStep
+from mirror_rt.runtime.mirror.step import MirrorStep
 from mirror_rt.runtime.values import is_integer, is_number
 
 WINDOW_ROOM = 80  # positions past the committed text a step may write (window, padding, draft guesses)
@@ -40,7 +40,7 @@ class BatchSettings:
     kv_cache_gb: float | None = None  # KV memory of both models' rows and the prefix cache; None: from free memory
     prefill_chunk: int = 256  # prompt positions per step (short prompts share it): prompts stall the others briefly
     prefix_cache: bool = True  # keep full blocks of finished requests for the next ones that share them
-    adaptive_speculation: bool = True  # speculate only while it pays at this load (runtime.policy); False: as asked
+    adaptive_speculation: bool = True  # speculate only while it pays at this load (batch.policy); False: as asked
 
     def __post_init__(self):
         if not (is_integer(self.max_num_seqs) and self.max_num_seqs >= 1):
@@ -83,7 +83,7 @@ class BatchDecoder:
         # target-only steps: one call, or one per group of rows of like lengths (graphs that group rows inside
         # a call: always one call, rows never sorted)
         self.row_split = RowSplit(in_call=int(getattr(target, "attention_groups", 0)) if self.pooled else 0)
-        self.core_split = CoreSplit()  # such steps: one call on both cores, or two at once (runtime.core_split)
+        self.core_split = CoreSplit()  # such steps: one call on both cores, or two at once (runtime.batch.core_split)
         self.steps = 0
 
     def describe(self) -> str:
@@ -221,7 +221,7 @@ class BatchDecoder:
             seq.row, seq.state = None, "done"
 
     def sort_rows(self) -> None:
-        """Rows in order of length (runtime.row_split: groups of like lengths are then contiguous), by swaps of
+        """Rows in order of length (runtime.batch.row_split: groups of like lengths are then contiguous), by swaps of
         both models' rows; only while no sequence prefills or drafts with the draft worker."""
         if not self.pooled or any(s.state != "running" or self.mirror.joined(s) for s in self.active):
             return

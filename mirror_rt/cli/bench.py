@@ -6,8 +6,8 @@ import argparse
 import json
 import sys
 
-from mirror_rt.cli_args import count, log, output_file, output_folder, positive_int, positive_number
-from mirror_rt.cli_options import (
+from mirror_rt.cli.args import count, log, output_file, output_folder, positive_int, positive_number
+from mirror_rt.cli.options import (
     add_decoding_options,
     add_engine_options,
     add_request_options,

@@ -7,9 +7,9 @@ copies those blocks into the sequence's row; `store` copies a row's full blocks 
 is LRU over whole blocks, and a parent is always more recent than its children (blocks are stored and touched
 leaf first), so the deepest blocks go first and a kept block's ancestors are kept too. Only the target's KV is kept:
 a draft that is the target's copy adopts the target's row (the same KV), and another draft computes its own row
-when its sequence first speculates (it is the cheap model; runtime.batch_steps.Prefill). Hits reuse exactly the
+when its sequence first speculates (it is the cheap model; runtime.batch.steps.Prefill). Hits reuse exactly the
 KV the same prefix computes: rows are written by the same graphs at the same positions whatever else runs
-(devices.onnxruntime_pool, devices.torch_pool).
+(devices.onnxruntime.pool, devices.torch.pool).
 Counters use vLLM's names and units (tokens): prefix_cache_queries, prefix_cache_hits.
 """
 
@@ -21,7 +21,7 @@ from collections import OrderedDict
 
 import numpy as np
 
-from mirror_rt.runtime.kv_pool import BLOCK_SIZE
+from mirror_rt.runtime.batch.kv_rows import BLOCK_SIZE
 
 
 def block_keys(tokens: list[int], salt: bytes = b"", block_size: int = BLOCK_SIZE) -> list[bytes]:

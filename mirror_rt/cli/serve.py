@@ -1,4 +1,4 @@
-"""`mirror-rt serve`: the parser and the command (the server is mirror_rt.serving; replicas: `cli_replicas`).
+"""`mirror-rt serve`: the parser and the command (the server is mirror_rt.serving; replicas: `replicas`).
 
 `serve` takes `run`'s engine and decoding options (the decoding ones are the defaults of requests that
 name none) and the server's, each flag a `ServerSettings` field of the same name with its default read
@@ -7,15 +7,15 @@ there. `ray_serve_app` builds the same app for a RayService (KubeRay) from `serv
 
 from __future__ import annotations
 
-from mirror_rt.cli_args import count, port_number, positive_number
-from mirror_rt.cli_options import (
+from mirror_rt.cli.args import count, port_number, positive_number
+from mirror_rt.cli.options import (
     ENGINE_HELP,
     add_decoding_options,
     add_engine_options,
     engine_options,
     generation_config,
 )
-from mirror_rt.cli_replicas import add_replica_options, cluster_settings, serve_on_ray, wants_ray
+from mirror_rt.cli.replicas import add_replica_options, cluster_settings, serve_on_ray, wants_ray
 from mirror_rt.serving.settings import ServerSettings
 
 SERVER = ServerSettings()  # the server's defaults, read by its flags
