@@ -55,7 +55,7 @@ class DeviceOptions:
 
     target: str = "cpu"  # the target's device: cpu, cuda[:N], gpu, npu, openvino:CPU, ort:qnn, torch:cpu, ...
     # the draft's device (same forms), or auto: where more than one device here runs the bundle's draft, each is
-    # timed beside the target at load and the latency model picks (devices.draft_placement), else the one there is
+    # timed beside the target at load and the latency model picks (devices.auto_draft), else the one there is
     draft: str = "auto"
     strict_devices: bool = False  # fail instead of falling back to a CPU backend
     device: str | None = None  # torch: the target's torch device (cpu, cuda, cuda:1; as --target)

@@ -58,7 +58,7 @@ class DeviceSpec:
 
 def parse_device(text: str) -> DeviceSpec:
     """`cpu`, `cuda:1`, `npu`, `openvino:NPU`, `ort:qnn`, `torch:cuda:0`, ... -> DeviceSpec. `auto` (a draft placed by
-    measurement at bundle load: devices.draft_placement) is the CPU wherever nothing is timed (torch engines)."""
+    measurement at bundle load: devices.auto_draft) is the CPU wherever nothing is timed (torch engines)."""
     if text.strip().lower() == "auto":
         return DeviceSpec("auto", "cpu")
     parts = text.strip().split(":")

@@ -6,13 +6,18 @@ import argparse
 import json
 import sys
 
-from mirror_rt.cli.args import count, log, output_file, output_folder, positive_int, positive_number
 from mirror_rt.cli.options import (
     add_decoding_options,
     add_engine_options,
     add_request_options,
+    count,
     engine_options,
     generation_config,
+    log,
+    output_file,
+    output_folder,
+    positive_int,
+    positive_number,
 )
 from mirror_rt.evaluation.server_ready import READY_TIMEOUT
 from mirror_rt.runtime.config import DEFAULTS

@@ -2,8 +2,8 @@
 
 Subcommands live beside it: `run`, `export`, `devices`, `simulate` (`run`), `serve` (`serve`,
 replicas: `replicas`), `bench`, `bench-serve` (`bench`), training and draft evaluation
-(`training`); the options `run`, `serve` and `bench` share are `options`, argument types
-`args`. Every user error ends as one line on stderr (`mirror-rt: error: ...`) and exit code 2;
+(`training`); the options `run`, `serve` and `bench` share, and the argument types, are
+`options`. Every user error ends as one line on stderr (`mirror-rt: error: ...`) and exit code 2;
 Ctrl-C exits with 130 after the committed text was printed.
 """
 

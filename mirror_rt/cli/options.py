@@ -7,18 +7,93 @@
   request).
 `engine_options(args)` and `generation_config(args)` build the settings objects from the parsed flags by field
 name, so a flag is its field from the command line to where it acts; `%(default)s` in a help text is the default
-the settings object wrote.
+the settings object wrote. Above them, the argument types every subcommand uses, and the log line.
 """
 
 from __future__ import annotations
 
 import argparse
+import os
+import sys
 
-from mirror_rt.cli.args import budget, count, number, positive_int, positive_number
 from mirror_rt.devices.options import BUNDLE_WEIGHTS, DRAFT_PRECISIONS, EngineOptions, flag_names
 from mirror_rt.models.config import DEFAULT_KAPPA
 from mirror_rt.models.default_model import DEFAULT_MODEL
 from mirror_rt.runtime.config import DEFAULTS, EARLY_EXIT, MAX_GAMMA, MODES, make_config
+
+# --- argument types and the log line of every subcommand ---------------------------------------
+
+def whole(text: str, minimum: int, expected: str = "a whole number") -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected {expected}, got '{text}'") from None
+    if value < minimum:
+        raise argparse.ArgumentTypeError(f"must be >= {minimum}, got {value}")
+    return value
+
+
+def positive_int(text: str) -> int:
+    return whole(text, 1)
+
+
+def number(text: str) -> float:
+    try:
+        return float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number, got '{text}'") from None
+
+
+def positive_number(text: str) -> float:
+    value = number(text)
+    if not value > 0 or value != value or value == float("inf"):
+        raise argparse.ArgumentTypeError(f"must be a positive number, got '{text}'")
+    return value
+
+
+def port_number(text: str) -> int:
+    value = whole(text, 1, "a port number")
+    if value > 65535:
+        raise argparse.ArgumentTypeError(f"must be a port number (1..65535), got {value}")
+    return value
+
+
+def count(text: str) -> int:
+    return whole(text, 0)
+
+
+def budget(text: str) -> int | None:
+    return None if text == "auto" else whole(text, 0, "'auto' or a whole number")
+
+
+def output_folder(text: str) -> str:
+    """A folder to write into: refused at once (not after the work) when a file holds the name or the place
+    refuses writing."""
+    return _writable(text, folder=True)
+
+
+def output_file(text: str) -> str:
+    """A file to write: refused at once (not after the work) when it is a folder or its place refuses writing."""
+    return _writable(text, folder=False)
+
+
+def _writable(text: str, folder: bool) -> str:
+    from mirror_rt.exporters.paths import OutputPathError, check_writable
+
+    if os.path.exists(text) and folder and not os.path.isdir(text):
+        raise argparse.ArgumentTypeError(f"{text} exists and is not a folder")
+    try:
+        check_writable(text, folder=folder)
+    except OutputPathError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+    return text
+
+
+def log(message: str) -> None:
+    print(message, file=sys.stderr, flush=True)
+
+
+# --- the option groups ------------------------------------------------------------------------
 
 ENGINE = EngineOptions()
 # What each engine flag says (every EngineOptions field but the API-only `pin`).

@@ -3,7 +3,7 @@
 
 from __future__ import annotations
 
-from mirror_rt.cli.args import count, port_number, positive_int, positive_number
+from mirror_rt.cli.options import count, port_number, positive_int, positive_number
 from mirror_rt.serving.settings import ClusterSettings
 
 CLUSTER = ClusterSettings()  # the replicas' defaults, read by their flags

@@ -12,13 +12,14 @@ import sys
 from dataclasses import replace
 
 from mirror_rt.cli import signals
-from mirror_rt.cli.args import log, positive_int
 from mirror_rt.cli.options import (
     add_decoding_options,
     add_engine_options,
     add_request_options,
     engine_options,
     generation_config,
+    log,
+    positive_int,
 )
 from mirror_rt.evaluation.device_check import CHECK_OUT, CHECK_TOKENS, MAX_CHECK_TOKENS
 from mirror_rt.exporters.export_config import ATTENTION, KV_DTYPES, ExportConfig

@@ -7,13 +7,15 @@ there. `ray_serve_app` builds the same app for a RayService (KubeRay) from `serv
 
 from __future__ import annotations
 
-from mirror_rt.cli.args import count, port_number, positive_number
 from mirror_rt.cli.options import (
     ENGINE_HELP,
     add_decoding_options,
     add_engine_options,
+    count,
     engine_options,
     generation_config,
+    port_number,
+    positive_number,
 )
 from mirror_rt.cli.replicas import add_replica_options, cluster_settings, serve_on_ray, wants_ray
 from mirror_rt.serving.settings import ServerSettings

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import json
 
-from mirror_rt.cli.args import count, log, positive_int, positive_number
+from mirror_rt.cli.options import count, log, positive_int, positive_number
 from mirror_rt.runtime.config import DEFAULTS
 
 
