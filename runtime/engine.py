@@ -19,7 +19,7 @@ import weakref
 from collections.abc import Iterator
 from dataclasses import dataclass, replace
 
-from mirror_rt.runtime.batch.decoder import BatchDecoder, BatchSettings, KVTooLarge
+from mirror_rt.runtime.batch.decoder import BatchConfig, BatchDecoder, KVTooLarge
 from mirror_rt.runtime.batch.sequence import Sequence
 from mirror_rt.runtime.config import GenerationConfig, make_config
 from mirror_rt.runtime.generation import Generation, Step
@@ -65,7 +65,7 @@ class Engine:
 
     def __init__(self, target, tokenizer, draft=None, names: dict | None = None,
                  cpus: tuple[int, int] | None = None, placement=None, manifest=None,
-                 batch: BatchSettings | None = None):
+                 batch: BatchConfig | None = None):
         self.target = target  # LoadedModel (with forward_prefix/forward_suffix for mirror mode)
         self.draft = draft  # LoadedModel, or None: the target drafts for itself (oracle draft)
         self.tokenizer = tokenizer
@@ -74,7 +74,7 @@ class Engine:
         # where each role runs and what fell back (devices.placement.Placement); None: not assembled by devices/
         self.placement = placement
         self.manifest = manifest  # the bundle's exporters.manifest.BundleManifest; None: not a bundle
-        self.batch = batch or BatchSettings()
+        self.batch = batch or BatchConfig()
         self._decoder: BatchDecoder | None = None
         self._live: dict[int, _Live] = {}  # id(sequence) -> its generation
         self._lock = threading.Lock()

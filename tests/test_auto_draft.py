@@ -181,5 +181,5 @@ def test_load_bundle_places_the_draft_by_measurement(explicit_bundle, monkeypatc
 def test_one_candidate_times_nothing(explicit_bundle, monkeypatch, capsys):
     monkeypatch.setattr(bundle_engine, "candidates", lambda graph_format: ["ort:cpu"])
     monkeypatch.setattr(auto_draft, "pick", lambda *a, **k: pytest.fail("nothing to choose: nothing timed"))
-    engine = bundle_engine.load_bundle(__import__("mirror_rt").EngineOptions.from_flags(bundle=str(explicit_bundle)))
+    engine = bundle_engine.load_bundle(__import__("mirror_rt").EngineConfig.from_flags(bundle=str(explicit_bundle)))
     assert engine.names["draft_device"] == "ort:cpu" and "draft auto" not in capsys.readouterr().err

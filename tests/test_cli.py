@@ -90,12 +90,12 @@ def _record_engine_choices(monkeypatch) -> list:
 
 def _run_choice(calls, argv) -> list:
     from mirror_rt.cli import dispatch as cli
-    from mirror_rt.cli.options import engine_options
+    from mirror_rt.cli.options import engine_config
     from mirror_rt.devices.engines import load_engine
 
     args = cli.build_parser().parse_args(["run", "hi", *argv])
     calls.clear()
-    load_engine(engine_options(args))
+    load_engine(engine_config(args))
     return list(calls)
 
 

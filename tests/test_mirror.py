@@ -13,7 +13,7 @@ from mirror_rt.devices.torch.backend import TorchModel
 from mirror_rt.devices.torch.split import TorchSplitTarget
 from mirror_rt.runtime.config import GenerationConfig, make_config
 from mirror_rt.runtime.metrics import Metrics, format_stats
-from mirror_rt.runtime.mirror.draft_worker import DraftSettings
+from mirror_rt.runtime.mirror.draft_worker import DraftConfig
 from mirror_rt.runtime.mirror.target_row import MirrorSettings, mirror_generate
 from mirror_rt.runtime.reference import generate
 from mirror_rt.runtime.sampling import SamplingConfig
@@ -31,7 +31,7 @@ def draft_threads() -> list:
 def run_mirror(target, draft, prompt, max_new, stream_confidence=0.2, **options):
     """Mirror over `options` (GenerationConfig fields); `stream_confidence` is the draft worker's own knob."""
     metrics = Metrics()
-    settings = MirrorSettings(draft=DraftSettings(stream_confidence=stream_confidence))
+    settings = MirrorSettings(draft=DraftConfig(stream_confidence=stream_confidence))
     config = make_config(max_new_tokens=max_new, **options)
     tokens = flat(mirror_generate(target, draft, prompt, config, settings, metrics))
     return tokens, metrics

@@ -19,7 +19,7 @@ import torch
 
 from mirror_rt.devices.torch.backend import TorchModel
 from mirror_rt.devices.torch.pool import row_logits, row_views, run_rows
-from mirror_rt.models.config import SplitOptions
+from mirror_rt.models.config import SplitConfig
 from mirror_rt.models.exit_adapter import cached_exit_logits, check_compatible
 from mirror_rt.runtime.transfer import PendingRead
 
@@ -27,13 +27,13 @@ from mirror_rt.runtime.transfer import PendingRead
 class TorchSplitTarget(TorchModel):
     """A torch target with an early exit after layer `exit_layer` (1-based count of layers).
 
-    `exit_layer` and `kappa` None: the model's defaults (`models.config.SplitOptions`).
+    `exit_layer` and `kappa` None: the model's defaults (`models.config.SplitConfig`).
     """
 
     def __init__(self, model, exit_layer: int | None = None, kappa: int | None = None, device: str = "cpu",
                  exit_adapter=None, compile: bool = False, static: bool = False):
         super().__init__(model, device, compile, static)
-        self.exit_layer, self.kappa = SplitOptions(exit_layer, kappa).resolve(model.config)
+        self.exit_layer, self.kappa = SplitConfig(exit_layer, kappa).resolve(model.config)
         if exit_adapter is not None:
             check_compatible(exit_adapter, model, self.exit_layer)
             p = self.model.embed_tokens.weight

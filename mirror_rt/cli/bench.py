@@ -11,7 +11,7 @@ from mirror_rt.cli.options import (
     add_engine_options,
     add_request_options,
     count,
-    engine_options,
+    engine_config,
     generation_config,
     log,
     output_file,
@@ -51,7 +51,7 @@ def cmd_bench(args) -> int:
     from pathlib import Path
 
     from mirror_rt.evaluation import report
-    from mirror_rt.evaluation.bench import BenchSettings, format_profile, report_row, run_bench, write_results
+    from mirror_rt.evaluation.bench import BenchConfig, format_profile, report_row, run_bench, write_results
     from mirror_rt.evaluation.bench_engines import bench_runners
     from mirror_rt.evaluation.specbench import read_questions
 
@@ -63,10 +63,10 @@ def cmd_bench(args) -> int:
     methods = [m.strip() for m in args.methods.split(",") if m.strip()]
     if not methods:
         raise ValueError("--methods names no method")
-    runners = bench_runners(methods, engine_options(args), log=log)
+    runners = bench_runners(methods, engine_config(args), log=log)
     if not runners:
         raise ValueError(f"none of --methods {args.methods} can run here (see the lines above)")
-    answers = run_bench(runners, questions, BenchSettings(config=config, repeats=args.repeats), log=log)
+    answers = run_bench(runners, questions, BenchConfig(config=config, repeats=args.repeats), log=log)
     command = "mirror-rt " + " ".join(shlex.quote(a) for a in sys.argv[1:])
     rows = {r.name: report_row(r) for r in runners}
     doc = write_results(Path(args.out), answers, rows, command, greedy=config.sampling.greedy)

@@ -1,11 +1,11 @@
 """The option groups `run`, `serve` and `bench` share: each flag named as its settings field, its default read there.
 
-- engine options (`devices.options.EngineOptions`: what runs where): `run`, `serve`; `bench` takes those it uses;
+- engine options (`devices.options.EngineConfig`: what runs where): `run`, `serve`; `bench` takes those it uses;
 - decoding options (`runtime.config.GenerationConfig`: gamma, branch budget, draft lookup, early exit; the mode
   for `run` and `serve`; for a server they are the defaults of requests that name none);
 - request options (max new tokens, sampling, seed, stop strings): `run` and `bench` (a server takes them per
   request).
-`engine_options(args)` and `generation_config(args)` build the settings objects from the parsed flags by field
+`engine_config(args)` and `generation_config(args)` build the settings objects from the parsed flags by field
 name, so a flag is its field from the command line to where it acts; `%(default)s` in a help text is the default
 the settings object wrote. Above them, the argument types every subcommand uses, and the log line.
 """
@@ -16,7 +16,7 @@ import argparse
 import os
 import sys
 
-from mirror_rt.devices.options import BUNDLE_WEIGHTS, DRAFT_PRECISIONS, EngineOptions, flag_names
+from mirror_rt.devices.options import BUNDLE_WEIGHTS, DRAFT_PRECISIONS, EngineConfig, flag_names
 from mirror_rt.models.config import DEFAULT_KAPPA
 from mirror_rt.models.default_model import DEFAULT_MODEL
 from mirror_rt.runtime.config import DEFAULTS, EARLY_EXIT, MAX_GAMMA, MODES, make_config
@@ -95,8 +95,8 @@ def log(message: str) -> None:
 
 # --- the option groups ------------------------------------------------------------------------
 
-ENGINE = EngineOptions()
-# What each engine flag says (every EngineOptions field but the API-only `pin`).
+ENGINE = EngineConfig()
+# What each engine flag says (every EngineConfig field but the API-only `pin`).
 ENGINE_HELP = {
     "model": f"target: HF folder, .gguf file or preset (default: {DEFAULT_MODEL}); runs torch eager",
     "draft_model": "torch draft: int8 (an int8 copy of the target, default), target (oracle draft), or an HF "
@@ -148,9 +148,9 @@ REQUEST = ("max_new_tokens", "temperature", "top_p", "top_k", "seed", "stop_stri
 
 def add_engine_options(parser, names=tuple(n for n in ENGINE_HELP if n not in BATCH)) -> None:
     """The engine flags among `names` (default: all but the batch's, which only `serve` takes), each an
-    EngineOptions field with its default."""
+    EngineConfig field with its default."""
     values = {name: value for part in vars(ENGINE).values() for name, value in vars(part).items()}
-    parser = parser.add_argument_group("engine: what runs where (devices.options.EngineOptions)")
+    parser = parser.add_argument_group("engine: what runs where (devices.options.EngineConfig)")
     for name in names:
         flag = "--" + name.replace("_", "-")
         if name in ON_OFF:
@@ -197,10 +197,10 @@ def add_request_options(parser) -> None:
                         help="stop before this string (repeatable)")
 
 
-def engine_options(args, **given) -> EngineOptions:
-    """The EngineOptions of parsed flags (those a parser lacks keep their defaults); `given` overrides."""
+def engine_config(args, **given) -> EngineConfig:
+    """The EngineConfig of parsed flags (those a parser lacks keep their defaults); `given` overrides."""
     values = {name: getattr(args, name) for name in flag_names() if hasattr(args, name)}
-    return EngineOptions.from_flags(**(values | given))
+    return EngineConfig.from_flags(**(values | given))
 
 
 def generation_config(args):

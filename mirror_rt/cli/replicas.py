@@ -4,9 +4,9 @@
 from __future__ import annotations
 
 from mirror_rt.cli.options import count, port_number, positive_int, positive_number
-from mirror_rt.serving.settings import ClusterSettings
+from mirror_rt.serving.settings import ClusterConfig
 
-CLUSTER = ClusterSettings()  # the replicas' defaults, read by their flags
+CLUSTER = ClusterConfig()  # the replicas' defaults, read by their flags
 
 
 def add_replica_options(serve) -> None:
@@ -30,16 +30,16 @@ def wants_ray(args) -> bool:
     return args.replicas is not None or args.ray_address is not None or autoscaling
 
 
-def cluster_settings(args, torch_engine: bool) -> ClusterSettings:
-    """The ClusterSettings of `serve`'s options (each flag its field; not given: the field's default); each
+def cluster_config(args, torch_engine: bool) -> ClusterConfig:
+    """The ClusterConfig of `serve`'s options (each flag its field; not given: the field's default); each
     replica asks for the devices its roles run on."""
     from dataclasses import fields
 
     from mirror_rt.serving.cluster import replica_resources
 
     target, draft = (args.device or "cpu", "cpu") if torch_engine else (args.target, args.draft)
-    given = {f.name: getattr(args, f.name) for f in fields(ClusterSettings) if getattr(args, f.name, None) is not None}
-    return ClusterSettings(**given, actor_options=replica_resources(args.mode, target, draft, args.threads),
+    given = {f.name: getattr(args, f.name) for f in fields(ClusterConfig) if getattr(args, f.name, None) is not None}
+    return ClusterConfig(**given, actor_options=replica_resources(args.mode, target, draft, args.threads),
                            batch_rows=args.max_num_seqs)
 
 
@@ -48,4 +48,4 @@ def serve_on_ray(args, settings, load, torch_engine: bool) -> int:
     from mirror_rt.serving.cluster import require_ray, serve_replicas
 
     require_ray()
-    return serve_replicas(settings, cluster_settings(args, torch_engine), load)
+    return serve_replicas(settings, cluster_config(args, torch_engine), load)

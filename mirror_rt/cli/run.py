@@ -16,7 +16,7 @@ from mirror_rt.cli.options import (
     add_decoding_options,
     add_engine_options,
     add_request_options,
-    engine_options,
+    engine_config,
     generation_config,
     log,
     positive_int,
@@ -62,7 +62,7 @@ def cmd_run(args) -> int:
     constraint = run_constraint(args)
     if constraint is not None:
         config = replace(config, rules=replace(config.rules, constraint=constraint))
-    engine = load_engine(engine_options(args), config.mode)
+    engine = load_engine(engine_config(args), config.mode)
     if not args.no_chat and not engine.tokenizer.has_chat_template:
         print("mirror-rt: note: the model has no chat template; the prompt goes in as plain text (as --no-chat)",
               file=sys.stderr)

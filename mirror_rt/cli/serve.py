@@ -1,7 +1,7 @@
 """`mirror-rt serve`: the parser and the command (the server is mirror_rt.serving; replicas: `replicas`).
 
 `serve` takes `run`'s engine and decoding options (the decoding ones are the defaults of requests that
-name none) and the server's, each flag a `ServerSettings` field of the same name with its default read
+name none) and the server's, each flag a `ServerConfig` field of the same name with its default read
 there. `ray_serve_app` builds the same app for a RayService (KubeRay) from `serve` options.
 """
 
@@ -12,15 +12,15 @@ from mirror_rt.cli.options import (
     add_decoding_options,
     add_engine_options,
     count,
-    engine_options,
+    engine_config,
     generation_config,
     port_number,
     positive_number,
 )
-from mirror_rt.cli.replicas import add_replica_options, cluster_settings, serve_on_ray, wants_ray
-from mirror_rt.serving.settings import ServerSettings
+from mirror_rt.cli.replicas import add_replica_options, cluster_config, serve_on_ray, wants_ray
+from mirror_rt.serving.settings import ServerConfig
 
-SERVER = ServerSettings()  # the server's defaults, read by its flags
+SERVER = ServerConfig()  # the server's defaults, read by its flags
 
 
 def add_serve(sub) -> None:
@@ -56,17 +56,17 @@ def cmd_serve(args) -> int:
 
 
 def serve_parts(args):
-    """`serve`'s ServerSettings and the function that loads its engine (in a replica, with replicas)."""
+    """`serve`'s ServerConfig and the function that loads its engine (in a replica, with replicas)."""
     import os
     from dataclasses import fields
 
     from mirror_rt.devices.engines import load_engine
 
     defaults = generation_config(args)
-    given = {f.name: getattr(args, f.name) for f in fields(ServerSettings) if hasattr(args, f.name)}
-    settings = ServerSettings(**given | {"api_key": args.api_key or os.environ.get("MIRROR_RT_API_KEY") or None,
+    given = {f.name: getattr(args, f.name) for f in fields(ServerConfig) if hasattr(args, f.name)}
+    settings = ServerConfig(**given | {"api_key": args.api_key or os.environ.get("MIRROR_RT_API_KEY") or None,
                                          "defaults": defaults})
-    options = engine_options(args)
+    options = engine_config(args)
 
     def load():
         return load_engine(options, defaults.mode)
@@ -85,10 +85,10 @@ def ray_serve_app(args: dict):
 
     parsed = build_parser().parse_args(["serve", *shlex.split(args.get("options", ""))])
     settings, load = serve_parts(parsed)
-    return build(settings, cluster_settings(parsed, torch_engine(parsed)), load)
+    return build(settings, cluster_config(parsed, torch_engine(parsed)), load)
 
 
 def torch_engine(args) -> bool:
     """Whether `load_engine` runs torch eager for these options (else a bundle, the default one included)."""
-    options = engine_options(args)
+    options = engine_config(args)
     return options.models.bundle is None and (options.models.torch or bool(options.torch_asked()))

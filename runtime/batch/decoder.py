@@ -33,7 +33,7 @@ WINDOW_ROOM = 80  # positions past the committed text a step may write (window, 
 
 
 @dataclass(frozen=True)
-class BatchSettings:
+class BatchConfig:
     """How many sequences an engine decodes at once and with how much KV memory."""
 
     max_num_seqs: int = 16  # sequences holding a row at once (running or prefilling)
@@ -61,7 +61,7 @@ class KVTooLarge(ValueError):
 class BatchDecoder:
     """Sequences, their rows and caches, and the step loop over them."""
 
-    def __init__(self, target, draft=None, settings: BatchSettings = BatchSettings(), policy=None,
+    def __init__(self, target, draft=None, settings: BatchConfig = BatchConfig(), policy=None,
                  kv_bytes: int | None = None, cpus: tuple[int, int] | None = None):
         self.target, self.draft, self.settings = target, draft, settings
         self.pooled = bool(getattr(target, "batches", False)) and (

@@ -43,7 +43,7 @@ from mirror_rt.runtime.transfer import to_host
 
 
 @dataclass(frozen=True)
-class DraftSettings:
+class DraftConfig:
     """The draft worker's runtime-internal knobs; every user setting is the request's GenerationConfig."""
 
     cpu: int | None = None  # pin the worker thread to this core (Linux)
@@ -89,7 +89,7 @@ class DraftRow:
     """The draft side of one sequence; `handle` takes the target's messages, `extend_line` / `grow_branch`
     precompute, `send` (the worker's) delivers its windows. Runs in the draft worker's thread only."""
 
-    def __init__(self, draft, cache, committed: list[int], config: GenerationConfig, settings: DraftSettings, send,
+    def __init__(self, draft, cache, committed: list[int], config: GenerationConfig, settings: DraftConfig, send,
                  rules: TokenRules | None = None):
         self.draft, self.cache, self.config, self.settings, self.send = draft, cache, config, settings, send
         self.stats = DraftStats()

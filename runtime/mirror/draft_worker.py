@@ -19,7 +19,7 @@ from dataclasses import dataclass, field
 
 from mirror_rt.runtime.affinity import pin
 from mirror_rt.runtime.config import GenerationConfig
-from mirror_rt.runtime.mirror.draft_row import DraftRow, DraftSettings, DraftStats, Line  # noqa: F401 (re-exported)
+from mirror_rt.runtime.mirror.draft_row import DraftConfig, DraftRow, DraftStats, Line  # noqa: F401 (re-exported)
 from mirror_rt.runtime.mirror.messages import STOP, Fault, Start, Verdict
 from mirror_rt.runtime.reference import prefill_logits
 
@@ -32,7 +32,7 @@ class Join:
     cache: object
     committed: list[int]
     config: GenerationConfig
-    settings: DraftSettings = DraftSettings()
+    settings: DraftConfig = DraftConfig()
     waits_for_start: bool = False
     prefill: bool = False
     rules: object = None  # runtime.token_rules.TokenRules at `committed`, the row's own (None: no rules)

@@ -22,7 +22,7 @@ import numpy as np
 from mirror_rt.runtime.affinity import pin, restore
 from mirror_rt.runtime.config import GenerationConfig
 from mirror_rt.runtime.metrics import Metrics
-from mirror_rt.runtime.mirror.draft_worker import DraftSettings, DraftStats, DraftWorker, Join, Leave
+from mirror_rt.runtime.mirror.draft_worker import DraftConfig, DraftStats, DraftWorker, Join, Leave
 from mirror_rt.runtime.mirror.messages import EarlyExit, Fault, Start, Window
 from mirror_rt.runtime.mirror.stats import mirror_summary
 from mirror_rt.runtime.reference import adopts_target_kv, choose_under, prefill_logits, token_budget
@@ -35,7 +35,7 @@ class MirrorSettings:
     """Runtime-internal knobs of the Mirror orchestrator; every user setting is the request's GenerationConfig."""
 
     target_cpu: int | None = None  # pin the target (caller) thread to this core
-    draft: DraftSettings = field(default_factory=DraftSettings)  # the draft worker's knobs, its core included
+    draft: DraftConfig = field(default_factory=DraftConfig)  # the draft worker's knobs, its core included
     share_prompt_kv: bool = True  # a draft that is the target at another precision starts from its prompt KV
 
 
