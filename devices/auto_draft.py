@@ -1,18 +1,34 @@
-"""`--draft auto`: put the draft where measured costs predict the most tokens per second, or nowhere.
+"""`--draft auto`: time the draft on every device here that runs it, beside the target, and put it where the
+latency model predicts the most tokens per second, or nowhere.
 
-From the target's measured forward times and, per candidate draft device, the draft's measured forward
-time and an acceptance estimate, the latency model (runtime.latency) predicts tokens/s of target-only
-decoding, of SD on each candidate and of Mirror on each candidate that runs at once with the target; the
-best pairing wins, "no speculation" included (and kept on a tie). Pure arithmetic: timing a few forwards
-on each device at load is the caller's, so this module never touches a device. Times are milliseconds;
-a Mirror candidate's times must be measured as it would run (its own cores or device, beside the target).
+`candidates` lists every device that runs the draft's graph format on this machine (ONNX Runtime's CPU and
+execution providers, OpenVINO's CPU/GPU/NPU, per devices.registry); with one there is nothing to choose and
+nothing is timed. Otherwise `measure_target` times the loaded target (a one-token step, a verify window of
+gamma + 1 tokens, its prefix and suffix halves) and `measure_draft` each candidate's draft as loaded beside
+it (one-token forwards after a warm-up) with its acceptance against the target (top-1 agreement,
+teacher-forced over a short built-in text). From those costs the latency model (runtime.latency) predicts
+tokens/s of target-only decoding, of SD on each candidate and of Mirror on each candidate that runs at once
+with the target (`pairings`); the best pairing wins, "no speculation" included (and kept on a tie). It times
+models it is given: loading them is devices.bundle_engine's. Times are medians, in ms; a Mirror candidate's
+times are measured as it would run (its own cores or device, beside the target).
 """
 
 from __future__ import annotations
 
+import statistics
+import time
 from dataclasses import dataclass
 
+import numpy as np
+
+from mirror_rt.devices.placement import is_accelerator
 from mirror_rt.runtime.latency import hit_probability, mirror_step, sd_step, tokens_per_step
+
+AUTO = "auto"
+CALIBRATION = ("The capital of France is Paris. It is known for the Eiffel Tower, its museums and its food. "
+               "Water boils at 100 degrees Celsius at sea level.")  # teacher-forced text of the acceptance check
+WARMUP, TIMED = 2, 5  # forwards per measurement: first calls allocate, the median of the rest counts
+
 
 
 @dataclass(frozen=True)
@@ -82,3 +98,90 @@ def report(best: Pairing, ranked: list[Pairing], target: TargetCosts) -> str:
 def table(ranked: list[Pairing]) -> list[str]:
     """Rows for `mirror-rt devices`: mode, draft device, predicted tokens/s, fastest first."""
     return [f"{p.mode:6s} {p.draft or '-':16s} {p.tokens_per_s:8.1f} tokens/s (predicted)" for p in ranked]
+
+
+def candidates(graph_format: str, devices: dict | None = None) -> list[str]:
+    """Devices that run a draft of `graph_format` here (devices.bundles.bundle_format), CPU backends first."""
+    from mirror_rt.devices.registry import FORMAT_BACKENDS, available_devices
+
+    devices = available_devices() if devices is None else devices
+    prefix = {"onnxruntime": "ort", "openvino": "openvino", "torch": "torch"}
+    found = []
+    for backend in FORMAT_BACKENDS[graph_format]:
+        for device in devices.get(backend, []):
+            if backend == "onnxruntime" and device not in ("cpu", "qnn", "openvino", "dml", "coreml"):
+                continue  # CUDA is refused for these graphs, Azure is no device
+            if backend == "torch" and device != "cpu":
+                continue
+            found.append(f"{prefix[backend]}:{device}")
+    return sorted(found, key=is_accelerator)
+
+
+def _median_ms(run, count: int = TIMED, warmup: int = WARMUP) -> float:
+    for _ in range(warmup):
+        run()
+    times = []
+    for _ in range(count):
+        start = time.perf_counter()
+        run()
+        times.append((time.perf_counter() - start) * 1e3)
+    return statistics.median(times)
+
+
+def _timed_call(model, tokens: list[int], context: list[int], run) -> float:
+    """Median ms of `run(model, tokens, cache)` from a cache holding `context` (rolled back after each call)."""
+    cache = model.new_cache(len(context) + len(tokens) + 8)
+    model.forward(context, cache)
+
+    def once():
+        run(model, tokens, cache)
+        cache.rollback(len(context))
+
+    return _median_ms(once)
+
+
+def measure_target(target, device: str, gamma: int, context: list[int]) -> TargetCosts:
+    """The target's one-token step, its gamma + 1 window, and (split targets) the window's prefix and suffix."""
+    token = _timed_call(target, context[-1:], context[:-1], lambda m, t, c: m.forward(t, c))
+    window_tokens = (context * (gamma + 2))[:gamma + 1]
+    window = _timed_call(target, window_tokens, context, lambda m, t, c: m.forward(t, c))
+    if not hasattr(target, "forward_prefix"):
+        return TargetCosts(device, token, window)
+    prefix = _timed_call(target, window_tokens, context, lambda m, t, c: m.forward_prefix_only(t, c))
+    return TargetCosts(device, token, window, prefix, max(window - prefix, 0.0))
+
+
+def acceptance(target, draft, ids: list[int]) -> float:
+    """Top-1 agreement of `draft` with `target`, teacher-forced over `ids` (one prompt forward each)."""
+    picks = []
+    for model in (target, draft):
+        cache = model.new_cache(len(ids) + 1)
+        picks.append(np.asarray(model.forward(ids, cache)).argmax(axis=-1))
+    return float(np.mean(picks[0] == picks[1]))
+
+
+def measure_draft(draft, device: str, target, ids: list[int], concurrent: bool = True) -> DraftCandidate:
+    """One candidate: the draft's one-token forward (ms) and its agreement with the target on `ids`."""
+    forward = _timed_call(draft, ids[-1:], ids[:-1], lambda m, t, c: m.forward(t, c))
+    return DraftCandidate(device, forward, acceptance(target, draft, ids), concurrent)
+
+
+def choose_draft(target_costs: TargetCosts, drafts: list[DraftCandidate], gamma: int):
+    """(the best pairing, the one line saying so, the table rows for `mirror-rt devices`)."""
+    best, ranked = choose(target_costs, drafts, gamma)
+    costs = "; ".join(f"{d.device} {d.forward_ms:.1f} ms a token, acceptance {d.acceptance:.2f}" for d in drafts)
+    line = (f"mirror-rt: {report(best, ranked, target_costs)} (target {target_costs.token_ms:.1f} ms a token; "
+            f"{costs})")
+    return best, line, table(ranked)
+
+
+def pick(target, target_device: str, drafts: dict, tokenizer, gamma: int, cpu_concurrent: bool = True):
+    """Time `target` and each loaded draft (device -> model) and choose: (the best pairing, its line, table rows).
+
+    A CPU draft runs at once with a CPU target only when each has its own cores (`cpu_concurrent`)."""
+    ids = tokenizer.encode(CALIBRATION)
+    target_costs = measure_target(target, target_device, gamma, ids)
+    measured = [measure_draft(draft, device, target, ids,
+                              concurrent=cpu_concurrent or is_accelerator(device) or is_accelerator(target_device))
+                for device, draft in drafts.items()]
+    return choose_draft(target_costs, measured, gamma)

@@ -3,7 +3,7 @@
 `load_bundle` reads the manifests (the target's bundle, and the draft's when `--draft-bundle` names
 another), resolves each role's device (`devices.registry`, one warning line per fallback; `--draft auto`:
 every device that runs the draft is timed beside the target and the latency model picks, devices.
-draft_placement), places the two workers by device and mode (`devices.placement`) and loads each role in a
+auto_draft), places the two workers by device and mode (`devices.placement`) and loads each role in a
 thread pinned like its worker (`devices.bundles`). It never chooses between a bundle and torch: that is
 `devices.engines`.
 """
@@ -15,6 +15,7 @@ import time
 from dataclasses import replace
 from pathlib import Path
 
+from mirror_rt.devices.auto_draft import AUTO, candidates
 from mirror_rt.devices.bundles import (
     WorkerBudget,
     adopts_from,
@@ -24,15 +25,14 @@ from mirror_rt.devices.bundles import (
     load_model,
     load_tokenizer,
 )
-from mirror_rt.devices.draft_placement import AUTO, candidates
-from mirror_rt.devices.options import EngineOptions
+from mirror_rt.devices.options import EngineConfig
 from mirror_rt.devices.placement import plan
 from mirror_rt.devices.registry import resolve_noted
 from mirror_rt.runtime.affinity import available_cores
 from mirror_rt.runtime.engine import Engine, GenerationError
 
 
-def load_bundle(options: EngineOptions, mode: str | None = None, verify: bool = True) -> Engine:
+def load_bundle(options: EngineConfig, mode: str | None = None, verify: bool = True) -> Engine:
     """An `Engine` over `options.models.bundle` (its target, and its draft unless `draft_bundle` names another).
 
     Args:
@@ -105,7 +105,7 @@ class TargetOnlyEngine(Engine):
         return "ar"
 
 
-def _jobs(options: EngineOptions, target_side: tuple, draft_side: tuple, placement) -> list[tuple]:
+def _jobs(options: EngineConfig, target_side: tuple, draft_side: tuple, placement) -> list[tuple]:
     """The two load jobs (in_worker_threads) of a target and a draft placed by `placement`."""
     both = placement.worker_cores  # a core each: the target's prompt may also use the draft's (idle) core
     strict = options.devices.strict_devices
@@ -115,11 +115,11 @@ def _jobs(options: EngineOptions, target_side: tuple, draft_side: tuple, placeme
             (*draft_side[:2], "draft", draft_side[2], strict, draft_budget)]
 
 
-def _auto_draft(options: EngineOptions, jobs: list, loaded: tuple, found: list[str], placement, mode):
+def _auto_draft(options: EngineConfig, jobs: list, loaded: tuple, found: list[str], placement, mode):
     """Load the draft on every other candidate, time them all beside the target (`loaded`: target, draft,
-    tokenizer), keep the best (devices.draft_placement); the target is reloaded when the winner changes its
+    tokenizer), keep the best (devices.auto_draft); the target is reloaded when the winner changes its
     placement. One line says what won."""
-    from mirror_rt.devices.draft_placement import pick
+    from mirror_rt.devices.auto_draft import pick
     from mirror_rt.devices.registry import stderr_line
     from mirror_rt.runtime.config import GenerationConfig
 

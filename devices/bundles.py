@@ -69,7 +69,7 @@ def bundle_format(manifest, role: str) -> str:
 def draft_copies_target(target_manifest, draft_manifest) -> bool:
     """Whether the draft of `draft_manifest` is the target of `target_manifest` at another precision.
 
-    Such a draft may start from the target's prompt KV (runtime.mirror). A draft taken from another
+    Such a draft may start from the target's prompt KV (runtime.mirror.target_row). A draft taken from another
     bundle qualifies only if that bundle's target has the same config and tokenizer.
     """
     if not draft_manifest.draft_of_target:
@@ -92,7 +92,7 @@ def _config(manifest, role: str):
 
 
 def _load_openvino(paths, manifest, config, spec: DeviceSpec, budget: WorkerBudget):
-    from mirror_rt.devices.openvino_backend import (
+    from mirror_rt.devices.openvino.backend import (
         STREAM_LOGITS,
         OVGraph,
         OVModel,
@@ -110,7 +110,7 @@ def _load_openvino(paths, manifest, config, spec: DeviceSpec, budget: WorkerBudg
 
 
 def _load_onnxruntime(paths, manifest, config, spec: DeviceSpec, budget: WorkerBudget):
-    from mirror_rt.devices.onnxruntime_backend import (
+    from mirror_rt.devices.onnxruntime.backend import (
         STREAM_LOGITS,
         ORTGraph,
         ORTModel,
@@ -152,7 +152,7 @@ def _second_copy_fits(paths, share: float = 0.25, loading=()) -> bool:
 def _wide_graphs(paths, kv_shape, cpus: tuple[int, ...]) -> list:
     """CPU sessions with one thread per core of `cpus`: the pool threads are created while the calling
     thread may run on all of them (they inherit that mask), then the caller's own pin is restored."""
-    from mirror_rt.devices.onnxruntime_backend import ORTGraph
+    from mirror_rt.devices.onnxruntime.backend import ORTGraph
 
     previous = pin(cpus)
     try:
@@ -167,8 +167,8 @@ def _load_torch(paths, manifest, config, spec: DeviceSpec, budget: WorkerBudget)
 
     from safetensors.torch import load_file
 
-    from mirror_rt.devices.torch_backend import TorchModel
-    from mirror_rt.devices.torch_split import TorchSplitTarget
+    from mirror_rt.devices.torch.backend import TorchModel
+    from mirror_rt.devices.torch.split import TorchSplitTarget
     from mirror_rt.models.transformer import Transformer
 
     config = dataclasses.replace(config, max_seq_len=min(config.max_seq_len, manifest.max_context))

@@ -3,7 +3,7 @@
 `load_engine` is the single place that decides what an engine runs: a bundle when one is named,
 torch eager when asked for (`torch` or any torch-only option, `devices.options.TORCH_OPTIONS`),
 else the default model's cached ONNX bundle (exported once, with a progress bar). `mirror-rt run`,
-`serve`, `bench` and `mirror_rt.load()` all come here with an `EngineOptions`, so they run the same
+`serve`, `bench` and `mirror_rt.load()` all come here with an `EngineConfig`, so they run the same
 engine for the same request. A bundle-less `--target cuda` runs the target in torch on that GPU. The
 loading itself: `devices.bundle_engine` (bundles) and `devices.torch_engine` (torch eager); device
 names: `devices.registry`.
@@ -15,7 +15,7 @@ import os
 from pathlib import Path
 
 from mirror_rt.devices.bundle_engine import load_bundle
-from mirror_rt.devices.options import BUNDLE_WEIGHTS, EngineOptions
+from mirror_rt.devices.options import BUNDLE_WEIGHTS, EngineConfig
 from mirror_rt.devices.placement import plan
 from mirror_rt.devices.registry import names_torch_device, stderr_line, torch_target
 from mirror_rt.devices.torch_engine import load_torch
@@ -31,7 +31,7 @@ BUNDLE_VERSION = "0.7.0"  # part of the default bundle's folder name: bump when 
 DEFAULT_WEIGHTS = "fp32"
 
 
-def load_engine(options: EngineOptions | None = None, mode: str | None = None, log=stderr_line) -> Engine:
+def load_engine(options: EngineConfig | None = None, mode: str | None = None, log=stderr_line) -> Engine:
     """The engine for a request of the CLI, the server, the bench or the API.
 
     Args:
@@ -41,7 +41,7 @@ def load_engine(options: EngineOptions | None = None, mode: str | None = None, l
             model), other devices the default bundle.
         mode: the mode the engine will mostly run (thread placement); None: its default (Mirror).
     """
-    options = options or EngineOptions()
+    options = options or EngineConfig()
     models = options.models
     if models.bundle is None and not models.torch and streams_model(models.model):  # a GGUF or a model over 1 GB
         return _model_bundle(options, mode, log)
@@ -78,7 +78,7 @@ def streams_model(model: str | None) -> bool:
     return path.suffix == ".gguf" and path.is_file() or path.is_dir() and checkpoint_bytes(path) > STREAM_BYTES
 
 
-def _model_bundle(options: EngineOptions, mode: str | None, log) -> Engine:
+def _model_bundle(options: EngineConfig, mode: str | None, log) -> Engine:
     """`--model` (and `--draft-model`) exported once into a bundle in the cache, then loaded as `--bundle`."""
     models = options.models
     torch_only = [name for name in options.torch_asked() if name not in ("model", "draft_model")]
@@ -125,7 +125,7 @@ def export_bundle_of(model, out: Path, progress: bool, **options) -> None:
     export_bundle(str(model), out, progress=progress, **options)
 
 
-def _torch_target(options: EngineOptions, log) -> EngineOptions:
+def _torch_target(options: EngineConfig, log) -> EngineConfig:
     """A bundle-less `--target` naming a torch device: that device for torch (`--device` must agree), or back to
     the CPU target of the default bundle where a bare `cuda` cannot serve (one warning line)."""
     devices = options.devices
@@ -232,5 +232,5 @@ def draft_choice_here(cache_dir: str | None = None) -> list[str]:
         read_manifest(folder, verify=False)
     except BundleError:
         return ["draft auto: the default bundle is not exported yet (mirror-rt run exports it)"]
-    engine = load_bundle(EngineOptions.from_flags(bundle=str(folder), draft="auto"), verify=False)
+    engine = load_bundle(EngineConfig.from_flags(bundle=str(folder), draft="auto"), verify=False)
     return engine.names.get("draft_auto", [])

@@ -1,11 +1,11 @@
 """What an engine is assembled from: one small frozen dataclass per concern, each field named as its CLI flag.
 
-`ModelOptions` (what runs), `DeviceOptions` (where), `PrecisionOptions` (at what precision), the split
-(`models.config.SplitOptions`: exit layer, kappa) and the batch (`runtime.batch.BatchSettings`: sequences decoded
-at once, KV memory, prefix cache, adaptive speculation) travel together as `EngineOptions`, which `load_engine`,
-`load_torch`, `load_bundle` and `mirror_rt.load` take. Each default is written once, here (the split's in
-`SplitOptions`); `EngineOptions.from_flags` is the one place flat flag-named values become these objects.
-Torch-only settings are None when not given: giving any of them, even at its default value, asks for torch
+`SourceConfig` (what runs), `DeviceConfig` (where), `PrecisionConfig` (at what precision), the split
+(`models.config.SplitConfig`: exit layer, kappa) and the batch (`runtime.batch.decoder.BatchConfig`:
+sequences decoded at once, KV memory, prefix cache, adaptive speculation) travel together as `EngineConfig`,
+which `load_engine`, `load_torch`, `load_bundle` and `mirror_rt.load` take. Each default is written once, here
+(the split's in `SplitConfig`); `EngineConfig.from_flags` is the one place flat flag-named values become these
+objects. Torch-only settings are None when not given: giving any of them, even at its default value, asks for torch
 eager, so the engine choice never compares a value with a default. Decoding settings are not here: they are
 the request's (`runtime.config.GenerationConfig`).
 """
@@ -16,8 +16,8 @@ import os
 import re
 from dataclasses import dataclass, field, fields, replace
 
-from mirror_rt.models.config import SplitOptions
-from mirror_rt.runtime.batch import BatchSettings
+from mirror_rt.models.config import SplitConfig
+from mirror_rt.runtime.batch.decoder import BatchConfig
 from mirror_rt.runtime.values import is_integer
 
 BUNDLE_WEIGHTS = ("fp32", "int8", "int4", "q4_1", "w8a8")  # --weights: the ONNX export's (exporters.onnx.WEIGHTS)
@@ -30,7 +30,7 @@ TORCH_OPTIONS = ("model", "draft_model", "device", "dtype", "threads", "exit_lay
 
 
 @dataclass(frozen=True)
-class ModelOptions:
+class SourceConfig:
     """What runs: an exported bundle, or a model in torch eager."""
 
     bundle: str | None = None  # an exported bundle; None: the default model's cached bundle unless torch is asked
@@ -50,12 +50,12 @@ class ModelOptions:
 
 
 @dataclass(frozen=True)
-class DeviceOptions:
+class DeviceConfig:
     """Where it runs: each role's device and the compute threads."""
 
     target: str = "cpu"  # the target's device: cpu, cuda[:N], gpu, npu, openvino:CPU, ort:qnn, torch:cpu, ...
     # the draft's device (same forms), or auto: where more than one device here runs the bundle's draft, each is
-    # timed beside the target at load and the latency model picks (devices.draft_placement), else the one there is
+    # timed beside the target at load and the latency model picks (devices.auto_draft), else the one there is
     draft: str = "auto"
     strict_devices: bool = False  # fail instead of falling back to a CPU backend
     device: str | None = None  # torch: the target's torch device (cpu, cuda, cuda:1; as --target)
@@ -76,7 +76,7 @@ class DeviceOptions:
 
 
 @dataclass(frozen=True)
-class PrecisionOptions:
+class PrecisionConfig:
     """At what precision the models compute."""
 
     # the default model's bundle target precision (`mirror-rt export --weights`): fp32 | int8 | int4 | q4_1 | w8a8,
@@ -97,20 +97,20 @@ class PrecisionOptions:
 
 
 @dataclass(frozen=True)
-class EngineOptions:
+class EngineConfig:
     """Everything an engine is assembled from."""
 
-    models: ModelOptions = field(default_factory=ModelOptions)
-    devices: DeviceOptions = field(default_factory=DeviceOptions)
-    precision: PrecisionOptions = field(default_factory=PrecisionOptions)
-    split: SplitOptions = field(default_factory=SplitOptions)
-    batch: BatchSettings = field(default_factory=BatchSettings)  # sequences decoded at once, KV memory
+    models: SourceConfig = field(default_factory=SourceConfig)
+    devices: DeviceConfig = field(default_factory=DeviceConfig)
+    precision: PrecisionConfig = field(default_factory=PrecisionConfig)
+    split: SplitConfig = field(default_factory=SplitConfig)
+    batch: BatchConfig = field(default_factory=BatchConfig)  # sequences decoded at once, KV memory
 
     @classmethod
-    def from_flags(cls, **flags) -> EngineOptions:
+    def from_flags(cls, **flags) -> EngineConfig:
         """The options from flat flag-named values (`bundle=`, `target=`, `dtype=`, `kappa=`...); None: not given.
 
-        Example: EngineOptions.from_flags(model="tiny", target="cuda", dtype="bf16").
+        Example: EngineConfig.from_flags(model="tiny", target="cuda", dtype="bf16").
         """
         return cls().with_flags(**{name: value for name, value in flags.items() if value is not None})
 
@@ -119,7 +119,7 @@ class EngineOptions:
         values = {name: value for part in _PARTS for name, value in vars(getattr(self, part)).items()}
         return [name for name in TORCH_OPTIONS if values[name] is not None]
 
-    def with_flags(self, **flags) -> EngineOptions:
+    def with_flags(self, **flags) -> EngineConfig:
         """A copy with some flag-named values replaced (a None value un-gives an option)."""
         unknown = set(flags) - set(flag_names())
         if unknown:
@@ -137,8 +137,8 @@ def _flag(options, name: str) -> None:
         raise ValueError(f"{name} must be true or false, got {getattr(options, name)!r}")
 
 
-_PARTS = {"models": ModelOptions, "devices": DeviceOptions, "precision": PrecisionOptions, "split": SplitOptions,
-          "batch": BatchSettings}
+_PARTS = {"models": SourceConfig, "devices": DeviceConfig, "precision": PrecisionConfig, "split": SplitConfig,
+          "batch": BatchConfig}
 
 
 def flag_names() -> list[str]:

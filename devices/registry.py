@@ -58,7 +58,7 @@ class DeviceSpec:
 
 def parse_device(text: str) -> DeviceSpec:
     """`cpu`, `cuda:1`, `npu`, `openvino:NPU`, `ort:qnn`, `torch:cuda:0`, ... -> DeviceSpec. `auto` (a draft placed by
-    measurement at bundle load: devices.draft_placement) is the CPU wherever nothing is timed (torch engines)."""
+    measurement at bundle load: devices.auto_draft) is the CPU wherever nothing is timed (torch engines)."""
     if text.strip().lower() == "auto":
         return DeviceSpec("auto", "cpu")
     parts = text.strip().split(":")
@@ -124,7 +124,7 @@ def _onnxruntime_devices() -> list[str]:
         import onnxruntime as ort
     except ImportError:
         return []
-    from mirror_rt.devices.onnxruntime_backend import PROVIDERS
+    from mirror_rt.devices.onnxruntime.backend import PROVIDERS
 
     names = {v: k for k, v in PROVIDERS.items()}  # providers a bundle can run on (AzureExecutionProvider is not one)
     return [names[p] for p in ort.get_available_providers() if p in names]

@@ -13,7 +13,7 @@ import time
 from dataclasses import replace
 from pathlib import Path
 
-from mirror_rt.devices.options import EngineOptions
+from mirror_rt.devices.options import EngineConfig
 from mirror_rt.devices.placement import is_accelerator, plan
 from mirror_rt.devices.registry import stderr_line, torch_draft_device
 from mirror_rt.runtime.affinity import available_cores
@@ -31,7 +31,7 @@ def default_dtype(device: str) -> str:
     return "bfloat16" if torch.cuda.is_bf16_supported() else "float16"
 
 
-def load_torch(options: EngineOptions | None = None, mode: str | None = None, log=stderr_line) -> Engine:
+def load_torch(options: EngineConfig | None = None, mode: str | None = None, log=stderr_line) -> Engine:
     """A torch engine: the target as a torch module on `devices.device`, the draft on the CPU (torch or a bundle's).
 
     Args:
@@ -43,16 +43,16 @@ def load_torch(options: EngineOptions | None = None, mode: str | None = None, lo
             `devices.pin` (mirror, both on a 2+ core CPU: a core each); `precision.dtype` (default bf16 on CUDA,
             fp16 where bf16 is missing, else fp32; `float32`, `bfloat16`, `float16`, `float64` or bf16 / fp16 /
             fp32: the reference `ar` runs at this precision), `precision.compile` (static-shape verify windows
-            under torch.compile); `split` (exit layer and kappa, models.config.SplitOptions).
+            under torch.compile); `split` (exit layer and kappa, models.config.SplitConfig).
         mode: the mode the engine will mostly run (thread placement; None: its default, Mirror).
     """
     import torch
 
-    from mirror_rt.devices.torch_split import TorchSplitTarget
+    from mirror_rt.devices.torch.split import TorchSplitTarget
     from mirror_rt.models.loading import load_checkpoint
 
     started = time.perf_counter()
-    options = options or EngineOptions()
+    options = options or EngineConfig()
     models, devices, precision = options.models, options.devices, options.precision
     device = devices.device or "cpu"
     dtype = {v: k for k, v in DTYPE_NAMES.items()}.get(precision.dtype, precision.dtype) or default_dtype(device)
@@ -105,7 +105,7 @@ def _torch_threads(threads: int | None, log) -> int | None:
     return threads
 
 
-def _default_draft(options: EngineOptions, device: str, log):
+def _default_draft(options: EngineConfig, device: str, log):
     """The default model as a target on an accelerator drafts with the default bundle's draft (ONNX Runtime,
     every CPU core) unless a draft model is named: that bundle's folder, else None (the torch int8 draft)."""
     if options.models.draft_model is not None or options.models.model is not None or not is_accelerator(device):
@@ -141,7 +141,7 @@ def _bundle_draft(folder, manifest, where, placement, precision: str | None):
 
 def _torch_draft(draft_model: str, draft_streams: str | None, target, dtype: str, cache_dir, log):
     """The torch draft on the CPU (None: the target drafts for itself); returns (model, names)."""
-    from mirror_rt.devices.torch_backend import TorchModel
+    from mirror_rt.devices.torch.backend import TorchModel
 
     draft = _load_draft(draft_model, target, dtype, cache_dir, log)
     names = {"draft_precision": "int8" if draft_model == "int8" else DTYPE_NAMES[dtype]}
@@ -149,7 +149,7 @@ def _torch_draft(draft_model: str, draft_streams: str | None, target, dtype: str
         names["draft"] = "int8 copy of the target" if draft_model == "int8" else str(draft_model)
     model = TorchModel(draft, "cpu") if draft is not None else None
     if draft_streams:
-        from mirror_rt.devices.torch_streams import TorchStreamDraft
+        from mirror_rt.devices.torch.streams import TorchStreamDraft
         from mirror_rt.models.ss_draft import load_streams
 
         model = TorchStreamDraft(load_streams(draft if draft is not None else target.model, draft_streams), "cpu")

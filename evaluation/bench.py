@@ -75,7 +75,7 @@ def report_row(runner) -> report.Row:
 
 
 @dataclass(frozen=True)
-class BenchSettings:
+class BenchConfig:
     """What the bench runs."""
 
     config: GenerationConfig  # max_new_tokens, sampling, gamma...
@@ -83,7 +83,7 @@ class BenchSettings:
     warmup_tokens: int = 16
 
 
-def run_bench(runners: list, questions: list[Question], settings: BenchSettings, progress=True,
+def run_bench(runners: list, questions: list[Question], settings: BenchConfig, progress=True,
               log=print) -> dict[str, list[Answer]]:
     """Answers per method, interleaved question by question.
 
@@ -113,7 +113,7 @@ def run_bench(runners: list, questions: list[Question], settings: BenchSettings,
     return answers
 
 
-def _answer_question(runner, question: Question, settings: BenchSettings) -> Answer:
+def _answer_question(runner, question: Question, settings: BenchConfig) -> Answer:
     answer = Answer(question.question_id, question.category, runner.name)
     messages: list[dict] = []
     for turn in question.turns:

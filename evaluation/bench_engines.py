@@ -29,7 +29,7 @@ def bundle_runners(methods: list[str], bundle: str, draft_bundle: str | None = N
     """Runners for the `ar`, `sd` and `mirror` entries of `methods` over `bundle`; with `tag` (a precision) the rows
     are `ar-<tag>-1t`, `sd-<tag>`, `mirror-<tag>`."""
     from mirror_rt.devices.bundle_engine import load_bundle
-    from mirror_rt.devices.options import EngineOptions
+    from mirror_rt.devices.options import EngineConfig
     from mirror_rt.exporters.manifest import read_manifest
 
     manifest = read_manifest(bundle, verify=False)
@@ -38,7 +38,7 @@ def bundle_runners(methods: list[str], bundle: str, draft_bundle: str | None = N
         runners += _ar_runners(bundle, manifest, log, tag)
     for mode in ("sd", "mirror"):
         if mode in methods or (mode == "mirror" and "mirror-no-lookup" in methods):
-            options = EngineOptions.from_flags(bundle=bundle, draft_bundle=draft_bundle,
+            options = EngineConfig.from_flags(bundle=bundle, draft_bundle=draft_bundle,
                                                draft_precision=draft_precision)
             engine = load_bundle(options, mode, verify=False)
             if mode in methods:
@@ -78,7 +78,7 @@ def _ar_runners(bundle: str, manifest, log, tag: str | None = None) -> list:
 def bench_runners(methods: list[str], options, log=print) -> list:
     """Runners for `methods`: ours on the engine `run` would pick, peers on the target's folder.
 
-    `options` (devices.options.EngineOptions): torch eager runs when asked for (`models.torch`, or a
+    `options` (devices.options.EngineConfig): torch eager runs when asked for (`models.torch`, or a
     `models.model` / `models.draft_model` with no bundle); then ours share one torch engine. With a bundle
     (given or default), `models.model` only names the peers' target (and the bf16 rows' target).
     `precision.compile`: torch targets run static windows under torch.compile.
@@ -168,18 +168,18 @@ def bf16_runners(methods: list[str], model: str | None, draft_bundle: str | None
 
 
 def _bf16_variant(methods, suffix, model, draft_bundle, draft_model, options, log) -> list:
-    from mirror_rt.devices.options import EngineOptions
+    from mirror_rt.devices.options import EngineConfig
     from mirror_rt.devices.torch_engine import load_torch
 
     runners = []
     cores = len(available_cores())
     if f"ar-bf16{suffix}" in methods:
-        engine = load_torch(EngineOptions.from_flags(model=model, draft_model="target", **options), "ar",
+        engine = load_torch(EngineConfig.from_flags(model=model, draft_model="target", **options), "ar",
                             log)  # no draft: target-only
         runners += [EngineRunner(f"ar-bf16{suffix}-{t}t", engine, "ar", threads=t) for t in sorted({1, cores})]
     if f"mirror-bf16{suffix}" in methods:
         bundled = draft_bundle if draft_model is None else None
-        engine = load_torch(EngineOptions.from_flags(model=model, draft_model=draft_model, draft_bundle=bundled,
+        engine = load_torch(EngineConfig.from_flags(model=model, draft_model=draft_model, draft_bundle=bundled,
                                                      **options), "mirror", log)
         runners.append(EngineRunner(f"mirror-bf16{suffix}", engine, "mirror"))
     return runners

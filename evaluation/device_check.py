@@ -18,7 +18,7 @@ import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
-from mirror_rt.devices.options import EngineOptions
+from mirror_rt.devices.options import EngineConfig
 from mirror_rt.devices.torch_engine import load_torch
 from mirror_rt.runtime.affinity import available_cores
 from mirror_rt.runtime.transfer import host_floats
@@ -76,7 +76,7 @@ def check_pair(model: str, device: str, dtype: str | None, compile: bool, max_ne
     """Load the preset on `device` (int8 draft on the CPU), run ar / sd / mirror, measure."""
     import torch
 
-    options = EngineOptions.from_flags(model=model, draft_model="int8", device=device, dtype=dtype, compile=compile)
+    options = EngineConfig.from_flags(model=model, draft_model="int8", device=device, dtype=dtype, compile=compile)
     engine = load_torch(options, log=lambda *a: None)
     names = engine.names
     check = PairCheck(model, device, "torch:cpu int8 copy", f"{names['target_precision']} / "
@@ -147,7 +147,7 @@ def compare_devices(model: str, cpu: PairCheck, gpu: PairCheck) -> dict:
     index = first_mismatch(cpu.tokens["ar"], gpu.tokens["ar"])
     margin = None
     if index is not None:
-        options = EngineOptions.from_flags(model=model, draft_model="target", device="cpu", dtype="float32")
+        options = EngineConfig.from_flags(model=model, draft_model="target", device="cpu", dtype="float32")
         engine = load_torch(options, log=lambda *a: None)
         margin = top2_margin(engine.target, engine.prompt_ids(PROMPT, chat=False), cpu.tokens["ar"], index)
     return {"model": model, "devices": f"{gpu.target} vs cpu", "precision": "fp32", "equal": index is None,

@@ -51,10 +51,10 @@ class EnginePeer:
         from pathlib import Path
 
         from mirror_rt.devices.engines import load_engine
-        from mirror_rt.devices.options import EngineOptions
+        from mirror_rt.devices.options import EngineConfig
 
         weights = precision.get("target")
-        self.engine = load_engine(EngineOptions.from_flags(cache_dir=self.cache_dir, weights=weights), mode,
+        self.engine = load_engine(EngineConfig.from_flags(cache_dir=self.cache_dir, weights=weights), mode,
                                   log=lambda *a: None)
         # no prefix cache, as the GenAI peers: every level repeats the same prompts, which a cache would skip
         self.engine.batch = replace(self.engine.batch, prefix_cache=False)

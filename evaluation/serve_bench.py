@@ -282,9 +282,9 @@ async def compare_with_run(url: str, prompts: list, max_tokens: int, mode: str |
     from openai import AsyncOpenAI
 
     from mirror_rt.devices.engines import load_engine
-    from mirror_rt.devices.options import EngineOptions
+    from mirror_rt.devices.options import EngineConfig
 
-    engine = load_engine(EngineOptions.from_flags(cache_dir=cache_dir), mode, log=lambda *a: None)
+    engine = load_engine(EngineConfig.from_flags(cache_dir=cache_dir), mode, log=lambda *a: None)
     mode = mode or engine.default_mode  # None: the engine's, as the server's
     client = AsyncOpenAI(base_url=url.rstrip("/") + "/v1", api_key=api_key or "unused", max_retries=0, timeout=600)
     model = (await client.models.list()).data[0].id

@@ -140,9 +140,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--cache-dir")
     args = parser.parse_args(argv)
     from mirror_rt.devices.engines import load_engine
-    from mirror_rt.devices.options import EngineOptions
+    from mirror_rt.devices.options import EngineConfig
 
-    engine = load_engine(EngineOptions.from_flags(bundle=args.bundle, cache_dir=args.cache_dir), mode="mirror")
+    engine = load_engine(EngineConfig.from_flags(bundle=args.bundle, cache_dir=args.cache_dir), mode="mirror")
     # warm-up: the first calls pay one-time costs (sessions, the grammar engine's view of the tokenizer)
     engine.generate("Hi", max_new_tokens=4, mode="mirror", constraint=Constraint.json_schema(SCHEMAS[0]))
     t0 = time.perf_counter()

@@ -40,7 +40,7 @@ from mirror_rt.exporters.split import (
     mixes_exit,
     with_exit_adapter,
 )
-from mirror_rt.models.config import SplitOptions
+from mirror_rt.models.config import SplitConfig
 from mirror_rt.models.pruned_head import PrunedHeadDraft, load_kept
 from mirror_rt.models.tokenizer_files import TOKENIZER_FILES
 
@@ -67,7 +67,7 @@ class Limits:
 def resolve_limits(cfg: ExportConfig, model_config) -> Limits:
     """Defaults filled in and checked against the model; ExportError names the bad option."""
     try:
-        exit_layer, kappa = SplitOptions(cfg.exit_layer, cfg.kappa).resolve(model_config)
+        exit_layer, kappa = SplitConfig(cfg.exit_layer, cfg.kappa).resolve(model_config)
     except ValueError as exc:
         raise ExportError(str(exc)) from None
     context = cfg.max_context or (min(STATIC_DEFAULT_CONTEXT, model_config.max_seq_len) if cfg.static

@@ -32,8 +32,8 @@ class ExportConfig:
     model: str | None  # target: preset, HF folder, .gguf, or None for the default model
     out_dir: Path  # bundle folder (created)
     draft_model: str | None = None  # None: the target itself with `draft_weights`
-    exit_layer: int | None = None  # None: the model's default (models.config.SplitOptions)
-    kappa: int | None = None  # early-exit candidates per position; None: the default (models.config.SplitOptions)
+    exit_layer: int | None = None  # None: the model's default (models.config.SplitConfig)
+    kappa: int | None = None  # early-exit candidates per position; None: the default (models.config.SplitConfig)
     fmt: str = "onnx"  # "onnx" | "openvino" | "torch" (onnx: exact and fastest on CPU here)
     weights: str = "auto"  # target weights; auto: a GGUF's own blocks (exporters.stream_export), else fp32
     draft_weights: str = "auto"  # draft weights; auto: see the module docstring

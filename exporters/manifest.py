@@ -28,8 +28,8 @@ from mirror_rt.models.config import ModelConfig
 # 8: graphs may compute on the bundle's weights.bin as it lies (exporters.llama_graphs: mirror-rt's MatMulGGUF and
 #    GatherGGUF over a GGUF's own blocks or float rows; precisions gguf, f16, q8_0, q4_0).
 FORMAT_VERSION = 8
-# backends detect `last_rows` and batched graphs per graph: older bundles still run (one sequence a call: runtime.batch
-# decodes their requests side by side, without shared calls)
+# backends detect `last_rows` and batched graphs per graph: older bundles still run (one sequence a call:
+# runtime.batch.decoder decodes their requests side by side, without shared calls)
 READABLE_VERSIONS = (2, 3, 4, 5, 6, 7, 8)
 MANIFEST = "manifest.json"
 VERIFIED = ".cache/verified.json"  # files hashed already: {name: [size, mtime_ns, sha256]}

@@ -131,7 +131,7 @@ def set_threads(threads: int) -> None:
 
 def register(options, threads: int | None = None) -> None:
     """The ops into ONNX Runtime SessionOptions `options`, where they build here (a graph that needs them and
-    finds none fails at load: devices.ort_session says why). Their calls may use as many threads together as the
+    finds none fails at load: devices.onnxruntime.session says why). Their calls may use as many threads together as the
     widest session of this process asks for (`threads`; None: every core this process may run on)."""
     try:
         path = library()

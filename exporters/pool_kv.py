@@ -11,7 +11,7 @@ here nothing is copied, no row reads past its own length, and no mask or group p
 `attention_groups`. The op's arithmetic is fixed per query (its own order of sums over lanes and keys), which is
 what makes a position's bits independent of its companions and of the call's tokens.
 Graphs with the op need the library exporters.native_op builds, in the exporting process (to check the graph) and
-in every process that loads it (devices.onnxruntime_backend registers it with each session).
+in every process that loads it (devices.onnxruntime.backend registers it with each session).
 """
 
 from __future__ import annotations

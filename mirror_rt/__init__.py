@@ -17,7 +17,7 @@ Public API (re-exports only; engines are assembled in `mirror_rt.devices.engines
 from __future__ import annotations
 
 __version__ = "0.1.0"
-__all__ = ["Constraint", "Engine", "EngineOptions", "GenerationConfig", "GenerationError", "PromptError", "RulesConfig",
+__all__ = ["Constraint", "Engine", "EngineConfig", "GenerationConfig", "GenerationError", "PromptError", "RulesConfig",
            "SamplingConfig", "__version__", "default_bundle", "load", "load_bundle"]
 
 from importlib import import_module
@@ -25,7 +25,7 @@ from typing import TYPE_CHECKING
 
 # where each public name lives: imported on first use, so `import mirror_rt` (and the CLI's start, which a Ctrl-C
 # may interrupt) costs nothing until an engine is asked for
-_EXPORTS = {"default_bundle": "mirror_rt.devices.engines", "EngineOptions": "mirror_rt.devices.options",
+_EXPORTS = {"default_bundle": "mirror_rt.devices.engines", "EngineConfig": "mirror_rt.devices.options",
             "GenerationConfig": "mirror_rt.runtime.config", "Engine": "mirror_rt.runtime.engine",
             "GenerationError": "mirror_rt.runtime.engine", "PromptError": "mirror_rt.runtime.engine",
             "Constraint": "mirror_rt.runtime.grammar",
@@ -33,7 +33,7 @@ _EXPORTS = {"default_bundle": "mirror_rt.devices.engines", "EngineOptions": "mir
 
 if TYPE_CHECKING:
     from mirror_rt.devices.engines import default_bundle
-    from mirror_rt.devices.options import EngineOptions
+    from mirror_rt.devices.options import EngineConfig
     from mirror_rt.runtime.config import GenerationConfig
     from mirror_rt.runtime.engine import Engine, GenerationError, PromptError
     from mirror_rt.runtime.grammar import Constraint
@@ -60,7 +60,7 @@ def load(model: str | None = None, draft_model: str | None = None, *, log=None, 
         model: a Hugging Face folder, a .gguf file, a preset (`tiny`); None: the default model.
         draft_model: `int8` (an int8 copy of the target, torch's default), `target` (the oracle draft),
             or a folder / .gguf / preset.
-        options: the `mirror-rt run` engine flags by their names (`mirror_rt.EngineOptions` fields):
+        options: the `mirror-rt run` engine flags by their names (`mirror_rt.EngineConfig` fields):
             device, dtype, threads, exit_layer, kappa, draft_streams, compile (torch-only: any of them runs
             torch eager), torch, bundle, draft_bundle, weights (the default model's target precision:
             fp32, int8, int4, q4_1, w8a8), target, draft, strict_devices, draft_precision,
@@ -68,10 +68,10 @@ def load(model: str | None = None, draft_model: str | None = None, *, log=None, 
         log: where progress and warning lines go (None: stderr).
     """
     from mirror_rt.devices.engines import load_engine
-    from mirror_rt.devices.options import EngineOptions
+    from mirror_rt.devices.options import EngineConfig
     from mirror_rt.devices.registry import stderr_line
 
-    options = EngineOptions.from_flags(model=model, draft_model=draft_model, **options)
+    options = EngineConfig.from_flags(model=model, draft_model=draft_model, **options)
     return load_engine(options, log=log or stderr_line)
 
 
@@ -79,8 +79,8 @@ def load_bundle(bundle: str, *, mode: str | None = None, verify: bool = True, **
     """An engine over an exported bundle; `options` as `load`'s (target, draft, draft_bundle, strict_devices,
     draft_precision, threads), `mode` the mode it will mostly run (thread placement; None: Mirror)."""
     from mirror_rt.devices.bundle_engine import load_bundle as load_options
-    from mirror_rt.devices.options import EngineOptions
+    from mirror_rt.devices.options import EngineConfig
 
     if bundle is None or not str(bundle).strip():
         raise ValueError(f"load_bundle needs a bundle's folder (mirror-rt export --out), got {bundle!r}")
-    return load_options(EngineOptions.from_flags(bundle=bundle, **options), mode, verify)
+    return load_options(EngineConfig.from_flags(bundle=bundle, **options), mode, verify)

@@ -153,7 +153,7 @@ DEFAULT_KAPPA = 8  # early-exit candidates per position: enough to cover most co
 
 
 @dataclass(frozen=True)
-class SplitOptions:
+class SplitConfig:
     """Where a target splits for Mirror's early exit, and how many candidates the exit sends per position.
 
     None means "not given": the default for the model, written once in `resolve` (after N // 2 layers;

@@ -21,7 +21,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from mirror_rt.models.transformer import Transformer, apply_rope, rope_tables
-from mirror_rt.runtime.lookup import verify_guesses
+from mirror_rt.runtime.mirror.lookup import verify_guesses
 
 MAX_STREAMS = 16  # lookahead streams per draft: each adds a row per position to every stream forward
 

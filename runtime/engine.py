@@ -1,7 +1,7 @@
 """The engine: a target (and optional draft) that turns prompts into streamed text, many at once.
 
 It prepares prompts (chat template when the model has one), checks the context and the vocabularies, and runs
-every generation through one batched decoder (runtime.batch): `stream()` / `generate()` drive it from the
+every generation through one batched decoder (runtime.batch.decoder): `stream()` / `generate()` drive it from the
 caller's thread, one prompt at a time; a server `submit`s many and calls `step()` from its engine thread.
 Each generation's committed tokens become text through its own `TextStream` (end of sequence, stop strings),
 and each decode step is kept as a `Step` (tokens, drafted, accepted: every token's origin). The decoders never
@@ -19,13 +19,13 @@ import weakref
 from collections.abc import Iterator
 from dataclasses import dataclass, replace
 
-from mirror_rt.runtime.batch import BatchDecoder, BatchSettings, KVTooLarge
+from mirror_rt.runtime.batch.decoder import BatchConfig, BatchDecoder, KVTooLarge
+from mirror_rt.runtime.batch.sequence import Sequence
 from mirror_rt.runtime.config import GenerationConfig, make_config
 from mirror_rt.runtime.generation import Generation, Step
-from mirror_rt.runtime.mirror_stats import batch_stats
+from mirror_rt.runtime.mirror.stats import batch_stats
 from mirror_rt.runtime.prompts import prompt_problem
 from mirror_rt.runtime.reference import token_budget
-from mirror_rt.runtime.sequence import Sequence
 from mirror_rt.runtime.text_stream import TextStream
 from mirror_rt.runtime.token_rules import TokenRules
 from mirror_rt.runtime.values import is_integer
@@ -65,7 +65,7 @@ class Engine:
 
     def __init__(self, target, tokenizer, draft=None, names: dict | None = None,
                  cpus: tuple[int, int] | None = None, placement=None, manifest=None,
-                 batch: BatchSettings | None = None):
+                 batch: BatchConfig | None = None):
         self.target = target  # LoadedModel (with forward_prefix/forward_suffix for mirror mode)
         self.draft = draft  # LoadedModel, or None: the target drafts for itself (oracle draft)
         self.tokenizer = tokenizer
@@ -74,7 +74,7 @@ class Engine:
         # where each role runs and what fell back (devices.placement.Placement); None: not assembled by devices/
         self.placement = placement
         self.manifest = manifest  # the bundle's exporters.manifest.BundleManifest; None: not a bundle
-        self.batch = batch or BatchSettings()
+        self.batch = batch or BatchConfig()
         self._decoder: BatchDecoder | None = None
         self._live: dict[int, _Live] = {}  # id(sequence) -> its generation
         self._lock = threading.Lock()

@@ -8,7 +8,7 @@ import threading
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 
-from mirror_rt.runtime.sequence import Sequence
+from mirror_rt.runtime.batch.sequence import Sequence
 
 # Where a committed token came from. A later issue adds "forced" (grammar-forced tokens): readers must take
 # an origin they do not know as plain text.
@@ -55,7 +55,7 @@ class Generation:
     on_piece: Callable[[Generation, str], None] | None = None  # push mode: each text piece (engine thread)
     on_finish: Callable[[Generation], None] | None = None  # push mode: once, after the stats are in
     queued: list[str] = field(default_factory=list)  # pull mode: pieces not yet taken
-    sequence: Sequence | None = None  # its state in the decoder (runtime.sequence)
+    sequence: Sequence | None = None  # its state in the decoder (runtime.batch.sequence)
     settle: Callable[[Generation], None] | None = field(default=None, repr=False)  # pull mode: step until it left
 
     def __iter__(self):

@@ -1,7 +1,7 @@
 """The latency model of speculative decoding (mirror-sd.md §5): tokens per step and time per step.
 
 Pure arithmetic on costs in one unit (ms or s), shared by the simulator (evaluation.simulate), each
-Mirror request's stats (runtime.mirror_stats) and draft placement (devices.auto_draft). With per-token
+Mirror request's stats (runtime.mirror.stats) and draft placement (devices.auto_draft). With per-token
 acceptance a and k = gamma:
     tokens per step = 1 + E[accepted] = (1 - a^(k+1)) / (1 - a)         (k + 1 when a = 1)
     SD step         = T_draft(k) + T_target(k + 1)    (k draft forwards, then the target's window)

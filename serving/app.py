@@ -5,7 +5,7 @@ background (`/health` answers 503 until it is ready) and starts the scheduler's 
 Routes: `POST /v1/chat/completions`, `POST /v1/completions`, `GET /v1/models[/ID]` (behind the API
 key when one is set), `GET /health`, `GET /metrics`, `GET /version`, `POST /tokenize`,
 `POST /detokenize` (never behind the key); `GET /` and `GET /ui/*`, the playground page
-(`serving.page`, off with `ServerSettings.ui` False), whose data comes from `/v1/*` and
+(`serving.page`, off with `ServerConfig.ui` False), whose data comes from `/v1/*` and
 `GET /server` (load, totals, recent requests; behind the key). A request is validated, tokenized
 and checked against the context in the event loop (text too long by its characters alone is refused unread),
 then queued; a full queue answers 503 with Retry-After.
@@ -39,7 +39,7 @@ from mirror_rt.serving.page import add_page_routes
 from mirror_rt.serving.records import RequestRecord
 from mirror_rt.serving.responses import Reply, collect, now, race_disconnect, stream
 from mirror_rt.serving.scheduler import Draining, Job, Overloaded, Scheduler, TooManyChoices
-from mirror_rt.serving.settings import ServerSettings
+from mirror_rt.serving.settings import ServerConfig
 
 log = logging.getLogger("mirror_rt.serve")
 LOAD_THREAD = "mirror-load"  # the thread that loads the engine while the server already answers
@@ -48,7 +48,7 @@ LOAD_THREAD = "mirror-load"  # the thread that loads the engine while the server
 class ServerState:
     """The engine, its scheduler and metrics, and where the server is in its life."""
 
-    def __init__(self, settings: ServerSettings, metrics_sink: Sink | None = None):
+    def __init__(self, settings: ServerConfig, metrics_sink: Sink | None = None):
         self.settings, self.metrics_sink = settings, metrics_sink
         self.status = "loading"  # loading | ready | draining | failed
         self.error: str | None = None
@@ -107,7 +107,7 @@ class ServerState:
             raise APIError(404, f"The model `{name}` does not exist.", "model")
 
 
-def create_app(settings: ServerSettings, load: Callable[[], object], metrics_sink: Sink | None = None,
+def create_app(settings: ServerConfig, load: Callable[[], object], metrics_sink: Sink | None = None,
                log_failure: bool = True) -> FastAPI:
     """The app; `load()` builds the engine (run in a background thread at startup); every metric
     update also reaches `metrics_sink`'s families when one is given (`serving.metrics.Sink`). `log_failure`:

@@ -28,11 +28,11 @@ import signal
 import sys
 import time
 
-from mirror_rt.runtime.batch import BatchSettings
+from mirror_rt.runtime.batch.decoder import BatchConfig
 from mirror_rt.serving.proxy import APP, DEPLOYMENT, PAGE_VARIABLE, PROXY_CALLBACK
 from mirror_rt.serving.replica import replica_deployment
 from mirror_rt.serving.server import bind_or_say, configure_logging, log
-from mirror_rt.serving.settings import ClusterError, ClusterSettings, ServerSettings
+from mirror_rt.serving.settings import ClusterConfig, ClusterError, ServerConfig
 
 INSTALL = 'pip install "mirror-rt[cluster]"'
 REPLICA_QUEUE = 1  # a replica holds a batch of generations running and this many ready to join
@@ -79,10 +79,10 @@ def replica_resources(mode: str | None, target_device: str, draft_device: str, t
     return {**options, "resources": resources} if resources else options
 
 
-def deployment_options(cluster: ClusterSettings, server: ServerSettings) -> dict:
+def deployment_options(cluster: ClusterConfig, server: ServerConfig) -> dict:
     """`serve.deployment` options: replicas or autoscaling, resources, limits (the server's queue, at the proxy),
     health, drain."""
-    rows = cluster.batch_rows or BatchSettings().max_num_seqs
+    rows = cluster.batch_rows or BatchConfig().max_num_seqs
     options = dict(ray_actor_options=dict(cluster.actor_options),
                    max_ongoing_requests=rows + REPLICA_QUEUE,  # a full batch, and requests ready to join it
                    max_queued_requests=server.max_queued,
@@ -99,7 +99,7 @@ def deployment_options(cluster: ClusterSettings, server: ServerSettings) -> dict
     return {**options, "autoscaling_config": scaling}
 
 
-def build(settings: ServerSettings, cluster: ClusterSettings, load):
+def build(settings: ServerConfig, cluster: ClusterConfig, load):
     """The Serve application: `load()` runs in each replica to build its engine."""
     require_ray()
     # a replica's own queue is REPLICA_QUEUE (Serve never sends it more); settings.max_queued wait at the proxy
@@ -109,7 +109,7 @@ def build(settings: ServerSettings, cluster: ClusterSettings, load):
 # --- a Ray to run on --------------------------------------------------------------------------------
 
 
-def start(cluster: ClusterSettings, server: ServerSettings, custom_resources: dict | None = None) -> bool:
+def start(cluster: ClusterConfig, server: ServerConfig, custom_resources: dict | None = None) -> bool:
     """Start a local Ray (True) or join `cluster.ray_address` (False), then Serve on the server's address."""
     ray, _ = require_ray()
     local = cluster.ray_address is None
@@ -136,7 +136,7 @@ def _refuse_a_second_app() -> None:
                            "(one per cluster: Serve has one HTTP proxy per node, on the first server's port)")
 
 
-def start_serve(cluster: ClusterSettings, server: ServerSettings) -> None:
+def start_serve(cluster: ClusterConfig, server: ServerConfig) -> None:
     """Serve on the Ray this process is connected to; its proxies answer through `serving.proxy` and a
     replica unplaced for `placement_timeout` seconds is reported, and a replica failing its health check
     stops at once (its engine is dead: waiting for its requests would only hang them), all three only
@@ -236,7 +236,7 @@ def metrics_url() -> str | None:
     return f"http://{nodes[0]['NodeManagerAddress']}:{nodes[0]['MetricsExportPort']}/metrics"
 
 
-def serve_replicas(settings: ServerSettings, cluster: ClusterSettings, load) -> int:
+def serve_replicas(settings: ServerConfig, cluster: ClusterConfig, load) -> int:
     """Serve on replicas until SIGTERM / Ctrl-C, then drain and take them down; returns the exit code.
     A signal while deploying takes down what was started; a second signal while draining stops at once."""
     configure_logging()
@@ -309,7 +309,7 @@ def _replicas(n: int) -> str:
     return f"{n} replica" if n == 1 else f"{n} replicas"
 
 
-def describe(settings: ServerSettings, cluster: ClusterSettings, options: dict) -> str:
+def describe(settings: ServerConfig, cluster: ClusterConfig, options: dict) -> str:
     """The start-up line: where, how many replicas, what each asks for, and where the metrics are."""
     scaling, count = options.get("autoscaling_config"), _replicas(cluster.replicas)
     if scaling:

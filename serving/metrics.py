@@ -157,7 +157,7 @@ class ServerMetrics:
 
     def step(self, batch: int, decoder) -> None:
         """One step that decoded `batch` sequences (0: none, its prompts went in or its last sequences left;
-        runtime.batch.BatchDecoder, read after the step)."""
+        runtime.batch.decoder.BatchDecoder, read after the step)."""
         m = self.model_name
         if batch:
             self.batch_size.labels(m).observe(batch)

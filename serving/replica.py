@@ -22,7 +22,7 @@ import dataclasses
 import os
 
 from mirror_rt.runtime.affinity import available_cores
-from mirror_rt.serving.app import ServerSettings, create_app
+from mirror_rt.serving.app import ServerConfig, create_app
 from mirror_rt.serving.proxy import DEPLOYMENT, REPLICA_HEADER, call_app
 from mirror_rt.serving.server import drain_scheduler
 
@@ -133,7 +133,7 @@ def replica_deployment(options: dict):
     class MirrorReplica:
         """One engine behind the app; Serve runs as many as the deployment asks for."""
 
-        async def __init__(self, settings: ServerSettings, load, queue: int):
+        async def __init__(self, settings: ServerConfig, load, queue: int):
             # an engine thread that dies ends the replica before it answers: the proxy resends the request
             self.settings = dataclasses.replace(settings, exit_on_engine_death=True)
             self.queue = queue  # its own queue; `settings.max_queued` waits at the proxy, and /server says so

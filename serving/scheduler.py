@@ -1,6 +1,6 @@
 """The engine thread: many generations at once through the engine's batched decoder, and their admission.
 
-Up to the engine's `max_num_seqs` generations decode together (runtime.batch: they join and leave at step
+Up to the engine's `max_num_seqs` generations decode together (runtime.batch.decoder: they join and leave at step
 boundaries) and `max_queued` more wait; beyond that `submit` raises `Overloaded` at once (the app answers 503
 with Retry-After). The engine thread steps the decoder while any generation is live and sleeps otherwise; the
 asyncio loop never blocks on it. A job's text and its end cross to asyncio through `loop.call_soon_threadsafe`

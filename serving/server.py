@@ -17,7 +17,7 @@ import threading
 import time
 
 from mirror_rt.serving.app import LOAD_THREAD, ServerState, create_app
-from mirror_rt.serving.settings import ServerSettings
+from mirror_rt.serving.settings import ServerConfig
 
 log = logging.getLogger("mirror_rt.serve")
 
@@ -105,7 +105,7 @@ def drain_scheduler(scheduler, timeout: float) -> bool:
     return finished
 
 
-def serve(settings: ServerSettings, load) -> int:
+def serve(settings: ServerConfig, load) -> int:
     """Run the server on `settings.host`:`settings.port` until a signal drains it (up to `settings.drain_timeout`);
     returns the exit code (2 when the engine cannot load)."""
     configure_logging()

@@ -1,8 +1,8 @@
-"""The server's settings, each default written once: one server (`ServerSettings`) and its replicas (`ClusterSettings`).
+"""The server's settings, each default written once: one server (`ServerConfig`) and its replicas (`ClusterConfig`).
 
 Each field is named as its `mirror-rt serve` flag (`--max-queued` is `max_queued`, `--request-timeout` is
 `request_timeout`, in seconds); the CLI reads its flags' defaults from here, and the replicas read the
-server's (queue, Retry-After, drain, address) from `ServerSettings` rather than keeping their own. The
+server's (queue, Retry-After, drain, address) from `ServerConfig` rather than keeping their own. The
 decoding defaults of requests that name none are a `GenerationConfig` (`defaults`), never copied field by
 field. Imports no web framework: the CLI builds these without the `serve` extra.
 """
@@ -19,7 +19,7 @@ class ClusterError(ValueError):
 
 
 @dataclass(frozen=True)
-class ServerSettings:
+class ServerConfig:
     """What the server adds to an engine."""
 
     host: str = "127.0.0.1"  # address to listen on (with replicas: Serve's proxies)
@@ -39,8 +39,8 @@ class ServerSettings:
 
 
 @dataclass(frozen=True)
-class ClusterSettings:
-    """How the app is spread over Ray Serve replicas (the server's own settings: `ServerSettings`)."""
+class ClusterConfig:
+    """How the app is spread over Ray Serve replicas (the server's own settings: `ServerConfig`)."""
 
     replicas: int = 1  # replicas to run (the initial count when autoscaling)
     ray_address: str | None = None  # None: start a local Ray; "auto" or "ray://host:port": join that cluster

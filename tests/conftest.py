@@ -15,7 +15,7 @@ from typing import NamedTuple
 import pytest
 import torch
 
-from mirror_rt.devices.torch_backend import TorchModel
+from mirror_rt.devices.torch.backend import TorchModel
 from mirror_rt.models.config import ModelConfig
 from mirror_rt.models.transformer import random_model
 

@@ -52,10 +52,10 @@ class RunningServer:
 
 
 def start(engine, **settings) -> RunningServer:
-    """A ready server over `engine` with `ServerSettings(**settings)`."""
-    from mirror_rt.serving.app import ServerSettings, create_app
+    """A ready server over `engine` with `ServerConfig(**settings)`."""
+    from mirror_rt.serving.app import ServerConfig, create_app
 
-    return RunningServer(create_app(ServerSettings(**settings), lambda: engine)).wait_ready()
+    return RunningServer(create_app(ServerConfig(**settings), lambda: engine)).wait_ready()
 
 
 class Delayed:
@@ -174,13 +174,13 @@ def wait_for_line(path, needle: str, proc, timeout: float) -> str:
 def tiny_engine(max_seq_len: int = 256):
     """The tiny preset in float64 (greedy equality stays exact whatever the window sizes) with a noisy
     float64 copy as the draft, named as `load_torch` names its engines; it speculates whenever a request's mode
-    does (target-only steps would win at every load for models this small: runtime.policy)."""
+    does (target-only steps would win at every load for models this small: runtime.batch.policy)."""
     from conftest import perturbed_copy, tiny_target
 
-    from mirror_rt.devices.torch_backend import TorchModel
-    from mirror_rt.devices.torch_split import TorchSplitTarget
+    from mirror_rt.devices.torch.backend import TorchModel
+    from mirror_rt.devices.torch.split import TorchSplitTarget
     from mirror_rt.models.tokenizer import ByteTokenizer
-    from mirror_rt.runtime.batch import BatchSettings
+    from mirror_rt.runtime.batch.decoder import BatchConfig
     from mirror_rt.runtime.engine import Engine
 
     target = tiny_target(seed=4, vocab_size=258, max_seq_len=max_seq_len)
@@ -188,7 +188,7 @@ def tiny_engine(max_seq_len: int = 256):
     names = {"model": "tiny", "path": "torch eager (cpu)", "target_precision": "fp64", "draft_precision": "fp64",
              "target_device": "torch:cpu", "draft_device": "torch:cpu"}
     return Engine(TorchSplitTarget(target), ByteTokenizer(258), TorchModel(draft), names,
-                  batch=BatchSettings(adaptive_speculation=False))
+                  batch=BatchConfig(adaptive_speculation=False))
 
 
 SUBMITTED = "submitted"  # Mortal's log of the generations its engine took

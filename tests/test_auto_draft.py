@@ -1,8 +1,25 @@
-"""`--draft auto` placement by the latency model, on fake devices of chosen speeds (hand-computed cases)."""
+"""`--draft auto`: placement by the latency model on fake devices of chosen speeds (hand-computed cases), and wired
+into bundle loading: candidates here, models timed, the latency model's choice, one line."""
 
+from __future__ import annotations
+
+import time
+
+import numpy as np
 import pytest
 
-from mirror_rt.devices.auto_draft import DraftCandidate, TargetCosts, choose, pairings, report, table
+from mirror_rt.devices import auto_draft, bundle_engine
+from mirror_rt.devices.auto_draft import (
+    DraftCandidate,
+    TargetCosts,
+    candidates,
+    choose,
+    pairings,
+    pick,
+    report,
+    table,
+)
+from mirror_rt.devices.registry import available_devices
 
 # gamma 4: target 20 ms a token, 24 ms a 5-token window split 12 + 12 at the early exit
 TARGET = TargetCosts("openvino:GPU", token_ms=20.0, window_ms=24.0, prefix_ms=12.0, suffix_ms=12.0)
@@ -57,3 +74,112 @@ def test_report_is_one_line_naming_choice_and_alternatives():
     assert "\n" not in line and line.startswith("draft auto: mirror, draft on ort:cpu 114.4 tokens/s")
     assert "no speculation 50.0 tokens/s" in line and "mirror, draft on openvino:NPU 49.9" in line
     assert len(table(ranked)) == 5 and table(ranked)[0].split()[:2] == ["mirror", "ort:cpu"]
+
+
+DEVICES = {"onnxruntime": ["cpu", "AzureExecutionProvider", "cuda"], "openvino": ["CPU", "NPU"], "torch": ["cpu"]}
+
+
+def test_candidates_are_the_devices_that_run_the_draft_format_here():
+    assert candidates("onnx-shared", DEVICES) == ["ort:cpu"]  # shared KV: ONNX Runtime on the CPU only
+    assert candidates("onnx", DEVICES) == ["ort:cpu", "openvino:CPU", "openvino:NPU"]  # CPUs first
+    assert candidates("openvino", DEVICES) == ["openvino:CPU", "openvino:NPU"]
+
+
+class FakeCache:
+    def __init__(self):
+        self.length = 0
+
+    def rollback(self, length: int) -> None:
+        self.length = length
+
+
+class FakeModel:
+    """A model of chosen speed (ms a forward, plus ms a token) whose greedy pick is `(token + shift) % 7`."""
+
+    vocab_size = 7
+
+    def __init__(self, ms: float, per_token_ms: float = 0.0, shift: int = 1):
+        self.ms, self.per_token_ms, self.shift = ms, per_token_ms, shift
+
+    def new_cache(self, capacity: int) -> FakeCache:
+        return FakeCache()
+
+    def forward(self, tokens, cache) -> np.ndarray:
+        time.sleep((self.ms + self.per_token_ms * len(tokens)) / 1e3)
+        cache.length += len(tokens)
+        return np.eye(self.vocab_size)[(np.asarray(tokens) + self.shift) % self.vocab_size]
+
+    def forward_prefix_only(self, tokens, cache) -> None:  # a split target's first half
+        time.sleep((self.ms + self.per_token_ms * len(tokens)) / 2e3)
+        cache.length += len(tokens)
+
+    forward_prefix = forward_prefix_only
+
+
+class Tokens:
+    def encode(self, text: str) -> list[int]:
+        return [ord(c) % 7 for c in text[:24]]
+
+
+def test_pick_prefers_the_fast_agreeing_draft_and_says_so():
+    """Target 20 ms a token; a 2 ms draft that always agrees beats a 30 ms one: Mirror on the fast device."""
+    target = FakeModel(20.0, 1.0)
+    drafts = {"ort:cpu": FakeModel(30.0), "openvino:NPU": FakeModel(2.0)}
+    best, line, rows = pick(target, "ort:cpu", drafts, Tokens(), gamma=4)
+    assert (best.mode, best.draft) == ("mirror", "openvino:NPU")
+    assert line.startswith("mirror-rt: draft auto: mirror, draft on openvino:NPU") and "acceptance 1.00" in line
+    assert len(rows) == 5 and rows[0].startswith("mirror")
+
+
+def test_pick_chooses_no_speculation_when_every_draft_loses():
+    """Drafts as slow as the target that never agree: target-only decoding wins."""
+    target = FakeModel(4.0)
+    drafts = {"ort:cpu": FakeModel(6.0, shift=3), "openvino:NPU": FakeModel(8.0, shift=4)}
+    best, line, _ = pick(target, "ort:cpu", drafts, Tokens(), gamma=4)
+    assert (best.mode, best.draft) == ("ar", None) and "no speculation" in line
+
+
+@pytest.fixture(scope="module")
+def explicit_bundle(tmp_path_factory):
+    """A tiny ONNX bundle with explicit KV: its draft runs on ONNX Runtime and on OpenVINO (two candidates)."""
+    devices = available_devices()
+    if "cpu" not in devices["onnxruntime"] or "CPU" not in devices["openvino"]:
+        pytest.skip("needs onnxruntime and openvino")
+    from mirror_rt.exporters.export import export_bundle
+
+    return export_bundle("tiny", tmp_path_factory.mktemp("auto"), kv="explicit", progress=False)
+
+
+def scripted(speeds: dict):
+    """measure_draft returning chosen costs per device (the target is timed for real)."""
+    def measure(draft, device, target, ids, concurrent=True):
+        forward_ms, acceptance = speeds[device]
+        return DraftCandidate(device, forward_ms, acceptance, concurrent)
+    return measure
+
+
+@pytest.mark.parametrize("speeds,device,mode", [
+    ({"ort:cpu": (0.01, 0.95), "openvino:CPU": (50.0, 0.95)}, "ort:cpu", "mirror"),  # the slow device loses
+    ({"ort:cpu": (50.0, 0.95), "openvino:CPU": (0.01, 0.95)}, "openvino:CPU", "mirror"),
+    ({"ort:cpu": (50.0, 0.1), "openvino:CPU": (60.0, 0.1)}, "ort:cpu", "ar"),  # both lose: target-only
+])
+def test_load_bundle_places_the_draft_by_measurement(explicit_bundle, monkeypatch, capsys, speeds, device, mode):
+    from mirror_rt import load_bundle
+    from mirror_rt.runtime.reference import generate
+
+    monkeypatch.setattr(bundle_engine, "candidates", lambda graph_format: list(speeds))
+    monkeypatch.setattr(auto_draft, "measure_draft", scripted(speeds))
+    engine = load_bundle(str(explicit_bundle), draft="auto")
+    line = capsys.readouterr().err.strip().splitlines()[-1]
+    assert line.startswith("mirror-rt: draft auto: ") and engine.names["draft_device"] == device
+    assert engine.default_mode == mode and engine.config_for().mode == mode
+    result = engine.generate([5, 6, 7], max_new_tokens=8, chat=False)
+    expected = [t for step in generate(engine.target, [5, 6, 7], 8) for t in step]
+    assert result.tokens == expected and result.stats["mode"] == mode
+
+
+def test_one_candidate_times_nothing(explicit_bundle, monkeypatch, capsys):
+    monkeypatch.setattr(bundle_engine, "candidates", lambda graph_format: ["ort:cpu"])
+    monkeypatch.setattr(auto_draft, "pick", lambda *a, **k: pytest.fail("nothing to choose: nothing timed"))
+    engine = bundle_engine.load_bundle(__import__("mirror_rt").EngineConfig.from_flags(bundle=str(explicit_bundle)))
+    assert engine.names["draft_device"] == "ort:cpu" and "draft auto" not in capsys.readouterr().err

@@ -5,15 +5,15 @@ import dataclasses
 import pytest
 from conftest import perturbed_copy, tiny_target
 
-from mirror_rt.devices.torch_backend import TorchModel
-from mirror_rt.devices.torch_split import TorchSplitTarget
-from mirror_rt.runtime.batch import BatchDecoder, BatchSettings, KVTooLarge
+from mirror_rt.devices.torch.backend import TorchModel
+from mirror_rt.devices.torch.split import TorchSplitTarget
+from mirror_rt.runtime.batch.decoder import BatchConfig, BatchDecoder, KVTooLarge
+from mirror_rt.runtime.batch.kv_rows import BLOCK_SIZE
+from mirror_rt.runtime.batch.row_split import TRIAL
+from mirror_rt.runtime.batch.sequence import Sequence
 from mirror_rt.runtime.config import GenerationConfig
-from mirror_rt.runtime.kv_pool import BLOCK_SIZE
 from mirror_rt.runtime.reference import generate
-from mirror_rt.runtime.row_split import TRIAL
 from mirror_rt.runtime.sampling import SamplingConfig
-from mirror_rt.runtime.sequence import Sequence
 
 
 def prompts(count: int, seed: int = 0) -> list[list[int]]:
@@ -63,7 +63,7 @@ def pair(request, tmp_path_factory):
 def test_staggered_arrivals_equal_reference(pair, mode, max_num_seqs):
     """12 prompts joining at different steps into batches of up to 4 and 8: each text equals its own ar."""
     target, draft = pair
-    settings = BatchSettings(max_num_seqs=max_num_seqs, adaptive_speculation=False)  # each mode as asked, in batches
+    settings = BatchConfig(max_num_seqs=max_num_seqs, adaptive_speculation=False)  # each mode as asked, in batches
     decoder = BatchDecoder(target, draft, settings)
     seqs = []
     for i, prompt in enumerate(prompts(12)):
@@ -79,7 +79,7 @@ def test_staggered_arrivals_equal_reference(pair, mode, max_num_seqs):
 def test_modes_mix_in_one_batch(pair):
     """ar, sd and mirror sequences decode side by side; each equals its reference; mirror ones speculated."""
     target, draft = pair
-    decoder = BatchDecoder(target, draft, BatchSettings(max_num_seqs=6, adaptive_speculation=False))  # as asked
+    decoder = BatchDecoder(target, draft, BatchConfig(max_num_seqs=6, adaptive_speculation=False))  # as asked
     seqs = [(i, sequence(i, p, GenerationConfig(max_new_tokens=25, mode=("ar", "sd", "mirror")[i % 3], gamma=3)))
             for i, p in enumerate(prompts(6, 3))]
     steps = {s.id: [] for _, s in seqs}
@@ -117,7 +117,7 @@ def test_every_precision_equals_its_reference(precision_pair, mode):
     """Every precision is exact against ar over its own graphs: 8 prompts in batches of up to 4, each equal to the
     single-stream reference (one-token steps) of the very same target."""
     target, draft = precision_pair
-    decoder = BatchDecoder(target, draft, BatchSettings(max_num_seqs=4, adaptive_speculation=False))
+    decoder = BatchDecoder(target, draft, BatchConfig(max_num_seqs=4, adaptive_speculation=False))
     seqs = [(i, sequence(i, p, GenerationConfig(max_new_tokens=24, mode=mode, gamma=2 + i % 3)))
             for i, p in enumerate(prompts(8, 5))]
     run(decoder, seqs)
@@ -153,10 +153,10 @@ def test_seeded_sampling_repeats_whatever_the_companions(pair):
     position, never by what else runs."""
     target, draft = pair
     config = GenerationConfig(max_new_tokens=24, mode="sd", seed=7, sampling=SamplingConfig(temperature=0.9))
-    alone = BatchDecoder(target, draft, BatchSettings(max_num_seqs=1))
+    alone = BatchDecoder(target, draft, BatchConfig(max_num_seqs=1))
     solo = sequence(0, [5, 6, 7], config)
     run(alone, [(0, solo)])
-    crowded = BatchDecoder(target, draft, BatchSettings(max_num_seqs=4))
+    crowded = BatchDecoder(target, draft, BatchConfig(max_num_seqs=4))
     again = sequence(1, [5, 6, 7], dataclasses.replace(config, mode="ar"))
     mirrored = sequence(2, [5, 6, 7], dataclasses.replace(config, mode="mirror"))
     others = [(i, sequence(10 + i, p, dataclasses.replace(config, seed=i))) for i, p in enumerate(prompts(5, 1))]
@@ -167,7 +167,7 @@ def test_seeded_sampling_repeats_whatever_the_companions(pair):
 def test_cancel_mid_batch_leaves_the_others(pair):
     """A sequence cancelled after a few steps frees its row; the others' text is unchanged."""
     target, draft = pair
-    decoder = BatchDecoder(target, draft, BatchSettings(max_num_seqs=4))
+    decoder = BatchDecoder(target, draft, BatchConfig(max_num_seqs=4))
     config = GenerationConfig(max_new_tokens=20, mode="sd", gamma=3)
     seqs = [sequence(i, p, config) for i, p in enumerate(prompts(4, 2))]
     for seq in seqs:
@@ -185,7 +185,7 @@ def test_cancel_mid_batch_leaves_the_others(pair):
 def test_a_request_too_large_is_refused_in_one_line(pair):
     target, draft = pair
     per_block = _block_bytes(target, draft)
-    decoder = BatchDecoder(target, draft, BatchSettings(max_num_seqs=2, kv_cache_gb=10 * per_block / 2**30))
+    decoder = BatchDecoder(target, draft, BatchConfig(max_num_seqs=2, kv_cache_gb=10 * per_block / 2**30))
     assert decoder.budget.total == 10
     with pytest.raises(KVTooLarge, match="KV positions but the KV cache holds"):
         decoder.add(sequence(0, [3] * 60, GenerationConfig(max_new_tokens=150, mode="ar")))
@@ -197,12 +197,12 @@ def test_a_kv_budget_that_fits_no_request_is_refused_at_once(pair):
     target, draft = pair
     gb = 2 * _block_bytes(target, draft) / 2**30
     with pytest.raises(ValueError, match=r"holds 32 KV positions, fewer than the smallest request needs \(96\)"):
-        BatchDecoder(target, draft, BatchSettings(max_num_seqs=2, kv_cache_gb=gb))
+        BatchDecoder(target, draft, BatchConfig(max_num_seqs=2, kv_cache_gb=gb))
 
 
 def _block_bytes(target, draft) -> int:
     """KV bytes of one block of both models' rows (what --kv-cache-gb counts)."""
-    decoder = BatchDecoder(target, draft, BatchSettings(max_num_seqs=2))
+    decoder = BatchDecoder(target, draft, BatchConfig(max_num_seqs=2))
     pools = [p for p in (decoder.target_pool, decoder.draft_pool) if p is not None]
     return sum(p.bytes_per_position for p in pools) * BLOCK_SIZE
 
@@ -211,7 +211,7 @@ def test_a_request_that_cannot_fit_now_waits(pair):
     """With room for one sequence's blocks, the second waits for the first to finish, then runs."""
     target, draft = pair
     config = GenerationConfig(max_new_tokens=20, mode="ar")
-    decoder = BatchDecoder(target, draft, BatchSettings(max_num_seqs=4))
+    decoder = BatchDecoder(target, draft, BatchConfig(max_num_seqs=4))
     decoder.budget.total = decoder.blocks_needed(sequence(0, [3] * 10, config)) + 1
     first, second = sequence(0, [3] * 10, config), sequence(1, [4] * 10, config)
     decoder.add(first)
@@ -227,7 +227,7 @@ def test_second_turn_hits_the_prefix_cache(pair):
     """The next turn of a chat reuses the blocks of the first; its text equals the text without the cache."""
     target, draft = pair
     config = GenerationConfig(max_new_tokens=30, mode="sd")
-    decoder = BatchDecoder(target, draft, BatchSettings(max_num_seqs=2))
+    decoder = BatchDecoder(target, draft, BatchConfig(max_num_seqs=2))
     first = sequence(0, prompts(8)[7] + prompts(8)[6], config)
     run(decoder, [(0, first)])
     turn = first.prompt + first.tokens + [11, 12, 13]
@@ -236,7 +236,7 @@ def test_second_turn_hits_the_prefix_cache(pair):
     run(decoder, [(0, second)])
     assert second.reused >= 32 and decoder.cache.hits - hits == second.reused
     assert second.tokens == reference(target, turn, config)
-    cold = BatchDecoder(target, draft, BatchSettings(max_num_seqs=2, prefix_cache=False))
+    cold = BatchDecoder(target, draft, BatchConfig(max_num_seqs=2, prefix_cache=False))
     again = sequence(2, turn, config)
     run(cold, [(0, again)])
     assert again.tokens == second.tokens and again.reused == 0
@@ -249,7 +249,7 @@ def test_a_repeated_prompt_of_most_of_the_pool_reuses_its_own_cached_prefix(pair
     reservation left, then admission evicted them before the lookup). Same text."""
     target, draft = pair
     config = GenerationConfig(max_new_tokens=8, mode="ar")
-    decoder = BatchDecoder(target, draft, BatchSettings(max_num_seqs=2))
+    decoder = BatchDecoder(target, draft, BatchConfig(max_num_seqs=2))
     decoder.budget.total = decoder.cache.max_blocks = 15
     prompt = [(11 * j) % 90 + 3 for j in range(130)]
     first = sequence(0, prompt, config)
@@ -267,7 +267,7 @@ def test_a_repeated_prompt_of_most_of_the_pool_reuses_its_own_cached_prefix(pair
 def test_memory_stays_bounded_over_many_requests(pair):
     """200 short requests through 4 rows: rows, reservations and cached blocks never pass their limits."""
     target, draft = pair
-    decoder = BatchDecoder(target, draft, BatchSettings(max_num_seqs=4))
+    decoder = BatchDecoder(target, draft, BatchConfig(max_num_seqs=4))
     config = GenerationConfig(max_new_tokens=3, mode="ar")
     seqs = [(i // 4, sequence(i, prompts(200, i)[i % 200][:12] + [i % 90 + 3] * 20, config)) for i in range(200)]
     peak = 0
@@ -286,12 +286,12 @@ def test_memory_stays_bounded_over_many_requests(pair):
 def test_a_step_that_prefills_prompts_decodes_target_only(pair):
     """Adaptive speculation: while a new prompt prefills, the running stream decodes target-only (the draft worker
     leaves the other core to the prompt), then speculates again; both texts equal their references."""
-    from mirror_rt.runtime.policy import AR, SPEC, Rate, SpeculationPolicy
+    from mirror_rt.runtime.batch.policy import AR, SPEC, Rate, SpeculationPolicy
 
     target, draft = pair
     policy = SpeculationPolicy(refresh=10**6)  # one stream: speculation measured faster already, no trials
     policy.rates = {(SPEC, 1): Rate(1000.0, 1.0, 10, 10), (AR, 1): Rate(10.0, 1.0, 10, 10)}
-    decoder = BatchDecoder(target, draft, BatchSettings(max_num_seqs=2), policy=policy)
+    decoder = BatchDecoder(target, draft, BatchConfig(max_num_seqs=2), policy=policy)
     first = sequence(0, prompts(1, 3)[0], GenerationConfig(max_new_tokens=80, mode="mirror"))
     second = sequence(1, prompts(2, 4)[1] * 3, GenerationConfig(max_new_tokens=10, mode="mirror"))
     decoder.add(first)
@@ -315,14 +315,14 @@ def test_a_step_that_prefills_prompts_decodes_target_only(pair):
 def test_a_draft_of_its_own_fills_its_row_at_its_first_speculative_step(pair, mode, monkeypatch):
     """A pooled draft that is not the target's copy computes nothing while its sequence prefills (under load the
     batch decodes target-only); its first speculative step catches up on the whole text, and the texts stay equal."""
-    from mirror_rt.runtime import batch_steps
-    from mirror_rt.runtime.policy import AR, SPEC, Rate, SpeculationPolicy
+    from mirror_rt.runtime.batch import steps as batch_steps
+    from mirror_rt.runtime.batch.policy import AR, SPEC, Rate, SpeculationPolicy
 
     target, draft = pair
     monkeypatch.setattr(batch_steps, "adopts_target_kv", lambda model: False)  # the tiny bundle's draft adopts
     policy = SpeculationPolicy(refresh=10**6)  # speculation measured faster at both batch sizes, no trials
     policy.rates = {(way, n): Rate(1000.0 if way == SPEC else 10.0, 1.0, 10, 10) for way in (AR, SPEC) for n in (1, 2)}
-    decoder = BatchDecoder(target, draft, BatchSettings(max_num_seqs=2), policy=policy)
+    decoder = BatchDecoder(target, draft, BatchConfig(max_num_seqs=2), policy=policy)
     if not decoder.pooled:
         pytest.skip("torch drafts keep caches of their own")
     seqs = [sequence(i, p, GenerationConfig(max_new_tokens=30, mode=mode)) for i, p in enumerate(prompts(2, 5))]
@@ -345,13 +345,13 @@ def test_a_self_draft_adopts_the_text_it_missed(pair, mode):
     """A draft that is the target's copy, speculating after target-only steps, takes the target's KV of the text it
     missed (the prompt included: nothing is copied for a sequence that never speculates) instead of reading it (the
     q4_1 draft reads 62 positions in 200 ms here): its first call then reads one window; the texts stay equal."""
-    from mirror_rt.runtime.policy import AR, SPEC, Rate, SpeculationPolicy
+    from mirror_rt.runtime.batch.policy import AR, SPEC, Rate, SpeculationPolicy
     from mirror_rt.runtime.reference import adopts_target_kv
 
     target, draft = pair
     policy = SpeculationPolicy(refresh=10**6)  # target-only measured faster: no speculation, no trials
     policy.rates = {(AR, 1): Rate(1000.0, 1.0, 10, 10), (SPEC, 1): Rate(10.0, 1.0, 10, 10)}
-    decoder = BatchDecoder(target, draft, BatchSettings(max_num_seqs=1), policy=policy)
+    decoder = BatchDecoder(target, draft, BatchConfig(max_num_seqs=1), policy=policy)
     if not (decoder.pooled and adopts_target_kv(draft)):
         pytest.skip("the torch pair's draft is no copy of its target")
     seq = sequence(0, prompts(1, 6)[0], GenerationConfig(max_new_tokens=60, mode=mode, gamma=3))
@@ -369,14 +369,14 @@ def test_a_self_draft_adopts_the_text_it_missed(pair, mode):
 
 
 # --- rows of different lengths: attention groups inside a call (exporters.exact_kv), or calls per group of rows
-# and rows sorted by length (runtime.row_split; graphs without groups, and torch) ---
+# and rows sorted by length (runtime.batch.row_split; graphs without groups, and torch) ---
 
 
 @pytest.fixture
 def rotating_groups(monkeypatch):
     """Every grouped call's attention cut into as many groups as the graph takes, at rows that move from call
-    to call (devices.onnxruntime_pool): each row in turn alone or beside rows of other lengths."""
-    from mirror_rt.devices import onnxruntime_pool
+    to call (devices.onnxruntime.pool): each row in turn alone or beside rows of other lengths."""
+    from mirror_rt.devices.onnxruntime import pool as onnxruntime_pool
 
     calls = {"calls": 0, "grouped": 0}
 
@@ -407,7 +407,7 @@ def forced(decoder: BatchDecoder) -> BatchDecoder:
 
 
 def staggered(target, draft, mode: str, count: int = 10):
-    decoder = forced(BatchDecoder(target, draft, BatchSettings(max_num_seqs=6, adaptive_speculation=False)))
+    decoder = forced(BatchDecoder(target, draft, BatchConfig(max_num_seqs=6, adaptive_speculation=False)))
     seqs = []
     for i, prompt in enumerate(prompts(count, 7)):
         long_prompt = prompt * (1 + 3 * (i % 3 == 1))  # some rows much longer than their companions
@@ -419,7 +419,7 @@ def staggered(target, draft, mode: str, count: int = 10):
 def assert_rows_were_grouped(decoder: BatchDecoder, rotating: dict) -> None:
     """Bundles group rows inside their calls (never cut, never sorted; rows of pool graphs attend apart, with no
     groups to make); torch cuts its steps."""
-    from mirror_rt.devices.onnxruntime_backend import ROWS_APART
+    from mirror_rt.devices.onnxruntime.backend import ROWS_APART
 
     split = decoder.row_split
     if split.in_call:
@@ -451,7 +451,7 @@ def test_a_row_computes_alike_in_any_group(precision_pair, monkeypatch):
     in a group per row, and in two groups; each row as its own one-row call."""
     import numpy as np
 
-    from mirror_rt.devices import onnxruntime_pool
+    from mirror_rt.devices.onnxruntime import pool as onnxruntime_pool
 
     target, _ = precision_pair
     if not target.attention_groups:
@@ -478,7 +478,7 @@ def test_a_short_prompt_waits_for_no_long_prompts_whole_prefill(pair):
     before the long one's chunks (which still get half of every step's chunk), so its first token comes while the
     long one is still prefilling; both texts equal their references."""
     target, draft = pair
-    decoder = BatchDecoder(target, draft, BatchSettings(max_num_seqs=4, prefill_chunk=16))
+    decoder = BatchDecoder(target, draft, BatchConfig(max_num_seqs=4, prefill_chunk=16))
     config = GenerationConfig(max_new_tokens=6, mode="ar")
     long = sequence(0, [(7 * j) % 90 + 3 for j in range(160)], config)
     short = sequence(1, [11, 12, 13, 14, 15, 16], config)

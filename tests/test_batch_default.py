@@ -7,10 +7,10 @@ from pathlib import Path
 
 import pytest
 
-from mirror_rt.runtime.batch import BatchDecoder, BatchSettings
+from mirror_rt.runtime.batch.decoder import BatchConfig, BatchDecoder
+from mirror_rt.runtime.batch.sequence import Sequence
 from mirror_rt.runtime.config import GenerationConfig
 from mirror_rt.runtime.reference import generate
-from mirror_rt.runtime.sequence import Sequence
 
 DATA = Path(__file__).resolve().parents[2] / "shared" / "data" / "specbench-dev.jsonl"
 pytestmark = pytest.mark.slow
@@ -41,7 +41,7 @@ def reference(engine, prompt, max_new: int) -> list[int]:
 def test_staggered_questions_equal_single_stream(bundle_engine, mode, max_num_seqs):
     engine = bundle_engine
     prompts = questions(engine, 12)
-    settings = BatchSettings(max_num_seqs=max_num_seqs, adaptive_speculation=False)  # each mode as asked, in batches
+    settings = BatchConfig(max_num_seqs=max_num_seqs, adaptive_speculation=False)  # each mode as asked, in batches
     decoder = BatchDecoder(engine.target, engine.draft, settings, cpus=engine.cpus)
     seqs = [Sequence(f"q{i}", p, GenerationConfig(max_new_tokens=24, mode=mode, ignore_eos=True), budget=24)
             for i, p in enumerate(prompts)]
@@ -60,7 +60,7 @@ def test_staggered_questions_equal_single_stream(bundle_engine, mode, max_num_se
 def test_second_turn_from_the_prefix_cache(bundle_engine):
     """The next turn of a chat reuses the first turn's blocks: the same text, far fewer prompt tokens computed."""
     engine = bundle_engine
-    decoder = BatchDecoder(engine.target, engine.draft, BatchSettings(max_num_seqs=2), cpus=engine.cpus)
+    decoder = BatchDecoder(engine.target, engine.draft, BatchConfig(max_num_seqs=2), cpus=engine.cpus)
     chat = [{"role": "user", "content": "Name three rivers of Europe."}]
     first = Sequence("t1", engine.prompt_ids(chat), GenerationConfig(max_new_tokens=40, mode="mirror"), budget=40)
     decoder.add(first)

@@ -253,7 +253,7 @@ def test_every_row_names_weights_compute_and_kv():
 def test_compiled_bf16_rows_run_beside_the_eager_ones(monkeypatch):
     """`-compiled` rows load their own compiled engine; the plain rows stay eager unless --compile."""
     from mirror_rt.devices import torch_engine
-    from mirror_rt.devices.options import EngineOptions
+    from mirror_rt.devices.options import EngineConfig
     from mirror_rt.evaluation.bench_engines import bf16_runners
 
     loaded, real_load_torch = [], torch_engine.load_torch
@@ -261,7 +261,7 @@ def test_compiled_bf16_rows_run_beside_the_eager_ones(monkeypatch):
     def fake_load_torch(options, mode=None, log=None):  # records the settings, loads the tiny preset eagerly
         draft = options.models.draft_model
         loaded.append((draft, options.precision.compile, options.precision.dtype))
-        tiny = EngineOptions.from_flags(model="tiny", draft_model=draft or "target")
+        tiny = EngineConfig.from_flags(model="tiny", draft_model=draft or "target")
         return real_load_torch(tiny, mode, log=lambda *_: None)
 
     monkeypatch.setattr(torch_engine, "load_torch", fake_load_torch)

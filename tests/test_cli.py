@@ -89,13 +89,13 @@ def _record_engine_choices(monkeypatch) -> list:
 
 
 def _run_choice(calls, argv) -> list:
-    from mirror_rt import cli
-    from mirror_rt.cli_options import engine_options
+    from mirror_rt.cli import dispatch as cli
+    from mirror_rt.cli.options import engine_config
     from mirror_rt.devices.engines import load_engine
 
     args = cli.build_parser().parse_args(["run", "hi", *argv])
     calls.clear()
-    load_engine(engine_options(args))
+    load_engine(engine_config(args))
     return list(calls)
 
 
@@ -251,7 +251,7 @@ def test_what_the_machine_refuses_is_one_line(monkeypatch, capsys, code, reraise
     (a missing file stays the usage error it was; other OS errors are faults and keep their traceback)."""
     import os
 
-    from mirror_rt import cli
+    from mirror_rt.cli import dispatch as cli
 
     def full(args):
         raise OSError(code, os.strerror(code), "/tmp/bundle/target.onnx")
@@ -270,7 +270,8 @@ def test_what_the_machine_refuses_is_one_line(monkeypatch, capsys, code, reraise
 def test_a_long_prompt_shows_its_reading_and_the_same_answer(monkeypatch, capsys):
     """A prompt from PROGRESS_FROM tokens on is read under a progress bar (an 8,000-token prompt was a minute of
     silence); the answer is the same as without it."""
-    from mirror_rt import cli, cli_run
+    from mirror_rt.cli import dispatch as cli
+    from mirror_rt.cli import run as cli_run
 
     args = ["run", "one two three four five six seven eight nine ten " * 4, "--model", "tiny", "--no-chat",
             "--max-new-tokens", "6", "--mode", "ar"]
@@ -310,7 +311,7 @@ def test_ctrl_c_at_any_moment_of_the_start_is_one_line_and_130(delay):
 
 
 def test_sigterm_is_one_line_and_143_after_the_commands_cleanup():
-    """SIGTERM raises where Ctrl-C does (`cli_signals.Terminated`), so an export's staging folder goes as on Ctrl-C
+    """SIGTERM raises where Ctrl-C does (`signals.Terminated`), so an export's staging folder goes as on Ctrl-C
     (it stayed: 421 MB per killed export); here `run` waits for its prompt on stdin when it comes."""
     import signal
     import time
@@ -345,8 +346,8 @@ def test_ctrl_c_inside_an_import_exits_at_once_in_one_line(tmp_path):
     (tmp_path / "slow_to_import.py").write_text(
         "import os, signal, time\nos.kill(os.getpid(), signal.SIGINT)\ndeadline = time.time() + 10\n"
         "while time.time() < deadline:\n    pass\n")
-    script = ("import sys, signal; from mirror_rt import cli_signals\n"
-              "signal.signal(signal.SIGINT, cli_signals.on_signal)\nimport slow_to_import\nprint('imported')\n")
+    script = ("import sys, signal; from mirror_rt.cli import signals\n"
+              "signal.signal(signal.SIGINT, signals.on_signal)\nimport slow_to_import\nprint('imported')\n")
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(tmp_path), *sys.path])}
     done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=60, env=env,
                           preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))

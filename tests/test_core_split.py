@@ -1,13 +1,14 @@
-"""Target-only steps on two cores (runtime.core_split): the way chosen by measurement, the same text either way."""
+"""Target-only steps on two cores (runtime.batch.core_split): the way chosen by measurement, the same text either
+way."""
 
 import pytest
 from test_batch import prompts, reference, run, sequence
 
-from mirror_rt.runtime import batch_steps
 from mirror_rt.runtime.affinity import available_cores
-from mirror_rt.runtime.batch import BatchDecoder, BatchSettings
+from mirror_rt.runtime.batch import steps as batch_steps
+from mirror_rt.runtime.batch.core_split import EXPLORE, KEEP, TRIAL, CoreSplit, balanced_cut
+from mirror_rt.runtime.batch.decoder import BatchConfig, BatchDecoder
 from mirror_rt.runtime.config import GenerationConfig
-from mirror_rt.runtime.core_split import EXPLORE, KEEP, TRIAL, CoreSplit, balanced_cut
 
 CORES = sorted(available_cores())
 CPUS = (CORES[0], CORES[-1])  # two cores where the machine has them (pinning to one core twice also works)
@@ -78,7 +79,7 @@ def test_rows_split_over_two_cores_equal_the_reference(bundle_pair, monkeypatch)
         return 1 + calls["n"] % (len(lengths) - 1)
 
     monkeypatch.setattr(batch_steps, "balanced_cut", moving_cut)
-    decoder = BatchDecoder(target, draft, BatchSettings(max_num_seqs=5, adaptive_speculation=False), cpus=CPUS)
+    decoder = BatchDecoder(target, draft, BatchConfig(max_num_seqs=5, adaptive_speculation=False), cpus=CPUS)
     decoder.core_split.way = lambda rows: "split"
     seqs = [(i * 2, sequence(i, p * (1 + 2 * (i % 3 == 1)), GenerationConfig(max_new_tokens=14 + i, mode="ar")))
             for i, p in enumerate(prompts(9, 11))]
@@ -109,7 +110,7 @@ def test_steps_split_only_once_the_draft_worker_is_free(bundle_pair):
     """The helper of a split step runs on the draft worker's core: Mirror sequences leave the worker before
     every target-only step, so no split meets a drafting worker, and the texts stay the reference's."""
     target, draft = bundle_pair
-    decoder = BatchDecoder(target, draft, BatchSettings(max_num_seqs=4), policy=Alternating(), cpus=CPUS)
+    decoder = BatchDecoder(target, draft, BatchConfig(max_num_seqs=4), policy=Alternating(), cpus=CPUS)
     decoder.core_split.way = lambda rows: "split"
     drafting = []
     original = target.forward_rows_split
@@ -136,7 +137,7 @@ def test_prompts_prefilled_two_at_once_equal_the_reference(bundle_pair, mode):
     prompt pairs several times, and partners change): every text equals its single-stream reference. Mirror
     sequences hold the draft worker's core while they run, so prompts pair only before the first of them does."""
     target, draft = bundle_pair
-    settings = BatchSettings(max_num_seqs=6, prefill_chunk=5, adaptive_speculation=False)
+    settings = BatchConfig(max_num_seqs=6, prefill_chunk=5, adaptive_speculation=False)
     decoder = BatchDecoder(target, draft, settings, cpus=CPUS)
     seqs = [(2 * (i // 3), sequence(i, (p * 8)[:10 + i % 5], GenerationConfig(max_new_tokens=10, mode=mode)))
             for i, p in enumerate(prompts(9, 13))]

@@ -8,7 +8,7 @@ import pytest
 import torch
 from conftest import tiny_target
 
-from mirror_rt.devices.torch_backend import TorchModel
+from mirror_rt.devices.torch.backend import TorchModel
 from mirror_rt.evaluation.device_check import first_mismatch, format_check, run_check, top2_margin
 
 

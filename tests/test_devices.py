@@ -33,7 +33,7 @@ from mirror_rt.exporters.export import export_bundle
 from mirror_rt.models.loading import load_checkpoint
 from mirror_rt.runtime.config import GenerationConfig
 from mirror_rt.runtime.metrics import Metrics
-from mirror_rt.runtime.mirror import mirror_generate
+from mirror_rt.runtime.mirror.target_row import mirror_generate
 from mirror_rt.runtime.reference import generate
 from mirror_rt.runtime.speculative import speculative_generate
 

@@ -4,8 +4,8 @@ import pytest
 import torch
 from conftest import perturbed_copy, tiny_target
 
-from mirror_rt.devices.torch_backend import TorchModel
-from mirror_rt.devices.torch_streams import TorchStreamDraft
+from mirror_rt.devices.torch.backend import TorchModel
+from mirror_rt.devices.torch.streams import TorchStreamDraft
 from mirror_rt.models.ss_draft import StreamDraft
 from mirror_rt.runtime.reference import generate
 from mirror_rt.training.draft_eval import (

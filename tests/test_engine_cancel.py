@@ -8,7 +8,7 @@ import time
 
 import pytest
 
-from mirror_rt.devices.options import EngineOptions
+from mirror_rt.devices.options import EngineConfig
 from mirror_rt.devices.torch_engine import load_torch
 
 
@@ -32,7 +32,7 @@ class SlowSuffix:
 
 @pytest.fixture(scope="module")
 def engine():
-    return load_torch(EngineOptions.from_flags(model="tiny", draft_model="int8"), log=lambda *a: None)
+    return load_torch(EngineConfig.from_flags(model="tiny", draft_model="int8"), log=lambda *a: None)
 
 
 def draft_threads() -> list[threading.Thread]:

@@ -9,7 +9,7 @@ import threading
 
 import pytest
 
-from mirror_rt.devices.options import EngineOptions
+from mirror_rt.devices.options import EngineConfig
 from mirror_rt.devices.torch_engine import load_torch
 
 PROMPTS = ["Explain why the sky is blue.", "Write a haiku about rain.", "What is 2+2?", "Name three fruits."]
@@ -44,7 +44,7 @@ def test_threads_calling_at_once_each_get_their_own_text(real_engine, mode):
 
 @pytest.fixture(scope="module")
 def tiny():
-    return load_torch(EngineOptions.from_flags(model="tiny", draft_model="int8"), log=lambda *a: None)
+    return load_torch(EngineConfig.from_flags(model="tiny", draft_model="int8"), log=lambda *a: None)
 
 
 def test_a_dropped_stream_is_cancelled_and_leaves_the_batch(tiny):

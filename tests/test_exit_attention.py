@@ -10,8 +10,8 @@ import pytest
 import torch
 from conftest import load_parts, perturbed_copy, tiny_target
 
-from mirror_rt.devices.torch_backend import TorchModel
-from mirror_rt.devices.torch_split import TorchSplitTarget
+from mirror_rt.devices.torch.backend import TorchModel
+from mirror_rt.devices.torch.split import TorchSplitTarget
 from mirror_rt.exporters.export import export_bundle
 from mirror_rt.exporters.manifest import read_manifest
 from mirror_rt.models.exit_adapter import (
@@ -23,7 +23,7 @@ from mirror_rt.models.exit_adapter import (
 from mirror_rt.models.loading import load_checkpoint
 from mirror_rt.runtime.config import GenerationConfig
 from mirror_rt.runtime.metrics import Metrics
-from mirror_rt.runtime.mirror import mirror_generate
+from mirror_rt.runtime.mirror.target_row import mirror_generate
 from mirror_rt.runtime.reference import generate
 from mirror_rt.training.exit_sequences import (
     evaluate_sequences,

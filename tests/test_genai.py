@@ -66,7 +66,7 @@ def test_folder_has_optimum_layout(genai, tmp_path):
 
 def test_pipeline_greedy_equals_reference(genai, tmp_path):
     """LLMPipeline at f32 on our export generates exactly what our reference does."""
-    from mirror_rt.devices.torch_backend import TorchModel
+    from mirror_rt.devices.torch.backend import TorchModel
     from mirror_rt.exporters.genai import export_genai_folder
     from mirror_rt.models.loading import load_checkpoint
     from mirror_rt.runtime.reference import generate
@@ -112,7 +112,7 @@ def test_sd_skips_a_model_without_tokenizer(genai, tmp_path, monkeypatch):
 
 def test_f32_runner_asks_for_exact_precision_and_equals_our_reference(genai, tmp_path, monkeypatch):
     """ov-genai-f32 names f32 compute and KV (the precision of our fp32 rows) and generates our greedy text."""
-    from mirror_rt.devices.torch_backend import TorchModel
+    from mirror_rt.devices.torch.backend import TorchModel
     from mirror_rt.models.loading import load_checkpoint
     from mirror_rt.models.tokenizer import ByteTokenizer
     from mirror_rt.runtime.reference import generate

@@ -80,7 +80,7 @@ def tiny_peers(tmp_path_factory):
 
 def test_f32_peer_batches_our_reference_tokens(tiny_peers):
     """At f32 every request of a batch of 3 gets the greedy tokens our reference makes for its prompt alone."""
-    from mirror_rt.devices.torch_backend import TorchModel
+    from mirror_rt.devices.torch.backend import TorchModel
     from mirror_rt.models.loading import load_checkpoint
     from mirror_rt.runtime.reference import generate
 

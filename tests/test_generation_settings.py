@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import pytest
 
-from mirror_rt.devices.options import EngineOptions
+from mirror_rt.devices.options import EngineConfig
 from mirror_rt.devices.torch_engine import load_torch
 from mirror_rt.runtime.config import make_config
 from mirror_rt.runtime.engine import GenerationError
@@ -35,7 +35,7 @@ def test_documented_spellings_are_taken():
 
 
 def test_the_engine_says_generation_error_and_still_serves():
-    engine = load_torch(EngineOptions.from_flags(model="tiny"), log=lambda *a: None)
+    engine = load_torch(EngineConfig.from_flags(model="tiny"), log=lambda *a: None)
     for options in ({"top_k": 1.5, "temperature": 1.0}, {"max_new_tokens": 0}, {"mode": 5}):
         with pytest.raises(GenerationError):
             engine.generate("hi", **options)

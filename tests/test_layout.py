@@ -32,7 +32,9 @@ def test_every_code_folder_installs():
                if p.is_dir() and not p.name.startswith(".") and p.name not in NOT_CODE and any(p.glob("*.py"))}
     assert folders == set(mapping.values())
     setuptools = tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["setuptools"]
-    assert sorted(setuptools["packages"]) == sorted(mapping)
+    subpackages = {".".join((name, *init.parent.relative_to(ROOT / folder).parts))
+                   for name, folder in mapping.items() for init in (ROOT / folder).glob("*/__init__.py")}
+    assert sorted(setuptools["packages"]) == sorted(set(mapping) | subpackages)
     assert all((ROOT / folder / "__init__.py").is_file() for folder in folders)
 
 

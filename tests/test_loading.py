@@ -110,7 +110,7 @@ def test_api_generate_and_stream_on_preset():
 
 
 def test_a_request_without_a_mode_runs_the_engines_default():
-    from mirror_rt.devices.torch_backend import TorchModel
+    from mirror_rt.devices.torch.backend import TorchModel
     from mirror_rt.runtime.engine import Engine
 
     engine = mirror_rt.load("tiny", "tiny", log=lambda *_: None)

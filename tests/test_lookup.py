@@ -1,9 +1,9 @@
-"""Prompt-lookup guesses (runtime.lookup)."""
+"""Prompt-lookup guesses (runtime.mirror.lookup)."""
 
 import numpy as np
 import torch
 
-from mirror_rt.runtime.lookup import lookup_guesses, verify_guesses
+from mirror_rt.runtime.mirror.lookup import lookup_guesses, verify_guesses
 
 
 def test_follows_the_latest_match_of_the_longest_ngram():

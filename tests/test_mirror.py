@@ -9,12 +9,12 @@ import pytest
 from conftest import MarkovModel, perturbed_copy, random_transition, tiny_target
 from test_acceptance import chi2_threshold
 
-from mirror_rt.devices.torch_backend import TorchModel
-from mirror_rt.devices.torch_split import TorchSplitTarget
+from mirror_rt.devices.torch.backend import TorchModel
+from mirror_rt.devices.torch.split import TorchSplitTarget
 from mirror_rt.runtime.config import GenerationConfig, make_config
-from mirror_rt.runtime.draft_worker import DraftSettings
 from mirror_rt.runtime.metrics import Metrics, format_stats
-from mirror_rt.runtime.mirror import MirrorSettings, mirror_generate
+from mirror_rt.runtime.mirror.draft_worker import DraftConfig
+from mirror_rt.runtime.mirror.target_row import MirrorSettings, mirror_generate
 from mirror_rt.runtime.reference import generate
 from mirror_rt.runtime.sampling import SamplingConfig
 
@@ -31,7 +31,7 @@ def draft_threads() -> list:
 def run_mirror(target, draft, prompt, max_new, stream_confidence=0.2, **options):
     """Mirror over `options` (GenerationConfig fields); `stream_confidence` is the draft worker's own knob."""
     metrics = Metrics()
-    settings = MirrorSettings(draft=DraftSettings(stream_confidence=stream_confidence))
+    settings = MirrorSettings(draft=DraftConfig(stream_confidence=stream_confidence))
     config = make_config(max_new_tokens=max_new, **options)
     tokens = flat(mirror_generate(target, draft, prompt, config, settings, metrics))
     return tokens, metrics
@@ -144,7 +144,7 @@ def test_draft_fault_falls_back_without_losing_tokens(kind):
 
 def test_wrong_length_window_refused(monkeypatch):
     """A window longer than gamma is refused as malformed; output still exact."""
-    from mirror_rt.runtime import draft_row
+    from mirror_rt.runtime.mirror import draft_row
 
     original = draft_row.DraftRow.send_window
 
@@ -174,7 +174,7 @@ def test_stream_draft_equals_reference(gamma, confidence):
     """An SS draft (random streams: many rejected guesses; all fed, or only confident ones) changes nothing."""
     import torch
 
-    from mirror_rt.devices.torch_streams import TorchStreamDraft
+    from mirror_rt.devices.torch.streams import TorchStreamDraft
     from mirror_rt.models.ss_draft import StreamDraft
 
     target = tiny_target(seed=8)

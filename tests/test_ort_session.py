@@ -24,7 +24,7 @@ def bundle(tmp_path_factory):
 
 
 def _logits(path, ids):
-    from mirror_rt.devices.onnxruntime_backend import ORTGraph, ORTModel
+    from mirror_rt.devices.onnxruntime.backend import ORTGraph, ORTModel
     from mirror_rt.models.config import ModelConfig
 
     config = ModelConfig.from_name("tiny")
@@ -35,8 +35,8 @@ def _logits(path, ids):
 
 
 def test_second_session_reads_the_cached_graph_and_computes_the_same(bundle):
-    from mirror_rt.devices.onnxruntime_backend import session_options
-    from mirror_rt.devices.ort_session import GRAPH_FILE, cache_folder
+    from mirror_rt.devices.onnxruntime.backend import session_options
+    from mirror_rt.devices.onnxruntime.session import GRAPH_FILE, cache_folder
 
     draft = bundle / "draft.onnx"
     folder = cache_folder(draft, ["CPUExecutionProvider"], session_options(1))
@@ -51,8 +51,8 @@ def test_second_session_reads_the_cached_graph_and_computes_the_same(bundle):
 
 
 def test_key_follows_version_options_and_graph(bundle, monkeypatch):
-    from mirror_rt.devices.onnxruntime_backend import session_options
-    from mirror_rt.devices.ort_session import cache_folder
+    from mirror_rt.devices.onnxruntime.backend import session_options
+    from mirror_rt.devices.onnxruntime.session import cache_folder
 
     graph, providers = bundle / "target_exit.onnx", ["CPUExecutionProvider"]
     base = cache_folder(graph, providers, session_options(1))
@@ -70,7 +70,7 @@ def test_key_follows_version_options_and_graph(bundle, monkeypatch):
 
 
 def test_unwritable_bundle_builds_sessions_without_a_cache(bundle, monkeypatch):
-    from mirror_rt.devices import ort_session
+    from mirror_rt.devices.onnxruntime import session as ort_session
 
     monkeypatch.setattr(ort_session, "_partial_folder", lambda folder: None)
     monkeypatch.setattr(ort_session, "cpu_fingerprint", lambda: "another cpu")
@@ -81,8 +81,8 @@ def test_unwritable_bundle_builds_sessions_without_a_cache(bundle, monkeypatch):
 def test_a_damaged_cache_is_built_again(bundle):
     """A cached graph damaged from outside (its weights cut short: a full disk, a cut copy) is replaced: the session
     is built from the bundle's graph again, with the same logits."""
-    from mirror_rt.devices.onnxruntime_backend import session_options
-    from mirror_rt.devices.ort_session import GRAPH_FILE, WEIGHTS_FILE, cache_folder
+    from mirror_rt.devices.onnxruntime.backend import session_options
+    from mirror_rt.devices.onnxruntime.session import GRAPH_FILE, WEIGHTS_FILE, cache_folder
 
     graph = bundle / "draft.onnx"
     ids = [5, 70, 80]
@@ -98,7 +98,7 @@ def test_a_damaged_cache_is_built_again(bundle):
 
 def test_a_graph_needing_the_native_op_says_why_it_cannot_load(bundle, monkeypatch):
     """A pool-attention graph where mirror-rt's op cannot be built: one line naming the reason and the way out."""
-    from mirror_rt.devices.onnxruntime_backend import ORTGraph
+    from mirror_rt.devices.onnxruntime.backend import ORTGraph
     from mirror_rt.exporters import native_op
     from mirror_rt.exporters.manifest import BundleError, read_manifest
 

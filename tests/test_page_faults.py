@@ -18,9 +18,9 @@ pytest.importorskip("fastapi")
 @pytest.fixture(scope="module")
 def server():
     """The tiny engine whose load policy finds target-only faster at every batch size (as it can at a high load,
-    or for a small model: runtime.policy), its responses named as a replica's."""
-    from mirror_rt.runtime.policy import AR, SpeculationPolicy
-    from mirror_rt.serving.app import ServerSettings, create_app
+    or for a small model: runtime.batch.policy), its responses named as a replica's."""
+    from mirror_rt.runtime.batch.policy import AR, SpeculationPolicy
+    from mirror_rt.serving.app import ServerConfig, create_app
     from mirror_rt.serving.replica import ReplicaHeader
 
     class TargetOnlyWins(SpeculationPolicy):
@@ -31,7 +31,7 @@ def server():
     engine.batch = dataclasses.replace(engine.batch, adaptive_speculation=True)
     engine.reset()
     engine.decoder.policy = TargetOnlyWins(adaptive=True)
-    app = create_app(ServerSettings(), lambda: engine)
+    app = create_app(ServerConfig(), lambda: engine)
     app.add_middleware(ReplicaHeader, replica="replica-7")
     running = RunningServer(app).wait_ready()
     yield running

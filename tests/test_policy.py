@@ -1,6 +1,6 @@
 """The speculation policy: measured rates decide, unmeasured ways are tried, switches need a clear gain."""
 
-from mirror_rt.runtime.policy import AR, SPEC, SpeculationPolicy
+from mirror_rt.runtime.batch.policy import AR, SPEC, SpeculationPolicy
 
 
 def drive(policy: SpeculationPolicy, batch: int, rates: dict, steps: int) -> list[str]:
@@ -120,7 +120,7 @@ def test_speculation_does_not_start_for_the_last_few_tokens():
     target-only (the draft's catch-up and first window would not pay); one already speculating goes on."""
     from types import SimpleNamespace
 
-    from mirror_rt.runtime.policy import SWITCH_MIN
+    from mirror_rt.runtime.batch.policy import SWITCH_MIN
 
     def seqs(left):
         return [SimpleNamespace(config=SimpleNamespace(mode="mirror", gamma=4), remaining=n) for n in left]

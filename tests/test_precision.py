@@ -12,7 +12,7 @@ import torch
 from conftest import tiny_target
 
 from mirror_rt.devices import torch_engine
-from mirror_rt.devices.options import EngineOptions
+from mirror_rt.devices.options import EngineConfig
 from mirror_rt.evaluation.device_check import first_mismatch
 from mirror_rt.models.quantize import int8_copy
 from mirror_rt.models.transformer import RMSNorm, rope_inv_freq, rope_tables
@@ -70,7 +70,7 @@ def test_int8_draft_of_a_bf16_target():
 def test_low_precision_target_is_lossless_at_its_precision(dtype):
     """Every decode step of a bf16 / fp16 target runs at one window shape, so sd and mirror give exactly
     the tokens of `ar` on the same target, near-ties of its logits included."""
-    engine = torch_engine.load_torch(EngineOptions.from_flags(model="tiny", dtype=dtype), log=lambda *a: None)
+    engine = torch_engine.load_torch(EngineConfig.from_flags(model="tiny", dtype=dtype), log=lambda *a: None)
     assert engine.names["target_precision"] == {"bf16": "bf16", "float16": "fp16"}[dtype]
     assert engine.names["draft_precision"] == "int8"
     assert engine.target.static.sizes == (8,)  # one-token steps padded like verify windows

@@ -10,13 +10,13 @@ import pytest
 from conftest import load_parts, perturbed_copy, tiny_target
 
 from mirror_rt.devices.registry import DeviceError, available_devices
-from mirror_rt.devices.torch_backend import TorchModel
-from mirror_rt.devices.torch_split import TorchSplitTarget
+from mirror_rt.devices.torch.backend import TorchModel
+from mirror_rt.devices.torch.split import TorchSplitTarget
 from mirror_rt.exporters.export import export_bundle
 from mirror_rt.exporters.manifest import read_manifest
 from mirror_rt.runtime.config import GenerationConfig
 from mirror_rt.runtime.metrics import Metrics
-from mirror_rt.runtime.mirror import MirrorSettings, mirror_generate
+from mirror_rt.runtime.mirror.target_row import MirrorSettings, mirror_generate
 from mirror_rt.runtime.reference import generate
 from mirror_rt.runtime.speculative import speculative_generate
 

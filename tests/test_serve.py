@@ -340,7 +340,7 @@ def test_health_is_503_while_loading(engine):
 
     from serve_support import RunningServer
 
-    from mirror_rt.serving.app import ServerSettings, create_app
+    from mirror_rt.serving.app import ServerConfig, create_app
 
     release = threading.Event()
 
@@ -348,7 +348,7 @@ def test_health_is_503_while_loading(engine):
         release.wait(30)
         return engine
 
-    server = RunningServer(create_app(ServerSettings(), slow_load))
+    server = RunningServer(create_app(ServerConfig(), slow_load))
     try:
         for _ in range(100):
             try:

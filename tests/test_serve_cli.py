@@ -26,9 +26,9 @@ QUESTION = [{"role": "user", "content": "Name three primary colors and say one t
 @pytest.fixture(scope="module")
 def default_ar_text(cache_dir):
     from mirror_rt.devices.engines import load_engine
-    from mirror_rt.devices.options import EngineOptions
+    from mirror_rt.devices.options import EngineConfig
 
-    engine = load_engine(EngineOptions.from_flags(cache_dir=cache_dir), "ar", log=lambda *a: None)
+    engine = load_engine(EngineConfig.from_flags(cache_dir=cache_dir), "ar", log=lambda *a: None)
     return engine.generate(QUESTION, mode="ar", max_new_tokens=96).text
 
 

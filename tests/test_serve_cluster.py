@@ -24,12 +24,12 @@ ray = pytest.importorskip("ray")
 serve = pytest.importorskip("ray.serve")
 
 from mirror_rt.serving import cluster  # noqa: E402 -- after the skips: it needs the serve extra
-from mirror_rt.serving.app import ServerSettings  # noqa: E402
+from mirror_rt.serving.app import ServerConfig  # noqa: E402
 
 PROMPT = "hello there"
 TESTS = str(Path(__file__).resolve().parent)
 HEADER = "x-mirror-rt-replica"
-SERVER = ServerSettings(max_queued=4, request_timeout=60, drain_timeout=2)  # the port: free at start
+SERVER = ServerConfig(max_queued=4, request_timeout=60, drain_timeout=2)  # the port: free at start
 
 
 def free_port() -> int:
@@ -51,7 +51,7 @@ def ray_cluster(cues):
     ray.init(num_cpus=2, include_dashboard=False, object_store_memory=200 * 2**20, log_to_driver=False,
              _metrics_export_port=metrics_port, _system_config={"metrics_report_interval_ms": 500})
     path = os.pathsep.join(p for p in (TESTS, os.environ.get("PYTHONPATH")) if p)
-    settings = cluster.ClusterSettings(
+    settings = cluster.ClusterConfig(
         replicas=2, actor_options={"num_cpus": 1, "runtime_env": {"env_vars": {"PYTHONPATH": path}}},
         placement_timeout=10, health_check_period_s=1)
     server = replace(SERVER, port=free_port())
@@ -293,8 +293,8 @@ def test_a_replica_that_cannot_be_placed_says_so_in_one_line(ray_cluster):
     cluster.check_fits(settings.actor_options, 2)  # the module's own two replicas fit
     with pytest.raises(cluster.ClusterError, match="cannot place 3 replicas"):
         cluster.check_fits(settings.actor_options, 3)
-    npu = cluster.ClusterSettings(actor_options={"num_cpus": 0, "resources": {"intel_npu": 1}})
-    server = ServerSettings(drain_timeout=1)
+    npu = cluster.ClusterConfig(actor_options={"num_cpus": 0, "resources": {"intel_npu": 1}})
+    server = ServerConfig(drain_timeout=1)
     app = cluster.replica_deployment(cluster.deployment_options(npu, server)).bind(server, tiny_engine)
     try:
         with pytest.raises(cluster.ClusterError, match="^a replica cannot be placed: .*intel_npu[^\n]*$"):
@@ -306,8 +306,8 @@ def test_a_replica_that_cannot_be_placed_says_so_in_one_line(ray_cluster):
 def test_an_engine_that_fails_to_load_fails_the_deploy_in_one_line(ray_cluster):
     """The constructor's error, last line only, instead of Serve's retries and traceback."""
     settings, _, _ = ray_cluster
-    broken = cluster.ClusterSettings(actor_options={**settings.actor_options, "num_cpus": 0})
-    app = cluster.build(ServerSettings(drain_timeout=1), broken, functools.partial(_fail, "no such model"))
+    broken = cluster.ClusterConfig(actor_options={**settings.actor_options, "num_cpus": 0})
+    app = cluster.build(ServerConfig(drain_timeout=1), broken, functools.partial(_fail, "no such model"))
     try:
         with pytest.raises(cluster.ClusterError, match="^the replicas failed to start: .*no such model[^\n]*$"):
             cluster.deploy(app, name="broken", route_prefix="/broken")

@@ -21,9 +21,9 @@ PROMPT = "hello there"
 def server(engine):
     """A batch of one row (so one request runs and the next waits: the admission rules under test) and a queue
     of one."""
-    from mirror_rt.runtime.batch import BatchSettings
+    from mirror_rt.runtime.batch.decoder import BatchConfig
 
-    engine.batch = BatchSettings(max_num_seqs=1, adaptive_speculation=False)
+    engine.batch = BatchConfig(max_num_seqs=1, adaptive_speculation=False)
     engine.reset()
     running = start(engine, max_queued=1, request_timeout=30)
     yield running

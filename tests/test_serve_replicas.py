@@ -18,14 +18,14 @@ import httpx
 import pytest
 from serve_support import RunningServer, tiny_engine
 
-from mirror_rt.runtime.batch import BatchSettings
+from mirror_rt.runtime.batch.decoder import BatchConfig
 
 pytest.importorskip("fastapi")
 
-from mirror_rt.serving.cluster import ClusterError, ClusterSettings, deployment_options, replica_resources  # noqa: E402
+from mirror_rt.serving.cluster import ClusterConfig, ClusterError, deployment_options, replica_resources  # noqa: E402
 from mirror_rt.serving.proxy import BUSY_PATIENCE_S, REPLICA_HEADER, ReplicaLoss  # noqa: E402
 from mirror_rt.serving.replica import ReplicaHeader, health_problem, own_cores  # noqa: E402
-from mirror_rt.serving.settings import ServerSettings  # noqa: E402
+from mirror_rt.serving.settings import ServerConfig  # noqa: E402
 
 SCOPE = {"type": "http", "method": "POST", "path": "/v1/completions", "headers": []}
 BODY = b'{"prompt": "hello"}'
@@ -159,9 +159,9 @@ def test_no_retry_for_a_client_that_left():
 
 
 def test_every_replica_response_names_the_replica():
-    from mirror_rt.serving.app import ServerSettings, create_app
+    from mirror_rt.serving.app import ServerConfig, create_app
 
-    app = create_app(ServerSettings(), tiny_engine)
+    app = create_app(ServerConfig(), tiny_engine)
     app.add_middleware(ReplicaHeader, replica="abc123")
     server = RunningServer(app).wait_ready()
     try:
@@ -204,11 +204,11 @@ class Recorded:
 
 def test_every_metric_update_also_reaches_the_sink():
     """The app's metrics tee into a sink (a Ray replica's export): same names, labels and updates."""
-    from mirror_rt.serving.app import ServerSettings, create_app
+    from mirror_rt.serving.app import ServerConfig, create_app
     from mirror_rt.serving.metrics import TTFT_BUCKETS
 
     sink = Recorded()
-    server = RunningServer(create_app(ServerSettings(), tiny_engine, metrics_sink=sink)).wait_ready()
+    server = RunningServer(create_app(ServerConfig(), tiny_engine, metrics_sink=sink)).wait_ready()
     try:
         request = {"prompt": "hello there", "max_tokens": 5, "temperature": 0, "ignore_eos": True, "mode": "sd"}
         assert httpx.post(server.url + "/v1/completions", json=request, timeout=60).status_code == 200
@@ -268,7 +268,7 @@ def test_max_queued_0_with_replicas_is_refused_before_ray_starts(monkeypatch):
 
     monkeypatch.setattr(cluster, "start", lambda *a: pytest.fail("Ray started"))
     with pytest.raises(ClusterError, match="^--max-queued 0 needs a single engine"):
-        cluster.serve_replicas(ServerSettings(max_queued=0), ClusterSettings(replicas=2), tiny_engine)
+        cluster.serve_replicas(ServerConfig(max_queued=0), ClusterConfig(replicas=2), tiny_engine)
 
 
 def test_a_cuda_index_is_refused_with_replicas():
@@ -277,18 +277,18 @@ def test_a_cuda_index_is_refused_with_replicas():
 
 
 def test_replica_limits_and_autoscaling_map_onto_the_deployment():
-    fixed = deployment_options(ClusterSettings(replicas=3), ServerSettings(max_queued=7, retry_after_s=2))
+    fixed = deployment_options(ClusterConfig(replicas=3), ServerConfig(max_queued=7, retry_after_s=2))
     assert fixed["num_replicas"] == 3 and "autoscaling_config" not in fixed
-    assert fixed["max_ongoing_requests"] == BatchSettings().max_num_seqs + 1 and fixed["max_queued_requests"] == 7
-    assert deployment_options(ClusterSettings(batch_rows=3), ServerSettings())["max_ongoing_requests"] == 4
+    assert fixed["max_ongoing_requests"] == BatchConfig().max_num_seqs + 1 and fixed["max_queued_requests"] == 7
+    assert deployment_options(ClusterConfig(batch_rows=3), ServerConfig())["max_ongoing_requests"] == 4
     assert fixed["backpressure_config"] == {"retry_after_s": 2}
-    scaled = deployment_options(ClusterSettings(replicas=2, max_replicas=4, target_ongoing_requests=1.5),
-                                ServerSettings())
+    scaled = deployment_options(ClusterConfig(replicas=2, max_replicas=4, target_ongoing_requests=1.5),
+                                ServerConfig())
     assert "num_replicas" not in scaled
     assert scaled["autoscaling_config"] == {"min_replicas": 1, "max_replicas": 4, "initial_replicas": 2,
                                             "target_ongoing_requests": 1.5}
     with pytest.raises(ClusterError, match="--min-replicas 3 is more than --max-replicas 2"):
-        ClusterSettings(min_replicas=3, max_replicas=2)
+        ClusterConfig(min_replicas=3, max_replicas=2)
 
 
 def test_replicas_without_ray_fail_in_one_line_naming_the_extra(monkeypatch, capsys):
@@ -339,12 +339,12 @@ def test_kuberay_builds_the_same_app_from_serve_options():
     """`mirror_rt.cli:ray_serve_app` (a RayService's import_path) turns `mirror-rt serve` options into the app."""
     serve = pytest.importorskip("ray.serve")
     from mirror_rt.cli import build_parser, ray_serve_app
-    from mirror_rt.cli_replicas import cluster_settings
-    from mirror_rt.cli_serve import serve_parts
+    from mirror_rt.cli.replicas import cluster_config
+    from mirror_rt.cli.serve import serve_parts
 
     options = "--torch --model tiny --mode mirror --replicas 3 --max-queued 5 --device cuda"
     assert isinstance(ray_serve_app({"options": options}), serve.Application)
     parsed = build_parser().parse_args(["serve", *options.split()])
-    settings = cluster_settings(parsed, torch_engine=True)
+    settings = cluster_config(parsed, torch_engine=True)
     assert (settings.replicas, serve_parts(parsed)[0].max_queued) == (3, 5)
     assert settings.actor_options == {"num_cpus": 1, "num_gpus": 1}  # the CUDA target, the draft on a core

@@ -30,10 +30,10 @@ LAUNCH = f"""
 import functools, sys
 from serve_support import replica_engine
 from mirror_rt.serving import cluster
-from mirror_rt.serving.settings import ClusterSettings, ServerSettings
+from mirror_rt.serving.settings import ClusterConfig, ServerConfig
 port, cues = int(sys.argv[1]), sys.argv[2]
-server = ServerSettings(port=port, max_queued={QUEUED}, drain_timeout={DRAIN}, request_timeout=120)
-replicas = ClusterSettings(replicas=2, batch_rows=1, placement_timeout=20, actor_options={{
+server = ServerConfig(port=port, max_queued={QUEUED}, drain_timeout={DRAIN}, request_timeout=120)
+replicas = ClusterConfig(replicas=2, batch_rows=1, placement_timeout=20, actor_options={{
     "num_cpus": 1, "runtime_env": {{"env_vars": {{"PYTHONPATH": sys.argv[3]}}}}}})
 sys.exit(cluster.serve_replicas(server, replicas, functools.partial(replica_engine, cues, 0.05)))
 """

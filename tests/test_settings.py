@@ -14,20 +14,20 @@ from pathlib import Path
 import pytest
 
 from mirror_rt.cli import build_parser
-from mirror_rt.devices.options import DeviceOptions, ModelOptions, PrecisionOptions
+from mirror_rt.devices.options import DeviceConfig, PrecisionConfig, SourceConfig
 from mirror_rt.exporters.export import ExportConfig
-from mirror_rt.models.config import SplitOptions
+from mirror_rt.models.config import SplitConfig
 from mirror_rt.runtime.config import GenerationConfig
 from mirror_rt.runtime.sampling import SamplingConfig
-from mirror_rt.serving.settings import ClusterSettings, ServerSettings
+from mirror_rt.serving.settings import ClusterConfig, ServerConfig
 
 ROOT = Path(__file__).resolve().parents[1]
 CODE = ["runtime", "models", "exporters", "devices", "evaluation", "training", "serving", "mirror_rt"]
 # Each settings object, and the module that is the one home of its defaults.
 HOMES = {GenerationConfig: "runtime/config.py", SamplingConfig: "runtime/sampling.py",
-         ModelOptions: "devices/options.py", DeviceOptions: "devices/options.py",
-         PrecisionOptions: "devices/options.py", SplitOptions: "models/config.py",
-         ServerSettings: "serving/settings.py", ClusterSettings: "serving/settings.py",
+         SourceConfig: "devices/options.py", DeviceConfig: "devices/options.py",
+         PrecisionConfig: "devices/options.py", SplitConfig: "models/config.py",
+         ServerConfig: "serving/settings.py", ClusterConfig: "serving/settings.py",
          ExportConfig: "exporters/export.py"}
 # A flag whose None means "not asked for" rather than the field's default: --replicas (absent: no Ray at all).
 NOT_GIVEN = {("serve", "replicas")}
@@ -43,9 +43,9 @@ def default(field):
 def settings_defaults(command: str) -> dict:
     """Every settings field a flag of `command` may name, with its one default (sampling fields flat)."""
     kinds = {"export": [ExportConfig],
-             "serve": [GenerationConfig, SamplingConfig, ModelOptions, DeviceOptions, PrecisionOptions, SplitOptions,
-                       ServerSettings, ClusterSettings]}.get(command, [GenerationConfig, SamplingConfig, ModelOptions,
-                                                                     DeviceOptions, PrecisionOptions, SplitOptions])
+             "serve": [GenerationConfig, SamplingConfig, SourceConfig, DeviceConfig, PrecisionConfig, SplitConfig,
+                       ServerConfig, ClusterConfig]}.get(command, [GenerationConfig, SamplingConfig, SourceConfig,
+                                                                     DeviceConfig, PrecisionConfig, SplitConfig])
     found = {}
     for kind in kinds:
         for f in fields(kind):
@@ -101,14 +101,14 @@ def test_no_cli_flag_writes_a_settings_default_of_its_own():
     """A flag naming a settings field takes its default from the settings object, never as a literal."""
     fields_anywhere = {f.name for kind in HOMES for f in fields(kind)}
     offenders = [f"{path.name}:{line} --{dest} default={value!r}"
-                 for path in sorted((ROOT / "mirror_rt").glob("cli*.py"))
+                 for path in sorted((ROOT / "mirror_rt" / "cli").glob("*.py"))
                  for line, dest, value in _literal_defaults(path) if dest in fields_anywhere]
     assert not offenders
 
 
 def _code_files():
     for folder in CODE:
-        yield from sorted((ROOT / folder).glob("*.py"))
+        yield from sorted((ROOT / folder).rglob("*.py"))  # (rglob does not follow mirror_rt/'s links)
 
 
 TRIVIAL = (None, True, False, 0, 1, "", (), 0.0, 1.0)
@@ -136,11 +136,14 @@ OLD_NAMES = [
     (r"num_draft_tokens(?<!spec_decode_num_draft_tokens)", "gamma"),  # vLLM's metric name stays a metric name
     (r"(?<![\w.])lookup=", "draft_lookup="),
     (r"\bdraft_ref\b|\bmodel_ref\b", "draft_model / model"),
-    (r"\btorch_options\b", "EngineOptions"),
+    (r"\btorch_options\b", "EngineConfig"),
     (r"\brequest_timeout_s\b|\bdrain_s\b|\bplacement_timeout_s\b", "request_timeout / drain_timeout / "
                                                                      "placement_timeout"),
-    (r"\btarget_device=|\bdraft_device=", "target= / draft= (DeviceOptions)"),
+    (r"\btarget_device=|\bdraft_device=", "target= / draft= (DeviceConfig)"),
     (r"getattr\(engine, \"(placement|manifest)\"", "engine.placement / engine.manifest (declared fields)"),
+    (r"\b(Engine|Model|Device|Precision|Split)Options\b|\b(Batch|Draft|Server|Cluster|Bench)Settings\b",
+     "one suffix for settings objects: EngineConfig, SourceConfig, DeviceConfig, PrecisionConfig, SplitConfig, "
+     "BatchConfig, DraftConfig, ServerConfig, ClusterConfig, BenchConfig"),
 ]
 
 
@@ -162,7 +165,7 @@ def test_one_placement_class():
 
 def test_no_module_of_runtime_devices_serving_passes_400_lines():
     long = {path.relative_to(ROOT).as_posix(): n for folder in ("runtime", "devices", "serving")
-            for path in (ROOT / folder).glob("*.py") if (n := len(path.read_text().splitlines())) > 400}
+            for path in (ROOT / folder).rglob("*.py") if (n := len(path.read_text().splitlines())) > 400}
     assert not long
 
 

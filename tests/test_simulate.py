@@ -80,9 +80,9 @@ def test_mirror_stats_latency_model_hand_computed():
     rendezvous (6 - 4) / 2 = 1, P(miss) = 1/4, T_fresh = 4 / 1 -> 5 + 1 + 20 + 1 = 27 ms;
     pipelined: 1 + max(5 + 10, 20) + 1 = 22 ms.
     """
-    from mirror_rt.runtime.draft_row import DraftStats
     from mirror_rt.runtime.metrics import Metrics
-    from mirror_rt.runtime.mirror_stats import mirror_summary
+    from mirror_rt.runtime.mirror.draft_row import DraftStats
+    from mirror_rt.runtime.mirror.stats import mirror_summary
 
     m = Metrics()
     m.record_step(2, 2)

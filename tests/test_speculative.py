@@ -3,7 +3,7 @@
 import pytest
 from conftest import perturbed_copy, tiny_target
 
-from mirror_rt.devices.torch_backend import TorchModel
+from mirror_rt.devices.torch.backend import TorchModel
 from mirror_rt.runtime.metrics import Metrics
 from mirror_rt.runtime.reference import generate
 from mirror_rt.runtime.speculative import speculative_generate

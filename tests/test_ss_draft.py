@@ -41,7 +41,7 @@ def test_main_stream_is_the_base_draft():
 
 def test_stream_verified_rollout_equals_draft_greedy():
     """Exact at temperature 0, whatever the (random) stream guesses."""
-    from mirror_rt.devices.torch_backend import TorchModel
+    from mirror_rt.devices.torch.backend import TorchModel
 
     for seed in range(3):
         base = tiny_target(seed=seed)
@@ -56,7 +56,7 @@ def test_confident_guesses_keep_the_leading_likely_streams():
     """A stream's guess is fed only when likely enough, and never after an unlikely one."""
     import numpy as np
 
-    from mirror_rt.runtime.draft_row import confident_guesses
+    from mirror_rt.runtime.mirror.draft_row import confident_guesses
 
     rows = np.log(np.array([[0.9, 0.05, 0.05], [0.1, 0.45, 0.45], [0.0001, 0.0001, 0.9998]]))
     assert confident_guesses(rows, 0.2) == [0, 1, 2]  # 0.9, 0.45 (the first of the tied tokens), 0.9998

@@ -101,7 +101,7 @@ def test_mirror_with_onnx_ss_draft_equals_reference(ss_bundles, weights, kv):
     """Mirror over the bundle's split target and its SS draft, which adopts the target's prompt KV (explicit
     KV: a copy of the target's shared buffers)."""
     from mirror_rt.runtime.config import GenerationConfig
-    from mirror_rt.runtime.mirror import mirror_generate
+    from mirror_rt.runtime.mirror.target_row import mirror_generate
 
     loaded = load_parts(ss_bundles[1][weights, kv], "ort:cpu", "ort:cpu", strict=True, threads=1)
     loaded.draft.same_model_as_target = True

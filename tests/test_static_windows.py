@@ -1,4 +1,4 @@
-"""Static-shape windows (`devices.torch_static`) and `--compile` on the CPU (inductor).
+"""Static-shape windows (`devices.torch.static`) and `--compile` on the CPU (inductor).
 
 Windows run padded to 1 or 8 rows (longer ones eagerly, unpadded) with KV written at device-side positions
 and attention over every slot under a mask; padding rows are never committed. Greedy output must equal the eager
@@ -15,15 +15,15 @@ import pytest
 import torch
 from conftest import perturbed_copy, tiny_target
 
-from mirror_rt.devices.torch_backend import TorchModel
-from mirror_rt.devices.torch_split import TorchSplitTarget
-from mirror_rt.devices.torch_static import VERIFY_ROWS, WINDOW_SIZES, window_size
+from mirror_rt.devices.torch.backend import TorchModel
+from mirror_rt.devices.torch.split import TorchSplitTarget
+from mirror_rt.devices.torch.static import VERIFY_ROWS, WINDOW_SIZES, window_size
 from mirror_rt.models.config import ModelConfig
 from mirror_rt.models.transformer import random_model
 from mirror_rt.runtime.config import GenerationConfig
 from mirror_rt.runtime.kv_cache import CacheFull
 from mirror_rt.runtime.metrics import Metrics
-from mirror_rt.runtime.mirror import mirror_generate
+from mirror_rt.runtime.mirror.target_row import mirror_generate
 from mirror_rt.runtime.reference import generate
 from mirror_rt.runtime.speculative import speculative_generate
 

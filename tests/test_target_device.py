@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from mirror_rt.devices import engines, registry, torch_engine
-from mirror_rt.devices.options import EngineOptions
+from mirror_rt.devices.options import EngineConfig
 from mirror_rt.devices.placement import is_accelerator, plan
 from mirror_rt.devices.registry import DeviceError, DeviceFallbackWarning, DeviceSpec, resolve
 
@@ -66,12 +66,12 @@ def test_target_cuda_without_a_bundle_runs_torch_on_the_gpu(monkeypatch):
     seen = {}
     monkeypatch.setattr(engines, "load_torch", lambda options, mode=None, log=None: seen.update(
         vars(options.models) | vars(options.devices)) or "engine")
-    assert engines.load_engine(EngineOptions.from_flags(target="cuda", draft="npu")) == "engine"
+    assert engines.load_engine(EngineConfig.from_flags(target="cuda", draft="npu")) == "engine"
     assert seen["device"] == "cuda:0" and seen["draft"] == "npu"
-    engines.load_engine(EngineOptions.from_flags(target="cuda:1", model="tiny"))
+    engines.load_engine(EngineConfig.from_flags(target="cuda:1", model="tiny"))
     assert seen["device"] == "cuda:1" and seen["model"] == "tiny"
     with pytest.raises(engines.GenerationError, match="different"):
-        engines.load_engine(EngineOptions.from_flags(target="cuda:1", device="cpu"))
+        engines.load_engine(EngineConfig.from_flags(target="cuda:1", device="cpu"))
 
 
 def test_target_cuda_without_cuda_warns_plainly_and_runs_the_default_bundle(monkeypatch):
@@ -124,7 +124,7 @@ def test_placement_cpu_pair_pins_a_core_each_in_mirror_only():
 
 
 def test_cpu_torch_engine_reports_its_placement():
-    engine = torch_engine.load_torch(EngineOptions.from_flags(model="tiny", draft_model="int8"), log=lambda *a: None)
+    engine = torch_engine.load_torch(EngineConfig.from_flags(model="tiny", draft_model="int8"), log=lambda *a: None)
     assert engine.names["placement"] == plan("torch:cpu", "torch:cpu", "mirror",
                                              sorted(engines.available_cores())).describe()
     assert engine.placement.describe() == engine.names["placement"] and not engine.placement.fallbacks
@@ -137,7 +137,7 @@ def test_torch_threads_are_what_the_placement_says_and_at_most_the_cores():
 
     cores, lines, previous = len(engines.available_cores()), [], torch.get_num_threads()
     try:
-        engine = torch_engine.load_torch(EngineOptions.from_flags(model="tiny", draft_model="int8", threads=1000),
+        engine = torch_engine.load_torch(EngineConfig.from_flags(model="tiny", draft_model="int8", threads=1000),
                                          log=lines.append)
         assert torch.get_num_threads() == cores
     finally:
@@ -162,7 +162,7 @@ def onnx_bundle(tmp_path_factory):
 def test_torch_target_with_a_bundle_draft(onnx_bundle, mode):
     """The CUDA pairing, on the CPU: a torch target with the ONNX Runtime draft of a bundle (placed by plan),
     lossless, the draft prefilling itself (its KV lives in another backend)."""
-    options = EngineOptions.from_flags(target="torch:cpu", draft="cpu", draft_bundle=str(onnx_bundle), model="tiny")
+    options = EngineConfig.from_flags(target="torch:cpu", draft="cpu", draft_bundle=str(onnx_bundle), model="tiny")
     engine = engines.load_engine(options, mode, log=lambda *a: None)
     assert type(engine.draft).__name__ == "ORTModel" and not engine.draft.same_model_as_target
     cores = sorted(engines.available_cores())
@@ -176,7 +176,7 @@ def test_bundle_draft_of_another_vocabulary_is_refused(onnx_bundle, tmp_path):
 
     folder = write_hf_folder(tmp_path / "m", vocab_size=64)
     with pytest.raises(engines.GenerationError, match="vocabulary mismatch"):
-        torch_engine.load_torch(EngineOptions.from_flags(model=str(folder), draft_bundle=str(onnx_bundle)),
+        torch_engine.load_torch(EngineConfig.from_flags(model=str(folder), draft_bundle=str(onnx_bundle)),
                                 log=lambda *a: None)
 
 
@@ -193,8 +193,8 @@ def test_weights_picks_the_default_bundle_at_that_precision(monkeypatch):
                         asked.append(weights) or f"/bundles/{weights}")
     monkeypatch.setattr(engines, "load_bundle", lambda options, mode=None: type("E", (), {
         "names": {}, "bundle": options.models.bundle})())
-    assert engines.load_engine(EngineOptions.from_flags(weights="q4_1")).bundle == "/bundles/q4_1"
+    assert engines.load_engine(EngineConfig.from_flags(weights="q4_1")).bundle == "/bundles/q4_1"
     assert asked == ["q4_1"]
     for other in ({"bundle": "/some/bundle"}, {"torch": True}, {"model": "tiny"}):
         with pytest.raises(engines.GenerationError, match="--weights q4_1 picks the default model's bundle"):
-            engines.load_engine(EngineOptions.from_flags(weights="q4_1", **other))
+            engines.load_engine(EngineConfig.from_flags(weights="q4_1", **other))

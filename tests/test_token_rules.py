@@ -18,7 +18,7 @@ from mirror_rt.runtime.acceptance import Verdict
 from mirror_rt.runtime.config import GenerationConfig
 from mirror_rt.runtime.grammar import Constraint, check, grammar_tokenizer
 from mirror_rt.runtime.logprobs import token_logprobs
-from mirror_rt.runtime.mirror import mirror_generate
+from mirror_rt.runtime.mirror.target_row import mirror_generate
 from mirror_rt.runtime.penalties import penalize
 from mirror_rt.runtime.sampling import SamplingConfig
 from mirror_rt.runtime.speculative import speculative_generate

@@ -11,12 +11,12 @@ import pytest
 import torch
 from conftest import perturbed_copy, tiny_target
 
-from mirror_rt.devices.torch_backend import TorchModel
-from mirror_rt.devices.torch_split import TorchSplitTarget
+from mirror_rt.devices.torch.backend import TorchModel
+from mirror_rt.devices.torch.split import TorchSplitTarget
 from mirror_rt.runtime.acceptance import accept_greedy
 from mirror_rt.runtime.config import GenerationConfig
 from mirror_rt.runtime.metrics import Metrics
-from mirror_rt.runtime.mirror import mirror_generate
+from mirror_rt.runtime.mirror.target_row import mirror_generate
 from mirror_rt.runtime.reference import generate
 from mirror_rt.runtime.sampling import SamplingConfig
 from mirror_rt.runtime.speculative import speculative_generate

@@ -17,13 +17,13 @@ pytest.importorskip("openai")
 def test_second_turn_reuses_the_first_only_with_the_prefix_cache(engine, tmp_path, prefix_cache):
     from mirror_rt.evaluation.specbench import read_questions
     from mirror_rt.evaluation.turn_bench import report, run
-    from mirror_rt.runtime.batch import BatchSettings
+    from mirror_rt.runtime.batch.decoder import BatchConfig
 
     data = tmp_path / "q.jsonl"
     data.write_text("\n".join(json.dumps({"question_id": i, "category": "c", "turns": [
         f"Tell me about the number {i} and why it matters to people who count things every day.",
         "And its square?"]}) for i in range(3)))
-    engine.batch = BatchSettings(prefix_cache=prefix_cache)
+    engine.batch = BatchConfig(prefix_cache=prefix_cache)
     engine.reset()
     server = start(engine)
     try:

@@ -10,14 +10,14 @@ import torch
 from conftest import load_parts
 
 from mirror_rt.devices.registry import available_devices
-from mirror_rt.devices.torch_backend import TorchModel
-from mirror_rt.devices.torch_split import TorchSplitTarget
+from mirror_rt.devices.torch.backend import TorchModel
+from mirror_rt.devices.torch.split import TorchSplitTarget
 from mirror_rt.exporters.export import ExportError, export_bundle
 from mirror_rt.exporters.manifest import BundleManifest, read_manifest
 from mirror_rt.models.loading import load_checkpoint
 from mirror_rt.models.pruned_head import PrunedHeadDraft, load_kept, save_kept
 from mirror_rt.runtime.config import GenerationConfig
-from mirror_rt.runtime.mirror import mirror_generate
+from mirror_rt.runtime.mirror.target_row import mirror_generate
 from mirror_rt.runtime.reference import generate
 from mirror_rt.runtime.sampling import SamplingConfig, probabilities
 from mirror_rt.training.vocab_prune import choose_kept, coverage, token_counts

@@ -21,8 +21,8 @@ import numpy as np
 
 from mirror_rt.runtime.affinity import available_cores
 from mirror_rt.runtime.config import DEFAULTS, MAX_GAMMA
-from mirror_rt.runtime.draft_row import confident_guesses
-from mirror_rt.runtime.lookup import lookup_guesses, verify_guesses
+from mirror_rt.runtime.mirror.draft_row import confident_guesses
+from mirror_rt.runtime.mirror.lookup import lookup_guesses, verify_guesses
 
 
 @dataclass

@@ -24,7 +24,7 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from mirror_rt.models.config import SplitOptions
+from mirror_rt.models.config import SplitConfig
 from mirror_rt.models.exit_adapter import ExitAdapter, exit_logits, save_exit_adapter
 from mirror_rt.training.checkpoints import load_state, save_state
 from mirror_rt.training.exit_data import (
@@ -48,7 +48,7 @@ class TrainExitConfig:
     """One training run; CLI flags map one to one onto these fields."""
 
     target: str | None = None  # model reference (None: the default model)
-    exit_layer: int | None = None  # None: the model's default (models.config.SplitOptions)
+    exit_layer: int | None = None  # None: the model's default (models.config.SplitConfig)
     data: tuple[str, ...] = ()  # SpecBench-format jsonl files (required)
     steps: int = 600  # optimizer steps
     rank: int | None = None  # adapter rank (None: DEFAULT_RANK, or the model's hidden size where smaller)
@@ -212,7 +212,7 @@ def train_exit(cfg: TrainExitConfig, progress: bool = True, log=print) -> dict:
         cfg = replace(cfg, rank=min(DEFAULT_RANK, hidden))
     if cfg.rank > hidden:  # before the data is collected, not after
         raise ValueError(f"--rank must be in 1..{hidden} (the hidden size), got {cfg.rank}")
-    exit_layer, _ = SplitOptions(cfg.exit_layer).resolve(model.config)
+    exit_layer, _ = SplitConfig(cfg.exit_layer).resolve(model.config)
     started = time.perf_counter()
     folder, settings = cache_dir(cfg.cache) / "exit-data", (cfg.max_new_tokens, cfg.max_prompt_tokens)
     if cfg.attention:  # whole sequences: the adapter reads earlier positions' keys

@@ -17,7 +17,7 @@ import time
 import pytest
 import torch
 
-from mirror_rt.devices.options import EngineOptions
+from mirror_rt.devices.options import EngineConfig
 from mirror_rt.devices.torch_engine import load_torch as load_options
 from mirror_rt.evaluation.device_check import first_mismatch
 from mirror_rt.runtime.transfer import record_shapes
@@ -30,7 +30,7 @@ QUIET = dict(log=lambda *a: None)
 
 def load_torch(model, draft_model, log, **flags):
     """A torch engine of `model` with `draft_model`, other engine flags by name."""
-    return load_options(EngineOptions.from_flags(model=model, draft_model=draft_model, **flags), log=log)
+    return load_options(EngineConfig.from_flags(model=model, draft_model=draft_model, **flags), log=log)
 
 
 def _assert_equal_or_tie(engine, expected: list[int], got: list[int]) -> None:

@@ -1,0 +1,399 @@
+"""ONNX Runtime backend: the .onnx graphs of a bundle on any execution provider.
+
+Two kinds of graphs. Explicit-KV graphs take the KV cache as inputs and return it grown by
+the window, so the cache is a list of host arrays per graph; rollback slices them (O(1),
+views), and each call copies the whole cache. Shared-KV graphs (`--kv shared`, the ONNX
+default; exporters.shared_kv) write the window's KV in place into preallocated buffers bound
+as both past and present through IO binding: no copy, rollback is a count. The split target
+can also prefill pipelined over two cores, and a self-draft can adopt its prompt KV. Sessions load their
+optimized graphs from the bundle's cache once made (devices.onnxruntime.session). onnxruntime is imported lazily.
+Invariant: between calls every graph of a cache holds exactly `length` positions, except
+that after `forward_prefix` the suffix lags until `forward_suffix` runs. The split target's
+exit graph is stateless and belongs to no cache.
+"""
+
+from __future__ import annotations
+
+import queue
+import threading
+from collections.abc import Sequence
+from pathlib import Path
+
+import numpy as np
+
+from mirror_rt.devices.base import CacheBounds, SplitTarget
+from mirror_rt.devices.onnxruntime.pool import (
+    RowPool,
+    forward_rows,
+    pinned_helper,
+    prefix_rows,
+    split_prompts,
+    split_rows,
+    suffix_rows,
+)
+from mirror_rt.devices.onnxruntime.session import create_session
+from mirror_rt.exporters.native_op import ATTENTION, register
+from mirror_rt.runtime.affinity import pin
+
+PREFILL_CHUNK = 64  # prompt tokens per pipelined prefill stage
+LAST_ROWS = "last_rows"  # optional graph input (exporters.split.LAST_ROWS): logits rows from the window's end
+TOTAL_LEN = "total_len"  # input of shared-KV graphs (exporters.shared_kv.TOTAL_LEN)
+ROWS_APART = 1 << 16  # attention_groups of pool graphs: as many as rows
+GROUPS = "attention_groups"  # input of exact graphs since format 6 (exporters.exact_kv.GROUPS_INPUT)
+STREAM_LOGITS = "stream_logits"  # second output of SS draft graphs (exporters.ss_graph.STREAM_LOGITS)
+
+# Short provider names of device strings (`ort:qnn`) -> ONNX Runtime execution providers.
+PROVIDERS = {"cpu": "CPUExecutionProvider", "cuda": "CUDAExecutionProvider", "qnn": "QNNExecutionProvider",
+             "openvino": "OpenVINOExecutionProvider", "dml": "DmlExecutionProvider",
+             "coreml": "CoreMLExecutionProvider", "tensorrt": "TensorrtExecutionProvider"}
+
+
+def _onnxruntime():
+    try:
+        import onnxruntime
+    except ImportError as exc:
+        raise ImportError("the ONNX Runtime backend needs the 'onnxruntime' package (pip install onnxruntime)") from exc
+    return onnxruntime
+
+
+def session_options(threads: int | None):
+    """One intra-op pool of `threads`, no inter-op pool, no spinning (an idle worker leaves its cores to the
+    other worker: target and draft share the machine; it costs a little latency on a quiet machine)."""
+    ort = _onnxruntime()
+    options = ort.SessionOptions()
+    options.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_ALL
+    options.execution_mode = ort.ExecutionMode.ORT_SEQUENTIAL
+    options.inter_op_num_threads = 1
+    if threads:
+        options.intra_op_num_threads = int(threads)
+    options.add_session_config_entry("session.intra_op.allow_spinning", "0")
+    register(options, threads)  # mirror-rt's ops (exporters.native_op), where they build
+    return options
+
+
+class ORTGraph:
+    """One ONNX Runtime session over a graph with explicit KV, or KV in shared buffers (`shared_kv`).
+
+    Explicit graphs take the past KV as inputs and return it grown (a copy of the cache per call).
+    Shared-KV graphs (exporters.shared_kv) write the window's KV in place into buffers bound as both
+    past and present through IO binding: no copy, and rollback is only a count.
+    """
+
+    def __init__(self, path: Path, provider: str = "cpu", kv_shape: tuple[int, int] = (1, 1),
+                 threads: int | None = None):
+        _onnxruntime()  # its clear error where onnxruntime is missing
+        providers = [PROVIDERS.get(provider, provider)]
+        if providers[0] != "CPUExecutionProvider":
+            providers.append("CPUExecutionProvider")  # ops the EP does not take
+        self.session = create_session(Path(path), providers, lambda: session_options(threads))
+        inputs = {i.name: i for i in self.session.get_inputs()}
+        names = list(inputs)
+        self.input_name = names[0]
+        self.takes_last_rows = LAST_ROWS in names  # logits graphs of bundles since format 3
+        self.shared_kv = TOTAL_LEN in names
+        self.past_names = [n for n in names[1:] if n not in (LAST_ROWS, TOTAL_LEN, GROUPS)]
+        self.groups = inputs[GROUPS].shape[0] if GROUPS in inputs else 0  # attention groups of rows (format 6)
+        # pool graphs (format 7, exporters.pool_kv): each row reads its own keys, whatever its companions' lengths
+        self.rows_apart = self.session.get_modelmeta().custom_metadata_map.get(ATTENTION) == "pool"
+        self.output_names = [o.name for o in self.session.get_outputs()]
+        self.n_head_outputs = len(self.output_names) - len(self.past_names)
+        self.kv_shape = kv_shape  # (kv_heads, head_dim)
+        half = self.past_names and inputs[self.past_names[0]].type == "tensor(float16)"  # pool graphs' --kv-dtype
+        self.kv_dtype = np.float16 if half else np.float32
+        # batched shared-KV graphs (exporters.shared_kv) take rows: ids [B, T] / hidden [B, T, hidden]
+        self.batched = self.shared_kv and len(inputs[names[0]].shape) == (2 if self.input_name == "input_ids" else 3)
+
+    def empty_kv(self, capacity: int) -> list:
+        """Explicit: zero-length arrays. Shared: (buffers [1, KVH, capacity, D], their OrtValues)."""
+        shape = (1, self.kv_shape[0], capacity if self.shared_kv else 0, self.kv_shape[1])
+        buffers = [np.zeros(shape, dtype=self.kv_dtype) for _ in self.past_names]
+        if not self.shared_kv:
+            return buffers
+        ort = _onnxruntime()
+        return [(b, ort.OrtValue.ortvalue_from_numpy(b)) for b in buffers]  # the OrtValues share the memory
+
+    def run(self, x: np.ndarray, kv: list, last_rows: int | None = None, start: int = 0) -> tuple[dict, list]:
+        """x [T] ids or [T, hidden] at positions start.. -> (head outputs by name, the kv after the call).
+
+        `last_rows`: logits for the window's last rows only (graphs that take it; others return all rows).
+        """
+        extra = {LAST_ROWS: np.array([last_rows or len(x)], dtype=np.int64)} if self.takes_last_rows else {}
+        if self.batched:  # one row of a batched graph
+            values = [value for _, value in kv]
+            head = self.run_rows(x[None], values, np.array([start + len(x)], dtype=np.int32), last_rows)
+            return {name: out[0] for name, out in head.items()}, kv
+        if self.shared_kv:
+            return self._run_shared(x, kv, extra | {TOTAL_LEN: np.array([start + len(x)], dtype=np.int32)})
+        outputs = self.session.run(self.output_names, {self.input_name: x, **dict(zip(self.past_names, kv))} | extra)
+        head = dict(zip(self.output_names[:self.n_head_outputs], outputs[:self.n_head_outputs]))
+        return head, outputs[self.n_head_outputs:]
+
+    def run_rows(self, x: np.ndarray, values: list, total_len: np.ndarray, last_rows: int | None = None,
+                 groups: np.ndarray | None = None) -> dict:
+        """Batched graphs: x [B, T] ids or [B, T, hidden] over KV buffers `values` (OrtValues [B, KVH, S, D], one
+        per past input, written in place); total_len [B] int32: positions per row after the call -> head outputs
+        by name, [B, ...] each (logits of the last `last_rows` rows of each window where the graph takes it).
+        `groups` [self.groups, 2] (graphs that take them): (row end, keys read) per group of rows; None: one."""
+        feeds = {TOTAL_LEN: total_len}
+        if self.groups:
+            feeds[GROUPS] = groups if groups is not None else one_group(total_len, self.groups)
+        if self.takes_last_rows:
+            feeds[LAST_ROWS] = np.array([last_rows or x.shape[1]], dtype=np.int64)
+        return self._run_shared(x, values, feeds)[0]
+
+    def _run_shared(self, x: np.ndarray, kv: list, feeds: dict) -> tuple[dict, list]:
+        """Run with `kv` bound as both past and present (OrtValues, or (buffer, OrtValue) pairs)."""
+        binding = self.session.io_binding()
+        for name, value in ({self.input_name: np.ascontiguousarray(x)} | feeds).items():
+            binding.bind_cpu_input(name, value)
+        heads = self.output_names[:self.n_head_outputs]
+        for name in heads:
+            binding.bind_output(name, "cpu")
+        for past, present, item in zip(self.past_names, self.output_names[self.n_head_outputs:], kv):
+            value = item[1] if isinstance(item, tuple) else item
+            binding.bind_ortvalue_input(past, value)
+            binding.bind_ortvalue_output(present, value)
+        self.session.run_with_iobinding(binding)
+        outputs = binding.get_outputs()
+        return {name: outputs[i].numpy() for i, name in enumerate(heads)}, kv
+
+
+def one_group(total_len: np.ndarray, groups: int) -> np.ndarray:
+    """Attention groups [groups, 2] with every row in the first (the others empty)."""
+    rows = len(total_len)
+    return np.array([[rows, int(total_len.max())]] + [[rows, 1]] * (groups - 1), dtype=np.int64)
+
+
+class ORTCache(CacheBounds):
+    """The KV of one or more graphs of the same model: host arrays (explicit) or shared buffers."""
+
+    def __init__(self, graphs: list[ORTGraph], capacity: int):
+        self.kv = [g.empty_kv(capacity) for g in graphs]  # per graph: [key0, value0, ...] (see ORTGraph.empty_kv)
+        self.shared = graphs[0].shared_kv
+        self.filled = [0] * len(graphs)  # positions held by each graph
+        self.capacity = capacity
+        self.hidden: np.ndarray | None = None  # split target: prefix rows the suffix has not seen
+
+    @property
+    def length(self) -> int:
+        """Positions committed (by the first graph; the suffix may lag by `hidden` rows)."""
+        return self.filled[0]
+
+    def run(self, index: int, graph: ORTGraph, x: np.ndarray, last_rows: int | None = None) -> dict:
+        """Run graph `index` of this cache over x after its positions; returns its head outputs."""
+        head, self.kv[index] = graph.run(x, self.kv[index], last_rows, self.filled[index])
+        self.filled[index] += len(x)
+        return head
+
+    def rollback(self, length: int) -> None:
+        """Forget positions >= length in every graph (explicit: array views; shared: a count). O(1)."""
+        self.check_rollback(length)
+        if not self.shared:
+            self.kv = [[a[:, :, :length] for a in kv] for kv in self.kv]
+        self.filled = [min(f, length) for f in self.filled]
+        if self.hidden is not None:  # keep the pending rows that survive the rollback
+            keep = length - self.filled[-1]
+            self.hidden = self.hidden[:keep] if keep > 0 else None
+
+
+class ORTModel:
+    """A `LoadedModel` over one graph (the draft, or an unsplit target)."""
+
+    def __init__(self, graph: ORTGraph, vocab_size: int, max_seq_len: int):
+        self.graph = graph
+        self.vocab_size = vocab_size
+        self.max_seq_len = max_seq_len
+
+    def new_cache(self, capacity: int) -> ORTCache:
+        return ORTCache([self.graph], min(capacity, self.max_seq_len))
+
+    def forward(self, tokens: Sequence[int], cache: ORTCache, last_rows: int | None = None) -> np.ndarray:
+        """tokens [T] at positions cache.length.. -> logits [T, vocab] (or its last `last_rows`); advances by T."""
+        ids = np.asarray(tokens, dtype=np.int64)
+        cache.check_room(len(ids))
+        logits = cache.run(0, self.graph, ids, last_rows)["logits"]
+        return logits[-last_rows:] if last_rows else logits
+
+    def forward_last(self, tokens: Sequence[int], cache: ORTCache) -> np.ndarray:
+        """As `forward`, but logits of the last position only ([1, vocab]; prefill)."""
+        return self.forward(tokens, cache, last_rows=1)
+
+    @property
+    def batches(self) -> bool:
+        """Whether the graph runs rows of sequences at once (batched shared-KV graphs)."""
+        return self.graph.batched
+
+    def new_pool(self, rows: int, capacity: int) -> RowPool:
+        """KV rows for `rows` sequences of up to `capacity` positions (devices.onnxruntime.pool)."""
+        return RowPool([self.graph], rows, capacity)
+
+    def forward_rows(self, tokens: np.ndarray, pool: RowPool, first: int, last_rows: int | None = None) -> np.ndarray:
+        """tokens [B, T] at each row's length, rows first..first+B-1 -> logits [B, T or last_rows, vocab]."""
+        return forward_rows(self, pool, tokens, first, last_rows)
+
+    def can_adopt(self, target) -> bool:
+        """Whether `adopt` takes `target`'s caches: an ONNX Runtime target, and shared buffers only from shared."""
+        graph = getattr(target, "prefix", getattr(target, "graph", None))
+        return isinstance(graph, ORTGraph) and (graph.shared_kv or not self.graph.shared_kv)
+
+    def adopt(self, target_cache: ORTCache, capacity: int) -> ORTCache:
+        """A cache holding the split target's KV, all layers in order (explicit arrays are shared: never
+        written; shared buffers are copied: both models go on writing theirs)."""
+        if not isinstance(target_cache, ORTCache):
+            raise ValueError(f"cannot adopt a {type(target_cache).__name__} (another backend's KV cache)")
+        if target_cache.hidden is not None:
+            raise RuntimeError("cannot adopt a target cache with a pending forward_suffix")
+        layers = [a for kv in target_cache.kv for a in kv]
+        arrays = [a[0] for a in layers] if target_cache.shared else layers
+        if len(arrays) != len(self.graph.past_names) or arrays[0].shape[1::2] != tuple(self.graph.kv_shape):
+            raise ValueError("cannot adopt a cache of another shape (the draft is not a copy of the target)")
+        if self.graph.shared_kv and not target_cache.shared:
+            raise ValueError("cannot adopt an explicit KV cache into shared KV buffers")
+        cache = self.new_cache(capacity)
+        n = target_cache.length
+        cache.check_room(n)
+        if cache.shared:
+            for (buffer, _), source in zip(cache.kv[0], arrays):
+                buffer[:, :, :n] = source[:, :, :n]
+        elif target_cache.shared:  # explicit from shared buffers (an SS draft, exporters.ss_graph): a copy
+            cache.kv = [[a[:, :, :n].copy() for a in arrays]]
+        else:
+            cache.kv = [arrays]
+        cache.filled = [n]
+        return cache
+
+
+class ORTStreamDraft(ORTModel):
+    """An SS draft graph (exporters.ss_graph): `forward` is the plain draft, `forward_streams` adds the
+    lookahead streams' logits, which the Mirror draft worker uses to confirm several tokens per forward."""
+
+    def __init__(self, graph: ORTGraph, vocab_size: int, max_seq_len: int):
+        super().__init__(graph, vocab_size, max_seq_len)
+        self.n_streams = int(graph.session.get_modelmeta().custom_metadata_map["n_streams"])
+
+    def forward_streams(self, tokens: Sequence[int], cache: ORTCache) -> tuple[np.ndarray, np.ndarray]:
+        """tokens [T] -> main logits [T, vocab], stream logits [T, n_s, vocab]; advances the cache by T."""
+        ids = np.asarray(tokens, dtype=np.int64)
+        cache.check_room(len(ids))
+        head = cache.run(0, self.graph, ids)
+        return head["logits"], head[STREAM_LOGITS]
+
+
+class ORTSplitTarget(SplitTarget):
+    """The target as prefix + suffix sessions with a stateless early-exit session, one cache for both.
+
+    `forward` never runs the exit session: target-only decoding pays for the prefix and suffix only.
+    The verbs come from `devices.base.SplitTarget`; this class runs its three graphs.
+    """
+
+    def __init__(self, prefix: ORTGraph, exit_graph: ORTGraph, suffix: ORTGraph, vocab_size: int, max_seq_len: int,
+                 kappa: int, prompt_graphs: list[ORTGraph] | None = None):
+        self.prefix, self.exit, self.suffix = prefix, exit_graph, suffix
+        self.prompt_graphs = prompt_graphs  # (prefix, suffix) sessions over more cores, for prompts
+        self.vocab_size, self.max_seq_len, self.kappa = vocab_size, max_seq_len, kappa
+        self._helper = None  # (core, executor) running the second part of split steps and prompt pairs
+
+    def new_cache(self, capacity: int) -> ORTCache:
+        return ORTCache([self.prefix, self.suffix], min(capacity, self.max_seq_len))
+
+    @property
+    def batches(self) -> bool:
+        """Whether prefix and suffix run rows of sequences at once (not with an attention exit adapter)."""
+        return self.prefix.batched and self.suffix.batched and "exit_hidden" not in self.prefix.output_names
+
+    @property
+    def attention_groups(self) -> int:
+        """Groups of rows each call's attention can read apart (exporters.exact_kv, format 6; 0: none; pool
+        graphs: every row apart)."""
+        if self.prefix.rows_apart and self.suffix.rows_apart:
+            return ROWS_APART
+        return min(self.prefix.groups, self.suffix.groups)
+
+    def new_pool(self, rows: int, capacity: int) -> RowPool:
+        """KV rows of prefix and suffix for `rows` sequences (devices.onnxruntime.pool)."""
+        return RowPool([self.prefix, self.suffix], rows, capacity)
+
+    def forward_prefix_rows(self, tokens: np.ndarray, pool: RowPool, first: int, exit_: bool = True):
+        """Prefix layers over rows first..: tokens [B, T] -> early exit (ids, log-probs) [B, T, kappa] (None
+        without `exit_`); the hidden state waits in the pool for `forward_suffix_rows`."""
+        return prefix_rows(self, pool, tokens, first, exit_)
+
+    def forward_suffix_rows(self, pool: RowPool, last_rows: int | None = None) -> np.ndarray:
+        """Suffix layers over the rows of the last prefix call -> logits [B, T or last_rows, vocab]."""
+        return suffix_rows(self, pool, last_rows)
+
+    def forward_rows(self, tokens: np.ndarray, pool: RowPool, first: int, last_rows: int | None = None,
+                     wide: bool = False) -> np.ndarray:
+        """Prefix then suffix, no early exit: tokens [B, T] -> logits [B, T or last_rows, vocab]. `wide`: on every
+        core, through the prompt sessions where the target has them (target-only steps of a batch)."""
+        prefix_rows(self, pool, tokens, first, exit_=False, wide=wide)
+        return suffix_rows(self, pool, last_rows)
+
+    def forward_rows_split(self, tokens: np.ndarray, pool: RowPool, cut: int, cpus: tuple[int, int]) -> np.ndarray:
+        """All of the pool's rows, tokens [B, T], as two calls at once on two cores (rows ..cut-1 on cpus[0],
+        the others on cpus[1]; devices.onnxruntime.pool.split_rows) -> logits [B, T, vocab]."""
+        return split_rows(self, pool, tokens, cut, cpus, self._row_helper(cpus[1]))
+
+    def prefill_split(self, chunks: list, caches: list, cpus: tuple[int, int]) -> list[np.ndarray]:
+        """Two prompts' chunks at once, one per core (onnxruntime_pool.split_prompts) -> each's last logits [1, V]."""
+        return split_prompts(self, chunks, caches, cpus, self._row_helper(cpus[1]))
+
+    def _row_helper(self, cpu: int):
+        """The executor whose one thread, pinned to `cpu`, runs the second half of split steps and prompts."""
+        self._helper = pinned_helper(self._helper, cpu)
+        return self._helper[1]
+
+    def _prefix_outputs(self, ids: np.ndarray, cache: ORTCache) -> dict:
+        return cache.run(0, self.prefix, ids)
+
+    def _exit(self, hidden: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        head, _ = self.exit.run(hidden, [])
+        return head["exit_ids"], head["exit_logprobs"]
+
+    def _suffix(self, hidden: np.ndarray, cache: ORTCache, last_rows: int | None) -> np.ndarray:
+        return cache.run(1, self.suffix, hidden, last_rows)["logits"]
+
+    def prefill_pipelined(self, tokens: Sequence[int], cache: ORTCache, cpu: int | None,
+                          chunk: int = PREFILL_CHUNK) -> np.ndarray:
+        """A prompt on two cores. Returns the last position's logits [1, vocab].
+
+        With `prompt_graphs` (sessions with a thread per core, see registry.WorkerBudget.prompt_cpus;
+        loaded when a second copy of the weights takes at most a quarter of the available memory)
+        the whole prompt runs through them: measured here, 208 ms for 150 tokens against 266 ms
+        pipelined. Otherwise prefix chunks run in this thread and suffix chunks in a helper pinned to
+        `cpu`: while the suffix runs chunk i, the prefix runs chunk i+1. Either way each graph sees
+        its calls in order, so the cache ends as after `forward`.
+        """
+        ids = np.asarray(tokens, dtype=np.int64)
+        cache.check_room(len(ids))
+        if cache.hidden is not None:
+            raise RuntimeError("prefill_pipelined called with a pending forward_suffix")
+        if self.prompt_graphs:
+            prefix, suffix = self.prompt_graphs
+            return cache.run(1, suffix, cache.run(0, prefix, ids)["hidden"], last_rows=1)["logits"][-1:]
+        handoff: queue.Queue = queue.Queue()
+        result: dict = {}
+        helper = threading.Thread(target=self._suffix_chunks, args=(handoff, cache, cpu, result),
+                                  name="mirror-prefill", daemon=True)
+        helper.start()
+        try:
+            for start in range(0, len(ids), chunk):
+                if "error" in result:
+                    break
+                handoff.put(cache.run(0, self.prefix, ids[start:start + chunk])["hidden"])
+        finally:
+            handoff.put(None)
+            helper.join()
+        if "error" in result:
+            raise result["error"]
+        return result["logits"]
+
+    def _suffix_chunks(self, handoff: queue.Queue, cache: ORTCache, cpu: int | None, result: dict) -> None:
+        pin(cpu)
+        while (hidden := handoff.get()) is not None:
+            if "error" in result:
+                continue  # drain until the end marker
+            try:
+                result["logits"] = cache.run(1, self.suffix, hidden, last_rows=1)["logits"][-1:]
+            except Exception as exc:  # re-raised in the caller's thread
+                result["error"] = exc

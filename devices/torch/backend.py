@@ -1,0 +1,121 @@
+"""Torch backend: runs a `models.transformer.Transformer` on cpu or cuda.
+
+Logits stay where they were computed: `forward` returns a tensor on the model's device, in the model's
+dtype, and the runtime reads back only what it decides with (`runtime.transfer`: greedy verify reads
+k+1 ids). Weights and KV cache never leave the device. With `static` (implied by `compile` and by a bf16 /
+fp16 model) windows run at fixed shapes over a pooled cache (`torch_static`), compiled with `torch.compile`
+when `compile`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import numpy as np
+import torch
+
+from mirror_rt.devices.torch.pool import TorchPool, row_logits, run_rows
+from mirror_rt.devices.torch.static import StaticWindows, low_precision
+from mirror_rt.models.transformer import Transformer
+from mirror_rt.runtime.kv_cache import KVCache
+
+
+class TorchModel:
+    """A `LoadedModel` over a torch Transformer.
+
+    `asynchronous`: the device runs queued work while the host goes on (CUDA), so callers may queue
+    more before reading anything back (Mirror's target queues its suffix before reading the early exit).
+    """
+
+    def __init__(self, model: Transformer, device: str = "cpu", compile: bool = False, static: bool = False):
+        self.device = torch.device(device)
+        self.model = model.to(self.device).eval()
+        self.vocab_size = model.config.vocab_size
+        self.max_seq_len = model.config.max_seq_len
+        self.asynchronous = self.device.type == "cuda"
+        # bf16 / fp16: static windows always, so every decode step has one shape (StaticWindows)
+        static = compile or static or low_precision(self.model)
+        self.static = StaticWindows(self.model, compile) if static else None
+
+    def set_threads(self, threads: int) -> int:
+        """Intra-op threads for the calling thread's torch work; returns the previous count.
+
+        torch's setting is process-wide, so callers restore the previous value when done.
+        """
+        previous = torch.get_num_threads()
+        torch.set_num_threads(threads)
+        return previous
+
+    def new_cache(self, capacity: int) -> KVCache:
+        capacity = min(capacity, self.max_seq_len)
+        return self.static.new_cache(capacity) if self.static else self.model.new_cache(capacity)
+
+    def can_adopt(self, target) -> bool:
+        """Whether `adopt` takes `target`'s caches (a torch target's `KVCache`)."""
+        return isinstance(target, TorchModel)
+
+    def adopt(self, target_cache: KVCache, capacity: int) -> KVCache:
+        """A new cache holding `target_cache`'s committed positions (see `LoadedModel.adopt`)."""
+        if not isinstance(target_cache, KVCache):
+            raise ValueError(f"cannot adopt a {type(target_cache).__name__} (another backend's KV cache)")
+        cache = self.new_cache(capacity)
+        n = target_cache.length
+        if target_cache.keys.shape[:2] != cache.keys.shape[:2] or target_cache.keys.shape[3] != cache.keys.shape[3]:
+            raise ValueError("cannot adopt a cache of another shape (the draft is not a copy of the target)")
+        if n > cache.capacity:
+            raise ValueError(f"cannot adopt {n} positions into a cache of capacity {cache.capacity}")
+        cache.keys[:, :, :n] = target_cache.keys[:, :, :n].to(cache.keys)
+        cache.values[:, :, :n] = target_cache.values[:, :, :n].to(cache.values)
+        cache.length = n
+        return cache
+
+    def ids(self, tokens: Sequence[int]) -> torch.Tensor:
+        """Token ids [T] on the device (on CUDA from pinned memory: the copy does not wait for queued work)."""
+        ids = torch.tensor(list(tokens), dtype=torch.long)
+        if self.device.type != "cuda":
+            return ids
+        return ids.pin_memory().to(self.device, non_blocking=True)
+
+    @torch.inference_mode()
+    def forward(self, tokens: Sequence[int], cache: KVCache, last_rows: int | None = None) -> torch.Tensor:
+        """tokens [T] at positions cache.length.. -> logits [T, vocab] (or its last `last_rows`) on the device."""
+        ids = self.ids(tokens)
+        if self.static is None:
+            return self.model(ids, cache, last_rows)
+        logits = self.static.run(ids, len(ids), cache, 0, self.model.config.n_layers, last_rows)
+        cache.advance(len(ids))
+        return logits
+
+    @property
+    def batches(self) -> bool:
+        """Whether rows of sequences run in one call (eager models; static windows run one sequence a call)."""
+        return self.static is None
+
+    def new_pool(self, rows: int, capacity: int) -> TorchPool:
+        """KV rows for `rows` sequences of up to `capacity` positions (devices.torch.pool)."""
+        c, p = self.model.config, self.model.embed_tokens.weight
+        return TorchPool(c.n_layers, c.n_kv_heads, c.head_dim, rows, min(capacity, self.max_seq_len), p.dtype, p.device)
+
+    @torch.inference_mode()
+    def forward_rows(self, tokens, pool: TorchPool, first: int, last_rows: int | None = None) -> torch.Tensor:
+        """tokens [B, T] at each row's length, rows first..first+B-1 -> logits [B, T or last_rows, vocab]."""
+        h = run_rows(self.model, self.ids_rows(tokens), pool, first, (0, self.model.config.n_layers))
+        return row_logits(self.model, h, last_rows)
+
+    def ids_rows(self, tokens) -> torch.Tensor:
+        """Token ids [B, T] on the device."""
+        return torch.as_tensor(np.asarray(tokens), dtype=torch.long).to(self.device)
+
+    def warm_up(self) -> None:
+        """Compile the windows decoding runs (`compile`): each layer range at each window size."""
+        if self.static is not None:
+            self.static.warm_up([(first, last, rows) for first, last in self.layer_ranges()
+                                 for rows in self.static.sizes])
+
+    def layer_ranges(self) -> tuple[tuple[int, int], ...]:
+        """The (first, last) layer ranges a decode window runs through: the whole model."""
+        return ((0, self.model.config.n_layers),)
+
+    def forward_last(self, tokens: Sequence[int], cache: KVCache) -> torch.Tensor:
+        """As `forward`, but logits of the last position only ([1, vocab]; prefill)."""
+        return self.forward(tokens, cache, last_rows=1)

@@ -1,0 +1,135 @@
+"""Torch target split at the early-exit layer: prefix (layers < exit) and suffix (the rest).
+
+`forward_prefix` runs the embeddings and layers 0..exit-1 over a window and returns, per
+position, the early-exit top-kappa ids and log-probs (the target's own final norm and LM
+head applied to the exit hidden state, after a trained `ExitAdapter` when one is given: it
+changes which branches the draft precomputes, never the output); only those kappa ids and
+log-probs per row are read back. `launch_prefix` queues the same work and returns a pending read, so
+a CUDA target queues its suffix before anything comes back. The hidden state stays on the device
+until `forward_suffix` finishes the window. `forward` composes both, so the object is also a plain
+`LoadedModel` and the same weights serve every mode. Static shapes and `compile` as in `TorchModel`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import numpy as np
+import torch
+
+from mirror_rt.devices.torch.backend import TorchModel
+from mirror_rt.devices.torch.pool import row_logits, row_views, run_rows
+from mirror_rt.models.config import SplitConfig
+from mirror_rt.models.exit_adapter import cached_exit_logits, check_compatible
+from mirror_rt.runtime.transfer import PendingRead
+
+
+class TorchSplitTarget(TorchModel):
+    """A torch target with an early exit after layer `exit_layer` (1-based count of layers).
+
+    `exit_layer` and `kappa` None: the model's defaults (`models.config.SplitConfig`).
+    """
+
+    def __init__(self, model, exit_layer: int | None = None, kappa: int | None = None, device: str = "cpu",
+                 exit_adapter=None, compile: bool = False, static: bool = False):
+        super().__init__(model, device, compile, static)
+        self.exit_layer, self.kappa = SplitConfig(exit_layer, kappa).resolve(model.config)
+        if exit_adapter is not None:
+            check_compatible(exit_adapter, model, self.exit_layer)
+            p = self.model.embed_tokens.weight
+            exit_adapter = exit_adapter.to(device=p.device, dtype=p.dtype).eval()
+        self.exit_adapter = exit_adapter  # models.exit_adapter.ExitAdapter or None (untrained exit)
+
+    def layer_ranges(self) -> tuple[tuple[int, int], ...]:
+        """Prefix and suffix: every static window runs as both (`forward`), at each size (Mirror verifies
+        [last] alone at the end, so one-row windows too where the model has them)."""
+        return (0, self.exit_layer), (self.exit_layer, self.model.config.n_layers)
+
+    @torch.inference_mode()
+    def forward(self, tokens: Sequence[int], cache, last_rows: int | None = None) -> torch.Tensor:
+        """As `TorchModel.forward`; static windows run as prefix then suffix, the very code Mirror's windows
+        run, so a compiled window computes a position's logits the same way in every mode."""
+        if self.static is None:
+            return super().forward(tokens, cache, last_rows)
+        self._run_prefix(tokens, cache)
+        return self.forward_suffix(cache, last_rows)
+
+    @torch.inference_mode()
+    def launch_prefix(self, tokens: Sequence[int], cache) -> PendingRead:
+        """Layers 0..exit-1 over tokens [T] and the early exit, queued; `result()` -> (ids, log-probs) [T, kappa]."""
+        h, rows = self._run_prefix(tokens, cache)
+        last = self.exit_layer - 1  # an attention adapter reads this layer's keys (this window's rows written)
+        logits = cached_exit_logits(self.model, h[:rows], self.exit_adapter, cache.keys[last], cache.values[last],
+                                    cache.length)
+        top = torch.topk(torch.log_softmax(logits.float(), dim=-1), self.kappa, dim=-1)
+        return PendingRead(top.indices, top.values)
+
+    def forward_prefix(self, tokens: Sequence[int], cache) -> tuple[np.ndarray, np.ndarray]:
+        """Layers 0..exit-1 over tokens [T]; returns exit top-kappa ids [T, kappa] and log-probs [T, kappa]."""
+        ids, logprobs = self.launch_prefix(tokens, cache).result()
+        return ids, logprobs
+
+    @torch.inference_mode()
+    def forward_prefix_only(self, tokens: Sequence[int], cache) -> None:
+        """Layers 0..exit-1 without the early exit (when Mirror switches it off)."""
+        self._run_prefix(tokens, cache)
+
+    def _run_prefix(self, tokens: Sequence[int], cache) -> tuple[torch.Tensor, int]:
+        """The prefix layers; their output waits in `cache.hidden` as (hidden, rows) until the suffix."""
+        ids = self.ids(tokens)
+        if self.static is None:
+            h = self.model.run_layers(self.model.embed(ids), cache, 0, self.exit_layer, cache_first=0)
+        else:
+            h = self.static.run(ids, len(ids), cache, 0, self.exit_layer)
+        cache.hidden = (h, len(ids))
+        return cache.hidden
+
+    @torch.inference_mode()
+    def forward_prefix_rows(self, tokens, pool, first: int, exit_: bool = True):
+        """Prefix layers over rows first..: tokens [B, T] -> early exit (ids, log-probs) [B, T, kappa] as host
+        arrays (None without `exit_`); the hidden state waits in the pool for `forward_suffix_rows`."""
+        if pool.hidden is not None:
+            raise RuntimeError("forward_prefix_rows called again before forward_suffix_rows")
+        h = run_rows(self.model, self.ids_rows(tokens), pool, first, (0, self.exit_layer))
+        pool.hidden = (first, h)
+        if not exit_:
+            return None
+        last = self.exit_layer - 1
+        rows = []
+        for b, cache in enumerate(row_views(pool, first, h.shape[0])):  # written but not committed: length + T
+            logits = cached_exit_logits(self.model, h[b], self.exit_adapter, cache.keys[last], cache.values[last],
+                                        cache.length)
+            rows.append(torch.topk(torch.log_softmax(logits.float(), dim=-1), self.kappa, dim=-1))
+        ids, logprobs = PendingRead(torch.stack([r.indices for r in rows]),
+                                    torch.stack([r.values for r in rows])).result()
+        return ids, logprobs
+
+    @torch.inference_mode()
+    def forward_suffix_rows(self, pool, last_rows: int | None = None) -> torch.Tensor:
+        """Suffix layers over the rows of the last prefix call -> logits [B, T or last_rows, vocab] on the device."""
+        if pool.hidden is None:
+            raise RuntimeError("forward_suffix_rows called without a pending forward_prefix_rows")
+        (first, h), pool.hidden = pool.hidden, None
+        h = run_rows(self.model, h, pool, first, (self.exit_layer, self.model.config.n_layers))
+        return row_logits(self.model, h, last_rows)
+
+    def forward_rows(self, tokens, pool, first: int, last_rows: int | None = None) -> torch.Tensor:
+        """Prefix then suffix, no early exit: tokens [B, T] -> logits [B, T or last_rows, vocab]."""
+        self.forward_prefix_rows(tokens, pool, first, exit_=False)
+        return self.forward_suffix_rows(pool, last_rows)
+
+    @torch.inference_mode()
+    def forward_suffix(self, cache, last_rows: int | None = None) -> torch.Tensor:
+        """Remaining layers, final norm, LM head over the window of the last prefix call -> logits [T, vocab]
+        (or its last `last_rows`), on the device."""
+        if cache.hidden is None:
+            raise RuntimeError("forward_suffix called without a pending forward_prefix")
+        (h, rows), cache.hidden = cache.hidden, None
+        n = self.model.config.n_layers
+        if self.static is not None:
+            logits = self.static.run(h, rows, cache, self.exit_layer, n, last_rows)
+        else:
+            h = self.model.run_layers(h, cache, self.exit_layer, n, cache_first=0)
+            logits = self.model.logits(h if last_rows is None else h[-last_rows:])
+        cache.advance(rows)
+        return logits

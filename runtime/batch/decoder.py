@@ -1,0 +1,320 @@
+"""The batched decoder: many sequences decoded together, joining and leaving at step boundaries.
+
+One `step()`: admit waiting sequences while rows and KV blocks allow (prefix cache first), prefill up to one
+chunk of the prompts not yet in their rows (oldest first), one decode step for every running sequence, then
+release the sequences that finished (end of text, length, cancel) and fill their rows. The decode step is
+batched target-only (one target call for every row, its attention per group of like lengths; older bundles:
+a call per group, runtime.batch.row_split) or
+speculative (sd or mirror, per sequence), as `runtime.batch.policy` decides from the step costs this engine measures.
+Every token is the target's own choice at its position (runtime.sampling.choose_at), so a sequence's text does
+not depend on its companions, its mode or its windows. Models that cannot batch rows (OpenVINO graphs, compiled
+torch windows) decode their sequences one call each, from caches of their own, without the prefix cache. Not
+thread-safe except `add` and `cancel`: one thread calls `step`.
+"""
+
+from __future__ import annotations
+
+import collections
+import threading
+import time
+from dataclasses import dataclass
+
+from mirror_rt.runtime.batch.core_split import CoreSplit
+from mirror_rt.runtime.batch.kv_rows import BLOCK_SIZE, BlockBudget, RowMap, blocks_for
+from mirror_rt.runtime.batch.policy import AR, SPEC, SpeculationPolicy
+from mirror_rt.runtime.batch.prefix_cache import PrefixCache
+from mirror_rt.runtime.batch.row_split import RowSplit
+from mirror_rt.runtime.batch.sequence import Sequence
+from mirror_rt.runtime.batch.steps import ArStep, Prefill, SdStep
+from mirror_rt.runtime.mirror.step import MirrorStep
+from mirror_rt.runtime.values import is_integer, is_number
+
+WINDOW_ROOM = 80  # positions past the committed text a step may write (window, padding, draft guesses)
+
+
+@dataclass(frozen=True)
+class BatchConfig:
+    """How many sequences an engine decodes at once and with how much KV memory."""
+
+    max_num_seqs: int = 16  # sequences holding a row at once (running or prefilling)
+    kv_cache_gb: float | None = None  # KV memory of both models' rows and the prefix cache; None: from free memory
+    prefill_chunk: int = 256  # prompt positions per step (short prompts share it): prompts stall the others briefly
+    prefix_cache: bool = True  # keep full blocks of finished requests for the next ones that share them
+    adaptive_speculation: bool = True  # speculate only while it pays at this load (batch.policy); False: as asked
+
+    def __post_init__(self):
+        if not (is_integer(self.max_num_seqs) and self.max_num_seqs >= 1):
+            raise ValueError(f"--max-num-seqs must be a whole number >= 1, got {self.max_num_seqs!r}")
+        if self.kv_cache_gb is not None and not (is_number(self.kv_cache_gb) and self.kv_cache_gb > 0):
+            raise ValueError(f"--kv-cache-gb must be a number > 0, got {self.kv_cache_gb!r}")
+        if not (is_integer(self.prefill_chunk) and self.prefill_chunk >= 1):
+            raise ValueError(f"--prefill-chunk must be a whole number >= 1, got {self.prefill_chunk!r}")
+        for name in ("prefix_cache", "adaptive_speculation"):
+            if not isinstance(getattr(self, name), bool):
+                raise ValueError(f"{name} must be true or false, got {getattr(self, name)!r}")
+
+
+class KVTooLarge(ValueError):
+    """A request that can never fit in the KV memory (one line, naming the numbers)."""
+
+
+class BatchDecoder:
+    """Sequences, their rows and caches, and the step loop over them."""
+
+    def __init__(self, target, draft=None, settings: BatchConfig = BatchConfig(), policy=None,
+                 kv_bytes: int | None = None, cpus: tuple[int, int] | None = None):
+        self.target, self.draft, self.settings = target, draft, settings
+        self.pooled = bool(getattr(target, "batches", False)) and (
+            draft is None or bool(getattr(draft, "batches", False)))
+        self.capacity = target.max_seq_len + WINDOW_ROOM
+        rows = settings.max_num_seqs
+        self.target_pool = target.new_pool(rows, self.capacity) if self.pooled else None
+        self.draft_pool = draft.new_pool(rows, self.capacity) if self.pooled and draft is not None else None
+        self.rows = RowMap(rows)
+        self.budget = BlockBudget(self._total_blocks(kv_bytes))
+        self.cache = PrefixCache(self.budget.total) if self.pooled and settings.prefix_cache else None
+        self.waiting: collections.deque[Sequence] = collections.deque()
+        self.active: list[Sequence] = []  # holding a row: prefill, then running
+        self.lock = threading.Lock()
+        self.policy = policy or SpeculationPolicy(adaptive=settings.adaptive_speculation)
+        self.gamma = 0  # gamma of the latest step (0: target-only), the server's gauge
+        self.prefill, self.ar, self.sd = Prefill(self), ArStep(self), SdStep(self)
+        self.mirror = MirrorStep(self, cpus)
+        # target-only steps: one call, or one per group of rows of like lengths (graphs that group rows inside
+        # a call: always one call, rows never sorted)
+        self.row_split = RowSplit(in_call=int(getattr(target, "attention_groups", 0)) if self.pooled else 0)
+        self.core_split = CoreSplit()  # such steps: one call on both cores, or two at once (runtime.batch.core_split)
+        self.steps = 0
+
+    def describe(self) -> str:
+        """How this decoder batches, for the server's start-up line."""
+        s = self.settings
+        if not self.pooled:
+            return (f"up to {s.max_num_seqs} sequences side by side, one model call each (these graphs take one "
+                    "sequence a call: no shared calls, no prefix cache)")
+        per_block = sum(p.bytes_per_position for p in (self.target_pool, self.draft_pool) if p) * BLOCK_SIZE
+        cache = "on" if self.cache is not None else "off"
+        return (f"batches of up to {s.max_num_seqs} sequences, KV {self.budget.total * per_block / 2**30:.1f} GB "
+                f"({self.budget.total} blocks of {BLOCK_SIZE}), prefix cache {cache}, "
+                f"speculation {'adaptive' if s.adaptive_speculation else 'as requests ask'}")
+
+    # --- other threads ---------------------------------------------------------------
+
+    def add(self, seq: Sequence) -> None:
+        """Queue a sequence (KVTooLarge when it could never fit)."""
+        need = self.blocks_needed(seq)
+        if not self.budget.fits_ever(need) or len(seq.prompt) + 1 > self.capacity - WINDOW_ROOM:
+            raise KVTooLarge(f"request needs {need * BLOCK_SIZE} KV positions but the KV cache holds "
+                             f"{self.budget.total * BLOCK_SIZE} (raise --kv-cache-gb or lower max_tokens)")
+        with self.lock:
+            self.waiting.append(seq)
+
+    def cancel(self, seq: Sequence) -> None:
+        """Stop `seq` at the next step boundary (a waiting one never runs)."""
+        seq.cancel()
+
+    # --- the stepping thread ------------------------------------------------------------
+
+    @property
+    def idle(self) -> bool:
+        return not self.active and not self.waiting
+
+    def step(self) -> bool:
+        """One step of every sequence; returns whether work remains."""
+        self._drop_cancelled_waiting()
+        self._admit()
+        prompts = any(s.state == "prefill" and not s.done for s in self.active)
+        if self.policy.prompts_first(prompts):  # the draft worker leaves the other core to the prompts
+            for seq in self.active:
+                self.mirror.leave(seq)
+        self.prefill.run()
+        running = self._running()
+        if running:
+            self._decode(running, prompts)
+            self.steps += 1
+        self._release()
+        if self.idle:  # nothing left to draft for: the draft thread ends (it starts again with the next request)
+            self.mirror.close()
+        return not self.idle
+
+    def _running(self) -> list[Sequence]:
+        return [s for s in self.active if s.state == "running" and not s.done and not s.cancel_event.is_set()]
+
+    def _decode(self, running: list[Sequence], prompts: bool = False) -> None:
+        """One decode step of every running sequence, the way the policy picks (`prompts`: prompts prefilled in
+        this step); its outcome goes back to it."""
+        gamma = self.policy.gamma(self, running, prompts)
+        before = sum(len(s.tokens) for s in running)
+        settled = all(s.metrics.steps for s in running)  # no sequence on its first window
+        t0 = time.perf_counter()
+        if gamma == 0:
+            for seq in running:  # their draft rows wait, rolled back to committed text, until speculation resumes
+                self.mirror.leave(seq)
+            self.ar.run(running)
+        else:
+            self.mirror.run(running, gamma)
+        way = AR if gamma == 0 else SPEC
+        self.policy.record(way, len(running), sum(len(s.tokens) for s in running) - before, time.perf_counter() - t0,
+                           settled)
+        self.gamma = gamma
+
+    def close(self) -> None:
+        """Stop the draft worker (the decoder can still step: it starts again when needed); sequences still
+        speculating leave it first, so none keeps a draft row the worker no longer holds."""
+        for seq in self.active:
+            self.mirror.leave(seq)
+        self.mirror.close()
+
+    # --- rows, blocks, prefix cache -------------------------------------------------------
+
+    def blocks_needed(self, seq: Sequence) -> int:
+        """Blocks `seq` reserves: everything it may hold (prompt, output budget, the window in flight)."""
+        return blocks_for(min(len(seq.prompt) + seq.budget, self.capacity - WINDOW_ROOM) + WINDOW_ROOM)
+
+    def _admit(self) -> None:
+        while self.waiting and len(self.rows) < self.rows.rows:
+            seq = self.waiting[0]
+            if not self._reserve(seq):
+                return  # waits for running sequences to finish (FIFO: nobody overtakes it)
+            with self.lock:
+                self.waiting.popleft()
+            seq.row, seq.state, seq.admitted = self.rows.add(seq), "prefill", time.perf_counter()
+            self._grow(seq)
+            self.active.append(seq)
+            self.prefill.start(seq)
+            if self.cache is not None and len(self.cache) > self.budget.spare:  # its own blocks, now in its row
+                self.cache.evict(len(self.cache) - self.budget.spare)
+
+    def _grow(self, seq: Sequence) -> None:
+        """Room in the pools for all `seq` may hold: a pool's buffers follow the longest request so far (their
+        address space too), not every row at the model's context."""
+        if self.pooled:
+            need = min(len(seq.prompt) + seq.budget, self.capacity - WINDOW_ROOM) + WINDOW_ROOM
+            self.target_pool.grow(need)
+            if self.draft_pool is not None:
+                self.mirror.grow(self.draft_pool, need)
+
+    def _reserve(self, seq: Sequence) -> bool:
+        """Reserve `seq`'s blocks, evicting cached blocks it does not reuse first; where only its own cached prefix
+        stands in the way, that prefix is copied into its row at admission and leaves the cache then (it was
+        evicted first: a repeated prompt of more than half the pool lost its own prefix)."""
+        need = self.blocks_needed(seq)
+        cached = len(self.cache) if self.cache else 0
+        if self.budget.reserve(seq, need, cached):
+            return True
+        if not self.cache:
+            return False
+        own = self.cache.held(self.prefill.cache_tokens(seq))
+        self.cache.evict(need - self.budget.spare + cached, keep=own)
+        return self.budget.reserve(seq, need, len(self.cache) - len(own))
+
+    def _drop_cancelled_waiting(self) -> None:
+        with self.lock:
+            dropped = [s for s in self.waiting if s.cancel_event.is_set()]
+            for seq in dropped:
+                self.waiting.remove(seq)
+        for seq in dropped:
+            seq.finish("cancelled")
+            seq.state = "done"
+
+    def _release(self) -> None:
+        for seq in [s for s in self.active if s.done or s.cancel_event.is_set()]:
+            seq.finish("cancelled")  # no-op when it already finished
+            self.mirror.leave(seq)
+            self.sd.forget(seq)
+            self.active.remove(seq)
+            self.budget.release(seq)  # first: its blocks are the room its prefix is kept in
+            self._keep_prefix(seq)
+            move = self.rows.remove(seq)
+            if move is not None:
+                self._move_row(*move)
+            seq.row, seq.state = None, "done"
+
+    def sort_rows(self) -> None:
+        """Rows in order of length (runtime.batch.row_split: groups of like lengths are then contiguous), by swaps of
+        both models' rows; only while no sequence prefills or drafts with the draft worker."""
+        if not self.pooled or any(s.state != "running" or self.mirror.joined(s) for s in self.active):
+            return
+        for i in range(len(self.rows)):
+            lengths = self.target_pool.lengths
+            j = min(range(i, len(self.rows)), key=lambda row: (int(lengths[row]), row))
+            if int(lengths[j]) < int(lengths[i]):
+                self._swap_rows(i, j)
+        self.row_split.sorts += 1
+
+    def _swap_rows(self, a: int, b: int) -> None:
+        for pool in (self.target_pool, self.draft_pool):
+            if pool is not None:
+                kept, length = pool.read(a, 0, int(pool.lengths[a])), int(pool.lengths[a])
+                pool.move(b, a)
+                pool.write(b, 0, kept)
+                pool.commit(b, length)
+        order = self.rows.order
+        order[a], order[b] = order[b], order[a]
+        _rebind(order[a], a)
+        _rebind(order[b], b)
+
+    def _move_row(self, source: int, dest: int) -> None:
+        """The last row fills a freed one: every pool copies it, its sequence's caches follow (a draft row the
+        draft worker holds is moved by that thread)."""
+        moved = self.rows.order[dest]
+        if self.pooled:  # (caches of their own per sequence: nothing to copy)
+            self.target_pool.move(source, dest)
+            if self.draft_pool is not None and not self.mirror.move(moved, self.draft_pool, dest):
+                self.draft_pool.move(source, dest)
+        _rebind(moved, dest)  # (a joined draft cache was rebound by the worker already: the same row)
+
+    def _keep_prefix(self, seq: Sequence) -> None:
+        """Store the full blocks of a finished sequence's committed positions in the prefix cache."""
+        if self.cache is None or seq.state == "waiting":
+            return
+        held = int(self.target_pool.lengths[seq.row])
+        tokens = (seq.prompt + seq.tokens)[:held]
+        self.cache.store(self.target_pool, seq.row, tokens, limit=self.budget.spare - self.blocks_in_use_margin())
+
+    def blocks_in_use_margin(self) -> int:
+        """Blocks the prefix cache leaves free for the next admission (none: admission evicts what it needs)."""
+        return 0
+
+    def _total_blocks(self, kv_bytes: int | None) -> int:
+        """The KV budget in blocks: --kv-cache-gb, else what every row at full length takes, within 40% of the
+        memory available now (numpy's zeros map pages lazily: memory is committed as positions are written)."""
+        per_position = sum(p.bytes_per_position for p in (self.target_pool, self.draft_pool) if p is not None)
+        full = self.settings.max_num_seqs * self.capacity
+        if not per_position:  # caches of their own per sequence: rows are the only limit
+            return blocks_for(full)
+        if self.settings.kv_cache_gb is not None:
+            return self._blocks_of(self.settings.kv_cache_gb, per_position)
+        available = kv_bytes if kv_bytes is not None else _available_memory()
+        limit = int(0.4 * available // per_position) if available else full
+        return blocks_for(min(full, limit))
+
+
+    def _blocks_of(self, gb: float, per_position: int) -> int:
+        """The blocks --kv-cache-gb holds; ValueError when not even the smallest request fits (a server that would
+        refuse every request)."""
+        blocks = int(gb * 2**30 // (per_position * BLOCK_SIZE))
+        smallest, whole = blocks_for(2 + WINDOW_ROOM), blocks_for(self.capacity)  # 1 prompt token + 1 generated
+        if blocks < smallest:
+            size = lambda n: f"{n * BLOCK_SIZE * per_position / 2**30:.4g} GB"  # noqa: E731
+            raise ValueError(f"--kv-cache-gb {gb:g} holds {blocks * BLOCK_SIZE} KV positions, fewer than the smallest "
+                             f"request needs ({smallest * BLOCK_SIZE}): give at least {size(smallest)} "
+                             f"({size(whole)} holds one request at full context)")
+        return blocks
+
+
+def _rebind(seq: Sequence, row: int) -> None:
+    """`seq` and its row caches now point at `row`."""
+    seq.row = row
+    for cache in seq.state_data.get("caches", ()):
+        cache.row = row
+
+
+def _available_memory() -> int | None:
+    """MemAvailable from /proc/meminfo in bytes (None where unknown)."""
+    try:
+        with open("/proc/meminfo") as f:
+            fields = dict(line.split(":", 1) for line in f)
+        return int(fields["MemAvailable"].split()[0]) * 1024
+    except (OSError, KeyError, ValueError):
+        return None

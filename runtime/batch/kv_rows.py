@@ -1,0 +1,86 @@
+"""Rows and blocks of the batched KV cache: which sequence holds which row, and how much it may hold.
+
+The physical pools come from the models (`new_pool`: devices.onnxruntime.pool, devices.torch.pool): one row of
+every layer's buffer per sequence. `RowMap` keeps the sequences that hold a row in rows 0..A-1, so a batched call
+takes the first A rows; a sequence that leaves is replaced by the last one (`remove` returns that move: the
+caller copies the row in every pool). `BlockBudget` is the memory account: KV is counted in blocks of
+BLOCK_SIZE positions; a sequence reserves blocks for what it may hold (prompt, output budget, the window in
+flight) when it is admitted, the prefix cache holds the rest, and a request that cannot fit waits, one that
+can never fit is refused. Pure bookkeeping: it reads no tensor.
+"""
+
+from __future__ import annotations
+
+BLOCK_SIZE = 16
+
+
+def blocks_for(positions: int, block_size: int = BLOCK_SIZE) -> int:
+    """Blocks that hold `positions` positions."""
+    return -(-positions // block_size)
+
+
+class RowMap:
+    """Rows 0..A-1 held by sequences, in row order."""
+
+    def __init__(self, rows: int):
+        self.rows = rows
+        self.order: list = []  # keys by row index
+
+    def __len__(self) -> int:
+        return len(self.order)
+
+    def add(self, key) -> int | None:
+        """The next row for `key`, or None when every row is held."""
+        if len(self.order) >= self.rows:
+            return None
+        self.order.append(key)
+        return len(self.order) - 1
+
+    def row(self, key) -> int:
+        return self.order.index(key)
+
+    def remove(self, key) -> tuple[int, int] | None:
+        """Free `key`'s row; the last row moves into it: returns (source, destination) or None (no move)."""
+        row = self.order.index(key)
+        last = len(self.order) - 1
+        if row == last:
+            self.order.pop()
+            return None
+        self.order[row] = self.order.pop()
+        return last, row
+
+
+class BlockBudget:
+    """Blocks reserved per sequence out of `total`; the prefix cache uses what is left (`spare`)."""
+
+    def __init__(self, total: int):
+        self.total = total
+        self.held: dict = {}  # key -> blocks reserved
+
+    @property
+    def reserved(self) -> int:
+        return sum(self.held.values())
+
+    @property
+    def spare(self) -> int:
+        """Blocks no sequence reserves (the prefix cache may hold them)."""
+        return self.total - self.reserved
+
+    def fits_ever(self, blocks: int) -> bool:
+        """Whether a request of `blocks` could be admitted into an empty pool."""
+        return blocks <= self.total
+
+    def reserve(self, key, blocks: int, cached: int = 0) -> bool:
+        """Reserve `blocks` for `key` if they fit beside the others (`cached`: blocks the prefix cache holds
+        that it cannot give up now); False leaves nothing reserved."""
+        if blocks > self.total - self.reserved - cached:
+            return False
+        self.held[key] = blocks
+        return True
+
+    def release(self, key) -> None:
+        self.held.pop(key, None)
+
+    def usage(self) -> float:
+        """Share of the blocks reserved by sequences (vLLM's kv_cache_usage_perc: 0..1)."""
+        return self.reserved / self.total if self.total else 0.0

@@ -1,0 +1,146 @@
+"""How far the batched decoder speculates at each step, from the step costs this engine measures.
+
+A step of B running sequences is decoded one of two ways: target-only (one batched target call on every
+core, one token per sequence) or speculative (each speculating sequence verifies a window of up to gamma draft
+tokens: Mirror or sd; Mirror also adapts its window to acceptance, runtime.mirror.draft_row). The policy keeps, per
+batch size and way, tokens committed per second of decode step (what the latency model predicts from step costs and
+acceptance, measured directly: a decaying ratio of summed tokens to summed seconds, never a mean of per-step
+ratios, which one lucky window skews), and takes the faster way: gamma = 0 is target-only. Only settled steps
+count: not a step that switched ways (the draft catches up on the text it missed) nor one where a sequence
+decodes its first window (the draft reads its prompt). Speculation, what was asked, goes first at one sequence;
+at a larger batch target-only is measured first, and speculation is tried only while one stream's speculative
+rate beats target-only at that batch size by the margin (a speculative step of B sequences commits about what one
+stream does: the target verifies windows one sequence a call, while target-only steps share one call), else the
+batch decodes target-only (measured here, w8a8 target at 2 streams: 96.6 tokens/s where the batch decoded
+target-only, 80.9 where it explored speculation because one stream's speculation had beaten one stream's
+target-only).
+A way not yet measured at a batch size is tried until it has `explore` settled steps or
+`3 * explore` steps in all (when sequences come and go every few steps, few steps settle: exploring must end
+anyway); every `refresh` steps the way not taken gets a trial; the decoder switches only for a gain above
+`margin` (fixed switch points made vLLM users' throughput fall off cliffs). A step in which prompts prefill
+decodes target-only: the prompts take every core, which they get only while the draft worker holds nobody
+(measured here: at 4 streams, with speculation during arrivals, 124.6 tokens/s and TTFT p50 300 ms, against 140.8
+and 193 ms where the batch had learned target-only).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+AR, SPEC = "target-only", "speculative"
+SWITCH_MIN = 16  # tokens a sequence must have left for the batch to turn from target-only to speculation
+
+
+@dataclass
+class Rate:
+    """Tokens per second of one way of stepping at one batch size: decaying sums of tokens and of seconds."""
+
+    tokens: float = 0.0
+    seconds: float = 0.0
+    samples: int = 0  # settled steps measured
+    tries: int = 0  # steps taken this way, settled or not
+
+    def add(self, tokens: int, seconds: float, decay: float = 0.9) -> None:
+        self.tokens = decay * self.tokens + tokens
+        self.seconds = decay * self.seconds + seconds
+        self.samples += 1
+
+    @property
+    def tokens_per_s(self) -> float:
+        return self.tokens / self.seconds if self.seconds > 0 else 0.0
+
+
+@dataclass
+class SpeculationPolicy:
+    """Per-step choice between speculative and target-only decoding (see the module docstring)."""
+
+    explore: int = 6  # settled steps that measure a way at a batch size (and each later trial)
+    refresh: int = 400  # steps at a batch size between two trials of the way not taken
+    margin: float = 0.1  # relative gain needed to switch ways
+    adaptive: bool = True  # False: always speculative while any request speculates (their gamma as asked)
+    rates: dict = field(default_factory=dict)  # (way, batch size) -> Rate
+    current: dict = field(default_factory=dict)  # batch size -> way in use
+    since: dict = field(default_factory=dict)  # batch size -> steps since the way not taken was tried
+    trials: dict = field(default_factory=dict)  # batch size -> (way on trial, settled steps it still needs)
+    last: str = SPEC  # the way of the latest step (the server's gauge)
+    previous: str | None = None  # the way of the latest recorded step (a switch is no settled step)
+
+    def gamma(self, decoder, running: list, prompts: bool = False) -> int:
+        """Draft tokens per window for this step: the largest any speculating sequence asks for, or 0. `prompts`:
+        prompts prefill in this step; adaptive, the step then decodes target-only (see `prompts_first`)."""
+        speculating = [s.config.gamma for s in running if s.config.mode != "ar"]
+        if not speculating:
+            return 0
+        self.last = AR if self.prompts_first(prompts) or self.too_late(running) else self.choose(len(running))
+        return max(speculating) if self.last == SPEC else 0
+
+    def too_late(self, running: list) -> bool:
+        """Whether speculation would start too late to pay: adaptive, after target-only steps, with fewer than
+        SWITCH_MIN tokens left to every sequence. A switch makes the draft take the text it missed and pays a
+        first window, which a few last tokens never win back (measured here: a batch's one-stream tail spent
+        70-100 ms on its first Mirror step, for 2 tokens)."""
+        return self.adaptive and self.previous == AR and max(s.remaining for s in running) < SWITCH_MIN
+
+    def prompts_first(self, prompts: bool) -> bool:
+        """Whether a step with prompts to prefill decodes target-only: adaptive, yes. The draft worker then leaves
+        the other core to the prompts (a prompt prefills on every core only while nobody drafts), so new streams
+        start sooner; what it would have drafted is a step of one stream's speed."""
+        return prompts and self.adaptive
+
+    def choose(self, batch: int) -> str:
+        if not self.adaptive:
+            return SPEC
+        for way in (SPEC, AR) if batch <= 1 else (AR, SPEC):  # measure what this batch size has not seen
+            rate = self._rate(way, batch)
+            exploring = rate.samples < self.explore and rate.tries < 3 * self.explore
+            if exploring and (way == AR or self._may_win(batch)):
+                return way
+        trial = self.trials.get(batch)
+        if trial:
+            return trial[0]
+        current = self.current.get(batch) or self._faster(batch)
+        other = AR if current == SPEC else SPEC
+        self.since[batch] = self.since.get(batch, 0) + 1
+        if self.since[batch] >= self.refresh and (other == AR or self._may_win(batch)):
+            self.since[batch] = 0
+            self.trials[batch] = (other, self.explore)
+            return other
+        if self._rate(other, batch).tokens_per_s > (1 + self.margin) * self._rate(current, batch).tokens_per_s:
+            current = other
+        self.current[batch] = current
+        return current
+
+    def record(self, way: str, batch: int, tokens: int, seconds: float, settled: bool = True) -> None:
+        """A step's outcome: `tokens` committed in `seconds` of decode by `batch` running sequences; `settled`
+        False when a sequence decoded its first window. A step that switched ways is never settled."""
+        switched, self.previous = self.previous not in (None, way), way
+        self._rate(way, batch).tries += 1
+        if not settled or switched:
+            return
+        self._rate(way, batch).add(tokens, seconds)
+        trial = self.trials.get(batch)
+        if trial and trial[0] == way:
+            self.trials[batch] = (way, trial[1] - 1) if trial[1] > 1 else None
+
+    def _faster(self, batch: int) -> str:
+        spec, ar = self._rate(SPEC, batch), self._rate(AR, batch)
+        return SPEC if spec.samples and (not ar.samples or spec.tokens_per_s >= ar.tokens_per_s) else AR
+
+    def _may_win(self, batch: int) -> bool:
+        """Whether speculation is worth trying at `batch`: always at one sequence; above, only while one stream's
+        speculation (the target verifies a batch's windows one sequence a call, so a speculative step commits about
+        what one stream does) beats target-only at `batch` (measured first; else at `batch - 1`) by the margin,
+        and speculation did not lose at `batch - 1`."""
+        if batch <= 1:
+            return True
+        here = self.rates.get((AR, batch))
+        single, below = self.rates.get((SPEC, 1)), here if here and here.samples else self.rates.get((AR, batch - 1))
+        if not (single and below and single.samples and below.samples):
+            return False
+        spec_below = self.rates.get((SPEC, batch - 1))
+        if spec_below and spec_below.samples and spec_below.tokens_per_s < below.tokens_per_s:
+            return False
+        return single.tokens_per_s > (1 + self.margin) * below.tokens_per_s
+
+    def _rate(self, way: str, batch: int) -> Rate:
+        return self.rates.setdefault((way, batch), Rate())

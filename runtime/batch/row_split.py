@@ -1,0 +1,114 @@
+"""Rows of very different lengths in one batch: attention groups inside a call, or calls per group of rows.
+
+Bundles since format 6 attend per group of contiguous rows inside one call (exporters.exact_kv): each group reads
+its own longest row's keys, and `cheapest_groups` picks the groups for every call (devices.onnxruntime.pool).
+There a target-only step is always one call, and rows are not sorted: with four groups, unsorted rows group
+nearly as well, and swapping rows' KV cost more than it saved (measured: w8a8 target, 8 streams, 0.7 s of
+copies in a 6.2 s run; 166.6 tokens/s with sorting, 181.5 without).
+
+Older bundles (format 5) read every row up to the longest row's length in a call (exporters.exact_kv slices
+the keys to the longest row and masks the shorter ones), so one long prompt among short ones makes every row pay
+for its length. Calls over contiguous groups of rows each pay their own longest length, but every call reads all the
+weights again. `RowSplit` proposes the cut that minimizes
+
+    calls * per_call + sum over groups of rows * longest      (in positions attended; per-row costs cancel)
+
+and measures it: while the batch keeps its rows, the next steps run whole and cut in turn (`TRIAL` each; the
+faster step of each counts), and the faster way stays until a row joins or leaves. `per_call`, one more call's
+cost in positions, follows the verdicts (down when a cut wins, up when it loses), so on an engine whose calls
+are dear (fp32 weights) it stops proposing cuts. Sorting the rows by length makes groups of like lengths
+contiguous: proposed when the cut of the sorted rows saves more than one call over the cut of the rows as they
+are (the decoder swaps rows: copies, paid once while the batch keeps its rows). A row's logits do not depend on
+its companions (the target graphs are exact per row), so no choice here changes a token.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+TRIAL = 2  # steps each way before choosing
+WIN = 0.95  # a cut must take at most this share of the whole step's time
+GROUP_COST = 300.0  # one more attention group inside a call (exporters.exact_kv), in positions attended
+
+
+def cheapest_groups(lengths, max_groups: int, per_group: float) -> tuple[float, list[tuple[int, int]]]:
+    """The cheapest cut of rows into at most `max_groups` contiguous groups (first row, rows), each costing
+    `per_group` plus its rows times its longest length, and its cost: a pass per group over where the last
+    group starts, until one more group saves nothing."""
+    lengths = np.asarray(lengths, dtype=float)
+    n = len(lengths)
+    span = np.full((n + 1, n + 1), np.inf)  # span[i, j]: rows i..j-1 as one group
+    for i in range(n):
+        span[i, i + 1:] = np.maximum.accumulate(lengths[i:]) * np.arange(1, n - i + 1)
+    span += per_group
+    levels = [(span[0], np.zeros(n + 1, dtype=int))]  # per group count: (cost of rows 0..j-1, last group's start)
+    for _ in range(max_groups - 1):
+        cost, _ = levels[-1]
+        total = cost[:, None] + span
+        start = total.argmin(axis=0)
+        best = total[start, np.arange(n + 1)]
+        fewer = best >= cost  # as cheap with fewer groups
+        if fewer.all():  # another group would save nothing either
+            break
+        levels.append((np.where(fewer, cost, best), np.where(fewer, -1, start)))
+    cut, j, level = [], n, len(levels) - 1
+    while j > 0:
+        start = int(levels[level][1][j])
+        if start >= 0:
+            cut.append((start, j - start))
+            j = start
+        level -= 1
+    return float(levels[-1][0][n]), cut[::-1]
+
+
+class RowSplit:
+    """Cuts of one decoder's target-only steps, and their measured verdicts."""
+
+    def __init__(self, per_call: float = 3000.0, in_call: int = 0):
+        self.per_call = per_call  # one more call's cost, in positions attended
+        self.in_call = in_call  # groups the target's calls attend apart (exporters.exact_kv): then never a cut
+        self.rows_key: tuple = ()  # the rows (sequence ids in row order) the trial is about
+        self.seconds: dict[str, list[float]] = {"whole": [], "cut": []}
+        self.way = "whole"  # the way of the current step
+        self.splits = 0  # steps run as more than one call
+        self.sorts = 0  # times the rows were sorted by length
+
+    def groups(self, lengths: list[int], rows_key: tuple) -> list[tuple[int, int]]:
+        """Contiguous groups (first row, rows) over the rows, whose lengths (positions each attends to in this
+        call) are `lengths`, keyed by who holds them: [(0, rows)] or the proposed cut, as measured."""
+        cut = [(0, len(lengths))] if self.in_call else self.best(lengths)[1]
+        if len(cut) == 1:
+            self.way = "whole"
+            return cut
+        if rows_key != self.rows_key:
+            self.rows_key, self.seconds = rows_key, {"whole": [], "cut": []}
+        whole, tried = self.seconds["whole"], self.seconds["cut"]
+        if len(whole) < TRIAL or len(tried) < TRIAL:
+            self.way = "whole" if len(whole) <= len(tried) else "cut"
+        else:
+            self.way = "cut" if min(tried) < WIN * min(whole) else "whole"
+        if self.way == "cut":
+            self.splits += 1
+            return cut
+        return [(0, len(lengths))]
+
+    def record(self, seconds: float) -> None:
+        """The time of the step `groups` planned; after the trial, the verdict moves `per_call`."""
+        trial = self.seconds[self.way]
+        if len(trial) >= TRIAL:
+            return
+        trial.append(seconds)
+        whole, tried = self.seconds["whole"], self.seconds["cut"]
+        if len(whole) == TRIAL and len(tried) == TRIAL:
+            won = min(tried) < WIN * min(whole)
+            self.per_call = min(max(self.per_call * (0.9 if won else 1.25), 500.0), 100_000.0)
+
+    def sort_pays(self, lengths: list[int]) -> bool:
+        """Whether the rows sorted by length cut cheaper than as they are, by more than one call."""
+        if self.in_call or len(lengths) < 3 or lengths == sorted(lengths):
+            return False  # (groups inside a call: swapping rows' KV cost more than it saved, measured)
+        return self.best(lengths)[0] - self.best(sorted(lengths))[0] > self.per_call
+
+    def best(self, lengths: list[int]) -> tuple[float, list[tuple[int, int]]]:
+        """The cheapest contiguous cut into calls and its cost (positions), any number of calls."""
+        return cheapest_groups(lengths, len(lengths), self.per_call)

@@ -1,0 +1,392 @@
+"""One sequence's Mirror-SD draft state: precompute its next window while the target verifies this one.
+
+State: the committed text S (known from verdicts), the **line** X = the draft's own guesses
+after S (the window in flight, then its guess for the bonus, then the next window), and
+side **branches** {(depth j, root r): continuation}. The draft KV cache (a row of the draft's
+pool, or a cache of its own) mirrors a token list (`cache_tokens`); any context is reached by
+rolling back to the longest common prefix and feeding the rest in one forward, so switching
+between branches costs one forward (and so does catching up on text committed while the
+sequence decoded target-only).
+
+Work order between verdicts, one draft forward at a time (runtime.mirror.draft_worker interleaves the
+rows of a batch and checks the inbox between forwards):
+1. extend the line up to (window in flight) + 1 + gamma tokens: the full-acceptance branch;
+2. roll out side branches ranked by `branches.rank_roots`, within the branch budget;
+3. idle until the verdict.
+On the verdict (A, c): the line continues if X[A] == c (a main-line hit), a stored branch
+(A, c) becomes the line (a side hit), else the line restarts from the corrected text (a
+miss); then up to gamma ready tokens are sent at once, or fresh ones are drafted first.
+Every draft token at a position is the draft's draw at the target's uniform for that position
+(runtime.sampling.choose_at), so its proposals match the target's choices where they agree.
+Under token rules (runtime.token_rules: grammar, bias, penalties) the row keeps the rules at the committed
+text and each line its own fork at its context plus its tokens: the draft draws from its processed logits,
+a token the grammar forces is drafted without a forward (one at a time, so a line's tokens are a function of
+its context), and a side branch whose root the grammar forbids is never rolled out (the target cannot correct
+to it). SS streams and prompt lookup step aside under rules (their guesses are checked unprocessed).
+Limitation: the draft shares the target's vocabulary.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from mirror_rt.runtime.config import GenerationConfig
+from mirror_rt.runtime.mirror.branches import exit_distribution, rank_roots, top_alternatives
+from mirror_rt.runtime.mirror.lookup import lookup_guesses, verify_guesses
+from mirror_rt.runtime.mirror.messages import EarlyExit, Verdict, Window
+from mirror_rt.runtime.sampling import choose_at, greedy_ids
+from mirror_rt.runtime.token_rules import TokenRules
+from mirror_rt.runtime.transfer import to_host
+
+
+@dataclass(frozen=True)
+class DraftConfig:
+    """The draft worker's runtime-internal knobs; every user setting is the request's GenerationConfig."""
+
+    cpu: int | None = None  # pin the worker thread to this core (Linux)
+    adaptive_gamma: bool = True  # adapt the window cap in 1..gamma online: +2 after a full accept, -1 after a reject
+    branch_length: int = 0  # tokens per side branch; 0 = gamma
+    alternatives: int = 3  # draft alternatives kept per depth for ranking roots
+    stream_confidence: float = 0.2  # SS drafts: feed a stream's guess only at this probability or more
+
+
+@dataclass
+class DraftStats:
+    """Written by the draft thread only; read after it stopped."""
+
+    windows: int = 0
+    main_hits: int = 0
+    side_hits: int = 0
+    misses: int = 0  # the verdict matched no precomputed root
+    not_ready: int = 0  # it matched, but no continuation token was drafted yet
+    branches_rolled: int = 0
+    forwards: int = 0  # draft forwards after prefill
+    rollbacks: int = 0  # cache rollbacks (a cost of their own on stateful backends)
+    guessed: int = 0  # prompt-lookup guesses fed
+    guesses_kept: int = 0  # of them, confirmed by the draft's own greedy choice
+    forced: int = 0  # tokens a grammar forced, drafted without a forward
+    rollout_s: float = 0.0  # forwards before the verdict (overlapping the target)
+    fresh_s: float = 0.0  # forwards after the verdict, before sending (critical path)
+    busy: list[tuple[float, float]] = field(default_factory=list)  # forward intervals
+
+
+@dataclass
+class Line:
+    """Draft tokens after some context, with what they need later."""
+
+    tokens: list[int] = field(default_factory=list)
+    q: list = field(default_factory=list)  # per token q row [vocab] or None (greedy)
+    rows: list = field(default_factory=list)  # per token the row it was chosen from (None: grammar-forced)
+    guesses: list[int] = field(default_factory=list)  # SS stream guesses after the last token (unverified)
+    rules: TokenRules | None = None  # the token rules at the line's context plus its tokens (None: no rules)
+    ended: bool = False  # the grammar allows nothing after the line's tokens: nothing more to draft
+
+
+class DraftRow:
+    """The draft side of one sequence; `handle` takes the target's messages, `extend_line` / `grow_branch`
+    precompute, `send` (the worker's) delivers its windows. Runs in the draft worker's thread only."""
+
+    def __init__(self, draft, cache, committed: list[int], config: GenerationConfig, settings: DraftConfig, send,
+                 rules: TokenRules | None = None):
+        self.draft, self.cache, self.config, self.settings, self.send = draft, cache, config, settings, send
+        self.stats = DraftStats()
+        self.committed = list(committed)  # prompt + output as far as the verdicts tell
+        self.rules = rules  # the token rules at the committed text (None: the request has none)
+        self.cache_tokens: list[int] = []  # the tokens the draft cache holds (set by the worker)
+        self.line = Line(rules=self.fork_rules())
+        self.in_flight = 0  # length of the window the target is verifying
+        self.k_cap = config.gamma  # current window cap (adapted online when adaptive_gamma)
+        self.branches: dict[tuple[int, int], Line] = {}
+        self.exit_rows = None
+        self.verdict_due = 0.0  # when the verdict is expected (exit arrival + target suffix time)
+        self.forward_s = 0.0  # running mean of one draft forward
+        self.acceptance = 0.8  # running per-token acceptance estimate
+        self.waiting = False  # joined before its first token is known (it then drafts nothing)
+
+    def handle(self, message) -> None:
+        """An early exit (branch roots) or a verdict (commit, then send the next window)."""
+        if isinstance(message, EarlyExit):
+            if message.base_length == len(self.committed):
+                self.exit_rows = exit_distribution(message.ids, message.logprobs)
+                self.verdict_due = time.perf_counter() + message.suffix_s
+        elif isinstance(message, Verdict):
+            self._apply_verdict(message)
+            self.send_window(reused=bool(self.line.tokens))
+
+    def _apply_verdict(self, verdict: Verdict) -> None:
+        """Commit A window tokens and c; keep the line or a branch that predicted them."""
+        a, c = verdict.num_accepted, verdict.next_token
+        line = self.line
+        if self.in_flight:
+            self.acceptance = 0.9 * self.acceptance + 0.1 * (a / self.in_flight)
+            if self.settings.adaptive_gamma:
+                full = a == self.in_flight
+                self.k_cap = min(self.config.gamma, self.k_cap + 2) if full else max(1, self.k_cap - 1)
+        self.commit([*line.tokens[:a], c])
+        if len(line.tokens) > a and line.tokens[a] == c:  # the line's rules are already past these tokens
+            self.line = Line(line.tokens[a + 1:], line.q[a + 1:], line.rows[a + 1:], line.guesses, line.rules,
+                             line.ended)
+            self.stats.main_hits += bool(self.line.tokens)
+            self.stats.not_ready += not self.line.tokens
+        elif (a, c) in self.branches:
+            self.line = self.branches[(a, c)]
+            self.stats.side_hits += 1
+        else:
+            self.stats.not_ready += len(line.tokens) <= a  # the line never reached the bonus
+            self.stats.misses += len(line.tokens) > a
+            self.line = Line(rules=self.fork_rules())
+        self.branches, self.exit_rows, self.verdict_due = {}, None, 0.0
+
+    def commit(self, tokens: list[int]) -> None:
+        """Committed text grows by `tokens` (a verdict's, or the first token); the rules follow it."""
+        self.committed += tokens
+        if self.rules is not None:
+            for token in tokens:
+                self.rules.accept(token)
+
+    def fork_rules(self) -> TokenRules | None:
+        """The rules at the committed text, for a line that starts there."""
+        return None if self.rules is None else self.rules.fork()
+
+    def send_window(self, reused: bool) -> None:
+        """Send up to gamma line tokens, drafting fresh ones first if fewer than min_window."""
+        t0 = time.perf_counter()
+        # sampling sends full windows: their length then never depends on timing, so a seed repeats exactly
+        need = min(self.k_cap, max(1, self.config.min_window)) if self.config.sampling.greedy else self.k_cap
+        while len(self.line.tokens) < need and not self.line.ended:
+            self._extend(self.line, self.committed)
+        self.stats.fresh_s += time.perf_counter() - t0
+        k = min(self.k_cap, len(self.line.tokens))
+        self.in_flight = k
+        self.stats.windows += 1
+        self.send(Window(len(self.committed), tuple(self.line.tokens[:k]), None, reused))
+
+    # --- speculation ---------------------------------------------------------------------
+
+    def line_short(self) -> bool:
+        """Whether the main line lacks tokens for the window in flight, its bonus guess and the next window."""
+        return len(self.line.tokens) < self._wanted(self.line) and not self.line.ended
+
+    def extend_line(self) -> bool:
+        """One more token (or several) of the main line."""
+        self._extend(self.line, self.committed)
+        return True
+
+    def timed(self, work) -> bool:
+        """Run one precomputation forward (`work`), its time counted as rollout."""
+        t0 = time.perf_counter()
+        try:
+            return work()
+        finally:
+            self.stats.rollout_s += time.perf_counter() - t0
+
+    def grow_branch(self) -> bool:
+        """One forward of a side branch (a new root ranked first, or a started one); False within budget."""
+        budget, k = self.config.branch_budget, self.in_flight
+        for (depth, root), branch in self.branches.items():
+            if len(branch.tokens) < self._wanted(branch) and not branch.ended and (
+                    budget is not None or self._fits_before_verdict()):
+                self._extend(branch, self.committed + self.line.tokens[:depth] + [root])
+                return True
+        if budget is not None and len(self.branches) >= budget:
+            return False
+        if budget is None and not self._fits_before_verdict():
+            return False
+        if len(self.line.tokens) <= k:  # an ended line has no guess past the window: nothing to branch beside
+            return False
+        window = self.line.tokens[:k]
+        alternatives = [self._alternatives(row) for row in self.line.rows[:k + 1]]
+        roots = rank_roots(window, self.line.tokens[k], alternatives, self.exit_rows, self.acceptance)
+        root = next((r for r in roots if (r.depth, r.token) not in self.branches), None)
+        if root is None:
+            return False
+        rules = self._rules_at(root.depth, root.token)
+        branch = self.branches[(root.depth, root.token)] = Line(rules=rules or None, ended=rules is False)
+        if rules is False:  # the grammar forbids the root: the target can never correct to it
+            return True
+        self.stats.branches_rolled += 1
+        self._extend(branch, self.committed + window[:root.depth] + [root.token])
+        return True
+
+    def _wanted(self, line: Line) -> int:
+        """Tokens worth drafting on `line`: the main line reaches past the window in flight, its bonus
+        guess and the next window; a side branch holds one window."""
+        if line is self.line:
+            return self.in_flight + 1 + self.k_cap
+        return self.settings.branch_length or self.config.gamma
+
+    def _rules_at(self, depth: int, root: int):
+        """The rules after the committed text, the line's first `depth` tokens and `root` (a side branch's
+        start): None without rules, False when the grammar forbids the root."""
+        if self.rules is None:
+            return None
+        rules = self.rules.fork()
+        for token in self.line.tokens[:depth]:
+            rules.accept(token)
+        return rules if rules.accept(root) else False
+
+    def _fits_before_verdict(self) -> bool:
+        """Auto budget: one more forward only if it should end before the verdict is due."""
+        return self.exit_rows is not None and time.perf_counter() + self.forward_s <= self.verdict_due
+
+    def _extend(self, line: Line, context: list[int]) -> None:
+        """Draft one more token of `line` (several with SS streams), which continues `context`."""
+        if self._room(len(context) + len(line.tokens)) <= 0:
+            line.ended = True  # past the context limit: no token the target could take (it caps its windows)
+            return None
+        if line.rules is not None:
+            return self._extend_under_rules(line, context)
+        if self.config.sampling.greedy and hasattr(self.draft, "forward_streams"):
+            return self._extend_with_streams(line, context)
+        if self.config.sampling.greedy and self.config.draft_lookup:
+            return self._extend_with_lookup(line, context)
+        logits = self._logits_after(context + line.tokens)
+        position = len(context) + len(line.tokens)  # the target's draw at that position: coupled proposals
+        token = choose_at(logits, self.config.sampling, self.config.seed, position)[0]
+        _append(line, token, None, logits)
+
+    def _room(self, length: int) -> int:
+        """Positions left after a text of `length` tokens for guesses fed with its last token: a forward never
+        passes the context limit (an exported draft's rotary tables end there)."""
+        limit = getattr(self.draft, "max_seq_len", 0)
+        return limit - length if limit else 1 << 30
+
+    def _extend_under_rules(self, line: Line, context: list[int]) -> None:
+        """One token of `line` under its rules: the one the grammar forces (no forward), else the draft's draw
+        from its processed logits; a line the grammar ends (nothing allowed after it) is marked ended."""
+        rules = line.rules
+        forced = rules.forced()[:1]  # one: what a state forces depends on that state alone
+        if forced:
+            rules.accept(forced[0])
+            self.stats.forced += 1
+            return _append(line, forced[0], None, None)
+        finished = rules.finished()  # complete: only an end-of-sequence may follow, as the line's last token (the
+        if finished:  # target's window then ends the text; with none drafted, an empty window was a draft fault)
+            line.ended = True
+            only = rules.only_allowed()
+            if only is not None:  # drafted without a forward
+                self.stats.forced += 1
+                return _append(line, only, None, None)
+        row = rules.apply(self._logits_after(context + line.tokens))
+        position = len(context) + len(line.tokens)
+        token = choose_at(row, self.config.sampling, self.config.seed, position)[0]
+        if finished:  # a stopped matcher consumes nothing, so the mask alone says whether the draw is allowed
+            if float(row[token]) != float("-inf"):
+                _append(line, token, None, row)
+            return None
+        if not rules.accept(token):  # nothing the grammar allows (a masked-out row): stop drafting this line
+            line.ended = True
+            return None
+        _append(line, token, None, row)
+
+    def _extend_with_streams(self, line: Line, context: list[int]) -> None:
+        """One SS forward: confirm the pending guesses (the streams' confident ones, else prompt-lookup's),
+        add them and the next token, guess again."""
+        full = context + line.tokens
+        guesses = (list(line.guesses) or self._lookup(line, full))[:self._room(len(full))]
+        streams, offset, n = self._feed_with_guesses(line, full, guesses, streams=True)
+        line.guesses = confident_guesses(streams[offset + n], self.settings.stream_confidence)
+
+    def _extend_with_lookup(self, line: Line, context: list[int]) -> None:
+        """One forward with prompt-lookup guesses after the line (runtime.mirror.lookup); keeps the right ones."""
+        full = context + line.tokens
+        guesses = self._lookup(line, full)
+        self.stats.guessed += len(guesses)
+        _, _, n = self._feed_with_guesses(line, full, guesses)
+        self.stats.guesses_kept += n
+
+    def _lookup(self, line: Line, full: list[int]) -> list[int]:
+        """Prompt-lookup guesses the line can still use after its next token ([] when lookup is off)."""
+        room = min(self.config.draft_lookup, self._wanted(line) - len(line.tokens) - 1, self._room(len(full)))
+        return lookup_guesses(full, room) if room > 0 else []
+
+    def _feed_with_guesses(self, line: Line, full: list[int], guesses: list[int], streams: bool = False):
+        """Feed what the cache lacks of `full` (the line's context and tokens) plus `guesses`; append
+        the next token and every confirmed guess to `line`.
+
+        Returns (stream logits or None, the row predicting the token after `full`, guesses kept).
+        """
+        self._rollback_to_prefix(full)
+        feed = full[len(self.cache_tokens):] + guesses
+        out = self._feed(feed, streams=streams)
+        main, stream_rows = out if streams else (out, None)
+        offset = len(feed) - len(guesses) - 1  # the row that predicts the token after `full`
+        n = verify_guesses(main[offset:], guesses)
+        if n < len(guesses):  # rejected guesses leave the cache
+            self.cache.rollback(self.cache.length - (len(guesses) - n))
+            del self.cache_tokens[self.cache.length:]
+            self.stats.rollbacks += 1
+        rows = main[offset:offset + n + 1]
+        for token, row in zip(greedy_ids(rows), rows):
+            _append(line, token, None, row)
+        return stream_rows, offset, n
+
+    def _alternatives(self, row) -> dict[int, float]:
+        """The draft's most likely choices at one depth (derived only when roots are ranked)."""
+        if not self.settings.alternatives or row is None:  # None: a grammar-forced token, chosen from no row
+            return {}
+        probs = _softmax(to_host(row))  # ranking roots runs on the host (a few rows per step)
+        return top_alternatives(probs, self.settings.alternatives + 1)
+
+    def _rollback_to_prefix(self, context: list[int]) -> None:
+        """Keep the longest cached prefix of `context` that leaves its last token unfed."""
+        n = min(len(self.cache_tokens), len(context) - 1)
+        same = n
+        if self.cache_tokens[:n] != context[:n]:  # compared in C; the common case is a plain extension
+            same = int(np.argmax(np.asarray(self.cache_tokens[:n]) != np.asarray(context[:n])))
+        if same < len(self.cache_tokens):
+            self.cache.rollback(same)
+            self.stats.rollbacks += 1
+            del self.cache_tokens[same:]
+
+    def _logits_after(self, context: list[int]) -> np.ndarray:
+        """Logits of the token after `context`, reusing the longest cached prefix."""
+        self._rollback_to_prefix(context)
+        return self._feed(context[len(self.cache_tokens):])[-1]
+
+    def _feed(self, tokens: list[int], streams: bool = False):
+        """One draft forward (with SS stream logits when `streams`), timed and mirrored in cache_tokens."""
+        t0 = time.perf_counter()
+        if streams:
+            logits = self.draft.forward_streams(tokens, self.cache)
+        else:
+            logits = self.draft.forward(tokens, self.cache)
+        t1 = time.perf_counter()
+        self.stats.busy.append((t0, t1))
+        self.stats.forwards += 1
+        if len(tokens) == 1:  # one-token forwards: the unit of speculation work
+            self.forward_s = 0.8 * self.forward_s + 0.2 * (t1 - t0) if self.forward_s else t1 - t0
+        self.cache_tokens.extend(tokens)
+        return logits
+
+
+def _append(line: Line, token: int, q, row) -> None:
+    """Add one drafted token with its q (None when greedy) and the row it was chosen from."""
+    line.tokens.append(token)
+    line.q.append(q)
+    line.rows.append(row)
+
+
+def confident_guesses(stream_rows: np.ndarray, min_probability: float) -> list[int]:
+    """The streams' top tokens [n_s, vocab] -> the leading ones whose probability is >= min_probability.
+
+    A guess costs a row of the next forward and saves a whole forward only when the draft confirms it,
+    so an unlikely guess is not fed; a later stream's guess is useless without the earlier ones.
+    Example: top probabilities (0.9, 0.1, 0.8) with min_probability 0.2 -> the first guess only.
+    """
+    guesses = []
+    for row in np.asarray(stream_rows):  # float32 is enough: every exp(row - max) is in (0, 1]
+        top = int(np.argmax(row))
+        if 1.0 / np.exp(row - row[top]).sum() < min_probability:
+            break
+        guesses.append(top)
+    return guesses
+
+
+def _softmax(logits: np.ndarray) -> np.ndarray:
+    x = np.asarray(logits, dtype=np.float64)
+    e = np.exp(x - x.max())
+    return e / e.sum()

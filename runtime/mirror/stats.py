@@ -1,0 +1,95 @@
+"""Mirror-SD figures: reuse, early-exit coverage, hidden draft time, and the latency model.
+
+Latency model (mirror-sd.md §5; runtime.latency), per step, from this request's own phase means:
+    T_step = T_prefix + T_rendezvous + max(T_suffix, T_rollout) + P(miss) * T_fresh
+where T_rendezvous is the target's mean wait for a window when it was precomputed (a hit),
+T_rollout the draft's precomputation per step and T_fresh its drafting after a miss. Our draft
+starts the main line as soon as it sends a window, before the early exit arrives, so its
+rollout overlaps the prefix too; the pipelined form of the same model is
+    T_step = T_rendezvous + max(T_prefix + T_suffix, T_rollout) + P(miss) * T_fresh.
+Both predictions are printed next to the measured wall time per step.
+"""
+
+from __future__ import annotations
+
+from mirror_rt.runtime.latency import mirror_step
+
+
+def overlap_seconds(a: list[tuple[float, float]], b: list[tuple[float, float]]) -> float:
+    """Total time covered by both interval lists (each sorted, non-overlapping within itself)."""
+    i = j = 0
+    total = 0.0
+    while i < len(a) and j < len(b):
+        lo, hi = max(a[i][0], b[j][0]), min(a[i][1], b[j][1])
+        total += max(0.0, hi - lo)
+        if a[i][1] < b[j][1]:
+            i += 1
+        else:
+            j += 1
+    return total
+
+
+def mirror_summary(metrics, draft_stats, counters: dict) -> dict:
+    """The Mirror-specific part of a request's stats."""
+    steps = max(1, metrics.steps - counters["fallback_steps"])
+    draft_busy = sum(e - s for s, e in draft_stats.busy)
+    hits = draft_stats.main_hits + draft_stats.side_hits
+    decided = hits + draft_stats.misses + draft_stats.not_ready
+    stage = metrics.stage_seconds
+    wait = stage.get("target_wait", 0.0)
+    p_miss = (draft_stats.misses + draft_stats.not_ready) / decided if decided else 1.0
+    t_prefix, t_suffix = stage.get("target_prefix", 0.0) / steps, stage.get("target_suffix", 0.0) / steps
+    t_rollout = draft_stats.rollout_s / steps
+    t_fresh = draft_stats.fresh_s / max(1, draft_stats.misses + draft_stats.not_ready)
+    t_rendezvous = max(0.0, wait - draft_stats.fresh_s) / steps
+    predicted = mirror_step(t_prefix, t_suffix, t_rollout, t_fresh, 1 - p_miss, t_rendezvous)
+    pipelined = mirror_step(0.0, t_prefix + t_suffix, t_rollout, t_fresh, 1 - p_miss, t_rendezvous)
+    decode = sum(stage.get(k, 0.0) for k in ("target_wait", "target_prefix", "target_suffix")) / steps
+    hidden = overlap_seconds(draft_stats.busy, counters["busy"])
+    return {
+        "reuse_hit_rate": round(hits / decided, 3) if decided else 0.0,
+        "reuse_hits": hits,  # verdicts whose next window was precomputed (main line or side branch)
+        "reuse_checks": decided,  # verdicts checked against the precomputed windows
+        "draft_busy_s": round(draft_busy, 4),
+        "draft_hidden_s": round(hidden, 4),  # draft time that ran while the target computed
+        "main_line_hits": draft_stats.main_hits,
+        "side_branch_hits": draft_stats.side_hits,
+        "misses": draft_stats.misses,
+        "not_ready": draft_stats.not_ready,
+        "side_branches_rolled": draft_stats.branches_rolled,
+        "early_exit_coverage": round(counters["exit_covered"] / counters["corrections"], 3)
+        if counters["corrections"] else None,
+        "hidden_draft_share": round(hidden / draft_busy, 3) if draft_busy else 0.0,
+        "phase_ms_per_step": {"target_prefix": round(1e3 * t_prefix, 2), "target_suffix": round(1e3 * t_suffix, 2),
+                              "rendezvous_wait": round(1e3 * wait / steps, 2),
+                              "draft_rollout": round(1e3 * t_rollout, 2),
+                              "draft_fresh_per_miss": round(1e3 * t_fresh, 2)},
+        "predicted_step_ms": round(1e3 * predicted, 2),
+        "predicted_step_ms_pipelined": round(1e3 * pipelined, 2),
+        "measured_step_ms": round(1e3 * decode, 2),
+        "fallback_steps": counters["fallback_steps"],
+        "early_exit_steps": counters["exit_steps"],
+        "mean_window": round(sum(metrics.proposed_at) / steps, 3),  # draft tokens verified per step
+        "draft_forwards_per_token": round(draft_stats.forwards / max(1, metrics.committed), 3),
+        "draft_rollbacks_per_step": round(draft_stats.rollbacks / steps, 3),
+        "lookup_guesses_kept": f"{draft_stats.guesses_kept}/{draft_stats.guessed}",
+        "forced_draft_tokens": draft_stats.forced,  # grammar-forced tokens drafted without a forward
+    }
+
+
+def batch_stats(seq) -> dict:
+    """What batching did for a finished request (runtime.batch.sequence.Sequence): its prompt from the prefix cache, its
+    speculative steps, Mirror's figures over the parts it speculated in."""
+    from mirror_rt.runtime.mirror.draft_row import DraftStats
+    from mirror_rt.runtime.mirror.draft_worker import summed
+
+    steps = max(1, seq.metrics.steps)
+    stats = {"prompt_tokens_cached": seq.reused,
+             "speculative_step_share": round(seq.metrics.speculative_steps / steps, 3)}
+    parts = seq.state_data.get("mirror_parts")
+    if parts:
+        counters = {k: sum(c[k] for _, c in parts) if k != "busy" else [i for _, c in parts for i in c[k]]
+                    for k in parts[0][1]}
+        stats |= mirror_summary(seq.metrics, summed([s for s, _ in parts] or [DraftStats()]), counters)
+        seq.metrics.durations["draft_forward"] = [end - start for s, _ in parts for start, end in s.busy]
+    return stats
