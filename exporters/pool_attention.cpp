@@ -20,6 +20,9 @@
 #include <cstring>
 #include <algorithm>
 #include <atomic>
+#include <condition_variable>
+#include <functional>
+#include <mutex>
 #include <thread>
 #include <utility>
 #include <vector>
@@ -30,6 +33,7 @@
 namespace {
 
 #include "native_numbers.inc"
+#include "worker_pool.inc"
 
 struct Shape {
   int64_t rows, tokens, heads, kv_heads, capacity, dim;
@@ -266,11 +270,9 @@ void compute(const Shape& s, const float* q, const T* keys, const T* values, con
     if (done * threads >= total * static_cast<int64_t>(cuts.size())) cuts.push_back(unit + 1);
   }
   cuts.push_back(units);
-  std::vector<std::thread> helpers;
-  for (size_t i = 1; i + 1 < cuts.size(); ++i)
-    helpers.emplace_back(run_units<T>, std::cref(s), q, keys, values, positions, out, cuts[i], cuts[i + 1]);
-  run_units(s, q, keys, values, positions, out, cuts[0], cuts[1]);
-  for (auto& t : helpers) t.join();
+  workers().parallel(static_cast<int>(cuts.size()) - 1, [&](int i) {
+    run_units(s, q, keys, values, positions, out, cuts[i], cuts[i + 1]);
+  });
   --g_running;
 }
 

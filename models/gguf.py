@@ -101,7 +101,15 @@ def _readable(gguf_path: Path, read):
     try:
         return read()
     except Exception as exc:  # noqa: BLE001
+        if _out_of_memory(exc):  # the machine's limit, not the file's fault
+            raise
         raise ValueError(f"cannot read {gguf_path} (cut short, or not a GGUF model?): {error_line(exc)}") from None
+
+
+def _out_of_memory(exc: BaseException) -> bool:
+    from mirror_rt.models.memory import out_of_memory_error
+
+    return out_of_memory_error(exc)
 
 
 def _complete(folder: Path) -> bool:

@@ -15,6 +15,7 @@ from pathlib import Path
 import numpy as np
 
 from mirror_rt.models.config import SUPPORTED_ARCHITECTURES, ModelConfig, UnsupportedArchitecture
+from mirror_rt.models.memory import out_of_memory_error
 from mirror_rt.models.tensor_files import TensorInfo
 from mirror_rt.runtime.values import error_line
 
@@ -81,6 +82,8 @@ def _reader(path: Path):
     try:
         return GGUFReader(str(path))
     except Exception as exc:  # noqa: BLE001 -- gguf raises many kinds for a file it cannot parse
+        if out_of_memory_error(exc):  # the machine's limit, not the file's fault
+            raise
         raise GGUFError(f"cannot read {path} (cut short, or not a GGUF model?): {error_line(exc)}") from None
 
 

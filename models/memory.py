@@ -7,6 +7,7 @@ is the error raised when an allocation failed anyway.
 
 from __future__ import annotations
 
+import errno
 import resource
 
 
@@ -55,3 +56,12 @@ def check_fits(needed: int, what: str, margin: float = 1.05) -> None:
     available = available_bytes()
     if available is not None and needed * margin > available:
         raise out_of_memory(what, needed)
+
+
+def out_of_memory_error(exc: BaseException) -> bool:
+    """Whether `exc` is the machine refusing memory (MemoryError, ENOMEM; a wrapped one too), not a bad input."""
+    while exc is not None:
+        if isinstance(exc, MemoryError) or (isinstance(exc, OSError) and exc.errno == errno.ENOMEM):
+            return True
+        exc = exc.__cause__ or exc.__context__
+    return False

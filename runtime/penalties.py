@@ -20,9 +20,10 @@ if TYPE_CHECKING:
 
 
 def add_bias(x: torch.Tensor, bias: Sequence[tuple[int, float]]) -> torch.Tensor:
-    """x [vocab] plus `bias` at its ids (a new tensor)."""
+    """x [vocab] plus `bias` at its ids (a new tensor; ids past x's rows: a draft's embedding with less padding)."""
     torch = import_torch()
-    ids = torch.tensor([i for i, _ in bias], device=x.device)
+    bias = [(i, b) for i, b in bias if i < x.shape[-1]]
+    ids = torch.tensor([i for i, _ in bias], dtype=torch.long, device=x.device)
     values = torch.tensor([b for _, b in bias], dtype=x.dtype, device=x.device)
     return x.index_add(0, ids, values)
 

@@ -25,7 +25,7 @@ def default_gguf(cache_dir: str) -> Path:
 
 
 def write_gguf(path: Path, vocab_gguf: Path, arch: str = "qwen2", types: dict | None = None, seed: int = 0,
-               vocab_rows: int | None = None, layers: int = LAYERS) -> Path:
+               vocab_rows: int | None = None, layers: int = LAYERS, hidden: int = HIDDEN) -> Path:
     """A small model of `arch` at `path`; `types` maps weight kinds (embed, head, attn, ffn, down) to GGUF types."""
     from gguf import GGMLQuantizationType as T
     from gguf import GGUFReader, GGUFWriter
@@ -37,7 +37,7 @@ def write_gguf(path: Path, vocab_gguf: Path, arch: str = "qwen2", types: dict | 
     writer = GGUFWriter(str(path), arch)
     writer.add_block_count(layers)
     writer.add_context_length(512)
-    writer.add_embedding_length(HIDDEN)
+    writer.add_embedding_length(hidden)
     writer.add_feed_forward_length(FFN)
     writer.add_head_count(HEADS)
     writer.add_head_count_kv(KV_HEADS)
@@ -50,20 +50,21 @@ def write_gguf(path: Path, vocab_gguf: Path, arch: str = "qwen2", types: dict | 
         if field is not None:
             _copy_field(writer, key, field)
     rng = np.random.default_rng(seed)
-    head_dim = HIDDEN // HEADS
-    shapes = {"token_embd.weight": ((rows, HIDDEN), types["embed"]), "output_norm.weight": ((HIDDEN,), T.F32),
-              "output.weight": ((rows, HIDDEN), types["head"])}
+    head_dim = hidden // HEADS
+    shapes = {"token_embd.weight": ((rows, hidden), types["embed"]), "output_norm.weight": ((hidden,), T.F32),
+              "output.weight": ((rows, hidden), types["head"])}
     for i in range(layers):
         b = f"blk.{i}."
-        shapes |= {b + "attn_norm.weight": ((HIDDEN,), T.F32), b + "ffn_norm.weight": ((HIDDEN,), T.F32),
-                   b + "attn_q.weight": ((HIDDEN, HIDDEN), types["attn"]),
-                   b + "attn_k.weight": ((KV_HEADS * head_dim, HIDDEN), types["attn"]),
-                   b + "attn_v.weight": ((KV_HEADS * head_dim, HIDDEN), types["attn"]),
-                   b + "attn_output.weight": ((HIDDEN, HIDDEN), types["attn"]),
-                   b + "ffn_gate.weight": ((FFN, HIDDEN), types["ffn"]), b + "ffn_up.weight": ((FFN, HIDDEN), types["ffn"]),
-                   b + "ffn_down.weight": ((HIDDEN, FFN), types["down"])}
+        shapes |= {b + "attn_norm.weight": ((hidden,), T.F32), b + "ffn_norm.weight": ((hidden,), T.F32),
+                   b + "attn_q.weight": ((hidden, hidden), types["attn"]),
+                   b + "attn_k.weight": ((KV_HEADS * head_dim, hidden), types["attn"]),
+                   b + "attn_v.weight": ((KV_HEADS * head_dim, hidden), types["attn"]),
+                   b + "attn_output.weight": ((hidden, hidden), types["attn"]),
+                   b + "ffn_gate.weight": ((FFN, hidden), types["ffn"]),
+                   b + "ffn_up.weight": ((FFN, hidden), types["ffn"]),
+                   b + "ffn_down.weight": ((hidden, FFN), types["down"])}
         if arch == "qwen2":
-            shapes |= {b + "attn_q.bias": ((HIDDEN,), T.F32), b + "attn_k.bias": ((KV_HEADS * head_dim,), T.F32),
+            shapes |= {b + "attn_q.bias": ((hidden,), T.F32), b + "attn_k.bias": ((KV_HEADS * head_dim,), T.F32),
                        b + "attn_v.bias": ((KV_HEADS * head_dim,), T.F32)}
         if arch == "qwen3":
             shapes |= {b + "attn_q_norm.weight": ((head_dim,), T.F32), b + "attn_k_norm.weight": ((head_dim,), T.F32)}

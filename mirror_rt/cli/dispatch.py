@@ -75,6 +75,17 @@ def _exit_now(code: int) -> None:
     os._exit(code)
 
 
+def _out_of_memory(command: str, exc: BaseException) -> int:
+    """One line for an allocation the machine refused: what ran, what it needed where known, what there is."""
+    from mirror_rt.models.memory import OutOfMemory, out_of_memory
+
+    if not isinstance(exc, OutOfMemory):
+        detail = str(exc).splitlines()[0] if str(exc) else "an allocation"
+        exc = out_of_memory(f"{command} ({detail})")
+    print(f"mirror-rt: error: {exc}", file=sys.stderr)
+    return 1
+
+
 def main(argv=None) -> int:
     from mirror_rt.models.default_model import DefaultModelUnavailable
 
@@ -91,13 +102,10 @@ def main(argv=None) -> int:
         print(f"mirror-rt: error: {exc}", file=sys.stderr)
         return 2
     except MemoryError as exc:  # a step that needs more than there is: one line with both figures
-        from mirror_rt.models.memory import OutOfMemory, out_of_memory
-
-        if not isinstance(exc, OutOfMemory):
-            exc = out_of_memory(f"{args.command} ({str(exc).splitlines()[0] if str(exc) else 'an allocation'})")
-        print(f"mirror-rt: error: {exc}", file=sys.stderr)
-        return 1
+        return _out_of_memory(args.command, exc)
     except OSError as exc:
+        if exc.errno == errno.ENOMEM:
+            return _out_of_memory(args.command, exc)
         if exc.errno not in MACHINE_ERRORS:
             raise
         where = f" ({exc.filename})" if exc.filename else ""
