@@ -83,7 +83,7 @@ def bench_runners(methods: list[str], options, log=print) -> list:
     (given or default), `models.model` only names the peers' target (and the bf16 rows' target).
     `precision.compile`: torch targets run static windows under torch.compile.
     """
-    from mirror_rt.devices.engines import default_bundle
+    from mirror_rt.devices.engines import default_bundle, model_bundle, streams_model
     from mirror_rt.devices.torch_engine import load_torch
     from mirror_rt.evaluation.bench_llama import METHODS as LLAMA_METHODS
     from mirror_rt.evaluation.bench_llama import find_gguf
@@ -99,6 +99,9 @@ def bench_runners(methods: list[str], options, log=print) -> list:
     bundle, model, draft_model, cache_dir = models.bundle, models.model, models.draft_model, models.cache_dir
     if bundle is None and not models.torch and draft_model is None and model is None:
         bundle = str(default_bundle(cache_dir, log=log))
+    if bundle is None and not models.torch and streams_model(model):  # a GGUF or a model over 1 GB: as `run`
+        bundle = str(model_bundle(model, draft_model, cache_dir, options.precision.weights or "auto", log=log))
+        methods = _streamed_peers(methods, log)
     gguf = find_gguf(model, cache_dir) if set(methods) & set(LLAMA_METHODS) else None
     if bundle is None:
         engine = load_torch(options, log=log)
@@ -116,9 +119,23 @@ def bench_runners(methods: list[str], options, log=print) -> list:
     peers = [m for m in methods if m not in OURS]
     if peers:
         tokenizer = runners[0].engine.tokenizer if runners else _bundle_tokenizer(bundle)
-        folder = model if model and not os.path.exists(model) else str(resolve_folder(model, cache_dir, log=log))
+        folder = model if streams_model(model) or (model and not os.path.exists(model)) else str(
+            resolve_folder(model, cache_dir, log=log))
         runners += build_runners(peers, _Peers(tokenizer), folder, log=log, gguf=gguf)
     return runners
+
+
+def _streamed_peers(methods: list[str], log) -> list[str]:
+    """`methods` less the rows that would load a GGUF or a model over 1 GB whole (torch, transformers, GenAI: in
+    float32 for most), each said in a line; llama.cpp reads the GGUF as it lies and stays."""
+    from mirror_rt.evaluation.bench_llama import METHODS as LLAMA_METHODS
+    from mirror_rt.evaluation.bench_methods import OURS, PRECISION_METHODS
+
+    whole = [m for m in methods if m in PRECISION_METHODS or (m not in OURS and m not in LLAMA_METHODS)]
+    if whole:
+        log(f"bench: skipping {', '.join(whole)}: they load the model whole (mirror-rt runs it from its bundle; "
+            "llama-cpp reads the GGUF as it lies)")
+    return [m for m in methods if m not in whole]
 
 
 def _bundle_alone(methods: list[str], log) -> list[str]:

@@ -23,6 +23,7 @@ METHODS = ("llama-cpp", "llama-cpp-lookup")
 # path writes a prompt's rows past that buffer (a 769-token prompt failed at the default 512): the lookup row
 # evaluates prompts of up to this many tokens in one batch (its logits buffer: LOOKUP_BATCH x vocab floats)
 LOOKUP_BATCH = 2048
+CONTEXT = 8192  # llama.cpp's KV cache (it allocates n_ctx positions at load: a 128K-context model's would take GBs)
 PROBE = "<|im_start|>user\nHello, world! 12345 ünïcödé\n<|im_end|>"  # chat markers, digits, non-ASCII
 
 
@@ -109,8 +110,8 @@ def llama_runners(methods: list[str], gguf: Path | None, tokenizer, threads: int
     for method in wanted:
         lookup = LlamaPromptLookupDecoding(max_ngram_size=2) if method == "llama-cpp-lookup" else None
         batch = {"n_batch": LOOKUP_BATCH} if lookup else {}
-        llm = llama_cpp.Llama(str(gguf), n_ctx=0, n_threads=threads, n_threads_batch=threads, draft_model=lookup,
-                              verbose=False, **batch)
+        llm = llama_cpp.Llama(str(gguf), n_ctx=CONTEXT, n_threads=threads, n_threads_batch=threads,
+                              draft_model=lookup, verbose=False, **batch)
         vocabulary = llm.tokenize(PROBE.encode(), add_bos=False, special=True)
         if llm.n_vocab() != tokenizer.vocab_size or vocabulary != tokenizer.encode(PROBE):
             log(f"bench: skipping {method}: {gguf.name}'s vocabulary differs from the model's tokenizer")

@@ -198,7 +198,14 @@ template <typename T>
 void attend(const Shape& s, const float* q, const T* keys, const T* values, int64_t n, float* out,
             std::vector<float>& scores) {
 #ifdef __AVX512F__
-  if (Attend<T> f = vectorized<T>(s.dim, s.heads / s.kv_heads)) return f(q, keys, values, n, out, scores);
+  const int64_t rep = s.heads / s.kv_heads;
+  if (Attend<T> f = vectorized<T>(s.dim, rep)) return f(q, keys, values, n, out, scores);
+  if (rep > 6 && vectorized<T>(s.dim, 4)) {  // more heads than registers: groups of 4 (a head's bits are its own)
+    for (int64_t first = 0; first < rep; first += 4)
+      vectorized<T>(s.dim, std::min<int64_t>(4, rep - first))(q + first * s.dim, keys, values, n,
+                                                              out + first * s.dim, scores);
+    return;
+  }
 #endif
   attend_generic(s, q, keys, values, n, out, scores);
 }

@@ -57,7 +57,7 @@ def static_bundle(tmp_path_factory):
 def test_manifest_describes_the_bundle(torch_bundle):
     """Defaults: exit layer N/2, the four roles, tokenizer hash, versions, kv layout."""
     manifest = read_manifest(torch_bundle)
-    assert manifest.format_version == FORMAT_VERSION == 7
+    assert manifest.format_version == FORMAT_VERSION == 8
     assert manifest.exit_layer == manifest.n_layers // 2 and manifest.kappa == 4
     assert {g.role for g in manifest.graphs} == {"target_prefix", "target_exit", "target_suffix", "draft"}
     exit_graph = manifest.graph("target_exit")  # torch: computed from the target's own weights
