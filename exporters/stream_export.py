@@ -10,7 +10,6 @@ traced exporter (exporters.export), which adds exit adapters, SS drafts and the 
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 from mirror_rt.exporters.export_config import ExportConfig, ExportError
@@ -150,7 +149,6 @@ def _write_manifest(cfg, limits, target, draft, entries, tokenizer: dict, weight
     from mirror_rt.exporters.graph_writer import WEIGHTS_FILE
     from mirror_rt.exporters.manifest import (
         FORMAT_VERSION,
-        VERIFIED,
         BundleManifest,
         GraphEntry,
         hash_files,
@@ -175,8 +173,4 @@ def _write_manifest(cfg, limits, target, draft, entries, tokenizer: dict, weight
         max_context=limits.max_context, max_window=limits.max_window, static=False, target_config=c.to_dict(),
         draft_config=draft.config.to_dict(), exporter_versions=_versions(), draft_of_target=cfg.draft_model is None)
     write_manifest(manifest, folder)
-    stat = (folder / WEIGHTS_FILE).stat()  # hashed while written: the first load need not read it again
-    verified = {WEIGHTS_FILE: [stat.st_size, stat.st_mtime_ns, digest]}
-    (folder / VERIFIED).parent.mkdir(exist_ok=True)
-    (folder / VERIFIED).write_text(json.dumps(verified))
 

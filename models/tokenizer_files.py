@@ -24,7 +24,7 @@ def write_tokenizer_files(source: Path, folder: Path) -> list[str]:
 
         write_gguf_tokenizer(source, folder)
         return [n for n in TOKENIZER_FILES if n != "config.json" and (folder / n).is_file()]
-    names = [n for n in TOKENIZER_FILES if (source / n).is_file() and n != "config.json"]
+    names = [n for n in TOKENIZER_FILES if (source / n).is_file()]
     for name in names:
         shutil.copyfile(source / name, folder / name)
     return names
