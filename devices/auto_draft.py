@@ -145,7 +145,7 @@ def measure_target(target, device: str, gamma: int, context: list[int]) -> Targe
     token = _timed_call(target, context[-1:], context[:-1], lambda m, t, c: m.forward(t, c))
     window_tokens = (context * (gamma + 2))[:gamma + 1]
     window = _timed_call(target, window_tokens, context, lambda m, t, c: m.forward(t, c))
-    if not hasattr(target, "forward_prefix"):
+    if not target.capabilities.split:
         return TargetCosts(device, token, window)
     prefix = _timed_call(target, window_tokens, context, lambda m, t, c: m.forward_prefix_only(t, c))
     return TargetCosts(device, token, window, prefix, max(window - prefix, 0.0))

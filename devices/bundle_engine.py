@@ -18,7 +18,6 @@ from pathlib import Path
 from mirror_rt.devices.auto_draft import AUTO, candidates
 from mirror_rt.devices.bundles import (
     WorkerBudget,
-    adopts_from,
     bundle_format,
     draft_copies_target,
     in_background,
@@ -82,18 +81,17 @@ def load_bundle(options: EngineConfig, mode: str | None = None, verify: bool = T
                     f"the context is {draft.max_seq_len}")
         target.max_seq_len = draft.max_seq_len  # every request's limit, in every mode (the draft's cache fills)
     both = placement.worker_cores
-    # the draft starts from the target's prompt KV only when it is the target's copy and reads its caches
-    draft.same_model_as_target = draft_copies_target(manifest, draft_manifest) and adopts_from(draft, target)
+    # the draft starts from the target's KV only when it is the target's copy and reads its pool rows
+    reads = draft.capabilities.rows and draft_copies_target(manifest, draft_manifest) and draft.can_adopt(target)
+    draft.capabilities = replace(draft.capabilities, reads_target_rows=reads)
     names = {"model": Path(bundle).name, "target": f"{bundle} ({type(target).__name__})",
              "draft": f"{draft_source} ({type(draft).__name__})", "path": f"{manifest.graph_format} bundle",
              "target_device": placement.target, "draft_device": placement.draft,
              "target_precision": manifest.graph("target_prefix").precision,
              "draft_precision": draft_manifest.graph("draft").precision, "placement": placement.describe()}
-    if auto_rows:
-        names["draft_auto"] = auto_rows  # `mirror-rt devices` prints them
-    names["load_time_s"] = round(time.perf_counter() - started, 3)  # every generation's stats carry it
     engine_class = TargetOnlyEngine if chosen_mode == "ar" else Engine
-    return engine_class(target, tokenizer, draft, names, both, placement, manifest, batch=options.batch)
+    return engine_class(target, tokenizer, draft, names, both, placement, manifest, batch=options.batch,
+                        load_time_s=round(time.perf_counter() - started, 3), draft_auto=auto_rows)
 
 
 class TargetOnlyEngine(Engine):

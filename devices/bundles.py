@@ -69,20 +69,14 @@ def bundle_format(manifest, role: str) -> str:
 def draft_copies_target(target_manifest, draft_manifest) -> bool:
     """Whether the draft of `draft_manifest` is the target of `target_manifest` at another precision.
 
-    Such a draft may start from the target's prompt KV (runtime.mirror.target_row). A draft taken from another
-    bundle qualifies only if that bundle's target has the same config and tokenizer.
+    Such a draft may start from the target's KV (runtime.backend.Capabilities.reads_target_rows). A draft taken
+    from another bundle qualifies only if that bundle's target has the same config and tokenizer.
     """
     if not draft_manifest.draft_of_target:
         return False
     return draft_manifest is target_manifest or (
         draft_manifest.target_config == target_manifest.target_config
         and draft_manifest.tokenizer.get("sha256") == target_manifest.tokenizer.get("sha256"))
-
-
-def adopts_from(draft, target) -> bool:
-    """Whether `draft.adopt` can take `target`'s caches (same backend and KV layout; see LoadedModel.adopt)."""
-    can_adopt = getattr(draft, "can_adopt", None)
-    return bool(can_adopt and can_adopt(target))
 
 
 def _config(manifest, role: str):

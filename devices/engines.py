@@ -233,4 +233,4 @@ def draft_choice_here(cache_dir: str | None = None) -> list[str]:
     except BundleError:
         return ["draft auto: the default bundle is not exported yet (mirror-rt run exports it)"]
     engine = load_bundle(EngineConfig.from_flags(bundle=str(folder), draft="auto"), verify=False)
-    return engine.names.get("draft_auto", [])
+    return list(engine.draft_auto)

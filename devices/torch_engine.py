@@ -4,7 +4,7 @@
 as the oracle draft, another checkpoint, or a bundle's draft on its resolved device), places both
 workers (`devices.placement`) and, with `compile`, warms the compiled windows up at the placement's
 thread count. It never chooses between torch and a bundle: that is `devices.engines`. Every engine
-records its path and each role's precision in `engine.names`.
+records its path and each role's precision in `engine.names`, and its load time.
 """
 
 from __future__ import annotations
@@ -90,8 +90,8 @@ def load_torch(options: EngineConfig | None = None, mode: str | None = None, log
         finally:
             torch.set_num_threads(previous)
     cpus = placement.worker_cores if devices.pin else None
-    names["load_time_s"] = round(time.perf_counter() - started, 3)  # every generation's stats carry it
-    return Engine(split, target.tokenizer, draft, names, cpus, placement, batch=options.batch)
+    return Engine(split, target.tokenizer, draft, names, cpus, placement, batch=options.batch,
+                  load_time_s=round(time.perf_counter() - started, 3))
 
 
 def _torch_threads(threads: int | None, log) -> int | None:
@@ -134,8 +134,7 @@ def _bundle_draft(folder, manifest, where, placement, precision: str | None):
     from mirror_rt.devices.bundles import WorkerBudget
 
     budget = WorkerBudget(placement.draft_threads, placement.draft_cpus, precision)
-    draft = in_worker_thread(folder, manifest, "draft", where, True, budget)
-    draft.same_model_as_target = False  # its KV lives in another backend's caches: it prefills itself
+    draft = in_worker_thread(folder, manifest, "draft", where, True, budget)  # (its KV: its own, it reads the text)
     return draft, {"draft": f"{folder} ({type(draft).__name__})", "draft_precision": manifest.graph("draft").precision}
 
 

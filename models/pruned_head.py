@@ -80,6 +80,9 @@ class PrunedHeadDraft(nn.Module):
     def embed(self, tokens: torch.Tensor) -> torch.Tensor:
         return self.base.embed(tokens)
 
+    def run_layers(self, *args, **kwargs) -> torch.Tensor:
+        return self.base.run_layers(*args, **kwargs)
+
     def pruned_logits(self, h: torch.Tensor) -> torch.Tensor:
         """Final norm and the pruned head: hidden [T, hidden] -> logits [T, K] (column j is id kept[j])."""
         return self.head(self.norm(h))
@@ -88,9 +91,6 @@ class PrunedHeadDraft(nn.Module):
         """hidden [..., hidden] -> full-vocabulary logits [..., vocab], -inf at ids not kept."""
         padded = F.pad(self.pruned_logits(h), (0, 1), value=float("-inf"))
         return torch.index_select(padded, -1, self.inverse)  # rows of any rank (batched graphs: [B, T, K+1])
-
-    def new_cache(self, capacity: int, first: int = 0, last: int | None = None):
-        return self.base.new_cache(capacity, first, last)
 
     @torch.inference_mode()
     def forward(self, tokens: torch.Tensor, cache) -> torch.Tensor:

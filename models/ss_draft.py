@@ -21,7 +21,6 @@ import torch.nn.functional as F
 from torch import nn
 
 from mirror_rt.models.transformer import Transformer, apply_rope, rope_tables
-from mirror_rt.runtime.mirror.lookup import verify_guesses
 
 MAX_STREAMS = 16  # lookahead streams per draft: each adds a row per position to every stream forward
 
@@ -154,29 +153,6 @@ def stream_mask(start: int, T: int, S: int, device=None) -> torch.Tensor:
     same = (stream_p[:, None] == stream_p[None, :]) & (stream_j[None, :] <= stream_j[:, None])
     mask[T:, L:] = same  # its own position's streams with index <= j
     return mask
-
-
-@torch.inference_mode()
-def stream_rollout(draft: StreamDraft, context: list[int], k: int) -> tuple[list[int], int]:
-    """Greedy k-token continuation of `context` using stream guesses; returns (tokens, forwards).
-
-    Every forward feeds the unfed tokens plus the pending guesses, keeps the confirmed
-    guesses and the main stream's next token, and takes new guesses from the streams of the
-    last confirmed position, so the output is exactly the draft's own greedy continuation.
-    """
-    cache = draft.base.new_cache(len(context) + k + draft.n_streams + 2)
-    tokens, guesses, forwards = [], [], 0
-    feed = list(context)
-    while len(tokens) < k:
-        main, streams = draft.forward_streams(torch.tensor(feed + guesses), cache)
-        forwards += 1
-        offset = len(feed) - 1
-        n = verify_guesses(main[offset:], guesses)
-        cache.rollback(cache.length - (len(guesses) - n))
-        tokens += guesses[:n] + [int(main[offset + n].argmax())]
-        guesses = [int(t) for t in streams[offset + n].argmax(-1)]
-        feed = [tokens[-1]]
-    return tokens[:k], forwards
 
 
 def stream_config(draft: StreamDraft) -> dict:

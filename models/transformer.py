@@ -4,7 +4,8 @@ Parameter names follow Hugging Face (`embed_tokens`, `layers.i.self_attn.q_proj`
 so a safetensors checkpoint loads without renaming beyond the `model.` prefix. The forward
 is split into `embed`, `run_layers(first, last)` and `logits` so the exporter can cut the
 model at the early-exit layer; `forward` composes the three. It knows nothing about
-speculation: it maps tokens at positions cache.length.. to logits and advances the cache.
+speculation: it maps tokens at positions cache.length.. to logits and advances the cache, a cache
+its caller made (the torch backend's, devices.torch.kv_cache).
 """
 
 from __future__ import annotations
@@ -16,7 +17,6 @@ import torch.nn.functional as F
 from torch import nn
 
 from mirror_rt.models.config import ModelConfig
-from mirror_rt.runtime.kv_cache import KVCache
 
 
 class RMSNorm(nn.Module):
@@ -108,7 +108,7 @@ class Attention(nn.Module):
             self.k_norm = RMSNorm(c.head_dim, c.norm_eps)
         self.qk_norm = c.qk_norm
 
-    def forward(self, x, rope, cache: KVCache, layer: int, mask):
+    def forward(self, x, rope, cache, layer: int, mask):
         T = x.shape[0]
         q = self.q_proj(x).view(T, self.n_heads, self.head_dim).transpose(0, 1)  # [H, T, D]
         k = self.k_proj(x).view(T, self.n_kv_heads, self.head_dim).transpose(0, 1)  # [KVH, T, D]
@@ -192,18 +192,11 @@ class Transformer(nn.Module):
             limit = self.config.max_seq_len + MAX_PAD
             self._derive_rope(min(max(positions, 2 * have), max(limit, positions)))
 
-    def new_cache(self, capacity: int, first: int = 0, last: int | None = None, slots: int | None = None) -> KVCache:
-        """An empty cache for layers first..last-1 (all layers by default); `slots` >= capacity: its storage."""
-        last = self.config.n_layers if last is None else last
-        p = self.embed_tokens.weight
-        return KVCache(last - first, self.config.n_kv_heads, self.config.head_dim, capacity,
-                       dtype=p.dtype, device=p.device, slots=slots)
-
     def embed(self, tokens: torch.Tensor) -> torch.Tensor:
         """tokens [T] -> hidden [T, hidden]."""
         return self.embed_tokens(tokens)
 
-    def run_layers(self, h: torch.Tensor, cache: KVCache, first: int = 0, last: int | None = None,
+    def run_layers(self, h: torch.Tensor, cache, first: int = 0, last: int | None = None,
                    cache_first: int | None = None):
         """Apply layers first..last-1 to h [T, hidden] at positions cache.length.. (no advance).
 
@@ -220,7 +213,7 @@ class Transformer(nn.Module):
             h = self.layers[i](h, rope, cache, i - cache_first, mask)
         return h
 
-    def run_layers_at(self, h: torch.Tensor, positions: torch.Tensor, cache: KVCache, first: int = 0,
+    def run_layers_at(self, h: torch.Tensor, positions: torch.Tensor, cache, first: int = 0,
                       last: int | None = None, cache_first: int | None = None) -> torch.Tensor:
         """The static-shape twin of `run_layers`: h [T, hidden] at device-side `positions` [T].
 
@@ -239,7 +232,7 @@ class Transformer(nn.Module):
             h = self.layers[i](h, rope, at, i - cache_first, mask)
         return h
 
-    def window_at(self, x: torch.Tensor, positions: torch.Tensor, cache: KVCache, first: int = 0,
+    def window_at(self, x: torch.Tensor, positions: torch.Tensor, cache, first: int = 0,
                   last: int | None = None, cache_first: int = 0, head_rows: int | None = None) -> torch.Tensor:
         """One static-shape window (what `--compile` compiles): ids [T] (first == 0) or hidden [T, hidden]
         through layers first..last-1 at `positions` (`run_layers_at`); past the last layer, the final norm
@@ -275,7 +268,7 @@ class Transformer(nn.Module):
             self._head_key = key
 
     @torch.inference_mode()
-    def forward(self, tokens: torch.Tensor, cache: KVCache, last_rows: int | None = None) -> torch.Tensor:
+    def forward(self, tokens: torch.Tensor, cache, last_rows: int | None = None) -> torch.Tensor:
         """tokens [T] at positions cache.length.. -> logits [T, vocab] (or its last `last_rows`); advances by T."""
         h = self.run_layers(self.embed(tokens), cache)
         cache.advance(tokens.shape[0])
@@ -285,7 +278,7 @@ class Transformer(nn.Module):
 class SlotWriter:
     """A cache seen through device-side write positions: `write` stores at `positions`, returns every slot."""
 
-    def __init__(self, cache: KVCache, positions: torch.Tensor):
+    def __init__(self, cache, positions: torch.Tensor):
         self.cache, self.positions = cache, positions
 
     def write(self, layer: int, k: torch.Tensor, v: torch.Tensor):

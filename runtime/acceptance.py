@@ -1,14 +1,13 @@
-"""The acceptance rule: target scores in, `Verdict` out. Pure: no model, no cache, no I/O.
+"""The acceptance rule: the target's logits over a window in, the `Verdict` out. Pure: no model, no cache, no I/O.
 
-Notation (Leviathan et al.; transformers): **p = target probabilities, q = draft
-probabilities** (gpt-fast uses the opposite). A window of k draft tokens d_1..d_k is scored
-by one target forward over [last, d_1..d_k], giving k+1 rows: row j predicts the token
-after d_j (row 0 predicts d_1).
-- greedy: accept the longest prefix with d_j == argmax(row j-1); the **correction** is the
-  target's argmax at the first mismatch, the **bonus** its argmax after a full window.
-- sampling: accept d_j with probability min(1, p(d_j)/q(d_j)); on rejection the
-  correction is drawn from norm(max(0, p - q)); after a full window the bonus from p.
-  The committed tokens then have exactly the target's distribution.
+Notation (Leviathan et al.; transformers): **p = target probabilities, q = draft probabilities** (gpt-fast uses
+the opposite). A window of k draft tokens d_1..d_k is scored by one target forward over [last, d_1..d_k], giving
+k+1 rows: row j predicts the token after d_j (row 0 predicts d_1). At every row the target's own choice is taken
+(runtime.sampling.choose_at: the argmax, or the draw at that position's own uniform) and the drafts equal to those
+choices are accepted: the longest matching prefix, then the target's choice at the first mismatch (the
+**correction**) or after a full window (the **bonus**). The committed tokens are then exactly the target's, for
+any seed (coupled verification: lossless, and the same text as target-only decoding in every mode and batch);
+the draft draws at the same uniforms, so it proposes the target's choice wherever their distributions agree.
 """
 
 from __future__ import annotations
@@ -16,11 +15,8 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-import numpy as np
-
-from mirror_rt.runtime.lazy_torch import import_torch, is_tensor
-from mirror_rt.runtime.sampling import as_tensor, greedy_ids, sample
-from mirror_rt.runtime.transfer import host_floats
+from mirror_rt.runtime.sampling import SamplingConfig, choose_at
+from mirror_rt.runtime.token_rules import TokenRules, settle, verify_rows
 
 
 @dataclass(frozen=True)
@@ -33,65 +29,25 @@ class Verdict:
     # committed tokens = window[:num_accepted] + [next_token]
 
 
-def accept_greedy(draft_tokens: Sequence[int], target_logits, base_length: int = 0) -> Verdict:
-    """Longest-prefix match against the target's argmax.
-
-    Args:
-        draft_tokens: [k] proposed ids.
-        target_logits: [k+1, vocab] target logits over [last, d_1..d_k] (host array or device tensor);
-            only their k+1 argmax ids are read back.
-    Example:
-        draft [5, 7, 9], target argmax rows [5, 7, 3, 4] -> accepted 2, correction 3.
-    """
-    target = greedy_ids(target_logits)  # [k+1]
-    k = len(draft_tokens)
+def matched(proposed: Sequence[int], choices: Sequence[int]) -> int:
+    """How many leading `proposed` tokens equal `choices` (the one acceptance loop: windows, prompt-lookup and SS
+    stream guesses). Example: proposed [5, 7, 9], choices [5, 7, 3, 4] -> 2."""
     n = 0
-    while n < k and draft_tokens[n] == target[n]:
+    while n < len(proposed) and proposed[n] == choices[n]:
         n += 1
-    return Verdict(base_length, n, target[n])
+    return n
 
 
-def accept_choices(draft_tokens: Sequence[int], target_ids: Sequence[int], base_length: int = 0) -> Verdict:
-    """Coupled verification: accept the longest prefix of draft tokens equal to the target's own choices.
-
-    Args:
-        draft_tokens: [k] proposed ids.
-        target_ids: [k+1] the target's choice after [last, d_1..d_k] (runtime.sampling.choose_at: the argmax, or
-            the draw at each position's own uniform), so the committed tokens are exactly the target's.
-    Example:
-        draft [5, 7, 9], target choices [5, 7, 3, 4] -> accepted 2, correction 3.
-    """
-    k = len(draft_tokens)
-    n = 0
-    while n < k and draft_tokens[n] == target_ids[n]:
-        n += 1
-    return Verdict(base_length, n, int(target_ids[n]))
-
-
-def accept_sampled(draft_tokens: Sequence[int], q, p, rng: np.random.Generator, base_length: int = 0) -> Verdict:
-    """Lossless speculative sampling, computed where p lives.
-
-    Args:
-        draft_tokens: [k] ids drawn from q.
-        q: [k, vocab] draft distribution at each window position (host array or tensor).
-        p: [k+1, vocab] target distribution (same warping as q), on the target's device.
-        rng: the target side's generator (host uniforms: the same draws on every device).
-    Reads back p and q at the k drafted tokens, then one id (the correction or the bonus).
-    """
-    torch = import_torch()
-    count = is_tensor(p)
-    p, k = as_tensor(p), len(draft_tokens)
-    q = as_tensor(q).to(p.device) if k else None
-    if k:
-        rows = torch.arange(k, device=p.device)
-        ids = torch.as_tensor(list(draft_tokens), device=p.device)
-        p_drafted, q_drafted = host_floats(p[rows, ids], count), host_floats(q[rows, ids], count)
-    for j in range(k):
-        pj, qj = p_drafted[j], q_drafted[j]
-        if qj > 0 and rng.random() * qj < pj:  # accept with min(1, p/q), no division
-            continue
-        residual = torch.clamp(p[j] - q[j], min=0.0)
-        # an all-zero residual only if p == q exactly, where rejection has probability 0; fall back to p
-        correction = sample(torch.where(residual.sum() > 0, residual, p[j]), rng, count)
-        return Verdict(base_length, j, correction)
-    return Verdict(base_length, k, sample(p[k], rng, count))
+def verify(logits, window: list[int], length: int, sampling: SamplingConfig, seed: int,
+           rules: TokenRules | None = None) -> Verdict:
+    """The verdict on `window` [k] from the target's raw logits [k+1, vocab] over [last] + window, whose first
+    token is at position `length` (the committed length). Under `rules` (the sequence's, at the committed text)
+    row j is processed at the committed text plus window[:j]; the rules then end at the committed text plus the
+    verdict's tokens, whose log-probabilities they record. Example: window [5, 7, 9], the target's choices
+    [5, 7, 3, 4] -> accepted 2, correction 3."""
+    rows, window, advanced = verify_rows(rules, logits, window)
+    choices = choose_at(rows, sampling, seed, length)  # [k'+1] the target's own
+    accepted = matched(window, choices)
+    verdict = Verdict(length, accepted, int(choices[accepted]))
+    settle(rules, advanced, window, verdict, logits)
+    return verdict

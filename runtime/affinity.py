@@ -2,12 +2,14 @@
 
 On Linux `os.sched_setaffinity(0, cores)` pins only the calling thread, and the thread pools a
 backend creates afterwards inherit that mask; elsewhere (or without permission) pinning is a
-no-op. Every place that pins (the Mirror workers, model loading, pipelined prefill) uses these two
-functions, so a failure to pin never stops decoding.
+no-op. Every place that pins (the Mirror workers, model loading, pipelined prefill) uses these
+functions, so a failure to pin never stops decoding; a worker with a core of its own takes it through
+`placed`, which also gives its model a budget of one thread (the two workers must not contend).
 """
 
 from __future__ import annotations
 
+import contextlib
 import os
 from collections.abc import Iterable
 
@@ -37,3 +39,20 @@ def restore(previous: set[int] | None) -> None:
     """Undo `pin` (a None from `pin` undoes nothing)."""
     if previous is not None:
         os.sched_setaffinity(0, previous)
+
+
+@contextlib.contextmanager
+def placed(model, core: int | None):
+    """The calling thread pinned to `core`, and `model`'s work (a backend with a thread budget of its own:
+    `Capabilities.threads`) on one thread, while the block runs; both put back after. None: as they are."""
+    if core is None:
+        yield
+        return
+    previous = pin(core)
+    threads = model.set_threads(1) if model.capabilities.threads else None
+    try:
+        yield
+    finally:
+        if threads is not None:
+            model.set_threads(threads)
+        restore(previous)

@@ -42,8 +42,8 @@ class GenerationConfig:
         self.validate()
 
     def validate(self) -> None:
-        for name in ("max_new_tokens", "gamma", "seed", "min_window", "draft_lookup"):
-            value = getattr(self, name)
+        for name, value in (("max_new_tokens", self.max_new_tokens), ("gamma", self.gamma), ("seed", self.seed),
+                            ("min_window", self.min_window), ("draft_lookup", self.draft_lookup)):
             if not is_integer(value):
                 raise ValueError(f"{name} must be an integer, got {value!r}")
         if isinstance(self.stop_strings, str):

@@ -65,11 +65,13 @@ class Engine:
 
     def __init__(self, target, tokenizer, draft=None, names: dict | None = None,
                  cpus: tuple[int, int] | None = None, placement=None, manifest=None,
-                 batch: BatchConfig | None = None):
-        self.target = target  # LoadedModel (with forward_prefix/forward_suffix for mirror mode)
+                 batch: BatchConfig | None = None, load_time_s: float | None = None, draft_auto: tuple = ()):
+        self.target = target  # LoadedModel (runtime.backend; split at its early exit for mirror mode)
         self.draft = draft  # LoadedModel, or None: the target drafts for itself (oracle draft)
         self.tokenizer = tokenizer
         self.names = names or {}  # path, model, each role's device and precision (stats, logs, reports)
+        self.load_time_s = load_time_s  # seconds until the engine was ready (every generation's stats carry it)
+        self.draft_auto = tuple(draft_auto)  # what `--draft auto` timed and chose here (`mirror-rt devices` prints)
         self.cpus = cpus  # (target core, draft core) for mirror mode, or None: no pinning
         # where each role runs and what fell back (devices.placement.Placement); None: not assembled by devices/
         self.placement = placement
@@ -90,7 +92,7 @@ class Engine:
     @property
     def default_mode(self) -> str:
         """The mode of a request that names none: mirror where the target is split at its early exit, else sd."""
-        return "mirror" if hasattr(self.target, "forward_prefix") else "sd"
+        return "mirror" if self.target.capabilities.split else "sd"
 
     @property
     def decoder(self) -> BatchDecoder:
@@ -127,7 +129,7 @@ class Engine:
             raise GenerationError(str(exc)) from None
         if config.mode is None:
             config = replace(config, mode=self.default_mode)
-        if config.mode == "mirror" and not hasattr(self.target, "forward_prefix"):
+        if config.mode == "mirror" and not self.target.capabilities.split:
             raise GenerationError("mode 'mirror' needs a target split at its early exit "
                                   "(load a bundle, or a torch model through its split target)")
         return config
@@ -335,8 +337,8 @@ class Engine:
             gen.stop_reason = "error"
         else:
             gen.stop_reason = text.stop_reason or ("context" if room < seq.config.max_new_tokens else "max_new_tokens")
-        gen.stats = {"mode": seq.config.mode, **self.names, **metrics.summary(), **batch_stats(seq),
-                     "stop_reason": gen.stop_reason}
+        gen.stats = {"mode": seq.config.mode, **self.names, "load_time_s": self.load_time_s, **metrics.summary(),
+                     **batch_stats(seq), "stop_reason": gen.stop_reason}
         gen.durations = metrics.durations
         if seq.config.mode in ("sd", "mirror") and self.draft is None:
             gen.stats["draft"] = "target (oracle draft)"

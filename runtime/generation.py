@@ -5,7 +5,7 @@ fills them in."""
 from __future__ import annotations
 
 import threading
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Generator, Iterator
 from dataclasses import dataclass, field
 
 from mirror_rt.runtime.batch.sequence import Sequence
@@ -70,9 +70,8 @@ class Generation:
         stays. A stream nobody holds any more is cancelled too, and leaves at the engine's next step."""
         if not self.finished:
             self.cancel()
-        close = getattr(self.pieces, "close", None)
-        if close is not None:
-            close()
+        if isinstance(self.pieces, Generator):  # the engine's (`Engine._drive`): closing it runs its `finally`
+            self.pieces.close()
         if self.settle is not None and not self.finished:
             self.settle(self)
 

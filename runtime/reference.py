@@ -11,8 +11,6 @@ from __future__ import annotations
 
 from collections.abc import Iterator, Sequence
 
-import numpy as np
-
 from mirror_rt.runtime.metrics import Metrics
 from mirror_rt.runtime.sampling import SamplingConfig, choose_at
 from mirror_rt.runtime.token_rules import TokenRules
@@ -21,17 +19,6 @@ from mirror_rt.runtime.token_rules import TokenRules
 def token_budget(prompt_length: int, max_new_tokens: int, max_seq_len: int) -> int:
     """Tokens that may be generated: prompt + generated never exceeds the context."""
     return max(0, min(max_new_tokens, max_seq_len - prompt_length))
-
-
-def prefill_logits(model, prompt: Sequence[int], cache) -> np.ndarray:
-    """Logits [vocab] after the prompt; backends with `forward_last` skip the LM head of the other rows."""
-    forward_last = getattr(model, "forward_last", None)
-    return (forward_last(prompt, cache) if forward_last else model.forward(prompt, cache))[-1]
-
-
-def adopts_target_kv(draft) -> bool:
-    """Whether `draft` is the target's copy and can start from the target's prompt KV (LoadedModel.adopt)."""
-    return getattr(draft, "same_model_as_target", False) and hasattr(draft, "adopt")
 
 
 def generate(target, prompt: Sequence[int], max_new_tokens: int, sampling: SamplingConfig | None = None,
@@ -45,7 +32,7 @@ def generate(target, prompt: Sequence[int], max_new_tokens: int, sampling: Sampl
         return
     cache = target.new_cache(len(prompt) + budget)
     with metrics.stage("target_prefill"):
-        logits = prefill_logits(target, prompt, cache)
+        logits = target.forward_last(prompt, cache)[-1]
     position = len(prompt)  # the token's index in prompt + output: its draw (runtime.sampling.position_uniform)
     token = choose_under(rules, logits, sampling, seed, position)
     yield [token]

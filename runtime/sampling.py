@@ -1,13 +1,12 @@
 """Logits to probabilities (temperature, top-k, top-p) and token choice, where the logits live.
 
-Every decoder (reference, speculative, mirror, both workers) draws through these functions, so the
-target distribution `p` that speculative sampling must reproduce is defined once, for every backend:
-a host array (ONNX Runtime, OpenVINO) is viewed as a CPU tensor without a copy, a device tensor (torch)
-stays on its device, and only the chosen ids (and under sampling a few probabilities) are read back,
-through `runtime.transfer`. Random draws are uniforms from the caller's numpy generator, made on the
-host, so a seed gives the same draws on every device. Greedy (temperature 0) never builds
-probabilities: it is an argmax over raw logits (numpy's on host arrays: greedy decoding over ONNX Runtime
-or OpenVINO never imports torch, runtime.lazy_torch).
+Every decoder (reference, the batch's steps, both Mirror workers) chooses through `choose_at`, so the target
+distribution `p` is defined once, for every backend: a host array (ONNX Runtime, OpenVINO) is viewed as a CPU
+tensor without a copy, a device tensor (torch) stays on its device, and only the chosen ids are read back,
+through `runtime.transfer`. A position's draw is its own uniform (`position_uniform`: the request's seed and
+the position, nothing else), made on the host, so a seed gives the same draws on every device and in every
+mode. Greedy (temperature 0) never builds probabilities: it is an argmax over raw logits (numpy's on host
+arrays: greedy decoding over ONNX Runtime or OpenVINO never imports torch, runtime.lazy_torch).
 """
 
 from __future__ import annotations
@@ -40,9 +39,9 @@ class SamplingConfig:
         self.validate()
 
     def validate(self) -> None:
-        for name in ("temperature", "top_p"):
-            if not is_number(getattr(self, name)):
-                raise ValueError(f"{name} must be a number, got {getattr(self, name)!r}")
+        for name, value in (("temperature", self.temperature), ("top_p", self.top_p)):
+            if not is_number(value):
+                raise ValueError(f"{name} must be a number, got {value!r}")
         if not is_integer(self.top_k):
             raise ValueError(f"top_k must be an integer, got {self.top_k!r}")
         if not (self.temperature >= 0 and np.isfinite(self.temperature)):
@@ -97,30 +96,6 @@ def _top_p(p: torch.Tensor, top_p: float) -> torch.Tensor:
     return p / p.sum(dim=-1, keepdim=True)
 
 
-def sample(p, rng: np.random.Generator, count: bool | None = None) -> int:
-    """One token from a probability row p [vocab] (unnormalised is fine): one host uniform, one id read back.
-
-    `count`: whether the id's read crosses the device boundary (default: when p is a tensor).
-    """
-    torch = import_torch()
-    count = is_tensor(p) if count is None else count
-    p = as_tensor(p)
-    cdf = torch.cumsum(p.to(torch.float64), dim=0)
-    u = torch.full((1,), rng.random(), dtype=torch.float64, device=cdf.device) * cdf[-1]
-    index = torch.searchsorted(cdf, u, right=True).clamp_(max=p.shape[-1] - 1)
-    return host_ids(index, count=count)[0]
-
-
-def keyed_rng(seed: int, stream: int, position: int) -> np.random.Generator:
-    """A generator that depends only on (seed, stream, position), never on how many draws came before.
-
-    Mirror draws this way so that a seeded request repeats exactly however the draft's precomputation
-    was timed: the draft's token at position t uses stream 1, the target's window starting at t stream 2.
-    Streams and positions never repeat within a request, so the draws stay independent (lossless).
-    """
-    return np.random.default_rng((seed & 0xFFFFFFFFFFFF, stream, position))
-
-
 _MASK64 = (1 << 64) - 1
 
 
@@ -129,7 +104,7 @@ def position_uniform(seed: int, position: int) -> float:
 
     It depends on nothing else, so the target draws the same token at a position whichever mode, window or
     batch computes it, and a draft that proposes with the same uniform proposes the target's choice whenever
-    their distributions agree there (coupled verification, `choose_at` / acceptance.accept_choices): a seeded
+    their distributions agree there (coupled verification, `choose_at` / runtime.acceptance): a seeded
     request gives the same text in ar, sd and mirror, alone or in any batch. splitmix64 of (seed, position).
     """
     x = (seed * 0x9E3779B97F4A7C15 + (position + 1) * 0xBF58476D1CE4E5B9) & _MASK64
@@ -155,27 +130,8 @@ def choose_at(logits, config: SamplingConfig, seed: int, first_position: int) ->
     return host_ids(index, count=is_tensor(logits))
 
 
-def choose(logits, config: SamplingConfig, rng: np.random.Generator):
-    """Pick a token from one logits row [vocab]; returns (token, probs [vocab] or None when greedy)."""
-    if config.greedy:
-        return greedy_ids(logits)[0], None
-    p = probabilities(as_tensor(logits)[None], config)[0]
-    return sample(p, rng, count=is_tensor(logits)), p
-
-
 def stack_rows(rows: list) -> torch.Tensor:
     """Probability rows (tensors or arrays, [vocab] each) -> [k, vocab] on the first row's device."""
     torch = import_torch()
     first = as_tensor(rows[0])
     return torch.stack([first] + [as_tensor(r).to(first.device) for r in rows[1:]])
-
-
-def point_mass(token: int, vocab_size: int) -> torch.Tensor:
-    """q [vocab] of a token proposed without drawing (a grammar-forced draft token): 1 at `token`.
-
-    Speculative sampling stays lossless for any q the draft token was truly drawn from; here it is this.
-    """
-    torch = import_torch()
-    q = torch.zeros(vocab_size, dtype=torch.float64)
-    q[token] = 1.0
-    return q

@@ -45,9 +45,9 @@ class RulesConfig:
         self.validate()
 
     def validate(self) -> None:
-        for name in ("presence_penalty", "frequency_penalty"):
-            if not -2.0 <= getattr(self, name) <= 2.0:
-                raise ValueError(f"{name} must be in -2..2, got {getattr(self, name)}")
+        for name, value in (("presence_penalty", self.presence_penalty), ("frequency_penalty", self.frequency_penalty)):
+            if not -2.0 <= value <= 2.0:
+                raise ValueError(f"{name} must be in -2..2, got {value}")
         if not 0.0 < self.repetition_penalty <= 10.0:
             raise ValueError(f"repetition_penalty must be in (0, 10], got {self.repetition_penalty}")
         if any(not -100.0 <= b <= 100.0 for _, b in self.logit_bias):

@@ -22,22 +22,29 @@ from mirror_rt.runtime.lazy_torch import is_tensor
 if TYPE_CHECKING:
     import torch
 
-_local = threading.local()
+class _Counters(threading.local):
+    """Per thread: bytes and reads from accelerators, and the shapes `record_shapes` collects (None: not now)."""
+
+    bytes = 0
+    reads = 0
+    shapes: list | None = None
+
+
+_local = _Counters()
 
 
 def counters() -> tuple[int, int]:
     """(bytes, reads) the calling thread read back from accelerators so far."""
-    return getattr(_local, "bytes", 0), getattr(_local, "reads", 0)
+    return _local.bytes, _local.reads
 
 
 def _count(tensor: torch.Tensor, sync: bool = True) -> None:
     """Count one tensor read; `sync`: it waits for the device (copies completed together count one)."""
     if tensor.device.type != "cpu":
-        _local.bytes = getattr(_local, "bytes", 0) + tensor.numel() * tensor.element_size()
-        _local.reads = getattr(_local, "reads", 0) + sync
-    shapes = getattr(_local, "shapes", None)
-    if shapes is not None:
-        shapes.append((tuple(tensor.shape), str(tensor.device)))
+        _local.bytes += tensor.numel() * tensor.element_size()
+        _local.reads += sync
+    if _local.shapes is not None:
+        _local.shapes.append((tuple(tensor.shape), str(tensor.device)))
 
 
 def to_host(x) -> np.ndarray:
@@ -72,7 +79,7 @@ def host_floats(x, count: bool = True) -> list[float]:
 @contextmanager
 def record_shapes():
     """Collect (shape, device) of every read in this thread while the block runs; yields the list."""
-    previous = getattr(_local, "shapes", None)
+    previous = _local.shapes
     _local.shapes = shapes = []
     try:
         yield shapes

@@ -18,6 +18,7 @@ import torch
 from mirror_rt.devices.torch.backend import TorchModel
 from mirror_rt.models.config import ModelConfig
 from mirror_rt.models.transformer import random_model
+from mirror_rt.runtime.backend import Capabilities
 
 torch.set_num_threads(1)
 
@@ -117,6 +118,7 @@ class MarkovModel:
         self.vocab_size = self.logp.shape[0]
         self.max_seq_len, self.kappa = max_seq_len, kappa
         self._window = None
+        self.capabilities = Capabilities(split=True)  # caches of its own: no rows of a pool
 
     def new_cache(self, capacity: int) -> ListCache:
         return ListCache(capacity)
@@ -126,6 +128,9 @@ class MarkovModel:
         cache.tokens.extend(tokens)
         return self.logp[list(tokens)]
 
+    def forward_last(self, tokens, cache):
+        return self.forward(tokens, cache)[-1:]
+
     def forward_prefix(self, tokens, cache):
         import numpy as np
 
@@ -134,9 +139,62 @@ class MarkovModel:
         ids = np.argsort(-rows, axis=-1)[:, :self.kappa]
         return ids, np.take_along_axis(rows, ids, axis=-1)
 
+    def forward_prefix_only(self, tokens, cache):
+        self._window = list(tokens)
+
     def forward_suffix(self, cache):
         tokens, self._window = self._window, None
         return self.forward(tokens, cache)
+
+
+class Decoded(NamedTuple):
+    """A sequence decoded by the batched decoder: its tokens, the sequence, its figures."""
+
+    tokens: list
+    sequence: object  # runtime.batch.sequence.Sequence
+    stats: dict  # Metrics.summary() and runtime.mirror.stats.batch_stats (Mirror's reuse, phases, events...)
+
+
+def decode_many(target, draft, prompts, max_num_seqs: int = 4, rules=None, draft_config=None, arrivals=None,
+                **options) -> list[Decoded]:
+    """`prompts` through the batched decoder, the engine's one decode path, in batches of up to `max_num_seqs`
+    (each mode as asked: no load policy), every request's settings from `options` (GenerationConfig fields, sampling
+    ones flat; mode sd by default); `rules`: a TokenRules per prompt (or None); `arrivals`: the step each prompt
+    joins at (all at once by default)."""
+    from mirror_rt.runtime.batch.decoder import BatchConfig, BatchDecoder
+    from mirror_rt.runtime.batch.sequence import Sequence
+    from mirror_rt.runtime.config import make_config
+    from mirror_rt.runtime.mirror.stats import batch_stats
+
+    config = make_config(**{"mode": "sd", **options})
+    decoder = BatchDecoder(target, draft, BatchConfig(max_num_seqs=max_num_seqs, adaptive_speculation=False))
+    if draft_config is not None:
+        decoder.mirror.draft_config = draft_config
+    budget = min(config.max_new_tokens, target.max_seq_len)
+    seqs = [Sequence(f"s{i}", list(p), config, max(0, min(budget, target.max_seq_len - len(p))),
+                     rules=rules[i] if rules else None) for i, p in enumerate(prompts)]
+    pending = sorted(zip(arrivals or [0] * len(seqs), range(len(seqs))))
+    step = 0
+    try:
+        while pending or not decoder.idle:
+            while pending and pending[0][0] <= step:
+                decoder.add(seqs[pending.pop(0)[1]])
+            decoder.step()
+            step += 1
+            assert step < 20_000
+    finally:
+        decoder.close()
+    return [Decoded(s.tokens, s, s.metrics.summary() | batch_stats(s)) for s in seqs]
+
+
+def decode(target, draft, prompt, max_num_seqs: int = 1, rules=None, **options) -> Decoded:
+    """One prompt through the batched decoder (`decode_many`), alone in a batch of `max_num_seqs` rows."""
+    return decode_many(target, draft, [prompt], max_num_seqs, [rules] if rules is not None else None, **options)[0]
+
+
+def flat(steps) -> list:
+    """The tokens of a decoder's steps (runtime.reference.generate yields one list per step)."""
+    return [t for step in steps for t in step]
 
 
 def random_transition(vocab: int, seed: int, concentration: float = 0.8):

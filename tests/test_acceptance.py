@@ -1,12 +1,14 @@
-"""The acceptance rule: exact greedy cases and the lossless sampling guarantee."""
+"""The acceptance rule: exact greedy cases, the one matching loop, and the target's own draws under sampling."""
 
 import math
 
 import numpy as np
 import pytest
 
-from mirror_rt.runtime.acceptance import Verdict, accept_greedy, accept_sampled
-from mirror_rt.runtime.sampling import sample
+from mirror_rt.runtime.acceptance import Verdict, matched, verify
+from mirror_rt.runtime.sampling import SamplingConfig, choose_at
+
+GREEDY = SamplingConfig()
 
 
 def scripted_logits(argmaxes, vocab=10):
@@ -23,8 +25,14 @@ def scripted_logits(argmaxes, vocab=10):
     ([], [6], 0, 6),                   # empty draft: one plain target step
 ])
 def test_greedy_cases(draft, target, accepted, next_token):
-    verdict = accept_greedy(draft, scripted_logits(target), base_length=11)
+    verdict = verify(scripted_logits(target), draft, 11, GREEDY, seed=0)
     assert verdict == Verdict(11, accepted, next_token)
+
+
+@pytest.mark.parametrize("proposed,choices,n", [([5, 7, 9], [5, 7, 3, 4], 2), ([], [1], 0), ([2], [2, 3], 1),
+                                                ([4, 4], [5, 4], 0)])
+def test_matched_counts_the_leading_agreements(proposed, choices, n):
+    assert matched(proposed, choices) == n
 
 
 def chi2_threshold(dof: int, z: float = 4.753) -> float:
@@ -32,63 +40,32 @@ def chi2_threshold(dof: int, z: float = 4.753) -> float:
     return dof * (1 - 2 / (9 * dof) + z * math.sqrt(2 / (9 * dof))) ** 3
 
 
-def first_tokens(rule, p, q, n, seed):
-    """Histogram of the first committed token over n one-token windows drafted from q."""
-    rng = np.random.default_rng(seed)
-    counts = np.zeros(p.shape[1])
-    for _ in range(n):
-        d = sample(q[0], rng)
-        verdict = rule([d], q, p, rng)
-        counts[d if verdict.num_accepted else verdict.next_token] += 1
-    return counts
-
-
-def chi2(counts, expected_p):
-    expected = expected_p * counts.sum()
-    return float(((counts - expected) ** 2 / expected).sum())
-
-
 def random_dists(vocab, rows, seed):
     rng = np.random.default_rng(seed)
-    x = rng.dirichlet(np.ones(vocab) * 0.7, size=rows)
-    return x / x.sum(axis=1, keepdims=True)
+    return rng.dirichlet(np.ones(vocab) * 0.7, size=rows)
+
+
+def test_sampled_verdict_commits_the_targets_own_draws():
+    """Under sampling every committed token is the target's draw at its position (`choose_at`), whatever the draft
+    proposed: the accepted tokens are those equal to it, then the target's own at the first mismatch."""
+    sampling = SamplingConfig(temperature=1.0)
+    logits = np.log(random_dists(6, 4, seed=1))  # [k+1, vocab] for a window of 3
+    own = choose_at(logits, sampling, 5, 20)  # positions 20..23
+    for window in ([own[0], own[1], own[2]], [own[0], (own[1] + 1) % 6, own[2]], [(own[0] + 1) % 6, 0, 0]):
+        verdict = verify(logits, window, 20, sampling, seed=5)
+        assert window[:verdict.num_accepted] + [verdict.next_token] == own[:verdict.num_accepted + 1]
 
 
 def test_sampling_reproduces_target_distribution():
-    """Committed tokens follow p, not q.
+    """The target's draws at successive positions follow p, not the draft's q.
 
-    Chi-square goodness of fit over an 8-token vocabulary (7 degrees of freedom) with 40k draws.
-    The threshold is the chi-square 1 - 1e-6 quantile, so a correct rule fails with probability
-    1e-6 per seed (and the seed is fixed, so the test is deterministic); the power check below
-    shows the same threshold rejects a wrong rule by a wide margin.
+    Chi-square goodness of fit over an 8-token vocabulary (7 degrees of freedom) with 40k positions. The threshold
+    is the chi-square 1 - 1e-6 quantile, so a correct rule fails with probability 1e-6 (and the seed is fixed, so the
+    test is deterministic); the power check shows the same threshold rejects q by a wide margin.
     """
-    p, q = random_dists(8, 2, seed=1), random_dists(8, 1, seed=2)
-    counts = first_tokens(accept_sampled, p, q, 40_000, seed=3)
-    assert chi2(counts, p[0]) < chi2_threshold(7)
-
-
-def test_distribution_test_has_power():
-    """Accepting every draft token (a wrong rule) yields q, which the same test rejects."""
-    p, q = random_dists(8, 2, seed=1), random_dists(8, 1, seed=2)
-    def always(draft, q_, p_, rng):
-        return Verdict(0, len(draft), 0)
-    counts = first_tokens(always, p, q, 40_000, seed=3)
-    assert chi2(counts, p[0]) > 10 * chi2_threshold(7)
-
-
-def test_sampling_window_positions_follow_target():
-    """With a 2-token window, the second committed token (accepted or bonus/correction) follows p[1].
-
-    p rows do not depend on earlier tokens here, so the second token's marginal must be p[1].
-    Same 1e-6 chi-square threshold as above.
-    """
-    p, q = random_dists(6, 3, seed=4), random_dists(6, 2, seed=5)
-    rng = np.random.default_rng(6)
-    counts = np.zeros(6)
-    for _ in range(40_000):
-        draft = [sample(q[0], rng), sample(q[1], rng)]
-        v = accept_sampled(draft, q, p, rng)
-        if v.num_accepted == 0:
-            continue  # the window ended after one token: no second token from this window
-        counts[draft[1] if v.num_accepted == 2 else v.next_token] += 1
-    assert chi2(counts, p[1]) < chi2_threshold(5)
+    p, q = random_dists(8, 1, seed=1)[0], random_dists(8, 1, seed=2)[0]
+    sampling = SamplingConfig(temperature=1.0)
+    draws = choose_at(np.log(np.tile(p, (40_000, 1))), sampling, 3, 0)
+    counts = np.bincount(draws, minlength=8)
+    chi2 = lambda probs: float(((counts - probs * counts.sum()) ** 2 / (probs * counts.sum())).sum())  # noqa: E731
+    assert chi2(p) < chi2_threshold(7) and chi2(q) > 10 * chi2_threshold(7)

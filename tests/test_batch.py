@@ -315,11 +315,11 @@ def test_a_step_that_prefills_prompts_decodes_target_only(pair):
 def test_a_draft_of_its_own_fills_its_row_at_its_first_speculative_step(pair, mode, monkeypatch):
     """A pooled draft that is not the target's copy computes nothing while its sequence prefills (under load the
     batch decodes target-only); its first speculative step catches up on the whole text, and the texts stay equal."""
-    from mirror_rt.runtime.batch import steps as batch_steps
     from mirror_rt.runtime.batch.policy import AR, SPEC, Rate, SpeculationPolicy
 
     target, draft = pair
-    monkeypatch.setattr(batch_steps, "adopts_target_kv", lambda model: False)  # the tiny bundle's draft adopts
+    # the tiny bundle's draft is the target's copy: here it is told it is not
+    monkeypatch.setattr(draft, "capabilities", dataclasses.replace(draft.capabilities, reads_target_rows=False))
     policy = SpeculationPolicy(refresh=10**6)  # speculation measured faster at both batch sizes, no trials
     policy.rates = {(way, n): Rate(1000.0 if way == SPEC else 10.0, 1.0, 10, 10) for way in (AR, SPEC) for n in (1, 2)}
     decoder = BatchDecoder(target, draft, BatchConfig(max_num_seqs=2), policy=policy)
@@ -346,13 +346,12 @@ def test_a_self_draft_adopts_the_text_it_missed(pair, mode):
     missed (the prompt included: nothing is copied for a sequence that never speculates) instead of reading it (the
     q4_1 draft reads 62 positions in 200 ms here): its first call then reads one window; the texts stay equal."""
     from mirror_rt.runtime.batch.policy import AR, SPEC, Rate, SpeculationPolicy
-    from mirror_rt.runtime.reference import adopts_target_kv
 
     target, draft = pair
     policy = SpeculationPolicy(refresh=10**6)  # target-only measured faster: no speculation, no trials
     policy.rates = {(AR, 1): Rate(1000.0, 1.0, 10, 10), (SPEC, 1): Rate(10.0, 1.0, 10, 10)}
     decoder = BatchDecoder(target, draft, BatchConfig(max_num_seqs=1), policy=policy)
-    if not (decoder.pooled and adopts_target_kv(draft)):
+    if not (decoder.pooled and draft.capabilities.reads_target_rows):
         pytest.skip("the torch pair's draft is no copy of its target")
     seq = sequence(0, prompts(1, 6)[0], GenerationConfig(max_new_tokens=60, mode=mode, gamma=3))
     decoder.add(seq)
@@ -454,7 +453,7 @@ def test_a_row_computes_alike_in_any_group(precision_pair, monkeypatch):
     from mirror_rt.devices.onnxruntime import pool as onnxruntime_pool
 
     target, _ = precision_pair
-    if not target.attention_groups:
+    if not target.capabilities.attention_groups:
         pytest.skip("graphs without attention groups")
     lengths = [6, 20, 6, 9]
     outputs = {}

@@ -17,7 +17,7 @@ import warnings
 import numpy as np
 import pytest
 import torch
-from conftest import load_parts
+from conftest import decode, load_parts
 
 from mirror_rt.devices.bundles import WorkerBudget
 from mirror_rt.devices.registry import (
@@ -29,13 +29,10 @@ from mirror_rt.devices.registry import (
     parse_device,
     resolve,
 )
+from mirror_rt.devices.torch.kv_cache import new_cache
 from mirror_rt.exporters.export import export_bundle
 from mirror_rt.models.loading import load_checkpoint
-from mirror_rt.runtime.config import GenerationConfig
-from mirror_rt.runtime.metrics import Metrics
-from mirror_rt.runtime.mirror.target_row import mirror_generate
 from mirror_rt.runtime.reference import generate
-from mirror_rt.runtime.speculative import speculative_generate
 
 ATOL = 1e-4
 KAPPA = 4
@@ -162,7 +159,7 @@ def test_split_logits_match_unsplit_torch(bundles, reference, fmt, device):
     target.forward_prefix(PROMPT, cache)
     first = target.forward_suffix(cache)
     second = target.forward([7, 8, 9], cache)
-    expected = reference(torch.tensor(PROMPT + [7, 8, 9]), reference.new_cache(64)).numpy()
+    expected = reference(torch.tensor(PROMPT + [7, 8, 9]), new_cache(reference, 64)).numpy()
     np.testing.assert_allclose(np.concatenate([first, second]), expected, atol=ATOL, rtol=0)
     assert cache.length == len(PROMPT) + 3
 
@@ -181,7 +178,7 @@ def test_early_exit_topk_matches_torch(bundles, reference, fmt, device):
 def _exit_topk(reference, tokens, exit_layer: int) -> torch.return_types.topk:
     """Torch's early-exit top-kappa at `exit_layer` (final norm + LM head on the exit hidden state)."""
     with torch.inference_mode():
-        cache = reference.new_cache(64, 0, exit_layer)
+        cache = new_cache(reference, 64, 0, exit_layer)
         h = reference.run_layers(reference.embed(torch.tensor(tokens)), cache, 0, exit_layer)
         return torch.topk(torch.log_softmax(reference.logits(h), -1), KAPPA, dim=-1)
 
@@ -198,7 +195,7 @@ def test_int8_exit_top1_agrees_with_torch(int8_exit_bundles, reference, fmt, dev
     logits = target.forward_suffix(cache)
     top = _exit_topk(reference, tokens, manifest.exit_layer)
     assert np.mean(ids[:, 0] == top.indices[:, 0].numpy()) >= 0.9
-    expected = reference(torch.tensor(tokens), reference.new_cache(64)).numpy()
+    expected = reference(torch.tensor(tokens), new_cache(reference, 64)).numpy()
     np.testing.assert_allclose(logits, expected, atol=ATOL, rtol=0)
 
 
@@ -224,8 +221,7 @@ def test_mirror_with_int8_exit_equals_reference(int8_exit_bundles, fmt, device):
     """Mirror over a bundle with the int8 exit yields exactly the target's greedy tokens."""
     target, draft, _, _ = load_parts(int8_exit_bundles[fmt], device, device, strict=True, threads=1)
     expected = _flat(generate(target, PROMPT, 24))
-    config = GenerationConfig(max_new_tokens=24, gamma=3)
-    assert _flat(mirror_generate(target, draft, PROMPT, config, metrics=Metrics())) == expected
+    assert decode(target, draft, PROMPT, mode="mirror", max_new_tokens=24, gamma=3).tokens == expected
 
 
 @pytest.mark.parametrize("fmt,device", CASES)
@@ -255,8 +251,7 @@ def test_speculative_greedy_equals_reference(bundles, fmt, device, gamma):
     """Speculative decoding with bundle models yields exactly the target's greedy tokens."""
     target, draft, _, _ = _load(bundles, fmt, device)
     expected = [t for step in generate(target, PROMPT, 24) for t in step]
-    got = [t for step in speculative_generate(target, draft, PROMPT, 24, gamma) for t in step]
-    assert got == expected
+    assert decode(target, draft, PROMPT, max_new_tokens=24, gamma=gamma).tokens == expected
 
 
 def test_worker_budget_pins_only_the_calling_thread():

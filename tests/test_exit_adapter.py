@@ -9,7 +9,7 @@ import warnings
 import numpy as np
 import pytest
 import torch
-from conftest import load_parts, perturbed_copy, tiny_target
+from conftest import decode, load_parts, perturbed_copy, tiny_target
 
 from mirror_rt.devices.torch.backend import TorchModel
 from mirror_rt.devices.torch.split import TorchSplitTarget
@@ -22,9 +22,6 @@ from mirror_rt.models.exit_adapter import (
     save_exit_adapter,
 )
 from mirror_rt.models.loading import load_checkpoint
-from mirror_rt.runtime.config import GenerationConfig
-from mirror_rt.runtime.metrics import Metrics
-from mirror_rt.runtime.mirror.target_row import mirror_generate
 from mirror_rt.runtime.reference import generate
 from mirror_rt.training.exit_data import ExitData, decode_batch
 from mirror_rt.training.exit_training import (
@@ -118,9 +115,7 @@ def test_adapter_changes_only_branches(seed):
     ids_adapted, _ = adapted.forward_prefix(prompt, adapted.new_cache(16))
     assert not np.array_equal(ids_plain, ids_adapted)
     for split in (plain, adapted):
-        config = GenerationConfig(max_new_tokens=40, gamma=4)
-        got = flat(mirror_generate(split, TorchModel(draft), prompt, config, metrics=Metrics()))
-        assert got == expected
+        assert decode(split, TorchModel(draft), prompt, mode="mirror", max_new_tokens=40, gamma=4).tokens == expected
 
 
 def test_train_exit_main_end_to_end(tmp_path):

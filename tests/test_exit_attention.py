@@ -8,7 +8,7 @@ import warnings
 import numpy as np
 import pytest
 import torch
-from conftest import load_parts, perturbed_copy, tiny_target
+from conftest import decode, load_parts, perturbed_copy, tiny_target
 
 from mirror_rt.devices.torch.backend import TorchModel
 from mirror_rt.devices.torch.split import TorchSplitTarget
@@ -21,9 +21,6 @@ from mirror_rt.models.exit_adapter import (
     save_exit_adapter,
 )
 from mirror_rt.models.loading import load_checkpoint
-from mirror_rt.runtime.config import GenerationConfig
-from mirror_rt.runtime.metrics import Metrics
-from mirror_rt.runtime.mirror.target_row import mirror_generate
 from mirror_rt.runtime.reference import generate
 from mirror_rt.training.exit_sequences import (
     evaluate_sequences,
@@ -134,9 +131,7 @@ def test_attention_adapter_changes_only_branches(seed):
     prompt = [(seed * 7 + i * 13) % 95 + 2 for i in range(6)]
     expected = [t for step in generate(TorchModel(target), prompt, 40) for t in step]
     split = TorchSplitTarget(target, 2, kappa=4, exit_adapter=attention_adapter(target, 2, seed=seed))
-    config = GenerationConfig(max_new_tokens=40, gamma=4)
-    got = mirror_generate(split, TorchModel(draft), prompt, config, metrics=Metrics())
-    assert [t for step in got for t in step] == expected
+    assert decode(split, TorchModel(draft), prompt, mode="mirror", max_new_tokens=40, gamma=4).tokens == expected
 
 
 BACKENDS = [("onnx", {"kv": "shared"}, "onnxruntime", "ort:cpu"),

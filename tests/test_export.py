@@ -16,9 +16,10 @@ import warnings
 import numpy as np
 import pytest
 import torch
-from conftest import load_parts
+from conftest import decode, load_parts
 
 from mirror_rt.devices.registry import available_devices
+from mirror_rt.devices.torch.kv_cache import new_cache
 from mirror_rt.exporters.exact_kv import GROUPS, GROUPS_INPUT
 from mirror_rt.exporters.export import ExportError, export_bundle
 from mirror_rt.exporters.manifest import FORMAT_VERSION, BundleError, read_manifest
@@ -26,7 +27,6 @@ from mirror_rt.exporters.openvino import int4_group_size
 from mirror_rt.models.config import ModelConfig
 from mirror_rt.models.loading import load_checkpoint
 from mirror_rt.runtime.reference import generate
-from mirror_rt.runtime.speculative import speculative_generate
 
 needs_openvino = pytest.mark.skipif(not available_devices()["openvino"], reason="openvino not installed")
 PROMPT = [5, 17, 42, 9, 80, 33, 61, 2, 14, 99, 7]
@@ -196,11 +196,11 @@ def test_static_bundle_runs_on_openvino_cpu(static_bundle):
     logits = target.forward(PROMPT, cache)  # 11 tokens: three windows of 4
     cache.rollback(len(PROMPT) - 2)
     tail = target.forward([3, 4, 5], cache)
-    expected = model(torch.tensor(PROMPT[:-2] + [3, 4, 5]), model.new_cache(48)).numpy()
+    expected = model(torch.tensor(PROMPT[:-2] + [3, 4, 5]), new_cache(model, 48)).numpy()
     np.testing.assert_allclose(logits[:-2], expected[:-3], atol=1e-4, rtol=0)
     np.testing.assert_allclose(tail, expected[-3:], atol=1e-4, rtol=0)
     assert draft.forward(PROMPT, draft.new_cache(48)).shape == (len(PROMPT), manifest.vocab_size)
-    tokens = [t for step in speculative_generate(target, draft, PROMPT, 16, 3) for t in step]
+    tokens = decode(target, draft, PROMPT, max_new_tokens=16, gamma=3).tokens
     assert tokens == [t for step in generate(target, PROMPT, 16) for t in step]
 
 
@@ -232,15 +232,15 @@ def test_default_bundle_exports_fast_and_matches_torch(default_model, tmp_path):
     logits = target.forward_suffix(cache)
     model = default_model.model
     with torch.inference_mode():
-        expected = model(torch.tensor(prompt), model.new_cache(64)).numpy()
+        expected = model(torch.tensor(prompt), new_cache(model, 64)).numpy()
     np.testing.assert_allclose(logits, expected, atol=5e-3, rtol=0)
     assert ids.shape == (len(prompt), 8)
     with torch.inference_mode():
-        h = model.run_layers(model.embed(torch.tensor(prompt)), model.new_cache(64, 0, 15), 0, 15)
+        h = model.run_layers(model.embed(torch.tensor(prompt)), new_cache(model, 64, 0, 15), 0, 15)
         top1 = model.logits(h).argmax(-1).numpy()
     assert np.mean(ids[:, 0] == top1) >= 0.8  # int8 exit: top-1 mostly as fp32
     greedy = [t for step in generate(target, prompt, 12) for t in step]
-    assert [t for step in speculative_generate(target, draft, prompt, 12, 4) for t in step] == greedy
+    assert decode(target, draft, prompt, max_new_tokens=12, gamma=4).tokens == greedy
 
 
 @pytest.fixture(scope="module")
@@ -346,10 +346,10 @@ def test_onnx_int8_draft_agrees_with_fp32(onnx_int8_bundle):
     model = load_checkpoint("tiny").model
     tokens = PROMPT + [t for step in generate(target, PROMPT, 32) for t in step]
     with torch.inference_mode():
-        expected = model(torch.tensor(tokens), model.new_cache(64)).argmax(-1).numpy()
+        expected = model(torch.tensor(tokens), new_cache(model, 64)).argmax(-1).numpy()
     chosen = draft.forward(tokens, draft.new_cache(64)).argmax(-1)
     assert np.mean(chosen == expected) >= 0.9
-    speculative = [t for step in speculative_generate(target, draft, PROMPT, 24, 3) for t in step]
+    speculative = decode(target, draft, PROMPT, max_new_tokens=24, gamma=3).tokens
     assert speculative == [t for step in generate(target, PROMPT, 24) for t in step]
 
 
@@ -371,7 +371,7 @@ def test_shared_kv_graphs_match_torch_with_bias_and_qk_norm(tmp_path, model_type
                                exit_weights="fp32", kappa=4, progress=False)
     reference = load_checkpoint(str(folder)).model
     prompt, window = [5, 17, 42, 9, 33, 61, 2], [7, 8, 9]
-    expected = reference(torch.tensor(prompt + window), reference.new_cache(32)).numpy()
+    expected = reference(torch.tensor(prompt + window), new_cache(reference, 32)).numpy()
     loaded = load_parts(bundle, "ort:cpu", "ort:cpu", strict=True, threads=1)
     for model in (loaded.target, loaded.draft):
         cache = model.new_cache(32)
@@ -392,7 +392,7 @@ def test_q4_1_draft_bundle(tmp_path):
     n_layers = ModelConfig.from_name("tiny").n_layers
     assert sorted(bits) == [4] * (4 * n_layers) + [8]
     target, draft, _, _ = load_parts(bundle, "ort:cpu", "ort:cpu", strict=True, threads=1)
-    speculative = [t for step in speculative_generate(target, draft, PROMPT, 24, 3) for t in step]
+    speculative = decode(target, draft, PROMPT, max_new_tokens=24, gamma=3).tokens
     assert speculative == [t for step in generate(target, PROMPT, 24) for t in step]
 
 

@@ -1,4 +1,4 @@
-"""Mirror-SD: lossless (greedy equality, sampled distribution), reuse, faults, stats."""
+"""Mirror-SD through the batched decoder: lossless (greedy equality, sampled distribution), reuse, faults, stats."""
 
 import threading
 import time
@@ -6,21 +6,18 @@ from dataclasses import replace
 
 import numpy as np
 import pytest
-from conftest import MarkovModel, perturbed_copy, random_transition, tiny_target
+from conftest import MarkovModel, decode, decode_many, flat, perturbed_copy, random_transition, tiny_target
 from test_acceptance import chi2_threshold
 
 from mirror_rt.devices.torch.backend import TorchModel
 from mirror_rt.devices.torch.split import TorchSplitTarget
-from mirror_rt.runtime.config import GenerationConfig, make_config
-from mirror_rt.runtime.metrics import Metrics, format_stats
-from mirror_rt.runtime.mirror.draft_worker import DraftConfig
-from mirror_rt.runtime.mirror.target_row import MirrorSettings, mirror_generate
+from mirror_rt.runtime.batch.decoder import BatchConfig, BatchDecoder
+from mirror_rt.runtime.batch.sequence import Sequence
+from mirror_rt.runtime.config import GenerationConfig
+from mirror_rt.runtime.metrics import format_stats
+from mirror_rt.runtime.mirror.draft_row import DraftConfig
 from mirror_rt.runtime.reference import generate
 from mirror_rt.runtime.sampling import SamplingConfig
-
-
-def flat(steps):
-    return [t for step in steps for t in step]
 
 
 def draft_threads() -> list:
@@ -29,12 +26,11 @@ def draft_threads() -> list:
 
 
 def run_mirror(target, draft, prompt, max_new, stream_confidence=0.2, **options):
-    """Mirror over `options` (GenerationConfig fields); `stream_confidence` is the draft worker's own knob."""
-    metrics = Metrics()
-    settings = MirrorSettings(draft=DraftConfig(stream_confidence=stream_confidence))
-    config = make_config(max_new_tokens=max_new, **options)
-    tokens = flat(mirror_generate(target, draft, prompt, config, settings, metrics))
-    return tokens, metrics
+    """Mirror over `options` (GenerationConfig fields) through the batched decoder, alone in its batch;
+    `stream_confidence` is the draft rows' own knob. Returns (tokens, stats)."""
+    got = decode(target, draft, prompt, mode="mirror", max_new_tokens=max_new,
+                 draft_config=DraftConfig(stream_confidence=stream_confidence), **options)
+    return got.tokens, got.stats
 
 
 @pytest.mark.parametrize("gamma,kappa,budget", [(1, 1, 0), (3, 4, None), (4, 8, 0), (5, 1, 2), (7, 8, None)])
@@ -45,11 +41,23 @@ def test_greedy_equals_reference(seed, gamma, kappa, budget):
     draft = perturbed_copy(target, noise=0.4, seed=seed + 100)
     prompt = [(seed * 7 + i * 13) % 95 + 2 for i in range(5 + seed)]
     expected = flat(generate(TorchModel(target), prompt, 48))
-    got, metrics = run_mirror(TorchSplitTarget(target, kappa=kappa), TorchModel(draft), prompt, 48,
-                              gamma=gamma, branch_budget=budget)
+    got, stats = run_mirror(TorchSplitTarget(target, kappa=kappa), TorchModel(draft), prompt, 48,
+                            gamma=gamma, branch_budget=budget)
     assert got == expected
-    assert 1 + sum(metrics.accept_lengths) == len(got)
+    assert 1 + sum(stats["accept_lengths"]) == len(got)
     assert not draft_threads()  # the draft thread is gone
+
+
+@pytest.mark.parametrize("max_num_seqs", [2, 4])
+def test_a_batch_of_mirror_sequences_equals_reference(max_num_seqs):
+    """Six prompts joining at different steps, their windows drafted by one worker: each text equals its own ar."""
+    target = tiny_target(seed=4)
+    draft = perturbed_copy(target, noise=0.4, seed=104)
+    prompts = [[(i * 13 + j * 5) % 95 + 2 for j in range(2 + 3 * i)] for i in range(6)]
+    got = decode_many(TorchSplitTarget(target), TorchModel(draft), prompts, max_num_seqs, arrivals=[0, 0, 1, 3, 3, 9],
+                      mode="mirror", max_new_tokens=36, gamma=3)
+    assert [g.tokens for g in got] == [flat(generate(TorchModel(target), p, 36)) for p in prompts]
+    assert all(g.stats["reuse_checks"] > 0 for g in got)  # every one speculated with the worker
 
 
 class SlowSuffix(TorchSplitTarget):
@@ -63,13 +71,12 @@ class SlowSuffix(TorchSplitTarget):
 def test_oracle_draft_full_reuse():
     """Draft == target: every window fully accepted and every next window precomputed."""
     target = tiny_target(seed=1)
-    got, metrics = run_mirror(SlowSuffix(target), TorchModel(target), [3, 4, 5], 40, gamma=3, branch_budget=0)
-    extra = metrics.extra
+    got, stats = run_mirror(SlowSuffix(target), TorchModel(target), [3, 4, 5], 40, gamma=3, branch_budget=0)
     assert got == flat(generate(TorchModel(target), [3, 4, 5], 40))
-    assert extra["reuse_hit_rate"] == 1.0 and extra["misses"] == 0
-    assert set(metrics.summary()["acceptance_per_position"]) == {1.0}  # every window fully accepted
+    assert stats["reuse_hit_rate"] == 1.0 and stats["misses"] == 0
+    assert set(stats["acceptance_per_position"]) == {1.0}  # every window fully accepted
     # no window was corrected, so there is no coverage to show
-    text = format_stats(metrics.summary() | extra | {"mode": "mirror", "stop_reason": "max_new_tokens"})
+    text = format_stats(stats | {"mode": "mirror", "stop_reason": "max_new_tokens"})
     assert "early-exit coverage - (no corrections)" in text and "None" not in text  # it printed "coverage None"
 
 
@@ -77,9 +84,9 @@ def test_side_branches_are_hit():
     """With a noisy draft and time to spare, precomputed corrections are reused sometimes."""
     target = tiny_target(seed=2)
     draft = perturbed_copy(target, noise=0.5, seed=7)
-    got, metrics = run_mirror(SlowSuffix(target, kappa=8), TorchModel(draft), [5, 6], 60, gamma=3)
+    got, stats = run_mirror(SlowSuffix(target, kappa=8), TorchModel(draft), [5, 6], 60, gamma=3)
     assert got == flat(generate(TorchModel(target), [5, 6], 60))
-    assert metrics.extra["side_branch_hits"] > 0 and metrics.extra["side_branches_rolled"] > 0
+    assert stats["side_branch_hits"] > 0 and stats["side_branches_rolled"] > 0
 
 
 def test_sampling_reproduces_target_markov_chain():
@@ -91,9 +98,9 @@ def test_sampling_reproduces_target_markov_chain():
     chain differs enough that the same test rejects it (checked below).
     """
     p, q = random_transition(4, seed=1), random_transition(4, seed=2)
-    tokens, metrics = run_mirror(MarkovModel(p), MarkovModel(q), [0], 6000, gamma=3,
-                                 sampling=SamplingConfig(temperature=1.0), seed=5)
-    assert len(tokens) == 6000 and metrics.extra["reuse_hit_rate"] > 0
+    tokens, stats = run_mirror(MarkovModel(p), MarkovModel(q), [0], 6000, gamma=3,
+                               sampling=SamplingConfig(temperature=1.0), seed=5)
+    assert len(tokens) == 6000 and stats["reuse_hit_rate"] > 0
     seq = [0] + tokens
     counts = np.zeros((4, 4))
     for a, b in zip(seq, seq[1:]):
@@ -132,10 +139,10 @@ def test_draft_fault_falls_back_without_losing_tokens(kind):
     target = tiny_target(seed=3)
     draft = FaultyDraft(perturbed_copy(target, noise=0.3, seed=4), kind)
     expected = flat(generate(TorchModel(target), [7, 8, 9], 40))
-    got, metrics = run_mirror(TorchSplitTarget(target), draft, [7, 8, 9], 40, gamma=3, draft_timeout_s=0.5)
+    got, stats = run_mirror(TorchSplitTarget(target), draft, [7, 8, 9], 40, gamma=3, draft_timeout_s=0.5)
     assert got == expected
-    assert any("fallback to target-only" in e for e in metrics.events)
-    assert metrics.extra["fallback_steps"] > 0
+    assert any("fallback to target-only" in e for e in stats["events"])
+    assert stats["fallback_steps"] > 0
     deadline = time.time() + 5
     while draft_threads() and time.time() < deadline:
         time.sleep(0.05)
@@ -154,19 +161,24 @@ def test_wrong_length_window_refused(monkeypatch):
 
     monkeypatch.setattr(draft_row.DraftRow, "send_window", too_long)
     target = tiny_target(seed=6)
-    got, metrics = run_mirror(TorchSplitTarget(target), TorchModel(target), [2, 3], 30, gamma=2)
+    got, stats = run_mirror(TorchSplitTarget(target), TorchModel(target), [2, 3], 30, gamma=2)
     assert got == flat(generate(TorchModel(target), [2, 3], 30))
-    assert any("expected 1..2" in e for e in metrics.events)
+    assert any("expected 1..2" in e for e in stats["events"])
 
 
-def test_close_early_stops_the_draft():
-    """Closing the generator (Ctrl-C, stop string) ends the draft thread promptly."""
+def test_cancel_early_stops_the_draft():
+    """A sequence cancelled mid-way (Ctrl-C, a stop string) leaves the batch, and the draft thread with nobody to
+    draft for ends at that step."""
     target = tiny_target(seed=0)
-    gen = mirror_generate(TorchSplitTarget(target), TorchModel(target), [2, 3], GenerationConfig(max_new_tokens=200,
-                                                                                                  gamma=3))
-    next(gen), next(gen)
-    gen.close()
-    assert not draft_threads()
+    decoder = BatchDecoder(TorchSplitTarget(target), TorchModel(target), BatchConfig(max_num_seqs=1))
+    seq = Sequence("s", [2, 3], GenerationConfig(max_new_tokens=200, gamma=3, mode="mirror"), budget=200)
+    decoder.add(seq)
+    while len(seq.tokens) < 8:
+        decoder.step()
+    assert draft_threads()
+    seq.cancel()
+    assert not decoder.step()
+    assert seq.finish_reason == "cancelled" and not draft_threads()
 
 
 @pytest.mark.parametrize("gamma,confidence", [(2, 0.0), (5, 0.0), (5, 0.2)])
@@ -182,10 +194,10 @@ def test_stream_draft_equals_reference(gamma, confidence):
     with torch.no_grad():
         for p in draft.stream_layers.parameters():
             p.normal_(0, 0.3)
-    got, metrics = run_mirror(TorchSplitTarget(target), TorchStreamDraft(draft), [4, 5, 6], 60, gamma=gamma,
-                              stream_confidence=confidence)
+    got, stats = run_mirror(TorchSplitTarget(target), TorchStreamDraft(draft), [4, 5, 6], 60, gamma=gamma,
+                            stream_confidence=confidence)
     assert got == flat(generate(TorchModel(target), [4, 5, 6], 60))
-    assert metrics.extra["draft_forwards_per_token"] > 0
+    assert stats["draft_forwards_per_token"] > 0
 
 
 @pytest.mark.parametrize("early_exit", ["on", "off", "auto"])
@@ -193,9 +205,9 @@ def test_early_exit_modes_equal_reference(early_exit):
     """The early exit only steers precomputation: on, off or auto, the output is the same."""
     target = tiny_target(seed=11)
     draft = perturbed_copy(target, noise=0.4, seed=12)
-    got, metrics = run_mirror(SlowSuffix(target), TorchModel(draft), [9, 8, 7], 40, gamma=3, early_exit=early_exit)
+    got, stats = run_mirror(SlowSuffix(target), TorchModel(draft), [9, 8, 7], 40, gamma=3, early_exit=early_exit)
     assert got == flat(generate(TorchModel(target), [9, 8, 7], 40))
-    exit_steps = metrics.extra["early_exit_steps"]
+    exit_steps = stats["early_exit_steps"]
     assert (exit_steps == 0) if early_exit == "off" else (exit_steps > 0)
 
 
@@ -213,9 +225,9 @@ def test_lookup_guesses_change_cost_not_output():
     runs = {lookup: run_mirror(SlowSuffix(target), TorchModel(draft), prompt, 60, gamma=4, draft_lookup=lookup)
             for lookup in (0, 3)}
     assert all(got == expected for got, _ in runs.values())
-    kept, fed = map(int, runs[3][1].extra["lookup_guesses_kept"].split("/"))
+    kept, fed = map(int, runs[3][1]["lookup_guesses_kept"].split("/"))
     assert 0 < kept <= fed  # the guesses were used, so this test exercises them
-    assert runs[0][1].extra["lookup_guesses_kept"] == "0/0"
+    assert runs[0][1]["lookup_guesses_kept"] == "0/0"
 
 
 class SlowDraft(TorchModel):
@@ -235,11 +247,12 @@ def test_seeded_sampling_repeats_whatever_the_timing(seed):
     settings = dict(gamma=4, sampling=SamplingConfig(temperature=1.0), seed=11)
     fast, _ = run_mirror(TorchSplitTarget(target), TorchModel(draft), [3, 4, 5], 40, **settings)
     slow_draft, drafted = run_mirror(TorchSplitTarget(target), SlowDraft(draft), [3, 4, 5], 40, **settings)
-    slow_target, metrics = run_mirror(SlowSuffix(target), TorchModel(draft), [3, 4, 5], 40, **settings)
+    slow_target, stats = run_mirror(SlowSuffix(target), TorchModel(draft), [3, 4, 5], 40, **settings)
     branches, _ = run_mirror(SlowSuffix(target), TorchModel(draft), [3, 4, 5], 40, branch_budget=2, **settings)
-    assert len(metrics.proposed_at) > 1  # windows of several tokens were verified
+    assert len(stats["proposed_per_position"]) > 1  # windows of several tokens were verified
     assert fast == slow_draft == slow_target == branches
-    assert not metrics.events and not drafted.events  # no draft fell back (that would draw the text otherwise)
+    assert fast == flat(generate(TorchModel(target), [3, 4, 5], 40, SamplingConfig(temperature=1.0), 11))
+    assert not stats["events"] and not drafted["events"]  # no draft fell back (that would draw the text otherwise)
     other, _ = run_mirror(TorchSplitTarget(target), TorchModel(draft), [3, 4, 5], 40, **{**settings, "seed": 12})
     assert other != fast
 
@@ -261,8 +274,8 @@ def test_draft_stays_inside_the_context_at_its_edge(gamma):
     target = tiny_target(seed=2, max_seq_len=64)
     draft = EdgeCheckedDraft(perturbed_copy(target, noise=0.2, seed=3))
     prompt = [(i * 11) % 90 + 3 for i in range(40)]
-    tokens, metrics = run_mirror(TorchSplitTarget(target), draft, prompt, 60, mode="mirror", gamma=gamma)
+    tokens, stats = run_mirror(TorchSplitTarget(target), draft, prompt, 60, gamma=gamma)
     assert tokens == flat(generate(TorchModel(target), prompt, 60))
-    assert not metrics.summary()["events"]  # no fallback: the draft never failed
+    assert not stats["events"]  # no fallback: the draft never failed
     assert len(tokens) == 64 - len(prompt)
     assert 0 < draft.furthest <= 64

@@ -13,6 +13,7 @@ from conftest import tiny_target
 
 from mirror_rt.devices import torch_engine
 from mirror_rt.devices.options import EngineConfig
+from mirror_rt.devices.torch.kv_cache import new_cache
 from mirror_rt.evaluation.device_check import first_mismatch
 from mirror_rt.models.quantize import int8_copy
 from mirror_rt.models.transformer import RMSNorm, rope_inv_freq, rope_tables
@@ -63,7 +64,7 @@ def test_int8_draft_of_a_bf16_target():
     draft = int8_copy(target)
     assert target.embed_tokens.weight.dtype == torch.bfloat16  # the original is untouched
     assert draft.embed_tokens.weight.dtype == torch.float32
-    assert draft(torch.tensor([5, 6]), draft.new_cache(4)).shape == (2, target.config.vocab_size)
+    assert draft(torch.tensor([5, 6]), new_cache(draft, 4)).shape == (2, target.config.vocab_size)
 
 
 @pytest.mark.parametrize("dtype", ["bf16", "float16"])
@@ -87,11 +88,11 @@ def test_low_precision_logits_come_from_an_fp32_copy_of_the_current_head():
     """bf16 weights, fp32 logits (no ties from 8-bit mantissas); the copy follows in-place weight changes."""
     model = tiny_target(seed=0).to(torch.bfloat16)
     with torch.inference_mode():
-        logits = model(torch.tensor([5, 6]), model.new_cache(4))
+        logits = model(torch.tensor([5, 6]), new_cache(model, 4))
     assert logits.dtype == torch.float32 and model.head32.dtype == torch.float32
     with torch.no_grad():
         model.lm_head.weight.mul_(2)  # exact in bf16
     with torch.inference_mode():
-        again = model(torch.tensor([5, 6]), model.new_cache(4))
+        again = model(torch.tensor([5, 6]), new_cache(model, 4))
     torch.testing.assert_close(again, 2 * logits)
     assert tiny_target(seed=0).head32 is None  # fp32 / fp64 models keep no copy

@@ -1,31 +1,25 @@
-"""The draft starting from the target's prompt KV, and the target's prefill pipelined over two cores."""
+"""The draft starting from the target's KV (its pool row takes the target's), and the target's prefill pipelined
+over two cores."""
 
 from __future__ import annotations
 
 import threading
 import warnings
+from dataclasses import replace
 
 import numpy as np
 import pytest
-from conftest import load_parts, perturbed_copy, tiny_target
+from conftest import decode, flat, load_parts, perturbed_copy, tiny_target
 
 from mirror_rt.devices.registry import DeviceError, available_devices
 from mirror_rt.devices.torch.backend import TorchModel
 from mirror_rt.devices.torch.split import TorchSplitTarget
 from mirror_rt.exporters.export import export_bundle
 from mirror_rt.exporters.manifest import read_manifest
-from mirror_rt.runtime.config import GenerationConfig
-from mirror_rt.runtime.metrics import Metrics
-from mirror_rt.runtime.mirror.target_row import MirrorSettings, mirror_generate
 from mirror_rt.runtime.reference import generate
-from mirror_rt.runtime.speculative import speculative_generate
 
 PROMPT = [5, 17, 42, 9, 80, 33, 61, 2, 14, 7, 7, 19, 3]
 needs_ort = pytest.mark.skipif(not available_devices()["onnxruntime"], reason="onnxruntime not installed")
-
-
-def flat(steps):
-    return [t for step in steps for t in step]
 
 
 @pytest.fixture(scope="module", params=["explicit", "shared"])
@@ -114,13 +108,17 @@ def test_pipelined_prefill_reraises_suffix_errors(onnx_bundle, monkeypatch):
 
 @needs_ort
 def test_adopted_kv_equals_the_drafts_own_prefill(onnx_bundle):
-    """All layers land in order: an fp32 self-draft over the target's KV computes what its own prefill gives."""
+    """All layers land in order: an fp32 self-draft's pool row over the target's KV computes what its own prefill
+    gives. Explicit-KV graphs take no rows: their draft reads the text itself."""
     target, draft, _, manifest = load_parts(onnx_bundle, "ort:cpu", "ort:cpu", strict=True, threads=1)
-    assert manifest.draft_of_target and draft.same_model_as_target
-    target_cache = target.new_cache(64)
-    target.forward(PROMPT, target_cache)
-    adopted = draft.adopt(target_cache, 64)
-    own = draft.new_cache(64)
+    assert manifest.draft_of_target and draft.capabilities.reads_target_rows == target.capabilities.rows
+    if not target.capabilities.rows:
+        assert onnx_bundle.name == "explicit" and not draft.capabilities.rows
+        return
+    target_pool, draft_pool = target.new_pool(2, 64), draft.new_pool(2, 64)
+    target.forward(PROMPT, target_pool.row_cache(1))
+    draft_pool.copy_from(0, target_pool, 1, len(PROMPT))
+    adopted, own = draft_pool.row_cache(0), draft.new_cache(64)
     draft.forward(PROMPT, own)
     assert adopted.length == len(PROMPT)
     np.testing.assert_allclose(draft.forward([11, 12], adopted), draft.forward([11, 12], own), atol=1e-4, rtol=0)
@@ -129,31 +127,36 @@ def test_adopted_kv_equals_the_drafts_own_prefill(onnx_bundle):
 @needs_ort
 @pytest.mark.parametrize("mode", ["mirror", "sd"])
 def test_decoding_with_adopted_kv_equals_reference(onnx_bundle, monkeypatch, mode):
-    """Mirror and vanilla SD start a draft that is the target's copy from the target's prompt KV, once."""
+    """Mirror and vanilla SD start a draft that is the target's copy from the target's KV: one copy of the prompt's
+    positions into its pool row at the first speculative step, then only single positions it never fed (explicit KV:
+    no rows, the draft reads the text)."""
     target, draft, _, _ = load_parts(onnx_bundle, "ort:cpu", "ort:cpu", strict=True, threads=1)
     calls = []
-    adopt = draft.adopt
-    monkeypatch.setattr(draft, "adopt", lambda cache, capacity: calls.append(cache.length) or adopt(cache, capacity))
+    if target.capabilities.rows:
+        pool = type(target.new_pool(1, 8))
+        copy_from = pool.copy_from
+        monkeypatch.setattr(pool, "copy_from", lambda self, row, source, source_row, n, start=0: calls.append(
+            (start, n)) or copy_from(self, row, source, source_row, n, start))
     expected = flat(generate(target, PROMPT, 30))
-    if mode == "mirror":
-        config = GenerationConfig(max_new_tokens=30, gamma=3)
-        got = flat(mirror_generate(target, draft, PROMPT, config, metrics=Metrics()))
-    else:
-        got = flat(speculative_generate(target, draft, PROMPT, 30, 3))
-    assert got == expected and calls == [len(PROMPT)]
+    assert decode(target, draft, PROMPT, mode=mode, max_new_tokens=30, gamma=3).tokens == expected
+    if not target.capabilities.rows:
+        assert calls == []
+        return
+    assert calls[0] == (0, len(PROMPT))  # the prompt, at the first speculative step
+    # later, only a window's last token where the whole window was accepted (its draft never fed it): sd only
+    assert all(n == start + 1 for start, n in calls[1:]) and (mode == "sd" or len(calls) == 1)
 
 
-def test_torch_draft_adopts_and_output_is_unchanged():
+@pytest.mark.parametrize("mode", ["mirror", "sd"])
+def test_torch_draft_adopts_and_output_is_unchanged(mode):
     """Adoption only moves the draft's guesses (here a perturbed copy told it is the target): same output."""
     target = tiny_target(seed=21)
-    draft = TorchModel(perturbed_copy(target, noise=0.3, seed=22))
-    draft.same_model_as_target = True
     expected = flat(generate(TorchModel(target), PROMPT, 40))
-    for share in (True, False):
-        config = GenerationConfig(max_new_tokens=40, gamma=4)
-        got = flat(mirror_generate(TorchSplitTarget(target), draft, PROMPT, config,
-                                   MirrorSettings(share_prompt_kv=share), Metrics()))
-        assert got == expected
+    for reads in (True, False):
+        draft = TorchModel(perturbed_copy(target, noise=0.3, seed=22))
+        draft.capabilities = replace(draft.capabilities, reads_target_rows=reads)
+        got = decode(TorchSplitTarget(target), draft, PROMPT, mode=mode, max_new_tokens=40, gamma=4)
+        assert got.tokens == expected
 
 
 def test_adopt_refuses_another_shape():
@@ -165,11 +168,11 @@ def test_adopt_refuses_another_shape():
 
     model = tiny_target(seed=1)
     target = TorchSplitTarget(model)
-    shallower = random_model(dataclasses.replace(model.config, n_layers=1), seed=2, dtype=torch.float64)
-    cache = target.new_cache(32)
-    target.forward(PROMPT, cache)
+    shallower = TorchModel(random_model(dataclasses.replace(model.config, n_layers=1), seed=2, dtype=torch.float64))
+    pool = target.new_pool(1, 32)
+    target.forward(PROMPT, pool.row_cache(0))
     with pytest.raises(ValueError, match="another shape"):
-        TorchModel(shallower).adopt(cache, 32)
+        shallower.new_pool(1, 32).copy_from(0, pool, 0, len(PROMPT))
 
 
 @pytest.fixture(scope="module")

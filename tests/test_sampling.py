@@ -3,7 +3,7 @@
 import numpy as np
 import pytest
 
-from mirror_rt.runtime.sampling import SamplingConfig, choose, probabilities
+from mirror_rt.runtime.sampling import SamplingConfig, choose_at, probabilities
 
 
 def test_top_k_keeps_k_tokens():
@@ -17,16 +17,15 @@ def test_top_p_keeps_smallest_covering_set():
     assert np.allclose(p, [[0.625, 0.375, 0, 0]])
 
 
-def test_greedy_is_argmax_without_probs():
-    token, probs = choose(np.array([0.1, 2.0, 1.0]), SamplingConfig(), np.random.default_rng(0))
-    assert token == 1 and probs is None
+def test_greedy_is_argmax():
+    assert choose_at(np.array([0.1, 2.0, 1.0]), SamplingConfig(), 0, 0) == [1]
 
 
 @pytest.mark.parametrize("temperature", [5e-324, 1e-300, 1e-6])
 def test_a_temperature_too_small_to_divide_by_is_greedy(temperature):
     """5e-324 overflowed the logits to inf and drew token 0 at every position."""
-    token, probs = choose(np.array([0.1, 2.0, 1.0]), SamplingConfig(temperature=temperature), np.random.default_rng(0))
-    assert token == 1 and probs is None
+    config = SamplingConfig(temperature=temperature)
+    assert config.greedy and choose_at(np.array([0.1, 2.0, 1.0]), config, 7, 0) == [1]
 
 
 @pytest.mark.parametrize("kwargs", [dict(temperature=-1), dict(top_p=0), dict(top_p=1.5), dict(top_k=-2),

@@ -1,16 +1,11 @@
-"""Vanilla speculative decoding equals the reference decoder (greedy) token for token."""
+"""Vanilla speculative decoding (sd) through the batched decoder equals the reference decoder token for token."""
 
 import pytest
-from conftest import perturbed_copy, tiny_target
+from conftest import decode, decode_many, flat, perturbed_copy, tiny_target
 
 from mirror_rt.devices.torch.backend import TorchModel
-from mirror_rt.runtime.metrics import Metrics
 from mirror_rt.runtime.reference import generate
-from mirror_rt.runtime.speculative import speculative_generate
-
-
-def flat(steps):
-    return [t for step in steps for t in step]
+from mirror_rt.runtime.sampling import SamplingConfig
 
 
 @pytest.mark.parametrize("gamma", [1, 2, 4, 7])
@@ -21,29 +16,37 @@ def test_greedy_equals_reference(seed, gamma):
     draft = perturbed_copy(target, noise=0.4, seed=seed + 100)
     prompt = [(seed * 7 + i * 13) % 95 + 2 for i in range(5 + seed)]
     expected = flat(generate(TorchModel(target), prompt, 40))
-    metrics = Metrics()
-    got = flat(speculative_generate(TorchModel(target), TorchModel(draft), prompt, 40, gamma, metrics=metrics))
-    assert got == expected
-    assert sum(metrics.accept_lengths) == len(got) - 1  # every step commits accepted + 1
+    got = decode(TorchModel(target), TorchModel(draft), prompt, max_new_tokens=40, gamma=gamma)
+    assert got.tokens == expected
+    assert sum(got.stats["accept_lengths"]) == len(got.tokens) - 1  # every step commits accepted + 1
+
+
+@pytest.mark.parametrize("max_num_seqs", [1, 3])
+def test_several_sequences_each_equal_their_reference(max_num_seqs):
+    """Five prompts of different lengths, one row at a time or three at once: each text equals its own ar."""
+    target = tiny_target(seed=1)
+    draft = perturbed_copy(target, noise=0.4, seed=101)
+    prompts = [[(i * 11 + j * 7) % 95 + 2 for j in range(3 + 2 * i)] for i in range(5)]
+    got = decode_many(TorchModel(target), TorchModel(draft), prompts, max_num_seqs, max_new_tokens=30, gamma=3)
+    assert [g.tokens for g in got] == [flat(generate(TorchModel(target), p, 30)) for p in prompts]
 
 
 def test_noisy_draft_has_partial_acceptance():
     """The equality above is not vacuous: the draft is sometimes wrong and sometimes right."""
     target = tiny_target(seed=0)
     draft = perturbed_copy(target, noise=0.4, seed=100)
-    metrics = Metrics()
-    flat(speculative_generate(TorchModel(target), TorchModel(draft), [5, 6, 7], 60, 4, metrics=metrics))
-    assert 1.0 < metrics.committed / metrics.steps < 5.0
+    stats = decode(TorchModel(target), TorchModel(draft), [5, 6, 7], max_new_tokens=60, gamma=4).stats
+    assert 1.0 < stats["mean_accepted_length"] < 5.0
 
 
 @pytest.mark.parametrize("gamma", [1, 3, 7])
 def test_oracle_draft_fully_accepted(gamma):
-    """With the target as its own draft every window is fully accepted."""
+    """With the target as its own draft (no draft model: the oracle) every window is fully accepted."""
     target = tiny_target(seed=2)
-    metrics = Metrics()
-    got = flat(speculative_generate(TorchModel(target), TorchModel(target), [3, 4, 5], 50, gamma, metrics=metrics))
-    assert got == flat(generate(TorchModel(target), [3, 4, 5], 50))
-    assert metrics.accept_lengths[:-1] == [gamma + 1] * (len(metrics.accept_lengths) - 1)
+    got = decode(TorchModel(target), None, [3, 4, 5], max_new_tokens=50, gamma=gamma)
+    assert got.tokens == flat(generate(TorchModel(target), [3, 4, 5], 50))
+    lengths = got.stats["accept_lengths"]
+    assert lengths[:-1] == [gamma + 1] * (len(lengths) - 1)
 
 
 def test_context_limit_respected():
@@ -51,19 +54,18 @@ def test_context_limit_respected():
     target = TorchModel(tiny_target(seed=4))  # max_seq_len 256
     prompt = list(range(2, 96)) * 2 + list(range(2, 62))  # 248 tokens
     expected = flat(generate(target, prompt, 100))
-    got = flat(speculative_generate(target, TorchModel(tiny_target(seed=4)), prompt, 100, 4))
-    assert len(expected) == 256 - len(prompt) and got == expected
+    got = decode(target, TorchModel(tiny_target(seed=4)), prompt, max_new_tokens=100, gamma=4)
+    assert len(expected) == 256 - len(prompt) and got.tokens == expected
 
 
-def test_sampling_runs_and_is_seeded():
-    """Sampling mode: same seed, same tokens; a different seed differs."""
-    from mirror_rt.runtime.sampling import SamplingConfig
-
+def test_sampling_equals_reference_and_is_seeded():
+    """Sampling mode: the target's own draws (the reference's, seed for seed); a different seed differs."""
     target = tiny_target(seed=5, scale=3.0)
     draft = perturbed_copy(target, noise=0.3, seed=9)
     s = SamplingConfig(temperature=1.0)
 
     def run(seed):
-        return flat(speculative_generate(TorchModel(target), TorchModel(draft), [4, 5], 30, 3, s, seed))
+        return decode(TorchModel(target), TorchModel(draft), [4, 5], max_new_tokens=30, gamma=3, sampling=s,
+                      seed=seed).tokens
 
-    assert run(1) == run(1) and run(1) != run(2)
+    assert run(1) == flat(generate(TorchModel(target), [4, 5], 30, s, 1)) and run(1) != run(2)

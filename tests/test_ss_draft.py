@@ -4,11 +4,11 @@ import pytest
 import torch
 from conftest import tiny_target
 
+from mirror_rt.devices.torch.kv_cache import new_cache
 from mirror_rt.models.ss_draft import (
     StreamDraft,
     load_streams,
     stream_mask,
-    stream_rollout,
 )
 from mirror_rt.runtime.reference import generate
 
@@ -34,22 +34,31 @@ def test_main_stream_is_the_base_draft():
         for p in draft.stream_layers.parameters():
             p.normal_(0, 0.5)  # trained-looking stream weights must not touch the main rows
     tokens = torch.tensor([5, 9, 14, 3, 7])
-    main, streams = draft.forward_streams(tokens, base.new_cache(8))
-    expected = base(tokens, base.new_cache(8))
+    main, streams = draft.forward_streams(tokens, new_cache(base, 8))
+    expected = base(tokens, new_cache(base, 8))
     assert torch.allclose(main, expected, atol=1e-10) and streams.shape == (5, 2, base.config.vocab_size)
 
 
 def test_stream_verified_rollout_equals_draft_greedy():
-    """Exact at temperature 0, whatever the (random) stream guesses."""
+    """A draft row's line over SS streams is the draft's own greedy continuation at temperature 0, whatever the
+    (random) stream guesses it feeds and checks, in at most one forward a token."""
     from mirror_rt.devices.torch.backend import TorchModel
+    from mirror_rt.devices.torch.streams import TorchStreamDraft
+    from mirror_rt.runtime.config import GenerationConfig
+    from mirror_rt.runtime.mirror.draft_row import DraftConfig, DraftRow
 
     for seed in range(3):
         base = tiny_target(seed=seed)
         draft = StreamDraft(base, n_streams=2, n_stream_layers=2)
+        with torch.no_grad():
+            for p in draft.stream_layers.parameters():
+                p.normal_(0, 0.3)
         context = [(seed * 5 + i * 7) % 90 + 2 for i in range(6)]
         expected = [t for step in generate(TorchModel(base), context, 31) for t in step]
-        tokens, forwards = stream_rollout(draft, context, 31)
-        assert tokens == expected and forwards <= 31
+        model = TorchStreamDraft(draft)
+        row = DraftRow(model, model.new_cache(64), context, GenerationConfig(gamma=31, draft_lookup=0),
+                       DraftConfig(stream_confidence=0.0))
+        assert row.draft_window(31) == expected and row.stats.forwards <= 31
 
 
 def test_confident_guesses_keep_the_leading_likely_streams():
@@ -93,8 +102,8 @@ def test_training_lowers_loss_and_round_trips(tmp_path):
     loaded = load_streams(tiny_target(seed=4), tmp_path / "ss")
     tokens = torch.tensor(data[0][0][:12])
     with torch.no_grad():
-        a = draft.forward_streams(tokens, base.new_cache(12))[1]
-        b = loaded.forward_streams(tokens, loaded.base.new_cache(12))[1]
+        a = draft.forward_streams(tokens, new_cache(base, 12))[1]
+        b = loaded.forward_streams(tokens, new_cache(loaded.base, 12))[1]
     assert torch.allclose(a, b, atol=1e-9)
 
 

@@ -13,25 +13,17 @@ import gc
 import numpy as np
 import pytest
 import torch
-from conftest import perturbed_copy, tiny_target
+from conftest import decode, flat, perturbed_copy, tiny_target
 
 from mirror_rt.devices.torch.backend import TorchModel
 from mirror_rt.devices.torch.split import TorchSplitTarget
 from mirror_rt.devices.torch.static import VERIFY_ROWS, WINDOW_SIZES, window_size
 from mirror_rt.models.config import ModelConfig
 from mirror_rt.models.transformer import random_model
-from mirror_rt.runtime.config import GenerationConfig
-from mirror_rt.runtime.kv_cache import CacheFull
-from mirror_rt.runtime.metrics import Metrics
-from mirror_rt.runtime.mirror.target_row import mirror_generate
+from mirror_rt.runtime.backend import CacheFull
 from mirror_rt.runtime.reference import generate
-from mirror_rt.runtime.speculative import speculative_generate
 
 PROMPT = [5, 17, 42, 9, 80, 33, 61]
-
-
-def flat(steps):
-    return [t for step in steps for t in step]
 
 
 @pytest.mark.parametrize("rows,size", [(1, 1), (2, 8), (5, 8), (8, 8), (9, None), (300, None)])
@@ -64,10 +56,8 @@ def test_static_greedy_equals_reference_in_every_mode(seed):
     expected = flat(generate(TorchModel(target), PROMPT, 40))
     split = TorchSplitTarget(target, kappa=4, static=True)
     assert flat(generate(split, PROMPT, 40)) == expected
-    assert flat(speculative_generate(split, TorchModel(draft), PROMPT, 40, 4)) == expected
-    config = GenerationConfig(max_new_tokens=40, gamma=5)
-    got = flat(mirror_generate(split, TorchModel(draft), PROMPT, config, metrics=Metrics()))
-    assert got == expected
+    assert decode(split, TorchModel(draft), PROMPT, max_new_tokens=40, gamma=4).tokens == expected
+    assert decode(split, TorchModel(draft), PROMPT, mode="mirror", max_new_tokens=40, gamma=5).tokens == expected
 
 
 def test_static_cache_refuses_to_pass_capacity():
@@ -105,9 +95,8 @@ def test_compiled_greedy_equals_eager_reference():
     graphs = torch._dynamo.utils.counters["stats"]["unique_graphs"]
     for prompt in (PROMPT, long_prompt):
         assert flat(generate(compiled, prompt, 30)) == expected[len(prompt)]
-        assert flat(speculative_generate(compiled, TorchModel(draft), prompt, 30, 4)) == expected[len(prompt)]
-        config = GenerationConfig(max_new_tokens=30, gamma=4)
-        got = flat(mirror_generate(compiled, TorchModel(draft), prompt, config, metrics=Metrics()))
+        assert decode(compiled, TorchModel(draft), prompt, max_new_tokens=30, gamma=4).tokens == expected[len(prompt)]
+        got = decode(compiled, TorchModel(draft), prompt, mode="mirror", max_new_tokens=30, gamma=4).tokens
         assert got == expected[len(prompt)]
     assert torch._dynamo.utils.counters["stats"]["unique_graphs"] == graphs  # no compile after warm-up
 
@@ -125,6 +114,4 @@ def test_compiled_bf16_target_reads_its_fp32_head_and_follows_the_eager_target()
     assert target.head32 is not None and target.head32.dtype == torch.float32
     expected = flat(generate(TorchModel(target), PROMPT, 24))
     assert flat(generate(compiled, PROMPT, 24)) == expected
-    config = GenerationConfig(max_new_tokens=24, gamma=4)
-    got = flat(mirror_generate(compiled, TorchModel(draft), PROMPT, config, metrics=Metrics()))
-    assert got == expected
+    assert decode(compiled, TorchModel(draft), PROMPT, mode="mirror", max_new_tokens=24, gamma=4).tokens == expected

@@ -164,7 +164,7 @@ def test_torch_target_with_a_bundle_draft(onnx_bundle, mode):
     lossless, the draft prefilling itself (its KV lives in another backend)."""
     options = EngineConfig.from_flags(target="torch:cpu", draft="cpu", draft_bundle=str(onnx_bundle), model="tiny")
     engine = engines.load_engine(options, mode, log=lambda *a: None)
-    assert type(engine.draft).__name__ == "ORTModel" and not engine.draft.same_model_as_target
+    assert type(engine.draft).__name__ == "ORTModel" and not engine.draft.capabilities.reads_target_rows
     cores = sorted(engines.available_cores())
     assert engine.names["placement"] == plan("torch:cpu", "ort:cpu", mode, cores).describe()
     ar = engine.generate("hello there", mode="ar", max_new_tokens=24, chat=False)

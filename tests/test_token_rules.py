@@ -10,18 +10,15 @@ import re
 import numpy as np
 import pytest
 import torch
-from conftest import MarkovModel, random_transition
+from conftest import MarkovModel, decode, random_transition
 from test_acceptance import chi2_threshold
 
 from mirror_rt.models.tokenizer import ByteTokenizer
 from mirror_rt.runtime.acceptance import Verdict
-from mirror_rt.runtime.config import GenerationConfig
 from mirror_rt.runtime.grammar import Constraint, check, grammar_tokenizer
 from mirror_rt.runtime.logprobs import token_logprobs
-from mirror_rt.runtime.mirror.target_row import mirror_generate
 from mirror_rt.runtime.penalties import penalize
 from mirror_rt.runtime.sampling import SamplingConfig
-from mirror_rt.runtime.speculative import speculative_generate
 from mirror_rt.runtime.token_rules import RulesConfig, TokenRules, settle, verify_rows
 
 jsonschema = pytest.importorskip("jsonschema")
@@ -200,13 +197,8 @@ def test_seeded_sampled_constrained_repeats_and_validates(engine, mode):
 
 
 def markov_tokens(mode: str, p, q, n: int, rules: TokenRules) -> list[int]:
-    target, draft, sampling = MarkovModel(p), MarkovModel(q), SamplingConfig(temperature=1.0)
-    if mode == "sd":
-        steps = speculative_generate(target, draft, [2], n, 3, sampling, seed=11, rules=rules)
-    else:
-        config = GenerationConfig(max_new_tokens=n, gamma=3, sampling=sampling, seed=11)
-        steps = mirror_generate(target, draft, [2], config, rules=rules)
-    return [t for step in steps for t in step]
+    return decode(MarkovModel(p), MarkovModel(q), [2], rules=rules, mode=mode, max_new_tokens=n, gamma=3,
+                  sampling=SamplingConfig(temperature=1.0), seed=11).tokens
 
 
 @pytest.mark.parametrize("mode", ["sd", "mirror"])

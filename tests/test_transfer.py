@@ -5,29 +5,22 @@ CUDA ones do, so the same reads are counted here."""
 from __future__ import annotations
 
 import threading
+from dataclasses import replace
 
 import numpy as np
 import pytest
 import torch
-from conftest import perturbed_copy, tiny_target
+from conftest import decode, flat, perturbed_copy, tiny_target
 
 from mirror_rt.devices.torch.backend import TorchModel
 from mirror_rt.devices.torch.split import TorchSplitTarget
-from mirror_rt.runtime.acceptance import accept_greedy
-from mirror_rt.runtime.config import GenerationConfig
-from mirror_rt.runtime.metrics import Metrics
-from mirror_rt.runtime.mirror.target_row import mirror_generate
+from mirror_rt.runtime.acceptance import verify
 from mirror_rt.runtime.reference import generate
 from mirror_rt.runtime.sampling import SamplingConfig
-from mirror_rt.runtime.speculative import speculative_generate
 from mirror_rt.runtime.transfer import PendingRead, counters, record_shapes, to_host
 
 PROMPT = [5, 17, 42, 9, 80, 33]
 GAMMA, KAPPA = 4, 3
-
-
-def flat(steps):
-    return [t for step in steps for t in step]
 
 
 @pytest.fixture
@@ -42,12 +35,13 @@ def _largest(shapes) -> int:
 
 @pytest.mark.parametrize("static", [False, True])
 def test_greedy_sd_reads_ids_only(pair, static):
-    """Per verify: k+1 ids; prefill: one id; nothing vocabulary-sized (padded static windows alike)."""
+    """Per verify: k+1 ids; the draft's choices: its ids; prefill: one id; nothing vocabulary-sized (padded static
+    windows alike). sd drafts in this thread, so its reads are counted too."""
     target, draft = pair
     model = TorchModel(target, static=static)
     vocab = model.vocab_size
     with record_shapes() as shapes:
-        got = flat(speculative_generate(model, TorchModel(draft), PROMPT, 30, GAMMA))
+        got = decode(model, TorchModel(draft), PROMPT, max_new_tokens=30, gamma=GAMMA).tokens
     assert got == flat(generate(TorchModel(target), PROMPT, 30))
     target_reads = [shape for shape, _ in shapes if len(shape) == 1]
     assert target_reads and all(1 <= n <= GAMMA + 1 for (n,) in target_reads)
@@ -58,24 +52,22 @@ def test_greedy_mirror_target_reads_exit_rows_and_ids_only(pair):
     """The target thread reads [k+1, kappa] exit ids and log-probs and k+1 verify ids per step, nothing more."""
     target, draft = pair
     split = TorchSplitTarget(target, kappa=KAPPA)
-    metrics = Metrics()
     with record_shapes() as shapes:
-        config = GenerationConfig(max_new_tokens=30, gamma=GAMMA, early_exit="on")
-        got = flat(mirror_generate(split, TorchModel(draft), PROMPT, config, metrics=metrics))
-    assert got == flat(generate(TorchModel(target), PROMPT, 30))
+        got = decode(split, TorchModel(draft), PROMPT, mode="mirror", max_new_tokens=30, gamma=GAMMA, early_exit="on")
+    assert got.tokens == flat(generate(TorchModel(target), PROMPT, 30))
     assert any(len(shape) == 2 and shape[1] == KAPPA for shape, _ in shapes)  # the exit was read
     assert _largest(shapes) <= (GAMMA + 1) * KAPPA < split.vocab_size
     per_step = (GAMMA + 1) * (8 * KAPPA + 4 * KAPPA + 8)  # exit ids (int64) + log-probs (fp32) + verify ids
     read = sum(int(np.prod(shape)) * (4 if len(shape) == 2 else 8) for shape, _ in shapes)
-    assert 0 < read <= per_step * metrics.steps + 8  # the prefill's first token: one id
+    assert 0 < read <= per_step * got.stats["steps"] + 8  # the prefill's first token: one id
 
 
 def test_sampled_verify_reads_a_few_probabilities_not_rows(pair):
-    """Sampling reads p and q at the drafted tokens and one id: still nothing vocabulary-sized."""
+    """Sampling reads the chosen ids (the target's k+1, the draft's one a token): still nothing vocabulary-sized."""
     target, draft = pair
     with record_shapes() as shapes:
-        flat(speculative_generate(TorchModel(target), TorchModel(draft), PROMPT, 20, GAMMA,
-                                  SamplingConfig(temperature=1.0), seed=1))
+        decode(TorchModel(target), TorchModel(draft), PROMPT, max_new_tokens=20, gamma=GAMMA,
+               sampling=SamplingConfig(temperature=1.0), seed=1)
     assert shapes and _largest(shapes) <= GAMMA + 1
 
 
@@ -112,7 +104,7 @@ def test_greedy_ids_read_only_argmaxes():
     logits = torch.zeros(4, 50)
     logits[torch.arange(4), torch.tensor([5, 7, 3, 4])] = 1.0
     with record_shapes() as shapes:
-        verdict = accept_greedy([5, 7, 9], logits)
+        verdict = verify(logits, [5, 7, 9], 0, SamplingConfig(), seed=0)
     assert (verdict.num_accepted, verdict.next_token) == (2, 3) and shapes == [((4,), "cpu")]
 
 
@@ -121,7 +113,7 @@ def test_host_arrays_cost_nothing():
     logits = np.zeros((2, 10))
     logits[0, 3] = logits[1, 4] = 1.0
     with record_shapes() as shapes:
-        assert accept_greedy([3], logits).next_token == 4
+        assert verify(logits, [3], 0, SamplingConfig(), seed=0).next_token == 4
     assert shapes == []
 
 
@@ -146,11 +138,11 @@ def test_pending_read_on_cpu_reads_at_once():
 
 
 def test_an_asynchronous_target_queues_its_suffix_before_reading_its_exit(pair):
-    """A CUDA target (simulated: `asynchronous`) launches prefix and exit, queues the suffix, then reads the
-    exit back and sends it; the output is unchanged."""
+    """A CUDA target (simulated: `Capabilities.asynchronous`) launches prefix and exit, queues the suffix, then
+    reads the exit back and sends it; the output is unchanged."""
     target, draft = pair
     split = TorchSplitTarget(target, kappa=KAPPA)
-    split.asynchronous = True
+    split.capabilities = replace(split.capabilities, asynchronous=True)
     calls = []
     launch, suffix = split.launch_prefix, split.forward_suffix
 
@@ -163,8 +155,7 @@ def test_an_asynchronous_target_queues_its_suffix_before_reading_its_exit(pair):
 
     split.launch_prefix = launch_prefix
     split.forward_suffix = lambda cache, *a: calls.append("queue suffix") or suffix(cache, *a)
-    got = flat(mirror_generate(split, TorchModel(draft), PROMPT, GenerationConfig(max_new_tokens=30, gamma=GAMMA,
-                                                                                  early_exit="on")))
-    assert got == flat(generate(TorchModel(target), PROMPT, 30))
+    got = decode(split, TorchModel(draft), PROMPT, mode="mirror", max_new_tokens=30, gamma=GAMMA, early_exit="on")
+    assert got.tokens == flat(generate(TorchModel(target), PROMPT, 30))
     step = calls.index("launch prefix")
     assert calls[step:step + 3] == ["launch prefix", "queue suffix", "read exit"]

@@ -7,17 +7,16 @@ import warnings
 import numpy as np
 import pytest
 import torch
-from conftest import load_parts
+from conftest import decode, flat, load_parts
 
 from mirror_rt.devices.registry import available_devices
 from mirror_rt.devices.torch.backend import TorchModel
+from mirror_rt.devices.torch.kv_cache import new_cache
 from mirror_rt.devices.torch.split import TorchSplitTarget
 from mirror_rt.exporters.export import ExportError, export_bundle
 from mirror_rt.exporters.manifest import BundleManifest, read_manifest
 from mirror_rt.models.loading import load_checkpoint
 from mirror_rt.models.pruned_head import PrunedHeadDraft, load_kept, save_kept
-from mirror_rt.runtime.config import GenerationConfig
-from mirror_rt.runtime.mirror.target_row import mirror_generate
 from mirror_rt.runtime.reference import generate
 from mirror_rt.runtime.sampling import SamplingConfig, probabilities
 from mirror_rt.training.vocab_prune import choose_kept, coverage, token_counts
@@ -27,9 +26,6 @@ VOCAB = 258  # the tiny preset
 SIZE = 100  # no other product of the tiny model has 100 columns: the exporter finds the head by its width
 onnx_only = pytest.mark.skipif(not available_devices()["onnxruntime"], reason="onnxruntime not installed")
 
-
-def flat(steps):
-    return [t for step in steps for t in step]
 
 
 @pytest.fixture(scope="module")
@@ -102,7 +98,7 @@ def test_load_kept_checks_the_file(tmp_path):
 
 
 def _hidden(model, tokens):
-    return model.run_layers(model.embed(torch.tensor(tokens)), model.new_cache(32))
+    return model.run_layers(model.embed(torch.tensor(tokens)), new_cache(model, 32))
 
 
 @torch.no_grad()
@@ -123,7 +119,7 @@ def test_pruned_draft_maps_ids_back_exactly(tiny, kept):
     p = probabilities(mapped.numpy(), SamplingConfig(temperature=0.8, top_k=50, top_p=0.9))
     assert np.isfinite(p).all() and (p[:, outside.numpy()] == 0).all()
     np.testing.assert_allclose(p.sum(-1), 1.0)
-    stepped = draft.forward(torch.tensor(PROMPT), draft.new_cache(32))  # the decoder's entry point
+    stepped = draft.forward(torch.tensor(PROMPT), new_cache(draft, 32))  # the decoder's entry point
     torch.testing.assert_close(stepped, mapped[:len(PROMPT)])
 
 
@@ -132,9 +128,8 @@ def test_torch_mirror_with_pruned_draft_equals_reference(tiny, kept):
     assert set(expected) - set(kept.tolist())  # the draft cannot propose every target token
     draft = TorchModel(PrunedHeadDraft(tiny, kept))
     for gamma in (1, 4):
-        config = GenerationConfig(max_new_tokens=40, gamma=gamma)
-        got = flat(mirror_generate(TorchSplitTarget(tiny, kappa=4), draft, PROMPT, config))
-        assert got == expected
+        got = decode(TorchSplitTarget(tiny, kappa=4), draft, PROMPT, mode="mirror", max_new_tokens=40, gamma=gamma)
+        assert got.tokens == expected
 
 
 BUNDLES = [{"draft_weights": "fp32"}, {"draft_weights": "int8"}, {"draft_weights": "q4_1"},
@@ -151,7 +146,7 @@ def bundles(tmp_path_factory, kept):
 
 def _torch_logits(tiny, kept, tokens):
     with torch.no_grad():
-        return PrunedHeadDraft(tiny, kept).forward(torch.tensor(tokens), tiny.new_cache(32)).numpy()
+        return PrunedHeadDraft(tiny, kept).forward(torch.tensor(tokens), new_cache(tiny, 32)).numpy()
 
 
 def _prompt_then_window(draft):
@@ -192,9 +187,8 @@ def test_mirror_with_pruned_onnx_draft_equals_reference(bundles, name):
     loaded = load_parts(bundles[name], "ort:cpu", "ort:cpu", strict=True, threads=1)
     expected = flat(generate(loaded.target, PROMPT, 40))
     for gamma in (2, 5):
-        config = GenerationConfig(max_new_tokens=40, gamma=gamma)
-        got = flat(mirror_generate(loaded.target, loaded.draft, PROMPT, config))
-        assert got == expected
+        got = decode(loaded.target, loaded.draft, PROMPT, mode="mirror", max_new_tokens=40, gamma=gamma)
+        assert got.tokens == expected
 
 
 @onnx_only

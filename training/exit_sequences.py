@@ -14,6 +14,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from mirror_rt.devices.torch.kv_cache import new_cache
 from mirror_rt.models.exit_adapter import ExitAdapter, cached_mix
 
 
@@ -48,7 +49,7 @@ def sequence_data(model, prompts: list[list[int]], answers: list[list[int]], exi
                                               disable=not progress)):
         ids = torch.tensor(list(prompt) + list(answer), device=model.embed_tokens.weight.device)
         T = len(ids)
-        cache = model.new_cache(T)
+        cache = new_cache(model, T)
         exit_h = model.run_layers(model.embed(ids), cache, 0, exit_layer)
         h = model.run_layers(exit_h, cache, exit_layer, model.config.n_layers)
         top = torch.topk(F.log_softmax(model.logits(h).float(), dim=-1), min(top_k, model.config.vocab_size), dim=-1)

@@ -16,6 +16,7 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
+from mirror_rt.devices.torch.kv_cache import new_cache
 from mirror_rt.models.ss_draft import StreamDraft, load_streams, stream_config
 from mirror_rt.training.checkpoints import load_state, save_state
 from mirror_rt.training.losses import finite_loss, loss_summary
@@ -28,7 +29,7 @@ def stream_parameters(draft: StreamDraft) -> dict[str, torch.Tensor]:
 
 def stream_loss(draft: StreamDraft, tokens: torch.Tensor, first_answer: int) -> torch.Tensor:
     """Mean stream CE over positions whose target token t+2+j lies in the answer (index >= first_answer)."""
-    cache = draft.base.new_cache(tokens.shape[0])
+    cache = new_cache(draft.base, tokens.shape[0])
     _, streams = draft.forward_streams(tokens, cache)  # [T, S, vocab]
     T, S = tokens.shape[0], draft.n_streams
     losses = []
@@ -121,7 +122,7 @@ def evaluate_streams(draft: StreamDraft, sequences: list[tuple[list[int], int]],
     forwards = {g: [] for g in gammas}
     for ids, first in sequences:
         tokens = torch.tensor(ids)
-        _, streams = draft.forward_streams(tokens, draft.base.new_cache(len(ids)))
+        _, streams = draft.forward_streams(tokens, new_cache(draft.base, len(ids)))
         guess = streams.argmax(-1)  # [T, S]
         for j in range(draft.n_streams):
             lo, hi = max(0, first - 2 - j), len(ids) - 2 - j

@@ -26,14 +26,14 @@ from mirror_rt.devices.onnxruntime.pool import (
     RowPool,
     forward_rows,
     pinned_helper,
-    prefix_rows,
     split_prompts,
     split_rows,
-    suffix_rows,
+    target_rows,
 )
 from mirror_rt.devices.onnxruntime.session import create_session
 from mirror_rt.exporters.native_op import ATTENTION, register
 from mirror_rt.runtime.affinity import pin
+from mirror_rt.runtime.backend import Capabilities
 
 PREFILL_CHUNK = 64  # prompt tokens per pipelined prefill stage
 LAST_ROWS = "last_rows"  # optional graph input (exporters.split.LAST_ROWS): logits rows from the window's end
@@ -197,12 +197,14 @@ class ORTCache(CacheBounds):
 
 
 class ORTModel:
-    """A `LoadedModel` over one graph (the draft, or an unsplit target)."""
+    """A `LoadedModel` over one graph (the draft, or an unsplit target); batched shared-KV graphs run rows of
+    sequences at once."""
 
     def __init__(self, graph: ORTGraph, vocab_size: int, max_seq_len: int):
         self.graph = graph
         self.vocab_size = vocab_size
         self.max_seq_len = max_seq_len
+        self.capabilities = Capabilities(rows=graph.batched)
 
     def new_cache(self, capacity: int) -> ORTCache:
         return ORTCache([self.graph], min(capacity, self.max_seq_len))
@@ -218,11 +220,6 @@ class ORTModel:
         """As `forward`, but logits of the last position only ([1, vocab]; prefill)."""
         return self.forward(tokens, cache, last_rows=1)
 
-    @property
-    def batches(self) -> bool:
-        """Whether the graph runs rows of sequences at once (batched shared-KV graphs)."""
-        return self.graph.batched
-
     def new_pool(self, rows: int, capacity: int) -> RowPool:
         """KV rows for `rows` sequences of up to `capacity` positions (devices.onnxruntime.pool)."""
         return RowPool([self.graph], rows, capacity)
@@ -232,35 +229,10 @@ class ORTModel:
         return forward_rows(self, pool, tokens, first, last_rows)
 
     def can_adopt(self, target) -> bool:
-        """Whether `adopt` takes `target`'s caches: an ONNX Runtime target, and shared buffers only from shared."""
+        """Whether this draft's pool takes `target`'s pool rows (`RowPool.copy_from`): an ONNX Runtime target, and
+        shared buffers only from shared."""
         graph = getattr(target, "prefix", getattr(target, "graph", None))
         return isinstance(graph, ORTGraph) and (graph.shared_kv or not self.graph.shared_kv)
-
-    def adopt(self, target_cache: ORTCache, capacity: int) -> ORTCache:
-        """A cache holding the split target's KV, all layers in order (explicit arrays are shared: never
-        written; shared buffers are copied: both models go on writing theirs)."""
-        if not isinstance(target_cache, ORTCache):
-            raise ValueError(f"cannot adopt a {type(target_cache).__name__} (another backend's KV cache)")
-        if target_cache.hidden is not None:
-            raise RuntimeError("cannot adopt a target cache with a pending forward_suffix")
-        layers = [a for kv in target_cache.kv for a in kv]
-        arrays = [a[0] for a in layers] if target_cache.shared else layers
-        if len(arrays) != len(self.graph.past_names) or arrays[0].shape[1::2] != tuple(self.graph.kv_shape):
-            raise ValueError("cannot adopt a cache of another shape (the draft is not a copy of the target)")
-        if self.graph.shared_kv and not target_cache.shared:
-            raise ValueError("cannot adopt an explicit KV cache into shared KV buffers")
-        cache = self.new_cache(capacity)
-        n = target_cache.length
-        cache.check_room(n)
-        if cache.shared:
-            for (buffer, _), source in zip(cache.kv[0], arrays):
-                buffer[:, :, :n] = source[:, :, :n]
-        elif target_cache.shared:  # explicit from shared buffers (an SS draft, exporters.ss_graph): a copy
-            cache.kv = [[a[:, :, :n].copy() for a in arrays]]
-        else:
-            cache.kv = [arrays]
-        cache.filled = [n]
-        return cache
 
 
 class ORTStreamDraft(ORTModel):
@@ -270,6 +242,7 @@ class ORTStreamDraft(ORTModel):
     def __init__(self, graph: ORTGraph, vocab_size: int, max_seq_len: int):
         super().__init__(graph, vocab_size, max_seq_len)
         self.n_streams = int(graph.session.get_modelmeta().custom_metadata_map["n_streams"])
+        self.capabilities = Capabilities(rows=graph.batched, streams=True)
 
     def forward_streams(self, tokens: Sequence[int], cache: ORTCache) -> tuple[np.ndarray, np.ndarray]:
         """tokens [T] -> main logits [T, vocab], stream logits [T, n_s, vocab]; advances the cache by T."""
@@ -292,42 +265,25 @@ class ORTSplitTarget(SplitTarget):
         self.prompt_graphs = prompt_graphs  # (prefix, suffix) sessions over more cores, for prompts
         self.vocab_size, self.max_seq_len, self.kappa = vocab_size, max_seq_len, kappa
         self._helper = None  # (core, executor) running the second part of split steps and prompt pairs
+        # rows of sequences at once where both halves take them (not with an attention exit adapter); the groups of
+        # rows a call attends apart (exporters.exact_kv, format 6; pool graphs: every row apart)
+        rows = prefix.batched and suffix.batched and "exit_hidden" not in prefix.output_names
+        groups = ROWS_APART if prefix.rows_apart and suffix.rows_apart else min(prefix.groups, suffix.groups)
+        self.capabilities = Capabilities(split=True, rows=rows, attention_groups=groups,
+                                         wide=prompt_graphs is not None, pipelined=True, two_calls=True)
 
     def new_cache(self, capacity: int) -> ORTCache:
         return ORTCache([self.prefix, self.suffix], min(capacity, self.max_seq_len))
-
-    @property
-    def batches(self) -> bool:
-        """Whether prefix and suffix run rows of sequences at once (not with an attention exit adapter)."""
-        return self.prefix.batched and self.suffix.batched and "exit_hidden" not in self.prefix.output_names
-
-    @property
-    def attention_groups(self) -> int:
-        """Groups of rows each call's attention can read apart (exporters.exact_kv, format 6; 0: none; pool
-        graphs: every row apart)."""
-        if self.prefix.rows_apart and self.suffix.rows_apart:
-            return ROWS_APART
-        return min(self.prefix.groups, self.suffix.groups)
 
     def new_pool(self, rows: int, capacity: int) -> RowPool:
         """KV rows of prefix and suffix for `rows` sequences (devices.onnxruntime.pool)."""
         return RowPool([self.prefix, self.suffix], rows, capacity)
 
-    def forward_prefix_rows(self, tokens: np.ndarray, pool: RowPool, first: int, exit_: bool = True):
-        """Prefix layers over rows first..: tokens [B, T] -> early exit (ids, log-probs) [B, T, kappa] (None
-        without `exit_`); the hidden state waits in the pool for `forward_suffix_rows`."""
-        return prefix_rows(self, pool, tokens, first, exit_)
-
-    def forward_suffix_rows(self, pool: RowPool, last_rows: int | None = None) -> np.ndarray:
-        """Suffix layers over the rows of the last prefix call -> logits [B, T or last_rows, vocab]."""
-        return suffix_rows(self, pool, last_rows)
-
     def forward_rows(self, tokens: np.ndarray, pool: RowPool, first: int, last_rows: int | None = None,
                      wide: bool = False) -> np.ndarray:
         """Prefix then suffix, no early exit: tokens [B, T] -> logits [B, T or last_rows, vocab]. `wide`: on every
         core, through the prompt sessions where the target has them (target-only steps of a batch)."""
-        prefix_rows(self, pool, tokens, first, exit_=False, wide=wide)
-        return suffix_rows(self, pool, last_rows)
+        return target_rows(self, pool, tokens, first, last_rows, wide)
 
     def forward_rows_split(self, tokens: np.ndarray, pool: RowPool, cut: int, cpus: tuple[int, int]) -> np.ndarray:
         """All of the pool's rows, tokens [B, T], as two calls at once on two cores (rows ..cut-1 on cpus[0],

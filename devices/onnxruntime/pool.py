@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import numpy as np
 
+from mirror_rt.devices.base import CacheBounds
 from mirror_rt.devices.lazy_memory import lazy_zeros
 from mirror_rt.runtime.affinity import pin, restore
 from mirror_rt.runtime.batch.row_split import GROUP_COST, cheapest_groups
@@ -40,7 +41,6 @@ class RowPool:
         self.buffers = [[lazy_zeros((rows, kvh, self.allocated, d), g.kv_dtype) for _ in g.past_names]
                         for g in graphs]
         self.filled = np.zeros((len(graphs), rows), dtype=np.int64)  # positions each graph holds per row
-        self.hidden = None  # split target: (first row, prefix output [B, T, hidden], suffix graph) pending
         self._values: dict = {}  # (graph, first, count) -> OrtValues over the rows' slices
         self._groups: tuple = (None, None)  # the last call's (key, attention groups): a split target's pair
 
@@ -136,7 +136,7 @@ class RowPool:
         self.commit(row, n)
 
 
-class RowCache:
+class RowCache(CacheBounds):
     """One row of a `RowPool` with the interface of a single-sequence ORTCache (models' forward, rollback)."""
 
     def __init__(self, pool: RowPool, row: int):
@@ -153,12 +153,6 @@ class RowCache:
     def length(self) -> int:
         return int(self.pool.filled[0, self.row])
 
-    def check_room(self, num_tokens: int) -> None:
-        from mirror_rt.runtime.kv_cache import CacheFull
-
-        if self.length + num_tokens > self.capacity:
-            raise CacheFull(f"KV cache full: {self.length + num_tokens} positions needed, capacity {self.capacity}")
-
     def run(self, index: int, graph, x: np.ndarray, last_rows: int | None = None) -> dict:
         """Graph `index` over this row: x [T] ids or [T, hidden] -> head outputs without the batch dimension."""
         head = self.pool.run(index, graph, x[None], self.row, last_rows)
@@ -167,8 +161,7 @@ class RowCache:
 
     def rollback(self, length: int) -> None:
         """Forget positions >= length in every graph of the row (a count). O(1)."""
-        if not 0 <= length <= self.length:
-            raise ValueError(f"cannot roll back to {length}: cache holds {self.length} positions")
+        self.check_rollback(length)
         self.pool.filled[:, self.row] = np.minimum(self.pool.filled[:, self.row], length)
         if self.hidden is not None:  # keep the pending rows that survive the rollback
             keep = length - int(self.pool.filled[-1, self.row])
@@ -180,28 +173,12 @@ def forward_rows(model, pool: RowPool, tokens: np.ndarray, first: int, last_rows
     return pool.run(0, model.graph, np.asarray(tokens, dtype=np.int64), first, last_rows)["logits"]
 
 
-def prefix_rows(target, pool: RowPool, tokens: np.ndarray, first: int, exit_: bool = True, wide: bool = False):
-    """A split target's prefix over rows first..: tokens [B, T]; with `exit_`, the early exit (ids, log-probs)
-    [B, T, kappa]; the hidden state waits in the pool for `suffix_rows`. `wide`: through the target's prompt
-    sessions (a thread per core) where it has them."""
-    if pool.hidden is not None:
-        raise RuntimeError("prefix_rows called again before suffix_rows")
-    graphs = target.prompt_graphs if wide and target.prompt_graphs else (target.prefix, target.suffix)
-    out = pool.run(0, graphs[0], np.asarray(tokens, dtype=np.int64), first)
-    pool.hidden = (first, out["hidden"], graphs[1])
-    if not exit_:
-        return None
-    source = out.get("exit_hidden", out["hidden"])  # [B, T, hidden]
-    B, T = source.shape[:2]
-    ids, logprobs = target._exit(source.reshape(B * T, -1))
-    return ids.reshape(B, T, -1), logprobs.reshape(B, T, -1)
-
-
-def suffix_rows(target, pool: RowPool, last_rows: int | None = None) -> np.ndarray:
-    """The suffix over the rows of the last prefix call -> logits [B, T or last_rows, vocab]."""
-    if pool.hidden is None:
-        raise RuntimeError("suffix_rows called without a pending prefix_rows")
-    (first, hidden, suffix), pool.hidden = pool.hidden, None
+def target_rows(target, pool: RowPool, tokens: np.ndarray, first: int, last_rows: int | None = None,
+                wide: bool = False) -> np.ndarray:
+    """A split target over rows first..: tokens [B, T] through its prefix then its suffix (no early exit) -> logits
+    [B, T or last_rows, vocab]. `wide`: through the target's prompt sessions (a thread per core) where it has them."""
+    prefix, suffix = target.prompt_graphs if wide and target.prompt_graphs else (target.prefix, target.suffix)
+    hidden = pool.run(0, prefix, np.asarray(tokens, dtype=np.int64), first)["hidden"]
     return pool.run(1, suffix, hidden, first, last_rows)["logits"]
 
 
@@ -210,8 +187,8 @@ def split_rows(target, pool: RowPool, tokens: np.ndarray, cut: int, cpus: tuple[
     others on cpus[1] (`on_two_cores`), each through the target's one-thread sessions -> logits [B, T, vocab], the
     same bits as one call (a row computes alike in any call)."""
     tokens = np.asarray(tokens, dtype=np.int64)
-    head, tail = on_two_cores(lambda: _rows_alone(target, pool, tokens[:cut], 0),
-                              lambda: _rows_alone(target, pool, tokens[cut:], cut), cpus, helper)
+    head, tail = on_two_cores(lambda: target_rows(target, pool, tokens[:cut], 0),
+                              lambda: target_rows(target, pool, tokens[cut:], cut), cpus, helper)
     return np.concatenate([head, tail])
 
 
@@ -243,8 +220,3 @@ def on_two_cores(first, second, cpus: tuple[int, int], helper) -> tuple:
         restore(previous)
         tail = later.result()
     return head, tail
-
-
-def _rows_alone(target, pool: RowPool, tokens: np.ndarray, first: int) -> np.ndarray:
-    hidden = pool.run(0, target.prefix, tokens, first)["hidden"]
-    return pool.run(1, target.suffix, hidden, first)["logits"]

@@ -18,6 +18,7 @@ from pathlib import Path
 import numpy as np
 
 from mirror_rt.devices.base import CacheBounds, SplitTarget
+from mirror_rt.runtime.backend import Capabilities
 
 LAST_ROWS = "last_rows"  # optional graph input (exporters.split.LAST_ROWS): logits rows from the window's end
 STREAM_LOGITS = "stream_logits"  # second output of SS draft graphs (exporters.ss_graph.STREAM_LOGITS)
@@ -147,6 +148,7 @@ class OVModel:
         self.graph = graph
         self.vocab_size = vocab_size
         self.max_seq_len = max_seq_len
+        self.capabilities = Capabilities()
 
     def new_cache(self, capacity: int) -> OVCache:
         return OVCache([self.graph.new_request()], min(capacity, self.max_seq_len), bool(self.graph.window))
@@ -172,6 +174,7 @@ class OVStreamDraft(OVModel):
         super().__init__(graph, vocab_size, max_seq_len)
         streams = graph.compiled.outputs[graph.output_names.index(STREAM_LOGITS)].get_partial_shape()[1]
         self.n_streams = streams.get_length() if streams.is_static else None
+        self.capabilities = Capabilities(streams=True)
 
     def forward_streams(self, tokens: Sequence[int], cache: OVCache) -> tuple[np.ndarray, np.ndarray]:
         """tokens [T] -> main logits [T, vocab], stream logits [T, n_s, vocab]; advances the cache by T."""
@@ -197,6 +200,7 @@ class OVSplitTarget(SplitTarget):
         self.prefix, self.exit, self.suffix = prefix, exit_graph, suffix
         self.exit_request = exit_graph.new_request()  # stateless: nothing to keep per cache
         self.vocab_size, self.max_seq_len, self.kappa = vocab_size, max_seq_len, kappa
+        self.capabilities = Capabilities(split=True)
 
     def new_cache(self, capacity: int) -> OVCache:
         requests = [self.prefix.new_request(), self.suffix.new_request()]

@@ -14,28 +14,26 @@ from collections.abc import Sequence
 import numpy as np
 import torch
 
+from mirror_rt.devices.torch.kv_cache import KVCache, new_cache
 from mirror_rt.devices.torch.pool import TorchPool, row_logits, run_rows
 from mirror_rt.devices.torch.static import StaticWindows, low_precision
 from mirror_rt.models.transformer import Transformer
-from mirror_rt.runtime.kv_cache import KVCache
+from mirror_rt.runtime.backend import Capabilities
 
 
 class TorchModel:
-    """A `LoadedModel` over a torch Transformer.
-
-    `asynchronous`: the device runs queued work while the host goes on (CUDA), so callers may queue
-    more before reading anything back (Mirror's target queues its suffix before reading the early exit).
-    """
+    """A `LoadedModel` over a torch Transformer: rows of sequences in one call when eager (static windows run one
+    sequence a call), a thread budget of its own (torch's)."""
 
     def __init__(self, model: Transformer, device: str = "cpu", compile: bool = False, static: bool = False):
         self.device = torch.device(device)
         self.model = model.to(self.device).eval()
         self.vocab_size = model.config.vocab_size
         self.max_seq_len = model.config.max_seq_len
-        self.asynchronous = self.device.type == "cuda"
         # bf16 / fp16: static windows always, so every decode step has one shape (StaticWindows)
         static = compile or static or low_precision(self.model)
         self.static = StaticWindows(self.model, compile) if static else None
+        self.capabilities = Capabilities(rows=self.static is None, threads=True)
 
     def set_threads(self, threads: int) -> int:
         """Intra-op threads for the calling thread's torch work; returns the previous count.
@@ -48,26 +46,11 @@ class TorchModel:
 
     def new_cache(self, capacity: int) -> KVCache:
         capacity = min(capacity, self.max_seq_len)
-        return self.static.new_cache(capacity) if self.static else self.model.new_cache(capacity)
+        return self.static.new_cache(capacity) if self.static else new_cache(self.model, capacity)
 
     def can_adopt(self, target) -> bool:
-        """Whether `adopt` takes `target`'s caches (a torch target's `KVCache`)."""
+        """Whether this draft's pool takes `target`'s pool rows (`TorchPool.copy_from`: a torch target)."""
         return isinstance(target, TorchModel)
-
-    def adopt(self, target_cache: KVCache, capacity: int) -> KVCache:
-        """A new cache holding `target_cache`'s committed positions (see `LoadedModel.adopt`)."""
-        if not isinstance(target_cache, KVCache):
-            raise ValueError(f"cannot adopt a {type(target_cache).__name__} (another backend's KV cache)")
-        cache = self.new_cache(capacity)
-        n = target_cache.length
-        if target_cache.keys.shape[:2] != cache.keys.shape[:2] or target_cache.keys.shape[3] != cache.keys.shape[3]:
-            raise ValueError("cannot adopt a cache of another shape (the draft is not a copy of the target)")
-        if n > cache.capacity:
-            raise ValueError(f"cannot adopt {n} positions into a cache of capacity {cache.capacity}")
-        cache.keys[:, :, :n] = target_cache.keys[:, :, :n].to(cache.keys)
-        cache.values[:, :, :n] = target_cache.values[:, :, :n].to(cache.values)
-        cache.length = n
-        return cache
 
     def ids(self, tokens: Sequence[int]) -> torch.Tensor:
         """Token ids [T] on the device (on CUDA from pinned memory: the copy does not wait for queued work)."""
@@ -86,14 +69,9 @@ class TorchModel:
         cache.advance(len(ids))
         return logits
 
-    @property
-    def batches(self) -> bool:
-        """Whether rows of sequences run in one call (eager models; static windows run one sequence a call)."""
-        return self.static is None
-
     def new_pool(self, rows: int, capacity: int) -> TorchPool:
         """KV rows for `rows` sequences of up to `capacity` positions (devices.torch.pool)."""
-        c, p = self.model.config, self.model.embed_tokens.weight
+        c, p = self.model.config, next(self.model.parameters())
         return TorchPool(c.n_layers, c.n_kv_heads, c.head_dim, rows, min(capacity, self.max_seq_len), p.dtype, p.device)
 
     @torch.inference_mode()

@@ -15,7 +15,7 @@ import numpy as np
 import torch
 
 from mirror_rt.devices.lazy_memory import lazy_zeros
-from mirror_rt.runtime.kv_cache import KVCache
+from mirror_rt.devices.torch.kv_cache import KVCache
 
 NUMPY_DTYPES = {torch.float32: np.float32, torch.float64: np.float64, torch.float16: np.float16}
 INITIAL_POSITIONS = 256  # a pool's room per row before its first request asks for more
@@ -37,7 +37,6 @@ class TorchPool:
         self.keys, self.values = (_zeros((n_layers, rows, n_kv_heads, self.allocated, head_dim), dtype, device)
                                   for _ in range(2))
         self.filled = np.zeros((1, rows), dtype=np.int64)  # positions held per row
-        self.hidden = None  # split target: (first row, prefix output [B, T, hidden], T) waiting for the suffix
 
     @property
     def lengths(self) -> np.ndarray:

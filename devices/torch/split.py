@@ -13,12 +13,12 @@ until `forward_suffix` finishes the window. `forward` composes both, so the obje
 from __future__ import annotations
 
 from collections.abc import Sequence
+from dataclasses import replace
 
 import numpy as np
 import torch
 
 from mirror_rt.devices.torch.backend import TorchModel
-from mirror_rt.devices.torch.pool import row_logits, row_views, run_rows
 from mirror_rt.models.config import SplitConfig
 from mirror_rt.models.exit_adapter import cached_exit_logits, check_compatible
 from mirror_rt.runtime.transfer import PendingRead
@@ -33,6 +33,8 @@ class TorchSplitTarget(TorchModel):
     def __init__(self, model, exit_layer: int | None = None, kappa: int | None = None, device: str = "cpu",
                  exit_adapter=None, compile: bool = False, static: bool = False):
         super().__init__(model, device, compile, static)
+        # a CUDA target computes while the host goes on: Mirror queues its suffix before reading the exit back
+        self.capabilities = replace(self.capabilities, split=True, asynchronous=self.device.type == "cuda")
         self.exit_layer, self.kappa = SplitConfig(exit_layer, kappa).resolve(model.config)
         if exit_adapter is not None:
             check_compatible(exit_adapter, model, self.exit_layer)
@@ -83,40 +85,6 @@ class TorchSplitTarget(TorchModel):
             h = self.static.run(ids, len(ids), cache, 0, self.exit_layer)
         cache.hidden = (h, len(ids))
         return cache.hidden
-
-    @torch.inference_mode()
-    def forward_prefix_rows(self, tokens, pool, first: int, exit_: bool = True):
-        """Prefix layers over rows first..: tokens [B, T] -> early exit (ids, log-probs) [B, T, kappa] as host
-        arrays (None without `exit_`); the hidden state waits in the pool for `forward_suffix_rows`."""
-        if pool.hidden is not None:
-            raise RuntimeError("forward_prefix_rows called again before forward_suffix_rows")
-        h = run_rows(self.model, self.ids_rows(tokens), pool, first, (0, self.exit_layer))
-        pool.hidden = (first, h)
-        if not exit_:
-            return None
-        last = self.exit_layer - 1
-        rows = []
-        for b, cache in enumerate(row_views(pool, first, h.shape[0])):  # written but not committed: length + T
-            logits = cached_exit_logits(self.model, h[b], self.exit_adapter, cache.keys[last], cache.values[last],
-                                        cache.length)
-            rows.append(torch.topk(torch.log_softmax(logits.float(), dim=-1), self.kappa, dim=-1))
-        ids, logprobs = PendingRead(torch.stack([r.indices for r in rows]),
-                                    torch.stack([r.values for r in rows])).result()
-        return ids, logprobs
-
-    @torch.inference_mode()
-    def forward_suffix_rows(self, pool, last_rows: int | None = None) -> torch.Tensor:
-        """Suffix layers over the rows of the last prefix call -> logits [B, T or last_rows, vocab] on the device."""
-        if pool.hidden is None:
-            raise RuntimeError("forward_suffix_rows called without a pending forward_prefix_rows")
-        (first, h), pool.hidden = pool.hidden, None
-        h = run_rows(self.model, h, pool, first, (self.exit_layer, self.model.config.n_layers))
-        return row_logits(self.model, h, last_rows)
-
-    def forward_rows(self, tokens, pool, first: int, last_rows: int | None = None) -> torch.Tensor:
-        """Prefix then suffix, no early exit: tokens [B, T] -> logits [B, T or last_rows, vocab]."""
-        self.forward_prefix_rows(tokens, pool, first, exit_=False)
-        return self.forward_suffix_rows(pool, last_rows)
 
     @torch.inference_mode()
     def forward_suffix(self, cache, last_rows: int | None = None) -> torch.Tensor:

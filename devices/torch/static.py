@@ -23,8 +23,9 @@ import weakref
 
 import torch
 
+from mirror_rt.devices.torch.kv_cache import KVCache
 from mirror_rt.models.transformer import MAX_PAD, Transformer
-from mirror_rt.runtime.kv_cache import CacheFull, KVCache
+from mirror_rt.runtime.backend import CacheFull
 
 VERIFY_ROWS = 8  # the verify window's padded length: gamma + 1 <= 8 (gamma <= 7)
 WINDOW_SIZES = (1, VERIFY_ROWS)  # padded window lengths; longer windows (prompts) run eagerly, unpadded

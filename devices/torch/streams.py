@@ -7,6 +7,7 @@ streams' logits, which the Mirror draft worker uses to confirm several tokens pe
 from __future__ import annotations
 
 from collections.abc import Sequence
+from dataclasses import replace
 
 import numpy as np
 import torch
@@ -21,6 +22,7 @@ class TorchStreamDraft(TorchModel):
         super().__init__(draft.base, device)
         self.streams = draft.to(self.device).eval()
         self.n_streams = draft.n_streams
+        self.capabilities = replace(self.capabilities, streams=True)
 
     @torch.inference_mode()
     def forward_streams(self, tokens: Sequence[int], cache) -> tuple[np.ndarray, np.ndarray]:

@@ -25,7 +25,7 @@ from mirror_rt.runtime.batch.policy import AR, SPEC, SpeculationPolicy
 from mirror_rt.runtime.batch.prefix_cache import PrefixCache
 from mirror_rt.runtime.batch.row_split import RowSplit
 from mirror_rt.runtime.batch.sequence import Sequence
-from mirror_rt.runtime.batch.steps import ArStep, Prefill, SdStep
+from mirror_rt.runtime.batch.steps import ArStep, Prefill
 from mirror_rt.runtime.mirror.step import MirrorStep
 from mirror_rt.runtime.values import is_integer, is_number
 
@@ -49,9 +49,9 @@ class BatchConfig:
             raise ValueError(f"--kv-cache-gb must be a number > 0, got {self.kv_cache_gb!r}")
         if not (is_integer(self.prefill_chunk) and self.prefill_chunk >= 1):
             raise ValueError(f"--prefill-chunk must be a whole number >= 1, got {self.prefill_chunk!r}")
-        for name in ("prefix_cache", "adaptive_speculation"):
-            if not isinstance(getattr(self, name), bool):
-                raise ValueError(f"{name} must be true or false, got {getattr(self, name)!r}")
+        for name, value in (("prefix_cache", self.prefix_cache), ("adaptive_speculation", self.adaptive_speculation)):
+            if not isinstance(value, bool):
+                raise ValueError(f"{name} must be true or false, got {value!r}")
 
 
 class KVTooLarge(ValueError):
@@ -64,8 +64,7 @@ class BatchDecoder:
     def __init__(self, target, draft=None, settings: BatchConfig = BatchConfig(), policy=None,
                  kv_bytes: int | None = None, cpus: tuple[int, int] | None = None):
         self.target, self.draft, self.settings = target, draft, settings
-        self.pooled = bool(getattr(target, "batches", False)) and (
-            draft is None or bool(getattr(draft, "batches", False)))
+        self.pooled = target.capabilities.rows and (draft is None or draft.capabilities.rows)
         self.capacity = target.max_seq_len + WINDOW_ROOM
         rows = settings.max_num_seqs
         self.target_pool = target.new_pool(rows, self.capacity) if self.pooled else None
@@ -78,11 +77,11 @@ class BatchDecoder:
         self.lock = threading.Lock()
         self.policy = policy or SpeculationPolicy(adaptive=settings.adaptive_speculation)
         self.gamma = 0  # gamma of the latest step (0: target-only), the server's gauge
-        self.prefill, self.ar, self.sd = Prefill(self), ArStep(self), SdStep(self)
+        self.prefill, self.ar = Prefill(self), ArStep(self)
         self.mirror = MirrorStep(self, cpus)
         # target-only steps: one call, or one per group of rows of like lengths (graphs that group rows inside
         # a call: always one call, rows never sorted)
-        self.row_split = RowSplit(in_call=int(getattr(target, "attention_groups", 0)) if self.pooled else 0)
+        self.row_split = RowSplit(in_call=target.capabilities.attention_groups if self.pooled else 0)
         self.core_split = CoreSplit()  # such steps: one call on both cores, or two at once (runtime.batch.core_split)
         self.steps = 0
 
@@ -221,7 +220,6 @@ class BatchDecoder:
         for seq in [s for s in self.active if s.done or s.cancel_event.is_set()]:
             seq.finish("cancelled")  # no-op when it already finished
             self.mirror.leave(seq)
-            self.sd.forget(seq)
             self.active.remove(seq)
             self.budget.release(seq)  # first: its blocks are the room its prefix is kept in
             self._keep_prefix(seq)
@@ -233,7 +231,7 @@ class BatchDecoder:
     def sort_rows(self) -> None:
         """Rows in order of length (runtime.batch.row_split: groups of like lengths are then contiguous), by swaps of
         both models' rows; only while no sequence prefills or drafts with the draft worker."""
-        if not self.pooled or any(s.state != "running" or self.mirror.joined(s) for s in self.active):
+        if not self.pooled or any(s.state != "running" or s.mirror is not None for s in self.active):
             return
         for i in range(len(self.rows)):
             lengths = self.target_pool.lengths
@@ -251,8 +249,8 @@ class BatchDecoder:
                 pool.commit(b, length)
         order = self.rows.order
         order[a], order[b] = order[b], order[a]
-        _rebind(order[a], a)
-        _rebind(order[b], b)
+        self._rebind(order[a], a)
+        self._rebind(order[b], b)
 
     def _move_row(self, source: int, dest: int) -> None:
         """The last row fills a freed one: every pool copies it, its sequence's caches follow (a draft row the
@@ -262,7 +260,7 @@ class BatchDecoder:
             self.target_pool.move(source, dest)
             if self.draft_pool is not None and not self.mirror.move(moved, self.draft_pool, dest):
                 self.draft_pool.move(source, dest)
-        _rebind(moved, dest)  # (a joined draft cache was rebound by the worker already: the same row)
+        self._rebind(moved, dest)  # (a joined draft cache was rebound by the worker already: the same row)
 
     def _keep_prefix(self, seq: Sequence) -> None:
         """Store the full blocks of a finished sequence's committed positions in the prefix cache."""
@@ -270,11 +268,15 @@ class BatchDecoder:
             return
         held = int(self.target_pool.lengths[seq.row])
         tokens = (seq.prompt + seq.tokens)[:held]
-        self.cache.store(self.target_pool, seq.row, tokens, limit=self.budget.spare - self.blocks_in_use_margin())
+        self.cache.store(self.target_pool, seq.row, tokens, limit=self.budget.spare)
 
-    def blocks_in_use_margin(self) -> int:
-        """Blocks the prefix cache leaves free for the next admission (none: admission evicts what it needs)."""
-        return 0
+    def _rebind(self, seq: Sequence, row: int) -> None:
+        """`seq` and its row caches now point at `row`."""
+        seq.row = row
+        if self.pooled:
+            seq.target_cache.row = row
+            if self.draft_pool is not None and seq.draft_cache is not None:
+                seq.draft_cache.row = row
 
     def _total_blocks(self, kv_bytes: int | None) -> int:
         """The KV budget in blocks: --kv-cache-gb, else what every row at full length takes, within 40% of the
@@ -301,13 +303,6 @@ class BatchDecoder:
                              f"request needs ({smallest * BLOCK_SIZE}): give at least {size(smallest)} "
                              f"({size(whole)} holds one request at full context)")
         return blocks
-
-
-def _rebind(seq: Sequence, row: int) -> None:
-    """`seq` and its row caches now point at `row`."""
-    seq.row = row
-    for cache in seq.state_data.get("caches", ()):
-        cache.row = row
 
 
 def _available_memory() -> int | None:

@@ -10,12 +10,14 @@ Invariant: between steps the target cache of a running sequence holds prompt + t
 
 from __future__ import annotations
 
+import contextlib
 import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from mirror_rt.runtime.config import GenerationConfig
+from mirror_rt.runtime.grammar import GrammarError
 from mirror_rt.runtime.metrics import Metrics
 
 
@@ -38,7 +40,11 @@ class Sequence:
     cancel_event: threading.Event = field(default_factory=threading.Event)
     arrived: float = field(default_factory=time.perf_counter)
     admitted: float | None = None  # when it got its row
-    state_data: dict = field(default_factory=dict)  # per-mode state (drafter, verifier, draft link)
+    target_cache: object = None  # its target cache (a row of the target's pool, or its own) while it holds a row
+    draft_cache: object = None  # its draft cache (a pool row or its own); None: none yet (runtime.batch.steps)
+    draft_row: object = None  # sd: its draft state, drafting in the decoder's thread (runtime.mirror.draft_row)
+    mirror: object = None  # mirror: its side of the draft worker while joined to it (runtime.mirror.step)
+    mirror_parts: list = field(default_factory=list)  # (DraftStats, target counters) of each time it was joined
     rules: object = None  # runtime.token_rules.TokenRules at the committed text between steps; None: no rules
     error: Exception | None = None  # what ended it alone (finish_reason error: its grammar failed)
 
@@ -58,6 +64,16 @@ class Sequence:
     @property
     def done(self) -> bool:
         return self.finish_reason is not None
+
+    @contextlib.contextmanager
+    def alone(self):
+        """A failure of this sequence's own (its grammar: GrammarError) ends it alone, at this step; the batch goes
+        on."""
+        try:
+            yield
+        except GrammarError as exc:
+            self.error = exc
+            self.finish("error")
 
     def cancel(self) -> None:
         """Stop at the next step boundary (safe from any thread)."""

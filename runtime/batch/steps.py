@@ -1,55 +1,26 @@
-"""The steps of the batched decoder: prefill a prompt into its row, a batched target-only step, a speculative one.
+"""The target-only steps of the batched decoder: prompts into their rows, and a step of every row at once.
 
 `Prefill` takes one chunk's worth of prompt positions per decoder step, oldest prompt first but short ones before
 a long one (so prompts stall the running sequences by one chunk at most, and a short prompt waits for no long
-one's whole prefill), from where the prefix cache left it; the last chunk's logits give
-the first token, then the draft's row adopts the target's KV (a draft that is the target's copy) or prefills
-its own.
-`ArStep` feeds every row its last token in one target call (rows still prefilling get a placeholder token
-that nothing commits). `SdStep` runs vanilla speculative decoding per sequence over its rows: draft k tokens,
-verify them in one target call, keep the accepted prefix. Every choice is the target's own at its position
-(runtime.sampling.choose_at; acceptance.accept_choices), so all three give the same text.
+one's whole prefill), from where the prefix cache left it; the last chunk's logits give the first token. The
+draft's cache of a sequence is also its (`draft_cache`): a pool row that starts empty, a cache of its own that
+it prefills, or the oracle draft's copy. `ArStep` feeds every row its last token in one target call (rows still
+prefilling get a placeholder token that nothing commits), and `ArStep.one` is the one target-only step of a
+sequence over its own cache. Speculative steps: runtime.mirror.step. Every choice is the target's own at its
+position (runtime.sampling.choose_at), so every way of stepping gives the same text.
 """
 
 from __future__ import annotations
 
-import contextlib
 import time
 
 import numpy as np
 
 from mirror_rt.runtime.batch.core_split import balanced_cut
-from mirror_rt.runtime.drafter import ModelDrafter
-from mirror_rt.runtime.grammar import GrammarError
-from mirror_rt.runtime.mirror.target_row import draft_rules
-from mirror_rt.runtime.reference import adopts_target_kv, choose_under
-from mirror_rt.runtime.verifier import Verifier
+from mirror_rt.runtime.reference import choose_under
 
 LIKE = 0.6  # two prompts' chunks prefill at once when the shorter is at least this share of the longer
 LONG = 2  # chunks a prompt must still need before short prompts go ahead of it
-
-
-@contextlib.contextmanager
-def alone(seq):
-    """A failure of `seq`'s own (its grammar: GrammarError) ends `seq` alone at this step; the batch goes on."""
-    try:
-        yield
-    except GrammarError as exc:
-        seq.error = exc
-        seq.finish("error")
-
-
-def adopt_missed(decoder, seq) -> None:
-    """A draft that is the target's copy takes the target's KV of the text its row misses (its prompt, and what
-    target-only steps added: `Prefill._draft_prefill` leaves the row empty) before it drafts, instead of reading
-    that text. Measured here: the q4_1 draft reads 62 missed positions in about 200 ms (its 4-bit products prefill
-    slowly), which a one-stream tail of a batch never won back; the copy takes well under a millisecond."""
-    d = decoder
-    if seq.state_data.get("draft_cache") is None or d.draft_pool is None or not adopts_target_kv(d.draft):
-        return
-    have, held = int(d.draft_pool.lengths[seq.row]), int(d.target_pool.lengths[seq.row])
-    if held > have:
-        d.draft_pool.copy_from(seq.row, d.target_pool, seq.row, held, start=have)
 
 
 class Prefill:
@@ -63,12 +34,10 @@ class Prefill:
         """Caches for a newly admitted sequence, and what the prefix cache already holds of its prompt."""
         d = self.decoder
         if d.pooled:
-            target_cache = d.target_pool.row_cache(seq.row)
+            seq.target_cache = d.target_pool.row_cache(seq.row)
             d.target_pool.commit(seq.row, 0)
         else:
-            target_cache = d.target.new_cache(d.capacity)
-        seq.state_data["target_cache"] = target_cache
-        seq.state_data["caches"] = [target_cache]
+            seq.target_cache = d.target.new_cache(d.capacity)
         seq.computed = 0
         if d.cache is not None:
             keys = d.cache.lookup(self.cache_tokens(seq))
@@ -127,7 +96,7 @@ class Prefill:
         prompts of 53 and 64 tokens 124.9 / 63.2, two chunks of 256 304.8 / 241.7, 85 and 210 tokens 190.6 / 187.3;
         fp32 161.3 / 153.5, 688.4 / 582.6 and 366.2 / 469.8: prompts of unlike lengths wait for the longer one."""
         d = self.decoder
-        if len(pending) < 2 or not (hasattr(d.target, "prefill_split") and d.pooled and d.mirror.cpus):
+        if len(pending) < 2 or not (d.target.capabilities.two_calls and d.pooled and d.mirror.cpus):
             return None
         if d.mirror.drafting():
             return None
@@ -143,7 +112,7 @@ class Prefill:
     def _two_cores(self, pair: list, chunks: list) -> None:
         """A chunk of each of the two prompts at once, one per core."""
         t0 = time.perf_counter()
-        logits = self.decoder.target.prefill_split(chunks, [s.state_data["target_cache"] for s in pair],
+        logits = self.decoder.target.prefill_split(chunks, [s.target_cache for s in pair],
                                                     self.decoder.mirror.cpus)
         elapsed = time.perf_counter() - t0
         for seq, chunk, last in zip(pair, chunks, logits):
@@ -154,7 +123,7 @@ class Prefill:
     def _chunk(self, seq, budget: int) -> int:
         """Up to `budget` positions of `seq`'s prompt into its row; returns how many."""
         d, fill = self.decoder, self.fill(seq)
-        cache = seq.state_data["target_cache"]
+        cache = seq.target_cache
         chunk = fill[seq.computed:seq.computed + budget]
         logits = None
         if chunk:  # empty only when a resumed sequence found all of it in the prefix cache
@@ -170,7 +139,7 @@ class Prefill:
         if seq.computed < len(fill):
             return len(chunk)
         if not seq.tokens:  # a new sequence: the prompt's last logits give its first token
-            with alone(seq):
+            with seq.alone():
                 first = choose_under(seq.rules, logits[-1], seq.config.sampling, seq.config.seed, len(seq.prompt))
                 seq.metrics.first_token_at = time.perf_counter()
                 seq.commit([first], 0, 0)
@@ -185,29 +154,41 @@ class Prefill:
     def _forward(self, chunk: list[int], cache, wide: bool):
         """The chunk's last logits [1, vocab]; on every core (a split target's prompt sessions) when `wide`."""
         target = self.decoder.target
-        if wide and hasattr(target, "prefill_pipelined"):
+        if wide and target.capabilities.pipelined:
             return target.prefill_pipelined(chunk, cache, None)
-        forward_last = getattr(target, "forward_last", None)
-        return forward_last(chunk, cache) if forward_last else target.forward(chunk, cache)[-1:]
+        return target.forward_last(chunk, cache)
 
     def _draft_prefill(self, seq, fill: list[int]) -> None:
         """The draft's row, pooled, starts empty: at the sequence's first speculative step a draft that is the
-        target's copy takes the target's KV (`adopt_missed`), another catches up on the whole text (one forward on
+        target's copy takes the target's KV (`draft_cache`), another catches up on the whole text (one forward on
         the draft worker's core), as after target-only steps; so prompts that decode target-only under load cost
-        the draft nothing, not even a copy (measured: 3% of a server's time at 8 streams in copies and row moves).
-        A draft of its own caches prefills here."""
+        the draft nothing, not even a copy. A draft of its own caches prefills here."""
         d = self.decoder
         if d.draft is None or seq.config.mode == "ar":
             return
         if d.pooled:
-            cache = d.draft_pool.row_cache(seq.row)
+            seq.draft_cache = d.draft_pool.row_cache(seq.row)
             d.draft_pool.commit(seq.row, 0)
         else:
-            cache = d.draft.new_cache(d.capacity)
+            seq.draft_cache = d.draft.new_cache(d.capacity)
             if fill:
-                d.draft.forward(fill, cache)
-        seq.state_data["draft_cache"] = cache
-        seq.state_data["caches"].append(cache)
+                d.draft.forward(fill, seq.draft_cache)
+
+    def draft_cache(self, seq):
+        """The sequence's draft cache, holding a prefix of its committed text (the draft catches up on the rest):
+        a pool row, into which a draft that is the target's copy takes the target's KV of the text it misses (its
+        prompt, and what target-only steps added: a copy, where reading it costs the draft a forward of it all);
+        its own cache; or, for the oracle draft (the target drafts for itself), a copy of the target's text made
+        here."""
+        d = self.decoder
+        if seq.draft_cache is None:  # the oracle draft: the target itself, over a cache of its own
+            seq.draft_cache = d.target.new_cache(d.capacity)
+            d.target.forward(self.fill(seq), seq.draft_cache)
+        elif d.draft_pool is not None and d.draft.capabilities.reads_target_rows:
+            have, held = int(d.draft_pool.lengths[seq.row]), int(d.target_pool.lengths[seq.row])
+            if held > have:
+                d.draft_pool.copy_from(seq.row, d.target_pool, seq.row, held, start=have)
+        return seq.draft_cache
 
 
 class ArStep:
@@ -217,18 +198,18 @@ class ArStep:
         self.decoder = decoder
 
     def run(self, running: list) -> None:
-        d = self.decoder
-        t0 = time.perf_counter()
-        if d.pooled:
+        if self.decoder.pooled:
             self._batched(running)
         else:
             for seq in running:
-                logits = d.target.forward([seq.last], seq.state_data["target_cache"])
-                with alone(seq):
-                    self._commit(seq, logits[-1])
-        elapsed = time.perf_counter() - t0
-        for seq in running:
-            seq.metrics.durations.setdefault("batch_step", []).append(elapsed)
+                with seq.alone():
+                    self.one(seq)
+
+    def one(self, seq) -> None:
+        """One target-only step of one sequence over its own cache (caches of their own, an ar sequence or one
+        token left among speculating sequences, a sequence whose draft failed)."""
+        logits = self.decoder.target.forward([seq.last], seq.target_cache)
+        self.commit(seq, logits[-1])
 
     def _batched(self, running: list) -> None:
         """One target call over the rows, or one per group of rows where their lengths differ enough that the
@@ -242,7 +223,7 @@ class ArStep:
         if self._splits(len(order)):
             self._two_cores(order, tokens, live)
             return
-        wide = {"wide": True} if getattr(d.target, "prompt_graphs", None) else {}  # every core: the draft idles
+        wide = {"wide": True} if d.target.capabilities.wide else {}  # every core: the draft idles
         t0 = time.perf_counter()
         for first, rows in d.row_split.groups(self._lengths(), tuple(map(id, order))):
             if not any(id(s) in live for s in order[first:first + rows]):
@@ -259,7 +240,7 @@ class ArStep:
         row in one call, a target that can, two cores of the decoder's own (every sequence has left the draft
         worker before a target-only step), and the measured faster way."""
         d = self.decoder
-        able = d.row_split.in_call and hasattr(d.target, "forward_rows_split") and d.mirror.cpus and rows >= 2
+        able = d.row_split.in_call and d.target.capabilities.two_calls and d.mirror.cpus and rows >= 2
         return bool(able) and d.core_split.way(rows) == "split"
 
     def _two_cores(self, order: list, tokens: np.ndarray, live: set) -> None:
@@ -275,8 +256,8 @@ class ArStep:
         for row, seq in enumerate(rows, start=first):
             if id(seq) in live:
                 self.decoder.target_pool.commit(row, seq.length)  # the last token is in: all but the next one
-                with alone(seq):
-                    self._commit(seq, logits[row - first, -1])
+                with seq.alone():
+                    self.commit(seq, logits[row - first, -1])
 
     def _lengths(self) -> list[int]:
         """Positions each row attends to in a one-token call (its committed ones and the new token)."""
@@ -284,67 +265,7 @@ class ArStep:
         return [int(pool.lengths[row]) + 1 for row in range(len(self.decoder.rows))]
 
     @staticmethod
-    def _commit(seq, row_logits) -> None:
+    def commit(seq, row_logits) -> None:
         token = choose_under(seq.rules, row_logits, seq.config.sampling, seq.config.seed, seq.length)
         seq.metrics.record_step(0, 0)
         seq.commit([token], 0, 0)
-
-
-class SdStep:
-    """Vanilla speculative decoding per sequence (draft k, verify k + 1 in one target call)."""
-
-    def __init__(self, decoder):
-        self.decoder = decoder
-
-    def run(self, running: list, gamma: int) -> None:
-        for seq in running:
-            k = min(gamma, seq.config.gamma, seq.remaining - 1)
-            with alone(seq):
-                if seq.config.mode == "ar" or k < 1:
-                    self._plain(seq)
-                else:
-                    self._speculate(seq, k)
-
-    def _speculate(self, seq, k: int) -> None:
-        drafter, verifier = self._pair(seq)
-        # what the draft has not seen of the committed text (target-only steps since its last proposal)
-        adopt_missed(self.decoder, seq)
-        drafter.pending = (seq.prompt + seq.tokens)[drafter.cache.length:seq.length - 1]
-        drafter.rules = draft_rules(seq.rules)  # at the committed text (target-only steps may have moved it)
-        t0 = time.perf_counter()
-        with seq.metrics.stage("draft_propose"):
-            draft = drafter.propose(seq.last, k, seq.length)
-        with seq.metrics.stage("target_verify"):
-            verdict = verifier.verify(seq.last, draft)
-        drafter.commit(verdict)
-        seq.metrics.durations.setdefault("batch_step", []).append(time.perf_counter() - t0)
-        seq.metrics.record_step(k, verdict.num_accepted)
-        seq.commit(draft.tokens[:verdict.num_accepted] + [verdict.next_token], k, verdict.num_accepted)
-
-    def _plain(self, seq) -> None:
-        """A target-only step of one sequence (its mode is ar, or one token is left)."""
-        t0 = time.perf_counter()
-        logits = self.decoder.target.forward([seq.last], seq.state_data["target_cache"])
-        seq.metrics.durations.setdefault("batch_step", []).append(time.perf_counter() - t0)
-        ArStep._commit(seq, logits[-1])
-
-    def _pair(self, seq):
-        """The sequence's drafter and verifier over its rows (made at its first speculative step)."""
-        if "drafter" not in seq.state_data:
-            d = self.decoder
-            draft = d.draft or d.target
-            cache = seq.state_data.get("draft_cache")
-            drafter = ModelDrafter(draft, seq.config.sampling, seq.config.seed)
-            drafter.cache = cache if cache is not None else draft.new_cache(d.capacity)
-            if cache is None:  # the oracle draft (the target itself) prefills its own copy
-                draft.forward(Prefill.fill(seq), drafter.cache)
-            seq.state_data["drafter"] = drafter
-            seq.metrics.durations["draft_forward"] = drafter.forward_seconds  # filled as the draft runs
-            seq.state_data["verifier"] = Verifier(d.target, seq.config.sampling, seq.config.seed,
-                                                  seq.state_data["target_cache"], rules=seq.rules)
-        return seq.state_data["drafter"], seq.state_data["verifier"]
-
-    def forget(self, seq) -> None:
-        """Drop a finished sequence's drafter and verifier."""
-        seq.state_data.pop("drafter", None)
-        seq.state_data.pop("verifier", None)

@@ -1,4 +1,5 @@
-"""One sequence's Mirror-SD draft state: precompute its next window while the target verifies this one.
+"""One sequence's draft state: Mirror precomputes its next window while the target verifies this one; sd drafts
+its window in line (`draft_window`).
 
 State: the committed text S (known from verdicts), the **line** X = the draft's own guesses
 after S (the window in flight, then its guess for the bonus, then the next window), and
@@ -13,9 +14,10 @@ rows of a batch and checks the inbox between forwards):
 1. extend the line up to (window in flight) + 1 + gamma tokens: the full-acceptance branch;
 2. roll out side branches ranked by `branches.rank_roots`, within the branch budget;
 3. idle until the verdict.
-On the verdict (A, c): the line continues if X[A] == c (a main-line hit), a stored branch
-(A, c) becomes the line (a side hit), else the line restarts from the corrected text (a
-miss); then up to gamma ready tokens are sent at once, or fresh ones are drafted first.
+On the verdict (A, c) (runtime.mirror.step.take_verdict): the line continues if X[A] == c (a
+main-line hit), a stored branch (A, c) becomes the line (a side hit), else the line restarts
+from the corrected text (a miss); then up to gamma ready tokens are sent at once, or fresh ones
+are drafted first.
 Every draft token at a position is the draft's draw at the target's uniform for that position
 (runtime.sampling.choose_at), so its proposals match the target's choices where they agree.
 Under token rules (runtime.token_rules: grammar, bias, penalties) the row keeps the rules at the committed
@@ -36,7 +38,7 @@ import numpy as np
 from mirror_rt.runtime.config import GenerationConfig
 from mirror_rt.runtime.mirror.branches import exit_distribution, rank_roots, top_alternatives
 from mirror_rt.runtime.mirror.lookup import lookup_guesses, verify_guesses
-from mirror_rt.runtime.mirror.messages import EarlyExit, Verdict, Window
+from mirror_rt.runtime.mirror.messages import EarlyExit, Window
 from mirror_rt.runtime.sampling import choose_at, greedy_ids
 from mirror_rt.runtime.token_rules import TokenRules
 from mirror_rt.runtime.transfer import to_host
@@ -46,7 +48,6 @@ from mirror_rt.runtime.transfer import to_host
 class DraftConfig:
     """The draft worker's runtime-internal knobs; every user setting is the request's GenerationConfig."""
 
-    cpu: int | None = None  # pin the worker thread to this core (Linux)
     adaptive_gamma: bool = True  # adapt the window cap in 1..gamma online: +2 after a full accept, -1 after a reject
     branch_length: int = 0  # tokens per side branch; 0 = gamma
     alternatives: int = 3  # draft alternatives kept per depth for ranking roots
@@ -78,7 +79,6 @@ class Line:
     """Draft tokens after some context, with what they need later."""
 
     tokens: list[int] = field(default_factory=list)
-    q: list = field(default_factory=list)  # per token q row [vocab] or None (greedy)
     rows: list = field(default_factory=list)  # per token the row it was chosen from (None: grammar-forced)
     guesses: list[int] = field(default_factory=list)  # SS stream guesses after the last token (unverified)
     rules: TokenRules | None = None  # the token rules at the line's context plus its tokens (None: no rules)
@@ -86,16 +86,17 @@ class Line:
 
 
 class DraftRow:
-    """The draft side of one sequence; `handle` takes the target's messages, `extend_line` / `grow_branch`
-    precompute, `send` (the worker's) delivers its windows. Runs in the draft worker's thread only."""
+    """The draft side of one sequence: `extend_line` / `grow_branch` precompute, `send_window` delivers a window
+    through `send` (the worker's), `take_exit` takes an early exit's roots; sd drafts a window with `draft_window`.
+    Mirror's rows run in the draft worker's thread only."""
 
-    def __init__(self, draft, cache, committed: list[int], config: GenerationConfig, settings: DraftConfig, send,
-                 rules: TokenRules | None = None):
+    def __init__(self, draft, cache, committed: list[int], config: GenerationConfig, settings: DraftConfig,
+                 send=None, rules: TokenRules | None = None):
         self.draft, self.cache, self.config, self.settings, self.send = draft, cache, config, settings, send
         self.stats = DraftStats()
         self.committed = list(committed)  # prompt + output as far as the verdicts tell
         self.rules = rules  # the token rules at the committed text (None: the request has none)
-        self.cache_tokens: list[int] = []  # the tokens the draft cache holds (set by the worker)
+        self.cache_tokens = self.committed[:cache.length]  # the tokens the draft cache holds (a prefix of them)
         self.line = Line(rules=self.fork_rules())
         self.in_flight = 0  # length of the window the target is verifying
         self.k_cap = config.gamma  # current window cap (adapted online when adaptive_gamma)
@@ -104,41 +105,40 @@ class DraftRow:
         self.verdict_due = 0.0  # when the verdict is expected (exit arrival + target suffix time)
         self.forward_s = 0.0  # running mean of one draft forward
         self.acceptance = 0.8  # running per-token acceptance estimate
-        self.waiting = False  # joined before its first token is known (it then drafts nothing)
 
-    def handle(self, message) -> None:
-        """An early exit (branch roots) or a verdict (commit, then send the next window)."""
-        if isinstance(message, EarlyExit):
-            if message.base_length == len(self.committed):
-                self.exit_rows = exit_distribution(message.ids, message.logprobs)
-                self.verdict_due = time.perf_counter() + message.suffix_s
-        elif isinstance(message, Verdict):
-            self._apply_verdict(message)
-            self.send_window(reused=bool(self.line.tokens))
+    def take_exit(self, message: EarlyExit) -> None:
+        """The early exit of the window in flight: the roots side branches start from, and when the verdict is due."""
+        if message.base_length == len(self.committed):
+            self.exit_rows = exit_distribution(message.ids, message.logprobs)
+            self.verdict_due = time.perf_counter() + message.suffix_s
 
-    def _apply_verdict(self, verdict: Verdict) -> None:
-        """Commit A window tokens and c; keep the line or a branch that predicted them."""
-        a, c = verdict.num_accepted, verdict.next_token
-        line = self.line
-        if self.in_flight:
-            self.acceptance = 0.9 * self.acceptance + 0.1 * (a / self.in_flight)
-            if self.settings.adaptive_gamma:
-                full = a == self.in_flight
-                self.k_cap = min(self.config.gamma, self.k_cap + 2) if full else max(1, self.k_cap - 1)
-        self.commit([*line.tokens[:a], c])
-        if len(line.tokens) > a and line.tokens[a] == c:  # the line's rules are already past these tokens
-            self.line = Line(line.tokens[a + 1:], line.q[a + 1:], line.rows[a + 1:], line.guesses, line.rules,
-                             line.ended)
-            self.stats.main_hits += bool(self.line.tokens)
-            self.stats.not_ready += not self.line.tokens
-        elif (a, c) in self.branches:
-            self.line = self.branches[(a, c)]
-            self.stats.side_hits += 1
-        else:
-            self.stats.not_ready += len(line.tokens) <= a  # the line never reached the bonus
-            self.stats.misses += len(line.tokens) > a
-            self.line = Line(rules=self.fork_rules())
-        self.branches, self.exit_rows, self.verdict_due = {}, None, 0.0
+    def draft_window(self, k: int) -> list[int]:
+        """sd: the next window, `k` tokens of the line drafted now (fewer where the grammar or the context ends it)."""
+        self.k_cap = k
+        while len(self.line.tokens) < k and not self.line.ended:
+            self._extend(self.line, self.committed)
+        self.in_flight = min(k, len(self.line.tokens))
+        return self.line.tokens[:self.in_flight]
+
+    def catch_up(self, text: list[int]) -> None:
+        """The committed text is now `text` (target-only steps added to it): the rules follow, the line restarts, and
+        the cache holds a prefix of it (adopted positions included)."""
+        if len(text) > len(self.committed):
+            self.commit(text[len(self.committed):])
+            self.line, self.branches = Line(rules=self.fork_rules()), {}
+        self.cache_tokens = list(text[:self.cache.length])
+
+    def trim(self) -> None:
+        """Roll the cache back to the longest prefix it shares with the committed text (nothing speculative)."""
+        same = 0
+        for a, b in zip(self.cache_tokens, self.committed):
+            if a != b:
+                break
+            same += 1
+        if same < self.cache.length:
+            self.cache.rollback(same)
+            self.stats.rollbacks += 1
+        del self.cache_tokens[same:]
 
     def commit(self, tokens: list[int]) -> None:
         """Committed text grows by `tokens` (a verdict's, or the first token); the rules follow it."""
@@ -162,7 +162,7 @@ class DraftRow:
         k = min(self.k_cap, len(self.line.tokens))
         self.in_flight = k
         self.stats.windows += 1
-        self.send(Window(len(self.committed), tuple(self.line.tokens[:k]), None, reused))
+        self.send(Window(len(self.committed), tuple(self.line.tokens[:k]), reused))
 
     # --- speculation ---------------------------------------------------------------------
 
@@ -239,20 +239,19 @@ class DraftRow:
             return None
         if line.rules is not None:
             return self._extend_under_rules(line, context)
-        if self.config.sampling.greedy and hasattr(self.draft, "forward_streams"):
+        if self.config.sampling.greedy and self.draft.capabilities.streams:
             return self._extend_with_streams(line, context)
         if self.config.sampling.greedy and self.config.draft_lookup:
             return self._extend_with_lookup(line, context)
         logits = self._logits_after(context + line.tokens)
         position = len(context) + len(line.tokens)  # the target's draw at that position: coupled proposals
         token = choose_at(logits, self.config.sampling, self.config.seed, position)[0]
-        _append(line, token, None, logits)
+        _append(line, token, logits)
 
     def _room(self, length: int) -> int:
         """Positions left after a text of `length` tokens for guesses fed with its last token: a forward never
         passes the context limit (an exported draft's rotary tables end there)."""
-        limit = getattr(self.draft, "max_seq_len", 0)
-        return limit - length if limit else 1 << 30
+        return self.draft.max_seq_len - length
 
     def _extend_under_rules(self, line: Line, context: list[int]) -> None:
         """One token of `line` under its rules: the one the grammar forces (no forward), else the draft's draw
@@ -262,25 +261,25 @@ class DraftRow:
         if forced:
             rules.accept(forced[0])
             self.stats.forced += 1
-            return _append(line, forced[0], None, None)
+            return _append(line, forced[0], None)
         finished = rules.finished()  # complete: only an end-of-sequence may follow, as the line's last token (the
         if finished:  # target's window then ends the text; with none drafted, an empty window was a draft fault)
             line.ended = True
             only = rules.only_allowed()
             if only is not None:  # drafted without a forward
                 self.stats.forced += 1
-                return _append(line, only, None, None)
+                return _append(line, only, None)
         row = rules.apply(self._logits_after(context + line.tokens))
         position = len(context) + len(line.tokens)
         token = choose_at(row, self.config.sampling, self.config.seed, position)[0]
         if finished:  # a stopped matcher consumes nothing, so the mask alone says whether the draw is allowed
             if float(row[token]) != float("-inf"):
-                _append(line, token, None, row)
+                _append(line, token, row)
             return None
         if not rules.accept(token):  # nothing the grammar allows (a masked-out row): stop drafting this line
             line.ended = True
             return None
-        _append(line, token, None, row)
+        _append(line, token, row)
 
     def _extend_with_streams(self, line: Line, context: list[int]) -> None:
         """One SS forward: confirm the pending guesses (the streams' confident ones, else prompt-lookup's),
@@ -321,7 +320,7 @@ class DraftRow:
             self.stats.rollbacks += 1
         rows = main[offset:offset + n + 1]
         for token, row in zip(greedy_ids(rows), rows):
-            _append(line, token, None, row)
+            _append(line, token, row)
         return stream_rows, offset, n
 
     def _alternatives(self, row) -> dict[int, float]:
@@ -363,10 +362,9 @@ class DraftRow:
         return logits
 
 
-def _append(line: Line, token: int, q, row) -> None:
-    """Add one drafted token with its q (None when greedy) and the row it was chosen from."""
+def _append(line: Line, token: int, row) -> None:
+    """Add one drafted token with the row it was chosen from (None: forced by the grammar)."""
     line.tokens.append(token)
-    line.q.append(q)
     line.rows.append(row)
 
 

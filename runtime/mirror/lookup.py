@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import numpy as np
 
+from mirror_rt.runtime.acceptance import matched
 from mirror_rt.runtime.sampling import greedy_ids
 
 
@@ -40,8 +41,4 @@ def verify_guesses(main_rows, guesses: list[int]) -> int:
             (row 0: after the last line token).
     Example: guesses [5, 9], row argmaxes [5, 2, 7] -> 1 (5 confirmed, 9 rejected for 2).
     """
-    choices = greedy_ids(main_rows[:len(guesses)]) if guesses else []
-    n = 0
-    while n < len(guesses) and choices[n] == guesses[n]:
-        n += 1
-    return n
+    return matched(guesses, greedy_ids(main_rows[:len(guesses)])) if guesses else 0

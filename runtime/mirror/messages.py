@@ -1,25 +1,57 @@
 """The small host-side messages the target and draft workers exchange (Mirror-SD protocol).
 
-Target -> draft: `Start` (the prompt's first token), `EarlyExit` (top-kappa per window
-position, sent after the target's prefix), `Verdict` (after its suffix), `Stop`.
+Target -> draft: `Join` (a sequence's draft cache and committed text), `EarlyExit` (top-kappa per window position,
+sent after the target's prefix), `Verdict` (after its suffix), `Move` (its pool row moved), `Leave`, and `STOP`.
 Draft -> target: `Window` (the next tokens to verify), `Fault`.
 Only ids, counts and kappa log-probs cross; never backend tensors, never a vocabulary row.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import threading
+from dataclasses import dataclass, field
 
 import numpy as np
 
 from mirror_rt.runtime.acceptance import Verdict  # noqa: F401  (re-exported: part of the protocol)
+from mirror_rt.runtime.config import GenerationConfig
 
 
 @dataclass(frozen=True)
-class Start:
-    """Prefill is done: the committed text is the prompt plus `first_token`."""
+class Join:
+    """A sequence joins: its draft cache (a prefix of its committed text already in it), its committed text
+    (prompt + output), its request's settings and the draft's fork of its token rules (None: no rules)."""
 
-    first_token: int
+    cache: object
+    committed: list[int]
+    config: GenerationConfig
+    draft: object = None  # runtime.mirror.draft_row.DraftConfig (None: its defaults)
+    rules: object = None
+
+
+@dataclass(frozen=True)
+class Leave:
+    """A sequence stops drafting: its cache is rolled back to committed text (a prefix of it) and its row dropped."""
+
+    done: threading.Event = field(default_factory=threading.Event)  # set once handled
+
+
+@dataclass(frozen=True)
+class Move:
+    """The sequence's pool row moves: copy it in `pool` (from its cache's row to `row`) and rebind its cache."""
+
+    pool: object
+    row: int
+    done: threading.Event = field(default_factory=threading.Event)  # set once handled
+
+
+@dataclass(frozen=True)
+class Grow:
+    """A pool the worker reads needs room for `positions` per row (new buffers: not while a forward runs)."""
+
+    pool: object
+    positions: int
+    done: threading.Event = field(default_factory=threading.Event)  # set once handled
 
 
 @dataclass(frozen=True)
@@ -39,7 +71,6 @@ class Window:
 
     base_length: int  # committed length (prompt + generated) the tokens continue from
     tokens: tuple[int, ...]  # [k] draft ids
-    q: np.ndarray | None  # unused (None): the target checks drafts against its own choices (coupled)
     reused: bool  # True when precomputed before the verdict arrived (a reuse hit)
 
 

@@ -12,7 +12,21 @@ Both predictions are printed next to the measured wall time per step.
 
 from __future__ import annotations
 
+from dataclasses import dataclass, field
+
 from mirror_rt.runtime.latency import mirror_step
+from mirror_rt.runtime.mirror.draft_row import DraftStats
+
+
+@dataclass
+class TargetCounters:
+    """The target side's figures of a sequence while it was joined to the draft worker (runtime.mirror.step)."""
+
+    corrections: int = 0  # windows the target corrected
+    exit_covered: int = 0  # of them, those whose correction was among the early exit's candidates
+    fallback_steps: int = 0  # target-only steps after its draft failed
+    exit_steps: int = 0  # steps that computed the early exit
+    busy: list[tuple[float, float]] = field(default_factory=list)  # the target's verification intervals
 
 
 def overlap_seconds(a: list[tuple[float, float]], b: list[tuple[float, float]]) -> float:
@@ -29,9 +43,9 @@ def overlap_seconds(a: list[tuple[float, float]], b: list[tuple[float, float]]) 
     return total
 
 
-def mirror_summary(metrics, draft_stats, counters: dict) -> dict:
+def mirror_summary(metrics, draft_stats: DraftStats, counters: TargetCounters) -> dict:
     """The Mirror-specific part of a request's stats."""
-    steps = max(1, metrics.steps - counters["fallback_steps"])
+    steps = max(1, metrics.steps - counters.fallback_steps)
     draft_busy = sum(e - s for s, e in draft_stats.busy)
     hits = draft_stats.main_hits + draft_stats.side_hits
     decided = hits + draft_stats.misses + draft_stats.not_ready
@@ -45,7 +59,7 @@ def mirror_summary(metrics, draft_stats, counters: dict) -> dict:
     predicted = mirror_step(t_prefix, t_suffix, t_rollout, t_fresh, 1 - p_miss, t_rendezvous)
     pipelined = mirror_step(0.0, t_prefix + t_suffix, t_rollout, t_fresh, 1 - p_miss, t_rendezvous)
     decode = sum(stage.get(k, 0.0) for k in ("target_wait", "target_prefix", "target_suffix")) / steps
-    hidden = overlap_seconds(draft_stats.busy, counters["busy"])
+    hidden = overlap_seconds(draft_stats.busy, counters.busy)
     return {
         "reuse_hit_rate": round(hits / decided, 3) if decided else 0.0,
         "reuse_hits": hits,  # verdicts whose next window was precomputed (main line or side branch)
@@ -57,8 +71,8 @@ def mirror_summary(metrics, draft_stats, counters: dict) -> dict:
         "misses": draft_stats.misses,
         "not_ready": draft_stats.not_ready,
         "side_branches_rolled": draft_stats.branches_rolled,
-        "early_exit_coverage": round(counters["exit_covered"] / counters["corrections"], 3)
-        if counters["corrections"] else None,
+        "early_exit_coverage": round(counters.exit_covered / counters.corrections, 3)
+        if counters.corrections else None,
         "hidden_draft_share": round(hidden / draft_busy, 3) if draft_busy else 0.0,
         "phase_ms_per_step": {"target_prefix": round(1e3 * t_prefix, 2), "target_suffix": round(1e3 * t_suffix, 2),
                               "rendezvous_wait": round(1e3 * wait / steps, 2),
@@ -67,8 +81,8 @@ def mirror_summary(metrics, draft_stats, counters: dict) -> dict:
         "predicted_step_ms": round(1e3 * predicted, 2),
         "predicted_step_ms_pipelined": round(1e3 * pipelined, 2),
         "measured_step_ms": round(1e3 * decode, 2),
-        "fallback_steps": counters["fallback_steps"],
-        "early_exit_steps": counters["exit_steps"],
+        "fallback_steps": counters.fallback_steps,
+        "early_exit_steps": counters.exit_steps,
         "mean_window": round(sum(metrics.proposed_at) / steps, 3),  # draft tokens verified per step
         "draft_forwards_per_token": round(draft_stats.forwards / max(1, metrics.committed), 3),
         "draft_rollbacks_per_step": round(draft_stats.rollbacks / steps, 3),
@@ -78,18 +92,25 @@ def mirror_summary(metrics, draft_stats, counters: dict) -> dict:
 
 
 def batch_stats(seq) -> dict:
-    """What batching did for a finished request (runtime.batch.sequence.Sequence): its prompt from the prefix cache, its
-    speculative steps, Mirror's figures over the parts it speculated in."""
-    from mirror_rt.runtime.mirror.draft_row import DraftStats
-    from mirror_rt.runtime.mirror.draft_worker import summed
-
+    """What batching did for a finished request (runtime.batch.sequence.Sequence): its prompt from the prefix cache,
+    its speculative steps, Mirror's figures over the parts it speculated in (and every draft forward's time)."""
     steps = max(1, seq.metrics.steps)
     stats = {"prompt_tokens_cached": seq.reused,
              "speculative_step_share": round(seq.metrics.speculative_steps / steps, 3)}
-    parts = seq.state_data.get("mirror_parts")
-    if parts:
-        counters = {k: sum(c[k] for _, c in parts) if k != "busy" else [i for _, c in parts for i in c[k]]
-                    for k in parts[0][1]}
-        stats |= mirror_summary(seq.metrics, summed([s for s, _ in parts] or [DraftStats()]), counters)
-        seq.metrics.durations["draft_forward"] = [end - start for s, _ in parts for start, end in s.busy]
+    drafts = [s for s, _ in seq.mirror_parts] + ([seq.draft_row.stats] if seq.draft_row is not None else [])
+    if seq.mirror_parts:
+        counters = summed([c for _, c in seq.mirror_parts], TargetCounters)
+        stats |= mirror_summary(seq.metrics, summed([s for s, _ in seq.mirror_parts], DraftStats), counters)
+    if drafts:
+        seq.metrics.durations["draft_forward"] = [end - start for s in drafts for start, end in s.busy]
     return stats
+
+
+def summed(parts: list, kind):
+    """Figures of several parts (DraftStats, TargetCounters) added up: numbers summed, intervals in time order."""
+    total = kind()
+    for part in parts:
+        for name, value in vars(part).items():
+            vars(total)[name] = vars(total)[name] + value
+    total.busy.sort()
+    return total

@@ -1,122 +1,197 @@
-"""Mirror-SD in the batched decoder: the target verifies each sequence's window while the draft precomputes.
+"""A speculative step of the batch: Mirror (the draft worker precomputes while the target verifies) or sd.
 
-The decoder's thread is the target worker: it verifies the running sequences one after another, each through
-its `mirror.TargetRow` (prefix, early exit sent at once, suffix, verdict); one `DraftWorker` thread drafts for
-all of them on its own core, so while the target verifies one sequence the draft prepares the next windows of
-the others (runtime.mirror.draft_worker). A sequence joins the worker at its first Mirror step, from its committed text
-and its draft row; it leaves when it finishes, when the batch turns to target-only steps (its draft row is
-rolled back to committed text, and it joins again, catching up in one forward, when speculation resumes), or
-when its draft fails (it then goes on target-only, nothing lost). Sequences in sd or ar mode step as SdStep
-steps them. Rows of the draft pool that a joined sequence holds belong to the draft thread: their moves go
-through it.
+Mirror, one sequence at a time (the decoder's thread is the target worker; one `DraftWorker` thread drafts for
+every sequence on a core of its own, runtime.mirror.draft_worker), `MirrorStep.step`:
+  0. early exit: a sequence whose draft failed (or stalled, or sent a malformed window) decodes target-only from
+     its committed text: no token lost or duplicated;
+  1. the draft's next window: taken from the sequence's outbox (the rendezvous), checked to continue the text;
+  2. verify: the target's prefix layers over [last] + window, their early-exit top-kappa sent to the draft at once
+     (it ranks side branches by them), the suffix layers, then the verdict in one call (runtime.acceptance.verify);
+  3. accept, reuse or roll back: the accepted tokens and the correction or bonus are committed, the verdict goes to
+     the draft, which reuses the main line or a side branch that predicted it, or restarts from the corrected
+     text (`take_verdict`, below: the draft's side, in its thread), and the target's cache forgets the rest.
+While the target verifies one sequence the draft prepares the next windows of the others. A sequence joins the
+worker at its first Mirror step, from its committed text and its draft cache (runtime.batch.steps.Prefill.
+draft_cache); it leaves when it finishes, when the batch turns to target-only steps (its draft cache keeps a
+prefix of the committed text; it joins again when speculation resumes), or its draft fails. Rows of the draft
+pool that a joined sequence holds belong to the draft thread: their moves go through it.
+sd (`MirrorStep.sd`): the same draft row in the decoder's thread: draft k tokens, verify them in one target call,
+take the verdict. Both give the target's own text (runtime.acceptance).
 """
 
 from __future__ import annotations
 
-from mirror_rt.runtime.affinity import pin, restore
-from mirror_rt.runtime.batch.steps import adopt_missed, alone
-from mirror_rt.runtime.mirror.draft_worker import DraftStats, DraftWorker, Grow, Join, Leave, Move
-from mirror_rt.runtime.mirror.target_row import DraftLink, TargetRow, draft_rules
+import time
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from mirror_rt.runtime.acceptance import verify
+from mirror_rt.runtime.affinity import placed
+from mirror_rt.runtime.mirror.draft_row import DraftConfig, DraftRow, DraftStats, Line
+from mirror_rt.runtime.mirror.draft_worker import DraftFailure, DraftWorker
+from mirror_rt.runtime.mirror.messages import EarlyExit, Fault, Grow, Join, Leave, Move, Verdict, Window
+from mirror_rt.runtime.mirror.stats import TargetCounters
+
+
+@dataclass
+class MirrorLink:
+    """A sequence's target side while it is joined to the draft worker."""
+
+    timeout_s: float  # a draft silent this long is declared dead
+    ahead: bool  # the target computes while the host goes on: its suffix is queued before the exit is read
+    alive: bool = True  # False once its draft failed: target-only from then on
+    suffix_s: float = 0.0  # running mean of the suffix (tells the draft when to expect the verdict)
+    wait_s: float = 0.0  # running mean of the rendezvous wait (the draft is the bottleneck when it is large)
+    counters: TargetCounters = field(default_factory=TargetCounters)
 
 
 class MirrorStep:
-    """Mirror steps of the decoder's sequences, and the draft worker they share."""
+    """Speculative steps of the decoder's sequences, and the draft worker Mirror sequences share."""
 
     def __init__(self, decoder, cpus: tuple[int, int] | None = None):
         self.decoder = decoder
         self.cpus = cpus  # (target core, draft core) when each worker has one core of its own
         self.worker: DraftWorker | None = None
+        self.draft_config = DraftConfig()  # the draft rows' runtime-internal knobs
 
     def run(self, running: list, gamma: int) -> None:
-        """One step of each running sequence: Mirror for mirror sequences, as SdStep for the others."""
-        previous = pin(self.cpus[0]) if self.cpus else None
-        threads = self._set_threads(1 if self.cpus else None)
-        try:
+        """One step of each running sequence: Mirror for mirror sequences on a split target, sd for the others, one
+        target-only token for ar sequences and those with one token left."""
+        d = self.decoder
+        with placed(d.target, self.cpus[0] if self.cpus else None):
             for seq in running:
                 k = min(gamma, seq.config.gamma, seq.remaining - 1)
-                if seq.config.mode == "mirror" and k >= 1 and self.splits():
-                    with alone(seq):
-                        self._step(seq, k)
-                else:
-                    self.decoder.sd.run([seq], gamma)
-        finally:
-            self._set_threads(threads)
-            restore(previous)
+                with seq.alone():
+                    if seq.config.mode == "ar" or k < 1:
+                        d.ar.one(seq)
+                    elif seq.config.mode == "mirror" and d.target.capabilities.split:
+                        self.step(seq, k)
+                    else:
+                        self.sd(seq, k)
 
-    def splits(self) -> bool:
-        """Whether the target runs split at its early exit (else mirror sequences run sd)."""
-        return hasattr(self.decoder.target, "forward_prefix")
+    def step(self, seq, k: int) -> None:
+        """One Mirror step of `seq`: a window of at most `k` draft tokens verified, the next one precomputed."""
+        link, target, cache = self._link(seq), self.decoder.target, seq.target_cache
+        # Phase 0: early exit: a sequence whose draft failed decodes target-only from here (nothing is lost)
+        window = self._window(seq, link, k) if link.alive else None
+        if window is None:
+            link.counters.fallback_steps += 1
+            with seq.metrics.stage("target_alone"):
+                return self.decoder.ar.one(seq)
+        # Phase 1 (`_window`): the draft's next window, from its outbox (the rendezvous), continuing the text
+        # Phase 2: verify. The prefix layers and their early exit, sent to the draft at once (a device target queues
+        # its suffix first, so it computes while the exit's few ids travel back); the suffix; the verdict
+        t0 = time.perf_counter()
+        with seq.metrics.stage("target_prefix"):
+            exit_rows = self._prefix(seq, link, [seq.last, *window])
+            queued = target.forward_suffix(cache) if link.ahead else None  # [k+1, vocab] on the device
+            ids, logprobs = exit_rows.result() if link.ahead else exit_rows
+        self.worker.send(seq.id, EarlyExit(seq.length, tuple(window), ids, logprobs, link.suffix_s))
+        t1 = time.perf_counter()
+        with seq.metrics.stage("target_suffix"):
+            logits = target.forward_suffix(cache) if queued is None else queued  # [k+1, vocab]
+            verdict = verify(logits, window, seq.length, seq.config.sampling, seq.config.seed, seq.rules)
+        t2 = time.perf_counter()
+        link.suffix_s = 0.8 * link.suffix_s + 0.2 * (t2 - t1) if link.suffix_s else t2 - t1
+        link.counters.busy.append((t0, t2))
+        seq.metrics.durations.setdefault("target_verify", []).append(t2 - t0)
+        # Phase 3: accept, reuse or roll back. The draft takes the verdict (`take_verdict`): it reuses the line or
+        # side branch that predicted it, or restarts from the corrected text; the target keeps [last] + accepted
+        cache.rollback(seq.length + verdict.num_accepted)
+        self.worker.send(seq.id, verdict)
+        accepted = verdict.num_accepted
+        if accepted < len(window) and ids.shape[1]:  # a correction: was it among the early exit's candidates?
+            link.counters.corrections += 1
+            link.counters.exit_covered += int(verdict.next_token in ids[accepted])
+        seq.metrics.record_step(len(window), accepted)
+        seq.commit([*window[:accepted], verdict.next_token], len(window), accepted)
 
-    def _step(self, seq, k: int) -> None:
-        row = self._row(seq)
-        if row.alive:
-            tokens = row.run(seq.last, seq.length, k)
-            drafted = row.counters["last_window"]
-        else:  # its draft failed: target-only from here (the event is in its stats)
-            tokens, drafted = row.alone(seq.last), 0
-        seq.commit(tokens, drafted, len(tokens) - 1)
+    def sd(self, seq, k: int) -> None:
+        """One vanilla speculative step of `seq`: its draft drafts `k` tokens in this thread, the target verifies
+        them in one call, the draft takes the verdict."""
+        row, target = self._sd_row(seq), self.decoder.target
+        with seq.metrics.stage("draft_propose"):
+            window = row.draft_window(k)
+        with seq.metrics.stage("target_verify"):
+            logits = target.forward([seq.last, *window], seq.target_cache)  # [k+1, vocab]
+            verdict = verify(logits, window, seq.length, seq.config.sampling, seq.config.seed, seq.rules)
+        seq.target_cache.rollback(seq.length + verdict.num_accepted)
+        take_verdict(row, verdict)
+        row.trim()  # nothing speculative stays in the draft's cache (target-only steps may come next)
+        seq.metrics.record_step(len(window), verdict.num_accepted)
+        seq.commit([*window[:verdict.num_accepted], verdict.next_token], len(window), verdict.num_accepted)
 
-    def _row(self, seq) -> TargetRow:
-        """The sequence's target row, joining it to the draft worker at its first Mirror step."""
-        row = seq.state_data.get("mirror")
-        if row is None:
-            worker = self._worker()
-            adopt_missed(self.decoder, seq)  # (before the row is the draft thread's)
-            link = DraftLink(worker, seq.id, seq.config.draft_timeout_s)
-            row = TargetRow(self.decoder.target, seq.config, seq.metrics, link, cache=seq.state_data["target_cache"],
-                            rules=seq.rules)
-            worker.join(seq.id, Join(self._draft_cache(seq), seq.prompt + seq.tokens, seq.config,
-                                     rules=draft_rules(seq.rules)))
-            seq.state_data["mirror"] = row
-        return row
+    def _sd_row(self, seq) -> DraftRow:
+        """The sequence's draft row for sd (made at its first sd step), caught up on the committed text."""
+        d, text = self.decoder, seq.prompt + seq.tokens
+        cache = d.prefill.draft_cache(seq)
+        if seq.draft_row is None:
+            seq.draft_row = DraftRow(d.draft or d.target, cache, text, seq.config, self.draft_config,
+                                     rules=draft_rules(seq.rules))
+        seq.draft_row.catch_up(text)
+        return seq.draft_row
 
-    def _draft_cache(self, seq):
-        """The sequence's draft cache (its pool row, or the draft's own cache), from now on the draft thread's."""
-        cache = seq.state_data.get("draft_cache")
-        if cache is None:  # the oracle draft: the target itself drafts, from its own copy of the prompt
-            d = self.decoder
-            draft = d.draft or d.target
-            cache = draft.new_cache(d.capacity)
-            draft.forward(seq.prompt + seq.tokens[:-1], cache)
-            seq.state_data["draft_cache"] = cache
-        return cache
-
-    def _worker(self) -> DraftWorker:
-        if self.worker is None or not self.worker.thread.is_alive():
-            draft = self.decoder.draft or self.decoder.target
-            self.worker = DraftWorker(draft, cpu=self.cpus[1] if self.cpus else None)
-            self.worker.start()
-        return self.worker
-
-    def _set_threads(self, threads: int | None) -> int | None:
-        """The target's thread budget for this step (torch's is process-wide); returns the previous one."""
-        target = self.decoder.target
-        if threads is None or not hasattr(target, "set_threads"):
+    def _window(self, seq, link: MirrorLink, k: int) -> list[int] | None:
+        """The draft's next window, at most `k` tokens continuing the committed text; None when the draft failed,
+        stalled or sent something else (the sequence then goes on target-only, said in its events)."""
+        t0 = time.perf_counter()
+        try:
+            with seq.metrics.stage("target_wait"):
+                message = self.worker.take(seq.id, link.timeout_s)
+            link.wait_s = 0.8 * link.wait_s + 0.2 * (time.perf_counter() - t0)
+            check_window(message, seq.length, seq.config.gamma, self.decoder.target.vocab_size)
+        except DraftFailure as failure:
+            link.alive = False
+            seq.metrics.events.append(f"fallback to target-only: {failure}")
+            self.worker.send(seq.id, Leave())
             return None
-        return target.set_threads(threads)
+        return list(message.tokens[:k])
 
-    # --- rows joining and leaving ------------------------------------------------------
+    def _prefix(self, seq, link: MirrorLink, tokens: list[int]):
+        """The prefix layers, with the early-exit candidates while they can pay off ([T, 0] when not: `auto`, while
+        the draft is the bottleneck it has no time to roll out side branches)."""
+        target, cache, mode = self.decoder.target, seq.target_cache, seq.config.early_exit
+        if mode == "on" or (mode == "auto" and link.wait_s <= 0.25 * link.suffix_s):
+            link.counters.exit_steps += 1
+            return target.launch_prefix(tokens, cache) if link.ahead else target.forward_prefix(tokens, cache)
+        target.forward_prefix_only(tokens, cache)
+        empty = np.zeros((len(tokens), 0))
+        rows = (empty.astype(np.int64), empty)
+        return _Ready(rows) if link.ahead else rows
+
+    # --- sequences joining and leaving the draft worker --------------------------------------
+
+    def _link(self, seq) -> MirrorLink:
+        """The sequence's side of the draft worker, joined at its first Mirror step (its draft cache is the draft
+        thread's from then on)."""
+        if seq.mirror is None:
+            d = self.decoder
+            if self.worker is None or not self.worker.thread.is_alive():
+                self.worker = DraftWorker(d.draft or d.target, self.cpus[1] if self.cpus else None, handle)
+            self.worker.join(seq.id, Join(d.prefill.draft_cache(seq), seq.prompt + seq.tokens, seq.config,
+                                          self.draft_config, draft_rules(seq.rules)))
+            seq.mirror = MirrorLink(seq.config.draft_timeout_s, d.target.capabilities.asynchronous)
+        return seq.mirror
 
     def drafting(self) -> bool:
         """Whether the draft worker holds any sequence now (its core is then busy: prompts take one core)."""
         return self.worker is not None and bool(self.worker.outboxes)
 
-    def joined(self, seq) -> bool:
-        return "mirror" in seq.state_data
-
     def leave(self, seq) -> None:
         """The sequence stops speculating with the worker (finished, or the batch turns target-only)."""
-        row = seq.state_data.pop("mirror", None)
-        if row is not None:
-            stats = None
-            if self.worker is not None:  # else stopped already, and the draft row with it
-                self.worker.call(seq.id, Leave(), seq.config.draft_timeout_s)
-                stats = self.worker.finished.pop(seq.id, None)
-            seq.state_data.setdefault("mirror_parts", []).append((stats or DraftStats(), row.counters))
+        if seq.mirror is None:
+            return
+        stats = None
+        if self.worker is not None:  # else stopped already, and the draft row with it
+            self.worker.call(seq.id, Leave(), seq.config.draft_timeout_s)
+            stats = self.worker.finished.pop(seq.id, None)
+        seq.mirror_parts.append((stats or DraftStats(), seq.mirror.counters))
+        seq.mirror = None
 
     def move(self, seq, pool, dest: int) -> bool:
         """Move a joined sequence's draft row through the worker (in order with its work); False if not joined."""
-        if not self.joined(seq) or self.worker is None:
+        if seq.mirror is None or self.worker is None:
             return False
         self.worker.call(seq.id, Move(pool, dest), seq.config.draft_timeout_s)
         return True
@@ -134,3 +209,69 @@ class MirrorStep:
         if self.worker is not None:
             self.worker.stop()
             self.worker = None
+
+
+# --- the draft's side (in the draft worker's thread) -----------------------------------------------
+
+def handle(row: DraftRow, message) -> None:
+    """A Mirror message for a draft row: an early exit (the roots of side branches), or a verdict, taken, after
+    which the next window goes out at once (precomputed: a reuse; else drafted now, on the critical path)."""
+    if isinstance(message, EarlyExit):
+        row.take_exit(message)
+    elif isinstance(message, Verdict):
+        take_verdict(row, message)
+        row.send_window(reused=bool(row.line.tokens))
+
+
+def take_verdict(row: DraftRow, verdict: Verdict) -> None:
+    """The draft's side of phase 3: the committed text grows by the accepted tokens and c; the main line continues
+    if it predicted c (a main-line hit), a side branch rooted at (A, c) becomes the line (a side hit), else the line
+    restarts from the corrected text (a miss). The window cap adapts to acceptance."""
+    a, c, line = verdict.num_accepted, verdict.next_token, row.line
+    if row.in_flight:
+        row.acceptance = 0.9 * row.acceptance + 0.1 * (a / row.in_flight)
+        if row.settings.adaptive_gamma:
+            full = a == row.in_flight
+            row.k_cap = min(row.config.gamma, row.k_cap + 2) if full else max(1, row.k_cap - 1)
+    row.commit([*line.tokens[:a], c])
+    if len(line.tokens) > a and line.tokens[a] == c:  # main-line hit (its rules are already past these tokens)
+        row.line = Line(line.tokens[a + 1:], line.rows[a + 1:], line.guesses, line.rules, line.ended)
+        row.stats.main_hits += bool(row.line.tokens)
+        row.stats.not_ready += not row.line.tokens
+    elif (a, c) in row.branches:  # side hit
+        row.line = row.branches[(a, c)]
+        row.stats.side_hits += 1
+    else:  # miss, or the line never reached the bonus
+        row.stats.not_ready += len(line.tokens) <= a
+        row.stats.misses += len(line.tokens) > a
+        row.line = Line(rules=row.fork_rules())
+    row.branches, row.exit_rows, row.verdict_due = {}, None, 0.0
+
+
+def draft_rules(rules):
+    """The draft's copy of a sequence's token rules (None when they leave the logits as they are)."""
+    return rules.fork() if rules is not None and rules.changes_logits else None
+
+
+def check_window(window, length: int, gamma: int, vocab_size: int) -> None:
+    """DraftFailure unless `window` is a window of 1..gamma ids in the vocabulary continuing the committed text."""
+    if isinstance(window, Fault):
+        raise DraftFailure(f"draft failed: {window.reason}")
+    if not isinstance(window, Window):
+        raise DraftFailure(f"draft sent {type(window).__name__}, expected a window")
+    if window.base_length != length:
+        raise DraftFailure(f"draft window continues length {window.base_length}, committed is {length}")
+    if not 1 <= len(window.tokens) <= gamma:
+        raise DraftFailure(f"draft window has {len(window.tokens)} tokens, expected 1..{gamma}")
+    if any(not (isinstance(t, (int, np.integer)) and 0 <= t < vocab_size) for t in window.tokens):
+        raise DraftFailure("draft window has token ids outside the vocabulary")
+
+
+class _Ready:
+    """Early-exit rows already on the host, read like a pending read (`result()`)."""
+
+    def __init__(self, rows: tuple[np.ndarray, np.ndarray]):
+        self.rows = rows
+
+    def result(self) -> tuple[np.ndarray, np.ndarray]:
+        return self.rows

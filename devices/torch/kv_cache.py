@@ -1,4 +1,4 @@
-"""Static, position-indexed KV cache with O(1) rollback (batch 1).
+"""The torch backend's KV cache: static, position-indexed, with O(1) rollback (batch 1).
 
 The cache owns preallocated key/value tensors for a contiguous range of layers and a
 `length`: the number of positions whose keys/values are committed. Writing a window
@@ -11,17 +11,14 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
+from mirror_rt.devices.base import CacheBounds
 from mirror_rt.runtime.lazy_torch import import_torch
 
 if TYPE_CHECKING:
     import torch
 
 
-class CacheFull(RuntimeError):
-    """Raised when a write would pass the cache capacity."""
-
-
-class KVCache:
+class KVCache(CacheBounds):
     """Keys and values for `n_layers` layers, `capacity` positions each.
 
     Limitations:
@@ -57,9 +54,8 @@ class KVCache:
 
         Returns the keys and values of all positions 0..length+T-1 for attention.
         """
+        self.check_room(k.shape[1])
         end = self.length + k.shape[1]
-        if end > self.capacity:
-            raise CacheFull(f"KV cache full: {end} positions needed, capacity {self.capacity}")
         self.keys[layer, :, self.length:end] = k
         self.values[layer, :, self.length:end] = v
         return self.keys[layer, :, :end], self.values[layer, :, :end]
@@ -77,6 +73,13 @@ class KVCache:
 
     def rollback(self, length: int) -> None:
         """Forget positions >= length (rejected drafts). O(1)."""
-        if not 0 <= length <= self.length:
-            raise ValueError(f"cannot roll back to {length}: cache holds {self.length} positions")
+        self.check_rollback(length)
         self.length = length
+
+
+def new_cache(model, capacity: int, first: int = 0, last: int | None = None, slots: int | None = None) -> KVCache:
+    """An empty cache for layers first..last-1 of a `models.transformer.Transformer` (or a model over one: a pruned
+    head, SS streams; all layers by default), in its parameters' dtype and device; `slots` >= capacity: its storage."""
+    c, p = model.config, next(model.parameters())
+    last = c.n_layers if last is None else last
+    return KVCache(last - first, c.n_kv_heads, c.head_dim, capacity, dtype=p.dtype, device=p.device, slots=slots)
