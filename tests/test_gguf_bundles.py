@@ -141,6 +141,7 @@ def test_an_fp32_bundle_computes_what_torch_computes(arch, vocab_gguf, tmp_path,
     llama.cpp's paired rotary rows (the torch model takes them back to Hugging Face's order)."""
     import torch
 
+    from mirror_rt.devices.torch.kv_cache import new_cache
     from mirror_rt.models.loading import load_checkpoint
 
     source = write_gguf(tmp_path / f"{arch}.gguf", vocab_gguf, arch, seed=5, types={"attn": T.F16, "ffn": T.Q8_0})
@@ -150,7 +151,7 @@ def test_an_fp32_bundle_computes_what_torch_computes(arch, vocab_gguf, tmp_path,
     ours = engine.target.forward(ids, cache)
     model = load_checkpoint(str(source), cache=cache_dir, log=lambda *a: None).model
     with torch.no_grad():
-        theirs = model(torch.tensor(ids), model.new_cache(64)).numpy()
+        theirs = model(torch.tensor(ids), new_cache(model, 64)).numpy()
     assert np.abs(ours - theirs).max() <= 2e-2 * np.abs(theirs).max()  # float16 KV in the graphs
     assert (ours.argmax(-1) == theirs.argmax(-1)).all()
     engine.close()
