@@ -45,9 +45,8 @@ _CONTRACTIONS = r"(?:'[sS]|'[tT]|'[rR][eE]|'[vV][eE]|'[mM]|'[lL][lL]|'[dD])"
 _GPT2 = r"'s|'t|'re|'ve|'m|'ll|'d| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)"
 _LLAMA3 = _CONTRACTIONS + r"|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
 _QWEN2 = _CONTRACTIONS + r"|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
-_TEKKEN = (r"[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}]*[\p{Ll}\p{Lm}\p{Lo}\p{M}]+|[^\r\n\p{L}\p{N}]?"
-           r"[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}]+[\p{Ll}\p{Lm}\p{Lo}\p{M}]*|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n/]*|\s*[\r\n]+"
-           r"|\s+(?!\S)|\s+")
+_TEKKEN = (r"[^\r\n\p{L}\p{N}]?((?=[\p{L}])([^a-z]))*((?=[\p{L}])([^A-Z]))+|[^\r\n\p{L}\p{N}]?((?=[\p{L}])([^a-z]))+"
+           r"((?=[\p{L}])([^A-Z]))*|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n/]*|\s*[\r\n]+|\s+(?!\S)|\s+")  # llama.cpp's form
 _DEFAULT = (r"[\p{P}\$\+<=>\^~\|]+", _GPT2, r"\p{N}+", r"[0-9][0-9][0-9]")
 
 
@@ -229,15 +228,14 @@ def _byte_level_pipeline(tok, vocab: GGUFVocab) -> None:
     from tokenizers import Regex, decoders, pre_tokenizers, processors
 
     regexes = PRE_TOKENIZERS[vocab.pre or "default"].regexes
-    if regexes[-1] == _GPT2:  # GPT-2's split is ByteLevel's own (as SmolLM2's and StarCoder's tokenizer.json)
-        digits = [pre_tokenizers.Digits(individual_digits=True)] if regexes[:-1] == (r"\p{N}",) else None
-        if digits is None and regexes[:-1]:
-            digits = [pre_tokenizers.Split(Regex(r), behavior="isolated") for r in regexes[:-1]]
-        byte_level = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
+    use_regex = regexes[-1] == _GPT2  # GPT-2's split is ByteLevel's own (as SmolLM2's and StarCoder's tokenizer.json)
+    splits = regexes[:-1] if use_regex else regexes
+    if splits == (r"\p{N}",):
+        splits = [pre_tokenizers.Digits(individual_digits=True)]
     else:
-        digits = [pre_tokenizers.Split(Regex(r), behavior="isolated") for r in regexes]
-        byte_level = pre_tokenizers.ByteLevel(add_prefix_space=False, trim_offsets=False, use_regex=False)
-    tok.pre_tokenizer = pre_tokenizers.Sequence([*digits, byte_level])
+        splits = [pre_tokenizers.Split(Regex(r), behavior="isolated") for r in splits]
+    byte_level = pre_tokenizers.ByteLevel(add_prefix_space=False, trim_offsets=use_regex, use_regex=use_regex)
+    tok.pre_tokenizer = pre_tokenizers.Sequence([*splits, byte_level])
     tok.decoder = decoders.ByteLevel()
     post = _added_bos_eos(vocab)
     tok.post_processor = processors.ByteLevel(trim_offsets=False) if post is None else processors.Sequence(
