@@ -50,6 +50,10 @@ _TEKKEN = (r"[^\r\n\p{L}\p{N}]?((?=[\p{L}])([^a-z]))*((?=[\p{L}])([^A-Z]))+|[^\r
 _DEFAULT = (r"[\p{P}\$\+<=>\^~\|]+", _GPT2, r"\p{N}+", r"[0-9][0-9][0-9]")
 
 
+class VocabError(ValueError):
+    """A GGUF file read fine whose tokenizer mirror-rt cannot build (none, or a kind not covered): one line."""
+
+
 @dataclass(frozen=True)
 class PreTokenizer:
     """How llama.cpp splits text for one group of `tokenizer.ggml.pre` values."""
@@ -92,6 +96,15 @@ class GGUFVocab:
     embedding_rows: int | None = None  # token_embd.weight's rows (None: no such tensor)
 
     @property
+    def size(self) -> int:
+        """The tokens the tokenizer keeps: all but a trailing run of unused ones (the padding of an embedding
+        rounded up, Qwen's `[PAD151665]`...), so that files padded to other sizes share one tokenizer.json."""
+        size = len(self.tokens)
+        while size > 0 and self.types[size - 1] == UNUSED:
+            size -= 1
+        return size
+
+    @property
     def end_ids(self) -> tuple[int, ...]:
         """The ids that end a generation: eos, then eot and eom where the file names them."""
         return tuple(dict.fromkeys(self.special[k] for k in ("eos", "eot", "eom") if k in self.special))
@@ -109,8 +122,8 @@ class GGUFVocab:
 
 
 def read_vocab(source) -> GGUFVocab:
-    """The tokenizer of a GGUF file (a path, or an open gguf.GGUFReader); ValueError in one line for a file
-    without one, or of a tokenizer kind or pre-tokenizer llama.cpp's rules here do not cover."""
+    """The tokenizer of a GGUF file (a path, or an open gguf.GGUFReader); VocabError for a file without one, or
+    of a tokenizer kind or pre-tokenizer the rules here do not cover (gguf's own errors for one it cannot read)."""
     from gguf import GGUFReader
 
     reader = source if isinstance(source, GGUFReader) else GGUFReader(str(source))
@@ -123,18 +136,18 @@ def read_vocab(source) -> GGUFVocab:
     model, pre = value("tokenizer.ggml.model"), value("tokenizer.ggml.pre", "") or ""
     tokens = value("tokenizer.ggml.tokens")
     if model is None or tokens is None:
-        raise ValueError(f"{path} has no tokenizer (tokenizer.ggml.model / tokens)")
+        raise VocabError(f"{path} has no tokenizer (tokenizer.ggml.model / tokens)")
     if model not in ("gpt2", "llama"):
-        raise ValueError(f"{path}: tokenizer kind '{model}' is not supported (supported: gpt2, llama)")
+        raise VocabError(f"{path}: tokenizer kind '{model}' is not supported (supported: gpt2, llama)")
     if model == "gpt2" and (pre or "default") not in PRE_TOKENIZERS:
-        raise ValueError(f"{path}: pre-tokenizer '{pre}' is not supported (supported: {', '.join(PRE_TOKENIZERS)})")
+        raise VocabError(f"{path}: pre-tokenizer '{pre}' is not supported (supported: {', '.join(PRE_TOKENIZERS)})")
     tokens = [t or f"[EMPTY_{i}]" for i, t in enumerate(tokens)]  # llama.cpp's name for an empty token
     n = len(tokens)
     types = list(value("tokenizer.ggml.token_type", [NORMAL] * n))[:n]
     scores = [float(s) for s in value("tokenizer.ggml.scores", [0.0] * n)][:n]
     merges = [_split_merge(m) for m in value("tokenizer.ggml.merges", [])]
     if model == "gpt2" and not merges:
-        raise ValueError(f"{path}: byte-level BPE tokenizer without merges (tokenizer.ggml.merges)")
+        raise VocabError(f"{path}: byte-level BPE tokenizer without merges (tokenizer.ggml.merges)")
     special = _special_ids(value, model, n)
     rules = PRE_TOKENIZERS.get(pre or "default") if model == "gpt2" else None
     default_bos = rules.add_bos if rules else True
@@ -185,18 +198,19 @@ def build_tokenizer(vocab: GGUFVocab):
 
 
 def _special_token_ids(vocab: GGUFVocab) -> list[int]:
-    return [i for i in range(len(vocab.tokens)) if vocab.is_special(i)]
+    return [i for i in range(vocab.size) if vocab.is_special(i)]
 
 
 def _bpe(vocab: GGUFVocab):
     from tokenizers import models
 
-    ids = {token: i for i, token in enumerate(vocab.tokens)}
+    ids = {token: i for i, token in enumerate(vocab.tokens[:vocab.size])}
     unk = vocab.tokens[vocab.special["unk"]] if "unk" in vocab.special else None
     if vocab.model == "llama":
         return models.BPE(ids, _sentencepiece_merges(vocab, ids), unk_token=unk, byte_fallback=True, fuse_unk=True)
     rules = PRE_TOKENIZERS[vocab.pre or "default"]
-    return models.BPE(ids, vocab.merges, unk_token=unk, ignore_merges=rules.ignore_merges)
+    merges = [m for m in vocab.merges if m[0] + m[1] in ids]  # none makes a padding token
+    return models.BPE(ids, merges, unk_token=unk, ignore_merges=rules.ignore_merges)
 
 
 def _sentencepiece_merges(vocab: GGUFVocab, ids: dict[str, int]) -> list[tuple[str, str]]:
@@ -256,3 +270,57 @@ def _added_bos_eos(vocab: GGUFVocab):
     pair = single + " " + single.replace("$A:0", "$B:1").replace(":0", ":1")
     return processors.TemplateProcessing(single=single, pair=pair,
                                          special_tokens=[(vocab.tokens[i], i) for _, i in ends])
+
+
+def write_tokenizer(gguf_path, out_dir, vocab: GGUFVocab | None = None) -> GGUFVocab:
+    """Write the GGUF file's tokenizer into `out_dir` as a Hugging Face tokenizer folder: tokenizer.json,
+    tokenizer_config.json (chat template, bos/eos/unk/pad tokens, add_bos_token / add_eos_token),
+    special_tokens_map.json, and the end ids (eos, eot, eom) in generation_config.json; a config.json already
+    there gets the same bos/eos/pad ids. Returns the vocabulary read (`vocab`: one already read)."""
+    vocab = vocab or read_vocab(gguf_path)
+    _check_embedding(vocab)
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    # written as models/gguf.py's earlier repair wrote it: SmolLM2's file keeps its bytes (and fingerprint)
+    text = json.dumps(json.loads(build_tokenizer(vocab).to_str()), ensure_ascii=False, indent=1)
+    (out / "tokenizer.json").write_text(text, encoding="utf-8")
+    names = {f"{key}_token": vocab.tokens[i] for key, i in vocab.special.items() if key in ("bos", "eos", "unk", "pad")}
+    if "pad_token" not in names and "eos_token" in names:
+        names["pad_token"] = names["eos_token"]
+    clean = vocab.model == "gpt2" and PRE_TOKENIZERS[vocab.pre or "default"].clean_spaces
+    added = {str(i): {"content": vocab.tokens[i], "lstrip": False, "normalized": False, "rstrip": False,
+                      "single_word": False, "special": not vocab.is_user_defined(i)} for i in _special_token_ids(vocab)}
+    config = {"tokenizer_class": "PreTrainedTokenizerFast", **names, "add_bos_token": vocab.add_bos,
+              "add_eos_token": vocab.add_eos, "clean_up_tokenization_spaces": clean, "added_tokens_decoder": added}
+    if vocab.chat_template:
+        config["chat_template"] = vocab.chat_template
+    _write_json(out / "tokenizer_config.json", config)
+    _write_json(out / "special_tokens_map.json", names)
+    _set_token_ids(out / "generation_config.json", vocab, create=True)
+    _set_token_ids(out / "config.json", vocab, create=False)
+    return vocab
+
+
+def _check_embedding(vocab: GGUFVocab) -> None:
+    """A VocabError naming the token where a named special token lies past the embedding's rows."""
+    rows = vocab.embedding_rows
+    for key, i in vocab.special.items():
+        if rows is not None and i >= rows:
+            raise VocabError(f"{vocab.path}: its {key} token {vocab.tokens[i]!r} (id {i}) is past the model's "
+                             f"{rows} embedding rows")
+
+
+def _set_token_ids(path: Path, vocab: GGUFVocab, create: bool) -> None:
+    """bos/eos/pad ids into a JSON config (eos: the end ids, a list where there are several)."""
+    if not path.is_file() and not create:
+        return
+    config = json.loads(path.read_text(encoding="utf-8")) if path.is_file() else {}
+    ends = list(vocab.end_ids)
+    pad = vocab.special.get("pad", ends[0] if ends else None)
+    config.update(bos_token_id=vocab.special.get("bos"), eos_token_id=ends[0] if len(ends) == 1 else ends or None,
+                  pad_token_id=pad)
+    _write_json(path, config)
+
+
+def _write_json(path: Path, value: dict) -> None:
+    path.write_text(json.dumps(value, ensure_ascii=False, indent=2), encoding="utf-8")
