@@ -45,7 +45,7 @@ class HFTokenizer:
         self._template = chat_template.compile_template(source) if source else None
         self._template_source = source or ""
         self.vocab_size = self._tok.get_vocab_size(with_added_tokens=True)
-        self.eos_token_ids = tuple(i for i in {self._id("eos_token")} if i is not None)
+        self.eos_token_ids = _end_ids(self.folder, self._id("eos_token"), self.vocab_size)
         self.has_chat_template = self._template is not None
         named = [v for values in self._specials.values() for v in (values if isinstance(values, list) else [values])]
         specials = {self._id("bos_token"), *(self._tok.token_to_id(t) for t in named), *self.eos_token_ids}
@@ -92,6 +92,20 @@ class HFTokenizer:
         """Fingerprint of the vocabulary: equal for tokenizers that map text to the same ids."""
         path = self.folder / "tokenizer.json"
         return hashlib.sha256(path.read_bytes()).hexdigest() if path.exists() else ""
+
+
+def _end_ids(folder: Path, eos: int | None, vocab_size: int) -> tuple[int, ...]:
+    """The ids that end a generation: the tokenizer's EOS, then generation_config.json's `eos_token_id` (one or
+    a list: Llama 3's end of turn and of message, a GGUF's eot/eom), each inside the vocabulary."""
+    ids = [eos]
+    path = folder / "generation_config.json"
+    if path.is_file():
+        try:
+            saved = json.loads(path.read_text(encoding="utf-8")).get("eos_token_id")
+        except (OSError, ValueError, AttributeError):
+            saved = None
+        ids += saved if isinstance(saved, list) else [saved]
+    return tuple(dict.fromkeys(i for i in ids if isinstance(i, int) and 0 <= i < vocab_size))
 
 
 def _add_missing_tokens(tok, config: dict, specials: dict) -> None:
