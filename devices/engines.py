@@ -104,9 +104,10 @@ def model_bundle(model: str, draft: str | None = None, cache_dir: str | None = N
     import hashlib
 
     from mirror_rt.exporters.manifest import FORMAT_VERSION
+    from mirror_rt.exporters.stream_export import STREAM_VERSION
     from mirror_rt.models.default_model import cache_dir as resolve_cache
 
-    key = [FORMAT_VERSION, weights]
+    key = [FORMAT_VERSION, STREAM_VERSION, weights]
     for source in (model, draft):
         if source is not None:
             path = Path(source).expanduser().resolve()

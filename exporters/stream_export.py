@@ -14,6 +14,7 @@ from pathlib import Path
 
 from mirror_rt.exporters.export_config import ExportConfig, ExportError
 
+STREAM_VERSION = 1  # part of a cached bundle's key (devices.engines.model_bundle): bump when what is written changes
 STREAM_BYTES = 1 << 30  # checkpoints this large stream (the traced exporter holds a model in float32 twice)
 STREAM_WEIGHTS = ("gguf", "fp32", "bf16", "f16", "q8_0", "q4_0")
 # what the traced exporter's names mean here: blockwise 8- and 4-bit weights with int8 activations

@@ -43,14 +43,9 @@ def convert_gguf(gguf_path: Path, out_dir: Path, log=print) -> Path:
 
 
 def write_gguf_tokenizer(gguf_path: Path, folder: Path) -> None:
-    """The GGUF's tokenizer as Hugging Face files in `folder` (its weights are not read)."""
-    from transformers import AutoTokenizer
-
+    """The GGUF's tokenizer as Hugging Face files in `folder` (models.gguf_vocab; its weights are not read)."""
     gguf_path = Path(gguf_path)
-    tokenizer = _readable(gguf_path, lambda: AutoTokenizer.from_pretrained(gguf_path.parent, gguf_file=gguf_path.name))
-    tokenizer.save_pretrained(folder)
-    if is_byte_level_bpe(Path(folder) / "tokenizer.json"):
-        repair_tokenizer(folder)
+    _readable(gguf_path, lambda: write_tokenizer(gguf_path, folder))
 
 
 def _read_gguf(gguf_path: Path) -> tuple:
