@@ -83,6 +83,20 @@ class LlamaCppRunner:
         return text, len(new), wall, [], stats
 
 
+def _same_size(theirs: int, ours: int, gguf: Path) -> bool:
+    """Whether llama.cpp's vocabulary size is ours: equal, or larger by the file's trailing unused tokens only (the
+    padding of an embedding rounded up, Qwen's [PAD151665]..., which our tokenizer leaves out)."""
+    if theirs == ours:
+        return True
+    from mirror_rt.models.gguf_vocab import VocabError, read_vocab
+
+    try:
+        vocab = read_vocab(gguf)
+    except VocabError:
+        return False
+    return theirs == len(vocab.tokens) and vocab.size == ours
+
+
 def _sampling(sampling) -> dict:
     """llama.cpp's sampler settings for ours: temperature 0 is its greedy sampler; no penalties, no min-p."""
     if sampling.temperature <= 0:
@@ -113,7 +127,7 @@ def llama_runners(methods: list[str], gguf: Path | None, tokenizer, threads: int
         llm = llama_cpp.Llama(str(gguf), n_ctx=CONTEXT, n_threads=threads, n_threads_batch=threads,
                               draft_model=lookup, verbose=False, **batch)
         vocabulary = llm.tokenize(PROBE.encode(), add_bos=False, special=True)
-        if llm.n_vocab() != tokenizer.vocab_size or vocabulary != tokenizer.encode(PROBE):
+        if not _same_size(llm.n_vocab(), tokenizer.vocab_size, gguf) or vocabulary != tokenizer.encode(PROBE):
             log(f"bench: skipping {method}: {gguf.name}'s vocabulary differs from the model's tokenizer")
             continue
         label = (f"llama.cpp (llama-cpp-python {llama_cpp.__version__}), {threads} threads; {weights}, matmuls on "
