@@ -57,7 +57,12 @@ def describe(names: dict, mode: str) -> str:
 QUANTIZED = {"int8": "int8 weights, int8 activations (per row and block of 32), fp32 KV",
              "int4": "int4 weights (head int8), int8 activations (per row and block of 32), fp32 KV",
              "q4_1": "q4_1 weights (head int8), int8 activations (per row and block of 32), fp32 KV",
-             "w8a8": "int8 weights (per column), int8 activations (per row), fp32 KV"}
+             "w8a8": "int8 weights (per column), int8 activations (per row), fp32 KV",
+             # bundles written one tensor at a time (exporters.stream_export): mirror-rt's own products, fp16 KV
+             "gguf": "the GGUF's own blocks, int8 activations (per block of 32; 256 for k-quants), fp16 KV",
+             "q8_0": "q8_0 weights (blocks of 32), int8 activations (per block of 32), fp16 KV",
+             "q4_0": "q4_0 weights (blocks of 32), int8 activations (per block of 32), fp16 KV",
+             "f16": "f16 weights, fp32 activations, fp16 KV"}
 
 
 def precision_triplet(precision: str) -> str:

@@ -41,13 +41,20 @@ def find_gguf(model: str | None, cache: str | None = None) -> Path | None:
 
 
 def weight_types(gguf: Path) -> str:
-    """`q4_1 weights (token_embd q8_0)`: the most common type of the 2-D weights, the exceptions named."""
+    """`q4_k weights (q6_k: output, attn_v x14, ffn_down x14)`: the most common type of the 2-D weights, the
+    exceptions by type, a layer's tensors counted."""
     from gguf import GGUFReader
 
     matrices = {t.name: t.tensor_type.name.lower() for t in GGUFReader(str(gguf)).tensors if len(t.shape) > 1}
     main = Counter(matrices.values()).most_common(1)[0][0]
-    others = ", ".join(f"{name.removesuffix('.weight')} {kind}" for name, kind in matrices.items() if kind != main)
-    return f"{main} weights" + (f" ({others})" if others else "")
+    others = {}
+    for name, kind in matrices.items():
+        if kind != main:
+            part = name.removesuffix(".weight")
+            others.setdefault(kind, Counter())[part.split(".")[-1] if part.startswith("blk.") else part] += 1
+    groups = [f"{kind}: " + ", ".join(p + (f" x{n}" if n > 1 else "") for p, n in parts.items())
+              for kind, parts in others.items()]
+    return f"{main} weights" + (f" ({'; '.join(groups)})" if groups else "")
 
 
 class LlamaCppRunner:

@@ -11,6 +11,7 @@ compiler `library()` says why in one line and exports fall back to the standard-
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import os
 import platform
@@ -119,6 +120,24 @@ def _build(cxx: str, folder: Path) -> tuple[Path | None, str]:
         return None, f"building mirror-rt's attention op failed: {exc}"
     finally:
         shutil.rmtree(staging, ignore_errors=True)
+
+
+def call_threads(threads: int | None) -> None:
+    """The threads the ops may use in calls made from this thread (its session's intra-op threads; None: no
+    limit beyond the process's), where the library is built here."""
+    function = _call_threads()
+    if function is not None:
+        function(int(threads or 0))
+
+
+@functools.cache
+def _call_threads():
+    import ctypes
+
+    try:
+        return ctypes.CDLL(str(library())).mirror_rt_ops_call_threads
+    except NativeOpUnavailable:
+        return None
 
 
 def set_threads(threads: int) -> None:

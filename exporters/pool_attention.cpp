@@ -234,6 +234,7 @@ void run_units(const Shape& s, const float* q, const T* keys, const T* values, c
 }
 
 int g_threads = 1;              // threads the calls of this process may use together (mirror_rt_ops_threads)
+thread_local int t_threads = 0;  // threads this thread's calls may use (its session's: mirror_rt_ops_call_threads)
 std::atomic<int> g_running{0};  // calls running now: they share g_threads
 
 constexpr int64_t SPLIT_KEYS = 1 << 15;  // a call attending to fewer keys in all runs on its own thread
@@ -263,7 +264,8 @@ void compute(const Shape& s, const float* q, const T* keys, const T* values, con
   for (int64_t query = 0; query < s.rows * s.tokens; ++query) total += keys_of(s, positions, query);
   total *= s.kv_heads;
   const int running = ++g_running;
-  const int threads = total < SPLIT_KEYS ? 1 : std::max(1, g_threads / running);
+  const int allowed = t_threads ? std::min(g_threads / running, t_threads) : g_threads / running;
+  const int threads = total < SPLIT_KEYS ? 1 : std::max(1, allowed);
   if (threads <= 1) {
     run_units(s, q, keys, values, positions, out, 0, units);
     --g_running;
@@ -288,6 +290,9 @@ void compute(const Shape& s, const float* q, const T* keys, const T* values, con
 extern "C" {
 
 void mirror_rt_ops_threads(int threads) { g_threads = threads < 1 ? 1 : threads; }
+
+// The threads the calls made from this thread may use (the session it runs asked for that many; 0: no limit).
+void mirror_rt_ops_call_threads(int threads) { t_threads = threads < 0 ? 0 : threads; }
 
 // The kernel without ONNX Runtime (tests call it through ctypes): keys and values as float, or as binary16
 // (`_half`); with k and v (not null), this call's keys and values [B, T, KVH*D] are first stored at their positions.

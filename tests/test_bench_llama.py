@@ -101,7 +101,7 @@ def test_prompt_ids_go_in_unchanged_and_eos_ends_the_answer(fake_llama, gguf):
 def test_rows_are_labelled_with_the_gguf_precision(fake_llama, gguf):
     plain, lookup = _runners(gguf)
     assert (plain.name, plain.precision, plain.target_only) == ("llama-cpp", "f32", True)
-    assert "f32 weights (token_embd f16)" in plain.label and "prompt lookup" not in plain.label
+    assert "f32 weights (f16: token_embd)" in plain.label and "prompt lookup" not in plain.label
     assert (lookup.name, lookup.target_only) == ("llama-cpp-lookup", False) and "prompt lookup" in lookup.label
     lookup.answer([{"role": "user", "content": "hi"}], make_config(max_new_tokens=4, gamma=5))
     assert fake_llama.instances[1].draft_model.num_pred_tokens == 5  # the bench's gamma per guess
@@ -136,7 +136,7 @@ def test_real_llama_cpp_on_the_default_gguf(cache_dir):
 
     engine = types.SimpleNamespace(tokenizer=HFTokenizer(default_model_folder(cache_dir)))
     (plain,) = build_runners(["llama-cpp"], engine, None, log=print, gguf=find_gguf(None, cache_dir))
-    assert plain.precision == "q4_1" and "q4_1 weights (token_embd q8_0)" in plain.label
+    assert plain.precision == "q4_1" and "q4_1 weights (q8_0: token_embd)" in plain.label
     messages, config = [{"role": "user", "content": "What is the capital of France?"}], make_config(max_new_tokens=12)
     first, again = plain.answer(messages, config), plain.answer(messages, config)
     assert first[4]["prompt_tokens"] == 37 and first[4]["prompt_ids_as_ours"]

@@ -31,7 +31,7 @@ from mirror_rt.devices.onnxruntime.pool import (
     target_rows,
 )
 from mirror_rt.devices.onnxruntime.session import create_session
-from mirror_rt.exporters.native_op import ATTENTION, register
+from mirror_rt.exporters.native_op import ATTENTION, call_threads, register
 from mirror_rt.runtime.affinity import pin
 from mirror_rt.runtime.backend import Capabilities
 
@@ -86,6 +86,7 @@ class ORTGraph:
         if providers[0] != "CPUExecutionProvider":
             providers.append("CPUExecutionProvider")  # ops the EP does not take
         self.session = create_session(Path(path), providers, lambda: session_options(threads))
+        self.threads = threads  # mirror-rt's ops in this session's calls use as many (exporters.native_op)
         inputs = {i.name: i for i in self.session.get_inputs()}
         names = list(inputs)
         self.input_name = names[0]
@@ -124,6 +125,7 @@ class ORTGraph:
             return {name: out[0] for name, out in head.items()}, kv
         if self.shared_kv:
             return self._run_shared(x, kv, extra | {TOTAL_LEN: np.array([start + len(x)], dtype=np.int32)})
+        call_threads(self.threads)
         outputs = self.session.run(self.output_names, {self.input_name: x, **dict(zip(self.past_names, kv))} | extra)
         head = dict(zip(self.output_names[:self.n_head_outputs], outputs[:self.n_head_outputs]))
         return head, outputs[self.n_head_outputs:]
@@ -153,6 +155,7 @@ class ORTGraph:
             value = item[1] if isinstance(item, tuple) else item
             binding.bind_ortvalue_input(past, value)
             binding.bind_ortvalue_output(present, value)
+        call_threads(self.threads)
         self.session.run_with_iobinding(binding)
         outputs = binding.get_outputs()
         return {name: outputs[i].numpy() for i, name in enumerate(heads)}, kv
