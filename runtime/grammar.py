@@ -85,7 +85,7 @@ def _json(text: str, what: str):
 
 @functools.lru_cache(maxsize=8)
 def grammar_tokenizer(tokenizer, vocab_size: int):
-    """llguidance's view of `tokenizer` (built once per tokenizer; ~0.3 s for a 49k vocabulary).
+    """llguidance's view of `tokenizer` (built once per tokenizer: it reads the whole vocabulary).
 
     An HF tokenizer folder gives its tokenizer.json; the byte tokenizer gives its byte table.
     """

@@ -313,10 +313,10 @@ class ORTSplitTarget(SplitTarget):
                           chunk: int = PREFILL_CHUNK) -> np.ndarray:
         """A prompt on two cores. Returns the last position's logits [1, vocab].
 
-        With `prompt_graphs` (sessions with a thread per core, see registry.WorkerBudget.prompt_cpus;
+        With `prompt_graphs` (sessions with a thread per core, see bundles.WorkerBudget.prompt_cpus;
         loaded when a second copy of the weights takes at most a quarter of the available memory)
-        the whole prompt runs through them: measured here, 208 ms for 150 tokens against 266 ms
-        pipelined. Otherwise prefix chunks run in this thread and suffix chunks in a helper pinned to
+        the whole prompt runs through them (the faster way: docs/performance.md). Otherwise prefix
+        chunks run in this thread and suffix chunks in a helper pinned to
         `cpu`: while the suffix runs chunk i, the prefix runs chunk i+1. Either way each graph sees
         its calls in order, so the cache ends as after `forward`.
         """

@@ -3,10 +3,8 @@
 A batched step can use both cores in two ways. "wide": one call through sessions with a thread per core; the
 integer or fp32 products run on both, but a step also copies each group's keys and values and runs many small
 nodes, and those use one thread. "split": the rows cut in two contiguous parts, each a one-thread call on a core
-of its own, both at once; every node runs on both cores, but each core reads all the weights. Measured on this
-2-core machine (ms per step, wide / split): w8a8 target, 2 rows 16.1 / 19.1, 4 rows 16.2 / 16.6, 8 short rows
-25.4 / 20.6, 8 rows of 40-769 tokens 32.7 / 22.4, 16 rows 44.1 / 27.8; fp32 target, 8 short rows 37.7 / 44.3,
-16 rows 61.6 / 56.3. So neither way wins everywhere: `CoreSplit` measures both at each batch size (TRIAL steps
+of its own, both at once; every node runs on both cores, but each core reads all the weights. Neither way wins
+everywhere (docs/performance.md, how the batch decides): `CoreSplit` measures both at each batch size (TRIAL steps
 each, then the one whose latest KEEP steps have the lower median, trying the other again every EXPLORE
 steps as the rows grow).
 A row's logits are the same bits either way (the target graphs compute a row alike in any call: exporters.exact_kv).

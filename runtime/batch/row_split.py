@@ -3,8 +3,7 @@
 Bundles since format 6 attend per group of contiguous rows inside one call (exporters.exact_kv): each group reads
 its own longest row's keys, and `cheapest_groups` picks the groups for every call (devices.onnxruntime.pool).
 There a target-only step is always one call, and rows are not sorted: with four groups, unsorted rows group
-nearly as well, and swapping rows' KV cost more than it saved (measured: w8a8 target, 8 streams, 0.7 s of
-copies in a 6.2 s run; 166.6 tokens/s with sorting, 181.5 without).
+nearly as well, and swapping rows' KV cost more than it saved (docs/performance.md, how the batch decides).
 
 Older bundles (format 5) read every row up to the longest row's length in a call (exporters.exact_kv slices
 the keys to the longest row and masks the shorter ones), so one long prompt among short ones makes every row pay
