@@ -71,7 +71,7 @@ def greedy_rollout(draft, cache, context: list[int], gamma: int, draft_lookup: i
     `oracle`: the text after `context`; an SS draft then guesses it (n_s tokens) instead of its streams'
     choice: the cost of a rollout whose stream guesses are always right when the draft agrees with the text.
     """
-    streams = hasattr(draft, "forward_streams")
+    streams = draft.capabilities.streams
     tokens, times = [], []
     guesses = lookup_guesses(context, min(draft_lookup, gamma - 1)) if draft_lookup else []
     while len(tokens) < gamma:
@@ -190,7 +190,7 @@ def eval_draft_main(bundles: list[str], target: str | None = None, data=None, ga
     drafts, oracle = {}, set()
     for folder, manifest in manifests.items():
         draft = load_model(Path(folder), manifest, "draft", "cpu", budget=budget)
-        streams = hasattr(draft, "forward_streams")
+        streams = draft.capabilities.streams
         drafts[folder + (" (streams)" if streams else "")] = draft
         if streams and oracle_streams:
             oracle.add(folder + " (oracle streams)")

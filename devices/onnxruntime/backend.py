@@ -21,7 +21,7 @@ from pathlib import Path
 
 import numpy as np
 
-from mirror_rt.devices.base import CacheBounds, SplitTarget
+from mirror_rt.devices.base import CacheBounds, GraphModel, SplitTarget
 from mirror_rt.devices.onnxruntime.pool import (
     RowPool,
     forward_rows,
@@ -40,7 +40,6 @@ LAST_ROWS = "last_rows"  # optional graph input (exporters.split.LAST_ROWS): log
 TOTAL_LEN = "total_len"  # input of shared-KV graphs (exporters.shared_kv.TOTAL_LEN)
 ROWS_APART = 1 << 16  # attention_groups of pool graphs: as many as rows
 GROUPS = "attention_groups"  # input of exact graphs since format 6 (exporters.exact_kv.GROUPS_INPUT)
-STREAM_LOGITS = "stream_logits"  # second output of SS draft graphs (exporters.ss_graph.STREAM_LOGITS)
 
 # Short provider names of device strings (`ort:qnn`) -> ONNX Runtime execution providers.
 PROVIDERS = {"cpu": "CPUExecutionProvider", "cuda": "CUDAExecutionProvider", "qnn": "QNNExecutionProvider",
@@ -191,34 +190,19 @@ class ORTCache(CacheBounds):
         if not self.shared:
             self.kv = [[a[:, :, :length] for a in kv] for kv in self.kv]
         self.filled = [min(f, length) for f in self.filled]
-        if self.hidden is not None:  # keep the pending rows that survive the rollback
-            keep = length - self.filled[-1]
-            self.hidden = self.hidden[:keep] if keep > 0 else None
+        self.keep_hidden(length, self.filled[-1])
 
 
-class ORTModel:
-    """A `LoadedModel` over one graph (the draft, or an unsplit target); batched shared-KV graphs run rows of
-    sequences at once."""
+class ORTModel(GraphModel):
+    """A `LoadedModel` over one graph (the draft, or an unsplit target; an SS draft's too); batched shared-KV graphs
+    run rows of sequences at once."""
 
     def __init__(self, graph: ORTGraph, vocab_size: int, max_seq_len: int):
-        self.graph = graph
-        self.vocab_size = vocab_size
-        self.max_seq_len = max_seq_len
-        self.capabilities = Capabilities(rows=graph.batched)
+        streams = graph.session.get_modelmeta().custom_metadata_map.get("n_streams")
+        super().__init__(graph, vocab_size, max_seq_len, int(streams) if streams else None, rows=graph.batched)
 
     def new_cache(self, capacity: int) -> ORTCache:
         return ORTCache([self.graph], min(capacity, self.max_seq_len))
-
-    def forward(self, tokens: Sequence[int], cache: ORTCache, last_rows: int | None = None) -> np.ndarray:
-        """tokens [T] at positions cache.length.. -> logits [T, vocab] (or its last `last_rows`); advances by T."""
-        ids = np.asarray(tokens, dtype=np.int64)
-        cache.check_room(len(ids))
-        logits = cache.run(0, self.graph, ids, last_rows)["logits"]
-        return logits[-last_rows:] if last_rows else logits
-
-    def forward_last(self, tokens: Sequence[int], cache: ORTCache) -> np.ndarray:
-        """As `forward`, but logits of the last position only ([1, vocab]; prefill)."""
-        return self.forward(tokens, cache, last_rows=1)
 
     def new_pool(self, rows: int, capacity: int) -> RowPool:
         """KV rows for `rows` sequences of up to `capacity` positions (devices.onnxruntime.pool)."""
@@ -233,23 +217,6 @@ class ORTModel:
         shared buffers only from shared."""
         graph = getattr(target, "prefix", getattr(target, "graph", None))
         return isinstance(graph, ORTGraph) and (graph.shared_kv or not self.graph.shared_kv)
-
-
-class ORTStreamDraft(ORTModel):
-    """An SS draft graph (exporters.ss_graph): `forward` is the plain draft, `forward_streams` adds the
-    lookahead streams' logits, which the Mirror draft worker uses to confirm several tokens per forward."""
-
-    def __init__(self, graph: ORTGraph, vocab_size: int, max_seq_len: int):
-        super().__init__(graph, vocab_size, max_seq_len)
-        self.n_streams = int(graph.session.get_modelmeta().custom_metadata_map["n_streams"])
-        self.capabilities = Capabilities(rows=graph.batched, streams=True)
-
-    def forward_streams(self, tokens: Sequence[int], cache: ORTCache) -> tuple[np.ndarray, np.ndarray]:
-        """tokens [T] -> main logits [T, vocab], stream logits [T, n_s, vocab]; advances the cache by T."""
-        ids = np.asarray(tokens, dtype=np.int64)
-        cache.check_room(len(ids))
-        head = cache.run(0, self.graph, ids)
-        return head["logits"], head[STREAM_LOGITS]
 
 
 class ORTSplitTarget(SplitTarget):
@@ -299,15 +266,9 @@ class ORTSplitTarget(SplitTarget):
         self._helper = pinned_helper(self._helper, cpu)
         return self._helper[1]
 
-    def _prefix_outputs(self, ids: np.ndarray, cache: ORTCache) -> dict:
-        return cache.run(0, self.prefix, ids)
-
     def _exit(self, hidden: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         head, _ = self.exit.run(hidden, [])
         return head["exit_ids"], head["exit_logprobs"]
-
-    def _suffix(self, hidden: np.ndarray, cache: ORTCache, last_rows: int | None) -> np.ndarray:
-        return cache.run(1, self.suffix, hidden, last_rows)["logits"]
 
     def prefill_pipelined(self, tokens: Sequence[int], cache: ORTCache, cpu: int | None,
                           chunk: int = PREFILL_CHUNK) -> np.ndarray:

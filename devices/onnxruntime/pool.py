@@ -145,9 +145,7 @@ class RowCache(CacheBounds):
         """Forget positions >= length in every graph of the row (a count). O(1)."""
         self.check_rollback(length)
         self.pool.filled[:, self.row] = np.minimum(self.pool.filled[:, self.row], length)
-        if self.hidden is not None:  # keep the pending rows that survive the rollback
-            keep = length - int(self.pool.filled[-1, self.row])
-            self.hidden = self.hidden[:keep] if keep > 0 else None
+        self.keep_hidden(length, int(self.pool.filled[-1, self.row]))
 
 
 def forward_rows(model, pool: RowPool, tokens: np.ndarray, first: int, last_rows: int | None = None) -> np.ndarray:
