@@ -4,10 +4,12 @@ graph, x, last_rows)`: ONNX Runtime, OpenVINO; torch implements the same verbs o
 
 The boundary itself (what the runtime asks of a loaded model, and the `Capabilities` a backend declares for it)
 is runtime.backend; the backends (torch, OpenVINO, ONNX Runtime) implement it, and the runtime imports none.
+The KV pools' storage is `lazy_zeros`: zeroed buffers committed a small page at a time as they are written.
 """
 
 from __future__ import annotations
 
+import mmap
 from collections.abc import Sequence
 
 import numpy as np
@@ -114,3 +116,16 @@ class SplitTarget:
         """As `forward`, but logits of the last position only ([1, vocab]; prefill)."""
         self.forward_prefix_only(tokens, cache)
         return self.forward_suffix(cache, last_rows=1)
+
+
+def lazy_zeros(shape: tuple[int, ...], dtype=np.float32) -> np.ndarray:
+    """A zero-filled array whose pages are committed 4 KB at a time as they are first written."""
+    size = int(np.prod(shape)) * np.dtype(dtype).itemsize
+    if size == 0 or not hasattr(mmap, "MADV_NOHUGEPAGE"):
+        return np.zeros(shape, dtype=dtype)
+    memory = mmap.mmap(-1, size)  # anonymous: zero-filled, committed on first write
+    try:
+        memory.madvise(mmap.MADV_NOHUGEPAGE)
+    except OSError:  # refused: huge pages then, as numpy's would be
+        pass
+    return np.frombuffer(memory, dtype=dtype).reshape(shape)  # the array keeps the mapping alive

@@ -14,7 +14,7 @@ from pathlib import Path
 
 from mirror_rt.devices.registry import DeviceSpec, resolve
 from mirror_rt.runtime.affinity import pin, restore
-from mirror_rt.runtime.lazy_torch import set_threads
+from mirror_rt.runtime.transfer import set_threads
 
 
 @dataclass(frozen=True)
@@ -38,7 +38,7 @@ class WorkerBudget:
 
     def apply(self) -> None:
         """Pin the calling thread to `cpus` (Linux; ignored elsewhere) and set torch's threads (when torch is
-        imported: an ONNX Runtime or OpenVINO worker may never import it, runtime.lazy_torch)."""
+        imported: an ONNX Runtime or OpenVINO worker may never import it, runtime.transfer)."""
         pin(self.cpus)
         if self.threads:
             set_threads(self.threads)

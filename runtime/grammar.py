@@ -18,8 +18,8 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
-from mirror_rt.runtime.lazy_torch import import_torch
 from mirror_rt.runtime.schema_finite import unending
+from mirror_rt.runtime.transfer import import_torch
 
 if TYPE_CHECKING:
     import torch

@@ -4,8 +4,7 @@ import pytest
 import torch
 from conftest import perturbed_copy, tiny_target
 
-from mirror_rt.devices.torch.backend import TorchModel
-from mirror_rt.devices.torch.streams import TorchStreamDraft
+from mirror_rt.devices.torch.backend import TorchModel, TorchStreamDraft
 from mirror_rt.models.ss_draft import StreamDraft
 from mirror_rt.runtime.reference import generate
 from mirror_rt.training.draft_eval import (
@@ -191,7 +190,7 @@ def test_held_out_questions_alone_are_answered(tmp_path, monkeypatch):
     import json
 
     from mirror_rt.training import exit_data
-    from mirror_rt.training.ss_data import answer_sequences, split
+    from mirror_rt.training.exit_data import answer_sequences, split
 
     data = tmp_path / "q.jsonl"
     data.write_text("".join(json.dumps({"question_id": i, "category": "qa", "turns": [f"question number {i}?"]}) + "\n"

@@ -170,7 +170,7 @@ def eval_draft_main(bundles: list[str], target: str | None = None, data=None, ga
     from mirror_rt.exporters.manifest import read_manifest
     from mirror_rt.models.default_model import cache_dir
     from mirror_rt.models.loading import load_checkpoint
-    from mirror_rt.training.ss_data import answer_sequences
+    from mirror_rt.training.exit_data import answer_sequences
 
     bad = [g for g in gammas if not 1 <= g <= MAX_GAMMA]
     if bad:

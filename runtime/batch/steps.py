@@ -16,7 +16,7 @@ import time
 
 import numpy as np
 
-from mirror_rt.runtime.batch.core_split import balanced_cut
+from mirror_rt.runtime.batch.splits import balanced_cut
 from mirror_rt.runtime.reference import choose_under
 
 LIKE = 0.6  # two prompts' chunks prefill at once when the shorter is at least this share of the longer
@@ -209,7 +209,7 @@ class ArStep:
 
     def _batched(self, running: list) -> None:
         """One target call over the rows, or one per group of rows where their lengths differ enough that the
-        padding to the longest row costs more than another call (runtime.batch.row_split)."""
+        padding to the longest row costs more than another call (runtime.batch.splits)."""
         d = self.decoder
         live = set(map(id, running))
         if d.row_split.sort_pays(self._lengths()):
@@ -232,7 +232,7 @@ class ArStep:
             d.core_split.record(len(order), "wide", elapsed)
 
     def _splits(self, rows: int) -> bool:
-        """Whether this step runs as two calls at once, one per core (runtime.batch.core_split): graphs that take every
+        """Whether this step runs as two calls at once, one per core (runtime.batch.splits): graphs that take every
         row in one call, a target that can, two cores of the decoder's own (every sequence has left the draft
         worker before a target-only step), and the measured faster way."""
         d = self.decoder
