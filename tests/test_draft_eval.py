@@ -9,7 +9,6 @@ from mirror_rt.models.ss_draft import StreamDraft
 from mirror_rt.runtime.reference import generate
 from mirror_rt.training.draft_eval import (
     DraftRow,
-    accepted_length,
     evaluate_drafts,
     format_rows,
     greedy_rollout,
@@ -84,8 +83,10 @@ def test_prompt_lookup_guesses_keep_the_tokens_and_save_forwards_when_right(seed
 
 
 def test_accepted_length_and_row_totals():
-    assert accepted_length([5, 9, 2], [5, 9, 4]) == 2
-    assert accepted_length([5, 9], [5, 9]) == 2 and accepted_length([1], [2]) == 0
+    from mirror_rt.runtime.acceptance import matched  # greedy acceptance, as eval-draft counts it
+
+    assert matched([5, 9, 2], [5, 9, 4]) == 2
+    assert matched([5, 9], [5, 9]) == 2 and matched([1], [2]) == 0
     row = DraftRow("d", gamma=3)
     row.add(3, [0.01] * 3)
     row.add(1, [0.02] * 3)

@@ -19,6 +19,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from mirror_rt.runtime.acceptance import matched
 from mirror_rt.runtime.affinity import available_cores
 from mirror_rt.runtime.config import DEFAULTS, MAX_GAMMA
 from mirror_rt.runtime.mirror.draft_row import confident_guesses
@@ -93,14 +94,6 @@ def greedy_rollout(draft, cache, context: list[int], gamma: int, draft_lookup: i
     return tokens[:gamma], times
 
 
-def accepted_length(tokens: list[int], text: list[int]) -> int:
-    """Leading draft tokens equal to the text (greedy acceptance). Example: [5, 9, 2] vs [5, 9, 4] -> 2."""
-    n = 0
-    while n < min(len(tokens), len(text)) and tokens[n] == text[n]:
-        n += 1
-    return n
-
-
 def evaluate_question(draft, ids: list[int], first_answer: int, rows: list[DraftRow], stride: int,
                       oracle: bool = False, draft_lookup: int = 0) -> None:
     """Windows starting at answer positions first_answer, first_answer + stride, ... (each gamma of `rows`)."""
@@ -114,7 +107,7 @@ def evaluate_question(draft, ids: list[int], first_answer: int, rows: list[Draft
             tokens, times = greedy_rollout(draft, cache, ids[:start], row.gamma, draft_lookup,
                                            oracle=text if oracle else None)
             cache.rollback(start - 1)
-            row.add(accepted_length(tokens, text), times)
+            row.add(matched(tokens[:len(text)], text), times)  # greedy acceptance
 
 
 def evaluate_drafts(drafts: dict, sequences: list[tuple[list[int], int]], gammas=(4, 7), stride: int = 8,

@@ -9,7 +9,7 @@ speculative (sd or mirror, per sequence), as `runtime.batch.policy` decides from
 Every token is the target's own choice at its position (runtime.sampling.choose_at), so a sequence's text does
 not depend on its companions, its mode or its windows. Models that cannot batch rows (OpenVINO graphs, compiled
 torch windows) decode their sequences one call each, from caches of their own, without the prefix cache. Not
-thread-safe except `add` and `cancel`: one thread calls `step`.
+thread-safe except `add` (and `Sequence.cancel`): one thread calls `step`.
 """
 
 from __future__ import annotations
@@ -106,10 +106,6 @@ class BatchDecoder:
                              f"{self.budget.total * BLOCK_SIZE} (raise --kv-cache-gb or lower max_tokens)")
         with self.lock:
             self.waiting.append(seq)
-
-    def cancel(self, seq: Sequence) -> None:
-        """Stop `seq` at the next step boundary (a waiting one never runs)."""
-        seq.cancel()
 
     # --- the stepping thread ------------------------------------------------------------
 
