@@ -41,6 +41,21 @@ class CacheBounds:
             self.hidden = self.hidden[:keep] if keep > 0 else None
 
 
+class GraphCache(CacheBounds):
+    """The KV of one or more graphs of the same model (a split target: prefix and suffix), `filled[i]` positions in
+    graph i; a backend's cache adds its storage and `run(index, graph, x, last_rows)`."""
+
+    def __init__(self, graphs: int, capacity: int):
+        self.filled = [0] * graphs  # positions held by each graph
+        self.capacity = capacity
+        self.hidden: np.ndarray | None = None  # split target: prefix rows the suffix has not seen
+
+    @property
+    def length(self) -> int:
+        """Positions committed (by the first graph; the suffix may lag by `hidden` rows)."""
+        return self.filled[0]
+
+
 class GraphModel:
     """A `LoadedModel` over one graph (the draft, or an unsplit target). An SS draft graph (a second output of
     stream logits, exporters.ss_graph) also has `forward_streams`: the lookahead streams' logits, which Mirror's

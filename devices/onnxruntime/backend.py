@@ -21,7 +21,7 @@ from pathlib import Path
 
 import numpy as np
 
-from mirror_rt.devices.base import CacheBounds, GraphModel, SplitTarget
+from mirror_rt.devices.base import GraphCache, GraphModel, SplitTarget
 from mirror_rt.devices.onnxruntime.pool import (
     RowPool,
     forward_rows,
@@ -163,20 +163,13 @@ def one_group(total_len: np.ndarray, groups: int) -> np.ndarray:
     return np.array([[rows, int(total_len.max())]] + [[rows, 1]] * (groups - 1), dtype=np.int64)
 
 
-class ORTCache(CacheBounds):
+class ORTCache(GraphCache):
     """The KV of one or more graphs of the same model: host arrays (explicit) or shared buffers."""
 
     def __init__(self, graphs: list[ORTGraph], capacity: int):
+        super().__init__(len(graphs), capacity)
         self.kv = [g.empty_kv(capacity) for g in graphs]  # per graph: [key0, value0, ...] (see ORTGraph.empty_kv)
         self.shared = graphs[0].shared_kv
-        self.filled = [0] * len(graphs)  # positions held by each graph
-        self.capacity = capacity
-        self.hidden: np.ndarray | None = None  # split target: prefix rows the suffix has not seen
-
-    @property
-    def length(self) -> int:
-        """Positions committed (by the first graph; the suffix may lag by `hidden` rows)."""
-        return self.filled[0]
 
     def run(self, index: int, graph: ORTGraph, x: np.ndarray, last_rows: int | None = None) -> dict:
         """Run graph `index` of this cache over x after its positions; returns its head outputs."""

@@ -16,7 +16,7 @@ from pathlib import Path
 
 import numpy as np
 
-from mirror_rt.devices.base import STREAM_LOGITS, CacheBounds, GraphModel, SplitTarget
+from mirror_rt.devices.base import STREAM_LOGITS, GraphCache, GraphModel, SplitTarget
 from mirror_rt.runtime.backend import Capabilities
 
 LAST_ROWS = "last_rows"  # optional graph input (exporters.split.LAST_ROWS): logits rows from the window's end
@@ -100,20 +100,12 @@ def _make_stateful(model, kv_shape: tuple[int, int]) -> None:
     apply_make_stateful_transformation(model, {n: n.replace("past_", "present_", 1) for n in past})
 
 
-class OVCache(CacheBounds):
+class OVCache(GraphCache):
     """KV state of one or more infer requests (one per graph of the same model)."""
 
     def __init__(self, requests: list, capacity: int, static: bool):
-        self.requests = requests
-        self.capacity = capacity
-        self.filled = [0] * len(requests)  # positions held by each graph's state
-        self.static = static
-        self.hidden: np.ndarray | None = None  # split target: prefix rows the suffix has not seen
-
-    @property
-    def length(self) -> int:
-        """Positions committed (by the first graph; the suffix may lag by `hidden` rows)."""
-        return self.filled[0]
+        super().__init__(len(requests), capacity)
+        self.requests, self.static = requests, static
 
     def run(self, index: int, graph: OVGraph, x: np.ndarray, last_rows: int | None = None) -> dict:
         """Graph `index` of this cache over x after its positions; returns its outputs."""
