@@ -6,7 +6,7 @@ execution providers, OpenVINO's CPU/GPU/NPU, per devices.registry); with one the
 nothing is timed. Otherwise `measure_target` times the loaded target (a one-token step, a verify window of
 gamma + 1 tokens, its prefix and suffix halves) and `measure_draft` each candidate's draft as loaded beside
 it (one-token forwards after a warm-up) with its acceptance against the target (top-1 agreement,
-teacher-forced over a short built-in text). From those costs the latency model (runtime.latency) predicts
+teacher-forced over a short built-in text). From those costs the latency model (runtime.mirror.stats) predicts
 tokens/s of target-only decoding, of SD on each candidate and of Mirror on each candidate that runs at once
 with the target (`pairings`); the best pairing wins, "no speculation" included (and kept on a tie). It times
 models it is given: loading them is devices.bundle_engine's. Times are medians, in ms; a Mirror candidate's
@@ -22,7 +22,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from mirror_rt.devices.placement import is_accelerator
-from mirror_rt.runtime.latency import hit_probability, mirror_step, sd_step, tokens_per_step
+from mirror_rt.runtime.mirror.stats import hit_probability, mirror_step, sd_step, tokens_per_step
 
 AUTO = "auto"
 CALIBRATION = ("The capital of France is Paris. It is known for the Eiffel Tower, its museums and its food. "

@@ -1,16 +1,22 @@
-"""What the backends share: the cache checks (`CacheBounds`) and the split target's verbs (`SplitTarget`).
+"""What the backends share: the cache checks (`CacheBounds`), the verbs of a model over one exported graph
+(`GraphModel`) and of a split target (`SplitTarget`), for backends whose caches run their graphs (`cache.run(index,
+graph, x, last_rows)`: ONNX Runtime, OpenVINO; torch implements the same verbs over its modules).
 
 The boundary itself (what the runtime asks of a loaded model, and the `Capabilities` a backend declares for it)
 is runtime.backend; the backends (torch, OpenVINO, ONNX Runtime) implement it, and the runtime imports none.
+The KV pools' storage is `lazy_zeros`: zeroed buffers committed a small page at a time as they are written.
 """
 
 from __future__ import annotations
 
+import mmap
 from collections.abc import Sequence
 
 import numpy as np
 
-from mirror_rt.runtime.backend import CacheFull
+from mirror_rt.runtime.backend import CacheFull, Capabilities
+
+STREAM_LOGITS = "stream_logits"  # second output of SS draft graphs (exporters.ss_graph.STREAM_LOGITS)
 
 
 class CacheBounds:
@@ -27,16 +33,64 @@ class CacheBounds:
         if not 0 <= length <= self.length:
             raise ValueError(f"cannot roll back to {length}: cache holds {self.length} positions")
 
+    def keep_hidden(self, length: int, suffix_filled: int) -> None:
+        """After a rollback to `length`: a split target's pending prefix rows that survive it (the suffix, which holds
+        `suffix_filled` positions, has not seen them)."""
+        if self.hidden is not None:
+            keep = length - suffix_filled
+            self.hidden = self.hidden[:keep] if keep > 0 else None
+
+
+class GraphCache(CacheBounds):
+    """The KV of one or more graphs of the same model (a split target: prefix and suffix), `filled[i]` positions in
+    graph i; a backend's cache adds its storage and `run(index, graph, x, last_rows)`."""
+
+    def __init__(self, graphs: int, capacity: int):
+        self.filled = [0] * graphs  # positions held by each graph
+        self.capacity = capacity
+        self.hidden: np.ndarray | None = None  # split target: prefix rows the suffix has not seen
+
+    @property
+    def length(self) -> int:
+        """Positions committed (by the first graph; the suffix may lag by `hidden` rows)."""
+        return self.filled[0]
+
+
+class GraphModel:
+    """A `LoadedModel` over one graph (the draft, or an unsplit target). An SS draft graph (a second output of
+    stream logits, exporters.ss_graph) also has `forward_streams`: the lookahead streams' logits, which Mirror's
+    draft rows use to confirm several tokens per forward."""
+
+    def __init__(self, graph, vocab_size: int, max_seq_len: int, n_streams: int | None = None, rows: bool = False):
+        self.graph, self.vocab_size, self.max_seq_len, self.n_streams = graph, vocab_size, max_seq_len, n_streams
+        self.capabilities = Capabilities(rows=rows, streams=STREAM_LOGITS in graph.output_names)
+
+    def forward(self, tokens: Sequence[int], cache, last_rows: int | None = None) -> np.ndarray:
+        """tokens [T] at positions cache.length.. -> logits [T, vocab] (or its last `last_rows`); advances by T."""
+        ids = np.asarray(tokens, dtype=np.int64)
+        cache.check_room(len(ids))
+        logits = cache.run(0, self.graph, ids, last_rows)["logits"]
+        return logits[-last_rows:] if last_rows else logits
+
+    def forward_last(self, tokens: Sequence[int], cache) -> np.ndarray:
+        """As `forward`, but logits of the last position only ([1, vocab]; prefill)."""
+        return self.forward(tokens, cache, last_rows=1)
+
+    def forward_streams(self, tokens: Sequence[int], cache) -> tuple[np.ndarray, np.ndarray]:
+        """tokens [T] -> main logits [T, vocab], stream logits [T, n_s, vocab]; advances the cache by T."""
+        ids = np.asarray(tokens, dtype=np.int64)
+        cache.check_room(len(ids))
+        head = cache.run(0, self.graph, ids, len(ids))
+        return head["logits"], head[STREAM_LOGITS]
+
 
 class SplitTarget:
     """The verbs every split target shares: prefix (with or without the early exit), suffix, forward.
 
-    A backend subclass provides three primitives over its own graphs and cache:
-    `_prefix_outputs(ids, cache)` (the prefix graph's outputs: "hidden", and "exit_hidden" when it
-    computes an attention exit adapter's first stage; advances the prefix half of the cache),
-    `_exit(hidden)` (the stateless exit graph: ids [T, kappa], log-probs [T, kappa]) and
-    `_suffix(hidden, cache, last_rows)` (the suffix graph's logits; advances the suffix half).
-    The cache carries the pending hidden state between prefix and suffix (`cache.hidden`).
+    A backend subclass has `prefix` and `suffix` graphs that its cache runs (graphs 0 and 1: the prefix's
+    outputs are "hidden", and "exit_hidden" when it computes an attention exit adapter's first stage) and the
+    stateless exit graph (`_exit(hidden)` -> ids [T, kappa], log-probs [T, kappa]). The cache carries the
+    pending hidden state between prefix and suffix (`cache.hidden`).
 
     Limitations:
     - `forward_suffix` must follow each `forward_prefix` before the next prefix call.
@@ -51,7 +105,7 @@ class SplitTarget:
             raise RuntimeError("forward_prefix called again before forward_suffix")
         ids = np.asarray(tokens, dtype=np.int64)
         cache.check_room(len(ids))
-        out = self._prefix_outputs(ids, cache)
+        out = cache.run(0, self.prefix, ids)
         cache.hidden = out["hidden"]
         return out
 
@@ -65,7 +119,7 @@ class SplitTarget:
         if cache.hidden is None:
             raise RuntimeError("forward_suffix called without a pending forward_prefix")
         hidden, cache.hidden = cache.hidden, None
-        logits = self._suffix(hidden, cache, last_rows)
+        logits = cache.run(1, self.suffix, hidden, last_rows)["logits"]
         return logits[-last_rows:] if last_rows else logits
 
     def forward(self, tokens: Sequence[int], cache) -> np.ndarray:
@@ -77,3 +131,16 @@ class SplitTarget:
         """As `forward`, but logits of the last position only ([1, vocab]; prefill)."""
         self.forward_prefix_only(tokens, cache)
         return self.forward_suffix(cache, last_rows=1)
+
+
+def lazy_zeros(shape: tuple[int, ...], dtype=np.float32) -> np.ndarray:
+    """A zero-filled array whose pages are committed 4 KB at a time as they are first written."""
+    size = int(np.prod(shape)) * np.dtype(dtype).itemsize
+    if size == 0 or not hasattr(mmap, "MADV_NOHUGEPAGE"):
+        return np.zeros(shape, dtype=dtype)
+    memory = mmap.mmap(-1, size)  # anonymous: zero-filled, committed on first write
+    try:
+        memory.madvise(mmap.MADV_NOHUGEPAGE)
+    except OSError:  # refused: huge pages then, as numpy's would be
+        pass
+    return np.frombuffer(memory, dtype=dtype).reshape(shape)  # the array keeps the mapping alive

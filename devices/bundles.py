@@ -14,7 +14,7 @@ from pathlib import Path
 
 from mirror_rt.devices.registry import DeviceSpec, resolve
 from mirror_rt.runtime.affinity import pin, restore
-from mirror_rt.runtime.lazy_torch import set_threads
+from mirror_rt.runtime.transfer import set_threads
 
 
 @dataclass(frozen=True)
@@ -38,7 +38,7 @@ class WorkerBudget:
 
     def apply(self) -> None:
         """Pin the calling thread to `cpus` (Linux; ignored elsewhere) and set torch's threads (when torch is
-        imported: an ONNX Runtime or OpenVINO worker may never import it, runtime.lazy_torch)."""
+        imported: an ONNX Runtime or OpenVINO worker may never import it, runtime.transfer)."""
         pin(self.cpus)
         if self.threads:
             set_threads(self.threads)
@@ -86,37 +86,23 @@ def _config(manifest, role: str):
 
 
 def _load_openvino(paths, manifest, config, spec: DeviceSpec, budget: WorkerBudget):
-    from mirror_rt.devices.openvino.backend import (
-        STREAM_LOGITS,
-        OVGraph,
-        OVModel,
-        OVSplitTarget,
-        OVStreamDraft,
-    )
+    from mirror_rt.devices.openvino.backend import OVGraph, OVModel, OVSplitTarget
 
     window = manifest.max_window if manifest.static else 0
     graphs = [OVGraph(p, spec.device, (config.n_kv_heads, config.head_dim), budget.threads, window,
                       pinned=bool(budget.cpus), precision=budget.precision) for p in paths]
     if len(graphs) == 1:
-        streams = STREAM_LOGITS in graphs[0].output_names  # an explicit-KV SS draft (exporters.ss_graph)
-        return (OVStreamDraft if streams else OVModel)(graphs[0], config.vocab_size, manifest.max_context)
+        return OVModel(graphs[0], config.vocab_size, manifest.max_context)
     return OVSplitTarget(*graphs, config.vocab_size, manifest.max_context, manifest.kappa)
 
 
 def _load_onnxruntime(paths, manifest, config, spec: DeviceSpec, budget: WorkerBudget):
-    from mirror_rt.devices.onnxruntime.backend import (
-        STREAM_LOGITS,
-        ORTGraph,
-        ORTModel,
-        ORTSplitTarget,
-        ORTStreamDraft,
-    )
+    from mirror_rt.devices.onnxruntime.backend import ORTGraph, ORTModel, ORTSplitTarget
 
     kv_shape = (config.n_kv_heads, config.head_dim)
     if len(paths) == 1:
         graph = ORTGraph(paths[0], spec.device, kv_shape, budget.threads)
-        streams = STREAM_LOGITS in graph.output_names  # an SS draft (exporters.ss_graph)
-        return (ORTStreamDraft if streams else ORTModel)(graph, config.vocab_size, manifest.max_context)
+        return ORTModel(graph, config.vocab_size, manifest.max_context)
     more_cores = len(budget.prompt_cpus or ()) > (budget.threads or 0)
     wide = budget.prompt_cpus if spec.device == "cpu" and more_cores else None
     if wide and not _second_copy_fits([paths[0], paths[2]], loading=paths):

@@ -148,7 +148,7 @@ def _torch_draft(draft_model: str, draft_streams: str | None, target, dtype: str
         names["draft"] = "int8 copy of the target" if draft_model == "int8" else str(draft_model)
     model = TorchModel(draft, "cpu") if draft is not None else None
     if draft_streams:
-        from mirror_rt.devices.torch.streams import TorchStreamDraft
+        from mirror_rt.devices.torch.backend import TorchStreamDraft
         from mirror_rt.models.ss_draft import load_streams
 
         model = TorchStreamDraft(load_streams(draft if draft is not None else target.model, draft_streams), "cpu")

@@ -32,7 +32,7 @@ class EngineRunner:
 
     def answer(self, messages: list[dict], config: GenerationConfig):
         target = self.engine.target
-        previous = target.set_threads(self.threads) if self.threads and hasattr(target, "set_threads") else None
+        previous = target.set_threads(self.threads) if self.threads and target.capabilities.threads else None
         try:
             gen = self.engine.generate(messages, replace(config, mode=self.mode, **self.options))
         finally:

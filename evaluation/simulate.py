@@ -1,7 +1,7 @@
 """`mirror-rt simulate`: predict AR / SD / Mirror step times and speedups from costs.
 
 Costs per device (per layer per window, per draft forward) and the algorithm's rates
-(per-token acceptance a, root coverage) go through the latency model (runtime.latency), with k = gamma:
+(per-token acceptance a, root coverage) go through the latency model (runtime.mirror.stats), with k = gamma:
     AR   time per token      = T_target(1)
     SD   time per step       = k * T_draft + T_target(k+1)
     Mirror time per step     = T_prefix(k+1) + T_rendezvous + max(T_suffix(k+1), T_rollout)
@@ -20,7 +20,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from mirror_rt.runtime.config import MAX_GAMMA
-from mirror_rt.runtime.latency import hit_probability, mirror_step, sd_step, tokens_per_step
+from mirror_rt.runtime.mirror.stats import hit_probability, mirror_step, sd_step, tokens_per_step
 from mirror_rt.runtime.values import is_integer
 
 COSTS = ("target_layer_ms", "target_head_ms", "draft_forward_ms", "rendezvous_ms")  # milliseconds, >= 0

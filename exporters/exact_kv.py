@@ -18,7 +18,7 @@ drafts keep GroupQueryAttention (faster at one token, and a draft need not be ex
 Groups (format 6): the call's rows are cut into GROUPS contiguous groups by the `attention_groups` input
 ([GROUPS, 2] int64: each group's row end and the keys it reads, its longest row; empty groups last, with
 1 key), so one long row no longer makes every row of the call read its keys (format 5 read every row up to the
-longest). The caller picks the cut (runtime.batch.row_split.cheapest_groups); an empty group costs a few zero-size
+longest). The caller picks the cut (runtime.batch.splits.cheapest_groups); an empty group costs a few zero-size
 nodes per layer (measured: 0.25 us each).
 """
 

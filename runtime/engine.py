@@ -24,11 +24,10 @@ from mirror_rt.runtime.batch.sequence import Sequence
 from mirror_rt.runtime.config import GenerationConfig, make_config
 from mirror_rt.runtime.generation import Generation, Step
 from mirror_rt.runtime.mirror.stats import batch_stats
-from mirror_rt.runtime.prompts import prompt_problem
 from mirror_rt.runtime.reference import token_budget
 from mirror_rt.runtime.text_stream import TextStream
 from mirror_rt.runtime.token_rules import TokenRules
-from mirror_rt.runtime.values import is_integer
+from mirror_rt.runtime.values import is_integer, prompt_problem
 
 
 class GenerationError(ValueError):
@@ -103,7 +102,7 @@ class Engine:
 
     def prompt_ids(self, prompt, chat: bool = True) -> list[int]:
         """Token ids for a string (chat template applied if chat), a list of chat messages, or token ids;
-        PromptError for anything else (runtime.prompts)."""
+        PromptError for anything else (runtime.values)."""
         problem = prompt_problem(prompt)
         if problem:
             raise PromptError(problem)

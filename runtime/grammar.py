@@ -18,8 +18,8 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
-from mirror_rt.runtime.lazy_torch import import_torch
 from mirror_rt.runtime.schema_finite import unending
+from mirror_rt.runtime.transfer import import_torch
 
 if TYPE_CHECKING:
     import torch
@@ -85,7 +85,7 @@ def _json(text: str, what: str):
 
 @functools.lru_cache(maxsize=8)
 def grammar_tokenizer(tokenizer, vocab_size: int):
-    """llguidance's view of `tokenizer` (built once per tokenizer; ~0.3 s for a 49k vocabulary).
+    """llguidance's view of `tokenizer` (built once per tokenizer: it reads the whole vocabulary).
 
     An HF tokenizer folder gives its tokenizer.json; the byte tokenizer gives its byte table.
     """

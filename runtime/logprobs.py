@@ -11,9 +11,8 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from mirror_rt.runtime.lazy_torch import import_torch
 from mirror_rt.runtime.sampling import as_tensor
-from mirror_rt.runtime.transfer import to_host
+from mirror_rt.runtime.transfer import import_torch, to_host
 
 MAX_TOP = 20  # OpenAI's and vLLM's bound on top_logprobs
 

@@ -6,7 +6,7 @@ tensor without a copy, a device tensor (torch) stays on its device, and only the
 through `runtime.transfer`. A position's draw is its own uniform (`position_uniform`: the request's seed and
 the position, nothing else), made on the host, so a seed gives the same draws on every device and in every
 mode. Greedy (temperature 0) never builds probabilities: it is an argmax over raw logits (numpy's on host
-arrays: greedy decoding over ONNX Runtime or OpenVINO never imports torch, runtime.lazy_torch).
+arrays: greedy decoding over ONNX Runtime or OpenVINO never imports torch, runtime.transfer).
 """
 
 from __future__ import annotations
@@ -16,8 +16,7 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
-from mirror_rt.runtime.lazy_torch import import_torch, is_tensor
-from mirror_rt.runtime.transfer import host_ids
+from mirror_rt.runtime.transfer import host_ids, import_torch, is_tensor
 from mirror_rt.runtime.values import is_integer, is_number
 
 if TYPE_CHECKING:

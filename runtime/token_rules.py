@@ -8,12 +8,14 @@ state, `accept(token)` advances (False, and no advance, when the grammar forbids
 `fork()` copies the state (the draft keeps its own copy, Mirror one per line and branch).
 A target verify window goes through `verify_rows` then `settle`: the rules end at the committed
 text, never advanced over rejected drafts (the same count as the KV rollback). It knows no model.
+Bias and penalties follow vLLM's order and definitions (`add_bias`, then `penalize`); only the few ids concerned
+travel to the logits' device, no vocabulary-sized array is made on the host.
 """
 
 from __future__ import annotations
 
 from collections import Counter
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -21,10 +23,9 @@ import numpy as np
 
 from mirror_rt.runtime import grammar
 from mirror_rt.runtime.grammar import Constraint
-from mirror_rt.runtime.lazy_torch import import_torch
 from mirror_rt.runtime.logprobs import MAX_TOP, TokenLogprob, token_logprobs
-from mirror_rt.runtime.penalties import add_bias, penalize
 from mirror_rt.runtime.sampling import as_tensor, stack_rows
+from mirror_rt.runtime.transfer import import_torch
 
 if TYPE_CHECKING:
     import torch
@@ -214,3 +215,39 @@ def settle(rules: TokenRules | None, advanced: int, tokens: list[int], verdict, 
     for token in tokens[keep:accepted] + [verdict.next_token]:
         rules.accept(token)
     rules.record(logits, tokens[:accepted] + [verdict.next_token])
+
+
+def add_bias(x: torch.Tensor, bias: Sequence[tuple[int, float]]) -> torch.Tensor:
+    """x [vocab] plus `bias` at its ids (a new tensor; ids past x's rows: a draft's embedding with less padding)."""
+    torch = import_torch()
+    bias = [(i, b) for i, b in bias if i < x.shape[-1]]
+    ids = torch.tensor([i for i, _ in bias], dtype=torch.long, device=x.device)
+    values = torch.tensor([b for _, b in bias], dtype=x.dtype, device=x.device)
+    return x.index_add(0, ids, values)
+
+
+def penalize(x: torch.Tensor, counts: Mapping[int, int], seen: torch.Tensor | None, repetition: float,
+             frequency: float, presence: float) -> torch.Tensor:
+    """x [vocab] with the penalties for the tokens generated so far (`output`) and the prompt's ids.
+
+    Args:
+        x: one logits row [vocab] (host view or device tensor); never modified in place.
+        counts: {id: times generated so far} (ids at 0 may be left out).
+        seen: the prompt's distinct ids [n] on x's device, or None (the repetition penalty only).
+    Example: logits [2.0, -1.0, 0.5], counts {0: 2}, repetition 2, frequency 0.5, presence 1
+        -> token 0: 2.0 / 2 - 0.5 * 2 - 1 = -1.0; the others unchanged.
+    """
+    torch = import_torch()
+    counts = {i: c for i, c in counts.items() if c}
+    if repetition != 1.0:
+        ids = torch.tensor(list(counts), dtype=torch.long, device=x.device)
+        if seen is not None:
+            ids = torch.cat([ids, seen])
+        if ids.numel():
+            chosen = x[ids]
+            x = x.index_put((ids,), torch.where(chosen > 0, chosen / repetition, chosen * repetition))
+    if counts and (frequency or presence):
+        ids = torch.tensor(list(counts), dtype=torch.long, device=x.device)
+        amount = torch.tensor([frequency * c + presence for c in counts.values()], dtype=x.dtype, device=x.device)
+        x = x.index_add(0, ids, -amount)
+    return x

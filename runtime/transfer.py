@@ -7,20 +7,22 @@ thread, since the target and the draft workers run in their own threads: a reque
 difference of its thread's counters before and after (`Metrics`). Tensors on the CPU and host arrays
 (ONNX Runtime and OpenVINO outputs) cross no device and count nothing, but `record_shapes` keeps the
 shape of every tensor read, CPU included: the same boundary, checked on a machine without a GPU.
+torch itself is imported where a tensor is made (`import_torch`): a bundle's greedy run (host arrays, numpy's
+argmax) never imports it, and asks `is_tensor` whether an output is one without importing it.
 """
 
 from __future__ import annotations
 
+import sys
 import threading
 from contextlib import contextmanager
 from typing import TYPE_CHECKING
 
 import numpy as np
 
-from mirror_rt.runtime.lazy_torch import is_tensor
-
 if TYPE_CHECKING:
     import torch
+
 
 class _Counters(threading.local):
     """Per thread: bytes and reads from accelerators, and the shapes `record_shapes` collects (None: not now)."""
@@ -115,3 +117,35 @@ class PendingRead:
             return list(self.host)
         self.event.synchronize()
         return [h.numpy() for h in self.host]
+
+
+_pending_threads: int | None = None
+
+
+def is_tensor(x) -> bool:
+    """Whether `x` is a torch tensor; never imports torch (before torch is imported, nothing is one). Safe while
+    another thread imports it: a module without `Tensor` yet has made no tensor."""
+    tensor = getattr(sys.modules.get("torch"), "Tensor", None)
+    return tensor is not None and isinstance(x, tensor)
+
+
+def set_threads(count: int) -> None:
+    """torch's intra-op threads (process-wide): set now where torch is imported, else when `import_torch` is."""
+    global _pending_threads
+    set_num_threads = getattr(sys.modules.get("torch"), "set_num_threads", None)
+    if set_num_threads is None:  # not imported (or being imported): the next import_torch() applies it
+        _pending_threads = count
+    else:
+        _pending_threads = None
+        set_num_threads(count)
+
+
+def import_torch():
+    """The torch module, imported on first use with the thread count `set_threads` asked for."""
+    global _pending_threads
+    import torch
+
+    if _pending_threads is not None:
+        torch.set_num_threads(_pending_threads)
+        _pending_threads = None
+    return torch

@@ -20,6 +20,7 @@ from mirror_rt.devices.auto_draft import (
     table,
 )
 from mirror_rt.devices.registry import available_devices
+from mirror_rt.runtime.backend import Capabilities
 
 # gamma 4: target 20 ms a token, 24 ms a 5-token window split 12 + 12 at the early exit
 TARGET = TargetCosts("openvino:GPU", token_ms=20.0, window_ms=24.0, prefix_ms=12.0, suffix_ms=12.0)
@@ -97,6 +98,7 @@ class FakeModel:
     """A model of chosen speed (ms a forward, plus ms a token) whose greedy pick is `(token + shift) % 7`."""
 
     vocab_size = 7
+    capabilities = Capabilities(split=True)
 
     def __init__(self, ms: float, per_token_ms: float = 0.0, shift: int = 1):
         self.ms, self.per_token_ms, self.shift = ms, per_token_ms, shift

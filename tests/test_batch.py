@@ -9,8 +9,8 @@ from mirror_rt.devices.torch.backend import TorchModel
 from mirror_rt.devices.torch.split import TorchSplitTarget
 from mirror_rt.runtime.batch.decoder import BatchConfig, BatchDecoder, KVTooLarge
 from mirror_rt.runtime.batch.kv_rows import BLOCK_SIZE
-from mirror_rt.runtime.batch.row_split import TRIAL
 from mirror_rt.runtime.batch.sequence import Sequence
+from mirror_rt.runtime.batch.splits import TRIAL
 from mirror_rt.runtime.config import GenerationConfig
 from mirror_rt.runtime.reference import generate
 from mirror_rt.runtime.sampling import SamplingConfig
@@ -368,7 +368,7 @@ def test_a_self_draft_adopts_the_text_it_missed(pair, mode):
 
 
 # --- rows of different lengths: attention groups inside a call (exporters.exact_kv), or calls per group of rows
-# and rows sorted by length (runtime.batch.row_split; graphs without groups, and torch) ---
+# and rows sorted by length (runtime.batch.splits; graphs without groups, and torch) ---
 
 
 @pytest.fixture

@@ -1,7 +1,7 @@
 """A cold `mirror-rt run` over an ONNX bundle imports neither torch nor transformers (nor OpenVINO).
 
 Importing torch took about a second of the default run's three; the bundle path decodes numpy arrays
-(runtime.lazy_torch). Each check runs the CLI in a fresh interpreter and lists what it imported.
+(runtime.transfer). Each check runs the CLI in a fresh interpreter and lists what it imported.
 """
 
 from __future__ import annotations
@@ -53,8 +53,8 @@ def test_run_of_the_default_bundle_imports_no_torch(cache_dir):
 def test_torch_threads_asked_before_torch_is_imported_apply_when_it_is():
     """A worker's thread count (WorkerBudget.apply) waits for torch's import: sampled draws on host arrays then
     compute with the threads they always had."""
-    code = ("import sys; from mirror_rt.runtime import lazy_torch; lazy_torch.set_threads(1); "
-            "assert 'torch' not in sys.modules; print(lazy_torch.import_torch().get_num_threads())")
+    code = ("import sys; from mirror_rt.runtime import transfer; transfer.set_threads(1); "
+            "assert 'torch' not in sys.modules; print(transfer.import_torch().get_num_threads())")
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert done.returncode == 0, done.stderr
     assert done.stdout.strip() == "1"

@@ -1,4 +1,4 @@
-"""Target-only steps on two cores (runtime.batch.core_split): the way chosen by measurement, the same text either
+"""Target-only steps on two cores (runtime.batch.splits): the way chosen by measurement, the same text either
 way."""
 
 import pytest
@@ -6,8 +6,9 @@ from test_batch import prompts, reference, run, sequence
 
 from mirror_rt.runtime.affinity import available_cores
 from mirror_rt.runtime.batch import steps as batch_steps
-from mirror_rt.runtime.batch.core_split import EXPLORE, KEEP, TRIAL, CoreSplit, balanced_cut
 from mirror_rt.runtime.batch.decoder import BatchConfig, BatchDecoder
+from mirror_rt.runtime.batch.splits import CORE_TRIAL as TRIAL
+from mirror_rt.runtime.batch.splits import EXPLORE, KEEP, CoreSplit, balanced_cut
 from mirror_rt.runtime.config import GenerationConfig
 
 CORES = sorted(available_cores())

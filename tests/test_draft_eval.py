@@ -4,13 +4,11 @@ import pytest
 import torch
 from conftest import perturbed_copy, tiny_target
 
-from mirror_rt.devices.torch.backend import TorchModel
-from mirror_rt.devices.torch.streams import TorchStreamDraft
+from mirror_rt.devices.torch.backend import TorchModel, TorchStreamDraft
 from mirror_rt.models.ss_draft import StreamDraft
 from mirror_rt.runtime.reference import generate
 from mirror_rt.training.draft_eval import (
     DraftRow,
-    accepted_length,
     evaluate_drafts,
     format_rows,
     greedy_rollout,
@@ -85,8 +83,10 @@ def test_prompt_lookup_guesses_keep_the_tokens_and_save_forwards_when_right(seed
 
 
 def test_accepted_length_and_row_totals():
-    assert accepted_length([5, 9, 2], [5, 9, 4]) == 2
-    assert accepted_length([5, 9], [5, 9]) == 2 and accepted_length([1], [2]) == 0
+    from mirror_rt.runtime.acceptance import matched  # greedy acceptance, as eval-draft counts it
+
+    assert matched([5, 9, 2], [5, 9, 4]) == 2
+    assert matched([5, 9], [5, 9]) == 2 and matched([1], [2]) == 0
     row = DraftRow("d", gamma=3)
     row.add(3, [0.01] * 3)
     row.add(1, [0.02] * 3)
@@ -191,7 +191,7 @@ def test_held_out_questions_alone_are_answered(tmp_path, monkeypatch):
     import json
 
     from mirror_rt.training import exit_data
-    from mirror_rt.training.ss_data import answer_sequences, split
+    from mirror_rt.training.exit_data import answer_sequences, split
 
     data = tmp_path / "q.jsonl"
     data.write_text("".join(json.dumps({"question_id": i, "category": "qa", "turns": [f"question number {i}?"]}) + "\n"

@@ -22,7 +22,7 @@ from mirror_rt.models.exit_adapter import (
 )
 from mirror_rt.models.loading import load_checkpoint
 from mirror_rt.runtime.reference import generate
-from mirror_rt.training.exit_sequences import (
+from mirror_rt.training.exit_data import (
     evaluate_sequences,
     sequence_data,
     split_sequences,

@@ -186,7 +186,7 @@ def test_stream_draft_equals_reference(gamma, confidence):
     """An SS draft (random streams: many rejected guesses; all fed, or only confident ones) changes nothing."""
     import torch
 
-    from mirror_rt.devices.torch.streams import TorchStreamDraft
+    from mirror_rt.devices.torch.backend import TorchStreamDraft
     from mirror_rt.models.ss_draft import StreamDraft
 
     target = tiny_target(seed=8)

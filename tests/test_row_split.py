@@ -1,9 +1,9 @@
-"""Target-only steps cut into calls over groups of rows of like lengths (runtime.batch.row_split): the cut, its trial,
+"""Target-only steps cut into calls over groups of rows of like lengths (runtime.batch.splits): the cut, its trial,
 the sort (exactness with cuts and sorts: tests/test_batch.py)."""
 
 from __future__ import annotations
 
-from mirror_rt.runtime.batch.row_split import TRIAL, RowSplit
+from mirror_rt.runtime.batch.splits import TRIAL, RowSplit
 
 
 def test_one_long_row_is_cut_off_when_a_call_costs_less_than_its_padding():

@@ -339,8 +339,7 @@ def test_kuberay_builds_the_same_app_from_serve_options():
     """`mirror_rt.cli:ray_serve_app` (a RayService's import_path) turns `mirror-rt serve` options into the app."""
     serve = pytest.importorskip("ray.serve")
     from mirror_rt.cli import build_parser, ray_serve_app
-    from mirror_rt.cli.replicas import cluster_config
-    from mirror_rt.cli.serve import serve_parts
+    from mirror_rt.cli.serve import cluster_config, serve_parts
 
     options = "--torch --model tiny --mode mirror --replicas 3 --max-queued 5 --device cuda"
     assert isinstance(ray_serve_app({"options": options}), serve.Application)

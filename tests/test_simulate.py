@@ -82,14 +82,14 @@ def test_mirror_stats_latency_model_hand_computed():
     """
     from mirror_rt.runtime.metrics import Metrics
     from mirror_rt.runtime.mirror.draft_row import DraftStats
-    from mirror_rt.runtime.mirror.stats import mirror_summary
+    from mirror_rt.runtime.mirror.stats import TargetCounters, mirror_summary
 
     m = Metrics()
     m.record_step(2, 2)
     m.record_step(2, 1)
     m.stage_seconds = {"target_prefix": 0.010, "target_suffix": 0.020, "target_wait": 0.006}
     d = DraftStats(main_hits=3, misses=1, rollout_s=0.040, fresh_s=0.004, forwards=7)
-    out = mirror_summary(m, d, {"exit_covered": 0, "corrections": 1, "busy": [], "fallback_steps": 0, "exit_steps": 2})
+    out = mirror_summary(m, d, TargetCounters(corrections=1, exit_steps=2))
     assert out["predicted_step_ms"] == pytest.approx(27.0)
     assert out["predicted_step_ms_pipelined"] == pytest.approx(22.0)
     assert out["reuse_hit_rate"] == 0.75 and out["mean_window"] == 2.0

@@ -42,8 +42,7 @@ def test_main_stream_is_the_base_draft():
 def test_stream_verified_rollout_equals_draft_greedy():
     """A draft row's line over SS streams is the draft's own greedy continuation at temperature 0, whatever the
     (random) stream guesses it feeds and checks, in at most one forward a token."""
-    from mirror_rt.devices.torch.backend import TorchModel
-    from mirror_rt.devices.torch.streams import TorchStreamDraft
+    from mirror_rt.devices.torch.backend import TorchModel, TorchStreamDraft
     from mirror_rt.runtime.config import GenerationConfig
     from mirror_rt.runtime.mirror.draft_row import DraftConfig, DraftRow
 
@@ -108,7 +107,7 @@ def test_training_lowers_loss_and_round_trips(tmp_path):
 
 
 def test_training_is_deterministic_and_resumes(tmp_path):
-    from mirror_rt.training.losses import loss_summary
+    from mirror_rt.training.checkpoints import loss_summary
     from mirror_rt.training.ss_training import train_streams, trained_steps
 
     data = _pattern_data(n=8)
@@ -210,7 +209,7 @@ def test_streams_load_over_an_int8_copy_and_refuse_non_finite_weights(tmp_path):
 def test_the_loss_summary_never_mixes_the_first_and_last_steps():
     """first_loss was the mean of the first 10 steps and final_loss of the last 20: under 20 steps they shared
     steps (train-exit's were equal under 10), and neither said what it averaged."""
-    from mirror_rt.training.losses import loss_summary
+    from mirror_rt.training.checkpoints import loss_summary
 
     assert loss_summary([5.0, 4.0, 3.0, 2.0]) == {"first_loss": 4.5, "final_loss": 2.5, "loss_mean_over_steps": 2}
     losses = [float(i) for i in range(100, 0, -1)]

@@ -17,9 +17,8 @@ from mirror_rt.models.tokenizer import ByteTokenizer
 from mirror_rt.runtime.acceptance import Verdict
 from mirror_rt.runtime.grammar import Constraint, check, grammar_tokenizer
 from mirror_rt.runtime.logprobs import token_logprobs
-from mirror_rt.runtime.penalties import penalize
 from mirror_rt.runtime.sampling import SamplingConfig
-from mirror_rt.runtime.token_rules import RulesConfig, TokenRules, settle, verify_rows
+from mirror_rt.runtime.token_rules import RulesConfig, TokenRules, penalize, settle, verify_rows
 
 jsonschema = pytest.importorskip("jsonschema")
 

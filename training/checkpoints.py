@@ -1,4 +1,5 @@
-"""Training checkpoints (optimizer state, RNG state, losses) written and read safely.
+"""What every training loop shares: checkpoints (optimizer state, RNG state, losses) written and read safely, and the
+loss figures (a step's loss checked finite, a run's summary).
 
 Checkpoints hold only tensors, numbers, strings and containers of them, so they are read with
 `torch.load(weights_only=True)`: a file that holds anything else (code, another program's
@@ -38,3 +39,22 @@ def load_state(path: Path, keys: tuple[str, ...]) -> dict:
     if not isinstance(state, dict) or any(k not in state for k in keys):
         raise CheckpointError(f"{path}: not a mirror-rt training checkpoint (expected the entries {', '.join(keys)})")
     return state
+
+
+def loss_summary(losses: list[float], window: int = 20) -> dict:
+    """The mean loss of the first and of the last `window` steps (the bar shows the latter as it trains), over at
+    most half the steps each, so the two never share a step; null when no step ran."""
+    n = min(window, len(losses) // 2) or len(losses)
+    if not losses:
+        return {"first_loss": None, "final_loss": None, "loss_mean_over_steps": 0}
+    return {"first_loss": round(sum(losses[:n]) / n, 4), "final_loss": round(sum(losses[-n:]) / n, 4),
+            "loss_mean_over_steps": n}
+
+
+def finite_loss(loss: torch.Tensor, step: int) -> float:
+    """The step's loss as a number; ValueError when it is NaN or infinite (the training diverged): stopped before
+    the optimizer applies it, so the last checkpoint and the weights written stay finite."""
+    value = loss.item()
+    if value != value or value in (float("inf"), float("-inf")):
+        raise ValueError(f"the training diverged at step {step + 1}: the loss is {value} (try a lower --lr)")
+    return value

@@ -19,6 +19,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from mirror_rt.runtime.acceptance import matched
 from mirror_rt.runtime.affinity import available_cores
 from mirror_rt.runtime.config import DEFAULTS, MAX_GAMMA
 from mirror_rt.runtime.mirror.draft_row import confident_guesses
@@ -71,7 +72,7 @@ def greedy_rollout(draft, cache, context: list[int], gamma: int, draft_lookup: i
     `oracle`: the text after `context`; an SS draft then guesses it (n_s tokens) instead of its streams'
     choice: the cost of a rollout whose stream guesses are always right when the draft agrees with the text.
     """
-    streams = hasattr(draft, "forward_streams")
+    streams = draft.capabilities.streams
     tokens, times = [], []
     guesses = lookup_guesses(context, min(draft_lookup, gamma - 1)) if draft_lookup else []
     while len(tokens) < gamma:
@@ -93,14 +94,6 @@ def greedy_rollout(draft, cache, context: list[int], gamma: int, draft_lookup: i
     return tokens[:gamma], times
 
 
-def accepted_length(tokens: list[int], text: list[int]) -> int:
-    """Leading draft tokens equal to the text (greedy acceptance). Example: [5, 9, 2] vs [5, 9, 4] -> 2."""
-    n = 0
-    while n < min(len(tokens), len(text)) and tokens[n] == text[n]:
-        n += 1
-    return n
-
-
 def evaluate_question(draft, ids: list[int], first_answer: int, rows: list[DraftRow], stride: int,
                       oracle: bool = False, draft_lookup: int = 0) -> None:
     """Windows starting at answer positions first_answer, first_answer + stride, ... (each gamma of `rows`)."""
@@ -114,7 +107,7 @@ def evaluate_question(draft, ids: list[int], first_answer: int, rows: list[Draft
             tokens, times = greedy_rollout(draft, cache, ids[:start], row.gamma, draft_lookup,
                                            oracle=text if oracle else None)
             cache.rollback(start - 1)
-            row.add(accepted_length(tokens, text), times)
+            row.add(matched(tokens[:len(text)], text), times)  # greedy acceptance
 
 
 def evaluate_drafts(drafts: dict, sequences: list[tuple[list[int], int]], gammas=(4, 7), stride: int = 8,
@@ -170,7 +163,7 @@ def eval_draft_main(bundles: list[str], target: str | None = None, data=None, ga
     from mirror_rt.exporters.manifest import read_manifest
     from mirror_rt.models.default_model import cache_dir
     from mirror_rt.models.loading import load_checkpoint
-    from mirror_rt.training.ss_data import answer_sequences
+    from mirror_rt.training.exit_data import answer_sequences
 
     bad = [g for g in gammas if not 1 <= g <= MAX_GAMMA]
     if bad:
@@ -190,7 +183,7 @@ def eval_draft_main(bundles: list[str], target: str | None = None, data=None, ga
     drafts, oracle = {}, set()
     for folder, manifest in manifests.items():
         draft = load_model(Path(folder), manifest, "draft", "cpu", budget=budget)
-        streams = hasattr(draft, "forward_streams")
+        streams = draft.capabilities.streams
         drafts[folder + (" (streams)" if streams else "")] = draft
         if streams and oracle_streams:
             oracle.add(folder + " (oracle streams)")

@@ -7,7 +7,9 @@ KV cache (greedy, or forced along given answers) and records, for every generate
 every prompt position after the chat template's shared prefix, the exit hidden state (float16)
 and the final distribution's top-k (ids, log-probs). Answers are
 cached as jsonl and features as safetensors in the cache folder, keyed by model, data and
-settings, so reruns skip the generation. It knows nothing about the adapter or training.
+settings, so reruns skip the generation; `answer_sequences` gives the same answers to `train-draft`
+(whichever command runs first generates them). An attention adapter's data are whole sequences
+(`sequence_data`: layer ℓe-1's keys and values with the exit states). It knows nothing about training.
 """
 
 from __future__ import annotations
@@ -21,6 +23,8 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
+from mirror_rt.devices.torch.kv_cache import new_cache
+from mirror_rt.models.exit_adapter import ExitAdapter, cached_mix
 from mirror_rt.models.transformer import apply_rope, rope_tables
 
 DATA_VERSION = 2  # 2: prompt positions recorded too
@@ -239,3 +243,119 @@ def _read_answers(path: Path, prompts) -> list[list[int]] | None:
     if [r["question_id"] for r in rows] != [qid for qid, _ in prompts]:
         return None
     return [r["answer_ids"] for r in rows]
+
+
+def answer_sequences(model, tokenizer, data_files, folder: Path, max_new_tokens: int = 96,
+                     max_prompt_tokens: int = 128, progress: bool = True,
+                     held_out: int | None = None) -> list[tuple[list[int], int]]:
+    """(prompt + answer ids, index of the first answer token) per question, in file order. `held_out`: only the
+    first that many held-out questions (`split`'s), answered alone where the answers of all are not cached yet."""
+    key = data_key(model, data_files, max_new_tokens, max_prompt_tokens)
+    prompts = first_turn_prompts(tokenizer, data_files, max_prompt_tokens)
+    path = Path(folder) / f"{key}.answers.jsonl"
+    if held_out is None or path.is_file():
+        sequences = _answered(model, tokenizer, path, prompts, max_new_tokens, progress)
+        return sequences if held_out is None else split(sequences)[1][:held_out]
+    some = split(prompts)[1][:held_out]
+    return _answered(model, tokenizer, Path(folder) / f"{key}.held-out-{held_out}.answers.jsonl", some,
+                     max_new_tokens, progress)
+
+
+def _answered(model, tokenizer, path: Path, prompts: list, max_new_tokens: int, progress: bool) -> list:
+    """The target's greedy answers to `prompts`, read from `path` or computed (in batches) and saved there."""
+    from tqdm import tqdm
+
+    answers = _read_answers(path, prompts)
+    if answers is None:
+        eos = tuple(getattr(tokenizer, "eos_token_ids", ()))
+        order = sorted(range(len(prompts)), key=lambda i: len(prompts[i][1]))
+        found = {}
+        with tqdm(total=len(prompts), desc="target answers", unit="answer", disable=not progress) as bar:
+            for batch in _batches(order, 16):
+                rows = decode_batch(model, [prompts[i][1] for i in batch], 1, max_new_tokens, None, eos)
+                found.update((i, row[0]) for i, row in zip(batch, rows))
+                bar.update(len(batch))
+        answers = [found[i] for i in range(len(prompts))]
+        path.parent.mkdir(parents=True, exist_ok=True)
+        _write_answers(path, prompts, answers, tokenizer)
+    return [(list(p) + list(a), len(p)) for (_, p), a in zip(prompts, answers)]
+
+
+def split(sequences: list, every: int = 5) -> tuple[list, list]:
+    """(train, held_out): every `every`-th sequence is held out."""
+    return ([s for i, s in enumerate(sequences) if i % every != every - 1],
+            [s for i, s in enumerate(sequences) if i % every == every - 1])
+
+
+@dataclass
+class ExitSequence:
+    """One question's sequence; row t predicts token t+1."""
+
+    hidden: torch.Tensor  # [T, hidden] float16: hidden state after the exit layer
+    keys: torch.Tensor  # [KVH, T, D] float16: layer ℓe-1's keys (RoPE applied, as cached)
+    values: torch.Tensor  # [KVH, T, D] float16
+    top_ids: torch.Tensor  # [T, k] int64: final layer's top-k ids (column 0: the target's next token)
+    top_logprobs: torch.Tensor  # [T, k] float32
+    first: int  # first row trained on (after the chat template's shared prefix)
+    prompt_len: int  # rows prompt_len-1.. predict the answer
+    question: int  # index of the question in file order
+
+    def answer_rows(self) -> torch.Tensor:
+        return torch.arange(self.prompt_len - 1, self.hidden.shape[0] - 1)
+
+    def trained_rows(self) -> torch.Tensor:
+        return torch.arange(self.first, self.hidden.shape[0] - 1)
+
+
+@torch.inference_mode()
+def sequence_data(model, prompts: list[list[int]], answers: list[list[int]], exit_layer: int, skip: int,
+                  top_k: int = 64, progress: bool = True) -> list[ExitSequence]:
+    """Run prompt + answer of every question through the target (one forward each)."""
+    from tqdm import tqdm
+
+    out = []
+    for i, (prompt, answer) in enumerate(tqdm(list(zip(prompts, answers)), desc="exit sequences", unit="question",
+                                              disable=not progress)):
+        ids = torch.tensor(list(prompt) + list(answer), device=model.embed_tokens.weight.device)
+        T = len(ids)
+        cache = new_cache(model, T)
+        exit_h = model.run_layers(model.embed(ids), cache, 0, exit_layer)
+        h = model.run_layers(exit_h, cache, exit_layer, model.config.n_layers)
+        top = torch.topk(F.log_softmax(model.logits(h).float(), dim=-1), min(top_k, model.config.vocab_size), dim=-1)
+        last = exit_layer - 1
+        out.append(ExitSequence(exit_h.half(), cache.keys[last, :, :T].half().clone(),
+                                cache.values[last, :, :T].half().clone(), top.indices, top.values,
+                                min(skip, len(prompt) - 1), len(prompt), i))
+    return out
+
+
+def split_sequences(seqs: list[ExitSequence], every: int = 5) -> tuple[list[ExitSequence], list[ExitSequence]]:
+    """(train, held_out): every `every`-th question (file order) is held out, as ExitData.split."""
+    held = [s for s in seqs if s.question % every == every - 1]
+    return [s for s in seqs if s.question % every != every - 1], held
+
+
+def exit_logits_at(model, adapter: ExitAdapter | None, seq: ExitSequence, rows: torch.Tensor) -> torch.Tensor:
+    """Early-exit logits [len(rows), vocab] at `rows` of `seq` (None: the untrained exit).
+
+    The adapter's attention runs over the whole sequence (every row's keys); the LM head only at `rows`.
+    """
+    dtype = model.embed_tokens.weight.dtype
+    if adapter is None:
+        return model.logits(seq.hidden[rows].to(dtype))
+    mixed = cached_mix(model, adapter, seq.hidden.to(dtype), seq.keys.to(dtype), seq.values.to(dtype))
+    return model.logits(adapter.project(mixed[rows]))
+
+
+@torch.inference_mode()
+def evaluate_sequences(model, adapter: ExitAdapter | None, held_out: list[ExitSequence]) -> dict:
+    """Coverage of the target's next token by the exit's top-1 / top-8 on the answer rows (None: untrained exit)."""
+    hits1 = hits8 = n = 0
+    for seq in held_out:
+        rows = seq.answer_rows()
+        top = torch.topk(exit_logits_at(model, adapter, seq, rows).float(), 8, dim=-1).indices
+        target = seq.top_ids[rows, :1]
+        hits1 += (top[:, :1] == target).sum().item()
+        hits8 += (top == target).any(-1).sum().item()
+        n += len(rows)
+    return {"top1": hits1 / n if n else None, "top8": hits8 / n if n else None, "positions": n}  # none: null

@@ -26,21 +26,18 @@ import torch.nn.functional as F
 
 from mirror_rt.models.config import SplitConfig
 from mirror_rt.models.exit_adapter import ExitAdapter, exit_logits, save_exit_adapter
-from mirror_rt.training.checkpoints import load_state, save_state
+from mirror_rt.training.checkpoints import finite_loss, load_state, loss_summary, save_state
 from mirror_rt.training.exit_data import (
     ExitData,
+    ExitSequence,
     cached_answers,
     collect,
-    shared_prefix_len,
-)
-from mirror_rt.training.exit_sequences import (
-    ExitSequence,
     evaluate_sequences,
     exit_logits_at,
     sequence_data,
+    shared_prefix_len,
     split_sequences,
 )
-from mirror_rt.training.losses import finite_loss, loss_summary
 
 
 @dataclass(frozen=True)

@@ -18,8 +18,7 @@ import torch.nn.functional as F
 
 from mirror_rt.devices.torch.kv_cache import new_cache
 from mirror_rt.models.ss_draft import StreamDraft, load_streams, stream_config
-from mirror_rt.training.checkpoints import load_state, save_state
-from mirror_rt.training.losses import finite_loss, loss_summary
+from mirror_rt.training.checkpoints import finite_loss, load_state, loss_summary, save_state
 
 
 def stream_parameters(draft: StreamDraft) -> dict[str, torch.Tensor]:
@@ -161,7 +160,7 @@ def train_draft_main(target: str | None = None, init: str = "self", streams: int
     from mirror_rt.exporters.paths import check_writable
     from mirror_rt.models.default_model import cache_dir
     from mirror_rt.models.loading import load_checkpoint
-    from mirror_rt.training.ss_data import answer_sequences, split
+    from mirror_rt.training.exit_data import answer_sequences, split
 
     files = question_files(data, "train-draft")  # inputs and the output are checked before any model loads
     check_writable(out)

@@ -72,7 +72,7 @@ def prune_vocab_main(target: str | None = None, data=None, size: int = 16384, ou
     from mirror_rt.exporters.paths import check_writable
     from mirror_rt.models.default_model import cache_dir
     from mirror_rt.models.loading import load_checkpoint
-    from mirror_rt.training.ss_data import answer_sequences, split
+    from mirror_rt.training.exit_data import answer_sequences, split
 
     files = question_files(data, "prune-vocab")  # inputs and the output are checked before any model loads
     check_writable(out, folder=False)

@@ -21,7 +21,7 @@ from pathlib import Path
 
 import numpy as np
 
-from mirror_rt.devices.base import CacheBounds, SplitTarget
+from mirror_rt.devices.base import GraphCache, GraphModel, SplitTarget
 from mirror_rt.devices.onnxruntime.pool import (
     RowPool,
     forward_rows,
@@ -40,7 +40,6 @@ LAST_ROWS = "last_rows"  # optional graph input (exporters.split.LAST_ROWS): log
 TOTAL_LEN = "total_len"  # input of shared-KV graphs (exporters.shared_kv.TOTAL_LEN)
 ROWS_APART = 1 << 16  # attention_groups of pool graphs: as many as rows
 GROUPS = "attention_groups"  # input of exact graphs since format 6 (exporters.exact_kv.GROUPS_INPUT)
-STREAM_LOGITS = "stream_logits"  # second output of SS draft graphs (exporters.ss_graph.STREAM_LOGITS)
 
 # Short provider names of device strings (`ort:qnn`) -> ONNX Runtime execution providers.
 PROVIDERS = {"cpu": "CPUExecutionProvider", "cuda": "CUDAExecutionProvider", "qnn": "QNNExecutionProvider",
@@ -167,20 +166,13 @@ def one_group(total_len: np.ndarray, groups: int) -> np.ndarray:
     return np.array([[rows, int(total_len.max())]] + [[rows, 1]] * (groups - 1), dtype=np.int64)
 
 
-class ORTCache(CacheBounds):
+class ORTCache(GraphCache):
     """The KV of one or more graphs of the same model: host arrays (explicit) or shared buffers."""
 
     def __init__(self, graphs: list[ORTGraph], capacity: int):
+        super().__init__(len(graphs), capacity)
         self.kv = [g.empty_kv(capacity) for g in graphs]  # per graph: [key0, value0, ...] (see ORTGraph.empty_kv)
         self.shared = graphs[0].shared_kv
-        self.filled = [0] * len(graphs)  # positions held by each graph
-        self.capacity = capacity
-        self.hidden: np.ndarray | None = None  # split target: prefix rows the suffix has not seen
-
-    @property
-    def length(self) -> int:
-        """Positions committed (by the first graph; the suffix may lag by `hidden` rows)."""
-        return self.filled[0]
 
     def run(self, index: int, graph: ORTGraph, x: np.ndarray, last_rows: int | None = None) -> dict:
         """Run graph `index` of this cache over x after its positions; returns its head outputs."""
@@ -194,34 +186,19 @@ class ORTCache(CacheBounds):
         if not self.shared:
             self.kv = [[a[:, :, :length] for a in kv] for kv in self.kv]
         self.filled = [min(f, length) for f in self.filled]
-        if self.hidden is not None:  # keep the pending rows that survive the rollback
-            keep = length - self.filled[-1]
-            self.hidden = self.hidden[:keep] if keep > 0 else None
+        self.keep_hidden(length, self.filled[-1])
 
 
-class ORTModel:
-    """A `LoadedModel` over one graph (the draft, or an unsplit target); batched shared-KV graphs run rows of
-    sequences at once."""
+class ORTModel(GraphModel):
+    """A `LoadedModel` over one graph (the draft, or an unsplit target; an SS draft's too); batched shared-KV graphs
+    run rows of sequences at once."""
 
     def __init__(self, graph: ORTGraph, vocab_size: int, max_seq_len: int):
-        self.graph = graph
-        self.vocab_size = vocab_size
-        self.max_seq_len = max_seq_len
-        self.capabilities = Capabilities(rows=graph.batched)
+        streams = graph.session.get_modelmeta().custom_metadata_map.get("n_streams")
+        super().__init__(graph, vocab_size, max_seq_len, int(streams) if streams else None, rows=graph.batched)
 
     def new_cache(self, capacity: int) -> ORTCache:
         return ORTCache([self.graph], min(capacity, self.max_seq_len))
-
-    def forward(self, tokens: Sequence[int], cache: ORTCache, last_rows: int | None = None) -> np.ndarray:
-        """tokens [T] at positions cache.length.. -> logits [T, vocab] (or its last `last_rows`); advances by T."""
-        ids = np.asarray(tokens, dtype=np.int64)
-        cache.check_room(len(ids))
-        logits = cache.run(0, self.graph, ids, last_rows)["logits"]
-        return logits[-last_rows:] if last_rows else logits
-
-    def forward_last(self, tokens: Sequence[int], cache: ORTCache) -> np.ndarray:
-        """As `forward`, but logits of the last position only ([1, vocab]; prefill)."""
-        return self.forward(tokens, cache, last_rows=1)
 
     def new_pool(self, rows: int, capacity: int) -> RowPool:
         """KV rows for `rows` sequences of up to `capacity` positions (devices.onnxruntime.pool)."""
@@ -236,23 +213,6 @@ class ORTModel:
         shared buffers only from shared."""
         graph = getattr(target, "prefix", getattr(target, "graph", None))
         return isinstance(graph, ORTGraph) and (graph.shared_kv or not self.graph.shared_kv)
-
-
-class ORTStreamDraft(ORTModel):
-    """An SS draft graph (exporters.ss_graph): `forward` is the plain draft, `forward_streams` adds the
-    lookahead streams' logits, which the Mirror draft worker uses to confirm several tokens per forward."""
-
-    def __init__(self, graph: ORTGraph, vocab_size: int, max_seq_len: int):
-        super().__init__(graph, vocab_size, max_seq_len)
-        self.n_streams = int(graph.session.get_modelmeta().custom_metadata_map["n_streams"])
-        self.capabilities = Capabilities(rows=graph.batched, streams=True)
-
-    def forward_streams(self, tokens: Sequence[int], cache: ORTCache) -> tuple[np.ndarray, np.ndarray]:
-        """tokens [T] -> main logits [T, vocab], stream logits [T, n_s, vocab]; advances the cache by T."""
-        ids = np.asarray(tokens, dtype=np.int64)
-        cache.check_room(len(ids))
-        head = cache.run(0, self.graph, ids)
-        return head["logits"], head[STREAM_LOGITS]
 
 
 class ORTSplitTarget(SplitTarget):
@@ -302,24 +262,18 @@ class ORTSplitTarget(SplitTarget):
         self._helper = pinned_helper(self._helper, cpu)
         return self._helper[1]
 
-    def _prefix_outputs(self, ids: np.ndarray, cache: ORTCache) -> dict:
-        return cache.run(0, self.prefix, ids)
-
     def _exit(self, hidden: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         head, _ = self.exit.run(hidden, [])
         return head["exit_ids"], head["exit_logprobs"]
-
-    def _suffix(self, hidden: np.ndarray, cache: ORTCache, last_rows: int | None) -> np.ndarray:
-        return cache.run(1, self.suffix, hidden, last_rows)["logits"]
 
     def prefill_pipelined(self, tokens: Sequence[int], cache: ORTCache, cpu: int | None,
                           chunk: int = PREFILL_CHUNK) -> np.ndarray:
         """A prompt on two cores. Returns the last position's logits [1, vocab].
 
-        With `prompt_graphs` (sessions with a thread per core, see registry.WorkerBudget.prompt_cpus;
+        With `prompt_graphs` (sessions with a thread per core, see bundles.WorkerBudget.prompt_cpus;
         loaded when a second copy of the weights takes at most a quarter of the available memory)
-        the whole prompt runs through them: measured here, 208 ms for 150 tokens against 266 ms
-        pipelined. Otherwise prefix chunks run in this thread and suffix chunks in a helper pinned to
+        the whole prompt runs through them (the faster way: docs/performance.md). Otherwise prefix
+        chunks run in this thread and suffix chunks in a helper pinned to
         `cpu`: while the suffix runs chunk i, the prefix runs chunk i+1. Either way each graph sees
         its calls in order, so the cache ends as after `forward`.
         """

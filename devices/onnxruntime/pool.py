@@ -17,19 +17,19 @@ from __future__ import annotations
 
 import numpy as np
 
-from mirror_rt.devices.base import CacheBounds
-from mirror_rt.devices.lazy_memory import lazy_zeros
+from mirror_rt.devices.base import CacheBounds, lazy_zeros
 from mirror_rt.runtime.affinity import pin, restore
-from mirror_rt.runtime.batch.row_split import GROUP_COST, cheapest_groups
+from mirror_rt.runtime.batch.splits import GROUP_COST, cheapest_groups
 
 INITIAL_POSITIONS = 256  # a pool's room per row before its first request asks for more
+
 
 class RowPool:
     """KV buffers of one model's graphs (a split target: prefix and suffix; a draft: one graph) for `rows` rows.
 
     Rows hold up to `capacity` positions; the buffers are allocated for `allocated` of them and `grow` as requests
     need more (a copy of what they hold): the pool's address space follows the longest request so far, never rows
-    x the model's context. Memory is committed as positions are written (devices.lazy_memory).
+    x the model's context. Memory is committed as positions are written (devices.base.lazy_zeros).
     """
 
     def __init__(self, graphs: list, rows: int, capacity: int):
@@ -96,7 +96,7 @@ class RowPool:
 
     def attention_groups(self, ends: np.ndarray, tokens: int, groups: int) -> np.ndarray:
         """Contiguous groups of rows whose attention reads their own longest row's keys (exporters.exact_kv):
-        [groups, 2] of (row end, keys), the cheapest cut (runtime.batch.row_split.cheapest_groups), empty ones last."""
+        [groups, 2] of (row end, keys), the cheapest cut (runtime.batch.splits.cheapest_groups), empty ones last."""
         key, cached = (ends.tobytes(), tokens, groups), self._groups  # (one read: a pipelined prefill's threads)
         if cached[0] == key:
             return cached[1]
@@ -163,9 +163,7 @@ class RowCache(CacheBounds):
         """Forget positions >= length in every graph of the row (a count). O(1)."""
         self.check_rollback(length)
         self.pool.filled[:, self.row] = np.minimum(self.pool.filled[:, self.row], length)
-        if self.hidden is not None:  # keep the pending rows that survive the rollback
-            keep = length - int(self.pool.filled[-1, self.row])
-            self.hidden = self.hidden[:keep] if keep > 0 else None
+        self.keep_hidden(length, int(self.pool.filled[-1, self.row]))
 
 
 def forward_rows(model, pool: RowPool, tokens: np.ndarray, first: int, last_rows: int | None = None) -> np.ndarray:
@@ -183,7 +181,7 @@ def target_rows(target, pool: RowPool, tokens: np.ndarray, first: int, last_rows
 
 
 def split_rows(target, pool: RowPool, tokens: np.ndarray, cut: int, cpus: tuple[int, int], helper) -> np.ndarray:
-    """Target-only rows 0..B-1 of `pool` as two calls at once (runtime.batch.core_split): rows 0..cut-1 on cpus[0], the
+    """Target-only rows 0..B-1 of `pool` as two calls at once (runtime.batch.splits): rows 0..cut-1 on cpus[0], the
     others on cpus[1] (`on_two_cores`), each through the target's one-thread sessions -> logits [B, T, vocab], the
     same bits as one call (a row computes alike in any call)."""
     tokens = np.asarray(tokens, dtype=np.int64)

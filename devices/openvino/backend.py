@@ -12,16 +12,14 @@ target's exit graph is stateless and belongs to no cache.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
 from pathlib import Path
 
 import numpy as np
 
-from mirror_rt.devices.base import CacheBounds, SplitTarget
+from mirror_rt.devices.base import STREAM_LOGITS, GraphCache, GraphModel, SplitTarget
 from mirror_rt.runtime.backend import Capabilities
 
 LAST_ROWS = "last_rows"  # optional graph input (exporters.split.LAST_ROWS): logits rows from the window's end
-STREAM_LOGITS = "stream_logits"  # second output of SS draft graphs (exporters.ss_graph.STREAM_LOGITS)
 
 
 def _openvino():
@@ -102,20 +100,18 @@ def _make_stateful(model, kv_shape: tuple[int, int]) -> None:
     apply_make_stateful_transformation(model, {n: n.replace("past_", "present_", 1) for n in past})
 
 
-class OVCache(CacheBounds):
+class OVCache(GraphCache):
     """KV state of one or more infer requests (one per graph of the same model)."""
 
     def __init__(self, requests: list, capacity: int, static: bool):
-        self.requests = requests
-        self.capacity = capacity
-        self.filled = [0] * len(requests)  # positions held by each graph's state
-        self.static = static
-        self.hidden: np.ndarray | None = None  # split target: prefix rows the suffix has not seen
+        super().__init__(len(requests), capacity)
+        self.requests, self.static = requests, static
 
-    @property
-    def length(self) -> int:
-        """Positions committed (by the first graph; the suffix may lag by `hidden` rows)."""
-        return self.filled[0]
+    def run(self, index: int, graph: OVGraph, x: np.ndarray, last_rows: int | None = None) -> dict:
+        """Graph `index` of this cache over x after its positions; returns its outputs."""
+        out = graph.run(self.requests[index], x, self.filled[index], last_rows)
+        self.filled[index] += len(x)
+        return out
 
     def rollback(self, length: int) -> None:
         """Forget positions >= length in every graph: trim each state (dynamic) or O(1) (static)."""
@@ -125,9 +121,7 @@ class OVCache(CacheBounds):
                 if not self.static:
                     _trim(request, length)
                 self.filled[i] = length
-        if self.hidden is not None:  # keep the pending rows that survive the rollback
-            keep = length - self.filled[-1]
-            self.hidden = self.hidden[:keep] if keep > 0 else None
+        self.keep_hidden(length, self.filled[-1])
 
 
 def _trim(request, length: int) -> None:
@@ -141,48 +135,19 @@ def _trim(request, length: int) -> None:
             state.state = ov.Tensor(tensor, [0, 0, 0, 0], end)
 
 
-class OVModel:
-    """A `LoadedModel` over one stateful graph (the draft, or an unsplit target)."""
+class OVModel(GraphModel):
+    """A `LoadedModel` over one stateful graph (the draft, or an unsplit target; an SS draft graph exported with
+    `--kv explicit --draft-streams` is made stateful at load too)."""
 
     def __init__(self, graph: OVGraph, vocab_size: int, max_seq_len: int):
-        self.graph = graph
-        self.vocab_size = vocab_size
-        self.max_seq_len = max_seq_len
-        self.capabilities = Capabilities()
+        n_streams = None
+        if STREAM_LOGITS in graph.output_names:  # its stream count, where the graph's shape fixes it
+            shape = graph.compiled.outputs[graph.output_names.index(STREAM_LOGITS)].get_partial_shape()[1]
+            n_streams = shape.get_length() if shape.is_static else None
+        super().__init__(graph, vocab_size, max_seq_len, n_streams)
 
     def new_cache(self, capacity: int) -> OVCache:
         return OVCache([self.graph.new_request()], min(capacity, self.max_seq_len), bool(self.graph.window))
-
-    def forward(self, tokens: Sequence[int], cache: OVCache, last_rows: int | None = None) -> np.ndarray:
-        """tokens [T] at positions cache.length.. -> logits [T, vocab] (or its last `last_rows`); advances by T."""
-        ids = np.asarray(tokens, dtype=np.int64)
-        cache.check_room(len(ids))
-        out = self.graph.run(cache.requests[0], ids, cache.length, last_rows)
-        cache.filled[0] += len(ids)
-        return out["logits"][-last_rows:] if last_rows else out["logits"]
-
-    def forward_last(self, tokens: Sequence[int], cache: OVCache) -> np.ndarray:
-        """As `forward`, but logits of the last position only ([1, vocab]; prefill)."""
-        return self.forward(tokens, cache, last_rows=1)
-
-
-class OVStreamDraft(OVModel):
-    """An SS draft graph (exporters.ss_graph, explicit KV: `mirror-rt export --kv explicit --draft-streams`)
-    made stateful at load; `forward_streams` adds the lookahead streams' logits to the plain draft's."""
-
-    def __init__(self, graph: OVGraph, vocab_size: int, max_seq_len: int):
-        super().__init__(graph, vocab_size, max_seq_len)
-        streams = graph.compiled.outputs[graph.output_names.index(STREAM_LOGITS)].get_partial_shape()[1]
-        self.n_streams = streams.get_length() if streams.is_static else None
-        self.capabilities = Capabilities(streams=True)
-
-    def forward_streams(self, tokens: Sequence[int], cache: OVCache) -> tuple[np.ndarray, np.ndarray]:
-        """tokens [T] -> main logits [T, vocab], stream logits [T, n_s, vocab]; advances the cache by T."""
-        ids = np.asarray(tokens, dtype=np.int64)
-        cache.check_room(len(ids))
-        out = self.graph.run(cache.requests[0], ids, cache.length, len(ids))
-        cache.filled[0] += len(ids)
-        return out["logits"], out[STREAM_LOGITS]
 
 
 class OVSplitTarget(SplitTarget):
@@ -206,16 +171,6 @@ class OVSplitTarget(SplitTarget):
         requests = [self.prefix.new_request(), self.suffix.new_request()]
         return OVCache(requests, min(capacity, self.max_seq_len), bool(self.prefix.window))
 
-    def _prefix_outputs(self, ids: np.ndarray, cache: OVCache) -> dict:
-        out = self.prefix.run(cache.requests[0], ids, cache.length)
-        cache.filled[0] += len(ids)
-        return out
-
     def _exit(self, hidden: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         out = self.exit.run(self.exit_request, hidden, 0)
         return out["exit_ids"], out["exit_logprobs"]
-
-    def _suffix(self, hidden: np.ndarray, cache: OVCache, last_rows: int | None) -> np.ndarray:
-        out = self.suffix.run(cache.requests[1], hidden, cache.filled[1], last_rows)
-        cache.filled[1] += len(hidden)
-        return out["logits"]

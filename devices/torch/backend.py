@@ -3,13 +3,14 @@
 Logits stay where they were computed: `forward` returns a tensor on the model's device, in the model's
 dtype, and the runtime reads back only what it decides with (`runtime.transfer`: greedy verify reads
 k+1 ids). Weights and KV cache never leave the device. With `static` (implied by `compile` and by a bf16 /
-fp16 model) windows run at fixed shapes over a pooled cache (`torch_static`), compiled with `torch.compile`
-when `compile`.
+fp16 model) windows run at fixed shapes over a pooled cache (`devices.torch.static`), compiled with
+`torch.compile` when `compile`. A Speculative Streaming draft (`TorchStreamDraft`) adds its streams' logits.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
+from dataclasses import replace
 
 import numpy as np
 import torch
@@ -97,3 +98,20 @@ class TorchModel:
     def forward_last(self, tokens: Sequence[int], cache: KVCache) -> torch.Tensor:
         """As `forward`, but logits of the last position only ([1, vocab]; prefill)."""
         return self.forward(tokens, cache, last_rows=1)
+
+
+class TorchStreamDraft(TorchModel):
+    """A `LoadedModel` over a StreamDraft, with `forward_streams` and `n_streams`."""
+
+    def __init__(self, draft, device: str = "cpu"):
+        super().__init__(draft.base, device)
+        self.streams = draft.to(self.device).eval()
+        self.n_streams = draft.n_streams
+        self.capabilities = replace(self.capabilities, streams=True)
+
+    @torch.inference_mode()
+    def forward_streams(self, tokens: Sequence[int], cache) -> tuple[np.ndarray, np.ndarray]:
+        """tokens [T] -> main logits [T, vocab], stream logits [T, n_s, vocab]; advances the cache by T."""
+        ids = torch.as_tensor(list(tokens), dtype=torch.long, device=self.device)
+        main, streams = self.streams.forward_streams(ids, cache)
+        return main.float().cpu().numpy(), streams.float().cpu().numpy()

@@ -12,7 +12,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 from mirror_rt.devices.base import CacheBounds
-from mirror_rt.runtime.lazy_torch import import_torch
+from mirror_rt.runtime.transfer import import_torch
 
 if TYPE_CHECKING:
     import torch

@@ -5,7 +5,7 @@ The torch twin of devices.onnxruntime.pool.RowPool (same verbs: `row_cache`, `co
 windows of any length one row at a time: torch's matrix products round a row differently when they hold
 another number of rows (measured: 5e-15 apart in float64 between 1 and 3 rows; bf16 far more), and every row
 must compute exactly what it computes alone, so that batched greedy text is the single-stream text. On the CPU
-the storage comes from devices.lazy_memory (pages committed as positions are written); on CUDA from torch.zeros.
+the storage comes from devices.base (pages committed as positions are written); on CUDA from torch.zeros.
 Invariant: a batched forward writes at filled[row].. and advances nothing; the caller commits.
 """
 
@@ -14,7 +14,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from mirror_rt.devices.lazy_memory import lazy_zeros
+from mirror_rt.devices.base import lazy_zeros
 from mirror_rt.devices.torch.kv_cache import KVCache
 
 NUMPY_DTYPES = {torch.float32: np.float32, torch.float64: np.float64, torch.float16: np.float16}
@@ -22,7 +22,7 @@ INITIAL_POSITIONS = 256  # a pool's room per row before its first request asks f
 
 
 def _zeros(shape: tuple, dtype: torch.dtype, device) -> torch.Tensor:
-    """Zeros committed as written on the CPU (devices.lazy_memory), torch.zeros elsewhere."""
+    """Zeros committed as written on the CPU (devices.base.lazy_zeros), torch.zeros elsewhere."""
     if torch.device(device).type == "cpu" and dtype in NUMPY_DTYPES:
         return torch.from_numpy(lazy_zeros(shape, NUMPY_DTYPES[dtype]))
     return torch.zeros(shape, dtype=dtype, device=device)

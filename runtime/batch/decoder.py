@@ -4,12 +4,12 @@ One `step()`: admit waiting sequences while rows and KV blocks allow (prefix cac
 chunk of the prompts not yet in their rows (oldest first), one decode step for every running sequence, then
 release the sequences that finished (end of text, length, cancel) and fill their rows. The decode step is
 batched target-only (one target call for every row, its attention per group of like lengths; older bundles:
-a call per group, runtime.batch.row_split) or
+a call per group, runtime.batch.splits) or
 speculative (sd or mirror, per sequence), as `runtime.batch.policy` decides from the step costs this engine measures.
 Every token is the target's own choice at its position (runtime.sampling.choose_at), so a sequence's text does
 not depend on its companions, its mode or its windows. Models that cannot batch rows (OpenVINO graphs, compiled
 torch windows) decode their sequences one call each, from caches of their own, without the prefix cache. Not
-thread-safe except `add` and `cancel`: one thread calls `step`.
+thread-safe except `add` (and `Sequence.cancel`): one thread calls `step`.
 """
 
 from __future__ import annotations
@@ -19,12 +19,11 @@ import threading
 import time
 from dataclasses import dataclass
 
-from mirror_rt.runtime.batch.core_split import CoreSplit
 from mirror_rt.runtime.batch.kv_rows import BLOCK_SIZE, BlockBudget, RowMap, blocks_for
 from mirror_rt.runtime.batch.policy import AR, SPEC, SpeculationPolicy
 from mirror_rt.runtime.batch.prefix_cache import PrefixCache
-from mirror_rt.runtime.batch.row_split import RowSplit
 from mirror_rt.runtime.batch.sequence import Sequence
+from mirror_rt.runtime.batch.splits import CoreSplit, RowSplit
 from mirror_rt.runtime.batch.steps import ArStep, Prefill
 from mirror_rt.runtime.mirror.step import MirrorStep
 from mirror_rt.runtime.values import is_integer, is_number
@@ -82,7 +81,7 @@ class BatchDecoder:
         # target-only steps: one call, or one per group of rows of like lengths (graphs that group rows inside
         # a call: always one call, rows never sorted)
         self.row_split = RowSplit(in_call=target.capabilities.attention_groups if self.pooled else 0)
-        self.core_split = CoreSplit()  # such steps: one call on both cores, or two at once (runtime.batch.core_split)
+        self.core_split = CoreSplit()  # such steps: one call on both cores, or two at once (runtime.batch.splits)
         self.steps = 0
 
     def describe(self) -> str:
@@ -107,10 +106,6 @@ class BatchDecoder:
                              f"{self.budget.total * BLOCK_SIZE} (raise --kv-cache-gb or lower max_tokens)")
         with self.lock:
             self.waiting.append(seq)
-
-    def cancel(self, seq: Sequence) -> None:
-        """Stop `seq` at the next step boundary (a waiting one never runs)."""
-        seq.cancel()
 
     # --- the stepping thread ------------------------------------------------------------
 
@@ -229,7 +224,7 @@ class BatchDecoder:
             seq.row, seq.state = None, "done"
 
     def sort_rows(self) -> None:
-        """Rows in order of length (runtime.batch.row_split: groups of like lengths are then contiguous), by swaps of
+        """Rows in order of length (runtime.batch.splits: groups of like lengths are then contiguous), by swaps of
         both models' rows; only while no sequence prefills or drafts with the draft worker."""
         if not self.pooled or any(s.state != "running" or s.mirror is not None for s in self.active):
             return

@@ -11,16 +11,12 @@ decodes its first window (the draft reads its prompt). Speculation, what was ask
 at a larger batch target-only is measured first, and speculation is tried only while one stream's speculative
 rate beats target-only at that batch size by the margin (a speculative step of B sequences commits about what one
 stream does: the target verifies windows one sequence a call, while target-only steps share one call), else the
-batch decodes target-only (measured here, w8a8 target at 2 streams: 96.6 tokens/s where the batch decoded
-target-only, 80.9 where it explored speculation because one stream's speculation had beaten one stream's
-target-only).
-A way not yet measured at a batch size is tried until it has `explore` settled steps or
+batch decodes target-only. A way not yet measured at a batch size is tried until it has `explore` settled steps or
 `3 * explore` steps in all (when sequences come and go every few steps, few steps settle: exploring must end
 anyway); every `refresh` steps the way not taken gets a trial; the decoder switches only for a gain above
 `margin` (fixed switch points made vLLM users' throughput fall off cliffs). A step in which prompts prefill
-decodes target-only: the prompts take every core, which they get only while the draft worker holds nobody
-(measured here: at 4 streams, with speculation during arrivals, 124.6 tokens/s and TTFT p50 300 ms, against 140.8
-and 193 ms where the batch had learned target-only).
+decodes target-only: the prompts take every core, which they get only while the draft worker holds nobody.
+What these rules were measured against: docs/performance.md (how the batch decides).
 """
 
 from __future__ import annotations
@@ -77,8 +73,7 @@ class SpeculationPolicy:
     def too_late(self, running: list) -> bool:
         """Whether speculation would start too late to pay: adaptive, after target-only steps, with fewer than
         SWITCH_MIN tokens left to every sequence. A switch makes the draft take the text it missed and pays a
-        first window, which a few last tokens never win back (measured here: a batch's one-stream tail spent
-        70-100 ms on its first Mirror step, for 2 tokens)."""
+        first window, which a few last tokens never win back."""
         return self.adaptive and self.previous == AR and max(s.remaining for s in running) < SWITCH_MIN
 
     def prompts_first(self, prompts: bool) -> bool:

@@ -16,7 +16,7 @@ import time
 
 import numpy as np
 
-from mirror_rt.runtime.batch.core_split import balanced_cut
+from mirror_rt.runtime.batch.splits import balanced_cut
 from mirror_rt.runtime.reference import choose_under
 
 LIKE = 0.6  # two prompts' chunks prefill at once when the shorter is at least this share of the longer
@@ -74,9 +74,7 @@ class Prefill:
         """The prompts still prefilling in the order they take the chunk: oldest first, except that while a prompt
         needs more than LONG chunks, short ones go before it, up to half the chunk between them (a question is not
         held behind a document's prefill for all its chunks, at most LONG of them; the document still gets half of
-        each). First come, first served otherwise. Measured here, 8 streams, 16 dev prompts (two of 660 and 769
-        tokens), alternated 4 times: TTFT p50 240 against 530 ms first come first served, tokens/s 181 against 186
-        (within the spread); short ones first before any prompt of more than one chunk: 193 against 207."""
+        each). First come, first served otherwise."""
         pending = [s for s in self.decoder.active if s.state == "prefill" and not s.done]
         chunk = self.decoder.settings.prefill_chunk
         if all(len(self.fill(s)) - s.computed <= LONG * chunk for s in pending):
@@ -92,9 +90,7 @@ class Prefill:
     def _pair(self, pending: list, budget: int) -> tuple[list, list] | None:
         """The oldest prompt and the next one whose chunk is at least LIKE times as long (or the other way), with
         their chunks, where the target can run two prompts at once on two cores of the decoder's own and the draft
-        worker idles. Measured here (ms, one after the other on both cores / at once, one core each): w8a8 target,
-        prompts of 53 and 64 tokens 124.9 / 63.2, two chunks of 256 304.8 / 241.7, 85 and 210 tokens 190.6 / 187.3;
-        fp32 161.3 / 153.5, 688.4 / 582.6 and 366.2 / 469.8: prompts of unlike lengths wait for the longer one."""
+        worker idles (prompts of unlike lengths would wait for the longer one)."""
         d = self.decoder
         if len(pending) < 2 or not (d.target.capabilities.two_calls and d.pooled and d.mirror.cpus):
             return None
@@ -213,7 +209,7 @@ class ArStep:
 
     def _batched(self, running: list) -> None:
         """One target call over the rows, or one per group of rows where their lengths differ enough that the
-        padding to the longest row costs more than another call (runtime.batch.row_split)."""
+        padding to the longest row costs more than another call (runtime.batch.splits)."""
         d = self.decoder
         live = set(map(id, running))
         if d.row_split.sort_pays(self._lengths()):
@@ -236,7 +232,7 @@ class ArStep:
             d.core_split.record(len(order), "wide", elapsed)
 
     def _splits(self, rows: int) -> bool:
-        """Whether this step runs as two calls at once, one per core (runtime.batch.core_split): graphs that take every
+        """Whether this step runs as two calls at once, one per core (runtime.batch.splits): graphs that take every
         row in one call, a target that can, two cores of the decoder's own (every sequence has left the draft
         worker before a target-only step), and the measured faster way."""
         d = self.decoder

@@ -130,15 +130,7 @@ class DraftRow:
 
     def trim(self) -> None:
         """Roll the cache back to the longest prefix it shares with the committed text (nothing speculative)."""
-        same = 0
-        for a, b in zip(self.cache_tokens, self.committed):
-            if a != b:
-                break
-            same += 1
-        if same < self.cache.length:
-            self.cache.rollback(same)
-            self.stats.rollbacks += 1
-        del self.cache_tokens[same:]
+        self._rollback_to_prefix(self.committed + [-1])  # (-1: no token, so all of the text may stay)
 
     def commit(self, tokens: list[int]) -> None:
         """Committed text grows by `tokens` (a verdict's, or the first token); the rules follow it."""

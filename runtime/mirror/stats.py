@@ -1,6 +1,8 @@
-"""Mirror-SD figures: reuse, early-exit coverage, hidden draft time, and the latency model.
+"""Mirror-SD figures: reuse, early-exit coverage, hidden draft time, and the latency model (mirror-sd.md §5).
 
-Latency model (mirror-sd.md §5; runtime.latency), per step, from this request's own phase means:
+The latency model is pure arithmetic on costs in one unit, shared with the simulator (evaluation.simulate) and
+`--draft auto` (devices.auto_draft): tokens per step = (1 - a^(k+1)) / (1 - a) at per-token acceptance a and k =
+gamma, an SD step = T_draft(k) + T_target(k + 1). Mirror's step, from this request's own phase means:
     T_step = T_prefix + T_rendezvous + max(T_suffix, T_rollout) + P(miss) * T_fresh
 where T_rendezvous is the target's mean wait for a window when it was precomputed (a hit),
 T_rollout the draft's precomputation per step and T_fresh its drafting after a miss. Our draft
@@ -14,7 +16,6 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from mirror_rt.runtime.latency import mirror_step
 from mirror_rt.runtime.mirror.draft_row import DraftStats
 
 
@@ -114,3 +115,27 @@ def summed(parts: list, kind):
             vars(total)[name] = vars(total)[name] + value
     total.busy.sort()
     return total
+
+
+def tokens_per_step(acceptance: float, gamma: int) -> float:
+    """Expected tokens committed per target forward (accepted draft tokens plus the target's own)."""
+    if acceptance >= 1.0:
+        return gamma + 1.0
+    return (1 - acceptance ** (gamma + 1)) / (1 - acceptance)
+
+
+def hit_probability(acceptance: float, gamma: int, root_coverage: float) -> float:
+    """P(the next window was precomputed): all accepted, or the correction among the side roots."""
+    a = acceptance
+    return a ** (gamma + 1) + sum(a ** j * (1 - a) * root_coverage for j in range(gamma))
+
+
+def sd_step(draft_window: float, target_window: float) -> float:
+    """One SD step: the draft drafts its window, then the target verifies it; one after the other."""
+    return draft_window + target_window
+
+
+def mirror_step(prefix: float, suffix: float, rollout: float, fresh: float, p_hit: float,
+                rendezvous: float = 0.0) -> float:
+    """One Mirror step: the target's suffix and the draft's rollout at once, a fresh window after a miss."""
+    return prefix + rendezvous + max(suffix, rollout) + (1 - p_hit) * fresh

@@ -1,10 +1,9 @@
-"""Rows of very different lengths in one batch: attention groups inside a call, or calls per group of rows.
+"""How a target-only step of the batch splits: calls per group of rows of like lengths, or two calls on two cores.
 
 Bundles since format 6 attend per group of contiguous rows inside one call (exporters.exact_kv): each group reads
 its own longest row's keys, and `cheapest_groups` picks the groups for every call (devices.onnxruntime.pool).
 There a target-only step is always one call, and rows are not sorted: with four groups, unsorted rows group
-nearly as well, and swapping rows' KV cost more than it saved (measured: w8a8 target, 8 streams, 0.7 s of
-copies in a 6.2 s run; 166.6 tokens/s with sorting, 181.5 without).
+nearly as well, and swapping rows' KV cost more than it saved (docs/performance.md, how the batch decides).
 
 Older bundles (format 5) read every row up to the longest row's length in a call (exporters.exact_kv slices
 the keys to the longest row and masks the shorter ones), so one long prompt among short ones makes every row pay
@@ -18,11 +17,20 @@ faster step of each counts), and the faster way stays until a row joins or leave
 cost in positions, follows the verdicts (down when a cut wins, up when it loses), so on an engine whose calls
 are dear (fp32 weights) it stops proposing cuts. Sorting the rows by length makes groups of like lengths
 contiguous: proposed when the cut of the sorted rows saves more than one call over the cut of the rows as they
-are (the decoder swaps rows: copies, paid once while the batch keeps its rows). A row's logits do not depend on
-its companions (the target graphs are exact per row), so no choice here changes a token.
+are (the decoder swaps rows: copies, paid once while the batch keeps its rows).
+
+Two cores (`CoreSplit`): "wide", one call through sessions with a thread per core (the products run on both, but a
+step also copies each group's keys and values and runs many small nodes on one thread), or "split", the rows cut
+in two contiguous parts (`balanced_cut`), each a one-thread call on a core of its own, both at once (every node on
+both cores, but each core reads all the weights). Neither wins everywhere (docs/performance.md): both are measured
+at each batch size (CORE_TRIAL steps each, then the one whose latest KEEP steps have the lower median, the other
+tried again every EXPLORE steps as the rows grow). A row's logits do not depend on its companions or its call
+(the target graphs are exact per row), so no choice here changes a token.
 """
 
 from __future__ import annotations
+
+import statistics
 
 import numpy as np
 
@@ -112,3 +120,49 @@ class RowSplit:
     def best(self, lengths: list[int]) -> tuple[float, list[tuple[int, int]]]:
         """The cheapest contiguous cut into calls and its cost (positions), any number of calls."""
         return cheapest_groups(lengths, len(lengths), self.per_call)
+
+
+CORE_TRIAL = 3  # steps of each way on two cores before choosing, per batch size
+EXPLORE = 32  # steps of a batch size between tries of the way not taken
+KEEP = 5  # latest step times kept per batch size and way: their median decides (a first call's set-up is slow)
+ROW_COST = 300  # one row's cost in positions attended, beside its keys (balancing the two parts)
+
+
+def balanced_cut(lengths: list[int]) -> int:
+    """Where to cut rows of `lengths` (positions each attends to) into two contiguous parts of like cost."""
+    costs = [ROW_COST + n for n in lengths]
+    total, best, best_gap, acc = sum(costs), 1, float("inf"), 0
+    for cut in range(1, len(costs)):
+        acc += costs[cut - 1]
+        gap = abs(total - 2 * acc)
+        if gap < best_gap:
+            best, best_gap = cut, gap
+    return best
+
+
+class CoreSplit:
+    """The way (wide or split) of each target-only step, by batch size, from measured step times."""
+
+    def __init__(self):
+        self.times: dict[tuple[int, str], list[float]] = {}  # (rows, way) -> its latest step seconds
+        self.since: dict[int, int] = {}  # rows -> steps since the way not taken was tried
+        self.splits = 0  # steps run split
+
+    def way(self, rows: int) -> str:
+        """"wide" or "split" for a step of `rows` rows."""
+        wide, split = self.times.get((rows, "wide"), []), self.times.get((rows, "split"), [])
+        if len(wide) < CORE_TRIAL or len(split) < CORE_TRIAL:
+            return "wide" if len(wide) <= len(split) else "split"
+        faster = "split" if statistics.median(split) < statistics.median(wide) else "wide"
+        self.since[rows] = self.since.get(rows, 0) + 1
+        if self.since[rows] >= EXPLORE:
+            self.since[rows] = 0
+            return "wide" if faster == "split" else "split"
+        return faster
+
+    def record(self, rows: int, way: str, seconds: float) -> None:
+        """The time of a step of `rows` rows run `way`."""
+        kept = self.times.setdefault((rows, way), [])
+        kept.append(seconds)
+        del kept[:-KEEP]
+        self.splits += way == "split"
