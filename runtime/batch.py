@@ -30,6 +30,7 @@ from mirror_rt.runtime.sequence import Sequence
 from mirror_rt.runtime.values import is_integer, is_number
 
 WINDOW_ROOM = 80  # positions past the committed text a step may write (window, padding, draft guesses)
+DEFAULT_KV_GB = 4.0  # the KV budget without --kv-cache-gb (less where every row at full length takes less)
 
 
 @dataclass(frozen=True)
@@ -37,9 +38,11 @@ class BatchSettings:
     """How many sequences an engine decodes at once and with how much KV memory."""
 
     max_num_seqs: int = 16  # sequences holding a row at once (running or prefilling)
-    kv_cache_gb: float | None = None  # KV memory of both models' rows and the prefix cache; None: from free memory
+    # KV memory of both models' rows and the prefix cache; None: DEFAULT_KV_GB, or every row at full length if less
+    kv_cache_gb: float | None = None
     prefill_chunk: int = 256  # prompt positions per step (short prompts share it): prompts stall the others briefly
     prefix_cache: bool = True  # keep full blocks of finished requests for the next ones that share them
+    prefix_cache_share: float = 0.5  # of the KV budget, the most the prefix cache keeps (it gives way to requests)
     adaptive_speculation: bool = True  # speculate only while it pays at this load (runtime.policy); False: as asked
 
     def __post_init__(self):
@@ -47,6 +50,8 @@ class BatchSettings:
             raise ValueError(f"--max-num-seqs must be a whole number >= 1, got {self.max_num_seqs!r}")
         if self.kv_cache_gb is not None and not (is_number(self.kv_cache_gb) and self.kv_cache_gb > 0):
             raise ValueError(f"--kv-cache-gb must be a number > 0, got {self.kv_cache_gb!r}")
+        if not (is_number(self.prefix_cache_share) and 0 < self.prefix_cache_share <= 1):
+            raise ValueError(f"--prefix-cache-share must be a number in (0, 1], got {self.prefix_cache_share!r}")
         if not (is_integer(self.prefill_chunk) and self.prefill_chunk >= 1):
             raise ValueError(f"--prefill-chunk must be a whole number >= 1, got {self.prefill_chunk!r}")
         for name in ("prefix_cache", "adaptive_speculation"):
@@ -62,7 +67,7 @@ class BatchDecoder:
     """Sequences, their rows and caches, and the step loop over them."""
 
     def __init__(self, target, draft=None, settings: BatchSettings = BatchSettings(), policy=None,
-                 kv_bytes: int | None = None, cpus: tuple[int, int] | None = None):
+                 cpus: tuple[int, int] | None = None):
         self.target, self.draft, self.settings = target, draft, settings
         self.pooled = bool(getattr(target, "batches", False)) and (
             draft is None or bool(getattr(draft, "batches", False)))
@@ -71,8 +76,11 @@ class BatchDecoder:
         self.target_pool = target.new_pool(rows, self.capacity) if self.pooled else None
         self.draft_pool = draft.new_pool(rows, self.capacity) if self.pooled and draft is not None else None
         self.rows = RowMap(rows)
-        self.budget = BlockBudget(self._total_blocks(kv_bytes))
-        self.cache = PrefixCache(self.budget.total) if self.pooled and settings.prefix_cache else None
+        self.budget = BlockBudget(self._total_blocks())
+        self.cache = None
+        if self.pooled and settings.prefix_cache:  # only the target's KV is kept (runtime.prefix_cache)
+            self.cache = PrefixCache(max(1, int(settings.prefix_cache_share * self.budget.total)),
+                                     block_bytes=self.target_pool.bytes_per_position * BLOCK_SIZE)
         self.waiting: collections.deque[Sequence] = collections.deque()
         self.active: list[Sequence] = []  # holding a row: prefill, then running
         self.lock = threading.Lock()
@@ -87,16 +95,29 @@ class BatchDecoder:
         self.steps = 0
 
     def describe(self) -> str:
-        """How this decoder batches, for the server's start-up line."""
+        """How this decoder batches and the KV budget it keeps, for the server's start-up line."""
         s = self.settings
         if not self.pooled:
             return (f"up to {s.max_num_seqs} sequences side by side, one model call each (these graphs take one "
                     "sequence a call: no shared calls, no prefix cache)")
-        per_block = sum(p.bytes_per_position for p in (self.target_pool, self.draft_pool) if p) * BLOCK_SIZE
-        cache = "on" if self.cache is not None else "off"
-        return (f"batches of up to {s.max_num_seqs} sequences, KV {self.budget.total * per_block / 2**30:.1f} GB "
-                f"({self.budget.total} blocks of {BLOCK_SIZE}), prefix cache {cache}, "
+        rule = "--kv-cache-gb" if s.kv_cache_gb is not None else (
+            f"default: {DEFAULT_KV_GB:g} GB or every row at full length, the smaller")
+        cache = (f"prefix cache up to {self.cache.max_blocks * self.cache.block_bytes / 2**30:.2f} GB "
+                 f"({s.prefix_cache_share:.0%} of the budget)" if self.cache is not None else "prefix cache off")
+        return (f"batches of up to {s.max_num_seqs} sequences, KV budget {self.budget_bytes() / 2**30:.2f} GB "
+                f"({self.budget.total} blocks of {BLOCK_SIZE} positions; {rule}), {cache}, "
                 f"speculation {'adaptive' if s.adaptive_speculation else 'as requests ask'}")
+
+    def budget_bytes(self) -> int:
+        """The KV budget in bytes (both models' rows; 0 where caches are per sequence)."""
+        per_position = sum(p.bytes_per_position for p in (self.target_pool, self.draft_pool) if p is not None)
+        return self.budget.total * BLOCK_SIZE * per_position
+
+    def kv_usage(self) -> float:
+        """Share of the KV budget held now: blocks reserved by sequences plus the prefix cache's (vLLM's
+        kv_cache_usage_perc, 0..1)."""
+        cached = len(self.cache) if self.cache is not None else 0
+        return min(1.0, (self.budget.reserved + cached) / self.budget.total) if self.budget.total else 0.0
 
     # --- other threads ---------------------------------------------------------------
 
@@ -266,19 +287,16 @@ class BatchDecoder:
         """Blocks the prefix cache leaves free for the next admission (none: admission evicts what it needs)."""
         return 0
 
-    def _total_blocks(self, kv_bytes: int | None) -> int:
-        """The KV budget in blocks: --kv-cache-gb, else what every row at full length takes, within 40% of the
-        memory available now (numpy's zeros map pages lazily: memory is committed as positions are written)."""
+    def _total_blocks(self) -> int:
+        """The KV budget in blocks: --kv-cache-gb, else DEFAULT_KV_GB or what every row at full length takes, the
+        smaller; never the memory free at start-up (two servers started a minute apart got 8.5 and 2.3 GB)."""
         per_position = sum(p.bytes_per_position for p in (self.target_pool, self.draft_pool) if p is not None)
-        full = self.settings.max_num_seqs * self.capacity
+        full = blocks_for(self.settings.max_num_seqs * self.capacity)
         if not per_position:  # caches of their own per sequence: rows are the only limit
-            return blocks_for(full)
+            return full
         if self.settings.kv_cache_gb is not None:
             return self._blocks_of(self.settings.kv_cache_gb, per_position)
-        available = kv_bytes if kv_bytes is not None else _available_memory()
-        limit = int(0.4 * available // per_position) if available else full
-        return blocks_for(min(full, limit))
-
+        return min(full, self._blocks_of(DEFAULT_KV_GB, per_position))
 
     def _blocks_of(self, gb: float, per_position: int) -> int:
         """The blocks --kv-cache-gb holds; ValueError when not even the smallest request fits (a server that would
@@ -299,12 +317,3 @@ def _rebind(seq: Sequence, row: int) -> None:
     for cache in seq.state_data.get("caches", ()):
         cache.row = row
 
-
-def _available_memory() -> int | None:
-    """MemAvailable from /proc/meminfo in bytes (None where unknown)."""
-    try:
-        with open("/proc/meminfo") as f:
-            fields = dict(line.split(":", 1) for line in f)
-        return int(fields["MemAvailable"].split()[0]) * 1024
-    except (OSError, KeyError, ValueError):
-        return None
