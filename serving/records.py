@@ -56,15 +56,6 @@ class RequestRecord:
     def draft_fault(self) -> bool:
         return any(str(e).startswith("fallback to target-only") for e in self.stats.get("events", ()))
 
-    def token_gaps(self) -> list[float]:
-        """Inter-token latency per token: a step of k tokens after a gap d gives k times d / k."""
-        gaps = []
-        for steps in self.steps:
-            for before, after in zip(steps, steps[1:]):
-                if after.tokens:
-                    gaps += [(after.time - before.time) / after.tokens] * after.tokens
-        return gaps
-
     def timings(self) -> dict:
         """llama-server's per-response figures, with the draft counts."""
         s = self.stats

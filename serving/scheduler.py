@@ -57,6 +57,7 @@ class Job:
     record: object = None  # serving.records.RequestRecord, set by on_finish before the end event
     made: int = 0  # tokens committed so far over every choice (EOS included), as usage counts them
     progress: dict = field(default_factory=dict)  # choice index -> _Progress
+    metered: dict = field(default_factory=dict)  # choice index -> steps its metrics counted (ServerMetrics.progress)
     cancel_requested: threading.Event = field(default_factory=threading.Event)
 
     @property
@@ -185,6 +186,12 @@ class Scheduler:
         """Cancel every admitted job (a drain past its deadline)."""
         for job in self.live_jobs():
             self.cancel(job)
+
+    def abandon(self) -> None:
+        """End every admitted job as cancelled now, without waiting for the engine's step (a server that stops)."""
+        for job in self.live_jobs():
+            job.outcome = "cancelled"
+            job.post("end", "cancelled")
 
     def close(self, cancel_waiting: bool = True) -> None:
         """Take no new job; drop the waiting ones (they end as cancelled)."""
