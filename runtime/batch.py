@@ -30,6 +30,9 @@ from mirror_rt.runtime.sequence import Sequence
 from mirror_rt.runtime.values import is_integer, is_number
 
 WINDOW_ROOM = 80  # positions past the committed text a step may write (window, padding, draft guesses)
+# why a sequence's step verified no draft token (Metrics.target_only), besides the policy's (runtime.policy: asked,
+# prompts, tail, measuring, slower)
+TARGET_ONLY = ("asked", "prompts", "tail", "measuring", "slower", "last_token", "draft_failed", "empty_window")
 DEFAULT_KV_GB = 4.0  # the KV budget without --kv-cache-gb (less where every row at full length takes less)
 
 
@@ -102,9 +105,9 @@ class BatchDecoder:
                     "sequence a call: no shared calls, no prefix cache)")
         rule = "--kv-cache-gb" if s.kv_cache_gb is not None else (
             f"default: {DEFAULT_KV_GB:g} GB or every row at full length, the smaller")
-        cache = (f"prefix cache up to {self.cache.max_blocks * self.cache.block_bytes / 2**30:.2f} GB "
+        cache = (f"prefix cache up to {_size(self.cache.max_blocks * self.cache.block_bytes)} "
                  f"({s.prefix_cache_share:.0%} of the budget)" if self.cache is not None else "prefix cache off")
-        return (f"batches of up to {s.max_num_seqs} sequences, KV budget {self.budget_bytes() / 2**30:.2f} GB "
+        return (f"batches of up to {s.max_num_seqs} sequences, KV budget {_size(self.budget_bytes())} "
                 f"({self.budget.total} blocks of {BLOCK_SIZE} positions; {rule}), {cache}, "
                 f"speculation {'adaptive' if s.adaptive_speculation else 'as requests ask'}")
 
@@ -165,6 +168,7 @@ class BatchDecoder:
         """One decode step of every running sequence, the way the policy picks (`prompts`: prompts prefilled in
         this step); its outcome goes back to it."""
         gamma = self.policy.gamma(self, running, prompts)
+        last = {id(s) for s in running if s.remaining <= 1}  # no room for a window
         before = sum(len(s.tokens) for s in running)
         settled = all(s.metrics.steps for s in running)  # no sequence on its first window
         t0 = time.perf_counter()
@@ -178,6 +182,22 @@ class BatchDecoder:
         self.policy.record(way, len(running), sum(len(s.tokens) for s in running) - before, time.perf_counter() - t0,
                            settled)
         self.gamma = gamma
+        for seq in running:
+            if not (seq.metrics.window or (0, 0))[0]:
+                why = self._target_only_reason(seq, gamma, id(seq) in last)
+                seq.metrics.target_only[why] = seq.metrics.target_only.get(why, 0) + 1
+
+    def _target_only_reason(self, seq: Sequence, gamma: int, last: bool) -> str:
+        """Why `seq`'s step verified no draft token (one of TARGET_ONLY)."""
+        if seq.config.mode == "ar":
+            return "asked"
+        if gamma == 0:
+            return self.policy.reason or "slower"
+        if last:
+            return "last_token"
+        if any(event.startswith("fallback to target-only") for event in seq.metrics.events):
+            return "draft_failed"
+        return "empty_window"
 
     def close(self) -> None:
         """Stop the draft worker (the decoder can still step: it starts again when needed); sequences still
@@ -309,6 +329,11 @@ class BatchDecoder:
                              f"request needs ({smallest * BLOCK_SIZE}): give at least {size(smallest)} "
                              f"({size(whole)} holds one request at full context)")
         return blocks
+
+
+def _size(count: int) -> str:
+    """Bytes as a start-up line says them: 4.00 GB, 21.0 MB."""
+    return f"{count / 2**30:.2f} GB" if count >= 2**30 else f"{count / 2**20:.1f} MB"
 
 
 def _rebind(seq: Sequence, row: int) -> None:

@@ -75,6 +75,7 @@ class ServerState:
         self.metrics.fallbacks(engine.placement)
         self.metrics.spec_enabled.labels(self.model_name).set(int(self.default_mode != "ar"))
         self.metrics.set_load(0, 0)
+        self.metrics.step(0, engine.decoder)  # the KV budget and the caches' gauges from the first scrape
         self.scheduler = Scheduler(engine, self.settings.max_queued, self.settings.request_timeout,
                                    on_change=self.metrics.set_load, on_finish=self._finished,
                                    on_death=_exit_now if self.settings.exit_on_engine_death else None,

@@ -247,7 +247,8 @@ class Scheduler:
         job.made += sum(step.tokens for step in gen.steps[progress.steps:])
         progress.steps = len(gen.steps)
         logprobs, progress.logprobs = gen.logprobs[progress.logprobs:], len(gen.logprobs)
-        origins = progress.trail.entries(gen, piece) if progress.trail is not None and piece else None
+        trail = progress.trail
+        origins = trail.entries(gen, piece) if trail is not None and (piece or trail.pending(gen)) else None
         job.post("text", (index, piece, job.made, logprobs, origins))
 
     def _finished(self, gen) -> None:
@@ -257,8 +258,9 @@ class Scheduler:
             return
         job, index = entry
         job.started = job.started or gen.sequence.admitted
-        if len(gen.logprobs) > job.progress[index].logprobs:  # tokens whose text is empty (EOS) at the very end
-            self._hand_over(job, index, gen, "")
+        progress = job.progress[index]
+        if len(gen.logprobs) > progress.logprobs or (progress.trail is not None and progress.trail.pending(gen)):
+            self._hand_over(job, index, gen, "")  # tokens whose text is empty (EOS) at the very end
         job.progress[index].ended = True
         job.post("choice_end", index)
         if job.outcome not in ("timeout", "error"):
