@@ -112,7 +112,9 @@ class RequestRecord:
                 "ttft_ms": round(1e3 * self.ttft_s, 1) if self.ttft_s is not None else None,
                 "e2e_ms": round(1e3 * self.e2e_s, 1), "tokens_per_s": timings.get("predicted_per_second"),
                 "mean_accepted_length": self.stats.get("mean_accepted_length"),
-                "acceptance": round(timings["draft_n_accepted"] / drafted, 3) if drafted else None}
+                "acceptance": round(timings["draft_n_accepted"] / drafted, 3) if drafted else None,
+                "steps": self.stats.get("steps"), "speculative_steps": self.stats.get("speculative_steps"),
+                "why_target_only": why_target_only(self.stats) if self.ran else None}
 
     def log_line(self) -> str:
         """The access-log line: id, tokens, TTFT, tokens/s, finish reason."""

@@ -69,8 +69,10 @@ export class ServerView {
         cell(`${r.prompt_tokens} → ${r.completion_tokens}`), cell(duration(r.ttft_ms)),
         cell(r.tokens_per_s != null ? r.tokens_per_s.toFixed(1) : null),
         cell(r.mean_accepted_length ? r.mean_accepted_length.toFixed(2) : null), // 0: no verification ran
-        cell(r.acceptance != null ? `${Math.round(100 * r.acceptance)}%` : null));
+        cell(r.acceptance != null ? `${Math.round(100 * r.acceptance)}%` : null),
+        cell(r.steps ? `${r.speculative_steps} of ${r.steps}` : null));
       row.cells[1].title = r.id;
+      if (r.why_target_only) row.cells[9].title = r.why_target_only;
       body.append(row);
     }
   }
