@@ -157,6 +157,8 @@ class ServerMetrics:
                 "generation_tokens": int(value("generation_tokens_total")),
                 "draft_tokens": int(value("spec_decode_num_draft_tokens_total")),
                 "accepted_tokens": int(value("spec_decode_num_accepted_tokens_total")),
+                "kv_cache": {"budget_bytes": int(value("kv_cache_budget_bytes")), "usage": value("kv_cache_usage_perc"),
+                             "prefix_cache_bytes": int(value("prefix_cache_bytes"))},
                 "recent": [record.summary(ended) for ended, record in reversed(self.recent)]}
 
     # --- updates -------------------------------------------------------------------------

@@ -205,6 +205,8 @@ def test_the_page_explains_its_terms_and_its_empty_chart(page):
     assert "prompt → output tokens" in headers and "speculative steps" in headers
     assert all(page.page.locator("#srv-recent th").nth(i).get_attribute("title") for i in range(2, len(headers)))
     expect(page.page.locator("#srv-recent tbody tr").first.locator("td").nth(9)).to_have_text("0 of 5")
+    expect(page.page.locator("#srv-totals")).to_contain_text(re.compile(r"KV in use\s*\d+% of [\d.]+ MB"))
+    assert page.page.locator("#srv-totals dt", has_text="prefix cache").get_attribute("title")
 
 
 def test_tokens_are_counted_one_way_the_end_included(page):

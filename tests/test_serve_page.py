@@ -102,6 +102,8 @@ def test_server_lists_recent_requests_from_its_metrics(server):
     assert newest["tokens_per_s"] > 0 and 1 <= newest["mean_accepted_length"] and 0 <= newest["acceptance"] <= 1
     assert sum(status["requests"].values()) >= len(status["recent"]) >= 1
     assert status["generation_tokens"] >= 12 and status["accepted_tokens"] <= status["draft_tokens"]
+    kv = status["kv_cache"]  # the budget and what the prefix cache holds of it
+    assert kv["budget_bytes"] > 0 and 0 < kv["usage"] <= 1 and 0 < kv["prefix_cache_bytes"] <= kv["budget_bytes"] / 2
 
 
 def test_page_files_are_served_with_a_strict_policy(server):

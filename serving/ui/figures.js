@@ -147,13 +147,14 @@ export function devices(info) {
   termList($("fig-devices"), rows);
 }
 
-/** Fill a <dl> with [term, detail] rows. */
+/** Fill a <dl> with [term, detail, explanation?] rows (the explanation: the term's tooltip). */
 export function termList(list, rows) {
   list.replaceChildren();
-  for (const [name, value] of rows) {
+  for (const [name, value, explanation] of rows) {
     const term = document.createElement("dt");
     const detail = document.createElement("dd");
     term.textContent = name;
+    if (explanation) term.title = explanation;
     detail.textContent = value;
     list.append(term, detail);
   }
