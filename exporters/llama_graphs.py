@@ -1,7 +1,7 @@
 """The four graphs of a bundle (target prefix, exit, suffix; draft) written from a checkpoint's weights as they lie.
 
 The same interface as the traced pool graphs of format 7 (exporters.split, exporters.pool_kv: ids or hidden
-[B, T], total_len [B], KV buffers [B, KVH, S, D] bound in place, `attention` = pool), so devices.onnxruntime_backend
+[B, T], total_len [B], KV buffers [B, KVH, S, D] bound in place, `attention` = pool), so devices.onnxruntime.backend
 runs them unchanged. Every product is mirror_rt::MatMulGGUF over weight rows in weights.bin: a GGUF's own blocks
 (precision `gguf`), or the values at fp32 / bf16 / f16, or requantized per block of 32 (q8_0, q4_0: llama.cpp's
 formats, int8 activations); the embedding is GatherGGUF over the same rows. Norms, biases and the rotary

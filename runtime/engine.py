@@ -297,6 +297,8 @@ class Engine:
             delivered = len(text.tokens)
             piece = text.push(token)
             gen.tokens = text.tokens
+            if text.stop_reason == "eos" and gen.end_token is None:
+                gen.end_token = token
             if recorded is not None and (len(text.tokens) > delivered or text.stop_reason == "eos"):
                 gen.logprobs.append(recorded[index])  # as usage counts the token
             if piece:

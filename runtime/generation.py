@@ -45,6 +45,7 @@ class Generation:
     pieces: Iterator[str] = iter(())
     text: str = ""  # the full text so far
     tokens: list[int] = field(default_factory=list)  # generated ids (EOS excluded), growing as it runs
+    end_token: int | None = None  # the end-of-sequence token that ended the text (committed, counted, not in tokens)
     stop_reason: str | None = None  # eos | stop_string | max_new_tokens | context | cancelled | error
     stats: dict = field(default_factory=dict)  # Metrics.summary() plus mode and models
     steps: list[Step] = field(default_factory=list)  # one per decode step

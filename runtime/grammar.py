@@ -63,11 +63,15 @@ class Constraint:
             schema = {} if schema is True else schema
             if not isinstance(schema, dict):
                 raise ValueError(f"a JSON schema is an object, not a JSON {JSON_TYPES.get(type(schema), 'value')}")
+            grammar = llguidance.LLMatcher.grammar_from_json_schema(schema, overrides=JSON_OPTIONS)
+            reason = llguidance.LLMatcher.validate_grammar(grammar)  # the schema's own fault first ("Invalid type")
+            if reason and not reason.startswith("WARNING"):
+                raise ValueError(one_line(reason))
             where = unending(schema)
             if where is not None:
                 raise ValueError(f"the JSON schema has no finite instance: a value of {where} must always hold "
                                  f"another (an answer could never end)")
-            return llguidance.LLMatcher.grammar_from_json_schema(schema, overrides=JSON_OPTIONS)
+            return grammar
         if self.kind == "choice":
             options = _json(self.spec, "a list of strings")
             if not (isinstance(options, list) and options and all(isinstance(o, str) for o in options)):

@@ -3,9 +3,11 @@
 Decoders call `record_step` once per target forward after prefill and wrap stages in
 `stage(name)`; `summary()` turns the counts into the figures the CLI and bench print, and
 `format_stats` a generation's figures into the lines `run --stats` prints.
-Definitions: mean accepted length = tokens committed per decode step (one target forward
-each; 1.0 for target-only decoding); acceptance at position j = accepted / proposed among
-windows that had a j-th draft token.
+Definitions: mean accepted length = 1 + accepted draft tokens per decode step (one target
+forward each; vLLM's mean acceptance length; 1.0 for target-only decoding): the tokens a step
+commits, except that a window the end of text cut (its accepted draft token was the end) still
+counts as 1 + its accepted tokens, so a fully accepted answer never reads 1.0 beside 100%
+acceptance; acceptance at position j = accepted / proposed among windows that had a j-th draft token.
 """
 
 from __future__ import annotations
@@ -26,6 +28,7 @@ class Metrics:
     steps: int = 0  # decode steps (target forwards after prefill)
     committed: int = 0  # tokens committed by decode steps (prefill's first token excluded)
     speculative_steps: int = 0  # steps that verified draft tokens (the rest: target-only, as the load policy chose)
+    target_only: dict[str, int] = field(default_factory=dict)  # the other steps by why (runtime.batch: TARGET_ONLY)
     drafted: int = 0  # draft tokens those steps verified
     accept_lengths: list[int] = field(default_factory=list)  # tokens committed per step
     proposed_at: list[int] = field(default_factory=list)  # [gamma] windows with a j-th token
@@ -107,8 +110,9 @@ class Metrics:
             "decode_tokens_per_s": (round((self.new_tokens - 1) / decode, 2)
                                     if decode > 0 and self.new_tokens > 1 else 0.0),
             "steps": self.steps,
-            "mean_accepted_length": round(self.committed / self.steps, 3) if self.steps else 0.0,
+            "mean_accepted_length": round(1 + sum(self.accepted_at) / self.steps, 3) if self.steps else 0.0,
             "speculative_steps": self.speculative_steps,  # of `steps`; the others ran target-only
+            "target_only_steps": dict(self.target_only),  # why the others did, by reason
             "mean_gamma": round(self.drafted / self.speculative_steps, 3) if self.speculative_steps else 0.0,
             "acceptance_per_position": [round(a / p, 3) if p else 0.0
                                         for a, p in zip(self.accepted_at, self.proposed_at)],

@@ -14,8 +14,8 @@ then queued; a full queue answers 503 with Retry-After.
 from __future__ import annotations
 
 import asyncio
+import collections
 import contextlib
-import json
 import logging
 import os
 import secrets
@@ -26,13 +26,14 @@ from collections.abc import Callable
 
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
-from starlette.requests import ClientDisconnect
 
 from mirror_rt.runtime.config import GenerationConfig, make_config
 from mirror_rt.runtime.engine import GenerationError, PromptError
 from mirror_rt.serving import protocol, structured, tools
 from mirror_rt.serving.echo import echo_of, echo_only
 from mirror_rt.serving.errors import APIError, install_handlers
+from mirror_rt.serving.guard import Guard
+from mirror_rt.serving.intake import check_key, read_json, refuse_unread
 from mirror_rt.serving.logprobs import token_bytes_of
 from mirror_rt.serving.metrics import ServerMetrics, Sink
 from mirror_rt.serving.page import add_page_routes
@@ -40,6 +41,7 @@ from mirror_rt.serving.records import RequestRecord
 from mirror_rt.serving.responses import Reply, collect, now, race_disconnect, stream
 from mirror_rt.serving.scheduler import Draining, Job, Overloaded, Scheduler, TooManyChoices
 from mirror_rt.serving.settings import ServerConfig
+from mirror_rt.serving.tokenize import add_token_routes
 
 log = logging.getLogger("mirror_rt.serve")
 LOAD_THREAD = "mirror-load"  # the thread that loads the engine while the server already answers
@@ -55,16 +57,25 @@ class ServerState:
         self.engine = self.scheduler = None
         self.metrics: ServerMetrics | None = None
         self.model_name = settings.served_model_name or "mirror-rt"
+        self.early: collections.Counter = collections.Counter()  # responses answered before the metrics exist
+        self.lock = threading.Lock()
+        self.open_streams = 0  # streamed answers not yet ended (a stop waits for their last events)
 
     def attach(self, engine) -> None:
         """Serve `engine`: metrics, the engine thread, ready."""
         engine.decoder  # noqa: B018 -- built now: a KV budget that fits no request fails the load, not each request
         self.engine = engine
         self.model_name = self.settings.served_model_name or engine.names.get("model", "mirror-rt")
-        self.metrics = ServerMetrics(self.model_name, sink=self.metrics_sink)
+        metrics = ServerMetrics(self.model_name, sink=self.metrics_sink)
+        with self.lock:
+            for (handler, method, status), count in self.early.items():
+                for _ in range(count):
+                    metrics.responded(handler, method, status)
+            self.metrics = metrics
         self.metrics.fallbacks(engine.placement)
         self.metrics.spec_enabled.labels(self.model_name).set(int(self.default_mode != "ar"))
         self.metrics.set_load(0, 0)
+        self.metrics.step(0, engine.decoder)  # the KV budget and the caches' gauges from the first scrape
         self.scheduler = Scheduler(engine, self.settings.max_queued, self.settings.request_timeout,
                                    on_change=self.metrics.set_load, on_finish=self._finished,
                                    on_death=_exit_now if self.settings.exit_on_engine_death else None,
@@ -77,19 +88,31 @@ class ServerState:
         return self.settings.defaults.mode or self.engine.default_mode
 
     def _stepped(self, batch: int) -> None:
-        """After each step: the batch it decoded (0: prompts only, or the last sequences left), the speculation in
-        use, the KV and prefix cache figures."""
+        """After each step: the tokens each request committed, the batch it decoded (0: prompts only, or the last
+        sequences left), the speculation in use, the KV and prefix cache figures."""
+        for job in self.scheduler.live_jobs():
+            self.metrics.progress(job)
         if self.engine.current_decoder is not None:
             self.metrics.step(batch, self.engine.current_decoder)
 
     def _finished(self, job: Job) -> None:
+        self.metrics.progress(job)  # the tokens of its last step (it left the scheduler's live jobs within it)
         job.record = record = RequestRecord.from_job(job, self.engine.names)
         self.metrics.finished(record)
         log.info(record.log_line())
 
+    def responded(self, handler: str, method: str, status: int) -> None:
+        """Count one response (serving.guard); kept aside while the engine loads, then counted with the rest."""
+        with self.lock:
+            if self.metrics is None:
+                self.early[(handler, method, status)] += 1
+                return
+        self.metrics.responded(handler, method, status)
+
     def record_echo_only(self, request_id: str, arrived: float, prompt_tokens: int) -> None:
         """A `max_tokens: 0` echo ran no generation, yet it is a request served: counted and logged as one."""
         record = RequestRecord(request_id, "done", "length", time.perf_counter() - arrived, None, True, prompt_tokens)
+        self.metrics.prompt_read(prompt_tokens)
         self.metrics.finished(record)
         log.info(record.log_line())
 
@@ -124,9 +147,10 @@ def create_app(settings: ServerConfig, load: Callable[[], object], metrics_sink:
     app = FastAPI(title="mirror-rt", lifespan=lifespan, docs_url=None, redoc_url=None)
     app.state.mirror = state
     install_handlers(app)
+    app.add_middleware(Guard, state=state)
     _add_status_routes(app, state)
     _add_completion_routes(app, state)
-    _add_token_routes(app, state)
+    add_token_routes(app, state)
     if settings.ui:
         add_page_routes(app)
     return app
@@ -174,7 +198,7 @@ def _add_status_routes(app: FastAPI, state: ServerState) -> None:
 
     @app.get("/server")
     async def server(request: Request):
-        _check_key(request, state)
+        check_key(request, state)
         return _server_status(state)
 
     def card() -> dict:
@@ -183,13 +207,13 @@ def _add_status_routes(app: FastAPI, state: ServerState) -> None:
 
     @app.get("/v1/models")
     async def models(request: Request):
-        _check_key(request, state)
+        check_key(request, state)
         state.require_ready()
         return {"object": "list", "data": [card()]}
 
     @app.get("/v1/models/{model:path}")  # the client's models.retrieve(); a path: served names may hold '/'
     async def model(request: Request, model: str):
-        _check_key(request, state)
+        check_key(request, state)
         state.require_ready()
         state.require_model(model)
         return card()
@@ -219,13 +243,13 @@ def _add_completion_routes(app: FastAPI, state: ServerState) -> None:
 
 async def _complete(request: Request, state: ServerState, chat: bool):
     arrived = time.perf_counter()
-    _check_key(request, state)
-    body = await _json(request)
+    check_key(request, state)
+    body = await read_json(request)
     req = protocol.parse(protocol.ChatRequest if chat else protocol.CompletionRequest, body)
     state.require_ready()
     state.require_model(req.model)
     engine = state.engine
-    _refuse_unread([m.text() for m in req.messages] if chat else [req.text_or_ids()], engine,
+    refuse_unread([m.text() for m in req.messages] if chat else [req.text_or_ids()], engine,
                    req.requested_tokens() or 0)
     try:
         prompt = tools.prompt_ids(req, engine.tokenizer) if chat else engine.prompt_ids(req.text_or_ids(), chat=False)
@@ -270,10 +294,12 @@ def _reply(req: protocol.Sampling, job: Job, state: ServerState, prompt_tokens: 
 
 
 async def _streamed(job: Job, reply: Reply, state: ServerState):
+    state.open_streams += 1
     try:
         async for chunk in stream(job, reply, state.settings.request_timeout):
             yield chunk
     finally:  # normal end, or the client went away (Starlette cancels this generator on disconnect)
+        state.open_streams -= 1
         if job.record is None:
             state.scheduler.cancel(job)
 
@@ -296,16 +322,6 @@ def _admit(job: Job, state: ServerState) -> None:
         raise APIError(503, "the server is shutting down", headers=retry) from None
 
 
-def _refuse_unread(texts: list, engine, requested: int) -> None:
-    """A 400 for `texts` (a prompt's; token ids are skipped) whose characters alone need more tokens than the
-    context holds, before they are tokenized: the tokenizer holds the GIL, so 8 MB of text took 8 s in which no
-    other request moved."""
-    least = -(-sum(len(t) for t in texts if isinstance(t, str)) // engine.tokenizer.longest_token_chars)
-    context = engine.target.max_seq_len
-    if least > context:
-        raise protocol.context_error(context, least, requested)
-
-
 def _config(req: protocol.Sampling, prompt_tokens: int, state: ServerState, rules: dict) -> GenerationConfig:
     """The request's generation settings over the server's defaults (with its token `rules`); a 400 when it
     cannot fit."""
@@ -318,60 +334,3 @@ def _config(req: protocol.Sampling, prompt_tokens: int, state: ServerState, rule
     unnamed = {"max_new_tokens": context - prompt_tokens, "temperature": state.settings.temperature,
                "seed": secrets.randbits(31)}
     return make_config(state.settings.defaults, **(unnamed | given | rules))
-
-
-def _check_key(request: Request, state: ServerState) -> None:
-    key = state.settings.api_key
-    if not key:
-        return
-    given = request.headers.get("authorization", "")
-    token = given[7:] if given.lower().startswith("bearer ") else ""
-    if not secrets.compare_digest(token.encode(), key.encode()):
-        raise APIError(401, "Invalid API key" if token else "Missing API key: send 'Authorization: Bearer <key>'")
-
-
-async def _json(request: Request):
-    try:
-        raw = await request.body()
-    except ClientDisconnect:  # gone before its body: nobody reads the answer, nothing to log
-        raise APIError(400, "the client closed the connection before sending the request body") from None
-    try:
-        body = json.loads(raw)
-        json.dumps(body, ensure_ascii=False).encode()  # a lone surrogate ("\\ud800") is JSON but no text
-    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
-        raise APIError(400, f"the request body is not valid JSON ({exc})") from None
-    except UnicodeEncodeError:
-        raise APIError(400, "the request body holds a lone UTF-16 surrogate (\\ud800-\\udfff): not text") from None
-    except RecursionError:
-        raise APIError(400, "the request body nests too deeply") from None
-    return body
-
-
-def _add_token_routes(app: FastAPI, state: ServerState) -> None:
-    @app.post("/tokenize")
-    async def tokenize(request: Request):
-        body = await _json(request)
-        state.require_ready()
-        engine = state.engine
-        state.require_model(body.get("model") if isinstance(body, dict) else None)
-        if isinstance(body, dict) and isinstance(body.get("messages"), list):
-            req = protocol.parse(protocol.ChatRequest, body)
-            _refuse_unread([m.text() for m in req.messages], engine, 0)
-            ids = tools.prompt_ids(req, engine.tokenizer)
-        elif isinstance(body, dict) and isinstance(body.get("prompt"), str):
-            _refuse_unread([body["prompt"]], engine, 0)
-            ids = engine.prompt_ids(body["prompt"], chat=False)
-        else:
-            raise APIError(400, "send 'prompt' (a string) or 'messages' (a list)", "prompt")
-        names = engine.tokenizer.token_names(ids) if body.get("return_token_strs") is True else None
-        return {"count": len(ids), "max_model_len": engine.target.max_seq_len, "tokens": ids, "token_strs": names}
-
-    @app.post("/detokenize")
-    async def detokenize(request: Request):
-        body = await _json(request)
-        state.require_ready()
-        tokens = body.get("tokens") if isinstance(body, dict) else None
-        vocab = state.engine.target.vocab_size
-        if not isinstance(tokens, list) or not all(type(t) is int and 0 <= t < vocab for t in tokens):
-            raise APIError(400, f"'tokens' must be a list of token ids in 0..{vocab - 1}", "tokens")
-        return {"prompt": state.engine.tokenizer.decode(tokens)}

@@ -4,7 +4,8 @@ Body: `{"error": {"message": str, "type": str, "param": str | null, "code": <HTT
 shape OpenAI clients read (`body["error"]["message"]`); types are vLLM's names. Every failure
 path of the app ends here: our own `APIError`, FastAPI's request validation (400, never its
 default 422 body), Starlette's 404/405 for unknown routes, and any other exception (500, the
-server keeps serving).
+server keeps serving). What the HTTP layer refuses before the app (a header with control bytes, a malformed request
+line) gets the envelope too: `json_errors_protocol`, the uvicorn protocol the server runs.
 """
 
 from __future__ import annotations
@@ -16,9 +17,9 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException
 
-TYPES = {400: "BadRequestError", 401: "AuthenticationError", 404: "NotFoundError", 405: "BadRequestError",
-         413: "BadRequestError", 500: "InternalServerError", 503: "ServiceUnavailableError",
-         504: "TimeoutError"}
+TYPES = {400: "BadRequestError", 401: "AuthenticationError", 403: "PermissionDeniedError", 404: "NotFoundError",
+         405: "BadRequestError", 413: "BadRequestError", 415: "UnsupportedMediaTypeError", 500: "InternalServerError",
+         503: "ServiceUnavailableError", 504: "TimeoutError"}
 log = logging.getLogger("mirror_rt.serve")
 
 
@@ -65,3 +66,23 @@ def install_handlers(app: FastAPI) -> None:
     async def internal(request: Request, exc: Exception):
         log.exception("unhandled error on %s %s", request.method, request.url.path)
         return error_response(APIError(500, f"internal error: {type(exc).__name__}: {exc}"))
+
+
+def json_errors_protocol(on_error=None):
+    """uvicorn's HTTP protocol class (httptools, else h11) whose own 400 for a request it cannot parse is the
+    envelope, not its plain-text "Invalid HTTP request received."; `on_error(status)` counts it."""
+    import json
+
+    from uvicorn.protocols.http.auto import AutoHTTPProtocol
+
+    class JSONErrors(AutoHTTPProtocol):
+        def send_400_response(self, msg: str) -> None:
+            if on_error is not None:
+                on_error(400)
+            body = json.dumps(envelope(400, "invalid HTTP request: the request line or a header cannot be parsed "
+                                            "(control bytes, bad syntax, or too long)")).encode()
+            self.transport.write(b"HTTP/1.1 400 Bad Request\r\ncontent-type: application/json\r\n"
+                                 b"content-length: %d\r\nconnection: close\r\n\r\n%s" % (len(body), body))
+            self.transport.close()
+
+    return JSONErrors

@@ -2,7 +2,9 @@
 
 Scrapers built for vLLM work by swapping the prefix `vllm:` -> `mirror_rt:`; every series carries
 `model_name`. Counters are declared without `_total` (prometheus_client appends it). Buckets are
-vLLM's. Inter-token latency is observed per token, not per SSE chunk: a step that commits k
+vLLM's. Token counters, time to first token and inter-token latency move as tokens are committed (`progress`,
+after every engine step, as vLLM updates them per step); the rest when a request ends (`finished`). Inter-token
+latency is observed per token, not per SSE chunk: a step that commits k
 tokens after a gap d counts k observations of d / k. One registry per app (never the global
 one), so several apps in one process (tests, Ray replicas) never collide. A `sink` makes a
 second family per metric that receives every update too (a Ray replica exports through it).
@@ -83,7 +85,13 @@ class ServerMetrics:
         g = self._make(Gauge)
         self.running = g("num_requests_running", "Requests in the batch now (decoding, or their prompt going in)")
         self.waiting = g("num_requests_waiting", "Requests queued for a row of the batch")
-        self.kv_usage = g("kv_cache_usage_perc", "Share of the KV blocks the running requests hold (0..1)")
+        self.kv_usage = g("kv_cache_usage_perc", "Share of the KV budget held (0..1): blocks reserved by the "
+                          "requests in the batch plus the prefix cache's")
+        self.kv_budget = g("kv_cache_budget_bytes", "The KV budget: both models' rows and the prefix cache "
+                           "(--kv-cache-gb)")
+        self.prefix_blocks = g("prefix_cache_blocks", "Blocks of 16 positions the prefix cache holds")
+        self.prefix_bytes = g("prefix_cache_bytes", "KV bytes the prefix cache holds (at most --prefix-cache-share "
+                              "of the budget)")
         self.gamma = g("spec_decode_gamma", "Draft tokens per window at the latest step (0: target-only, by load)")
         self.spec_enabled = g("spec_decode_enabled", "1 when the server's default mode speculates (sd, mirror)")
 
@@ -108,6 +116,8 @@ class ServerMetrics:
                                  ["role", "requested", "actual"])
         self.prefix_queries = c("prefix_cache_queries", "Prompt tokens looked up in the prefix cache")
         self.prefix_hits = c("prefix_cache_hits", "Prompt tokens found in the prefix cache")
+        self.responses = c("http_requests", "HTTP responses by route (handler; none: no route), method and status "
+                           "code, the HTTP layer's own errors included", ["handler", "method", "status"])
 
     def _histograms(self) -> None:
         h = self._make(Histogram)
@@ -147,6 +157,8 @@ class ServerMetrics:
                 "generation_tokens": int(value("generation_tokens_total")),
                 "draft_tokens": int(value("spec_decode_num_draft_tokens_total")),
                 "accepted_tokens": int(value("spec_decode_num_accepted_tokens_total")),
+                "kv_cache": {"budget_bytes": int(value("kv_cache_budget_bytes")), "usage": value("kv_cache_usage_perc"),
+                             "prefix_cache_bytes": int(value("prefix_cache_bytes"))},
                 "recent": [record.summary(ended) for ended, record in reversed(self.recent)]}
 
     # --- updates -------------------------------------------------------------------------
@@ -162,8 +174,11 @@ class ServerMetrics:
         if batch:
             self.batch_size.labels(m).observe(batch)
         self.gamma.labels(m).set(decoder.gamma)
-        self.kv_usage.labels(m).set(decoder.budget.usage())
+        self.kv_usage.labels(m).set(decoder.kv_usage())
+        self.kv_budget.labels(m).set(decoder.budget_bytes())
         cache = decoder.cache
+        self.prefix_blocks.labels(m).set(len(cache) if cache is not None else 0)
+        self.prefix_bytes.labels(m).set(cache.bytes if cache is not None else 0)
         if cache is not None:
             seen, queries, hits = self._prefix_seen
             if seen is not cache:  # a new decoder (the engine was reset): its counters start at 0
@@ -180,8 +195,35 @@ class ServerMetrics:
         for role, requested in (placement.fallbacks if placement is not None else {}).items():
             self.device_fallback.labels(self.model_name, role, requested, placement.device(role)).inc()
 
+    def progress(self, job) -> None:
+        """Count what `job` (serving.scheduler.Job) committed since the last call: its prompt's tokens and time to
+        first token with its first token, then each step's tokens and per-token gaps (the engine thread, after
+        every step and at the job's end; `job.metered` keeps the steps counted per choice)."""
+        m = self.model_name
+        for index, gen in enumerate(job.generations):
+            steps, done = gen.steps, job.metered.get(index, 0)
+            if len(steps) <= done:
+                continue
+            if not job.metered:  # the job's first token: its prompt has been read
+                self.prompt_tokens.labels(m).inc(len(job.prompt))
+            if index == 0 and done == 0:
+                self.ttft.labels(m).observe(steps[0].time - job.arrived)
+            self.generation_tokens.labels(m).inc(sum(step.tokens for step in steps[done:]))
+            itl = self.itl.labels(m)
+            for before, after in zip(steps[max(done - 1, 0):], steps[max(done, 1):]):
+                for _ in range(after.tokens):
+                    itl.observe((after.time - before.time) / after.tokens)
+            job.metered[index] = len(steps)
+
+    def prompt_read(self, tokens: int) -> None:
+        """Prompt tokens read without a generation (an echo with max_tokens 0)."""
+        self.prompt_tokens.labels(self.model_name).inc(tokens)
+
+    def responded(self, handler: str, method: str, status: int) -> None:
+        self.responses.labels(self.model_name, handler, method, str(status)).inc()
+
     def finished(self, record) -> None:
-        """One request's end (`serving.records.RequestRecord`)."""
+        """One request's end (`serving.records.RequestRecord`); its tokens were counted as they came (`progress`)."""
         m = self.model_name
         self.recent.append((time.time(), record))
         self.request_success.labels(m, record.finish_reason).inc()
@@ -190,15 +232,8 @@ class ServerMetrics:
         self.e2e.labels(m).observe(record.e2e_s)
         if record.queue_s is not None:
             self.queue_time.labels(m).observe(record.queue_s)
-        if not record.ran:
-            return
-        self.prompt_tokens.labels(m).inc(record.prompt_tokens)
-        self.generation_tokens.labels(m).inc(record.completion_tokens)
-        if record.ttft_s is not None:
-            self.ttft.labels(m).observe(record.ttft_s)
-        for gap in record.token_gaps():
-            self.itl.labels(m).observe(gap)
-        self._speculation(record)
+        if record.ran:
+            self._speculation(record)
 
     def _speculation(self, record) -> None:
         m, stats = self.model_name, record.stats

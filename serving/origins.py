@@ -21,17 +21,29 @@ class OriginTrail:
         self.window = 0  # the step the next token belongs to
         self.start = 0  # index of that step's first token
 
+    @staticmethod
+    def committed(gen) -> list[int]:
+        """The generation's tokens as usage counts them: its text's, then the end-of-sequence token if one ended it."""
+        end = getattr(gen, "end_token", None)
+        return gen.tokens if end is None else [*gen.tokens, end]
+
+    def pending(self, gen) -> bool:
+        """Whether tokens were committed since the last call."""
+        return len(self.committed(gen)) > self.sent
+
     def entries(self, gen, piece: str) -> list[dict]:
         """Entries for the tokens pushed since the last call; the last of them carries `piece`."""
-        out = []
-        for index in range(self.sent, len(gen.tokens)):
+        out, tokens = [], self.committed(gen)
+        for index in range(self.sent, len(tokens)):
             while index >= self.start + gen.steps[self.window].tokens:  # the token is in a later step
                 self.start += gen.steps[self.window].tokens
                 self.window += 1
             step, position = gen.steps[self.window], index - self.start
-            out.append({"token": gen.tokens[index], "text": "", "origin": step.origin(position),
+            out.append({"token": tokens[index], "text": "", "origin": step.origin(position),
                         "window": self.window, "position": position, "drafted": step.drafted})
-        self.sent = len(gen.tokens)
+            if index >= len(gen.tokens):  # the end-of-sequence token
+                out[-1]["end"] = True
+        self.sent = len(tokens)
         if not out:
             return [{"token": None, "text": piece, "origin": None, "window": None, "position": None,
                      "drafted": None}]

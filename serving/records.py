@@ -13,6 +13,17 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 FINISH = {"eos": "stop", "stop_string": "stop", "max_new_tokens": "length", "context": "length"}
+# why steps of a speculative request ran target-only (runtime.batch.TARGET_ONLY), as the response says it
+WHY_TARGET_ONLY = {
+    "asked": "the request asked for target-only decoding (mode ar)",
+    "prompts": "a prompt was being read in the same step, its own or another's (the batch decodes target-only then)",
+    "tail": "too few tokens were left for speculation to pay back its start",
+    "measuring": "the load policy was measuring target-only decoding at this batch size",
+    "slower": "the load policy measured speculation slower than target-only decoding at this batch size",
+    "last_token": "the last token left no room for a draft window",
+    "draft_failed": "the draft failed, so decoding went on target-only",
+    "empty_window": "the draft's window held no token",
+}
 
 
 @dataclass
@@ -56,15 +67,6 @@ class RequestRecord:
     def draft_fault(self) -> bool:
         return any(str(e).startswith("fallback to target-only") for e in self.stats.get("events", ()))
 
-    def token_gaps(self) -> list[float]:
-        """Inter-token latency per token: a step of k tokens after a gap d gives k times d / k."""
-        gaps = []
-        for steps in self.steps:
-            for before, after in zip(steps, steps[1:]):
-                if after.tokens:
-                    gaps += [(after.time - before.time) / after.tokens] * after.tokens
-        return gaps
-
     def timings(self) -> dict:
         """llama-server's per-response figures, with the draft counts."""
         s = self.stats
@@ -85,6 +87,8 @@ class RequestRecord:
         mirror = mode == "mirror"
         return {"mode": mode, "mean_accepted_length": s.get("mean_accepted_length"),
                 "steps": s.get("steps"), "speculative_steps": s.get("speculative_steps"),  # the load policy's choice
+                "speculated": bool(s.get("speculative_steps")), "target_only_steps": s.get("target_only_steps", {}),
+                "why_target_only": why_target_only(s),
                 "mean_gamma": s.get("mean_gamma"),
                 "acceptance_per_position": s.get("acceptance_per_position", []),
                 "reuse_hit_rate": s.get("reuse_hit_rate") if mirror else None,
@@ -108,7 +112,9 @@ class RequestRecord:
                 "ttft_ms": round(1e3 * self.ttft_s, 1) if self.ttft_s is not None else None,
                 "e2e_ms": round(1e3 * self.e2e_s, 1), "tokens_per_s": timings.get("predicted_per_second"),
                 "mean_accepted_length": self.stats.get("mean_accepted_length"),
-                "acceptance": round(timings["draft_n_accepted"] / drafted, 3) if drafted else None}
+                "acceptance": round(timings["draft_n_accepted"] / drafted, 3) if drafted else None,
+                "steps": self.stats.get("steps"), "speculative_steps": self.stats.get("speculative_steps"),
+                "why_target_only": why_target_only(self.stats) if self.ran else None}
 
     def log_line(self) -> str:
         """The access-log line: id, tokens, TTFT, tokens/s, finish reason."""
@@ -117,6 +123,19 @@ class RequestRecord:
         note = "" if self.outcome in ("done", "cancelled") else f" ({self.outcome})"
         return (f"{self.id} prompt_tokens={self.prompt_tokens} completion_tokens={self.completion_tokens} "
                 f"ttft={ttft} tokens_per_s={rate:.1f} finish_reason={self.finish_reason}{note}")
+
+
+def why_target_only(stats: dict) -> str | None:
+    """One sentence on the steps that did not speculate and why (None when every step did)."""
+    reasons = stats.get("target_only_steps") or {}
+    steps, speculative = stats.get("steps") or 0, stats.get("speculative_steps") or 0
+    if not reasons or not steps:
+        return None
+    said = "; ".join(f"{WHY_TARGET_ONLY.get(r, r)} ({n} step{'s' * (n != 1)})"
+                     for r, n in sorted(reasons.items(), key=lambda item: -item[1]))
+    if not speculative:
+        return f"no speculation: {said}"
+    return f"speculated in {speculative} of {steps} steps; target-only: {said}"
 
 
 def merged_stats(stats: list[dict]) -> dict:
@@ -128,6 +147,10 @@ def merged_stats(stats: list[dict]) -> dict:
     for key in ("new_tokens", "draft_hidden_s", "reuse_hits", "reuse_checks", "steps", "speculative_steps"):
         if key in out:
             out[key] = sum(s.get(key, 0) for s in stats)
+    out["target_only_steps"] = {}
+    for s in stats:
+        for reason, count in s.get("target_only_steps", {}).items():
+            out["target_only_steps"][reason] = out["target_only_steps"].get(reason, 0) + count
     for key in ("proposed_per_position", "accepted_per_position"):
         width = max(len(s.get(key, [])) for s in stats)
         out[key] = [sum(s.get(key, [])[i] if i < len(s.get(key, [])) else 0 for s in stats) for i in range(width)]

@@ -167,7 +167,7 @@ async def stream(job, reply: Reply, timeout_s: float | None):
                 held[index].append((text, entries))
                 continue
             extra = {"usage": partial_usage(reply.prompt_tokens, made)} if reply.continuous_usage else {}
-            if reply.origins and text:
+            if reply.origins and origins:
                 extra["mirror_rt"] = {"tokens": origins}
             yield sse(reply.body([reply.delta(index, text, entries=entries, at=offsets[index])], chunk=True,
                                  **extra))
@@ -197,7 +197,7 @@ def _grouped(batch: list) -> list:
             out[-1] = (index, text + piece, made, joined + list(entries), trail + list(origins or ()))
         else:
             out.append((index, piece, made, list(entries), list(origins or ())))
-    return [item for item in out if item[1] or item[3]]
+    return [item for item in out if item[1] or item[3] or item[4]]  # text, log-probabilities or token origins
 
 
 def final_events(job, reply: Reply, timeout_s: float | None, calls: dict | None = None) -> list[bytes]:

@@ -57,6 +57,7 @@ class Job:
     record: object = None  # serving.records.RequestRecord, set by on_finish before the end event
     made: int = 0  # tokens committed so far over every choice (EOS included), as usage counts them
     progress: dict = field(default_factory=dict)  # choice index -> _Progress
+    metered: dict = field(default_factory=dict)  # choice index -> steps its metrics counted (ServerMetrics.progress)
     cancel_requested: threading.Event = field(default_factory=threading.Event)
 
     @property
@@ -186,6 +187,12 @@ class Scheduler:
         for job in self.live_jobs():
             self.cancel(job)
 
+    def abandon(self) -> None:
+        """End every admitted job as cancelled now, without waiting for the engine's step (a server that stops)."""
+        for job in self.live_jobs():
+            job.outcome = "cancelled"
+            job.post("end", "cancelled")
+
     def close(self, cancel_waiting: bool = True) -> None:
         """Take no new job; drop the waiting ones (they end as cancelled)."""
         jobs = self.live_jobs() if cancel_waiting else []
@@ -240,7 +247,8 @@ class Scheduler:
         job.made += sum(step.tokens for step in gen.steps[progress.steps:])
         progress.steps = len(gen.steps)
         logprobs, progress.logprobs = gen.logprobs[progress.logprobs:], len(gen.logprobs)
-        origins = progress.trail.entries(gen, piece) if progress.trail is not None and piece else None
+        trail = progress.trail
+        origins = trail.entries(gen, piece) if trail is not None and (piece or trail.pending(gen)) else None
         job.post("text", (index, piece, job.made, logprobs, origins))
 
     def _finished(self, gen) -> None:
@@ -250,8 +258,9 @@ class Scheduler:
             return
         job, index = entry
         job.started = job.started or gen.sequence.admitted
-        if len(gen.logprobs) > job.progress[index].logprobs:  # tokens whose text is empty (EOS) at the very end
-            self._hand_over(job, index, gen, "")
+        progress = job.progress[index]
+        if len(gen.logprobs) > progress.logprobs or (progress.trail is not None and progress.trail.pending(gen)):
+            self._hand_over(job, index, gen, "")  # tokens whose text is empty (EOS) at the very end
         job.progress[index].ended = True
         job.post("choice_end", index)
         if job.outcome not in ("timeout", "error"):

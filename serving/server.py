@@ -2,9 +2,12 @@
 
 The socket opens at once and the engine loads behind it (`/health` says 503 until ready); a log
 line then gives the URL, the model, the mode, the device each role got (fallbacks included) and
-whether a key is required. The first SIGTERM or Ctrl-C drains: new requests get 503, requests
-already admitted (running or queued) finish, and whatever is left at the deadline is cancelled;
-then the server stops and the process exits 0. A second signal stops at once.
+whether a key is required (and, without one, a line that says who can use the server). The first SIGTERM or
+Ctrl-C drains: new requests get 503, requests already admitted (running or queued) finish, and whatever is left at
+the deadline is cancelled; then the server stops and the process exits 0. A second signal cuts the drain short:
+every open request ends at once with an error (a stream: an error event, then `[DONE]`) and the process exits
+128 + the signal (143 for SIGTERM, 130 for Ctrl-C), so an orchestrator can tell it from a clean drain. A third
+stops without waiting for the streams to end.
 """
 
 from __future__ import annotations
@@ -17,7 +20,7 @@ import threading
 import time
 
 from mirror_rt.serving.app import LOAD_THREAD, ServerState, create_app
-from mirror_rt.serving.settings import ServerConfig
+from mirror_rt.serving.errors import json_errors_protocol
 
 log = logging.getLogger("mirror_rt.serve")
 
@@ -47,6 +50,16 @@ def describe(state: ServerState, url: str) -> str:
             f"queue {settings.max_queued}")
 
 
+def open_to(settings: ServerConfig, url: str) -> str:
+    """The line that says who may use a server without an API key."""
+    from mirror_rt.serving.guard import listens_locally
+
+    where = "any program on this machine" if listens_locally(settings.host) else "anyone who reaches it"
+    origins = ", ".join(settings.allowed_origins) or "none"
+    return (f"no API key: {where} can use {url} (set --api-key or $MIRROR_RT_API_KEY to require one); browsers: "
+            f"its own page and allowed origins only ({origins}: --allowed-origins)")
+
+
 def quiet_cancellations(record: logging.LogRecord) -> bool:
     """Drop uvicorn's error records of a CancelledError: at a forced stop it cancels the tasks still running (the
     streams, the lifespan) and logs each with its traceback; they are the stop itself, not faults."""
@@ -60,23 +73,38 @@ class DrainingServer:
     def __init__(self, app, host: str, port: int, drain_timeout: float):
         import uvicorn
 
-        config = uvicorn.Config(app, host=host, port=port, log_level="warning", access_log=False,
-                                timeout_graceful_shutdown=5, lifespan="on")
         logging.getLogger("uvicorn.error").addFilter(quiet_cancellations)
-        self.server = uvicorn.Server(config)
-        self.server.handle_exit = self.handle_exit  # no re-raise of the signal at exit: exit code 0
+        self.server = uvicorn.Server(uvicorn_config(app, host=host, port=port, timeout_graceful_shutdown=5))
+        self.server.handle_exit = self.handle_exit  # no re-raise of the signal at exit: our exit code
         self.state: ServerState = app.state.mirror
         self.drain_timeout, self.draining = drain_timeout, False
+        self.exit_code = 0  # 128 + the signal that cut the drain short
 
     def run(self, sock=None) -> None:
         self.server.run(sockets=[sock] if sock is not None else None)
 
     def handle_exit(self, sig, frame) -> None:
-        if self.draining:  # a second signal: stop now
+        if self.exit_code:  # a third signal: stop now, streams or not
             self.server.force_exit = self.server.should_exit = True
-            return
-        self.draining = True
-        threading.Thread(target=self.drain, name="mirror-drain", daemon=True).start()
+        elif self.draining:
+            self.exit_code = 128 + int(sig)
+            threading.Thread(target=self.cut, name="mirror-cut", daemon=True).start()
+        else:
+            self.draining = True
+            threading.Thread(target=self.drain, name="mirror-drain", daemon=True).start()
+
+    def cut(self) -> None:
+        """A second signal: every open request ends now with an error (its stream with an error event and
+        [DONE]), then the server stops."""
+        state = self.state
+        state.status = "draining"
+        log.info("a second signal: the drain is cut short; open requests end with an error")
+        if state.scheduler is not None:
+            cut_scheduler(state.scheduler)
+        deadline = time.monotonic() + 3
+        while state.open_streams and time.monotonic() < deadline:  # their last events reach the clients
+            time.sleep(0.02)
+        self.server.should_exit = True
 
     def drain(self) -> None:
         state = self.state
@@ -105,6 +133,28 @@ def drain_scheduler(scheduler, timeout: float) -> bool:
     return finished
 
 
+def cut_scheduler(scheduler, grace: float = 1.0) -> None:
+    """Take no new job and cancel every admitted one; those the engine has not ended after `grace` s (it is inside
+    a long step) end without it."""
+    scheduler.close()
+    scheduler.cancel_all()
+    deadline = time.monotonic() + grace
+    while not scheduler.idle() and time.monotonic() < deadline:
+        time.sleep(0.02)
+    scheduler.abandon()
+
+
+def uvicorn_config(app, **options):
+    """uvicorn's settings for the app (`create_app`'s): no access log, the HTTP layer's own errors in the
+    envelope and counted, no WebSocket upgrade (such a request is plain HTTP: a 404 in the envelope)."""
+    import uvicorn
+
+    state = app.state.mirror
+    return uvicorn.Config(app, log_level="warning", access_log=False, lifespan="on", ws="none",
+                          http=json_errors_protocol(lambda status: state.responded("none", "none", status)),
+                          **options)
+
+
 def serve(settings: ServerConfig, load) -> int:
     """Run the server on `settings.host`:`settings.port` until a signal drains it (up to `settings.drain_timeout`);
     returns the exit code (2 when the engine cannot load)."""
@@ -131,8 +181,8 @@ def serve(settings: ServerConfig, load) -> int:
         sys.stdout.flush()
         sys.stderr.flush()
         os._exit(0)
-    log.info("stopped")
-    return 0
+    log.info("stopped" if not server.exit_code else f"stopped by a second signal (exit {server.exit_code})")
+    return server.exit_code
 
 
 def bind_or_say(host: str, port: int) -> tuple:
@@ -182,3 +232,5 @@ def _announce(server: DrainingServer, url: str) -> None:
         server.server.should_exit = True
     elif state.engine is not None:
         log.info(describe(state, url))
+        if not state.settings.api_key:
+            log.info(open_to(state.settings, url))

@@ -36,6 +36,11 @@ class ServerConfig:
     # request to another replica); a single server answers 503 with x-mirror-rt-retry instead
     exit_on_engine_death: bool = False
     ui: bool = True  # the playground page at / (serve --no-ui: off, / answers 404)
+    # browser origins allowed beside the server's own page ("*": any), e.g. ("http://localhost:3000",)
+    allowed_origins: tuple[str, ...] = ()
+    # Host names answered beside localhost and IP addresses ("*": any); empty: every name where --host listens
+    # beyond this machine (serving.guard)
+    allowed_hosts: tuple[str, ...] = ()
 
 
 @dataclass(frozen=True)

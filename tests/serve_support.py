@@ -16,15 +16,15 @@ class RunningServer:
     def __init__(self, app):
         import uvicorn
 
+        from mirror_rt.serving.server import uvicorn_config
+
         self.app, self.state = app, app.state.mirror
         self.sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
         self.sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         self.sock.bind(("127.0.0.1", 0))
         self.port = self.sock.getsockname()[1]
         self.url = f"http://127.0.0.1:{self.port}"
-        config = uvicorn.Config(app, log_level="warning", access_log=False, lifespan="on",
-                                timeout_graceful_shutdown=2)
-        self.server = uvicorn.Server(config)
+        self.server = uvicorn.Server(uvicorn_config(app, timeout_graceful_shutdown=2))  # as `mirror-rt serve` runs
         self.thread = threading.Thread(target=self.server.run, kwargs={"sockets": [self.sock]}, daemon=True)
         self.thread.start()
 

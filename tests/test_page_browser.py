@@ -182,3 +182,52 @@ def test_an_answer_stopped_before_its_first_token_is_left_out_of_the_conversatio
         assert page.answer().text_content()
     finally:
         page.close()
+
+
+def test_the_page_explains_its_terms_and_its_empty_chart(page):
+    """Each term has its explanation where it appears (a tooltip, and a legend line for the figures); the acceptance
+    chart says why it is empty instead of a blank box; the server table's columns say what they count."""
+    expect(page.page.locator("#model")).to_have_text("tiny")
+    expect(page.page.locator("#fig-chart")).to_contain_text("No draft windows yet")
+    for term in ("TTFT", "mean accepted length", "hidden draft share", "reuse rate", "tokens"):
+        title = page.page.locator(".figures dt", has_text=term).first.get_attribute("title")
+        assert title and len(title) > 20, term
+    assert "γ" in page.page.text_content("label[for=gamma]") and page.page.get_attribute("label[for=gamma]", "title")
+    for mode in ("mirror", "sd", "ar"):
+        assert page.page.get_attribute(f"#mode option[value={mode}]", "title")
+    expect(page.page.locator("#figures-note")).to_contain_text("Mean accepted length: tokens per target verification")
+    page.ask(PROMPT, mode="ar", temperature=0, max_tokens=6)
+    page.wait_done()
+    expect(page.page.locator("#fig-chart")).to_contain_text("ar answers and target-only steps draft none")
+    expect(page.page.locator("#mode-ran")).to_have_text("Ran: ar, target only, as asked")
+    page.page.click("#tab-server")
+    headers = page.page.locator("#srv-recent th").all_text_contents()
+    assert "prompt → output tokens" in headers and "speculative steps" in headers
+    assert all(page.page.locator("#srv-recent th").nth(i).get_attribute("title") for i in range(2, len(headers)))
+    expect(page.page.locator("#srv-recent tbody tr").first.locator("td").nth(9)).to_have_text("0 of 5")
+    expect(page.page.locator("#srv-totals")).to_contain_text(re.compile(r"KV in use\s*\d+% of [\d.]+ MB"))
+    assert page.page.locator("#srv-totals dt", has_text="prefix cache").get_attribute("title")
+
+
+def test_tokens_are_counted_one_way_the_end_included(page):
+    """An answer that ends with the end-of-sequence token (here a schema's, set on the request on its way): the
+    figure, the legend and the server's usage all count it (the page said "8 tokens" beside a legend of 7), and a
+    mark shows where it ended; the side line says what ran."""
+    import json
+
+    def with_schema(route):
+        body = json.loads(route.request.post_data) | {"response_format": {"type": "json_schema", "json_schema": {
+            "name": "x", "schema": {"enum": ["yes", "no"]}}}}
+        route.continue_(post_data=json.dumps(body))
+
+    expect(page.page.locator("#model")).to_have_text("tiny")
+    page.page.route("**/v1/chat/completions", with_schema)
+    page.ask(PROMPT, mode="mirror", temperature=0, max_tokens=20)
+    page.wait_done()
+    expect(page.page.locator("#status")).to_have_text("done (stop)")
+    counts = sum(map(int, page.page.locator("#legend .count").all_text_contents()))
+    assert counts == int(page.figure("tokens")) and counts > len(page.answer().text_content())  # the end counted
+    assert page.answer().locator(".t.end").count() == 1 and page.answer().text_content() in ('"yes"', '"no"')
+    expect(page.page.locator("#mode-ran")).to_contain_text("Ran: mirror in")
+    assert float(page.figure("mal")) > 1  # 1 + accepted per step: never 1.00 beside 100% acceptance
+    assert page.errors == []

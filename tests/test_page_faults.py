@@ -1,7 +1,8 @@
 """The playground page when things go wrong or differ from the plain case, in headless Chromium against a real
 server: a file of the page that does not load is said in a line (not "connecting…" forever); behind replicas the
-server tab names the replica that answered; an answer the load policy decoded without speculating says so (and
-so does "Compare with ar"); the prompt stays after any error; a lost connection is said as such."""
+server tab names the replica that answered; an answer the load policy decoded without speculating says so and why,
+beside the Mode menu too (and so does "Compare with ar"); the prompt stays after any error; a lost connection is
+said as such."""
 
 from __future__ import annotations
 
@@ -74,7 +75,11 @@ def test_an_answer_decoded_without_speculating_says_why(page):
     page.ask("hi", mode="mirror", max_tokens=8, temperature=0)
     page.wait_done()
     note = page.page.locator(".message.assistant .meta").last
-    expect(note).to_contain_text("no speculation: the load policy decoded every step target-only")
+    expect(note).to_contain_text("no speculation: ")  # the server's reasons, each with its steps
+    expect(note).to_contain_text(re.compile(r"too few tokens were left .* \(\d+ steps\)"))
+    ran = page.page.locator("#mode-ran")  # beside the Mode menu, which still says what was asked
+    expect(ran).to_contain_text("Ran: target-only, not mirror: no speculation")
+    assert page.page.input_value("#mode") == "mirror"
     page.page.click("#compare-button")
     expect(page.page.locator("#compare-summary")).to_contain_text("no speculation", timeout=60_000)
 

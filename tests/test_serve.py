@@ -38,6 +38,11 @@ def test_greedy_chat_and_completion_equal_the_reference(server, reference, mode)
     assert (extra["timings"]["draft_n"] > 0) == (mode != "ar")
     spec = extra["mirror_rt"]  # the load policy's choice, as this request saw it
     assert 0 <= spec["speculative_steps"] <= spec["steps"] and (spec["speculative_steps"] > 0) == (mode != "ar")
+    assert spec["speculated"] == (mode != "ar")  # what ran, beside what was asked (`mode`)
+    assert spec["speculative_steps"] + sum(spec["target_only_steps"].values()) == spec["steps"]
+    if mode == "ar":
+        assert spec["target_only_steps"] == {"asked": spec["steps"]}
+        assert spec["why_target_only"].startswith("no speculation: the request asked for target-only decoding")
     assert (spec["mean_gamma"] > 0) == (mode != "ar")
 
 

@@ -42,6 +42,11 @@ def test_serve_drains_on_sigterm_and_exits_0(tmp_path, cache_dir, default_ar_tex
         line = wait_for_line(log, "serving ", proc, timeout=600)
         assert f"http://127.0.0.1:{port}/v1" in line and "smollm2-135m-instruct" in line and "mode mirror" in line
         assert "target on ort:cpu" in line and "draft on ort:cpu" in line and "no API key" in line
+        # the budget an operator can predict, said at start (it was 40% of the memory free at that moment)
+        assert "KV budget 4.00 GB" in line and "default: 4 GB or every row at full length" in line
+        assert "prefix cache up to" in line and "50% of the budget" in line
+        warning = wait_for_line(log, "no API key:", proc, timeout=10)
+        assert "any program on this machine can use" in warning and "--allowed-origins" in warning
         url = f"http://127.0.0.1:{port}"
         events, first = [], threading.Event()
 
@@ -74,44 +79,53 @@ def test_serve_drains_on_sigterm_and_exits_0(tmp_path, cache_dir, default_ar_tex
     assert "draining" in log.read_text() and "stopped" in log.read_text()
 
 
-def test_a_second_signal_stops_at_once_and_exits_0(tmp_path, cache_dir):
-    """A second SIGTERM skips the drain: what runs is cancelled, and the engine thread ends its step before the
-    interpreter exits (it exited under a running ONNX Runtime call: "terminate called", SIGABRT)."""
+def test_a_second_signal_ends_every_stream_with_an_error_and_exits_143(tmp_path, cache_dir):
+    """A second SIGTERM cuts the drain short: every open stream ends with an error event and [DONE] (they were cut
+    with neither, and the process exited 0, as a clean drain does), the process exits 143 (128 + SIGTERM), and the
+    engine thread ends its step before the interpreter exits (it exited under a running ONNX Runtime call:
+    "terminate called", SIGABRT)."""
     port, log = free_port(), tmp_path / "serve.log"
     env = dict(os.environ, MIRROR_RT_CACHE=cache_dir)
     with open(log, "w") as err:
         proc = subprocess.Popen([sys.executable, "-m", "mirror_rt.cli", "serve", "--port", str(port)],
                                 stderr=err, stdout=subprocess.DEVNULL, env=env)
+    streams = [[] for _ in range(5)]
     try:
         wait_for_line(log, "serving ", proc, timeout=600)
         url, first = f"http://127.0.0.1:{port}", threading.Event()
 
-        def stream(messages):
+        def stream(messages, events):
             body = {"messages": messages, "max_tokens": 2000, "ignore_eos": True, "stream": True}
             with contextlib.suppress(httpx.HTTPError), httpx.stream(
                     "POST", url + "/v1/chat/completions", json=body, timeout=120) as response:
-                for _ in response.iter_lines():
-                    first.set()
+                for line in response.iter_lines():
+                    if line.startswith("data: "):
+                        events.append(line[6:])
+                        first.set()
 
         long = [{"role": "user", "content": "Summarize: " + "the quick brown fox jumps over the lazy dog. " * 300}]
-        readers = [threading.Thread(target=stream, args=(QUESTION,))]
-        readers += [threading.Thread(target=stream, args=(long,)) for _ in range(4)]  # the engine busy prefilling
+        readers = [threading.Thread(target=stream, args=(QUESTION, streams[0]))]
+        readers += [threading.Thread(target=stream, args=(long, events)) for events in streams[1:]]  # prefilling
         readers[0].start()
         assert first.wait(120)
         for reader in readers[1:]:
             reader.start()
         time.sleep(0.5)
         proc.send_signal(signal.SIGTERM)
-        time.sleep(0.3)
+        time.sleep(0.5)
         proc.send_signal(signal.SIGTERM)
-        assert proc.wait(timeout=60) == 0
+        assert proc.wait(timeout=60) == 143
         for reader in readers:
             reader.join(60)
     finally:
         if proc.poll() is None:
             proc.kill()
+    for events in streams:
+        assert len(events) >= 3 and events[-1] == "[DONE]", events[-3:]
+        error = json.loads(events[-2])["error"]
+        assert error["code"] == 503 and "shutting down" in error["message"]
     text = log.read_text()
-    assert "terminate called" not in text and "stopped" in text
+    assert "terminate called" not in text and "stopped by a second signal (exit 143)" in text
     assert "Traceback" not in text  # the tasks uvicorn cancels at a forced stop are the stop, not faults
 
 

@@ -162,15 +162,22 @@ def test_request_timeout_ends_a_long_generation_with_an_error(engine):
         slow.stop()
 
 
-def test_kv_usage_follows_the_batch_down_to_zero(server):
-    """The KV gauge moves at every step, the last one too: held while a request runs, 0 once it has left."""
+def test_kv_usage_follows_the_batch_down_to_what_the_prefix_cache_keeps(server):
+    """The KV gauge moves at every step, the last one too: the request's rows while it runs, then only the blocks
+    the prefix cache kept of it (it read 0.0 while the cache held gigabytes), which its gauges report."""
     with httpx.stream("POST", server.url + "/v1/completions", json=body(60, stream=True), timeout=30) as response:
         lines = response.iter_lines()
         assert next(line for line in lines if line.startswith("data: {"))  # in the batch now
-        assert metric(scrape(server.url), "kv_cache_usage_perc") > 0
+        running = scrape(server.url)
+        assert metric(running, "kv_cache_usage_perc") > 0
         assert [line for line in lines if line.startswith("data: ")][-1] == "data: [DONE]"
     assert wait_for(lambda: idle(server))
-    assert metric(scrape(server.url), "kv_cache_usage_perc") == 0
+    after = scrape(server.url)
+    budget, blocks = metric(after, "kv_cache_budget_bytes"), metric(after, "prefix_cache_blocks")
+    assert blocks >= 60 // 16 and metric(after, "prefix_cache_bytes") > 0
+    block_bytes = metric(after, "prefix_cache_bytes") / blocks  # the target's KV; the budget counts both models'
+    assert 0 < metric(after, "kv_cache_usage_perc") < metric(running, "kv_cache_usage_perc")
+    assert metric(after, "prefix_cache_bytes") <= budget / 2 and block_bytes > 0  # --prefix-cache-share 0.5
 
 
 @pytest.mark.parametrize("mode", ["sd", "mirror"])

@@ -65,6 +65,19 @@ def test_origins_describe_every_token_of_a_greedy_answer(server, reference, mode
         assert window[-1]["origin"] == last or index == max(windows)  # the last window may be cut by the end
 
 
+def test_origins_count_the_tokens_usage_counts_the_end_included(server):
+    """An answer that ends with the end-of-sequence token (a schema's answer ends there): its entry comes last, with
+    `end: true`, so the entries add up to usage.completion_tokens (the page said "8 tokens" beside a legend of 7)."""
+    schema = {"type": "json_schema", "json_schema": {"name": "x", "schema": {"enum": ["yes", "no"]}}}
+    chunks = stream(server, max_tokens=20, mode="mirror", response_format=schema,
+                    stream_options={"include_usage": True, "include_origins": True})
+    entries = [e for c in chunks if c.get("mirror_rt") and "tokens" in c["mirror_rt"] for e in c["mirror_rt"]["tokens"]]
+    usage = chunks[-1]["usage"]
+    assert chunks[-2]["choices"][0]["finish_reason"] == "stop"
+    assert len([e for e in entries if e["token"] is not None]) == usage["completion_tokens"]
+    assert entries[-1]["end"] is True and entries[-1]["text"] == "" and not any(e.get("end") for e in entries[:-1])
+
+
 def test_ar_tokens_are_all_the_targets(server):
     chunks = stream(server, mode="ar", stream_options={"include_origins": True})
     entries = [e for c in content_chunks(chunks) for e in c["mirror_rt"]["tokens"] if e["token"] is not None]
@@ -89,6 +102,8 @@ def test_server_lists_recent_requests_from_its_metrics(server):
     assert newest["tokens_per_s"] > 0 and 1 <= newest["mean_accepted_length"] and 0 <= newest["acceptance"] <= 1
     assert sum(status["requests"].values()) >= len(status["recent"]) >= 1
     assert status["generation_tokens"] >= 12 and status["accepted_tokens"] <= status["draft_tokens"]
+    kv = status["kv_cache"]  # the budget and what the prefix cache holds of it
+    assert kv["budget_bytes"] > 0 and 0 < kv["usage"] <= 1 and 0 < kv["prefix_cache_bytes"] <= kv["budget_bytes"] / 2
 
 
 def test_page_files_are_served_with_a_strict_policy(server):

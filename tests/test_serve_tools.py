@@ -96,6 +96,26 @@ def test_a_tool_schema_llguidance_cannot_run_is_a_400_naming_the_tool(server):
         assert response.json()["error"]["param"] == "tools.1.function.parameters"
 
 
+@pytest.mark.parametrize("schema, reason", [
+    ({"type": "florb"}, "Invalid type: florb"),
+    ({"type": "object", "properties": {"a": False}, "required": ["a"]}, "required property 'a' is unsatisfiable")],
+    ids=["unknown type", "required property false"])
+def test_a_schema_gets_its_own_reason_whatever_field_carries_it(server, schema, reason):
+    """As response_format it said `the JSON schema has no finite instance ...` where the same schema as tool
+    parameters said `Invalid type: florb`: now both give the schema's own fault, the client's BadRequestError."""
+    client = server.client()
+    with pytest.raises(openai.BadRequestError) as as_format:
+        client.chat.completions.create(model="tiny", messages=MESSAGES, max_tokens=8, response_format={
+            "type": "json_schema", "json_schema": {"name": "x", "schema": schema}})
+    with pytest.raises(openai.BadRequestError) as as_tool:
+        client.chat.completions.create(model="tiny", messages=MESSAGES, max_tokens=8, tools=[
+            {"type": "function", "function": {"name": "f", "parameters": schema}}], tool_choice="required")
+    said = [e.value.body["message"] for e in (as_format, as_tool)]
+    assert all(reason in message and "finite" not in message for message in said), said
+    assert as_format.value.body["param"] == "response_format"
+    assert as_tool.value.body["param"] == "tools.0.function.parameters"
+
+
 @pytest.mark.parametrize("field, value, valid", [
     ("guided_choice", ["yes", "no"], lambda text: text in ("yes", "no")),
     ("guided_regex", "[a-c]{3}", lambda text: len(text) == 3 and set(text) <= set("abc")),

@@ -43,7 +43,7 @@ class TorchPool:
         return self.filled[0]
 
     def grow(self, positions: int) -> None:
-        """Room for `positions` per row, as devices.onnxruntime_pool.RowPool.grow."""
+        """Room for `positions` per row, as devices.onnxruntime.pool.RowPool.grow."""
         if positions <= self.allocated:
             return
         size = min(self.capacity, max(positions, 2 * self.allocated))

@@ -127,17 +127,21 @@ ENGINE_HELP = {
     "exit_layer": "torch: early-exit layer (mirror; default N/2)",
     "kappa": f"torch: early-exit candidates per position (mirror; default {DEFAULT_KAPPA})",
     "max_num_seqs": "sequences decoded at once (default %(default)s): more wait, up to --max-queued",
-    "kv_cache_gb": "KV memory of both models' rows and the prefix cache, in GB (default: every row at full "
-                   "length, within 40%% of the memory available at load)",
+    "kv_cache_gb": "KV memory of both models' rows and the prefix cache, in GB (default: 4, or every row at full "
+                   "length where that takes less; docs/serving.md: sizing it)",
     "prefill_chunk": "prompt tokens prefilled per step, several short prompts or a chunk of a long one (default "
                      "%(default)s): prompts stall the running requests by one chunk at most",
     "prefix_cache": "keep full 16-token blocks of finished requests for later ones that share them (default: on)",
+    "prefix_cache_share": "the most of the KV budget the prefix cache keeps, 0..1 (default %(default)s; it gives "
+                          "its blocks up to requests)",
     "adaptive_speculation": "speculate only while it pays at this load: draft windows per batch size from the step "
                             "costs measured, down to target-only steps (default: on)",
 }
-BATCH = ("max_num_seqs", "kv_cache_gb", "prefill_chunk", "prefix_cache", "adaptive_speculation")  # serve's
+BATCH = ("max_num_seqs", "kv_cache_gb", "prefill_chunk", "prefix_cache", "prefix_cache_share",
+         "adaptive_speculation")  # serve's
 ENGINE_TYPES = {"threads": positive_int, "exit_layer": positive_int, "kappa": positive_int,
-                "max_num_seqs": positive_int, "kv_cache_gb": positive_number, "prefill_chunk": positive_int}
+                "max_num_seqs": positive_int, "kv_cache_gb": positive_number, "prefill_chunk": positive_int,
+                "prefix_cache_share": positive_number}
 ON_OFF = ("prefix_cache", "adaptive_speculation")  # --name / --no-name
 ENGINE_CHOICES = {"draft_precision": DRAFT_PRECISIONS, "weights": BUNDLE_WEIGHTS}
 SWITCHES = ("torch", "strict_devices", "compile")  # flags without a value

@@ -43,7 +43,19 @@ def add_serve(sub) -> None:
     serve.add_argument("--drain-timeout", type=positive_number, default=SERVER.drain_timeout,
                        help="on SIGTERM / Ctrl-C, seconds admitted requests may take to finish (default %(default)s)")
     serve.add_argument("--no-ui", dest="ui", action="store_false", help="no playground page at / (404 there)")
+    serve.add_argument("--allowed-origins", type=names, default=SERVER.allowed_origins, metavar="ORIGINS",
+                       help="browser origins that may call the server besides its own page, comma-separated "
+                       "(http://localhost:3000; '*': any); others get 403 (default: none)")
+    serve.add_argument("--allowed-hosts", type=names, default=SERVER.allowed_hosts, metavar="NAMES",
+                       help="Host names the server answers to besides localhost and IP addresses, comma-separated "
+                       "('*': any); others get 403, against DNS rebinding (default: none where --host is a loopback "
+                       "address, every name where it listens beyond this machine)")
     add_replica_options(serve)
+
+
+def names(text: str) -> tuple[str, ...]:
+    """A comma-separated list of origins or host names."""
+    return tuple(part.strip() for part in text.split(",") if part.strip())
 
 
 def cmd_serve(args) -> int:

@@ -29,6 +29,10 @@ from mirror_rt.runtime.mirror.step import MirrorStep
 from mirror_rt.runtime.values import is_integer, is_number
 
 WINDOW_ROOM = 80  # positions past the committed text a step may write (window, padding, draft guesses)
+# why a sequence's step verified no draft token (Metrics.target_only), besides the policy's (runtime.batch.policy: asked,
+# prompts, tail, measuring, slower)
+TARGET_ONLY = ("asked", "prompts", "tail", "measuring", "slower", "last_token", "draft_failed", "empty_window")
+DEFAULT_KV_GB = 4.0  # the KV budget without --kv-cache-gb (less where every row at full length takes less)
 
 
 @dataclass(frozen=True)
@@ -36,9 +40,11 @@ class BatchConfig:
     """How many sequences an engine decodes at once and with how much KV memory."""
 
     max_num_seqs: int = 16  # sequences holding a row at once (running or prefilling)
-    kv_cache_gb: float | None = None  # KV memory of both models' rows and the prefix cache; None: from free memory
+    # KV memory of both models' rows and the prefix cache; None: DEFAULT_KV_GB, or every row at full length if less
+    kv_cache_gb: float | None = None
     prefill_chunk: int = 256  # prompt positions per step (short prompts share it): prompts stall the others briefly
     prefix_cache: bool = True  # keep full blocks of finished requests for the next ones that share them
+    prefix_cache_share: float = 0.5  # of the KV budget, the most the prefix cache keeps (it gives way to requests)
     adaptive_speculation: bool = True  # speculate only while it pays at this load (batch.policy); False: as asked
 
     def __post_init__(self):
@@ -46,6 +52,8 @@ class BatchConfig:
             raise ValueError(f"--max-num-seqs must be a whole number >= 1, got {self.max_num_seqs!r}")
         if self.kv_cache_gb is not None and not (is_number(self.kv_cache_gb) and self.kv_cache_gb > 0):
             raise ValueError(f"--kv-cache-gb must be a number > 0, got {self.kv_cache_gb!r}")
+        if not (is_number(self.prefix_cache_share) and 0 < self.prefix_cache_share <= 1):
+            raise ValueError(f"--prefix-cache-share must be a number in (0, 1], got {self.prefix_cache_share!r}")
         if not (is_integer(self.prefill_chunk) and self.prefill_chunk >= 1):
             raise ValueError(f"--prefill-chunk must be a whole number >= 1, got {self.prefill_chunk!r}")
         for name, value in (("prefix_cache", self.prefix_cache), ("adaptive_speculation", self.adaptive_speculation)):
@@ -61,7 +69,7 @@ class BatchDecoder:
     """Sequences, their rows and caches, and the step loop over them."""
 
     def __init__(self, target, draft=None, settings: BatchConfig = BatchConfig(), policy=None,
-                 kv_bytes: int | None = None, cpus: tuple[int, int] | None = None):
+                 cpus: tuple[int, int] | None = None):
         self.target, self.draft, self.settings = target, draft, settings
         self.pooled = target.capabilities.rows and (draft is None or draft.capabilities.rows)
         self.capacity = target.max_seq_len + WINDOW_ROOM
@@ -69,8 +77,11 @@ class BatchDecoder:
         self.target_pool = target.new_pool(rows, self.capacity) if self.pooled else None
         self.draft_pool = draft.new_pool(rows, self.capacity) if self.pooled and draft is not None else None
         self.rows = RowMap(rows)
-        self.budget = BlockBudget(self._total_blocks(kv_bytes))
-        self.cache = PrefixCache(self.budget.total) if self.pooled and settings.prefix_cache else None
+        self.budget = BlockBudget(self._total_blocks())
+        self.cache = None
+        if self.pooled and settings.prefix_cache:  # only the target's KV is kept (runtime.batch.prefix_cache)
+            self.cache = PrefixCache(max(1, int(settings.prefix_cache_share * self.budget.total)),
+                                     block_bytes=self.target_pool.bytes_per_position * BLOCK_SIZE)
         self.waiting: collections.deque[Sequence] = collections.deque()
         self.active: list[Sequence] = []  # holding a row: prefill, then running
         self.lock = threading.Lock()
@@ -85,16 +96,29 @@ class BatchDecoder:
         self.steps = 0
 
     def describe(self) -> str:
-        """How this decoder batches, for the server's start-up line."""
+        """How this decoder batches and the KV budget it keeps, for the server's start-up line."""
         s = self.settings
         if not self.pooled:
             return (f"up to {s.max_num_seqs} sequences side by side, one model call each (these graphs take one "
                     "sequence a call: no shared calls, no prefix cache)")
-        per_block = sum(p.bytes_per_position for p in (self.target_pool, self.draft_pool) if p) * BLOCK_SIZE
-        cache = "on" if self.cache is not None else "off"
-        return (f"batches of up to {s.max_num_seqs} sequences, KV {self.budget.total * per_block / 2**30:.1f} GB "
-                f"({self.budget.total} blocks of {BLOCK_SIZE}), prefix cache {cache}, "
+        rule = "--kv-cache-gb" if s.kv_cache_gb is not None else (
+            f"default: {DEFAULT_KV_GB:g} GB or every row at full length, the smaller")
+        cache = (f"prefix cache up to {_size(self.cache.max_blocks * self.cache.block_bytes)} "
+                 f"({s.prefix_cache_share:.0%} of the budget)" if self.cache is not None else "prefix cache off")
+        return (f"batches of up to {s.max_num_seqs} sequences, KV budget {_size(self.budget_bytes())} "
+                f"({self.budget.total} blocks of {BLOCK_SIZE} positions; {rule}), {cache}, "
                 f"speculation {'adaptive' if s.adaptive_speculation else 'as requests ask'}")
+
+    def budget_bytes(self) -> int:
+        """The KV budget in bytes (both models' rows; 0 where caches are per sequence)."""
+        per_position = sum(p.bytes_per_position for p in (self.target_pool, self.draft_pool) if p is not None)
+        return self.budget.total * BLOCK_SIZE * per_position
+
+    def kv_usage(self) -> float:
+        """Share of the KV budget held now: blocks reserved by sequences plus the prefix cache's (vLLM's
+        kv_cache_usage_perc, 0..1)."""
+        cached = len(self.cache) if self.cache is not None else 0
+        return min(1.0, (self.budget.reserved + cached) / self.budget.total) if self.budget.total else 0.0
 
     # --- other threads ---------------------------------------------------------------
 
@@ -138,6 +162,7 @@ class BatchDecoder:
         """One decode step of every running sequence, the way the policy picks (`prompts`: prompts prefilled in
         this step); its outcome goes back to it."""
         gamma = self.policy.gamma(self, running, prompts)
+        last = {id(s) for s in running if s.remaining <= 1}  # no room for a window
         before = sum(len(s.tokens) for s in running)
         settled = all(s.metrics.steps for s in running)  # no sequence on its first window
         t0 = time.perf_counter()
@@ -151,6 +176,22 @@ class BatchDecoder:
         self.policy.record(way, len(running), sum(len(s.tokens) for s in running) - before, time.perf_counter() - t0,
                            settled)
         self.gamma = gamma
+        for seq in running:
+            if not (seq.metrics.window or (0, 0))[0]:
+                why = self._target_only_reason(seq, gamma, id(seq) in last)
+                seq.metrics.target_only[why] = seq.metrics.target_only.get(why, 0) + 1
+
+    def _target_only_reason(self, seq: Sequence, gamma: int, last: bool) -> str:
+        """Why `seq`'s step verified no draft token (one of TARGET_ONLY)."""
+        if seq.config.mode == "ar":
+            return "asked"
+        if gamma == 0:
+            return self.policy.reason or "slower"
+        if last:
+            return "last_token"
+        if any(event.startswith("fallback to target-only") for event in seq.metrics.events):
+            return "draft_failed"
+        return "empty_window"
 
     def close(self) -> None:
         """Stop the draft worker (the decoder can still step: it starts again when needed); sequences still
@@ -273,19 +314,16 @@ class BatchDecoder:
             if self.draft_pool is not None and seq.draft_cache is not None:
                 seq.draft_cache.row = row
 
-    def _total_blocks(self, kv_bytes: int | None) -> int:
-        """The KV budget in blocks: --kv-cache-gb, else what every row at full length takes, within 40% of the
-        memory available now (numpy's zeros map pages lazily: memory is committed as positions are written)."""
+    def _total_blocks(self) -> int:
+        """The KV budget in blocks: --kv-cache-gb, else DEFAULT_KV_GB or what every row at full length takes, the
+        smaller; never the memory free at start-up (two servers started a minute apart got 8.5 and 2.3 GB)."""
         per_position = sum(p.bytes_per_position for p in (self.target_pool, self.draft_pool) if p is not None)
-        full = self.settings.max_num_seqs * self.capacity
+        full = blocks_for(self.settings.max_num_seqs * self.capacity)
         if not per_position:  # caches of their own per sequence: rows are the only limit
-            return blocks_for(full)
+            return full
         if self.settings.kv_cache_gb is not None:
             return self._blocks_of(self.settings.kv_cache_gb, per_position)
-        available = kv_bytes if kv_bytes is not None else _available_memory()
-        limit = int(0.4 * available // per_position) if available else full
-        return blocks_for(min(full, limit))
-
+        return min(full, self._blocks_of(DEFAULT_KV_GB, per_position))
 
     def _blocks_of(self, gb: float, per_position: int) -> int:
         """The blocks --kv-cache-gb holds; ValueError when not even the smallest request fits (a server that would
@@ -300,11 +338,8 @@ class BatchDecoder:
         return blocks
 
 
-def _available_memory() -> int | None:
-    """MemAvailable from /proc/meminfo in bytes (None where unknown)."""
-    try:
-        with open("/proc/meminfo") as f:
-            fields = dict(line.split(":", 1) for line in f)
-        return int(fields["MemAvailable"].split()[0]) * 1024
-    except (OSError, KeyError, ValueError):
-        return None
+def _size(count: int) -> str:
+    """Bytes as a start-up line says them: 4.00 GB, 21.0 MB."""
+    return f"{count / 2**30:.2f} GB" if count >= 2**30 else f"{count / 2**20:.1f} MB"
+
+

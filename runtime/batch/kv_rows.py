@@ -81,6 +81,3 @@ class BlockBudget:
     def release(self, key) -> None:
         self.held.pop(key, None)
 
-    def usage(self) -> float:
-        """Share of the blocks reserved by sequences (vLLM's kv_cache_usage_perc: 0..1)."""
-        return self.reserved / self.total if self.total else 0.0

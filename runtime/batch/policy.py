@@ -59,15 +59,19 @@ class SpeculationPolicy:
     since: dict = field(default_factory=dict)  # batch size -> steps since the way not taken was tried
     trials: dict = field(default_factory=dict)  # batch size -> (way on trial, settled steps it still needs)
     last: str = SPEC  # the way of the latest step (the server's gauge)
+    # why the latest target-only step was one: asked (no sequence speculates), prompts, tail, measuring, slower
+    reason: str | None = None
     previous: str | None = None  # the way of the latest recorded step (a switch is no settled step)
 
     def gamma(self, decoder, running: list, prompts: bool = False) -> int:
         """Draft tokens per window for this step: the largest any speculating sequence asks for, or 0. `prompts`:
         prompts prefill in this step; adaptive, the step then decodes target-only (see `prompts_first`)."""
         speculating = [s.config.gamma for s in running if s.config.mode != "ar"]
+        self.reason = "asked" if not speculating else "prompts" if self.prompts_first(prompts) else (
+            "tail" if self.too_late(running) else None)
         if not speculating:
             return 0
-        self.last = AR if self.prompts_first(prompts) or self.too_late(running) else self.choose(len(running))
+        self.last = AR if self.reason else self.choose(len(running))
         return max(speculating) if self.last == SPEC else 0
 
     def too_late(self, running: list) -> bool:
@@ -89,9 +93,11 @@ class SpeculationPolicy:
             rate = self._rate(way, batch)
             exploring = rate.samples < self.explore and rate.tries < 3 * self.explore
             if exploring and (way == AR or self._may_win(batch)):
+                self.reason = "measuring"
                 return way
         trial = self.trials.get(batch)
         if trial:
+            self.reason = "measuring"
             return trial[0]
         current = self.current.get(batch) or self._faster(batch)
         other = AR if current == SPEC else SPEC
@@ -103,6 +109,7 @@ class SpeculationPolicy:
         if self._rate(other, batch).tokens_per_s > (1 + self.margin) * self._rate(current, batch).tokens_per_s:
             current = other
         self.current[batch] = current
+        self.reason = "slower"
         return current
 
     def record(self, way: str, batch: int, tokens: int, seconds: float, settled: bool = True) -> None:

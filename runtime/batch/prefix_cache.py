@@ -10,7 +10,8 @@ a draft that is the target's copy adopts the target's row (the same KV), and ano
 when its sequence first speculates (it is the cheap model; runtime.batch.steps.Prefill). Hits reuse exactly the
 KV the same prefix computes: rows are written by the same graphs at the same positions whatever else runs
 (devices.onnxruntime.pool, devices.torch.pool).
-Counters use vLLM's names and units (tokens): prefix_cache_queries, prefix_cache_hits.
+Counters use vLLM's names and units (tokens): prefix_cache_queries, prefix_cache_hits. `max_blocks` caps it (the
+decoder gives it a share of the KV budget: BatchConfig.prefix_cache_share); `bytes` is what its blocks hold.
 """
 
 from __future__ import annotations
@@ -35,16 +36,22 @@ def block_keys(tokens: list[int], salt: bytes = b"", block_size: int = BLOCK_SIZ
 
 
 class PrefixCache:
-    """Up to `max_blocks` blocks of KV (the pool's `read` arrays) by key, least recently used first."""
+    """Up to `max_blocks` blocks of KV (the pool's `read` arrays) by key, least recently used first; each holds
+    `block_bytes` bytes (the target's KV of `block_size` positions)."""
 
-    def __init__(self, max_blocks: int, salt: bytes = b"", block_size: int = BLOCK_SIZE):
-        self.max_blocks, self.salt, self.block_size = max_blocks, salt, block_size
+    def __init__(self, max_blocks: int, salt: bytes = b"", block_size: int = BLOCK_SIZE, block_bytes: int = 0):
+        self.max_blocks, self.salt, self.block_size, self.block_bytes = max_blocks, salt, block_size, block_bytes
         self.blocks: OrderedDict[bytes, list] = OrderedDict()
         self.queries = 0  # prompt tokens looked up
         self.hits = 0  # of them, found
 
     def __len__(self) -> int:
         return len(self.blocks)
+
+    @property
+    def bytes(self) -> int:
+        """KV bytes the cached blocks hold."""
+        return len(self.blocks) * self.block_bytes
 
     def lookup(self, tokens: list[int]) -> list[bytes]:
         """Keys of the cached blocks that start `tokens` (leaving its last position to compute); counted."""

@@ -77,6 +77,7 @@ export class Chat {
     if (!result.final) this.figures.stop();
     this.figures.render();
     meta.textContent = summary(body.mode, result, this.figures.values());
+    $("mode-ran").textContent = ran(body.mode, result.final);
     if (result.error || !view.text()) {
       // a failed exchange, or one without text (stopped before its first token, or ended at once), is left out of
       // the conversation sent next: an empty assistant turn made every later answer empty
@@ -107,8 +108,8 @@ export class Chat {
           waiting = false;
           this.status("answering…");
         }
-        if (content) {
-          const entries = chunk.mirror_rt?.tokens ?? [{ token: null, text: content, origin: null }];
+        const entries = chunk.mirror_rt?.tokens ?? (content ? [{ token: null, text: content, origin: null }] : null);
+        if (entries) { // the end-of-sequence token comes with no text: counted all the same
           view.add(entries);
           onTokens(entries);
         }
@@ -203,16 +204,24 @@ function summary(mode, result, values) {
   return parts.join(" · ");
 }
 
-// Why a speculative mode's answer has only target tokens, or how little it speculated: the server's load policy
-// runs a step target-only when speculating would not pay (a batch too large, a model too small); null otherwise.
+// What ran, in the server's words: whether the answer speculated and, for the steps that did not, why (the load
+// policy decodes a step target-only when speculating would not pay, or while a prompt is read); null when every
+// step speculated or ar was asked.
 function skippedSpeculation(mode, final) {
   const figures = final?.mirror_rt;
-  if (mode === "ar" || !figures?.steps || figures.speculative_steps == null) return null;
-  if (figures.speculative_steps === 0) return "no speculation: the load policy decoded every step target-only";
-  if (figures.speculative_steps < figures.steps) {
-    return `the load policy speculated in ${figures.speculative_steps} of ${figures.steps} steps`;
-  }
-  return null;
+  if (mode === "ar" || !figures?.steps) return null;
+  return figures.why_target_only ?? null;
+}
+
+// The line under the Mode menu: what the latest answer ran, beside what it asked.
+function ran(mode, final) {
+  const figures = final?.mirror_rt;
+  if (!figures?.steps) return "Ran: – (the answer did not finish)";
+  if (mode === "ar") return "Ran: ar, target only, as asked";
+  if (!figures.speculated) return `Ran: target-only, not ${mode}: ${figures.why_target_only}`;
+  const all = figures.speculative_steps === figures.steps;
+  return `Ran: ${mode} in ${figures.speculative_steps} of ${figures.steps} steps${all ? "" : ` (${
+    figures.why_target_only.replace(/^speculated in \d+ of \d+ steps; /, "")})`}`;
 }
 
 function comparison(body, speculative, ar, left, right) {
@@ -225,6 +234,6 @@ function comparison(body, speculative, ar, left, right) {
     same ? "identical text ✓" : body.temperature > 0 ? "texts differ (sampled: each run draws its own)"
       : "texts differ"];
   const skipped = skippedSpeculation(body.mode, speculative);
-  if (skipped && speculative.mirror_rt.speculative_steps === 0) parts.unshift(`${skipped} (ar against ar)`);
+  if (skipped && !speculative.mirror_rt.speculated) parts.unshift(`${skipped} (ar against ar)`);
   return parts.join(" · ");
 }

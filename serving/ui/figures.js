@@ -79,7 +79,7 @@ export class Figures {
     const ttft = this.first != null ? this.first - this.sent : null;
     const server = this.final?.mirror_rt;
     if (!server) return { ...live, ttft, tokens: this.tokens, hidden: null, reuse: null };
-    return { // the server's count: it includes the end-of-sequence token, which streams no text
+    return { // the server's count, the end-of-sequence token included (its entry streams no text; the legend counts it)
       rate: this.final.timings?.predicted_per_second ?? live.rate, ttft,
       tokens: this.final.timings?.predicted_n ?? this.tokens,
       meanAccepted: server.mean_accepted_length || null, perPosition: server.acceptance_per_position || [],
@@ -103,12 +103,20 @@ export class Figures {
 
 // A bar per draft position: the share of windows with a token there whose token was accepted.
 export function chart(element, rates) {
+  if (!rates.length) { // a blank box said nothing: say why it is empty
+    const empty = document.createElement("p");
+    empty.className = "empty";
+    empty.textContent = "No draft windows yet: after a speculative answer, one bar per position shows the share "
+      + "of its draft tokens the target accepted (ar answers and target-only steps draft none).";
+    element.replaceChildren(empty);
+    return;
+  }
   const svg = document.createElementNS(SVG, "svg");
   const width = Math.max(1, rates.length) * 34;
   svg.setAttribute("viewBox", `0 0 ${width} 96`);
   svg.setAttribute("role", "img");
   const said = rates.map((rate, j) => `position ${j + 1}: ${Math.round(100 * rate)}%`).join(", ");
-  svg.setAttribute("aria-label", rates.length ? `acceptance per window position: ${said}` : "no draft windows yet");
+  svg.setAttribute("aria-label", `acceptance per window position: ${said}`);
   rates.forEach((rate, j) => {
     const x = j * 34 + 5;
     const height = Math.round(64 * rate);
@@ -139,13 +147,14 @@ export function devices(info) {
   termList($("fig-devices"), rows);
 }
 
-/** Fill a <dl> with [term, detail] rows. */
+/** Fill a <dl> with [term, detail, explanation?] rows (the explanation: the term's tooltip). */
 export function termList(list, rows) {
   list.replaceChildren();
-  for (const [name, value] of rows) {
+  for (const [name, value, explanation] of rows) {
     const term = document.createElement("dt");
     const detail = document.createElement("dd");
     term.textContent = name;
+    if (explanation) term.title = explanation;
     detail.textContent = value;
     list.append(term, detail);
   }

@@ -69,8 +69,10 @@ export class ServerView {
         cell(`${r.prompt_tokens} → ${r.completion_tokens}`), cell(duration(r.ttft_ms)),
         cell(r.tokens_per_s != null ? r.tokens_per_s.toFixed(1) : null),
         cell(r.mean_accepted_length ? r.mean_accepted_length.toFixed(2) : null), // 0: no verification ran
-        cell(r.acceptance != null ? `${Math.round(100 * r.acceptance)}%` : null));
+        cell(r.acceptance != null ? `${Math.round(100 * r.acceptance)}%` : null),
+        cell(r.steps ? `${r.speculative_steps} of ${r.steps}` : null));
       row.cells[1].title = r.id;
+      if (r.why_target_only) row.cells[9].title = r.why_target_only;
       body.append(row);
     }
   }
@@ -83,12 +85,22 @@ export class ServerView {
 
   totals(data) {
     const requests = data.requests || {};
+    const kv = data.kv_cache || {};
     const rows = [["finished", (requests.stop || 0) + (requests.length || 0)], ["aborted", requests.abort || 0],
       ["errors", requests.error || 0], ["tokens generated", data.generation_tokens ?? 0],
       ["draft acceptance", data.draft_tokens ? `${Math.round(100 * data.accepted_tokens / data.draft_tokens)}%`
-        : "–"]];
+        : "–", "Draft tokens the target accepted, of those it verified, over every request"],
+      ["KV in use", kv.budget_bytes ? `${Math.round(100 * kv.usage)}% of ${size(kv.budget_bytes)}` : "–",
+        "Of the KV budget (--kv-cache-gb): blocks the running requests reserve plus the prefix cache's"],
+      ["prefix cache", kv.budget_bytes ? size(kv.prefix_cache_bytes) : "–",
+        "Finished prompts' KV kept for later requests that share them (at most --prefix-cache-share of the budget)"]];
     termList($("srv-totals"), rows);
   }
+}
+
+// Bytes as people read them: "4.00 GB", "21.0 MB".
+function size(bytes) {
+  return bytes >= 2 ** 30 ? `${(bytes / 2 ** 30).toFixed(2)} GB` : `${(bytes / 2 ** 20).toFixed(1)} MB`;
 }
 
 // A time in ms as people read it: "412 ms", "27.5 s" (it showed "27547.5 ms").

@@ -1,4 +1,5 @@
-// An answer as spans, one per token that released text, coloured by origin (page.css: colour plus a line or
+// An answer as spans, one per token that released text (and a mark for the end-of-sequence token, which usage
+// counts), coloured by origin (page.css: colour plus a line or
 // weight each). Hover or keyboard focus shows the token's window and position in a tooltip; inside an answer
 // the arrow keys (and Home / End) move from token to token. Unknown origins render as plain text.
 
@@ -26,13 +27,13 @@ export class TokenView {
     const fragment = document.createDocumentFragment();
     for (const entry of entries) {
       const index = this.entries.push(entry) - 1;
-      if (!entry.text) continue;
+      if (!entry.text && !entry.end) continue; // text held back: a later token's span carries it
       if (!ORIGINS[entry.origin]) {
         fragment.append(entry.text);
         continue;
       }
       const span = document.createElement("span");
-      span.className = `t o-${entry.origin}`;
+      span.className = `t o-${entry.origin}${entry.end ? " end" : ""}`; // the end-of-sequence token: a mark
       span.textContent = entry.text;
       span.dataset.i = index;
       span.tabIndex = -1;
@@ -56,7 +57,8 @@ export class TokenView {
 
 export function describe(entry) {
   const origin = ORIGINS[entry.origin];
-  const parts = [origin ? origin.label : entry.origin];
+  const parts = entry.end ? ["end of sequence (counted, no text)"] : [];
+  parts.push(origin ? origin.label : entry.origin);
   parts.push(entry.window === 0 ? "the first token (prefill)" : `window ${entry.window}`);
   parts.push(`position ${entry.position + 1}`);
   if (entry.drafted) parts.push(`${entry.drafted} drafted`);

@@ -1,0 +1,59 @@
+"""A request's intake before it is parsed: its API key, its JSON body, a prompt too long to read.
+
+`check_key` guards /v1/* and /server when the server has a key (401 otherwise); `read_json` takes only
+`application/json` bodies (415: a browser posts text/plain or a form without a CORS preflight, so a page of any
+site could otherwise drive the server) and refuses what is not JSON text (400); `refuse_unread` refuses text that
+needs more tokens than the context holds by its characters alone, before the tokenizer reads it.
+"""
+
+from __future__ import annotations
+
+import json
+import secrets
+
+from starlette.requests import ClientDisconnect, Request
+
+from mirror_rt.serving import protocol
+from mirror_rt.serving.errors import APIError
+
+
+def refuse_unread(texts: list, engine, requested: int) -> None:
+    """A 400 for `texts` (a prompt's; token ids are skipped) whose characters alone need more tokens than the
+    context holds, before they are tokenized: the tokenizer holds the GIL, so 8 MB of text took 8 s in which no
+    other request moved."""
+    least = -(-sum(len(t) for t in texts if isinstance(t, str)) // engine.tokenizer.longest_token_chars)
+    context = engine.target.max_seq_len
+    if least > context:
+        raise protocol.context_error(context, least, requested)
+
+
+def check_key(request: Request, state) -> None:
+    key = state.settings.api_key
+    if not key:
+        return
+    given = request.headers.get("authorization", "")
+    token = given[7:] if given.lower().startswith("bearer ") else ""
+    if not secrets.compare_digest(token.encode(), key.encode()):
+        raise APIError(401, "Invalid API key" if token else "Missing API key: send 'Authorization: Bearer <key>'")
+
+
+async def read_json(request: Request):
+    kind = request.headers.get("content-type", "").split(";", 1)[0].strip().lower()
+    if kind != "application/json" and not (kind.startswith("application/") and kind.endswith("+json")):
+        # a browser sends text/plain or a form without a CORS preflight: no page may post here unasked
+        raise APIError(415, f"the request body must be JSON sent with 'Content-Type: application/json' (got "
+                            f"{repr(kind) if kind else 'none'})")
+    try:
+        raw = await request.body()
+    except ClientDisconnect:  # gone before its body: nobody reads the answer, nothing to log
+        raise APIError(400, "the client closed the connection before sending the request body") from None
+    try:
+        body = json.loads(raw)
+        json.dumps(body, ensure_ascii=False).encode()  # a lone surrogate ("\\ud800") is JSON but no text
+    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+        raise APIError(400, f"the request body is not valid JSON ({exc})") from None
+    except UnicodeEncodeError:
+        raise APIError(400, "the request body holds a lone UTF-16 surrogate (\\ud800-\\udfff): not text") from None
+    except RecursionError:
+        raise APIError(400, "the request body nests too deeply") from None
+    return body

@@ -1,0 +1,40 @@
+"""vLLM's token routes, at the root and never behind the key: `POST /tokenize` (a prompt or chat messages to token ids,
+with the context's size) and `POST /detokenize` (token ids to text)."""
+
+from __future__ import annotations
+
+from fastapi import FastAPI, Request
+
+from mirror_rt.serving import protocol, tools
+from mirror_rt.serving.errors import APIError
+from mirror_rt.serving.intake import read_json, refuse_unread
+
+
+def add_token_routes(app: FastAPI, state) -> None:
+    @app.post("/tokenize")
+    async def tokenize(request: Request):
+        body = await read_json(request)
+        state.require_ready()
+        engine = state.engine
+        state.require_model(body.get("model") if isinstance(body, dict) else None)
+        if isinstance(body, dict) and isinstance(body.get("messages"), list):
+            req = protocol.parse(protocol.ChatRequest, body)
+            refuse_unread([m.text() for m in req.messages], engine, 0)
+            ids = tools.prompt_ids(req, engine.tokenizer)
+        elif isinstance(body, dict) and isinstance(body.get("prompt"), str):
+            refuse_unread([body["prompt"]], engine, 0)
+            ids = engine.prompt_ids(body["prompt"], chat=False)
+        else:
+            raise APIError(400, "send 'prompt' (a string) or 'messages' (a list)", "prompt")
+        names = engine.tokenizer.token_names(ids) if body.get("return_token_strs") is True else None
+        return {"count": len(ids), "max_model_len": engine.target.max_seq_len, "tokens": ids, "token_strs": names}
+
+    @app.post("/detokenize")
+    async def detokenize(request: Request):
+        body = await read_json(request)
+        state.require_ready()
+        tokens = body.get("tokens") if isinstance(body, dict) else None
+        vocab = state.engine.target.vocab_size
+        if not isinstance(tokens, list) or not all(type(t) is int and 0 <= t < vocab for t in tokens):
+            raise APIError(400, f"'tokens' must be a list of token ids in 0..{vocab - 1}", "tokens")
+        return {"prompt": state.engine.tokenizer.decode(tokens)}
