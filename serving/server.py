@@ -21,6 +21,7 @@ import time
 
 from mirror_rt.serving.app import LOAD_THREAD, ServerState, create_app
 from mirror_rt.serving.errors import json_errors_protocol
+from mirror_rt.serving.settings import ServerConfig
 
 log = logging.getLogger("mirror_rt.serve")
 

@@ -8,9 +8,9 @@ from mirror_rt.devices.torch_backend import TorchModel
 from mirror_rt.devices.torch_split import TorchSplitTarget
 from mirror_rt.runtime import batch
 from mirror_rt.runtime.batch.decoder import BatchConfig, BatchDecoder
-from mirror_rt.runtime.config import GenerationConfig
 from mirror_rt.runtime.batch.kv_rows import BLOCK_SIZE, blocks_for
 from mirror_rt.runtime.batch.sequence import Sequence
+from mirror_rt.runtime.config import GenerationConfig
 
 
 @pytest.fixture(scope="module")
