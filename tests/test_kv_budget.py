@@ -4,8 +4,8 @@ share of it capped, and the usage gauge counting what is held (rows reserved and
 import pytest
 from conftest import perturbed_copy, tiny_target
 
-from mirror_rt.devices.torch_backend import TorchModel
-from mirror_rt.devices.torch_split import TorchSplitTarget
+from mirror_rt.devices.torch.backend import TorchModel
+from mirror_rt.devices.torch.split import TorchSplitTarget
 from mirror_rt.runtime import batch
 from mirror_rt.runtime.batch.decoder import BatchConfig, BatchDecoder
 from mirror_rt.runtime.batch.kv_rows import BLOCK_SIZE, blocks_for
