@@ -121,6 +121,7 @@ def _export_into(cfg: ExportConfig, progress: bool) -> None:
             return
         if cfg.weights == "auto":
             cfg = replace(cfg, weights="fp32")
+        _check_traced(cfg)
         bar.set_postfix_str("loading models")
         target = load_checkpoint(cfg.model, log=lambda *a: None)
         limits = resolve_limits(cfg, target.model.config)
@@ -154,6 +155,20 @@ def _export_into(cfg: ExportConfig, progress: bool) -> None:
         write_manifest(replace(manifest, exit_adapter=_copy_adapter(cfg, adapter, folder),
                                draft_vocab=_copy_vocab(cfg, kept, folder)), folder)
         bar.update()
+
+
+def _check_traced(cfg: ExportConfig) -> None:
+    """ExportError for a precision only GGUF files and models over 1 GB take (exporters.stream_export), or fp16 on
+    ONNX Runtime, before the traced exporter loads anything."""
+    from mirror_rt.exporters.export_config import STREAMED_ONLY
+
+    for flag, value in (("--weights", cfg.weights), ("--draft-weights", cfg.draft_weights)):
+        if value == "fp16" and cfg.fmt == "onnx":
+            raise ExportError(f"{flag} fp16 needs --format openvino or torch (ONNX Runtime has no fast fp16 products "
+                              "on the CPU); onnx takes fp32, int8, int4, q4_1, w8a8")
+        if value in STREAMED_ONLY:
+            raise ExportError(f"{flag} {value} needs a GGUF file or a Hugging Face folder to export from (not "
+                              f"{cfg.model or 'the default model'})")
 
 
 def _attention(cfg: ExportConfig) -> str:

@@ -93,6 +93,8 @@ def test_rows_split_over_two_cores_equal_the_reference(bundle_pair, monkeypatch)
 class Alternating:
     """A policy that turns between speculation (gamma 2) and target-only steps every step."""
 
+    reason = "slower"  # what it says of its target-only steps (runtime.batch.policy.SpeculationPolicy.reason)
+
     def __init__(self):
         self.steps = 0
 

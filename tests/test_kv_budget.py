@@ -6,7 +6,7 @@ from conftest import perturbed_copy, tiny_target
 
 from mirror_rt.devices.torch.backend import TorchModel
 from mirror_rt.devices.torch.split import TorchSplitTarget
-from mirror_rt.runtime import batch
+from mirror_rt.runtime.batch import decoder as batch
 from mirror_rt.runtime.batch.decoder import BatchConfig, BatchDecoder
 from mirror_rt.runtime.batch.kv_rows import BLOCK_SIZE, blocks_for
 from mirror_rt.runtime.batch.sequence import Sequence
