@@ -43,8 +43,10 @@ def load_engine(options: EngineConfig | None = None, mode: str | None = None, lo
     """
     options = options or EngineConfig()
     models = options.models
-    if models.bundle is None and not models.torch and streams_model(models.model):  # a GGUF or a model over 1 GB
-        return _model_bundle(options, mode, log)
+    if models.bundle is None and names_torch_device(options.devices.target):
+        options = _torch_target(options, log)  # a usable GPU: torch there (a GGUF dequantized one tensor at a time)
+    if models.bundle is None and not models.torch and options.devices.device is None and streams_model(models.model):
+        return _model_bundle(options, mode, log)  # a GGUF or a model over 1 GB, from its own bundle
     asked = options.torch_asked()
     if models.bundle is not None and (models.torch or asked):
         raise GenerationError(f"a bundle runs as exported: {', '.join(asked) or 'torch'} applies to torch eager only "
@@ -53,8 +55,6 @@ def load_engine(options: EngineConfig | None = None, mode: str | None = None, lo
     if weights is not None and (models.bundle is not None or models.torch or asked):
         raise GenerationError(f"--weights {weights} picks the default model's bundle at that precision: "
                               f"{'--bundle' if models.bundle else 'torch eager'} runs its own weights (drop one)")
-    if models.bundle is None and names_torch_device(options.devices.target):
-        options = _torch_target(options, log)
     if models.bundle is None and not models.torch and not options.torch_asked():
         bundle = default_bundle(models.cache_dir, log=log, weights=weights) if weights else (
             default_bundle_or_none(models.cache_dir, log))
