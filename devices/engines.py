@@ -72,10 +72,9 @@ def streams_model(model: str | None) -> bool:
     Hugging Face folder over 1 GB; smaller folders and presets run in torch eager."""
     if model is None or model in ("default", DEFAULT_MODEL):
         return False
-    from mirror_rt.exporters.stream_export import STREAM_BYTES, checkpoint_bytes
+    from mirror_rt.exporters.stream_export import streamed_source
 
-    path = Path(model).expanduser()
-    return path.suffix == ".gguf" and path.is_file() or path.is_dir() and checkpoint_bytes(path) > STREAM_BYTES
+    return streamed_source(model)
 
 
 def _model_bundle(options: EngineConfig, mode: str | None, log) -> Engine:

@@ -22,14 +22,12 @@ from onnx import TensorProto
 from mirror_rt.exporters.graph_writer import GraphBuilder, WeightsFile
 from mirror_rt.exporters.native_op import DOMAIN as NATIVE
 from mirror_rt.exporters.native_op import OP, OP_HALF
-from mirror_rt.models.tensor_files import BF16, F16, F32, FLOAT_BYTES
+from mirror_rt.models.tensor_files import BF16, F16, F32
 
 ROPE_DOMAIN = "com.microsoft"
 Q8_0, Q4_0 = 8, 2
 KERNEL_TYPES = {0, 1, 2, 3, 6, 7, 8, 12, 13, 14, 30}  # GGML types MatMulGGUF computes on (exporters/gguf_blocks.inc)
 PRECISIONS = {"fp32": F32, "f16": F16, "bf16": BF16, "q8_0": Q8_0, "q4_0": Q4_0, "gguf": None}
-BLOCKS = {Q8_0: (32, 34), Q4_0: (32, 18), 2: (32, 18), 3: (32, 20), 6: (32, 22), 7: (32, 24), 12: (256, 144),
-          13: (256, 176), 14: (256, 210)}
 
 
 @dataclass(frozen=True)
@@ -45,9 +43,10 @@ class GraphPlan:
 
 
 def row_bytes(ggml_type: int, columns: int) -> int:
-    if ggml_type in FLOAT_BYTES:
-        return columns * FLOAT_BYTES[ggml_type]
-    values, nbytes = BLOCKS[ggml_type]
+    """Bytes of one row of `columns` values stored as GGML type `ggml_type` (gguf-py's table of block sizes)."""
+    from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
+
+    values, nbytes = GGML_QUANT_SIZES[GGMLQuantizationType(ggml_type)]
     return columns // values * nbytes
 
 

@@ -25,13 +25,12 @@ TRACED_ONLY = {"exit_adapter": "--exit-adapter", "draft_streams": "--draft-strea
 def streams(cfg: ExportConfig) -> bool:
     """Whether `cfg` exports through this module: a GGUF file, a checkpoint over STREAM_BYTES, or a precision only
     this module writes. ExportError when such a model asks for what only the traced exporter does."""
-    path = Path(cfg.model or "")
-    if cfg.model is None or not path.exists():
+    from mirror_rt.exporters.export_config import STREAMED_ONLY
+
+    if cfg.model is None or not Path(cfg.model).exists():
         return False
-    big = path.suffix == ".gguf" or checkpoint_bytes(path) > STREAM_BYTES
-    own = {cfg.weights, cfg.draft_weights} & {"gguf", "bf16", "f16", "q8_0", "q4_0"} or (
-        cfg.weights == "fp16" and cfg.fmt == "onnx")
-    if not (big or own):
+    own = {cfg.weights, cfg.draft_weights} & set(STREAMED_ONLY) or (cfg.weights == "fp16" and cfg.fmt == "onnx")
+    if not (streamed_source(cfg.model) or own):
         return False
     for field, flag in TRACED_ONLY.items():
         if getattr(cfg, field) is not None:
@@ -127,11 +126,13 @@ def _check_draft(target, draft, cfg: ExportConfig) -> None:
                           "differs)")
 
 
-def checkpoint_bytes(path: Path) -> int:
-    """Bytes of a checkpoint's weights (a folder's safetensors, or the file)."""
-    if path.is_dir():
-        return sum(f.stat().st_size for f in path.glob("*.safetensors"))
-    return path.stat().st_size if path.is_file() else 0
+def streamed_source(model) -> bool:
+    """Whether `model` is what this module exports by default: a GGUF file, or a folder whose safetensors pass
+    STREAM_BYTES (`run --model` then runs it from its own bundle: devices.engines)."""
+    path = Path(model).expanduser()
+    if path.is_file():
+        return path.suffix == ".gguf"
+    return path.is_dir() and sum(f.stat().st_size for f in path.glob("*.safetensors")) > STREAM_BYTES
 
 
 def _tokenizer(cfg: ExportConfig, source, folder: Path) -> dict:

@@ -30,7 +30,6 @@ def save_tensors(tensors: dict, path) -> None:
 # GGML type ids of the float types (gguf.GGMLQuantizationType), for safetensors' dtypes too.
 F32, F16, BF16 = 0, 1, 30
 SAFETENSORS_TYPES = {"F32": F32, "F16": F16, "BF16": BF16}
-FLOAT_BYTES = {F32: 4, F16: 2, BF16: 2}
 
 
 @dataclass(frozen=True)

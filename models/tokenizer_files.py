@@ -31,12 +31,14 @@ def write_tokenizer_files(source: Path, folder: Path) -> list[str]:
 
 
 def vocabulary(source: Path) -> list[str]:
-    """The tokens of `source` by id (a GGUF's tokenizer.ggml.tokens, or tokenizer.json's model and added tokens)."""
+    """The tokens of `source` by id (a GGUF's, without the trailing padding of its embedding: models.gguf_vocab; or
+    tokenizer.json's model and added tokens)."""
     source = Path(source)
     if source.suffix == ".gguf":
-        from gguf import GGUFReader
+        from mirror_rt.models.gguf_vocab import read_vocab
 
-        return [str(t) for t in GGUFReader(str(source)).fields["tokenizer.ggml.tokens"].contents()]
+        vocab = read_vocab(source)
+        return vocab.tokens[:vocab.size]
     tok = json.loads((source / "tokenizer.json").read_text(encoding="utf-8"))
     by_id = {i: t for t, i in tok["model"].get("vocab", {}).items()} if isinstance(tok["model"].get("vocab"), dict) \
         else dict(enumerate(t for t, *_ in tok["model"].get("vocab", [])))
