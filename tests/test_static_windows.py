@@ -26,6 +26,14 @@ from mirror_rt.runtime.reference import generate
 PROMPT = [5, 17, 42, 9, 80, 33, 61]
 
 
+@pytest.fixture(autouse=True)
+def own_inductor_cache(tmp_path_factory, monkeypatch):
+    """Inductor compiles into this module's own folder: a cache left in /tmp by another run (a header cut short by a
+    killed process, another torch build) cannot fail these tests."""
+    folder = tmp_path_factory.getbasetemp() / "inductor"
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(folder))
+
+
 @pytest.mark.parametrize("rows,size", [(1, 1), (2, 8), (5, 8), (8, 8), (9, None), (300, None)])
 def test_window_sizes(rows, size):
     assert window_size(rows) == size and (size is None or size in WINDOW_SIZES)
