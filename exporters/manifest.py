@@ -197,11 +197,14 @@ def hash_files(folder: Path, names) -> dict:
 
 
 def write_manifest(manifest: BundleManifest, folder: Path) -> Path:
-    """Write `folder/manifest.json` atomically (a half-written bundle has no manifest)."""
+    """Write `folder/manifest.json` atomically (a half-written bundle has no manifest). The files were hashed as
+    they are now, so they count as verified: the first load does not hash them again."""
     path = Path(folder) / MANIFEST
     tmp = path.with_suffix(".tmp")
     tmp.write_text(json.dumps(manifest.to_dict(), indent=2, sort_keys=True) + "\n")
     tmp.replace(path)
+    _write_verified(Path(folder), {name: _stamp(Path(folder) / name, digest)
+                                   for name, digest in _listed(manifest).items() if (Path(folder) / name).is_file()})
     return path
 
 
@@ -234,26 +237,35 @@ def check_files(manifest: BundleManifest, folder: Path, verify: bool = True) -> 
     the bundle (`VERIFIED`, with the digest it matched): re-hashing a gigabyte of graphs took a second of
     every load. A bundle that cannot be written is hashed every time.
     """
-    listed = dict(manifest.tokenizer.get("files", {}))
-    listed.update((manifest.exit_adapter or {}).get("files", {}))
-    listed.update((manifest.draft_vocab or {}).get("files", {}))
-    for g in manifest.graphs:
-        listed.update(g.files)
     seen = _read_verified(folder) if verify else {}
     checked = {}
-    for name, digest in sorted(listed.items()):
+    for name, digest in sorted(_listed(manifest).items()):
         _inside(name)
         path = folder / name
         if not path.is_file():
             raise BundleError(f"{path}: missing (listed in {MANIFEST})")
         if not verify:
             continue
-        stat = path.stat()
-        checked[name] = [stat.st_size, stat.st_mtime_ns, digest]
+        checked[name] = _stamp(path, digest)
         if seen.get(name) != checked[name] and sha256_file(path) != digest:
             raise BundleError(f"{path}: corrupt (sha256 differs from {MANIFEST}); re-export the bundle")
     if verify and checked != seen:
         _write_verified(folder, checked)
+
+
+def _listed(manifest: BundleManifest) -> dict:
+    """{name: sha256} of every file the manifest lists."""
+    listed = dict(manifest.tokenizer.get("files", {}))
+    listed.update((manifest.exit_adapter or {}).get("files", {}))
+    listed.update((manifest.draft_vocab or {}).get("files", {}))
+    for g in manifest.graphs:
+        listed.update(g.files)
+    return listed
+
+
+def _stamp(path: Path, digest: str) -> list:
+    stat = path.stat()
+    return [stat.st_size, stat.st_mtime_ns, digest]
 
 
 def _read_verified(folder: Path) -> dict:

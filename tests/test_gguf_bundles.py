@@ -101,15 +101,21 @@ def _engine(bundle: Path, rows: int = 1):
     return load_bundle(EngineConfig.from_flags(bundle=str(bundle), max_num_seqs=rows))
 
 
-def test_a_gguf_bundle_holds_its_graphs_and_the_file_blocks_once(qwen2_gguf, tmp_path):
-    """Four small graphs over one weights.bin holding the GGUF's blocks as they are; only listed files remain."""
-    from mirror_rt.exporters.manifest import read_manifest
+def test_a_gguf_bundle_holds_its_graphs_and_the_file_blocks_once(qwen2_gguf, tmp_path, monkeypatch):
+    """Four small graphs over one weights.bin holding the GGUF's blocks as they are; only listed files remain. Every
+    file has the digest the manifest records (weights.bin's, hashed while written), and the export stamped them
+    verified: the first load hashes nothing."""
+    from mirror_rt.exporters import manifest as manifests
 
     bundle = _export(qwen2_gguf, tmp_path / "b")
-    manifest = read_manifest(bundle)
-    listed = {name for g in manifest.graphs for name in g.files} | set(manifest.tokenizer["files"])
+    hashed, real = [], manifests.sha256_file
+    monkeypatch.setattr(manifests, "sha256_file", lambda path: hashed.append(path.name) or real(path))
+    manifest = manifests.read_manifest(bundle)
+    assert hashed == []
+    listed = {name: digest for g in manifest.graphs for name, digest in g.files.items()} | manifest.tokenizer["files"]
+    assert {name: real(bundle / name) for name in listed} == listed
     present = {p.name for p in bundle.iterdir() if p.is_file()}
-    assert present == listed | {"manifest.json"}
+    assert present == set(listed) | {"manifest.json"}
     weights = (bundle / "weights.bin").stat().st_size
     assert weights <= 1.02 * qwen2_gguf.stat().st_size  # the draft shares the target's blocks: stored once
     assert {g.precision for g in manifest.graphs} == {"gguf"}
