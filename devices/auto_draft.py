@@ -1,16 +1,9 @@
 """`--draft auto`: time the draft on every device here that runs it, beside the target, and put it where the
-latency model predicts the most tokens per second, or nowhere.
+latency model (runtime.mirror.stats) predicts the most tokens per second, or nowhere (kept on a tie).
 
-`candidates` lists every device that runs the draft's graph format on this machine (ONNX Runtime's CPU and
-execution providers, OpenVINO's CPU/GPU/NPU, per devices.registry); with one there is nothing to choose and
-nothing is timed. Otherwise `measure_target` times the loaded target (a one-token step, a verify window of
-gamma + 1 tokens, its prefix and suffix halves) and `measure_draft` each candidate's draft as loaded beside
-it (one-token forwards after a warm-up) with its acceptance against the target (top-1 agreement,
-teacher-forced over a short built-in text). From those costs the latency model (runtime.mirror.stats) predicts
-tokens/s of target-only decoding, of SD on each candidate and of Mirror on each candidate that runs at once
-with the target (`pairings`); the best pairing wins, "no speculation" included (and kept on a tie). It times
-models it is given: loading them is devices.bundle_engine's. Times are medians, in ms; a Mirror candidate's
-times are measured as it would run (its own cores or device, beside the target).
+With one candidate nothing is timed. Otherwise the target's step, verify window and its halves, and each draft's
+one-token forward (as loaded beside the target) and top-1 agreement with the target on a built-in text are
+measured (medians, ms). It times the models it is given; loading them is devices.bundle_engine's.
 """
 
 from __future__ import annotations
@@ -28,7 +21,6 @@ AUTO = "auto"
 CALIBRATION = ("The capital of France is Paris. It is known for the Eiffel Tower, its museums and its food. "
                "Water boils at 100 degrees Celsius at sea level.")  # teacher-forced text of the acceptance check
 WARMUP, TIMED = 2, 5  # forwards per measurement: first calls allocate, the median of the rest counts
-
 
 
 @dataclass(frozen=True)
@@ -81,10 +73,9 @@ def pairings(target: TargetCosts, candidates: list[DraftCandidate], gamma: int,
     return sorted(options, key=lambda p: (-p.tokens_per_s, p.draft is not None))  # a tie keeps no speculation
 
 
-def choose(target: TargetCosts, candidates: list[DraftCandidate], gamma: int, root_coverage: float = 0.0,
-           rendezvous_ms: float = 0.0) -> tuple[Pairing, list[Pairing]]:
+def choose(target: TargetCosts, candidates: list[DraftCandidate], gamma: int) -> tuple[Pairing, list[Pairing]]:
     """(the best pairing, all pairings fastest first)."""
-    ranked = pairings(target, candidates, gamma, root_coverage, rendezvous_ms)
+    ranked = pairings(target, candidates, gamma)
     return ranked[0], ranked
 
 
@@ -117,37 +108,27 @@ def candidates(graph_format: str, devices: dict | None = None) -> list[str]:
     return sorted(found, key=is_accelerator)
 
 
-def _median_ms(run, count: int = TIMED, warmup: int = WARMUP) -> float:
-    for _ in range(warmup):
-        run()
-    times = []
-    for _ in range(count):
-        start = time.perf_counter()
-        run()
-        times.append((time.perf_counter() - start) * 1e3)
-    return statistics.median(times)
-
-
-def _timed_call(model, tokens: list[int], context: list[int], run) -> float:
-    """Median ms of `run(model, tokens, cache)` from a cache holding `context` (rolled back after each call)."""
+def _timed_call(model, tokens: list[int], context: list[int], verb: str = "forward") -> float:
+    """Median ms of `model.<verb>(tokens, cache)` from a cache holding `context` (rolled back after each call)."""
     cache = model.new_cache(len(context) + len(tokens) + 8)
     model.forward(context, cache)
-
-    def once():
-        run(model, tokens, cache)
+    times = []
+    for _ in range(WARMUP + TIMED):
+        start = time.perf_counter()
+        getattr(model, verb)(tokens, cache)
+        times.append((time.perf_counter() - start) * 1e3)
         cache.rollback(len(context))
-
-    return _median_ms(once)
+    return statistics.median(times[WARMUP:])
 
 
 def measure_target(target, device: str, gamma: int, context: list[int]) -> TargetCosts:
     """The target's one-token step, its gamma + 1 window, and (split targets) the window's prefix and suffix."""
-    token = _timed_call(target, context[-1:], context[:-1], lambda m, t, c: m.forward(t, c))
+    token = _timed_call(target, context[-1:], context[:-1])
     window_tokens = (context * (gamma + 2))[:gamma + 1]
-    window = _timed_call(target, window_tokens, context, lambda m, t, c: m.forward(t, c))
+    window = _timed_call(target, window_tokens, context)
     if not target.capabilities.split:
         return TargetCosts(device, token, window)
-    prefix = _timed_call(target, window_tokens, context, lambda m, t, c: m.forward_prefix_only(t, c))
+    prefix = _timed_call(target, window_tokens, context, "forward_prefix_only")
     return TargetCosts(device, token, window, prefix, max(window - prefix, 0.0))
 
 
@@ -162,26 +143,20 @@ def acceptance(target, draft, ids: list[int]) -> float:
 
 def measure_draft(draft, device: str, target, ids: list[int], concurrent: bool = True) -> DraftCandidate:
     """One candidate: the draft's one-token forward (ms) and its agreement with the target on `ids`."""
-    forward = _timed_call(draft, ids[-1:], ids[:-1], lambda m, t, c: m.forward(t, c))
+    forward = _timed_call(draft, ids[-1:], ids[:-1])
     return DraftCandidate(device, forward, acceptance(target, draft, ids), concurrent)
 
 
-def choose_draft(target_costs: TargetCosts, drafts: list[DraftCandidate], gamma: int):
-    """(the best pairing, the one line saying so, the table rows for `mirror-rt devices`)."""
-    best, ranked = choose(target_costs, drafts, gamma)
-    costs = "; ".join(f"{d.device} {d.forward_ms:.1f} ms a token, acceptance {d.acceptance:.2f}" for d in drafts)
-    line = (f"mirror-rt: {report(best, ranked, target_costs)} (target {target_costs.token_ms:.1f} ms a token; "
-            f"{costs})")
-    return best, line, table(ranked)
-
-
 def pick(target, target_device: str, drafts: dict, tokenizer, gamma: int, cpu_concurrent: bool = True):
-    """Time `target` and each loaded draft (device -> model) and choose: (the best pairing, its line, table rows).
-
-    A CPU draft runs at once with a CPU target only when each has its own cores (`cpu_concurrent`)."""
+    """Time `target` and each loaded draft (device -> model) and choose: (the best pairing, the one line saying so,
+    the table rows for `mirror-rt devices`). A CPU draft runs at once with a CPU target only when each has its own
+    cores (`cpu_concurrent`)."""
     ids = tokenizer.encode(CALIBRATION)
     target_costs = measure_target(target, target_device, gamma, ids)
-    measured = [measure_draft(draft, device, target, ids,
-                              concurrent=cpu_concurrent or is_accelerator(device) or is_accelerator(target_device))
-                for device, draft in drafts.items()]
-    return choose_draft(target_costs, measured, gamma)
+    drafts = [measure_draft(draft, device, target, ids,
+                            concurrent=cpu_concurrent or is_accelerator(device) or is_accelerator(target_device))
+              for device, draft in drafts.items()]
+    best, ranked = choose(target_costs, drafts, gamma)
+    costs = "; ".join(f"{d.device} {d.forward_ms:.1f} ms a token, acceptance {d.acceptance:.2f}" for d in drafts)
+    line = f"mirror-rt: {report(best, ranked, target_costs)} (target {target_costs.token_ms:.1f} ms a token; {costs})"
+    return best, line, table(ranked)

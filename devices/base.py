@@ -1,10 +1,6 @@
-"""What the backends share: the cache checks (`CacheBounds`), the verbs of a model over one exported graph
-(`GraphModel`) and of a split target (`SplitTarget`), for backends whose caches run their graphs (`cache.run(index,
-graph, x, last_rows)`: ONNX Runtime, OpenVINO; torch implements the same verbs over its modules).
-
-The boundary itself (what the runtime asks of a loaded model, and the `Capabilities` a backend declares for it)
-is runtime.backend; the backends (torch, OpenVINO, ONNX Runtime) implement it, and the runtime imports none.
-The KV pools' storage is `lazy_zeros`: zeroed buffers committed a small page at a time as they are written.
+"""What the backends share: cache checks (`CacheBounds`), the verbs of a one-graph model (`GraphModel`) and of a
+split target (`SplitTarget`) over caches that run their graphs (`cache.run(index, graph, x, last_rows)`: ONNX Runtime,
+OpenVINO), and `lazy_zeros` for KV pools. The boundary itself (`LoadedModel`, `Capabilities`) is runtime.backend.
 """
 
 from __future__ import annotations
@@ -23,7 +19,7 @@ class CacheBounds:
     """Checks shared by backend caches (subclasses provide `length` and `capacity`)."""
 
     def check_room(self, num_tokens: int) -> None:
-        """Raise CacheFull when `num_tokens` more positions would pass the capacity."""
+        """CacheFull when `num_tokens` more positions would pass the capacity."""
         if self.length + num_tokens > self.capacity:
             raise CacheFull(f"KV cache full: {self.length + num_tokens} positions needed, "
                             f"capacity {self.capacity}")
@@ -34,8 +30,7 @@ class CacheBounds:
             raise ValueError(f"cannot roll back to {length}: cache holds {self.length} positions")
 
     def keep_hidden(self, length: int, suffix_filled: int) -> None:
-        """After a rollback to `length`: a split target's pending prefix rows that survive it (the suffix, which holds
-        `suffix_filled` positions, has not seen them)."""
+        """After a rollback to `length`: keep the pending prefix rows the suffix (at `suffix_filled`) has not seen."""
         if self.hidden is not None:
             keep = length - suffix_filled
             self.hidden = self.hidden[:keep] if keep > 0 else None
@@ -87,13 +82,9 @@ class GraphModel:
 class SplitTarget:
     """The verbs every split target shares: prefix (with or without the early exit), suffix, forward.
 
-    A backend subclass has `prefix` and `suffix` graphs that its cache runs (graphs 0 and 1: the prefix's
-    outputs are "hidden", and "exit_hidden" when it computes an attention exit adapter's first stage) and the
-    stateless exit graph (`_exit(hidden)` -> ids [T, kappa], log-probs [T, kappa]). The cache carries the
-    pending hidden state between prefix and suffix (`cache.hidden`).
-
-    Limitations:
-    - `forward_suffix` must follow each `forward_prefix` before the next prefix call.
+    A subclass has `prefix` and `suffix` graphs its cache runs (graphs 0 and 1; the prefix outputs "hidden", and
+    "exit_hidden" for an attention exit adapter) and a stateless `_exit(hidden)` -> ids, log-probs [T, kappa]. The
+    pending hidden state waits in `cache.hidden`: `forward_suffix` must follow each `forward_prefix`.
     """
 
     def forward_prefix_only(self, tokens: Sequence[int], cache) -> None:
@@ -122,15 +113,14 @@ class SplitTarget:
         logits = cache.run(1, self.suffix, hidden, last_rows)["logits"]
         return logits[-last_rows:] if last_rows else logits
 
-    def forward(self, tokens: Sequence[int], cache) -> np.ndarray:
-        """tokens [T] -> logits [T, vocab] (prefix then suffix, no early exit); advances the cache by T."""
+    def forward(self, tokens: Sequence[int], cache, last_rows: int | None = None) -> np.ndarray:
+        """tokens [T] -> logits [T, vocab] or its last `last_rows` (prefix then suffix, no exit); advances by T."""
         self.forward_prefix_only(tokens, cache)
-        return self.forward_suffix(cache)
+        return self.forward_suffix(cache, last_rows)
 
     def forward_last(self, tokens: Sequence[int], cache) -> np.ndarray:
         """As `forward`, but logits of the last position only ([1, vocab]; prefill)."""
-        self.forward_prefix_only(tokens, cache)
-        return self.forward_suffix(cache, last_rows=1)
+        return self.forward(tokens, cache, last_rows=1)
 
 
 def lazy_zeros(shape: tuple[int, ...], dtype=np.float32) -> np.ndarray:

@@ -1,11 +1,6 @@
-"""The engine over an exported bundle (`mirror-rt export`): each role resolved to a device, placed, loaded.
-
-`load_bundle` reads the manifests (the target's bundle, and the draft's when `--draft-bundle` names
-another), resolves each role's device (`devices.registry`, one warning line per fallback; `--draft auto`:
-every device that runs the draft is timed beside the target and the latency model picks, devices.
-auto_draft), places the two workers by device and mode (`devices.placement`) and loads each role in a
-thread pinned like its worker (`devices.bundles`). It never chooses between a bundle and torch: that is
-`devices.engines`.
+"""The engine over an exported bundle: each role resolved to a device (devices.registry; `--draft auto`:
+devices.auto_draft), the workers placed (devices.placement) and each role loaded in a thread pinned like its worker
+(devices.bundles). Choosing between a bundle and torch is devices.engines'.
 """
 
 from __future__ import annotations
@@ -26,7 +21,7 @@ from mirror_rt.devices.bundles import (
 )
 from mirror_rt.devices.options import EngineConfig
 from mirror_rt.devices.placement import plan
-from mirror_rt.devices.registry import resolve_noted
+from mirror_rt.devices.registry import resolve_noted, stderr_line
 from mirror_rt.runtime.affinity import available_cores
 from mirror_rt.runtime.engine import Engine, GenerationError
 
@@ -34,18 +29,10 @@ from mirror_rt.runtime.engine import Engine, GenerationError
 def load_bundle(options: EngineConfig, mode: str | None = None, verify: bool = True) -> Engine:
     """An `Engine` over `options.models.bundle` (its target, and its draft unless `draft_bundle` names another).
 
-    Args:
-        options: the bundle (`models.bundle`, `models.draft_bundle`), each role's device (`devices.target`,
-            `devices.draft`: a missing device falls back to the fastest CPU backend with a warning, or fails
-            with `strict_devices`), `devices.threads` (each worker's threads, unpinned; None: as `mode` places
-            them) and `precision.draft_precision` (OpenVINO CPU compute precision of the draft: `bf16` is
-            faster on CPUs with bf16 and never changes the output, only acceptance; the target is exact).
-        mode: the mode the engine will mostly run (devices.placement; None: its default, Mirror): mirror with
-            both models on the CPU gives each worker one core (2+ cores), ar/sd give the target every core,
-            and a target on an accelerator is not pinned while a CPU draft gets every core. With mirror on
-            ONNX Runtime CPU the target also holds a second pair of sessions over both cores for prompts,
-            where a second copy of its weights takes at most a quarter of the available memory.
-        verify: check every file's sha256 against the manifest.
+    `options`: each role's device (`devices.target`, `devices.draft`; a missing one falls back to the fastest CPU
+    backend with a warning, or fails with `strict_devices`), `devices.threads` (each worker's, unpinned) and
+    `precision.draft_precision` (OpenVINO's CPU compute precision of the draft: it moves acceptance, never the output).
+    `mode`: the mode the engine will mostly run, for placement (None: Mirror). `verify`: check every file's sha256.
     """
     from mirror_rt.exporters.manifest import read_manifest
 
@@ -75,8 +62,6 @@ def load_bundle(options: EngineConfig, mode: str | None = None, verify: bool = T
         target, draft, placement, chosen_mode, auto_rows = _auto_draft(options, jobs, (target, draft, tokenizer),
                                                                        found, placement, mode)
     if draft.max_seq_len < target.max_seq_len:  # a static draft of a short context beside a long target
-        from mirror_rt.devices.registry import stderr_line
-
         stderr_line(f"mirror-rt: the draft holds {draft.max_seq_len} positions, the target {target.max_seq_len}: "
                     f"the context is {draft.max_seq_len}")
         target.max_seq_len = draft.max_seq_len  # every request's limit, in every mode (the draft's cache fills)
@@ -95,8 +80,7 @@ def load_bundle(options: EngineConfig, mode: str | None = None, verify: bool = T
 
 
 class TargetOnlyEngine(Engine):
-    """An engine whose requests decode target-only unless they name a mode (`--draft auto` found no draft that
-    pays here); sd and mirror still run when asked for."""
+    """An engine whose requests decode target-only unless they name a mode (`--draft auto` found no draft that pays)."""
 
     @property
     def default_mode(self) -> str:
@@ -114,11 +98,9 @@ def _jobs(options: EngineConfig, target_side: tuple, draft_side: tuple, placemen
 
 
 def _auto_draft(options: EngineConfig, jobs: list, loaded: tuple, found: list[str], placement, mode):
-    """Load the draft on every other candidate, time them all beside the target (`loaded`: target, draft,
-    tokenizer), keep the best (devices.auto_draft); the target is reloaded when the winner changes its
-    placement. One line says what won."""
+    """Load the draft on every other candidate, time them all beside the target (`loaded`: target, draft, tokenizer),
+    keep the best (devices.auto_draft; one line says which), reloading the target when its placement changes."""
     from mirror_rt.devices.auto_draft import pick
-    from mirror_rt.devices.registry import stderr_line
     from mirror_rt.runtime.config import GenerationConfig
 
     target, draft, tokenizer = loaded
@@ -146,8 +128,7 @@ def in_worker_thread(folder, manifest, role, device, strict, budget):
 
 
 def in_worker_threads(jobs: list[tuple]) -> list:
-    """`in_worker_thread` for several models at once (each pinned to its own cores: they load in parallel);
-    the first failure is re-raised once all have ended."""
+    """`in_worker_thread` for several models at once, in parallel; the first failure is re-raised once all ended."""
     results = [{} for _ in jobs]
 
     def work(result, folder, manifest, role, device, strict, budget):

@@ -1,9 +1,5 @@
-"""Loading a bundle: its graphs onto resolved devices, each worker within its compute share.
-
-`load_model` loads one role ("target": prefix, exit and suffix graphs; "draft") of a read manifest
-on a device (`devices.registry.resolve` picks the backend), from the worker's own thread so the
-backend's thread pools inherit the worker's pin (`WorkerBudget`). Backends are imported lazily,
-only when a graph is loaded. The engine over a whole bundle is `devices.bundle_engine.load_bundle`.
+"""Loading one role of a bundle (`load_model`) on a resolved device, from the worker's own thread so the backend's
+thread pools inherit its pin (`WorkerBudget`). Backends are imported only when a graph loads.
 """
 
 from __future__ import annotations
@@ -13,32 +9,26 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from mirror_rt.devices.registry import DeviceSpec, resolve
+from mirror_rt.models.config import ModelConfig
 from mirror_rt.runtime.affinity import pin, restore
 from mirror_rt.runtime.transfer import set_threads
 
 
 @dataclass(frozen=True)
 class WorkerBudget:
-    """The compute share of one worker (target or draft).
-
-    `apply()` must run in the worker's own thread before it loads its model: on Linux
-    `os.sched_setaffinity(0, cpus)` pins only the calling thread, and the thread pools a
-    backend creates afterwards (ONNX Runtime's intra-op pool at session creation,
-    OpenVINO's CPU streams at compile time) inherit that mask. torch's intra-op pool is
-    process-wide, so two torch workers share one `threads` setting (the last applied).
-    """
+    """The compute share of one worker. `apply()` runs in the worker's own thread before it loads: Linux pins only the
+    calling thread, and the pools a backend creates afterwards inherit its mask (torch's pool is process-wide: two
+    torch workers share the last `threads` applied)."""
 
     threads: int | None = None  # compute threads of this worker's backend (None: backend default)
     cpus: tuple[int, ...] | None = None  # cores this worker's thread and its pools may use
     precision: str | None = None  # OpenVINO CPU inference precision (None: exact f32; "bf16" for drafts)
-    # Cores a split target's prompt pass may use (Mirror: the draft's core idles until it adopts the
-    # prompt's KV). ONNX Runtime: a second prefix/suffix session pair, one thread per core (a second
-    # copy of the target's weights in memory); other backends pipeline the prompt instead.
+    # cores a split target's prompt may use (Mirror: the draft's idles until it adopts the prompt's KV); ONNX Runtime
+    # runs them through a second session pair (a second copy of the weights), others pipeline the prompt
     prompt_cpus: tuple[int, ...] | None = None
 
     def apply(self) -> None:
-        """Pin the calling thread to `cpus` (Linux; ignored elsewhere) and set torch's threads (when torch is
-        imported: an ONNX Runtime or OpenVINO worker may never import it, runtime.transfer)."""
+        """Pin the calling thread to `cpus` (Linux) and set torch's threads where torch is imported."""
         pin(self.cpus)
         if self.threads:
             set_threads(self.threads)
@@ -46,13 +36,11 @@ class WorkerBudget:
 
 def load_model(folder: Path, manifest, role: str, device: str | DeviceSpec, strict: bool = False,
                budget: WorkerBudget = WorkerBudget()):
-    """Load the `role` ("target" or "draft") of a read manifest; call from the worker's thread.
-
-    The target's exit graph runs on the target's device under the target's budget.
-    """
+    """Load the `role` ("target": prefix, exit and suffix graphs; "draft") of a read manifest, from the worker's
+    thread."""
     spec = resolve(device, strict, bundle_format(manifest, role))
     budget.apply()
-    config = _config(manifest, role)
+    config = ModelConfig.from_dict(manifest.draft_config if role == "draft" else manifest.target_config)
     roles = ("draft",) if role == "draft" else ("target_prefix", "target_exit", "target_suffix")
     entries = [manifest.graph(r) for r in roles]
     paths = [Path(folder) / e.file for e in entries]
@@ -67,22 +55,13 @@ def bundle_format(manifest, role: str) -> str:
 
 
 def draft_copies_target(target_manifest, draft_manifest) -> bool:
-    """Whether the draft of `draft_manifest` is the target of `target_manifest` at another precision.
-
-    Such a draft may start from the target's KV (runtime.backend.Capabilities.reads_target_rows). A draft taken
-    from another bundle qualifies only if that bundle's target has the same config and tokenizer.
-    """
+    """Whether the draft of `draft_manifest` is the target of `target_manifest` at another precision (same config and
+    tokenizer), so it may start from the target's KV (Capabilities.reads_target_rows)."""
     if not draft_manifest.draft_of_target:
         return False
     return draft_manifest is target_manifest or (
         draft_manifest.target_config == target_manifest.target_config
         and draft_manifest.tokenizer.get("sha256") == target_manifest.tokenizer.get("sha256"))
-
-
-def _config(manifest, role: str):
-    from mirror_rt.models.config import ModelConfig
-
-    return ModelConfig.from_dict(manifest.draft_config if role == "draft" else manifest.target_config)
 
 
 def _load_openvino(paths, manifest, config, spec: DeviceSpec, budget: WorkerBudget):
@@ -114,11 +93,8 @@ def _load_onnxruntime(paths, manifest, config, spec: DeviceSpec, budget: WorkerB
 
 
 def _second_copy_fits(paths, share: float = 0.25, loading=()) -> bool:
-    """Whether a second copy of these graphs' weights takes at most `share` of the memory available once the
-    graphs `loading` (not loaded yet) are.
-
-    Unknown (no /proc/meminfo): no. The default model's target needs about 0.7 GB more.
-    """
+    """Whether a second copy of these graphs' weights takes at most `share` of the memory available once the graphs
+    `loading` are loaded (no /proc/meminfo: no)."""
     try:
         with open("/proc/meminfo") as f:
             fields = dict(line.split(":", 1) for line in f)
@@ -130,8 +106,8 @@ def _second_copy_fits(paths, share: float = 0.25, loading=()) -> bool:
 
 
 def _wide_graphs(paths, kv_shape, cpus: tuple[int, ...]) -> list:
-    """CPU sessions with one thread per core of `cpus`: the pool threads are created while the calling
-    thread may run on all of them (they inherit that mask), then the caller's own pin is restored."""
+    """CPU sessions with a thread per core of `cpus`, created while the calling thread runs on all of them (their pools
+    inherit that mask); the caller's pin is then restored."""
     from mirror_rt.devices.onnxruntime.backend import ORTGraph
 
     previous = pin(cpus)
@@ -171,8 +147,7 @@ def _load_torch(paths, manifest, config, spec: DeviceSpec, budget: WorkerBudget)
 
 
 def in_background(work, *args):
-    """Start `work(*args)` in a thread of its own (it inherits the caller's pin); returns a function that waits
-    for its result, raising its exception if it failed."""
+    """Start `work(*args)` in a thread (it inherits the caller's pin); returns a function that waits for its result."""
     result = {}
 
     def run():

@@ -1,12 +1,7 @@
-"""Engine assembly: which engine a request runs, and the one default engine.
-
-`load_engine` is the single place that decides what an engine runs: a bundle when one is named,
-torch eager when asked for (`torch` or any torch-only option, `devices.options.TORCH_OPTIONS`),
-else the default model's cached ONNX bundle (exported once, with a progress bar). `mirror-rt run`,
-`serve`, `bench` and `mirror_rt.load()` all come here with an `EngineConfig`, so they run the same
-engine for the same request. A bundle-less `--target cuda` runs the target in torch on that GPU. The
-loading itself: `devices.bundle_engine` (bundles) and `devices.torch_engine` (torch eager); device
-names: `devices.registry`.
+"""Engine assembly: `load_engine` is the one place that decides what an engine runs (`run`, `serve`, `bench` and
+`mirror_rt.load()` all come here): a named bundle, torch eager when asked for (any of options.TORCH_OPTIONS, or a
+bundle-less `--target cuda`), a GGUF or large model from its own bundle, else the default model's cached ONNX bundle
+(exported once). Loading is devices.bundle_engine's and devices.torch_engine's.
 """
 
 from __future__ import annotations
@@ -24,23 +19,14 @@ from mirror_rt.runtime.affinity import available_cores
 from mirror_rt.runtime.engine import Engine, GenerationError
 
 BUNDLE_VERSION = "0.7.0"  # part of the default bundle's folder name: bump when the default export changes
-# The default bundle's target precision (`mirror-rt export --weights`). int8 and q4_1 targets decode about 1.9x
-# faster than fp32 here, but the int8 target answered the README's own question with nonsense, and a q4_1 target
-# costs what the q4_1 draft costs, which leaves speculation nothing to gain (docs/performance.md): fp32, the
-# GGUF's weights exactly, stays the default; the others are a flag away (`export --weights`, bench rows).
+# The default bundle's target precision: fp32, the GGUF's weights exactly (an int8 target answered the README's own
+# question with nonsense; a q4_1 target costs what its q4_1 draft costs: docs/performance.md)
 DEFAULT_WEIGHTS = "fp32"
 
 
 def load_engine(options: EngineConfig | None = None, mode: str | None = None, log=stderr_line) -> Engine:
-    """The engine for a request of the CLI, the server, the bench or the API.
-
-    Args:
-        options: what runs where (`devices.options`). With a bundle, its target runs on `devices.target`;
-            without one, a torch device there (`cuda`, `cuda:1`, `torch:cpu`) runs the target in torch
-            (a CUDA target: bf16 by default, the default bundle's draft on `devices.draft` for the default
-            model), other devices the default bundle.
-        mode: the mode the engine will mostly run (thread placement); None: its default (Mirror).
-    """
+    """The engine for a request of the CLI, the server, the bench or the API; `mode`: the mode it will mostly run
+    (thread placement; None: Mirror)."""
     options = options or EngineConfig()
     models = options.models
     if models.bundle is None and names_torch_device(options.devices.target):
@@ -68,8 +54,7 @@ def load_engine(options: EngineConfig | None = None, mode: str | None = None, lo
 
 
 def streams_model(model: str | None) -> bool:
-    """Whether `model` runs from a bundle of its own in the cache (exporters.stream_export): a GGUF file or a
-    Hugging Face folder over 1 GB; smaller folders and presets run in torch eager."""
+    """Whether `model` runs from a bundle of its own in the cache: a GGUF file or a Hugging Face folder over 1 GB."""
     if model is None or model in ("default", DEFAULT_MODEL):
         return False
     from mirror_rt.exporters.stream_export import streamed_source
@@ -97,9 +82,8 @@ def _model_bundle(options: EngineConfig, mode: str | None, log) -> Engine:
 
 def model_bundle(model: str, draft: str | None = None, cache_dir: str | None = None, weights: str = "auto",
                  progress: bool = True, log=stderr_line) -> Path:
-    """The bundle of `model` (a GGUF file or a Hugging Face folder) in the cache, exported on first use; its folder
-    name carries a digest of the source (path, size, time), the draft and the precision, so a changed file is
-    exported again."""
+    """The bundle of `model` (a GGUF file or a Hugging Face folder) in the cache, exported on first use into a folder
+    named by a digest of the sources (path, size, time) and the precision: a changed file is exported again."""
     import hashlib
 
     from mirror_rt.exporters.manifest import FORMAT_VERSION
@@ -126,8 +110,8 @@ def export_bundle_of(model, out: Path, progress: bool, **options) -> None:
 
 
 def _torch_target(options: EngineConfig, log) -> EngineConfig:
-    """A bundle-less `--target` naming a torch device: that device for torch (`--device` must agree), or back to
-    the CPU target of the default bundle where a bare `cuda` cannot serve (one warning line)."""
+    """A bundle-less `--target` naming a torch device: that device for torch (`--device` must agree), or the default
+    bundle's CPU target where a bare `cuda` cannot serve."""
     devices = options.devices
     device = torch_target(devices.target, devices.strict_devices, log)
     if device is None:
@@ -151,15 +135,8 @@ def default_bundle_or_none(cache_dir, log) -> Path | None:
 
 def default_bundle(cache_dir: str | None = None, progress: bool = True, log=stderr_line,
                    weights: str | None = None) -> Path:
-    """The default model's ONNX bundle in the cache (`mirror-rt export`), exported on first use.
-
-    ONNX Runtime graphs decode the default model about 4x faster on CPU than torch eager, and Mirror
-    then beats target-only decoding. The export (~30 s here) writes into a temporary folder of this
-    process, renamed at the end and removed if the export fails; one that a killed process left behind (a
-    server stopped while it loaded) is removed by the next export. The folder name carries the bundle version,
-    and `weights` (the target's precision, exporters.export_config.WEIGHTS; None: DEFAULT_WEIGHTS) where it is
-    not the default's: the bench's rows per precision.
-    """
+    """The default model's ONNX bundle in the cache with its target at `weights` (None: DEFAULT_WEIGHTS), exported on
+    first use."""
     from mirror_rt.models.default_model import default_model_folder
 
     weights = weights or DEFAULT_WEIGHTS
@@ -172,8 +149,8 @@ def default_bundle(cache_dir: str | None = None, progress: bool = True, log=stde
 
 
 def _cached_bundle(folder: Path, export, message: str, log) -> Path:
-    """`folder` when it holds a bundle, else `export(partial)` into a folder of this process, renamed into place
-    at the end and removed if the export fails (one that a killed process left is removed by the next export)."""
+    """`folder` when it holds a bundle, else `export(partial)` into a folder of this process, renamed into place at
+    the end and removed if the export fails (one a killed process left is removed by the next export)."""
     import shutil
 
     from mirror_rt.exporters.manifest import BundleError, read_manifest
@@ -223,8 +200,8 @@ def default_bundle_folder(cache_dir: str | None = None, weights: str | None = No
 
 
 def draft_choice_here(cache_dir: str | None = None) -> list[str]:
-    """`mirror-rt devices`: where `--draft auto` puts the default bundle's draft here (its table when it had to
-    choose: every pairing's predicted tokens/s), from loading the default engine when it is exported."""
+    """`mirror-rt devices`: where `--draft auto` puts the default bundle's draft here (with its table when it had a
+    choice), loading the default engine when it is exported."""
     from mirror_rt.exporters.manifest import BundleError, read_manifest
 
     folder = default_bundle_folder(cache_dir)

@@ -1,13 +1,9 @@
-"""What an engine is assembled from: one small frozen dataclass per concern, each field named as its CLI flag.
+"""What an engine is assembled from (`EngineConfig`): one frozen dataclass per concern, each field named as its flag.
 
-`SourceConfig` (what runs), `DeviceConfig` (where), `PrecisionConfig` (at what precision), the split
-(`models.config.SplitConfig`: exit layer, kappa) and the batch (`runtime.batch.decoder.BatchConfig`:
-sequences decoded at once, KV memory, prefix cache, adaptive speculation) travel together as `EngineConfig`,
-which `load_engine`, `load_torch`, `load_bundle` and `mirror_rt.load` take. Each default is written once, here
-(the split's in `SplitConfig`); `EngineConfig.from_flags` is the one place flat flag-named values become these
-objects. Torch-only settings are None when not given: giving any of them, even at its default value, asks for torch
-eager, so the engine choice never compares a value with a default. Decoding settings are not here: they are
-the request's (`runtime.config.GenerationConfig`).
+Sources, devices, precision, the split (models.config.SplitConfig) and the batch (runtime.batch.decoder.BatchConfig).
+Each default is written once; `EngineConfig.from_flags` is the one place flag-named values become these objects.
+Torch-only settings are None when not given: giving any, even at its default, asks for torch eager. Decoding settings
+are the request's (runtime.config.GenerationConfig).
 """
 
 from __future__ import annotations
@@ -54,9 +50,7 @@ class DeviceConfig:
     """Where it runs: each role's device and the compute threads."""
 
     target: str = "cpu"  # the target's device: cpu, cuda[:N], gpu, npu, openvino:CPU, ort:qnn, torch:cpu, ...
-    # the draft's device (same forms), or auto: where more than one device here runs the bundle's draft, each is
-    # timed beside the target at load and the latency model picks (devices.auto_draft), else the one there is
-    draft: str = "auto"
+    draft: str = "auto"  # the draft's device (same forms), or auto: timed and picked at load (devices.auto_draft)
     strict_devices: bool = False  # fail instead of falling back to a CPU backend
     device: str | None = None  # torch: the target's torch device (cpu, cuda, cuda:1; as --target)
     threads: int | None = None  # torch: intra-op threads; a bundle: each worker's threads, unpinned
@@ -79,9 +73,7 @@ class DeviceConfig:
 class PrecisionConfig:
     """At what precision the models compute."""
 
-    # the default model's bundle target precision (`mirror-rt export --weights`): fp32 | int8 | int4 | q4_1 | w8a8,
-    # exported once into the cache; None: devices.engines.DEFAULT_WEIGHTS. An exported bundle carries its own.
-    weights: str | None = None
+    weights: str | None = None  # the default model's bundle target precision (BUNDLE_WEIGHTS; None: DEFAULT_WEIGHTS)
     dtype: str | None = None  # torch target dtype; None: bf16 on CUDA (fp16 without bf16), else fp32
     draft_precision: str | None = None  # OpenVINO draft compute precision (f32 | bf16); None: exact f32
     compile: bool | None = None  # torch: static-shape windows under torch.compile
@@ -108,10 +100,7 @@ class EngineConfig:
 
     @classmethod
     def from_flags(cls, **flags) -> EngineConfig:
-        """The options from flat flag-named values (`bundle=`, `target=`, `dtype=`, `kappa=`...); None: not given.
-
-        Example: EngineConfig.from_flags(model="tiny", target="cuda", dtype="bf16").
-        """
+        """The options from flat flag-named values (`bundle=`, `target=`, `kappa=`...); None: not given."""
         return cls().with_flags(**{name: value for name, value in flags.items() if value is not None})
 
     def torch_asked(self) -> list[str]:

@@ -1,11 +1,8 @@
-"""Where the two workers run: the cores and threads of the target and the draft, chosen by device.
+"""Where the two workers run: the cores and threads of the target and the draft, chosen by device and mode.
 
-Both on the CPU in Mirror mode (2+ cores): each worker pinned to a core of its own with one thread
-(measured best on 2 cores: the two must not contend). Target on an accelerator (CUDA, GPU, NPU): its
-thread only launches work and waits for results, so it is not pinned, and a CPU draft gets every core.
-`ar` / `sd` run one model at a time: every core for whoever runs. `Placement.describe()` is the line
-`--stats` and `mirror-rt devices` print; an engine declares its placement (`Engine.placement`), with the
-devices asked for that were unusable here (`fallbacks`). Pure: it reads no device, it is told them.
+Mirror with both on the CPU (2+ cores): a core and a thread each (they must not contend). A target on an
+accelerator only launches work: not pinned, a CPU draft gets every core. `ar` / `sd`: every core for whoever runs.
+Pure: it reads no device, it is told them.
 """
 
 from __future__ import annotations
@@ -26,10 +23,6 @@ class Placement:
     # role -> the device string asked for ("cuda", "npu") where it was unusable here (a fallback warning was shown)
     fallbacks: dict[str, str] = field(default_factory=dict)
 
-    def device(self, role: str) -> str:
-        """The device `role` ("target" or "draft") runs on."""
-        return {"target": self.target, "draft": self.draft}[role]
-
     @property
     def worker_cores(self) -> tuple[int, int] | None:
         """(target core, draft core) when each worker is pinned to one core (the engine's `cpus`), else None."""
@@ -44,8 +37,7 @@ class Placement:
 
 
 def is_accelerator(device) -> bool:
-    """Whether a device (string or DeviceSpec) names something other than the CPU (`cuda`, `torch:cuda:1`,
-    `openvino:NPU`...)."""
+    """Whether a device (string or DeviceSpec) names something other than the CPU (`cuda`, `openvino:NPU`...)."""
     parts = str(device).lower().split(":")
     name = parts[1] if len(parts) > 1 and parts[0] in ("torch", "pt", "openvino", "ov", "ort", "onnxruntime") \
         else parts[0]
@@ -53,17 +45,13 @@ def is_accelerator(device) -> bool:
 
 
 def runs_mirror(mode: str | None) -> bool:
-    """Whether an engine assembled here runs Mirror for requests in `mode` (None: the engine's default mode,
-    Mirror for every engine assembled here: their targets are split at the early exit)."""
+    """Whether an engine assembled here runs Mirror for requests in `mode` (None: its default, Mirror)."""
     return mode in (None, "mirror")
 
 
 def plan(target: str, draft: str, mode: str | None, cores: list[int], threads: int | None = None) -> Placement:
-    """The placement of a target on `target` and a draft on `draft` for `mode`, given the usable `cores`.
-
-    `mode` None: the engine's default (`runs_mirror`). `threads`: a fixed thread count for both workers,
-    unpinned (the bench's and tests' override).
-    """
+    """The placement of a target on `target` and a draft on `draft` for `mode` (None: Mirror) on the usable `cores`;
+    `threads`: a fixed thread count for both workers, unpinned (the bench's and tests' override)."""
     n, target, draft = len(cores), str(target), str(draft)
     if threads is not None:
         return Placement(target, draft, None, None, threads, threads)

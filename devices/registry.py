@@ -1,12 +1,7 @@
-"""Device resolution: what a device string becomes on this machine, and its fallback.
-
-A device string is `backend:device[:index]` (`torch:cuda:1`, `openvino:NPU`, `ort:qnn`) or a
-bare device (`cpu`, `cuda`, `gpu`, `npu`), parsed once into a `DeviceSpec`. `resolve` maps
-it to a backend that can run the bundle's graph format and exists here; otherwise it falls
-back to the fastest CPU backend with a one-line `DeviceFallbackWarning`, or raises
-`DeviceError` when strict. `torch_target` / `torch_draft_device` do the same for torch models.
-It loads nothing (bundles: `devices.bundles`). Fastest CPU order (measured on the default model,
-1 thread): onnxruntime, openvino, torch.
+"""Device resolution: a device string (`backend:device[:index]` such as `torch:cuda:1`, `openvino:NPU`, `ort:qnn`, or
+a bare `cpu`, `cuda`, `gpu`, `npu`) parsed into a `DeviceSpec`, and `resolve`d to a backend here that runs the bundle's
+graph format, else to the fastest CPU backend with a one-line `DeviceFallbackWarning` (`DeviceError` when strict).
+`torch_target` / `torch_draft_device` do the same for torch models. It loads nothing.
 """
 
 from __future__ import annotations
@@ -57,8 +52,7 @@ class DeviceSpec:
 
 
 def parse_device(text: str) -> DeviceSpec:
-    """`cpu`, `cuda:1`, `npu`, `openvino:NPU`, `ort:qnn`, `torch:cuda:0`, ... -> DeviceSpec. `auto` (a draft placed by
-    measurement at bundle load: devices.auto_draft) is the CPU wherever nothing is timed (torch engines)."""
+    """A device string -> DeviceSpec; `auto` (timed at bundle load, devices.auto_draft) is the CPU elsewhere."""
     if text.strip().lower() == "auto":
         return DeviceSpec("auto", "cpu")
     parts = text.strip().split(":")
@@ -80,13 +74,13 @@ def parse_device(text: str) -> DeviceSpec:
 
 
 def available_devices() -> Mapping[str, list[str]]:
-    """Per backend, the devices this machine has ([] when the backend is not installed), each backend asked on
-    first lookup: importing torch and OpenVINO takes more than a second that an ONNX Runtime bundle never needs."""
+    """Per backend, the devices this machine has ([] when not installed), each backend asked on first lookup (importing
+    torch or OpenVINO takes more than a second an ONNX Runtime bundle never needs)."""
     return FoundDevices()
 
 
 class FoundDevices(Mapping):
-    """`available_devices`: backend -> its devices here, asked once per backend and only when looked up."""
+    """`available_devices`: backend -> its devices here, asked once and only when looked up."""
 
     def __init__(self):
         self._found: dict[str, list[str]] = {}
@@ -172,11 +166,8 @@ def fastest_cpu(graph_format: str | None = None, devices: dict | None = None) ->
 
 def resolve(spec: DeviceSpec | str, strict: bool = False, graph_format: str | None = None,
             devices: dict | None = None) -> DeviceSpec:
-    """A concrete spec that exists here and runs `graph_format`; else fallback (or DeviceError).
-
-    `graph_format` "onnx-shared" is an ONNX bundle whose KV lives in shared buffers (ONNX Runtime only).
-    The warning names, per candidate backend, what was missing (never that a present device is absent).
-    """
+    """A concrete spec that exists here and runs `graph_format` ("onnx-shared": an ONNX bundle whose KV lives in shared
+    buffers, ONNX Runtime only); else the fallback, whose warning names what each candidate backend missed."""
     spec = parse_device(spec) if isinstance(spec, str) else spec
     if spec.backend == "onnxruntime" and spec.device == "cuda":
         raise DeviceError(f"device '{spec}': {ORT_CUDA_REFUSAL}")
@@ -241,12 +232,9 @@ def names_torch_device(target_device: str) -> bool:
 
 
 def torch_target(target_device: str, strict: bool = False, log=None) -> str | None:
-    """The torch device of a bundle-less `--target` naming one (`cuda`, `cuda:1`, `torch:cpu`, `torch:cuda`).
-
-    A device torch cannot serve: DeviceError when strict; else `torch:cuda` falls back to the CPU with a
-    warning, and a bare `cuda` returns None after one warning line naming what is missing (the default
-    bundle then runs on the CPU).
-    """
+    """The torch device of a bundle-less `--target` naming one (`cuda`, `cuda:1`, `torch:cpu`, `torch:cuda`). One torch
+    cannot serve: DeviceError when strict; else `torch:cuda` falls back to the CPU with a warning, and a bare `cuda`
+    returns None after a warning line (the default bundle then runs on the CPU)."""
     import torch
     spec = parse_device(target_device)
     count = torch.cuda.device_count()

@@ -1,10 +1,5 @@
-"""The torch engine: a target as a torch module on its device, split at its early exit, and a draft on the CPU.
-
-`load_torch` loads the target checkpoint (`models.loading`), a draft (an int8 copy, the target itself
-as the oracle draft, another checkpoint, or a bundle's draft on its resolved device), places both
-workers (`devices.placement`) and, with `compile`, warms the compiled windows up at the placement's
-thread count. It never chooses between torch and a bundle: that is `devices.engines`. Every engine
-records its path and each role's precision in `engine.names`, and its load time.
+"""The torch engine: the target as a torch module on its device, split at its early exit, and a draft on the CPU (an
+int8 copy, the target itself as the oracle, another checkpoint, or a bundle's draft on its resolved device).
 """
 
 from __future__ import annotations
@@ -32,19 +27,9 @@ def default_dtype(device: str) -> str:
 
 
 def load_torch(options: EngineConfig | None = None, mode: str | None = None, log=stderr_line) -> Engine:
-    """A torch engine: the target as a torch module on `devices.device`, the draft on the CPU (torch or a bundle's).
-
-    Args:
-        options: `models.model` (a Hugging Face folder, a .gguf file, a preset, or None for the default model);
-            `models.draft_model`: `int8` (an int8 copy of the target; None means int8), `target` (the target
-            drafts for itself: the oracle draft, for checks), or a folder / .gguf / preset; `models.draft_bundle`:
-            a bundle's draft instead, on `devices.draft`; `models.draft_streams`: trained SS streams over the
-            draft; `devices.device` (cpu by default, cuda, cuda:1), `devices.threads` (torch intra-op threads),
-            `devices.pin` (mirror, both on a 2+ core CPU: a core each); `precision.dtype` (default bf16 on CUDA,
-            fp16 where bf16 is missing, else fp32; `float32`, `bfloat16`, `float16`, `float64` or bf16 / fp16 /
-            fp32: the reference `ar` runs at this precision), `precision.compile` (static-shape verify windows
-            under torch.compile); `split` (exit layer and kappa, models.config.SplitConfig).
-        mode: the mode the engine will mostly run (thread placement; None: its default, Mirror).
+    """A torch engine: the target on `devices.device`, the draft on the CPU (`models.draft_model`: int8 by default,
+    `target` for the oracle draft, or a model; `models.draft_bundle`: a bundle's, on `devices.draft`), with
+    `models.draft_streams` over it. `mode`: the mode it will mostly run (thread placement; None: Mirror).
     """
     import torch
 
@@ -95,8 +80,7 @@ def load_torch(options: EngineConfig | None = None, mode: str | None = None, log
 
 
 def _torch_threads(threads: int | None, log) -> int | None:
-    """torch's intra-op threads: `threads`, at most the cores this process may use (more only contend: 1,000
-    threads on 2 cores took 30 s to start), with a warning line when capped."""
+    """torch's intra-op threads: `threads`, at most the cores usable here (more only contend), said when capped."""
     cores = len(available_cores())
     if threads and threads > cores:
         log(f"mirror-rt: warning: --threads {threads} is more than the {cores} core{'s' * (cores != 1)} usable "
@@ -106,8 +90,8 @@ def _torch_threads(threads: int | None, log) -> int | None:
 
 
 def _default_draft(options: EngineConfig, device: str, log):
-    """The default model as a target on an accelerator drafts with the default bundle's draft (ONNX Runtime,
-    every CPU core) unless a draft model is named: that bundle's folder, else None (the torch int8 draft)."""
+    """The default bundle's folder when the default model's target runs on an accelerator and no draft is named (its
+    ONNX Runtime draft gets every CPU core), else None (the torch int8 draft)."""
     if options.models.draft_model is not None or options.models.model is not None or not is_accelerator(device):
         return None
     from mirror_rt.devices import engines  # the default bundle is the assembly's (engines imports this module)
@@ -158,6 +142,8 @@ def _torch_draft(draft_model: str, draft_streams: str | None, target, dtype: str
 
 def _load_draft(draft_model, target, dtype, cache_dir, log):
     """The draft's torch module, or None for the oracle draft (the target itself)."""
+    import warnings
+
     from mirror_rt.models.loading import load_checkpoint
     from mirror_rt.models.quantize import int8_copy
 
@@ -166,17 +152,11 @@ def _load_draft(draft_model, target, dtype, cache_dir, log):
     if draft_model == "int8":
         return int8_copy(target.model)
     draft = load_checkpoint(draft_model, dtype, cache_dir, log)
-    _check_vocabularies(target, draft)
-    return draft.model
-
-
-def _check_vocabularies(target, draft) -> None:
-    import warnings
-
     t, d = target.model.config.vocab_size, draft.model.config.vocab_size
     if t != d:
         raise GenerationError(f"vocabulary mismatch: target {target.source} has {t} tokens, "
                               f"draft {draft.source} has {d}")
     if target.tokenizer.sha256() != draft.tokenizer.sha256():
         warnings.warn("target and draft tokenizer files differ although the vocabulary sizes match; "
-                      "token ids are compared directly", stacklevel=3)
+                      "token ids are compared directly", stacklevel=2)
+    return draft.model

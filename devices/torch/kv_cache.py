@@ -1,10 +1,5 @@
-"""The torch backend's KV cache: static, position-indexed, with O(1) rollback (batch 1).
-
-The cache owns preallocated key/value tensors for a contiguous range of layers and a
-`length`: the number of positions whose keys/values are committed. Writing a window
-stores positions `length .. length+T-1`; `advance(T)` commits them; `rollback(n)`
-forgets every position >= n by moving `length` back (the stale slots are simply
-overwritten later). It does not know which model fills it or why positions are rejected.
+"""The torch backend's KV cache (batch 1): preallocated keys and values for a range of layers and `length`, the
+positions committed. A window writes at `length..`, `advance(T)` commits it, `rollback(n)` moves `length` back (O(1)).
 """
 
 from __future__ import annotations
@@ -19,12 +14,7 @@ if TYPE_CHECKING:
 
 
 class KVCache(CacheBounds):
-    """Keys and values for `n_layers` layers, `capacity` positions each.
-
-    Limitations:
-    - batch size 1 only;
-    - layer indices are local to this cache (a split graph owns a sub-range of layers).
-    """
+    """Keys and values for `n_layers` layers (indices local to the cache), `capacity` positions each."""
 
     def __init__(self, n_layers: int, n_kv_heads: int, head_dim: int, capacity: int,
                  dtype: torch.dtype | None = None, device: str | torch.device = "cpu", slots: int | None = None):
@@ -45,15 +35,8 @@ class KVCache(CacheBounds):
         cache.keys, cache.values, cache.capacity, cache.length, cache.hidden = keys, values, capacity, 0, None
         return cache
 
-    def room(self) -> int:
-        """Positions still free."""
-        return self.capacity - self.length
-
     def write(self, layer: int, k: torch.Tensor, v: torch.Tensor):
-        """Store k, v [kv_heads, T, head_dim] at positions length..length+T-1 of `layer`.
-
-        Returns the keys and values of all positions 0..length+T-1 for attention.
-        """
+        """Store k, v [kv_heads, T, head_dim] at positions length.. of `layer`; returns keys, values 0..length+T-1."""
         self.check_room(k.shape[1])
         end = self.length + k.shape[1]
         self.keys[layer, :, self.length:end] = k
