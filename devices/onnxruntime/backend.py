@@ -1,15 +1,9 @@
-"""ONNX Runtime backend: the .onnx graphs of a bundle on any execution provider.
+"""ONNX Runtime backend: the .onnx graphs of a bundle on any execution provider (onnxruntime imported lazily).
 
-Two kinds of graphs. Explicit-KV graphs take the KV cache as inputs and return it grown by
-the window, so the cache is a list of host arrays per graph; rollback slices them (O(1),
-views), and each call copies the whole cache. Shared-KV graphs (`--kv shared`, the ONNX
-default; exporters.shared_kv) write the window's KV in place into preallocated buffers bound
-as both past and present through IO binding: no copy, rollback is a count. The split target
-can also prefill pipelined over two cores, and a self-draft can adopt its prompt KV. Sessions load their
-optimized graphs from the bundle's cache once made (devices.onnxruntime.session). onnxruntime is imported lazily.
-Invariant: between calls every graph of a cache holds exactly `length` positions, except
-that after `forward_prefix` the suffix lags until `forward_suffix` runs. The split target's
-exit graph is stateless and belongs to no cache.
+Explicit-KV graphs take the KV as inputs and return it grown (host arrays; rollback slices them). Shared-KV graphs
+(`--kv shared`, exporters.shared_kv) write the window's KV in place into buffers bound as both past and present: no
+copy, rollback is a count. Between calls every graph of a cache holds `length` positions, except that the suffix lags
+from `forward_prefix` to `forward_suffix`; the exit graph is stateless.
 """
 
 from __future__ import annotations
@@ -17,22 +11,16 @@ from __future__ import annotations
 import queue
 import threading
 from collections.abc import Sequence
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import numpy as np
 
 from mirror_rt.devices.base import GraphCache, GraphModel, SplitTarget
-from mirror_rt.devices.onnxruntime.pool import (
-    RowPool,
-    forward_rows,
-    pinned_helper,
-    split_prompts,
-    split_rows,
-    target_rows,
-)
+from mirror_rt.devices.onnxruntime.pool import RowPool
 from mirror_rt.devices.onnxruntime.session import create_session
 from mirror_rt.exporters.native_op import ATTENTION, call_threads, register
-from mirror_rt.runtime.affinity import pin
+from mirror_rt.runtime.affinity import pin, restore
 from mirror_rt.runtime.backend import Capabilities
 
 PREFILL_CHUNK = 64  # prompt tokens per pipelined prefill stage
@@ -56,8 +44,7 @@ def _onnxruntime():
 
 
 def session_options(threads: int | None):
-    """One intra-op pool of `threads`, no inter-op pool, no spinning (an idle worker leaves its cores to the
-    other worker: target and draft share the machine; it costs a little latency on a quiet machine)."""
+    """One intra-op pool of `threads`, no inter-op pool, no spinning (an idle worker leaves its cores to the other)."""
     ort = _onnxruntime()
     options = ort.SessionOptions()
     options.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_ALL
@@ -71,12 +58,7 @@ def session_options(threads: int | None):
 
 
 class ORTGraph:
-    """One ONNX Runtime session over a graph with explicit KV, or KV in shared buffers (`shared_kv`).
-
-    Explicit graphs take the past KV as inputs and return it grown (a copy of the cache per call).
-    Shared-KV graphs (exporters.shared_kv) write the window's KV in place into buffers bound as both
-    past and present through IO binding: no copy, and rollback is only a count.
-    """
+    """One ONNX Runtime session over a graph with explicit KV, or KV in shared buffers (`shared_kv`)."""
 
     def __init__(self, path: Path, provider: str = "cpu", kv_shape: tuple[int, int] = (1, 1),
                  threads: int | None = None):
@@ -113,10 +95,8 @@ class ORTGraph:
         return [(b, ort.OrtValue.ortvalue_from_numpy(b)) for b in buffers]  # the OrtValues share the memory
 
     def run(self, x: np.ndarray, kv: list, last_rows: int | None = None, start: int = 0) -> tuple[dict, list]:
-        """x [T] ids or [T, hidden] at positions start.. -> (head outputs by name, the kv after the call).
-
-        `last_rows`: logits for the window's last rows only (graphs that take it; others return all rows).
-        """
+        """x [T] ids or [T, hidden] at positions start.. -> (head outputs by name, the kv after the call); `last_rows`:
+        logits of the window's last rows only (graphs that take it)."""
         extra = {LAST_ROWS: np.array([last_rows or len(x)], dtype=np.int64)} if self.takes_last_rows else {}
         if self.batched:  # one row of a batched graph
             values = [value for _, value in kv]
@@ -131,10 +111,9 @@ class ORTGraph:
 
     def run_rows(self, x: np.ndarray, values: list, total_len: np.ndarray, last_rows: int | None = None,
                  groups: np.ndarray | None = None) -> dict:
-        """Batched graphs: x [B, T] ids or [B, T, hidden] over KV buffers `values` (OrtValues [B, KVH, S, D], one
-        per past input, written in place); total_len [B] int32: positions per row after the call -> head outputs
-        by name, [B, ...] each (logits of the last `last_rows` rows of each window where the graph takes it).
-        `groups` [self.groups, 2] (graphs that take them): (row end, keys read) per group of rows; None: one."""
+        """Batched graphs: x [B, T] ids or [B, T, hidden] over KV buffers `values` (OrtValues [B, KVH, S, D] per past
+        input, written in place), total_len [B] int32 (positions per row after the call) -> head outputs [B, ...] by
+        name. `groups` [self.groups, 2]: (row end, keys read) per group of rows (None: one group)."""
         feeds = {TOTAL_LEN: total_len}
         if self.groups:
             feeds[GROUPS] = groups if groups is not None else one_group(total_len, self.groups)
@@ -190,8 +169,7 @@ class ORTCache(GraphCache):
 
 
 class ORTModel(GraphModel):
-    """A `LoadedModel` over one graph (the draft, or an unsplit target; an SS draft's too); batched shared-KV graphs
-    run rows of sequences at once."""
+    """A `LoadedModel` over one graph (a draft or an unsplit target); batched shared-KV graphs run rows at once."""
 
     def __init__(self, graph: ORTGraph, vocab_size: int, max_seq_len: int):
         streams = graph.session.get_modelmeta().custom_metadata_map.get("n_streams")
@@ -206,21 +184,16 @@ class ORTModel(GraphModel):
 
     def forward_rows(self, tokens: np.ndarray, pool: RowPool, first: int, last_rows: int | None = None) -> np.ndarray:
         """tokens [B, T] at each row's length, rows first..first+B-1 -> logits [B, T or last_rows, vocab]."""
-        return forward_rows(self, pool, tokens, first, last_rows)
+        return pool.run(0, self.graph, np.asarray(tokens, dtype=np.int64), first, last_rows)["logits"]
 
     def can_adopt(self, target) -> bool:
-        """Whether this draft's pool takes `target`'s pool rows (`RowPool.copy_from`): an ONNX Runtime target, and
-        shared buffers only from shared."""
+        """Whether this draft's pool takes `target`'s pool rows: an ONNX Runtime target, shared buffers from shared."""
         graph = getattr(target, "prefix", getattr(target, "graph", None))
         return isinstance(graph, ORTGraph) and (graph.shared_kv or not self.graph.shared_kv)
 
 
 class ORTSplitTarget(SplitTarget):
-    """The target as prefix + suffix sessions with a stateless early-exit session, one cache for both.
-
-    `forward` never runs the exit session: target-only decoding pays for the prefix and suffix only.
-    The verbs come from `devices.base.SplitTarget`; this class runs its three graphs.
-    """
+    """The target as prefix + suffix sessions (one cache) and a stateless exit session that `forward` never runs."""
 
     def __init__(self, prefix: ORTGraph, exit_graph: ORTGraph, suffix: ORTGraph, vocab_size: int, max_seq_len: int,
                  kappa: int, prompt_graphs: list[ORTGraph] | None = None):
@@ -244,23 +217,40 @@ class ORTSplitTarget(SplitTarget):
 
     def forward_rows(self, tokens: np.ndarray, pool: RowPool, first: int, last_rows: int | None = None,
                      wide: bool = False) -> np.ndarray:
-        """Prefix then suffix, no early exit: tokens [B, T] -> logits [B, T or last_rows, vocab]. `wide`: on every
-        core, through the prompt sessions where the target has them (target-only steps of a batch)."""
-        return target_rows(self, pool, tokens, first, last_rows, wide)
+        """Prefix then suffix, no early exit: tokens [B, T] -> logits [B, T or last_rows, vocab]; `wide`: through the
+        prompt sessions (every core) where the target has them."""
+        prefix, suffix = self.prompt_graphs if wide and self.prompt_graphs else (self.prefix, self.suffix)
+        hidden = pool.run(0, prefix, np.asarray(tokens, dtype=np.int64), first)["hidden"]
+        return pool.run(1, suffix, hidden, first, last_rows)["logits"]
 
     def forward_rows_split(self, tokens: np.ndarray, pool: RowPool, cut: int, cpus: tuple[int, int]) -> np.ndarray:
-        """All of the pool's rows, tokens [B, T], as two calls at once on two cores (rows ..cut-1 on cpus[0],
-        the others on cpus[1]; devices.onnxruntime.pool.split_rows) -> logits [B, T, vocab]."""
-        return split_rows(self, pool, tokens, cut, cpus, self._row_helper(cpus[1]))
+        """All of the pool's rows as two calls at once (runtime.batch.splits): rows ..cut-1 on cpus[0], the others on
+        cpus[1], through the one-thread sessions -> logits [B, T, vocab], the same bits as one call."""
+        tokens = np.asarray(tokens, dtype=np.int64)
+        head, tail = self._on_two_cores(lambda: self.forward_rows(tokens[:cut], pool, 0),
+                                        lambda: self.forward_rows(tokens[cut:], pool, cut), cpus)
+        return np.concatenate([head, tail])
 
     def prefill_split(self, chunks: list, caches: list, cpus: tuple[int, int]) -> list[np.ndarray]:
-        """Two prompts' chunks at once, one per core (onnxruntime_pool.split_prompts) -> each's last logits [1, V]."""
-        return split_prompts(self, chunks, caches, cpus, self._row_helper(cpus[1]))
+        """Two prompts' chunks at once, chunks[i] into caches[i] on cpus[i] -> each's last logits [1, vocab] (the same
+        bits as one prompt at a time)."""
+        return list(self._on_two_cores(lambda: self.forward_last(chunks[0], caches[0]),
+                                       lambda: self.forward_last(chunks[1], caches[1]), cpus))
 
-    def _row_helper(self, cpu: int):
-        """The executor whose one thread, pinned to `cpu`, runs the second half of split steps and prompts."""
-        self._helper = pinned_helper(self._helper, cpu)
-        return self._helper[1]
+    def _on_two_cores(self, first, second, cpus: tuple[int, int]) -> tuple:
+        """(first(), second()) at once: `first` here pinned to cpus[0], `second` in a helper thread pinned to cpus[1],
+        waited for even when `first` fails (both write into the pool)."""
+        if self._helper is None or self._helper[0] != cpus[1]:
+            self._helper = (cpus[1], ThreadPoolExecutor(1, thread_name_prefix="mirror-rows", initializer=pin,
+                                                        initargs=(cpus[1],)))
+        later = self._helper[1].submit(second)
+        previous = pin(cpus[0])
+        try:
+            head = first()
+        finally:
+            restore(previous)
+            tail = later.result()
+        return head, tail
 
     def _exit(self, hidden: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         head, _ = self.exit.run(hidden, [])
@@ -268,15 +258,9 @@ class ORTSplitTarget(SplitTarget):
 
     def prefill_pipelined(self, tokens: Sequence[int], cache: ORTCache, cpu: int | None,
                           chunk: int = PREFILL_CHUNK) -> np.ndarray:
-        """A prompt on two cores. Returns the last position's logits [1, vocab].
-
-        With `prompt_graphs` (sessions with a thread per core, see bundles.WorkerBudget.prompt_cpus;
-        loaded when a second copy of the weights takes at most a quarter of the available memory)
-        the whole prompt runs through them (the faster way: docs/performance.md). Otherwise prefix
-        chunks run in this thread and suffix chunks in a helper pinned to
-        `cpu`: while the suffix runs chunk i, the prefix runs chunk i+1. Either way each graph sees
-        its calls in order, so the cache ends as after `forward`.
-        """
+        """A prompt on two cores -> the last position's logits [1, vocab]: through `prompt_graphs` (a thread per core)
+        where the target has them, else prefix chunks here while a helper pinned to `cpu` runs the previous chunk's
+        suffix. Each graph sees its calls in order, so the cache ends as after `forward`."""
         ids = np.asarray(tokens, dtype=np.int64)
         cache.check_room(len(ids))
         if cache.hidden is not None:

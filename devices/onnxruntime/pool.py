@@ -1,16 +1,9 @@
 """KV rows for batched ONNX Runtime graphs: one buffer per layer [rows, KVH, capacity, D] shared by all sequences.
 
-A `RowPool` holds the KV of up to `rows` sequences, each in its own row of every buffer, and per graph
-and row the positions held (`filled`). A batched forward runs a contiguous range of rows: the graphs take
-the buffers' [first:first+B] slices (contiguous, bound as both past and present, written in place) and
-`total_len` per row, so rows of different lengths share one call (one token per row: exporters.shared_kv).
-Rows need not have the same length; they must be contiguous, which the runtime keeps by moving a row into
-a hole (`move`). `row_cache(r)` is one row seen as a single-sequence cache (the ORTCache interface), so
-every single-stream code path runs on a pool row unchanged. The pool does not know sequences or blocks:
-runtime.batch.kv_rows keeps that accounting and runtime.batch.prefix_cache reads and writes positions through
-`read` / `write`.
-Invariant: a batched forward writes at filled[graph][row].. and advances nothing; the caller commits
-(`commit`); a row cache advances its own row like ORTCache does.
+A batched forward runs a contiguous range of rows of any lengths (the graphs take the buffers' row slices, written in
+place, and `total_len` per row); the runtime keeps rows contiguous (`move`) and does the accounting
+(runtime.batch.kv_rows). A batched forward advances nothing (the caller `commit`s); `row_cache(r)` is one row as a
+single-sequence cache that advances itself.
 """
 
 from __future__ import annotations
@@ -18,19 +11,14 @@ from __future__ import annotations
 import numpy as np
 
 from mirror_rt.devices.base import CacheBounds, lazy_zeros
-from mirror_rt.runtime.affinity import pin, restore
 from mirror_rt.runtime.batch.splits import GROUP_COST, cheapest_groups
 
 INITIAL_POSITIONS = 256  # a pool's room per row before its first request asks for more
 
 
 class RowPool:
-    """KV buffers of one model's graphs (a split target: prefix and suffix; a draft: one graph) for `rows` rows.
-
-    Rows hold up to `capacity` positions; the buffers are allocated for `allocated` of them and `grow` as requests
-    need more (a copy of what they hold): the pool's address space follows the longest request so far, never rows
-    x the model's context. Memory is committed as positions are written (devices.base.lazy_zeros).
-    """
+    """KV buffers of one model's graphs (a split target: prefix and suffix) for `rows` rows of up to `capacity`
+    positions, allocated for `allocated` and grown as requests need more; committed as written (lazy_zeros)."""
 
     def __init__(self, graphs: list, rows: int, capacity: int):
         from mirror_rt.devices.onnxruntime.backend import _onnxruntime
@@ -50,8 +38,8 @@ class RowPool:
         return self.filled[0]
 
     def grow(self, positions: int) -> None:
-        """Room for `positions` per row (at least twice the current room, at most `capacity`): new buffers hold what
-        every row held. Not while another thread runs the pool (the decoder grows it at admission)."""
+        """Room for `positions` per row (at least twice the current room, at most `capacity`), in new buffers holding
+        what every row held; never while another thread runs the pool."""
         if positions <= self.allocated:
             return
         size = min(self.capacity, max(positions, 2 * self.allocated))
@@ -63,6 +51,7 @@ class RowPool:
                 graph[i] = new
         self.allocated = size
         self._values.clear()  # OrtValues over the old buffers
+
     def commit(self, row: int, length: int) -> None:
         """Row `row` holds `length` positions in every graph (after a batched call, or a rollback)."""
         self.filled[:, row] = length
@@ -96,7 +85,7 @@ class RowPool:
 
     def attention_groups(self, ends: np.ndarray, tokens: int, groups: int) -> np.ndarray:
         """Contiguous groups of rows whose attention reads their own longest row's keys (exporters.exact_kv):
-        [groups, 2] of (row end, keys), the cheapest cut (runtime.batch.splits.cheapest_groups), empty ones last."""
+        [groups, 2] of (row end, keys), the cheapest cut (runtime.batch.splits), empty ones last."""
         key, cached = (ends.tobytes(), tokens, groups), self._groups  # (one read: a pipelined prefill's threads)
         if cached[0] == key:
             return cached[1]
@@ -125,8 +114,8 @@ class RowPool:
             b[row, :, start:start + a.shape[1]] = a
 
     def copy_from(self, row: int, source: RowPool, source_row: int, n: int, start: int = 0) -> None:
-        """Positions start..n-1 of `source`'s row, every layer in order (a draft that is the target's copy starts
-        from the target's prompt KV: its 30 layers are the prefix's 15 then the suffix's 15); `row` then holds n."""
+        """Positions start..n-1 of `source`'s row, every layer in order (a draft that copies the target adopts its
+        prompt KV: its layers are the prefix's then the suffix's); `row` then holds n."""
         mine = [b for graph in self.buffers for b in graph]
         theirs = [b for graph in source.buffers for b in graph]
         if len(mine) != len(theirs) or mine[0].shape[1:] != theirs[0].shape[1:]:
@@ -165,56 +154,3 @@ class RowCache(CacheBounds):
         self.pool.filled[:, self.row] = np.minimum(self.pool.filled[:, self.row], length)
         self.keep_hidden(length, int(self.pool.filled[-1, self.row]))
 
-
-def forward_rows(model, pool: RowPool, tokens: np.ndarray, first: int, last_rows: int | None = None) -> np.ndarray:
-    """A one-graph model (draft) over rows first..: tokens [B, T] -> logits [B, T or last_rows, vocab]."""
-    return pool.run(0, model.graph, np.asarray(tokens, dtype=np.int64), first, last_rows)["logits"]
-
-
-def target_rows(target, pool: RowPool, tokens: np.ndarray, first: int, last_rows: int | None = None,
-                wide: bool = False) -> np.ndarray:
-    """A split target over rows first..: tokens [B, T] through its prefix then its suffix (no early exit) -> logits
-    [B, T or last_rows, vocab]. `wide`: through the target's prompt sessions (a thread per core) where it has them."""
-    prefix, suffix = target.prompt_graphs if wide and target.prompt_graphs else (target.prefix, target.suffix)
-    hidden = pool.run(0, prefix, np.asarray(tokens, dtype=np.int64), first)["hidden"]
-    return pool.run(1, suffix, hidden, first, last_rows)["logits"]
-
-
-def split_rows(target, pool: RowPool, tokens: np.ndarray, cut: int, cpus: tuple[int, int], helper) -> np.ndarray:
-    """Target-only rows 0..B-1 of `pool` as two calls at once (runtime.batch.splits): rows 0..cut-1 on cpus[0], the
-    others on cpus[1] (`on_two_cores`), each through the target's one-thread sessions -> logits [B, T, vocab], the
-    same bits as one call (a row computes alike in any call)."""
-    tokens = np.asarray(tokens, dtype=np.int64)
-    head, tail = on_two_cores(lambda: target_rows(target, pool, tokens[:cut], 0),
-                              lambda: target_rows(target, pool, tokens[cut:], cut), cpus, helper)
-    return np.concatenate([head, tail])
-
-
-def split_prompts(target, chunks: list, caches: list, cpus: tuple[int, int], helper) -> list[np.ndarray]:
-    """Two prompts' chunks at once (runtime.batch.steps.Prefill): chunks[i] into caches[i] on cpus[i]
-    (`on_two_cores`), each through the target's one-thread sessions -> each chunk's last logits [1, vocab] (the
-    same bits as one prompt at a time)."""
-    return list(on_two_cores(lambda: target.forward_last(chunks[0], caches[0]),
-                             lambda: target.forward_last(chunks[1], caches[1]), cpus, helper))
-
-
-def pinned_helper(helper: tuple | None, cpu: int) -> tuple:
-    """(cpu, an executor of one thread pinned to `cpu`): `helper` where it is that already, else a new one."""
-    if helper is None or helper[0] != cpu:
-        from concurrent.futures import ThreadPoolExecutor
-
-        helper = (cpu, ThreadPoolExecutor(1, thread_name_prefix="mirror-rows", initializer=pin, initargs=(cpu,)))
-    return helper
-
-
-def on_two_cores(first, second, cpus: tuple[int, int], helper) -> tuple:
-    """(first(), second()) run at once: `first` in this thread pinned to cpus[0], `second` in `helper` (an executor
-    whose thread is pinned to cpus[1]). `second` is waited for even when `first` fails: both write into the pool."""
-    later = helper.submit(second)
-    previous = pin(cpus[0])
-    try:
-        head = first()
-    finally:
-        restore(previous)
-        tail = later.result()
-    return head, tail

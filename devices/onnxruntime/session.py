@@ -1,13 +1,6 @@
-"""ONNX Runtime sessions whose optimized graphs are cached beside the bundle, so a later load skips optimizing.
-
-The first session over a graph runs ONNX Runtime's optimizers as usual and saves the optimized graph
-(`optimized_model_filepath`, weights in a side file, with the kernels' prepacked copies) into
-`<bundle>/.cache/ort/<graph>-<key>/`; later sessions load that graph with the optimizers off and the weights
-prepacked already. The key covers everything the optimized graph depends
-on: the onnxruntime version, the execution providers, the optimization level, this CPU (the CPU provider's
-layout passes are hardware specific) and the source graph file (name, size, mtime), so another version,
-other options or a re-exported graph never load a stale file. A folder that cannot be written is simply
-not cached. Outputs are identical either way (tests/test_ort_session.py). It knows nothing of models.
+"""ONNX Runtime sessions whose optimized graphs (weights prepacked) are cached in `<bundle>/.cache/ort/<graph>-<key>/`,
+so a later load skips optimizing. The key covers what the optimized graph depends on (onnxruntime's version, the
+providers, the optimization level, this CPU, the source file's name, size and mtime); a read-only bundle is not cached.
 """
 
 from __future__ import annotations
@@ -24,11 +17,9 @@ from mirror_rt.exporters.paths import sweep_partials
 
 CACHE_FORMAT = 2  # bump when what is saved changes (2: with the prepacked weights)
 GRAPH_FILE, WEIGHTS_FILE = "model.onnx", "model.onnx.data"
-# The weights as the CPU kernels repack them at session creation (most of its time) are saved too, and read back
-# as they are: the same bytes, so the same results.
+# the weights as the CPU kernels repack them at session creation (most of its time), saved and read back as they are
 SAVE_PREPACKED = "session.save_external_prepacked_constant_initializers"
-# Graphs whose weights lie in the bundle's weights.bin (exporters.llama_graphs) are not cached: ONNX Runtime maps the
-# file and mirror-rt's ops read it as it is, so an optimized copy would only double the bundle on disk.
+# graphs whose weights lie in the bundle's weights.bin are read where they lie: a cached copy would only double them
 MAPPED_WEIGHTS = "weights.bin"
 
 
@@ -43,8 +34,8 @@ def cache_folder(path: Path, providers: list[str], options) -> Path:
 
 
 def create_session(path: Path, providers: list[str], make_options):
-    """An InferenceSession over `path`; `make_options()` gives fresh SessionOptions (optimization level set).
-    A graph with mirror-rt's ops where they cannot be built: BundleError saying why."""
+    """An InferenceSession over `path` (`make_options()`: fresh SessionOptions); BundleError saying why where the graph
+    has mirror-rt's ops and they cannot be used here."""
     try:
         return _create_session(path, providers, make_options)
     except Exception as exc:

@@ -1,13 +1,7 @@
-"""OpenVINO backend: stateful graphs of a bundle on CPU, GPU or NPU.
-
-Each cache is a set of infer requests (one per graph) whose model state holds the KV
-cache, so keys and values never cross to the host. Rollback trims every state tensor to
-the new length (dynamic graphs) or only moves `length` back (static graphs write KV in
-place at `position`, so stale slots are overwritten later). ONNX graphs are made
-stateful at load time. openvino is imported lazily; the runtime core never imports it.
-Invariant: between calls every graph of a cache holds exactly `length` positions,
-except that after `forward_prefix` the suffix lags until `forward_suffix` runs. The split
-target's exit graph is stateless and belongs to no cache.
+"""OpenVINO backend: stateful graphs of a bundle on CPU, GPU or NPU (ONNX graphs made stateful at load; openvino
+imported lazily). A cache is one infer request per graph whose state holds the KV; rollback trims each state (dynamic
+graphs) or moves `length` back (static graphs write KV at `position`). Between calls every graph of a cache holds
+`length` positions, except that the suffix lags from `forward_prefix` to `forward_suffix`.
 """
 
 from __future__ import annotations
@@ -31,12 +25,8 @@ def _openvino():
 
 
 def compile_config(device: str, threads: int | None, pinned: bool = False, precision: str | None = None) -> dict:
-    """compile_model properties: latency, one stream, exact fp32 math and KV on CPU.
-
-    The CPU plugin defaults to bf16 inference and u8 KV cache on AVX512-BF16/AMX machines,
-    which would change the target's greedy output; fp32 is asked for explicitly unless
-    `precision` says otherwise (a draft may run bf16: its precision only moves acceptance).
-    """
+    """compile_model properties: latency, one stream, and on the CPU f32 math and KV unless `precision` says otherwise
+    (the plugin's bf16 / u8 defaults on bf16 machines would change the target's greedy output; a draft may run bf16)."""
     config = {"PERFORMANCE_HINT": "LATENCY"}
     if device.upper().startswith("CPU"):
         config |= {"NUM_STREAMS": 1, "INFERENCE_PRECISION_HINT": precision or "f32", "KV_CACHE_PRECISION": "f32"}
@@ -68,10 +58,8 @@ class OVGraph:
         return self.compiled.create_infer_request()
 
     def run(self, request, x: np.ndarray, start: int, last_rows: int | None = None) -> dict[str, np.ndarray]:
-        """Feed x [T] ids or [T, hidden] at positions start..; returns host copies of the outputs.
-
-        `last_rows`: logits for the window's last rows only (dynamic graphs that take it).
-        """
+        """Feed x [T] ids or [T, hidden] at positions start..; returns host copies of the outputs (`last_rows`: logits
+        of the window's last rows only, dynamic graphs that take it)."""
         if not self.window:
             feeds = {self.input_name: x}
             if self.takes_last_rows:
@@ -136,8 +124,7 @@ def _trim(request, length: int) -> None:
 
 
 class OVModel(GraphModel):
-    """A `LoadedModel` over one stateful graph (the draft, or an unsplit target; an SS draft graph exported with
-    `--kv explicit --draft-streams` is made stateful at load too)."""
+    """A `LoadedModel` over one stateful graph (the draft, an SS draft's too, or an unsplit target)."""
 
     def __init__(self, graph: OVGraph, vocab_size: int, max_seq_len: int):
         n_streams = None
@@ -151,14 +138,8 @@ class OVModel(GraphModel):
 
 
 class OVSplitTarget(SplitTarget):
-    """The target as prefix + suffix graphs with a stateless early-exit graph, one cache for both.
-
-    `forward` never runs the exit graph: target-only decoding pays for the prefix and suffix only.
-    The verbs come from `devices.base.SplitTarget`; this class runs its three graphs.
-
-    Limitations:
-    - one exit request serves every cache, so calls must not overlap (one target worker).
-    """
+    """The target as prefix + suffix graphs (one cache) and a stateless exit graph that `forward` never runs; one exit
+    request serves every cache, so calls must not overlap (one target worker)."""
 
     def __init__(self, prefix: OVGraph, exit_graph: OVGraph, suffix: OVGraph, vocab_size: int, max_seq_len: int,
                  kappa: int):

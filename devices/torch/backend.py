@@ -1,10 +1,6 @@
-"""Torch backend: runs a `models.transformer.Transformer` on cpu or cuda.
-
-Logits stay where they were computed: `forward` returns a tensor on the model's device, in the model's
-dtype, and the runtime reads back only what it decides with (`runtime.transfer`: greedy verify reads
-k+1 ids). Weights and KV cache never leave the device. With `static` (implied by `compile` and by a bf16 /
-fp16 model) windows run at fixed shapes over a pooled cache (`devices.torch.static`), compiled with
-`torch.compile` when `compile`. A Speculative Streaming draft (`TorchStreamDraft`) adds its streams' logits.
+"""Torch backend: a `models.transformer.Transformer` on cpu or cuda. Logits stay on the device (the runtime reads back
+only what it decides with, runtime.transfer); with `static` (implied by `compile` and by bf16 / fp16) windows run at
+fixed shapes (devices.torch.static). `TorchStreamDraft` adds a Speculative Streaming draft's stream logits.
 """
 
 from __future__ import annotations
@@ -16,15 +12,14 @@ import numpy as np
 import torch
 
 from mirror_rt.devices.torch.kv_cache import KVCache, new_cache
-from mirror_rt.devices.torch.pool import TorchPool, row_logits, run_rows
+from mirror_rt.devices.torch.pool import TorchPool
 from mirror_rt.devices.torch.static import StaticWindows, low_precision
 from mirror_rt.models.transformer import Transformer
 from mirror_rt.runtime.backend import Capabilities
 
 
 class TorchModel:
-    """A `LoadedModel` over a torch Transformer: rows of sequences in one call when eager (static windows run one
-    sequence a call), a thread budget of its own (torch's)."""
+    """A `LoadedModel` over a torch Transformer: rows of sequences in one call when eager, torch's thread budget."""
 
     def __init__(self, model: Transformer, device: str = "cpu", compile: bool = False, static: bool = False):
         self.device = torch.device(device)
@@ -37,10 +32,7 @@ class TorchModel:
         self.capabilities = Capabilities(rows=self.static is None, threads=True)
 
     def set_threads(self, threads: int) -> int:
-        """Intra-op threads for the calling thread's torch work; returns the previous count.
-
-        torch's setting is process-wide, so callers restore the previous value when done.
-        """
+        """Intra-op threads for torch's work (process-wide: callers restore it); returns the previous count."""
         previous = torch.get_num_threads()
         torch.set_num_threads(threads)
         return previous
@@ -77,13 +69,14 @@ class TorchModel:
 
     @torch.inference_mode()
     def forward_rows(self, tokens, pool: TorchPool, first: int, last_rows: int | None = None) -> torch.Tensor:
-        """tokens [B, T] at each row's length, rows first..first+B-1 -> logits [B, T or last_rows, vocab]."""
-        h = run_rows(self.model, self.ids_rows(tokens), pool, first, (0, self.model.config.n_layers))
-        return row_logits(self.model, h, last_rows)
-
-    def ids_rows(self, tokens) -> torch.Tensor:
-        """Token ids [B, T] on the device."""
-        return torch.as_tensor(np.asarray(tokens), dtype=torch.long).to(self.device)
+        """tokens [B, T] at each row's length, rows first..first+B-1 -> logits [B, T or last_rows, vocab], one row a
+        call (devices.torch.pool); no advance."""
+        logits = []
+        for r, row in enumerate(torch.as_tensor(np.asarray(tokens), dtype=torch.long).to(self.device)):
+            h = self.model.run_layers(self.model.embed(row), pool.row_cache(first + r), 0, self.model.config.n_layers,
+                                      cache_first=0)
+            logits.append(self.model.logits(h if last_rows is None else h[-last_rows:]))
+        return torch.stack(logits)
 
     def warm_up(self) -> None:
         """Compile the windows decoding runs (`compile`): each layer range at each window size."""

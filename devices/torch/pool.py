@@ -1,12 +1,6 @@
-"""KV rows for a torch Transformer: one key and one value tensor [layers, rows, KVH, capacity, D] for all sequences.
-
-The torch twin of devices.onnxruntime.pool.RowPool (same verbs: `row_cache`, `commit`, `move`, `read`, `write`,
-`copy_from`, `filled`), for models run eagerly. A "batched" forward (`run_rows`) runs rows first..first+B-1 with
-windows of any length one row at a time: torch's matrix products round a row differently when they hold
-another number of rows (measured: 5e-15 apart in float64 between 1 and 3 rows; bf16 far more), and every row
-must compute exactly what it computes alone, so that batched greedy text is the single-stream text. On the CPU
-the storage comes from devices.base (pages committed as positions are written); on CUDA from torch.zeros.
-Invariant: a batched forward writes at filled[row].. and advances nothing; the caller commits.
+"""KV rows for a torch Transformer: one key and one value tensor [layers, rows, KVH, capacity, D] for all sequences,
+with the verbs of devices.onnxruntime.pool.RowPool. Batched forwards (TorchModel.forward_rows) run one row a call:
+torch rounds a row differently beside another number of rows, and a row must compute what it computes alone.
 """
 
 from __future__ import annotations
@@ -54,6 +48,7 @@ class TorchPool:
             new[:, :, :, :held] = old[:, :, :, :held]
             setattr(self, name, new)
         self.allocated = size
+
     @property
     def bytes_per_position(self) -> int:
         n, _, kvh, _, d = self.keys.shape
@@ -111,22 +106,3 @@ class TorchRowCache(KVCache):
     def length(self, value: int) -> None:
         self.pool.filled[0, self.row] = value
 
-
-def row_views(pool: TorchPool, first: int, count: int) -> list[TorchRowCache]:
-    """Row caches of rows first..first+count-1 (each at its pool length)."""
-    return [pool.row_cache(r) for r in range(first, first + count)]
-
-
-def run_rows(model, x: torch.Tensor, pool: TorchPool, first: int, layers: tuple[int, int]) -> torch.Tensor:
-    """Layers `layers` of `model` (a Transformer) over rows first..: x [B, T] ids (from layer 0) or hidden
-    [B, T, hidden] -> hidden [B, T, hidden], one row a call (see the module docstring; no advance)."""
-    out = []
-    for row, cache in zip(x, row_views(pool, first, x.shape[0])):
-        h = model.embed(row) if layers[0] == 0 else row
-        out.append(model.run_layers(h, cache, layers[0], layers[1], cache_first=0))
-    return torch.stack(out)
-
-
-def row_logits(model, h: torch.Tensor, last_rows: int | None = None) -> torch.Tensor:
-    """The final norm and LM head of each row of h [B, T, hidden] (one row a call) -> [B, T or last_rows, vocab]."""
-    return torch.stack([model.logits(row if last_rows is None else row[-last_rows:]) for row in h])

@@ -1,13 +1,9 @@
 """Torch target split at the early-exit layer: prefix (layers < exit) and suffix (the rest).
 
-`forward_prefix` runs the embeddings and layers 0..exit-1 over a window and returns, per
-position, the early-exit top-kappa ids and log-probs (the target's own final norm and LM
-head applied to the exit hidden state, after a trained `ExitAdapter` when one is given: it
-changes which branches the draft precomputes, never the output); only those kappa ids and
-log-probs per row are read back. `launch_prefix` queues the same work and returns a pending read, so
-a CUDA target queues its suffix before anything comes back. The hidden state stays on the device
-until `forward_suffix` finishes the window. `forward` composes both, so the object is also a plain
-`LoadedModel` and the same weights serve every mode. Static shapes and `compile` as in `TorchModel`.
+`forward_prefix` returns per position the early exit's top-kappa ids and log-probs (the target's own head on the
+exit hidden state, after an `ExitAdapter` when given: it moves which branches are drafted, never the output);
+`launch_prefix` queues it, so a CUDA target queues its suffix before anything is read back. The hidden state stays
+on the device until `forward_suffix`.
 """
 
 from __future__ import annotations
@@ -25,10 +21,7 @@ from mirror_rt.runtime.transfer import PendingRead
 
 
 class TorchSplitTarget(TorchModel):
-    """A torch target with an early exit after layer `exit_layer` (1-based count of layers).
-
-    `exit_layer` and `kappa` None: the model's defaults (`models.config.SplitConfig`).
-    """
+    """A torch target with an early exit after layer `exit_layer` (a count of layers; None: SplitConfig's default)."""
 
     def __init__(self, model, exit_layer: int | None = None, kappa: int | None = None, device: str = "cpu",
                  exit_adapter=None, compile: bool = False, static: bool = False):
@@ -43,14 +36,13 @@ class TorchSplitTarget(TorchModel):
         self.exit_adapter = exit_adapter  # models.exit_adapter.ExitAdapter or None (untrained exit)
 
     def layer_ranges(self) -> tuple[tuple[int, int], ...]:
-        """Prefix and suffix: every static window runs as both (`forward`), at each size (Mirror verifies
-        [last] alone at the end, so one-row windows too where the model has them)."""
+        """Prefix and suffix: every static window runs as both (`forward`), at each size."""
         return (0, self.exit_layer), (self.exit_layer, self.model.config.n_layers)
 
     @torch.inference_mode()
     def forward(self, tokens: Sequence[int], cache, last_rows: int | None = None) -> torch.Tensor:
-        """As `TorchModel.forward`; static windows run as prefix then suffix, the very code Mirror's windows
-        run, so a compiled window computes a position's logits the same way in every mode."""
+        """As `TorchModel.forward`; static windows run as prefix then suffix, as Mirror's do, so a compiled window
+        computes a position's logits the same way in every mode."""
         if self.static is None:
             return super().forward(tokens, cache, last_rows)
         self._run_prefix(tokens, cache)
@@ -68,8 +60,7 @@ class TorchSplitTarget(TorchModel):
 
     def forward_prefix(self, tokens: Sequence[int], cache) -> tuple[np.ndarray, np.ndarray]:
         """Layers 0..exit-1 over tokens [T]; returns exit top-kappa ids [T, kappa] and log-probs [T, kappa]."""
-        ids, logprobs = self.launch_prefix(tokens, cache).result()
-        return ids, logprobs
+        return self.launch_prefix(tokens, cache).result()
 
     @torch.inference_mode()
     def forward_prefix_only(self, tokens: Sequence[int], cache) -> None:
@@ -88,8 +79,8 @@ class TorchSplitTarget(TorchModel):
 
     @torch.inference_mode()
     def forward_suffix(self, cache, last_rows: int | None = None) -> torch.Tensor:
-        """Remaining layers, final norm, LM head over the window of the last prefix call -> logits [T, vocab]
-        (or its last `last_rows`), on the device."""
+        """The remaining layers and the head over the last prefix call's window -> logits [T, vocab] (or its last
+        `last_rows`), on the device."""
         if cache.hidden is None:
             raise RuntimeError("forward_suffix called without a pending forward_prefix")
         (h, rows), cache.hidden = cache.hidden, None

@@ -1,20 +1,11 @@
 """Static-shape windows of a torch Transformer, optionally compiled (`--compile`).
 
-A window of T rows runs padded to a fixed size: 1 (target-only steps) or VERIFY_ROWS (every verify window
-of gamma <= 7); longer windows (prompts, gamma > 7) run the same layout eagerly, unpadded, so their many
-lengths compile nothing. The padding rows take the positions after the real ones, write
-KV slots past them that nothing commits (the cache advances by T; the next window overwrites them) and
-their outputs are dropped. KV is written at device-side positions and attention reads every slot of the
-cache under a mask built on the device, so a compiled window has one shape per size:
-`torch.compile(mode="reduce-overhead")` records CUDA graphs on CUDA; on the CPU inductor compiles it.
-A bf16 / fp16 model pads one-token steps to VERIFY_ROWS too (see `StaticWindows`).
-`warm_up` compiles both sizes before the first request (compiled code is also specialized on torch's
-thread count: warm up at the count decoding runs with). Caches come from a pool of storages reused
-request after request (a CUDA graph holds their addresses); a storage holds a power-of-two number of
-slots (at least the capacity, plus padding room), and the slot count is a symbolic size of the compiled
-code, so a new storage size records a new CUDA graph without compiling again.
-Limitations: a storage serves one live cache; the pool hands out a free one (a cache no longer
-referenced frees its storage), so several live caches of one model take several storages.
+A window runs padded to 1 or VERIFY_ROWS rows (longer ones, prompts, run the same layout eagerly, unpadded); padding
+rows write KV slots nothing commits and their outputs are dropped. KV is written at device-side positions and
+attention reads every slot under a device-built mask, so a compiled window has one shape per size (CUDA graphs on
+CUDA, inductor on the CPU; compiled code is also specialized on torch's thread count). Caches come from a pool of
+storages of a power-of-two slot count (a symbolic size: a new one records a CUDA graph without compiling); each
+serves one live cache and returns to the pool when that cache is dropped.
 """
 
 from __future__ import annotations
@@ -46,11 +37,9 @@ def low_precision(model: Transformer) -> bool:
 class StaticWindows:
     """Static-shape forwards of one model on its device, compiled or eager, with their cache pool.
 
-    A bf16 / fp16 model runs every decode step at VERIFY_ROWS rows, one-token steps included: its matrix
-    products round a row differently when the window has another row count, so a verify window and a
-    one-token step would part at near-ties; at one shape a position's logits are the same whichever mode
-    computes them, and speculation stays lossless at the target's precision (fp32 rows are the same at
-    every count here, so fp32 keeps its one-row steps).
+    A bf16 / fp16 model runs every decode step at VERIFY_ROWS rows, one-token steps included: it rounds a row
+    differently at another row count, and at one shape a position's logits are the same in every mode (lossless
+    speculation at the target's precision); fp32 keeps its one-row steps.
     """
 
     def __init__(self, model: Transformer, compile: bool = False):
@@ -101,14 +90,9 @@ class StaticWindows:
 
     def run(self, x: torch.Tensor, rows: int, cache: KVCache, first: int, last: int,
             last_rows: int | None = None) -> torch.Tensor:
-        """Layers first..last-1 over a window of `rows` positions at cache.length.. (no advance).
-
-        Args:
-            x: token ids [rows] (first == 0), or what the window's prefix returned (first > 0).
-            last_rows: logits of the window's last rows only (when `last` is the last layer).
-        Returns: hidden rows (padded to the window size: the suffix takes them as they are), or the real
-            rows' logits [rows or last_rows, vocab] when `last` is the last layer.
-        """
+        """Layers first..last-1 over `rows` positions at cache.length.. (no advance) of x: token ids [rows] (first 0)
+        or what the window's prefix returned. Returns hidden rows (padded: the suffix takes them as they are), or
+        the real rows' logits [rows or last_rows, vocab] when `last` is the last layer."""
         start = cache.length
         if start + rows > cache.capacity:
             raise CacheFull(f"KV cache full: {start + rows} positions needed, capacity {cache.capacity}")
