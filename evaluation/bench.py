@@ -1,9 +1,6 @@
-"""`mirror-rt bench`: every method on the same questions, interleaved question by question.
-
-Each method is a runner with `answer(messages, config) -> (text, new_tokens, wall, accept_lengths,
-stats)`. Methods run in a rotating order per question so machine drift hits all alike;
-multi-turn questions carry the method's own earlier answers in context. With repeats, the
-median wall time of a turn is kept (the text of the first run; greedy runs repeat exactly).
+"""`mirror-rt bench`: every method (a runner: `answer(messages, config) -> (text, new_tokens, wall, accept_lengths,
+stats)`) on the same questions, in a rotating order per question so machine drift hits all alike; a multi-turn
+question carries the method's own answers. With repeats a turn keeps the median wall time and the first run's text.
 """
 
 from __future__ import annotations
@@ -43,14 +40,10 @@ class EngineRunner:
 
 
 def describe(names: dict, mode: str) -> str:
-    """`onnx bundle; target fp32 weights/compute/KV; draft q4_1 weights (head int8), ...`: the path an
-    engine runs and each role's weights, compute and KV precision."""
-    path = names.get("path", "engine")
+    """`onnx bundle; target fp32 weights/compute/KV; draft ...`: an engine's path and each role's precisions."""
     target = names.get("target_precision", "?")
-    if mode == "ar":
-        return f"{path}; target {precision_triplet(target)}"
-    draft = precision_triplet(names.get("draft_precision", target))
-    return f"{path}; target {precision_triplet(target)}; draft {draft}"
+    line = f"{names.get('path', 'engine')}; target {precision_triplet(target)}"
+    return line if mode == "ar" else f"{line}; draft {precision_triplet(names.get('draft_precision', target))}"
 
 
 # weights / compute / KV of each ONNX weight precision (exporters.onnx): quantized products also quantize activations
@@ -90,10 +83,7 @@ class BenchConfig:
 
 def run_bench(runners: list, questions: list[Question], settings: BenchConfig, progress=True,
               log=print) -> dict[str, list[Answer]]:
-    """Answers per method, interleaved question by question.
-
-    A question no method can serve (a prompt beyond the context) is skipped for all methods.
-    """
+    """Answers per method, interleaved question by question; a question one method cannot serve is skipped for all."""
     from tqdm import tqdm
 
     for runner in runners:  # warm-up: first-call costs (allocation, JIT) stay out of the figures
@@ -136,12 +126,8 @@ def _answer_question(runner, question: Question, settings: BenchConfig) -> Answe
 
 def write_results(out_dir: Path, answers: dict[str, list[Answer]], rows: dict[str, report.Row], command: str,
                   greedy: bool = True) -> dict:
-    """Answer files, summary.json, report.md and speedup.png; returns the summary.
-
-    `rows`: per method, its label (path and precision), precision and kind (`report_row`). Speedups are
-    against the fastest target-only row of the same precision, and against the fastest overall; greedy
-    text is compared with our target-only row of the same precision.
-    """
+    """Answer files, summary.json, report.md and speedup.png (evaluation.report); returns the summary. `rows`: per
+    method, what `report_row` says of its runner."""
     out_dir.mkdir(parents=True, exist_ok=True)
     (out_dir / "answers").mkdir(exist_ok=True)
     for stale in (out_dir / "answers").glob("*.jsonl"):  # an earlier run's methods: not this report's

@@ -1,22 +1,14 @@
-"""Bench runners: what `mirror-rt bench` runs, over exported bundles or torch eager.
-
-`bench_runners` makes the same choice as `mirror-rt run` (devices.engines.load_engine): our
-methods run the given bundle, else the default model's cached bundle unless torch is asked for,
-so the bench measures what users run. Peers run on the target's model folder.
-
-`ar` loads the bundle's target once per (backend, threads) pair that can run the bundle's
-format on this machine — OpenVINO bundles on OpenVINO; ONNX bundles on ONNX Runtime and on
-OpenVINO — with 1 thread and with every core, so the fastest target-only variant is the
-baseline. `sd` gives the target every core; `mirror` gives each worker one core;
-`mirror-no-lookup` is Mirror on the same engine with the draft's prompt-lookup guesses off.
-`ar-bf16` (1 thread and every core) and `mirror-bf16` run `--model` (the default model) as a torch bf16
-target, Mirror with the bundle's draft on the other core: the bf16 rows beside GenAI's default bf16.
+"""Bench runners: what `mirror-rt bench` runs. Ours run the engine `mirror-rt run` would pick (devices.engines), so
+the bench measures what users run; peers run on the target's model folder. `ar` loads the bundle's target on every
+backend here that runs its format, at 1 thread and every core (the fastest is the baseline); `ar-bf16` and
+`mirror-bf16` run the model as a torch bf16 target, beside GenAI's default bf16.
 """
 
 from __future__ import annotations
 
 import os
 from pathlib import Path
+from types import SimpleNamespace
 
 from mirror_rt.evaluation.bench import EngineRunner
 from mirror_rt.runtime.affinity import available_cores
@@ -87,12 +79,10 @@ def bench_runners(methods: list[str], options, log=print) -> list:
     from mirror_rt.devices.torch_engine import load_torch
     from mirror_rt.evaluation.bench_llama import METHODS as LLAMA_METHODS
     from mirror_rt.evaluation.bench_llama import find_gguf
-    from mirror_rt.evaluation.bench_methods import KNOWN_METHODS, OURS, PRECISION_METHODS, build_runners
+    from mirror_rt.evaluation.bench_methods import OURS, PRECISION_METHODS, build_runners, check_methods
     from mirror_rt.models.loading import resolve_folder
 
-    unknown = [m for m in methods if m not in KNOWN_METHODS]
-    if unknown:
-        raise ValueError(f"unknown bench method(s): {', '.join(unknown)} (known: {', '.join(KNOWN_METHODS)})")
+    check_methods(methods)
     models, compile = options.models, bool(options.precision.compile)
     if models.bundle is not None and models.torch:  # as `run` refuses it
         raise ValueError("a bundle runs as exported: --torch runs torch eager (drop one)")
@@ -101,7 +91,9 @@ def bench_runners(methods: list[str], options, log=print) -> list:
         bundle = str(default_bundle(cache_dir, log=log))
     if bundle is None and not models.torch and streams_model(model):  # a GGUF or a model over 1 GB: as `run`
         bundle = str(model_bundle(model, draft_model, cache_dir, options.precision.weights or "auto", log=log))
-        methods = _streamed_peers(methods, log)
+        methods = _without(methods, [m for m in methods if m in PRECISION_METHODS or m not in OURS + LLAMA_METHODS],
+                           "they load the model whole (mirror-rt runs it from its bundle; llama-cpp reads the GGUF "
+                           "as it lies)", log)
     gguf = find_gguf(model, cache_dir) if set(methods) & set(LLAMA_METHODS) else None
     if bundle is None:
         engine = load_torch(options, log=log)
@@ -109,7 +101,9 @@ def bench_runners(methods: list[str], options, log=print) -> list:
         runners += precision_runners(methods, model, cache_dir, log)
         return runners + bf16_runners(methods, model, None, draft_model, compile, cache_dir, log)
     if models.bundle is not None and model is None:  # the rows below would run the default model, not --bundle's
-        methods = _bundle_alone(methods, log)
+        methods = _without(methods, [m for m in methods if m in PRECISION_METHODS or m not in OURS],
+                           "beside --bundle they would run the default model; --model names the bundle's model for "
+                           "them", log)
     elif models.bundle is not None and not [m for m in methods if m not in OURS or m in PRECISION_METHODS]:
         log(f"bench: --model {model} names the target of peers and bf16 rows, and none runs: every row runs --bundle")
     ours = [m for m in methods if m in ("ar", "sd", "mirror", "mirror-no-lookup")]
@@ -121,33 +115,15 @@ def bench_runners(methods: list[str], options, log=print) -> list:
         tokenizer = runners[0].engine.tokenizer if runners else _bundle_tokenizer(bundle)
         folder = model if streams_model(model) or (model and not os.path.exists(model)) else str(
             resolve_folder(model, cache_dir, log=log))
-        runners += build_runners(peers, _Peers(tokenizer), folder, log=log, gguf=gguf)
+        runners += build_runners(peers, SimpleNamespace(tokenizer=tokenizer), folder, log=log, gguf=gguf)
     return runners
 
 
-def _streamed_peers(methods: list[str], log) -> list[str]:
-    """`methods` less the rows that would load a GGUF or a model over 1 GB whole (torch, transformers, GenAI: in
-    float32 for most), each said in a line; llama.cpp reads the GGUF as it lies and stays."""
-    from mirror_rt.evaluation.bench_llama import METHODS as LLAMA_METHODS
-    from mirror_rt.evaluation.bench_methods import OURS, PRECISION_METHODS
-
-    whole = [m for m in methods if m in PRECISION_METHODS or (m not in OURS and m not in LLAMA_METHODS)]
-    if whole:
-        log(f"bench: skipping {', '.join(whole)}: they load the model whole (mirror-rt runs it from its bundle; "
-            "llama-cpp reads the GGUF as it lies)")
-    return [m for m in methods if m not in whole]
-
-
-def _bundle_alone(methods: list[str], log) -> list[str]:
-    """`methods` less the rows that run a model of their own (precision rows, bf16 rows, peers: the default model
-    unless --model names one), each said in a line: beside --bundle they compared another model, unsaid."""
-    from mirror_rt.evaluation.bench_methods import OURS, PRECISION_METHODS
-
-    other = [m for m in methods if m in PRECISION_METHODS or m not in OURS]
-    if other:
-        log(f"bench: skipping {', '.join(other)}: beside --bundle they would run the default model; --model names "
-            "the bundle's model for them")
-    return [m for m in methods if m not in other]
+def _without(methods: list[str], dropped: list[str], why: str, log) -> list[str]:
+    """`methods` less `dropped`, said in one line."""
+    if dropped:
+        log(f"bench: skipping {', '.join(dropped)}: {why}")
+    return [m for m in methods if m not in dropped]
 
 
 def precision_runners(methods: list[str], model: str | None, cache_dir: str | None, log) -> list:
@@ -176,37 +152,21 @@ def bf16_runners(methods: list[str], model: str | None, draft_bundle: str | None
     """`ar-bf16` (1 thread and every core) and `mirror-bf16` (a core each; the bundle's draft, else the torch
     draft): `model` as a torch bf16 target, eager unless `compile`; their `-compiled` twins run the same
     target under torch.compile, so eager and compiled rows interleave in one run."""
-    runners = []
-    for suffix in ("", "-compiled"):
-        compiled = compile or bool(suffix)
-        options = dict(dtype="bfloat16", compile=compiled, cache_dir=cache_dir)
-        runners += _bf16_variant(methods, suffix, model, draft_bundle, draft_model, options, log)
-    return runners
-
-
-def _bf16_variant(methods, suffix, model, draft_bundle, draft_model, options, log) -> list:
     from mirror_rt.devices.options import EngineConfig
     from mirror_rt.devices.torch_engine import load_torch
 
-    runners = []
-    cores = len(available_cores())
-    if f"ar-bf16{suffix}" in methods:
-        engine = load_torch(EngineConfig.from_flags(model=model, draft_model="target", **options), "ar",
-                            log)  # no draft: target-only
-        runners += [EngineRunner(f"ar-bf16{suffix}-{t}t", engine, "ar", threads=t) for t in sorted({1, cores})]
-    if f"mirror-bf16{suffix}" in methods:
-        bundled = draft_bundle if draft_model is None else None
-        engine = load_torch(EngineConfig.from_flags(model=model, draft_model=draft_model, draft_bundle=bundled,
-                                                     **options), "mirror", log)
-        runners.append(EngineRunner(f"mirror-bf16{suffix}", engine, "mirror"))
+    runners, cores = [], len(available_cores())
+    for suffix in ("", "-compiled"):
+        options = dict(model=model, dtype="bfloat16", compile=compile or bool(suffix), cache_dir=cache_dir)
+        if f"ar-bf16{suffix}" in methods:  # no draft: target-only
+            engine = load_torch(EngineConfig.from_flags(draft_model="target", **options), "ar", log)
+            runners += [EngineRunner(f"ar-bf16{suffix}-{t}t", engine, "ar", threads=t) for t in sorted({1, cores})]
+        if f"mirror-bf16{suffix}" in methods:
+            bundled = draft_bundle if draft_model is None else None
+            engine = load_torch(EngineConfig.from_flags(draft_model=draft_model, draft_bundle=bundled, **options),
+                                "mirror", log)
+            runners.append(EngineRunner(f"mirror-bf16{suffix}", engine, "mirror"))
     return runners
-
-
-class _Peers:
-    """What peer runners take from an engine: only its tokenizer."""
-
-    def __init__(self, tokenizer):
-        self.tokenizer = tokenizer
 
 
 def _bundle_tokenizer(bundle: str):

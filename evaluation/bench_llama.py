@@ -1,13 +1,6 @@
-"""`llama-cpp` and `llama-cpp-lookup` bench rows: llama.cpp (llama-cpp-python) on the model's own GGUF.
-
-The GGUF is the model's: the default model's Q4_1 file in the cache, or the `.gguf` given as the model
-(an HF folder has none: the rows are skipped with a line, as when llama_cpp is not installed). Prompts go
-in as our chat-templated token ids, evaluated as given (llama.cpp adds no BOS to a token list, so its own
-chat path's doubled BOS cannot happen; each answer records whether the evaluated prompt is ours), and
-the vocabulary is checked against ours at load. Greedy is llama.cpp's greedy sampler; `llama-cpp-lookup`
-adds its prompt-lookup drafter (LlamaPromptLookupDecoding) guessing the bench's gamma tokens. Every answer
-starts from an empty cache (no prefix reuse across turns or repeats, as our engines). The precision is the
-GGUF's weight type (matmuls on 8-bit quantized activations, f16 KV: llama-cpp-python's defaults).
+"""`llama-cpp` and `llama-cpp-lookup` bench rows: llama.cpp (llama-cpp-python) on the model's own GGUF (the default
+model's cached file, or the `.gguf` given), on our chat-templated token ids as given (its vocabulary checked against
+ours at load), from an empty cache each answer; `llama-cpp-lookup` adds its prompt-lookup drafter guessing gamma tokens.
 """
 
 from __future__ import annotations
@@ -19,9 +12,8 @@ from pathlib import Path
 from mirror_rt.runtime.engine import GenerationError
 
 METHODS = ("llama-cpp", "llama-cpp-lookup")
-# llama-cpp-python keeps logits for one batch of rows (n_batch) unless it keeps them all, and its prompt-lookup
-# path writes a prompt's rows past that buffer (a 769-token prompt failed at the default 512): the lookup row
-# evaluates prompts of up to this many tokens in one batch (its logits buffer: LOOKUP_BATCH x vocab floats)
+# llama-cpp-python's prompt lookup writes a prompt's logits rows past its n_batch buffer (a 769-token prompt failed
+# at the default 512): the lookup row evaluates prompts of up to this many tokens in one batch
 LOOKUP_BATCH = 2048
 CONTEXT = 8192  # llama.cpp's KV cache (it allocates n_ctx positions at load: a 128K-context model's would take GBs)
 PROBE = "<|im_start|>user\nHello, world! 12345 ünïcödé\n<|im_end|>"  # chat markers, digits, non-ASCII

@@ -1,15 +1,10 @@
 """Method names of `mirror-rt bench` -> runners on one model pair.
 
-`ar` expands into one runner per backend and thread count available (the fastest of a precision
-becomes that precision's baseline); `sd` and `mirror` are ours on the same engine; `ar-bf16` and
-`mirror-bf16` run a torch bf16 target (`bench_engines`); `ar-int8`, `mirror-q4_1`... run the default model's bundle
-at that target precision; `hf-assisted` is transformers' assisted
-generation with an int8 copy of the target as the assistant (the same kind of draft); `ov-genai` is
-OpenVINO GenAI's own `LLMPipeline` on the target at its default precision (bf16 compute and u8 KV on
-CPUs with bf16), `ov-genai-f32` the same asked for f32 compute and KV, and `ov-genai-sd` GenAI with an
-int8 (nncf) copy of the target as its draft model; `llama-cpp` and `llama-cpp-lookup` are llama.cpp on
-the model's GGUF (`bench_llama`). A method whose package is missing is skipped with a message, never a
-crash. Every runner names its precision (weights / compute / KV).
+Ours: `ar` (one row per thread count), `sd`, `mirror`, `mirror-no-lookup`, the precision rows (`ar-int8`,
+`mirror-q4_1`...) and the torch bf16 rows (bench_engines). Peers: `hf-assisted` (transformers' assisted generation, an
+int8 copy of the target assisting), `ov-genai` (GenAI's `LLMPipeline` at its default precision), `ov-genai-f32`,
+`ov-genai-sd` (an int8 nncf copy drafting), `llama-cpp` and `llama-cpp-lookup` (bench_llama). A method whose package
+is missing is skipped with a line; every runner names its precision (weights / compute / KV).
 """
 
 from __future__ import annotations
@@ -32,12 +27,17 @@ KNOWN_METHODS = ("ar", "sd", "mirror", "mirror-no-lookup", *PRECISION_METHODS, *
 OURS = ("ar", "sd", "mirror", "mirror-no-lookup", *PRECISION_METHODS)  # run by our engines (bench_engines)
 
 
-def build_runners(methods: list[str], engine, model_folder: str | None, log=print, gguf=None) -> list:
-    """Runners for `methods` (unknown names are refused, unavailable ones skipped with a line); `gguf`: the
-    model's GGUF file, for llama.cpp."""
+def check_methods(methods: list[str]) -> None:
+    """ValueError naming the unknown methods."""
     unknown = [m for m in methods if m not in KNOWN_METHODS]
     if unknown:
         raise ValueError(f"unknown bench method(s): {', '.join(unknown)} (known: {', '.join(KNOWN_METHODS)})")
+
+
+def build_runners(methods: list[str], engine, model_folder: str | None, log=print, gguf=None) -> list:
+    """Runners for `methods` (unknown names are refused, unavailable ones skipped with a line); `gguf`: the
+    model's GGUF file, for llama.cpp."""
+    check_methods(methods)
     cores = len(available_cores())
     runners = []
     for method in methods:
@@ -49,12 +49,8 @@ def build_runners(methods: list[str], engine, model_folder: str | None, log=prin
             runners.append(EngineRunner(method, engine, "mirror", draft_lookup=0))
         elif method == "hf-assisted":
             runners.append(_hf_assisted(model_folder, cores, log))
-        elif method in TORCH_BF16:
-            continue  # a second engine: bench_engines.bf16_runners
-        elif method in LLAMA_METHODS:
-            continue  # below, both from one GGUF
-        elif method in PRECISION_METHODS:
-            continue  # the default model's bundles: bench_engines.precision_runners (it ran as a GenAI row here)
+        elif method in TORCH_BF16 + PRECISION_METHODS + LLAMA_METHODS:
+            continue  # other engines (bench_engines' bf16 and precision rows), or llama.cpp's below from one GGUF
         else:
             runners.append(_ov_genai(method, model_folder, engine.tokenizer, cores, log))
     runners += llama_runners(methods, gguf, engine.tokenizer, cores, log)
@@ -113,12 +109,8 @@ def _hf_assisted(model_folder: str | None, threads: int, log):
 
 
 class OVGenAIRunner:
-    """OpenVINO GenAI's `LLMPipeline` (with a draft model when `speculative`), batch 1.
-
-    The prompt goes in as our chat-templated token ids, so GenAI applies no template of its
-    own; the text is decoded with our tokenizer. OpenVINO's default CPU precision hints are
-    kept (bf16 on CPUs with bf16 support), and reported in the stats.
-    """
+    """OpenVINO GenAI's `LLMPipeline` (with a draft model when `speculative`), batch 1, on our chat-templated token
+    ids (no template of its own), decoded with our tokenizer; its precision hints are reported in the stats."""
 
     def __init__(self, name: str, pipe, tokenizer, speculative: bool, stats: dict):
         self.name, self.pipe, self.tokenizer, self.speculative, self.stats = name, pipe, tokenizer, speculative, stats

@@ -1,14 +1,7 @@
-"""`mirror-rt devices --check`: every device pair this machine has, checked and timed, offline.
-
-Models are presets with real geometry and random weights (SmolLM2-135M, and -1.7B with a GPU), so the
-check needs no download and no OpenVINO: torch (and the CPU onnxruntime the project installs) only.
-Per pair (the target on the CPU and on each CUDA device, the draft an int8 copy on the CPU):
-- greedy equality of sd and mirror against ar on the same engine; at a first mismatch, the target's
-  top-2 margin there (a tie at the target's precision, or a bug when the margin is wide);
-- on CUDA, ar in fp32 against the CPU's ar in fp32, with the margin on a mismatch;
-- tokens/s of ar, sd and mirror with their precision; device->host bytes per token and reads (each a
-  sync) per step (`runtime.transfer`); kernel launches per forward (CUDA, by the profiler); peak
-  device memory. One screen of table and a JSON file. Without CUDA it says so and checks the CPU.
+"""`mirror-rt devices --check`: every device pair here (the target on the CPU and on each CUDA device, an int8 draft
+on the CPU), checked and timed offline on presets with real geometry and random weights. Per pair: greedy equality
+of sd and mirror against ar (with the target's top-2 margin at a first mismatch), CUDA's fp32 ar against the CPU's,
+tokens/s, device->host bytes per token and reads per step, kernel launches per forward and peak memory (CUDA).
 """
 
 from __future__ import annotations

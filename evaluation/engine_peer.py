@@ -1,11 +1,6 @@
-"""Our own engine as a row of `mirror-rt bench-serve`, run in the client's process like the GenAI peers.
-
-The server's numbers include HTTP: the client's parsing and the server's event loop share the two cores with
-the engine, while the GenAI peers run in the client's process with neither. This row runs the engine the server
-runs (the default model at the target precision the server reports; no prefix cache) the way `genai_serve` runs GenAI's
-pipeline: `Engine.submit` then `Engine.step` in one loop, `concurrency` requests in flight, the next prompt added
-as soon as one finishes; a token's time is the end of the step that made it. Its gap to the server's row is
-what HTTP costs; its gap to GenAI's rows compares the engines alone.
+"""Our own engine as a row of `mirror-rt bench-serve`, run in the client's process as genai_serve runs GenAI's pipeline
+(`Engine.submit`, then `Engine.step` in a closed loop): the engine the server runs (the default model at its target
+precision, no prefix cache), so its gap to the server's row is what HTTP costs, and to GenAI's the engines alone.
 """
 
 from __future__ import annotations
@@ -64,14 +59,12 @@ class EnginePeer:
             raise ValueError(f"{NAME} runs the default model's bundle ({names.get('path')}); the server runs {path} "
                              f"(drop {NAME} from --peers)")
         self.precision = {"target": names.get("target_precision"), "draft": names.get("draft_precision")}
-        self.label = (f"mirror-rt engine, {self.mode}; {self.precision['target']} target, "
-                      f"{self.precision['draft']} draft")
         self.precision_label = f"{self.mode}; {self.precision['target']} target, {self.precision['draft']} draft"
+        self.label = f"mirror-rt engine, {self.precision_label}"
 
     def run_level(self, prompts: list[list[int]], max_tokens: int, concurrency: int,
                   decode=None) -> tuple[list[Result], float]:
-        """Every prompt (token ids), at most `concurrency` in flight; (results in prompt order, wall seconds).
-        `decode` (ids -> text), applied once the clock stopped, fills each result's text."""
+        """`closed_loop` over the engine: (results in prompt order, wall seconds)."""
         if self.engine is None:
             raise RuntimeError(f"{NAME}: the server did not say which precision it runs (not a mirror-rt server?)")
         config = self.engine.config_for(max_new_tokens=max_tokens, ignore_eos=True, mode=self.mode)

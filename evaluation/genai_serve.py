@@ -1,11 +1,7 @@
-"""OpenVINO GenAI's `ContinuousBatchingPipeline` as a peer of `mirror-rt bench-serve`, run in this process.
-
-The pipeline (the engine inside OpenVINO Model Server) is driven as OVMS drives it: `add_request` then
-`step` in one loop, in a closed loop that keeps `concurrency` requests in flight and adds the next
-prompt as soon as one finishes (as serve_bench's semaphore does over HTTP). A request's clock starts
-at `add_request`; a token's time is the end of the step that made it; so TTFT, ITL per token and
-tokens/s mean what serve_bench measures, minus HTTP and tokenization. Prompts go in as token ids (the
-server's own /tokenize), greedy, `ignore_eos`. It knows nothing of our engines or server.
+"""OpenVINO GenAI's `ContinuousBatchingPipeline` as a peer of `mirror-rt bench-serve`, run in this process as OVMS
+drives it (`add_request`, then `step` in a loop keeping `concurrency` requests in flight). A request's clock starts at
+`add_request` and a token's time is the end of the step that made it, so the figures mean what serve_bench's do,
+minus HTTP and tokenization. Prompts go in as the server's token ids, greedy, `ignore_eos`.
 """
 
 from __future__ import annotations
@@ -77,8 +73,7 @@ class ContinuousBatchingPeer:
 
     def run_level(self, prompts: list[list[int]], max_tokens: int, concurrency: int,
                   decode=None) -> tuple[list[Result], float]:
-        """Every prompt (token ids), at most `concurrency` in flight; (results in prompt order, wall seconds).
-        `decode` (ids -> text), applied once the clock stopped, fills each result's text."""
+        """`closed_loop` over the pipeline: (results in prompt order, wall seconds)."""
         import numpy as np
         import openvino as ov
 
@@ -127,9 +122,8 @@ def load_peers(names: list[str], model: str | None, threads: int, cache: str | N
 
 
 def compiled_precision(folder, properties: dict) -> dict:
-    """What the CPU plugin compiles the pipeline's graph at with `properties`: the paged-attention form of
-    the folder's model (what the pipeline compiles), read back from the compiled model: compute precision
-    and the element types of the key and value cache inputs."""
+    """The compute precision and KV element types the CPU plugin compiles the pipeline's graph (the folder's model in
+    paged-attention form) at with `properties`, read back from the compiled model."""
     import openvino as ov
     from openvino._offline_transformations import paged_attention_transformation
 
@@ -141,7 +135,6 @@ def compiled_precision(folder, properties: dict) -> dict:
     compute = compiled.get_property("INFERENCE_PRECISION_HINT").get_type_name()
     kv = SHORT.get(key, key) if key == value else f"{SHORT.get(key, key)} key / {SHORT.get(value, value)} value"
     return {"weights": "fp32", "compute": SHORT.get(compute, compute), "kv": kv}
-
 
 
 def closed_loop(prompts: list[list[int]], concurrency: int, submit, step,

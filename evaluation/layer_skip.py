@@ -1,10 +1,7 @@
 """How often a draft made of some of the target's own layers (no training) picks the target's greedy token.
 
-A self-draft that skips layers costs in proportion to the layers it keeps (plus the LM head), so it would be the
-cheap draft that Mirror needs where the target is already as cheap as the draft (a q4_1 target); this measures
-whether it agrees with the target often enough to pay. For each held-out question: the target's greedy answer
-(the chat template, the prompt's last 300 tokens), then, teacher-forced on that text, the share of answer
-positions where the layer subset's argmax equals the target's.
+Per question, the target's greedy answer, then teacher-forced on it the share of answer positions where the layer
+subset's argmax is the target's (a cheap self-draft pays only if it agrees often enough).
 
     python -m mirror_rt.evaluation.layer_skip --data ../shared/data/specbench-dev.jsonl --limit 10
 """

@@ -1,12 +1,6 @@
-"""Benchmark arithmetic and rendering: speedups as SpecBench computes them, tables, a chart.
-
-Speedup (SpecBench): per question, tokens/s = sum(new_tokens) / sum(wall_time) over its
-turns; per method the mean of that over questions; speedup = mean(method) / mean(baseline).
-Every row has a precision (its target's compute precision): its speedup is against the fastest
-target-only row of the same precision (`baselines`), and a second figure against the fastest
-target-only row overall. Greedy text is compared with our target-only row of the same precision.
-Mean accepted length = all committed tokens / all target forwards (steps). Pure functions
-except `write_chart`, which draws a PNG with matplotlib.
+"""Benchmark arithmetic and rendering: speedups as SpecBench computes them (per question tokens/s over its turns,
+averaged over questions, against the fastest target-only row of the same precision and the fastest overall), tables,
+a chart (`write_chart`, matplotlib). Mean accepted length = committed tokens / target forwards.
 """
 
 from __future__ import annotations
@@ -59,10 +53,9 @@ def baselines(answers: dict[str, list[Answer]], rows: dict[str, Row]) -> tuple[d
 
 
 def references(answers: dict[str, list[Answer]], rows: dict[str, Row]) -> dict[str, str]:
-    """Per method, the greedy text it is compared with: our first target-only row over the same target (the
-    same path and precision: speculation must give its text exactly), else of its precision, else of fp32;
-    a target-only row is compared with the first other one of its precision, else with the fp32 one (what
-    the lower precision, or compiling, changes)."""
+    """Per method, the greedy text it is compared with: our first target-only row over the same target (speculation
+    must give its text exactly), else of its precision, else of fp32 (a target-only row: another of its precision,
+    else the fp32 one)."""
     by_target, by_precision = {}, {}
     for m in answers:
         row = rows.get(m, Row())
@@ -116,14 +109,10 @@ def _ratio(speed: dict[str, float], method: str, base: str | None) -> float | No
 
 def _figures(items: list[Answer]) -> dict:
     """Acceptance and Mirror's figures of one method's answers."""
-    return {
-        "mean_accepted_length": _round(mean_accepted_length(items)),
-        "reuse_hit_rate": _round(_mean_stat(items, "reuse_hit_rate")),
-        "hidden_draft_share": _round(_mean_stat(items, "hidden_draft_share")),
-        "predicted_step_ms": _round(_mean_stat(items, "predicted_step_ms")),
-        "predicted_step_ms_pipelined": _round(_mean_stat(items, "predicted_step_ms_pipelined")),
-        "measured_step_ms": _round(_mean_stat(items, "measured_step_ms")),
-    }
+    means = ("reuse_hit_rate", "hidden_draft_share", "predicted_step_ms", "predicted_step_ms_pipelined",
+             "measured_step_ms")
+    return {"mean_accepted_length": _round(mean_accepted_length(items)),
+            **{key: _round(_mean_stat(items, key)) for key in means}}
 
 
 def _round(x, digits: int = 3):

@@ -1,14 +1,9 @@
 """`mirror-rt bench-serve`: load an OpenAI-compatible server and report what vLLM's `bench serve` reports.
 
-One asyncio process on `openai.AsyncOpenAI` (max_retries=0), streaming chat completions of the
-questions' first turns, greedy with `ignore_eos` so every request makes `max_tokens` tokens. Per
-concurrency level: completed and failed requests, request and output throughput, TTFT, TPOT and
-ITL percentiles, end-to-end latency. ITL is per token: each chunk's gap is divided over the tokens
-it carries (vLLM's `stream_options.continuous_usage_stats`), since one chunk can carry several
-accepted tokens. Acceptance comes from the server's /metrics, scraped before and after. A burst
-beyond the queue counts the 503s and how fast they came. Peers (`evaluation.genai_serve`) run each
-level after ours, in this process, on the token ids the server's /tokenize gives, and land beside ours
-in one table per level. Nothing here imports the server.
+Streamed greedy chat completions with `ignore_eos`, per concurrency level: completed and failed requests, throughput,
+TTFT, TPOT, ITL per token (a chunk's gap spread over the tokens it carries) and end-to-end percentiles, acceptance
+from the server's /metrics; a burst counts the 503s. Peers (evaluation.genai_serve) run each level after ours, in
+this process, on the server's own token ids, in one table per level. Nothing here imports the server.
 """
 
 from __future__ import annotations
@@ -175,9 +170,7 @@ async def load_run(url: str, prompts: list, levels: list[int], max_tokens: int, 
             peer.follow(served.get("precision") or {}, served.get("mode"), served.get("path"))
     report = {"url": url, "model": model, "max_tokens": max_tokens, "prompts": len(prompts), "ours": ours,
               "levels": []}
-    # The same warm-up for every engine, unmeasured: the widest level's prompts, 8 tokens each, so that first use
-    # (shapes compiled, KV memory committed: a fresh page costs a fault, which a running server has paid) is
-    # not timed for one engine and spared another
+    # the same unmeasured warm-up for every engine (the widest level's prompts, 8 tokens each): first use is not timed
     await run_level(client, model, prompts[:max(levels)], WARMUP_TOKENS, max(levels))
     prompt_ids = [tokenize(url, messages) for messages in prompts] if peers else []
     for peer in peers:
@@ -223,19 +216,19 @@ async def served_label(client, model: str, messages: list) -> tuple[str, dict]:
 
 def tokenize(url: str, messages: list) -> list[int]:
     """The prompt's token ids as the server makes them (its /tokenize: chat template, generation prompt)."""
-    import httpx
-
-    response = httpx.post(url.rstrip("/") + "/tokenize", json={"messages": messages}, timeout=30)
-    response.raise_for_status()
-    return response.json()["tokens"]
+    return _post(url, "/tokenize", {"messages": messages})["tokens"]
 
 
 def detokenize(url: str, ids: list[int]) -> str:
+    return _post(url, "/detokenize", {"tokens": list(ids)})["prompt"]
+
+
+def _post(url: str, route: str, body: dict) -> dict:
     import httpx
 
-    response = httpx.post(url.rstrip("/") + "/detokenize", json={"tokens": list(ids)}, timeout=30)
+    response = httpx.post(url.rstrip("/") + route, json=body, timeout=30)
     response.raise_for_status()
-    return response.json()["prompt"]
+    return response.json()
 
 
 def format_table(level: dict, ours: str, peers, prompts: int, max_tokens: int) -> str:

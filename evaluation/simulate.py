@@ -1,13 +1,7 @@
-"""`mirror-rt simulate`: predict AR / SD / Mirror step times and speedups from costs.
-
-Costs per device (per layer per window, per draft forward) and the algorithm's rates
-(per-token acceptance a, root coverage) go through the latency model (runtime.mirror.stats), with k = gamma:
-    AR   time per token      = T_target(1)
-    SD   time per step       = k * T_draft + T_target(k+1)
-    Mirror time per step     = T_prefix(k+1) + T_rendezvous + max(T_suffix(k+1), T_rollout)
-                               + P(miss) * T_fresh
-with T_rollout = draft forwards for the main line plus side branches (a batched tree forward
-counts once per draft step) and T_fresh = forwards to draft a window from scratch.
+"""`mirror-rt simulate`: AR / SD / Mirror step times and speedups predicted by the latency model
+(runtime.mirror.stats) from costs per device and rates (acceptance, root coverage), k = gamma:
+    AR T_target(1);  SD k * T_draft + T_target(k+1);
+    Mirror T_prefix(k+1) + T_rendezvous + max(T_suffix(k+1), T_rollout) + P(miss) * T_fresh
 With n_s Speculative-Streaming streams a k-token rollout takes ceil(k / (1 + n_s)) forwards.
 """
 
@@ -107,10 +101,7 @@ def predict(cfg: SimConfig) -> dict:
     }
 
 
-# Worked example: the paper's setting (Qwen3-14B target on M2 Ultra GPUs, 0.6B SS draft on the
-# NPU). Assumed, not measured: 40 layers at 0.9 ms per layer per token (memory bound, so an
-# 8-token window costs ~1.1x), a 0.6B draft forward of 4 ms on the NPU, 2 SS streams,
-# per-token acceptance 0.8, 60% of corrections inside the precomputed roots, 0.2 ms handoff.
+# the paper's setting (Qwen3-14B on M2 Ultra GPUs, a 0.6B SS draft on the NPU) with assumed, not measured, costs
 PRESETS = {
     "qwen3-14b-m2ultra": dict(name="qwen3-14b-m2ultra (assumed costs)", target_layers=40, exit_layer=20,
                               target_layer_ms=0.9, window_growth=0.015, target_head_ms=1.5,

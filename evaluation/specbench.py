@@ -1,10 +1,5 @@
-"""SpecBench formats: questions in, answers out.
-
-Questions: one JSON object per line with `question_id`, `category`, `turns` (list of user
-messages). Answers (SpecBench's answer style): one object per question with `question_id`,
-`category`, `model_id` and `choices[0]` holding per turn `turns` (text), `new_tokens`,
-`wall_time` and `accept_lengths` (tokens committed per target forward). Nothing here runs
-a model.
+"""SpecBench formats: questions in (jsonl: `question_id`, `category`, `turns`), answers out (jsonl: `question_id`,
+`category`, `model_id`, `choices[0]` with per turn `turns`, `new_tokens`, `wall_time`, `accept_lengths`).
 """
 
 from __future__ import annotations
@@ -21,11 +16,7 @@ class DataError(ValueError):
 
 
 def question_files(data, command: str) -> list[str]:
-    """The question files given to `command` (one path or several), each checked to exist.
-
-    Raises DataError with one line when none is given (paths never default to files outside the
-    installed package) or one is missing.
-    """
+    """The question files given to `command` (one path or several); DataError when none is given or one is missing."""
     files = [] if data is None else [data] if isinstance(data, (str, Path)) else list(data)
     if not files:
         raise DataError(f"{command} needs question files: pass --data FILE.jsonl (SpecBench format: "

@@ -1,13 +1,6 @@
-"""Structured output measured: the same 8 schema prompts constrained and not, target-only and speculative.
-
-Each prompt asks for JSON matching one of three schemas (prompt i uses schema i % 3; the prompt names
-the schema either way, so both runs read the same text). Rows, interleaved prompt by prompt: every mode
-asked for (default `ar` and `mirror`), constrained (the schema enforced by the grammar) and
-unconstrained. Per row: output tokens/s (tokens over wall time, prompt included), mean accepted length
-(tokens committed per target forward), draft acceptance, and how many answers parse and validate;
-tokens/s both over the wall time (the prompt's prefill included) and over the decode alone.
-Run: `python -m mirror_rt.evaluation.structured_bench [--bundle B] [--limit 8] [--max-new-tokens 128]`.
-The schemas and prompts are also the tests' (8 prompts x 3 schemas on the default bundle).
+"""Structured output measured: 8 prompts asking for JSON of one of 3 schemas (named in the prompt either way), in
+every mode asked for, constrained by the grammar and not, interleaved prompt by prompt. Per row: tokens/s (with and
+without the prompt's prefill), mean accepted length, draft acceptance, and how many answers parse and validate.
 """
 
 from __future__ import annotations

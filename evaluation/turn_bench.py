@@ -1,10 +1,7 @@
 """A chat's second turn on servers side by side: its time to first token, and the prefix cache's share in it.
 
-For each two-turn question: turn 1 (the first question), then turn 2 (turn 1, the answer the server gave, the
-second question), streamed, greedy, on every server given, question by question in turn, so the servers see the
-same load from this machine. A server that kept turn 1's KV (a prefix cache) only computes the new part of
-turn 2; one without recomputes the whole conversation. Reports per server the TTFT of both turns (p50, mean),
-turn 2's prompt length, and the prefix-cache hits its /metrics counted (vLLM's names, in tokens).
+Each two-turn question runs turn 1, then turn 2 (with the server's own answer), greedy, on every server in turn.
+Per server: both turns' TTFT (p50, mean), the prompt tokens and the prefix-cache hits its /metrics counted.
 
     python -m mirror_rt.evaluation.turn_bench --url http://127.0.0.1:8101 --url http://127.0.0.1:8102 \\
         --data ../shared/data/specbench-dev.jsonl --limit 8
