@@ -1,10 +1,5 @@
-"""What every training loop shares: checkpoints (optimizer state, RNG state, losses) written and read safely, and the
-loss figures (a step's loss checked finite, a run's summary).
-
-Checkpoints hold only tensors, numbers, strings and containers of them, so they are read with
-`torch.load(weights_only=True)`: a file that holds anything else (code, another program's
-pickle) is refused in one line instead of being run. Writes go to a temporary file renamed
-at the end, so an interrupted save never leaves half a checkpoint.
+"""What every training loop shares: checkpoints written atomically and read with `weights_only=True` (a file holding
+anything but tensors, numbers and strings is refused in one line, never run), and the loss figures.
 """
 
 from __future__ import annotations

@@ -1,15 +1,9 @@
 """How good and how costly a draft is: `mirror-rt eval-draft`.
 
-On the target's own greedy text (the held-out answers of `train-draft` / `train-exit`), windows
-start every `stride` answer tokens. From each start the draft rolls out gamma greedy tokens
-as the draft worker drafts: the first forward feeds the last committed token, a fully accepted
-window never feeds its last token, and a forward also feeds guesses (an SS draft's confident
-stream guesses, else prompt-lookup guesses) and keeps those the draft's main stream confirms.
-Unlike Mirror's worker, whose line runs on past the window, a rollout here ends at the window
-(vanilla SD's rollout), so guesses never reach past it.
-Per window: accepted = the longest prefix of the rollout equal to the text (what greedy SD
-accepts), its forwards and their wall time. The drafts are measured side by side (each question
-is run by every draft in turn) on the calling thread, pinned to one core like the draft worker.
+On the target's own held-out greedy text, from every `stride`-th answer position the draft rolls out gamma greedy
+tokens as the draft worker drafts (guesses fed and confirmed), ending at the window as vanilla SD does. Per window:
+accepted (the rollout's longest prefix equal to the text), forwards and their time; drafts run side by side, pinned
+to one core like the draft worker.
 """
 
 from __future__ import annotations
@@ -63,15 +57,10 @@ class DraftRow:
 
 def greedy_rollout(draft, cache, context: list[int], gamma: int, draft_lookup: int = 0, min_probability: float = 0.2,
                    oracle: list[int] | None = None):
-    """`gamma` greedy draft tokens after `context` (the cache holds all of it but its last token)
-    -> (tokens, forward seconds).
-
-    Leaves in the cache what the rollout fed (the caller rolls back). As the draft worker does, a
-    forward feeds the newest token plus guesses still useful inside the window (an SS draft's
-    confident stream guesses, else up to `draft_lookup` prompt-lookup guesses) and keeps the confirmed ones.
-    `oracle`: the text after `context`; an SS draft then guesses it (n_s tokens) instead of its streams'
-    choice: the cost of a rollout whose stream guesses are always right when the draft agrees with the text.
-    """
+    """`gamma` greedy draft tokens after `context` (the cache holds all but its last token) -> (tokens, forward
+    seconds); the caller rolls the cache back. A forward feeds the newest token plus guesses useful inside the window
+    (an SS draft's confident stream guesses, else up to `draft_lookup` prompt-lookup guesses) and keeps the confirmed
+    ones. `oracle`: the text after `context`, which an SS draft then guesses instead of its streams."""
     streams = draft.capabilities.streams
     tokens, times = [], []
     guesses = lookup_guesses(context, min(draft_lookup, gamma - 1)) if draft_lookup else []
@@ -151,11 +140,8 @@ def _shown(value, spec: str) -> str:
 def eval_draft_main(bundles: list[str], target: str | None = None, data=None, gammas=(4, 7), questions: int = 24,
                     stride: int = 8, cache: str | None = None, progress: bool = True,
                     oracle_streams: bool = False, draft_lookup: int = DEFAULTS.draft_lookup) -> list[dict]:
-    """CLI entry (`mirror-rt eval-draft`): each bundle's draft on the held-out target answers, side by side.
-
-    `oracle_streams`: also run each SS draft with the text as its stream guesses (the best its streams
-    could do on this machine: the cost of the stream rows, with every useful guess right).
-    `draft_lookup`: prompt-lookup guesses per forward, as `mirror-rt run --draft-lookup` (0: off)."""
+    """CLI entry (`mirror-rt eval-draft`): each bundle's draft on the held-out target answers, side by side;
+    `oracle_streams`: also each SS draft with the text as its stream guesses; `draft_lookup`: as `--draft-lookup`."""
     from pathlib import Path
 
     from mirror_rt.devices.bundles import WorkerBudget, load_model

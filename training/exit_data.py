@@ -1,15 +1,8 @@
-"""Distillation data for the early-exit adapter: the target's own greedy answers, and per position
-the hidden state at the exit layer with the final layer's top-k log-probs.
-
-Prompts are the first turns of SpecBench-format questions (user text cut to `max_prompt_tokens`
-tokens, then the chat template). `decode_batch` runs the target over a left-padded batch with a
-KV cache (greedy, or forced along given answers) and records, for every generated position and
-every prompt position after the chat template's shared prefix, the exit hidden state (float16)
-and the final distribution's top-k (ids, log-probs). Answers are
-cached as jsonl and features as safetensors in the cache folder, keyed by model, data and
-settings, so reruns skip the generation; `answer_sequences` gives the same answers to `train-draft`
-(whichever command runs first generates them). An attention adapter's data are whole sequences
-(`sequence_data`: layer ℓe-1's keys and values with the exit states). It knows nothing about training.
+"""Distillation data for the early-exit adapter: the target's own greedy answers to the first turns of SpecBench
+questions, and per position (answer, and prompt after the chat template's shared prefix) the exit hidden state with
+the final layer's top-k log-probs (`collect`), or whole sequences for an attention adapter (`sequence_data`).
+Answers (jsonl, shared with `train-draft` through `answer_sequences`) and features (safetensors) are cached, keyed by
+model, data and settings.
 """
 
 from __future__ import annotations
@@ -48,11 +41,8 @@ class ExitData:
                         self.is_answer[mask])
 
     def split(self, every: int = 5) -> tuple[ExitData, ExitData]:
-        """(train, held_out) by question: every `every`-th question (file order) is held out, never trained on.
-
-        Training uses prompt and answer positions; the held-out set keeps answer positions only
-        (the text Mirror decodes), so coverage is measured where the early exit is used.
-        """
+        """(train, held_out) by question: every `every`-th question is held out; it keeps answer positions only (the
+        text Mirror decodes)."""
         held = (self.question % every) == every - 1
         return self.select(~held), self.select(held & self.is_answer)
 
@@ -112,10 +102,8 @@ def _forward(model, ids, start: int, pad, kv, exit_layer: int):
 @torch.inference_mode()
 def decode_batch(model, prompts, exit_layer: int, max_new_tokens: int, forced=None, eos_ids=(), top_k: int = 64,
                  skip: int | None = None):
-    """Greedy (or `forced`) decoding of a batch; per row (answer ids, hidden [n, H], top ids [n, k], log-probs
-    [n, k], prompt positions p). With `skip`, the first p rows are prompt positions skip..len-2 (teacher-forced),
-    then the answer's.
-    """
+    """Greedy (or `forced`) decoding of a left-padded batch; per row (answer ids, hidden [n, H], top ids [n, k],
+    log-probs [n, k], prompt positions p). With `skip`, the first p rows are prompt positions skip..len-2."""
     c = model.config
     B, P = len(prompts), max(len(p) for p in prompts)
     steps = max(len(f) for f in forced) if forced is not None else max_new_tokens
@@ -179,15 +167,27 @@ def cached_answers(model, tokenizer, data_files, folder: Path, max_new_tokens: i
     return None if answers is None else ([p for _, p in prompts], answers)
 
 
-def _batches(order, size):
-    return [order[i:i + size] for i in range(0, len(order), size)]
+def _decode_all(model, tokenizer, prompts, exit_layer: int, max_new_tokens: int, forced=None, skip=None,
+                batch_size: int = 16, desc: str = "target answers", progress: bool = True) -> dict:
+    """`decode_batch` over every prompt ((id, ids) pairs), similar lengths in a batch -> {prompt index: row}."""
+    from tqdm import tqdm
+
+    eos = tuple(getattr(tokenizer, "eos_token_ids", ()))
+    order = sorted(range(len(prompts)), key=lambda i: len(prompts[i][1]))
+    results = {}
+    with tqdm(total=len(prompts), desc=desc, unit="answer", disable=not progress) as bar:
+        for batch in (order[i:i + batch_size] for i in range(0, len(order), batch_size)):
+            out = decode_batch(model, [prompts[i][1] for i in batch], exit_layer, max_new_tokens,
+                               None if forced is None else [forced[i] for i in batch], eos, skip=skip)
+            results.update(zip(batch, out))
+            bar.update(len(batch))
+    return results
 
 
 def collect(model, tokenizer, data_files, exit_layer: int, folder: Path, max_new_tokens: int = 96,
             max_prompt_tokens: int = 192, batch_size: int = 16, progress: bool = True) -> ExitData:
     """ExitData of every question's first turn, from the cache folder or generated (see module docstring)."""
     from safetensors.torch import load_file
-    from tqdm import tqdm
 
     from mirror_rt.models.tensor_files import save_tensors
 
@@ -198,17 +198,9 @@ def collect(model, tokenizer, data_files, exit_layer: int, folder: Path, max_new
         return ExitData(**load_file(str(features_path)))
     prompts = first_turn_prompts(tokenizer, data_files, max_prompt_tokens)
     forced = _read_answers(answers_path, prompts)
-    eos = tuple(getattr(tokenizer, "eos_token_ids", ()))
-    order = sorted(range(len(prompts)), key=lambda i: len(prompts[i][1]))  # similar lengths share a batch
-    skip = shared_prefix_len([p for _, p in prompts])
-    results = {}
-    desc = "exit data (forced)" if forced else "exit data (generating)"
-    with tqdm(total=len(prompts), desc=desc, unit="answer", disable=not progress) as bar:
-        for batch in _batches(order, batch_size):
-            out = decode_batch(model, [prompts[i][1] for i in batch], exit_layer, max_new_tokens,
-                               None if forced is None else [forced[i] for i in batch], eos, skip=skip)
-            results.update(zip(batch, out))
-            bar.update(len(batch))
+    results = _decode_all(model, tokenizer, prompts, exit_layer, max_new_tokens, forced,
+                          shared_prefix_len([p for _, p in prompts]), batch_size,
+                          "exit data (forced)" if forced else "exit data (generating)", progress)
     folder.mkdir(parents=True, exist_ok=True)
     if forced is None:
         _write_answers(answers_path, prompts, [results[i][0] for i in range(len(prompts))], tokenizer)
@@ -248,8 +240,8 @@ def _read_answers(path: Path, prompts) -> list[list[int]] | None:
 def answer_sequences(model, tokenizer, data_files, folder: Path, max_new_tokens: int = 96,
                      max_prompt_tokens: int = 128, progress: bool = True,
                      held_out: int | None = None) -> list[tuple[list[int], int]]:
-    """(prompt + answer ids, index of the first answer token) per question, in file order. `held_out`: only the
-    first that many held-out questions (`split`'s), answered alone where the answers of all are not cached yet."""
+    """(prompt + answer ids, index of the first answer token) per question, in file order; `held_out`: only the first
+    that many held-out questions (`split`'s), answered alone where all answers are not cached yet."""
     key = data_key(model, data_files, max_new_tokens, max_prompt_tokens)
     prompts = first_turn_prompts(tokenizer, data_files, max_prompt_tokens)
     path = Path(folder) / f"{key}.answers.jsonl"
@@ -263,19 +255,10 @@ def answer_sequences(model, tokenizer, data_files, folder: Path, max_new_tokens:
 
 def _answered(model, tokenizer, path: Path, prompts: list, max_new_tokens: int, progress: bool) -> list:
     """The target's greedy answers to `prompts`, read from `path` or computed (in batches) and saved there."""
-    from tqdm import tqdm
-
     answers = _read_answers(path, prompts)
     if answers is None:
-        eos = tuple(getattr(tokenizer, "eos_token_ids", ()))
-        order = sorted(range(len(prompts)), key=lambda i: len(prompts[i][1]))
-        found = {}
-        with tqdm(total=len(prompts), desc="target answers", unit="answer", disable=not progress) as bar:
-            for batch in _batches(order, 16):
-                rows = decode_batch(model, [prompts[i][1] for i in batch], 1, max_new_tokens, None, eos)
-                found.update((i, row[0]) for i, row in zip(batch, rows))
-                bar.update(len(batch))
-        answers = [found[i] for i in range(len(prompts))]
+        found = _decode_all(model, tokenizer, prompts, 1, max_new_tokens, progress=progress)
+        answers = [found[i][0] for i in range(len(prompts))]
         path.parent.mkdir(parents=True, exist_ok=True)
         _write_answers(path, prompts, answers, tokenizer)
     return [(list(p) + list(a), len(p)) for (_, p), a in zip(prompts, answers)]
@@ -336,10 +319,8 @@ def split_sequences(seqs: list[ExitSequence], every: int = 5) -> tuple[list[Exit
 
 
 def exit_logits_at(model, adapter: ExitAdapter | None, seq: ExitSequence, rows: torch.Tensor) -> torch.Tensor:
-    """Early-exit logits [len(rows), vocab] at `rows` of `seq` (None: the untrained exit).
-
-    The adapter's attention runs over the whole sequence (every row's keys); the LM head only at `rows`.
-    """
+    """Early-exit logits [len(rows), vocab] at `rows` of `seq` (None: the untrained exit); the adapter attends over
+    the whole sequence."""
     dtype = model.embed_tokens.weight.dtype
     if adapter is None:
         return model.logits(seq.hidden[rows].to(dtype))

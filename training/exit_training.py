@@ -1,16 +1,8 @@
-"""Train the early-exit adapter by distillation from the target's final layer.
-
-Data (`exit_data.collect`): the target's own greedy answers to the first turns of SpecBench
-questions, with per position the exit hidden state and the final layer's top-k log-probs.
-Every 5th question is held out and never trained on. Loss: KL(final || exit) over the final
-top-k (renormalized) plus cross-entropy on the final argmax (the token Mirror must cover).
-AdamW, warmup + cosine, seeded batch order; a checkpoint every `save_every` steps is resumed
-when present. The target is frozen: only the adapter's ~2·hidden·rank weights learn.
-Coverage = share of held-out positions whose final argmax is in the exit's top-1 / top-8.
-
-Attention adapters (the default) train on whole sequences (`exit_sequences`): each step takes
-`SEQS_PER_STEP` training questions, computes the adapter's attention over all their positions and
-the loss on `batch_size` of them drawn at random; evaluation uses the same held-out answers.
+"""Train the early-exit adapter by distillation from the target's final layer (training.exit_data; every 5th question
+held out). Loss: KL(final || exit) over the final top-k (renormalized) plus cross-entropy on the final argmax (the token
+Mirror must cover); AdamW, warmup + cosine, seeded, resumed from its checkpoint. The target is frozen. An attention
+adapter (the default) trains on whole sequences: SEQS_PER_STEP questions a step, the loss on `batch_size` of their
+positions. Coverage: the share of held-out positions whose final argmax is in the exit's top-1 / top-8.
 """
 
 from __future__ import annotations
@@ -115,10 +107,7 @@ def _batch_loss(model, adapter, train, cfg: TrainExitConfig, gen: torch.Generato
 @torch.inference_mode()
 def evaluate_exit(model, exit_layer: int, adapter: ExitAdapter | None, held_out: ExitData,
                   chunk: int = 512) -> dict:
-    """Coverage of the target's next token (final argmax) by the exit's top-1 and top-8 on `held_out`.
-
-    `exit_layer` is checked against the adapter; the hidden states in `held_out` were taken there.
-    """
+    """Coverage of the target's next token by the exit's top-1 and top-8 on `held_out` (taken at `exit_layer`)."""
     if adapter is not None and adapter.config.exit_layer != exit_layer:
         raise ValueError(f"adapter is for exit layer {adapter.config.exit_layer}, not {exit_layer}")
     hits1 = hits8 = 0
@@ -266,10 +255,8 @@ def _default_out(cfg: TrainExitConfig, source: str, exit_layer: int) -> Path:
 def train_exit_main(target: str | None = None, exit_layer: int | None = None, data=None, steps: int = 600,
                     rank: int | None = None, out: str | None = None, seed: int = 0, resume: bool = True,
                     progress: bool = True, **options) -> dict:
-    """CLI entry (`mirror-rt train-exit`): train and return the report (before/after coverage, sizes, times).
-
-    `data` is one path or a list; `options` are further TrainExitConfig fields (lr, batch_size, ...).
-    """
+    """CLI entry (`mirror-rt train-exit`): train and return the report; `data`: one path or a list; `options`: further
+    TrainExitConfig fields."""
     files = () if data is None else (data,) if isinstance(data, (str, Path)) else tuple(data)
     cfg = TrainExitConfig(target=target, exit_layer=exit_layer, data=tuple(str(f) for f in files), steps=steps,
                           rank=rank, out=out, seed=seed, resume=resume, **options)

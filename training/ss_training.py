@@ -1,10 +1,6 @@
-"""Training the Speculative Streaming streams of a draft (parameter-efficient distillation).
-
-Only the stream parameters train (stream embeddings and the stream rows' LoRA); the base
-draft is frozen, so its own predictions (the main stream) never change. Data: token
-sequences of the target's own text (prompt + its greedy answer). Loss: the mean over
-streams j of CE(stream j at position t, token t + 2 + j) on answer positions. Deterministic
-for a seed; checkpoints every `save_every` steps and resumes from the last checkpoint.
+"""Training the Speculative Streaming streams of a draft on the target's own text: only the stream parameters learn
+(the base draft, its main stream, is frozen). Loss: the mean over streams j of CE(stream j at t, token t + 2 + j) on
+answer positions. Seeded; checkpointed every `save_every` steps and resumed.
 """
 
 from __future__ import annotations
@@ -108,15 +104,8 @@ def _resume(draft: StreamDraft, optimizer, out_dir: Path) -> int:
 
 @torch.inference_mode()
 def evaluate_streams(draft: StreamDraft, sequences: list[tuple[list[int], int]], gammas=(4, 7)) -> dict:
-    """On held-out text: stream top-1 accuracy, and draft forwards per gamma-token rollout.
-
-    One teacher-forced forward per sequence. Accuracy of stream j: its argmax at position t
-    equals token t + 2 + j of the text. Forwards per rollout replay the stream-verified
-    rollout on the text: from a confirmed position t, a forward confirms the leading guesses
-    that match the text and adds one token. This is exact when the text is the draft's own
-    greedy output (init `self` on the target's greedy answers) and an estimate otherwise;
-    without streams a rollout costs gamma forwards.
-    """
+    """On held-out text (one teacher-forced forward each): stream j's top-1 accuracy (its argmax at t is token
+    t + 2 + j) and draft forwards per gamma-token rollout replayed on the text (exact on the draft's own output)."""
     hits, counts = [0] * draft.n_streams, [0] * draft.n_streams
     forwards = {g: [] for g in gammas}
     for ids, first in sequences:

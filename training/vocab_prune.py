@@ -1,12 +1,6 @@
-"""Draft vocabulary pruning: choose the target's most frequent tokens for a draft's LM head.
-
-The LM head of a small model is a large share of its weights (SmolLM2-135M: 49152 x 576, about a
-third of the q4_1 draft's weight bytes: an int8 head beside 4-bit layers). A draft only has to
-propose the tokens the target will produce, and those concentrate on a small part of the
-vocabulary, so the draft may compute its head over a kept set of K ids (`choose_kept`: the ids
-most frequent in the target's own text, plus its special ids); `models.pruned_head` maps the
-pruned head back to the full vocabulary and reads and writes the kept-ids file. What pruning
-costs is acceptance: a target token outside the kept set is never proposed.
+"""Draft vocabulary pruning: the ids most frequent in the target's own text (plus its special ids) for a draft's LM
+head (models.pruned_head), a large share of a small draft's weights. A target token outside the kept set is never
+proposed: pruning costs acceptance.
 """
 
 from __future__ import annotations
@@ -28,11 +22,8 @@ def token_counts(sequences, vocab_size: int) -> torch.Tensor:
 
 
 def choose_kept(counts: torch.Tensor, size: int, always=()) -> torch.Tensor:
-    """The `size` ids to keep, ascending: every id of `always`, then by count, ties by lower id.
-
-    Lower ids first on ties (and for never-seen ids): in BPE vocabularies they are earlier merges,
-    i.e. more frequent text.
-    """
+    """The `size` ids to keep, ascending: every id of `always`, then by count, ties by lower id (in BPE vocabularies an
+    earlier merge, more frequent text)."""
     vocab = counts.shape[0]
     if not 1 <= size <= vocab:
         raise ValueError(f"size must be in 1..{vocab} (the vocabulary), got {size}")
@@ -61,11 +52,8 @@ def coverage(kept: torch.Tensor, sequences, vocab_size: int) -> tuple[float, int
 
 def prune_vocab_main(target: str | None = None, data=None, size: int = 16384, out: str = "draft-vocab.json",
                      cache: str | None = None, max_new_tokens: int = 96, progress: bool = True) -> dict:
-    """CLI entry (`mirror-rt prune-vocab`): count the target's own text, keep `size` ids, report coverage.
-
-    Counts prompt and answer tokens of the training questions; coverage is the share of held-out
-    answer tokens (questions never counted) inside the kept set.
-    """
+    """CLI entry (`mirror-rt prune-vocab`): count the training questions' prompt and answer tokens, keep `size` ids,
+    report the share of held-out answer tokens inside the kept set."""
     import time
 
     from mirror_rt.evaluation.specbench import question_files
