@@ -93,10 +93,9 @@ def table(ranked: list[Pairing]) -> list[str]:
 
 def candidates(graph_format: str, devices: dict | None = None) -> list[str]:
     """Devices that run a draft of `graph_format` here (devices.bundles.bundle_format), CPU backends first."""
-    from mirror_rt.devices.registry import FORMAT_BACKENDS, available_devices
+    from mirror_rt.devices.registry import FORMAT_BACKENDS, SHORT, available_devices
 
     devices = available_devices() if devices is None else devices
-    prefix = {"onnxruntime": "ort", "openvino": "openvino", "torch": "torch"}
     found = []
     for backend in FORMAT_BACKENDS[graph_format]:
         for device in devices.get(backend, []):
@@ -104,7 +103,7 @@ def candidates(graph_format: str, devices: dict | None = None) -> list[str]:
                 continue  # CUDA is refused for these graphs, Azure is no device
             if backend == "torch" and device != "cpu":
                 continue
-            found.append(f"{prefix[backend]}:{device}")
+            found.append(f"{SHORT[backend]}:{device}")
     return sorted(found, key=is_accelerator)
 
 

@@ -11,6 +11,7 @@ import warnings
 from collections.abc import Mapping
 from dataclasses import dataclass
 
+SHORT = {"torch": "torch", "openvino": "openvino", "onnxruntime": "ort"}  # a backend as device strings name it
 BACKEND_ALIASES = {"torch": "torch", "pt": "torch", "openvino": "openvino", "ov": "openvino",
                    "ort": "onnxruntime", "onnxruntime": "onnxruntime"}
 # Bare device names -> backends that may serve them, best first.
@@ -48,7 +49,7 @@ class DeviceSpec:
 
     def __str__(self) -> str:
         name = self.device if self.index is None else f"{self.device}:{self.index}"
-        return name if self.backend == "auto" else f"{'ort' if self.backend == 'onnxruntime' else self.backend}:{name}"
+        return name if self.backend == "auto" else f"{SHORT[self.backend]}:{name}"
 
 
 def parse_device(text: str) -> DeviceSpec:
@@ -73,14 +74,9 @@ def parse_device(text: str) -> DeviceSpec:
     return DeviceSpec(backend, device, index)
 
 
-def available_devices() -> Mapping[str, list[str]]:
-    """Per backend, the devices this machine has ([] when not installed), each backend asked on first lookup (importing
-    torch or OpenVINO takes more than a second an ONNX Runtime bundle never needs)."""
-    return FoundDevices()
-
-
 class FoundDevices(Mapping):
-    """`available_devices`: backend -> its devices here, asked once and only when looked up."""
+    """Per backend, the devices this machine has ([] when not installed), each backend asked once, on first lookup
+    (importing torch or OpenVINO takes more than a second an ONNX Runtime bundle never needs)."""
 
     def __init__(self):
         self._found: dict[str, list[str]] = {}
@@ -125,13 +121,13 @@ def _onnxruntime_devices() -> list[str]:
 
 
 _PROBES = {"torch": _torch_devices, "openvino": _openvino_devices, "onnxruntime": _onnxruntime_devices}
+available_devices = FoundDevices  # () -> backend -> its devices here
 
 
 def format_devices(devices: Mapping[str, list[str]] | None = None) -> str:
     """One line per backend, for `mirror-rt devices`."""
     devices = available_devices() if devices is None else devices
-    prefix = {"torch": "torch", "openvino": "openvino", "onnxruntime": "ort"}
-    return "\n".join(f"{backend:12s} " + (", ".join(f"{prefix[backend]}:{d}" for d in names) or "(not installed)")
+    return "\n".join(f"{backend:12s} " + (", ".join(f"{SHORT[backend]}:{d}" for d in names) or "(not installed)")
                      for backend, names in devices.items())
 
 

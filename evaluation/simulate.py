@@ -53,17 +53,12 @@ class SimConfig:
                 raise ValueError(f"{name} must be a finite number >= 0, got {json.dumps(value)}")
             if name in COSTS + ("window_growth",) and value > MAX_MS:
                 raise ValueError(f"{name} must be at most {MAX_MS:g}, got {json.dumps(value)}")
-        if not 2 <= self.target_layers <= MAX_LAYERS:
-            raise ValueError(f"target_layers must be in 2..{MAX_LAYERS} (an exit layer lies between), "
-                             f"got {self.target_layers}")
-        if not 1 <= self.exit_layer < self.target_layers:
-            raise ValueError(f"exit_layer must be in 1..{self.target_layers - 1}, got {self.exit_layer}")
+        for name, low, high in (("target_layers", 2, MAX_LAYERS), ("exit_layer", 1, self.target_layers - 1),
+                                ("gamma", 1, MAX_GAMMA), ("ss_streams", 0, MAX_GAMMA)):
+            if not low <= getattr(self, name) <= high:  # target_layers >= 2: an exit layer lies between
+                raise ValueError(f"{name} must be in {low}..{high}, got {getattr(self, name)}")
         if not isinstance(self.branches_batched, bool):
             raise ValueError(f"branches_batched must be true or false, got {json.dumps(self.branches_batched)}")
-        if not 1 <= self.gamma <= MAX_GAMMA:
-            raise ValueError(f"gamma must be in 1..{MAX_GAMMA}, got {self.gamma}")
-        if not 0 <= self.ss_streams <= MAX_GAMMA:
-            raise ValueError(f"ss_streams must be in 0..{MAX_GAMMA}, got {self.ss_streams}")
         if not 0 <= self.acceptance < 1:
             raise ValueError(f"acceptance must be in [0, 1), got {self.acceptance}")
         if not 0 <= self.root_coverage <= 1:
