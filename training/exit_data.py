@@ -331,12 +331,17 @@ def exit_logits_at(model, adapter: ExitAdapter | None, seq: ExitSequence, rows: 
 @torch.inference_mode()
 def evaluate_sequences(model, adapter: ExitAdapter | None, held_out: list[ExitSequence]) -> dict:
     """Coverage of the target's next token by the exit's top-1 / top-8 on the answer rows (None: untrained exit)."""
+    return exit_coverage((exit_logits_at(model, adapter, seq, seq.answer_rows()), seq.top_ids[seq.answer_rows(), :1])
+                         for seq in held_out)
+
+
+def exit_coverage(windows) -> dict:
+    """The shares of target tokens [n, 1] among the exit's top-1 / top-8 over (exit logits [n, vocab], target tokens)
+    pairs, and n (none: null shares, not a coverage of 0)."""
     hits1 = hits8 = n = 0
-    for seq in held_out:
-        rows = seq.answer_rows()
-        top = torch.topk(exit_logits_at(model, adapter, seq, rows).float(), 8, dim=-1).indices
-        target = seq.top_ids[rows, :1]
+    for logits, target in windows:
+        top = torch.topk(logits.float(), 8, dim=-1).indices
         hits1 += (top[:, :1] == target).sum().item()
         hits8 += (top == target).any(-1).sum().item()
-        n += len(rows)
-    return {"top1": hits1 / n if n else None, "top8": hits8 / n if n else None, "positions": n}  # none: null
+        n += len(target)
+    return {"top1": hits1 / n if n else None, "top8": hits8 / n if n else None, "positions": n}

@@ -25,6 +25,7 @@ from mirror_rt.training.exit_data import (
     cached_answers,
     collect,
     evaluate_sequences,
+    exit_coverage,
     exit_logits_at,
     sequence_data,
     shared_prefix_len,
@@ -110,15 +111,9 @@ def evaluate_exit(model, exit_layer: int, adapter: ExitAdapter | None, held_out:
     """Coverage of the target's next token by the exit's top-1 and top-8 on `held_out` (taken at `exit_layer`)."""
     if adapter is not None and adapter.config.exit_layer != exit_layer:
         raise ValueError(f"adapter is for exit layer {adapter.config.exit_layer}, not {exit_layer}")
-    hits1 = hits8 = 0
-    for start in range(0, len(held_out), chunk):
-        h = held_out.hidden[start:start + chunk].to(model.embed_tokens.weight.dtype)
-        target = held_out.top_ids[start:start + chunk, :1]  # [n, 1]
-        top = torch.topk(exit_logits(model, h, adapter).float(), 8, dim=-1).indices  # [n, 8]
-        hits1 += (top[:, :1] == target).sum().item()
-        hits8 += (top == target).any(-1).sum().item()
-    n = len(held_out)  # none held out: no figure (null), not a coverage of 0
-    return {"top1": hits1 / n if n else None, "top8": hits8 / n if n else None, "positions": n}
+    dtype = model.embed_tokens.weight.dtype
+    return exit_coverage((exit_logits(model, held_out.hidden[s:s + chunk].to(dtype), adapter),
+                          held_out.top_ids[s:s + chunk, :1]) for s in range(0, len(held_out), chunk))
 
 
 def _lr_at(step: int, steps: int, peak: float) -> float:
