@@ -86,7 +86,7 @@ def read_questions(path: str | Path, categories: list[str] | None = None, limit:
             raise DataError(f"{path}:{number}: question_id {d['question_id']!r} again (first at line "
                             f"{seen[repr(d['question_id'])]})")
         if not isinstance(turns, list) or not turns or not all(isinstance(t, str) for t in turns):
-            raise DataError(f"{path}:{number}: `turns` must be a non-empty list of strings")  # a string was split
+            raise DataError(f"{path}:{number}: `turns` must be a non-empty list of strings")
     if categories:
         unknown = set(categories) - {q.category for q in questions}
         if unknown:

@@ -189,7 +189,7 @@ def train_exit(cfg: TrainExitConfig, progress: bool = True, log=print) -> dict:
     loaded = load_checkpoint(cfg.target, log=lambda *a: None, cache=cfg.cache)
     model = loaded.model
     hidden = model.config.hidden_size
-    if cfg.rank is None:  # 512 failed on a smaller model although no rank was given
+    if cfg.rank is None:
         cfg = replace(cfg, rank=min(DEFAULT_RANK, hidden))
     if cfg.rank > hidden:  # before the data is collected, not after
         raise ValueError(f"--rank must be in 1..{hidden} (the hidden size), got {cfg.rank}")

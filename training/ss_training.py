@@ -92,7 +92,7 @@ def _resume(draft: StreamDraft, optimizer, out_dir: Path) -> int:
     trained = load_streams(draft.base, out_dir)
     shape = ("n_streams", "n_stream_layers", "rank")
     held, asked = ([stream_config(d)[k] for k in shape] for d in (trained, draft))
-    if held != asked:  # another --stream-layers loaded, then failed in the optimizer's state with torch's words
+    if held != asked:  # said before the optimizer's state fails in torch's words
         raise ValueError(f"{out_dir}: holds streams trained with another shape ({held[0]} streams, {held[1]} stream "
                          f"layers, rank {held[2]}); resume with the same --streams, --stream-layers and --rank, or "
                          "train into another --out")
@@ -186,7 +186,7 @@ def _init_base(init: str, target_ckpt, cache):
         return copy.deepcopy(target_ckpt.model)
     if init.startswith("layers:"):
         given, n = init.split(":", 1)[1], target_ckpt.model.config.n_layers
-        if not given.strip().isdigit() or not 1 <= int(given) <= n:  # 'x' was "invalid literal for int()"
+        if not given.strip().isdigit() or not 1 <= int(given) <= n:
             raise ValueError(f"--init layers:K needs a whole number 1 <= K <= {n}, got '{given}'")
         k = int(given)
         model = copy.deepcopy(target_ckpt.model)
