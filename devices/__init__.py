@@ -1,0 +1,1 @@
+"""mirror-rt devices: design notes in docs/design/devices.md."""

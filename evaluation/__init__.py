@@ -1,0 +1,1 @@
+"""mirror-rt evaluation: design notes in docs/design/evaluation.md."""

@@ -55,8 +55,9 @@ class SimConfig:
                 raise ValueError(f"{name} must be at most {MAX_MS:g}, got {json.dumps(value)}")
         for name, low, high in (("target_layers", 2, MAX_LAYERS), ("exit_layer", 1, self.target_layers - 1),
                                 ("gamma", 1, MAX_GAMMA), ("ss_streams", 0, MAX_GAMMA)):
-            if not low <= getattr(self, name) <= high:  # target_layers >= 2: an exit layer lies between
-                raise ValueError(f"{name} must be in {low}..{high}, got {getattr(self, name)}")
+            if not low <= getattr(self, name) <= high:
+                why = " (an exit layer lies between)" if name == "target_layers" else ""
+                raise ValueError(f"{name} must be in {low}..{high}{why}, got {getattr(self, name)}")
         if not isinstance(self.branches_batched, bool):
             raise ValueError(f"branches_batched must be true or false, got {json.dumps(self.branches_batched)}")
         if not 0 <= self.acceptance < 1:

@@ -1,0 +1,1 @@
+"""mirror-rt training: design notes in docs/design/training.md."""
