@@ -23,6 +23,10 @@ class Placement:
     # role -> the device string asked for ("cuda", "npu") where it was unusable here (a fallback warning was shown)
     fallbacks: dict[str, str] = field(default_factory=dict)
 
+    def device(self, role: str) -> str:
+        """The device `role` ("target" or "draft") runs on."""
+        return {"target": self.target, "draft": self.draft}[role]
+
     @property
     def worker_cores(self) -> tuple[int, int] | None:
         """(target core, draft core) when each worker is pinned to one core (the engine's `cpus`), else None."""
