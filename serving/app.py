@@ -1,14 +1,9 @@
 """The OpenAI-compatible app: routes, admission, streaming, and the engine it serves.
 
-`create_app(settings, load)` returns a FastAPI app whose lifespan loads the engine in the
-background (`/health` answers 503 until it is ready) and starts the scheduler's engine thread.
-Routes: `POST /v1/chat/completions`, `POST /v1/completions`, `GET /v1/models[/ID]` (behind the API
-key when one is set), `GET /health`, `GET /metrics`, `GET /version`, `POST /tokenize`,
-`POST /detokenize` (never behind the key); `GET /` and `GET /ui/*`, the playground page
-(`serving.page`, off with `ServerConfig.ui` False), whose data comes from `/v1/*` and
-`GET /server` (load, totals, recent requests; behind the key). A request is validated, tokenized
-and checked against the context in the event loop (text too long by its characters alone is refused unread),
-then queued; a full queue answers 503 with Retry-After.
+`create_app(settings, load)` loads the engine in the background (`/health` answers 503 until ready). Routes:
+`POST /v1/chat/completions`, `/v1/completions`, `GET /v1/models[/ID]`, `GET /server` (behind the API key when one is
+set), `GET /health`, `/metrics`, `/version`, `POST /tokenize`, `/detokenize`, and the page (`GET /`, `/ui/*`).
+Text too long by its characters alone is refused unread; a full queue answers 503 with Retry-After.
 """
 
 from __future__ import annotations
@@ -88,8 +83,7 @@ class ServerState:
         return self.settings.defaults.mode or self.engine.default_mode
 
     def _stepped(self, batch: int) -> None:
-        """After each step: the tokens each request committed, the batch it decoded (0: prompts only, or the last
-        sequences left), the speculation in use, the KV and prefix cache figures."""
+        """After each step: the tokens each request committed, the batch it decoded, the cache figures."""
         for job in self.scheduler.live_jobs():
             self.metrics.progress(job)
         if self.engine.current_decoder is not None:
@@ -132,9 +126,8 @@ class ServerState:
 
 def create_app(settings: ServerConfig, load: Callable[[], object], metrics_sink: Sink | None = None,
                log_failure: bool = True) -> FastAPI:
-    """The app; `load()` builds the engine (run in a background thread at startup); every metric
-    update also reaches `metrics_sink`'s families when one is given (`serving.metrics.Sink`). `log_failure`:
-    a load that fails is logged (False: whoever runs the app says it, as `mirror-rt serve` does on exit)."""
+    """The app; `load()` builds the engine in a background thread; metric updates also reach `metrics_sink`.
+    `log_failure` False: a failed load is not logged (the caller says it)."""
     state = ServerState(settings, metrics_sink)
 
     @contextlib.asynccontextmanager

@@ -1,24 +1,11 @@
-"""`mirror-rt serve --replicas N`: the app on Ray Serve, one engine per replica, behind Serve's proxy.
+"""`mirror-rt serve --replicas N`: the app (`serving.replica`) on Ray Serve, one engine per replica.
 
-One engine owns one target device and one draft device and decodes a batch of streams at once; beyond
-that, more throughput means more device pairs, so Ray Serve runs the single server's app (`serving.replica`)
-as replicas that each request the resources of their roles: `num_gpus` for a CUDA target,
-a custom resource for an NPU or Intel GPU role (`intel_npu`: Ray reserves "NPU" for Ascend chips),
-`num_cpus` for the CPU workers. A replica holds its batch of generations running and one ready to join
-(`max_ongoing_requests`); the rest wait at the proxy up to `max_queued`, beyond which the proxy
-answers 503 with Retry-After. Ray is imported lazily: the package works without the `cluster` extra.
-Limitations:
-- replicas pin themselves to cores by their rank on the node (`serving.replica`), which assumes this
-  deployment is the only CPU-heavy work on its nodes;
-- Serve's `max_queued_requests` counts per proxy (one proxy per node by default), loosely under bursts
-  (the proxy asks again for up to `serving.proxy.BUSY_PATIENCE_S` before its 503; a few more than the room may
-  be admitted);
-- a group signal (`kill -TERM -PGID`, systemd's control-group kill) reaches a local Ray's own processes too,
-  which stop at once: the drain then cannot reach the replicas, and the exit waits for Ray's GCS timeout;
-- `/health`, `/server` and `/metrics` through our proxy take no replica's slot (`serving.proxy`), but
-  `/server` and `/metrics` answer for one replica at a time (Ray's metrics export has every replica's).
-SIGTERM / Ctrl-C drains as the single server does: every replica is told to (a Serve broadcast), the proxies
-stay up until they have, then Serve and a local Ray go down.
+Each replica asks for its roles' resources (`num_gpus` for CUDA, a custom resource for an NPU or Intel GPU,
+`num_cpus` for CPU workers) and holds a batch plus `REPLICA_QUEUE`; up to `max_queued` more wait at the proxy,
+beyond that 503 with Retry-After. Ray is imported lazily (the `cluster` extra). Limits: replicas pin cores by
+their rank on the node (the only CPU-heavy work there); Serve counts `max_queued_requests` per proxy, loosely
+under bursts; a group signal stops a local Ray at once, so the drain cannot reach the replicas; `/server` and
+`/metrics` answer for one replica at a time. SIGTERM / Ctrl-C drains every replica, then stops Serve and Ray.
 """
 
 from __future__ import annotations
@@ -55,9 +42,8 @@ def require_ray():
 
 
 def replica_resources(mode: str | None, target_device: str, draft_device: str, threads: int | None = None) -> dict:
-    """`ray_actor_options` for one replica: a GPU for a CUDA role, a custom resource for an NPU or
-    Intel GPU role, and a CPU per compute thread of each CPU worker (Mirror runs target and draft
-    in two workers at once; ar runs the target alone; sd runs both in turn in one; None: the engine's default)."""
+    """`ray_actor_options` for one replica: a GPU for CUDA, a custom resource for an NPU or Intel GPU, a CPU per
+    thread of each CPU worker (Mirror runs two workers at once; ar and sd one; mode None: the engine's default)."""
     from mirror_rt.devices.placement import runs_mirror
     from mirror_rt.devices.registry import parse_device
 
@@ -80,8 +66,7 @@ def replica_resources(mode: str | None, target_device: str, draft_device: str, t
 
 
 def deployment_options(cluster: ClusterConfig, server: ServerConfig) -> dict:
-    """`serve.deployment` options: replicas or autoscaling, resources, limits (the server's queue, at the proxy),
-    health, drain."""
+    """`serve.deployment` options: replicas or autoscaling, resources, limits, health, drain."""
     rows = cluster.batch_rows or BatchConfig().max_num_seqs
     options = dict(ray_actor_options=dict(cluster.actor_options),
                    max_ongoing_requests=rows + REPLICA_QUEUE,  # a full batch, and requests ready to join it
@@ -102,7 +87,6 @@ def deployment_options(cluster: ClusterConfig, server: ServerConfig) -> dict:
 def build(settings: ServerConfig, cluster: ClusterConfig, load):
     """The Serve application: `load()` runs in each replica to build its engine."""
     require_ray()
-    # a replica's own queue is REPLICA_QUEUE (Serve never sends it more); settings.max_queued wait at the proxy
     return replica_deployment(deployment_options(cluster, settings)).bind(settings, load, REPLICA_QUEUE)
 
 
@@ -124,8 +108,7 @@ def start(cluster: ClusterConfig, server: ServerConfig, custom_resources: dict |
 
 
 def _refuse_a_second_app() -> None:
-    """A ClusterError when the cluster joined already runs `mirror-rt serve`'s app: deploying would take it over
-    (one app name, and Serve has one HTTP proxy per node, at the port the first server chose)."""
+    """A ClusterError when the cluster joined already runs our app: deploying would take it over."""
     _, serve = require_ray()
     try:
         running = APP in serve.status().applications
@@ -137,10 +120,8 @@ def _refuse_a_second_app() -> None:
 
 
 def start_serve(cluster: ClusterConfig, server: ServerConfig) -> None:
-    """Serve on the Ray this process is connected to; its proxies answer through `serving.proxy` and a
-    replica unplaced for `placement_timeout` seconds is reported, and a replica failing its health check
-    stops at once (its engine is dead: waiting for its requests would only hang them), all three only
-    when this call starts Serve."""
+    """Serve on the connected Ray: proxies through `serving.proxy`, a replica unplaced for `placement_timeout` s
+    reported, one failing its health check stopped at once (its engine is dead); only when this call starts Serve."""
     _, serve = require_ray()
     env = {"RAY_SERVE_HTTP_PROXY_CALLBACK_IMPORT_PATH": PROXY_CALLBACK,
            "RAY_SERVE_SLOW_STARTUP_WARNING_S": str(cluster.placement_timeout),
@@ -210,9 +191,7 @@ def _last_line(message: str) -> str:
 
 
 def stop(local: bool, drain: bool = True) -> None:
-    """Take the app down, its replicas draining first unless `drain` is False (a failed start: a
-    replica still waiting for resources would hold the exit for the whole drain time); a local Ray
-    goes with it."""
+    """Take the app (and a local Ray) down, the replicas draining first unless `drain` is False."""
     import ray
     from ray import serve
 
@@ -238,7 +217,7 @@ def metrics_url() -> str | None:
 
 def serve_replicas(settings: ServerConfig, cluster: ClusterConfig, load) -> int:
     """Serve on replicas until SIGTERM / Ctrl-C, then drain and take them down; returns the exit code.
-    A signal while deploying takes down what was started; a second signal while draining stops at once."""
+    A signal while deploying takes down what started; a second one while draining stops at once."""
     configure_logging()
     if settings.max_queued < 1:  # Serve's max_queued_requests: -1 (no limit) or positive
         raise ClusterError("--max-queued 0 needs a single engine: with replicas, Ray Serve's proxy queues at least "
@@ -250,8 +229,7 @@ def serve_replicas(settings: ServerConfig, cluster: ClusterConfig, load) -> int:
             return 1
         sock.close()
     local = start(cluster, settings, local_resources(cluster.actor_options) if cluster.ray_address is None else None)
-    # after ray.init, which installs its own; SIGINT too: a process started in the background of a script
-    # inherits SIGINT ignored, and Python then never raises KeyboardInterrupt
+    # after ray.init installs its own; SIGINT too: a background process inherits it ignored
     previous = {sig: signal.signal(sig, _interrupt) for sig in (signal.SIGTERM, signal.SIGINT)}
     try:
         try:
@@ -279,9 +257,8 @@ def serve_replicas(settings: ServerConfig, cluster: ClusterConfig, load) -> int:
 
 
 def drain(timeout: float) -> bool:
-    """Every replica drains as the single server does (`serving.server.drain_scheduler`), the proxies still up so
-    that what the replicas send reaches the clients; True when done, False when it could not be (then stop at once:
-    Serve's own shutdown stops the proxies first and cuts every stream)."""
+    """Drain every replica as the single server does, the proxies still up to pass on what they send;
+    False when it could not be (then stop at once)."""
     _, serve = require_ray()
     try:
         handle = serve.get_deployment_handle(DEPLOYMENT, APP)

@@ -1,17 +1,10 @@
 """The OpenAI request bodies mirror-rt honours, validated strictly, and what they ask of the engine.
 
-Fields are checked for type and range (strict: "5" is not a number, NaN is not a temperature);
-unknown fields are ignored, as vLLM and OpenAI's own servers do. Fields OpenAI defines that change
-what is generated but that mirror-rt does not implement (`best_of`, `echo`, `suffix`) are refused
-with a 400 naming the parameter rather than ignored. Per-request extensions (sent as extra body
-fields): `mode` (ar | sd | mirror), `num_assistant_tokens` (the window gamma; OpenVINO Model
-Server's name) and `disable_spec_decode` (true: target-only for this request), and vLLM's
-`ignore_eos`, `repetition_penalty` and `structured_outputs` (`json`, `regex`, `choice`, `grammar`);
-`stream_options.include_origins` (true: streamed chunks say where each token came from).
-These request names are aliases: `Sampling.fields` maps them, once, onto the runtime's
-`GenerationConfig` fields (`num_assistant_tokens` is `gamma`, `max_completion_tokens` is
-`max_new_tokens`, `stop` is `stop_strings`); the token rules (grammar, bias, penalties, logprobs)
-are mapped by `serving.structured.rules_options`.
+Strict types and ranges ("5" is not a number, NaN is not a temperature); unknown fields are ignored (as vLLM and
+OpenAI do); fields that would change the output but are not implemented are a 400 naming the parameter.
+Extensions: `mode`, `num_assistant_tokens` (gamma, OVMS's name), `disable_spec_decode`, vLLM's `ignore_eos`,
+`repetition_penalty`, `structured_outputs`, and `stream_options.include_origins`. `Sampling.fields` maps the
+request names onto `GenerationConfig`'s; `serving.structured.rules_options` maps the token rules.
 """
 
 from __future__ import annotations
@@ -194,8 +187,7 @@ class Sampling(Strict):
         return self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
 
     def fields(self) -> dict:
-        """The `GenerationConfig` fields this request sets, by their runtime names (the fields it leaves out
-        are the server's): the one place the OpenAI / OVMS / vLLM request names map to them."""
+        """The `GenerationConfig` fields this request sets, by their runtime names (the rest are the server's)."""
         top_k = None if self.top_k is None else max(self.top_k, 0)
         values = {"max_new_tokens": self.requested_tokens(), "temperature": self.temperature, "top_p": self.top_p,
                   "top_k": top_k, "seed": self.seed, "stop_strings": self.stop_strings() or None,
@@ -302,8 +294,7 @@ class CompletionRequest(Sampling):
     best_of: int | None = Field(None, ge=1)
 
     def requested_tokens(self) -> int | None:
-        """OpenAI's and vLLM's default for a text completion that names no limit: 16 tokens (a chat's is the rest
-        of the context)."""
+        """A text completion that names no limit gets 16 tokens (OpenAI's and vLLM's default)."""
         given = super().requested_tokens()
         return COMPLETION_MAX_TOKENS if given is None else given
 
@@ -347,8 +338,7 @@ def parse(model: type[Sampling], body) -> Sampling:
 
 
 def _union_tag(part) -> bool:
-    """Whether a pydantic error location part names a member of a union (`str`, `list[int]`, `literal[...]`,
-    a class), not a field: clients get the field's path (`prompt`, not `prompt.str`)."""
+    """Whether a pydantic error location part names a union member, not a field (`prompt`, not `prompt.str`)."""
     return isinstance(part, str) and (part in ("str", "int", "float", "bool") or not part.islower()
                                       or not part.replace("_", "").isalnum())
 

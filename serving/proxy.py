@@ -1,19 +1,10 @@
-"""Ray Serve's HTTP proxy, made to answer as the single server does: one ASGI middleware.
+"""Ray Serve's HTTP proxy made to answer as the single server does: one ASGI middleware (`PROXY_CALLBACK`).
 
-Serve loads it into every proxy through `RAY_SERVE_HTTP_PROXY_CALLBACK_IMPORT_PATH`
-(`PROXY_CALLBACK`, set by `serving.cluster` when it starts Serve). A response that no replica
-sent (replicas name themselves in `x-mirror-rt-replica`) is the proxy's own: its errors
-(backpressure 503 with Retry-After, 408, no replica available) get the app's error envelope. A
-request whose replica was lost before it sent anything (the proxy sends nothing then) is sent
-once more, so a non-streamed request survives a replica's death with the same answer (and so is one
-that a replica refused with `x-mirror-rt-retry` because its engine stopped before answering); a stream
-cut after its 200 ends with the single server's failure events (an SSE error, then `[DONE]`). Serve's "every
-replica at its limit" (its count of its queue lags under a burst) is asked again for up to BUSY_PATIENCE_S before
-the 503 goes out, counted.
-What takes no generation slot never waits in Serve's request limits: the page's files come from the
-package here, and `/health`, `/server`, `/metrics` are asked of every replica at once (a Serve broadcast
-to the replica's `answer` method), one answer passed on. Beyond that the middleware knows nothing of
-engines; it only reads and writes ASGI messages.
+A response no replica sent (replicas name themselves in `x-mirror-rt-replica`) is the proxy's own: its errors get
+the app's envelope. A request whose replica was lost before answering (or that it refused with `x-mirror-rt-retry`)
+is sent once more; a stream cut after its 200 ends with an SSE error, then `[DONE]`. Serve's "every replica at its
+limit" is asked again for up to BUSY_PATIENCE_S before the 503. The page's files and `LIGHT` GETs are answered
+here, outside Serve's request limits (every replica asked at once, one answer passed on).
 """
 
 from __future__ import annotations
@@ -155,9 +146,8 @@ class Reply:
 
 
 async def answer_here(scope, send) -> bool:
-    """Answer a GET of the page's files (from the package) or of `LIGHT` (every replica asked outside Serve's
-    request limits, one answer passed on) without taking a replica's slot, so a page loads and a probe answers
-    while every replica is busy; False for anything else, or where no replica can be reached that way."""
+    """Answer a GET of the page's files or of `LIGHT` without a replica's slot (so they answer while every
+    replica is busy); False for anything else, or where no replica can be reached that way."""
     path = scope["path"]
     if os.environ.get(PAGE_VARIABLE) == "1" and (path == "/" or path.startswith("/ui/")):
         status, headers, body = _page_file(path)
@@ -204,8 +194,7 @@ async def _ask_every_replica(scope) -> list[tuple]:
 
 
 def _chosen(path: str, answers: list[tuple]) -> tuple:
-    """The answer passed on: for /health any replica's 200 (the app serves while one does); for the others the
-    replicas in turn (each names itself in `x-mirror-rt-replica`, which the page shows)."""
+    """For /health any replica's 200 (the app serves while one does); for the others, the replicas in turn."""
     global _turn
     answers = sorted(answers, key=lambda a: dict(a[1]).get(REPLICA_HEADER, b""))
     ok = [a for a in answers if a[0] == 200] or answers

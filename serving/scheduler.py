@@ -1,15 +1,10 @@
 """The engine thread: many generations at once through the engine's batched decoder, and their admission.
 
-Up to the engine's `max_num_seqs` generations decode together (runtime.batch.decoder: they join and leave at step
-boundaries) and `max_queued` more wait; beyond that `submit` raises `Overloaded` at once (the app answers 503
-with Retry-After). The engine thread steps the decoder while any generation is live and sleeps otherwise; the
-asyncio loop never blocks on it. A job's text and its end cross to asyncio through `loop.call_soon_threadsafe`
-into the job's own asyncio queue. Cancelling a job (client gone, drain) ends its generation at the next step
-and frees its row, the others untouched; a timeout cancels a generation that runs past `timeout_s`. A failing
-step ends the generations in flight with an error and the engine starts again from fresh rows.
-A job with n choices submits n generations at once (each its own seed, derived from the request's by
-`choice_config`, and its own token rules): they decode together, one sequence each, and count n against the
-capacity; its events carry the choice's index, and it ends when its last choice does.
+Up to `max_num_seqs` generations decode together and `max_queued` more wait; beyond that `submit` raises
+`Overloaded` (a 503). The engine thread steps while any generation is live; events cross to asyncio through
+`loop.call_soon_threadsafe` into the job's queue. Cancelling (client gone, drain, timeout) ends a generation at the
+next step; a failing step ends those in flight with an error and the engine restarts from fresh rows. A job with
+n choices submits n generations (seeds from `choice_config`), counting n against the capacity.
 """
 
 from __future__ import annotations
@@ -241,8 +236,8 @@ class Scheduler:
         self._hand_over(job, index, gen, piece)
 
     def _hand_over(self, job: Job, index: int, gen, piece: str) -> None:
-        """Post a choice's piece with the tokens made so far (a running sum over new steps), the
-        log-probabilities of the tokens delivered since its last piece and, when asked, their origins."""
+        """Post a choice's piece with the tokens made so far, the log-probabilities since its last piece and,
+        when asked, their origins."""
         progress = job.progress[index]
         job.made += sum(step.tokens for step in gen.steps[progress.steps:])
         progress.steps = len(gen.steps)

@@ -1,13 +1,9 @@
 """`mirror-rt serve`: uvicorn over the app, one worker, with a drain on SIGTERM / Ctrl-C.
 
-The socket opens at once and the engine loads behind it (`/health` says 503 until ready); a log
-line then gives the URL, the model, the mode, the device each role got (fallbacks included) and
-whether a key is required (and, without one, a line that says who can use the server). The first SIGTERM or
-Ctrl-C drains: new requests get 503, requests already admitted (running or queued) finish, and whatever is left at
-the deadline is cancelled; then the server stops and the process exits 0. A second signal cuts the drain short:
-every open request ends at once with an error (a stream: an error event, then `[DONE]`) and the process exits
-128 + the signal (143 for SIGTERM, 130 for Ctrl-C), so an orchestrator can tell it from a clean drain. A third
-stops without waiting for the streams to end.
+The socket opens at once and the engine loads behind it (`/health` says 503 until ready). The first signal
+drains: new requests get 503, admitted ones finish, what is left at the deadline is cancelled; exit 0. A second
+ends every open request at once with an error (a stream: an error event, then `[DONE]`) and exits 128 + the signal;
+a third stops without waiting for the streams to end.
 """
 
 from __future__ import annotations
@@ -62,8 +58,7 @@ def open_to(settings: ServerConfig, url: str) -> str:
 
 
 def quiet_cancellations(record: logging.LogRecord) -> bool:
-    """Drop uvicorn's error records of a CancelledError: at a forced stop it cancels the tasks still running (the
-    streams, the lifespan) and logs each with its traceback; they are the stop itself, not faults."""
+    """Drop uvicorn's error records of a CancelledError: a forced stop cancels the running tasks, not a fault."""
     exc = record.exc_info[1] if record.exc_info else None
     return not (isinstance(exc, asyncio.CancelledError) or str(record.msg).rstrip().endswith("CancelledError"))
 
@@ -95,13 +90,15 @@ class DrainingServer:
             threading.Thread(target=self.drain, name="mirror-drain", daemon=True).start()
 
     def cut(self) -> None:
-        """A second signal: every open request ends now with an error (its stream with an error event and
-        [DONE]), then the server stops."""
+        """A second signal: every open request ends now with an error, then the server stops."""
         state = self.state
         state.status = "draining"
         log.info("a second signal: the drain is cut short; open requests end with an error")
-        if state.scheduler is not None:
-            cut_scheduler(state.scheduler)
+        if state.scheduler is not None:  # those the engine has not ended after 1 s (a long step) end without it
+            state.scheduler.close()
+            state.scheduler.cancel_all()
+            _wait_idle(state.scheduler, 1.0, 0.02)
+            state.scheduler.abandon()
         deadline = time.monotonic() + 3
         while state.open_streams and time.monotonic() < deadline:  # their last events reach the clients
             time.sleep(0.02)
@@ -117,37 +114,29 @@ class DrainingServer:
 
 
 def drain_scheduler(scheduler, timeout: float) -> bool:
-    """Take no new job and let the admitted ones finish for up to `timeout` s, then cancel what is left (their
-    streams end with an error event); True when all finished. Also what a replica runs when its server drains."""
+    """Take no new job, let the admitted ones finish for up to `timeout` s, then cancel what is left; True when
+    all finished. Also what a replica runs when its server drains."""
     scheduler.close(cancel_waiting=False)
-    deadline = time.monotonic() + timeout
-    while not scheduler.idle() and time.monotonic() < deadline:
-        time.sleep(0.05)
-    finished = scheduler.idle()
+    finished = _wait_idle(scheduler, timeout)
     if not finished:
         log.info("drain deadline reached: cancelling what is left")
         scheduler.cancel_all()
-        end = time.monotonic() + 5
-        while not scheduler.idle() and time.monotonic() < end:
-            time.sleep(0.05)
+        _wait_idle(scheduler, 5)
     time.sleep(0.2)  # the last events reach their streams
     return finished
 
 
-def cut_scheduler(scheduler, grace: float = 1.0) -> None:
-    """Take no new job and cancel every admitted one; those the engine has not ended after `grace` s (it is inside
-    a long step) end without it."""
-    scheduler.close()
-    scheduler.cancel_all()
-    deadline = time.monotonic() + grace
+def _wait_idle(scheduler, seconds: float, poll: float = 0.05) -> bool:
+    """Wait up to `seconds` for the scheduler to hold no job; whether it is idle."""
+    deadline = time.monotonic() + seconds
     while not scheduler.idle() and time.monotonic() < deadline:
-        time.sleep(0.02)
-    scheduler.abandon()
+        time.sleep(poll)
+    return scheduler.idle()
 
 
 def uvicorn_config(app, **options):
-    """uvicorn's settings for the app (`create_app`'s): no access log, the HTTP layer's own errors in the
-    envelope and counted, no WebSocket upgrade (such a request is plain HTTP: a 404 in the envelope)."""
+    """uvicorn's settings for `create_app`'s app: no access log, the HTTP layer's errors enveloped and counted,
+    no WebSocket upgrade (a plain 404)."""
     import uvicorn
 
     state = app.state.mirror
@@ -157,8 +146,7 @@ def uvicorn_config(app, **options):
 
 
 def serve(settings: ServerConfig, load) -> int:
-    """Run the server on `settings.host`:`settings.port` until a signal drains it (up to `settings.drain_timeout`);
-    returns the exit code (2 when the engine cannot load)."""
+    """Serve until a signal drains the server; returns the exit code (2 when the engine cannot load)."""
     configure_logging()
     url = f"http://{settings.host}:{settings.port}"
     sock, refused = bind_or_say(settings.host, settings.port)  # before anything loads: not uvicorn's log, exit 3
@@ -175,8 +163,7 @@ def serve(settings: ServerConfig, load) -> int:
         print(f"mirror-rt: error: the engine failed to load: {server.state.error}", file=sys.stderr)
         return 2
     if any(t.name == LOAD_THREAD and t.is_alive() for t in threading.enumerate()):
-        # stopped while the engine loads: the interpreter must not exit under the loading thread's export or
-        # ONNX Runtime session build (it aborts, exit 134); what it wrote is unfinished and swept next time
+        # the interpreter must not exit under the loading thread's export or ONNX Runtime build (it aborts)
         log.info("stopped while the engine was loading")
         logging.shutdown()
         sys.stdout.flush()
@@ -187,35 +174,26 @@ def serve(settings: ServerConfig, load) -> int:
 
 
 def bind_or_say(host: str, port: int) -> tuple:
-    """(a listening socket, None), or (None, the one-line error) where the machine refuses `host`:`port` (a port in
-    use, an unknown host)."""
-    try:
-        return listening_socket(host, port), None
-    except OSError as exc:
-        return None, f"mirror-rt: error: cannot listen on {host}:{port}: {exc.strerror or exc}"
-
-
-def listening_socket(host: str, port: int):
-    """A TCP socket bound to `host`:`port` and listening, for uvicorn to serve on; OSError (socket.gaierror for
-    an unknown host) when the machine refuses it."""
+    """(a listening TCP socket, None), or (None, the one-line error) where the machine refuses `host`:`port`."""
     import socket
 
-    family, kind, proto, _, address = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM,
-                                                          flags=socket.AI_PASSIVE)[0]
-    sock = socket.socket(family, kind, proto)
+    sock = None
     try:
+        family, kind, proto, _, address = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM,
+                                                              flags=socket.AI_PASSIVE)[0]
+        sock = socket.socket(family, kind, proto)
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as uvicorn binds: a restart reuses the port
         sock.bind(address)
         sock.listen(2048)  # uvicorn's default backlog
-    except OSError:
-        sock.close()
-        raise
-    return sock
+        return sock, None
+    except OSError as exc:
+        if sock is not None:
+            sock.close()
+        return None, f"mirror-rt: error: cannot listen on {host}:{port}: {exc.strerror or exc}"
 
 
 def _stop_engine(state: ServerState, timeout: float = 10.0) -> None:
-    """Cancel what is left (a second signal skips the drain) and let the engine thread finish its step: an
-    interpreter that exits under a running ONNX Runtime call aborts (SIGABRT) instead of exiting."""
+    """Cancel what is left and let the engine thread finish its step (exiting under an ONNX Runtime call aborts)."""
     scheduler = state.scheduler
     if scheduler is None:
         return
