@@ -1,10 +1,6 @@
-"""`echo` on text completions: the prompt's text (and, with `logprobs`, its tokens' log-probabilities) before
-the completion, as vLLM answers it (lm-evaluation-harness scores loglikelihood this way: `echo`, `logprobs`,
-`max_tokens: 0`).
-
-The prompt's log-probabilities are the target's raw ones (runtime.logprobs.prompt_logprobs: a forward of the
-prompt through a cache of its own, off the event loop); its first token has none. With `max_tokens: 0` no
-generation runs: the answer is the prompt alone, finish_reason `length`.
+"""`echo` on text completions, as vLLM answers it: the prompt's text (with `logprobs`, the target's raw
+log-probabilities of its tokens, the first one none) before the completion; with `max_tokens: 0` the prompt alone,
+finish_reason `length`.
 """
 
 from __future__ import annotations

@@ -1,11 +1,8 @@
 """Errors over HTTP: vLLM's envelope everywhere, one line each.
 
-Body: `{"error": {"message": str, "type": str, "param": str | null, "code": <HTTP status>}}`, the
-shape OpenAI clients read (`body["error"]["message"]`); types are vLLM's names. Every failure
-path of the app ends here: our own `APIError`, FastAPI's request validation (400, never its
-default 422 body), Starlette's 404/405 for unknown routes, and any other exception (500, the
-server keeps serving). What the HTTP layer refuses before the app (a header with control bytes, a malformed request
-line) gets the envelope too: `json_errors_protocol`, the uvicorn protocol the server runs.
+Body: `{"error": {"message", "type", "param", "code": <HTTP status>}}` with vLLM's type names. Our `APIError`,
+request validation (400, never 422), unknown routes, any other exception (500) and what uvicorn refuses before the
+app (`json_errors_protocol`) all end in it.
 """
 
 from __future__ import annotations
@@ -69,8 +66,8 @@ def install_handlers(app: FastAPI) -> None:
 
 
 def json_errors_protocol(on_error=None):
-    """uvicorn's HTTP protocol class (httptools, else h11) whose own 400 for a request it cannot parse is the
-    envelope, not its plain-text "Invalid HTTP request received."; `on_error(status)` counts it."""
+    """uvicorn's HTTP protocol class whose own 400 for an unparsable request is the envelope; `on_error(status)`
+    counts it."""
     import json
 
     from uvicorn.protocols.http.auto import AutoHTTPProtocol

@@ -1,16 +1,10 @@
 """Who may talk to the server, and the count of every answer: an ASGI middleware in front of every route.
 
-Three refusals, each a 403 in the error envelope, before any route runs:
-- a `Host` the server does not answer to (DNS rebinding: a page of `evil.example` whose name then resolves to
-  127.0.0.1 reads the answers as its own). A server listening on this machine only (a loopback `--host`) answers to
-  `localhost`, its subdomains and IP addresses; one listening beyond it answers to every name, as Ollama does (the
-  network reaches it anyway) unless `--allowed-hosts` names them. `--allowed-hosts '*'`: every name.
-- a browser request from another origin (its `Origin` is not the server's own, nor in `--allowed-origins`): a page
-  of any site could otherwise drive a local server with a POST that needs no CORS preflight. Requests without an
-  `Origin` (curl, SDKs) and the server's own page pass. An allowed origin gets CORS headers and its preflight.
-- (the app's) a POST body that is not `application/json`: 415.
-Every response is counted by route (its template; `none` without one), method and status code
-(`ServerState.responded`), streams when they end.
+Refused with a 403 before any route: a `Host` the server does not answer to (DNS rebinding; a loopback `--host`
+answers to `localhost`, its subdomains and IP addresses, one beyond it to every name unless `--allowed-hosts` names
+them), and a browser request from another origin not in `--allowed-origins` (requests without `Origin` and the
+server's own page pass; an allowed origin gets CORS headers and its preflight). Every response is counted by
+route template (`none` without one), method and status (`ServerState.responded`), streams when they end.
 """
 
 from __future__ import annotations
@@ -45,8 +39,7 @@ def listens_locally(host: str) -> bool:
 
 
 def authority(scheme: str, netloc: str) -> tuple[str, int | None]:
-    """(name, port) of a Host header or an origin's authority: no brackets, no final dot, lower case; the scheme's
-    default port where none is written."""
+    """(name, port) of a Host header or an origin's authority, normalized; the scheme's default port if none."""
     netloc = netloc.strip().lower()
     if netloc.startswith("[") and "]" in netloc:  # [::1]:8000
         end = netloc.index("]")

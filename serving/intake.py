@@ -1,9 +1,4 @@
-"""A request's intake before it is parsed: its API key, its JSON body, a prompt too long to read.
-
-`check_key` guards /v1/* and /server when the server has a key (401 otherwise); `read_json` takes only
-`application/json` bodies (415: a browser posts text/plain or a form without a CORS preflight, so a page of any
-site could otherwise drive the server) and refuses what is not JSON text (400); `refuse_unread` refuses text that
-needs more tokens than the context holds by its characters alone, before the tokenizer reads it.
+"""A request's intake before it is parsed: its API key (401), its JSON body (415, 400), a prompt too long to read.
 """
 
 from __future__ import annotations
@@ -18,9 +13,8 @@ from mirror_rt.serving.errors import APIError
 
 
 def refuse_unread(texts: list, engine, requested: int) -> None:
-    """A 400 for `texts` (a prompt's; token ids are skipped) whose characters alone need more tokens than the
-    context holds, before they are tokenized: the tokenizer holds the GIL, so 8 MB of text took 8 s in which no
-    other request moved."""
+    """A 400 for `texts` whose characters alone need more tokens than the context holds, before they are
+    tokenized (the tokenizer holds the GIL: no other request moves meanwhile)."""
     least = -(-sum(len(t) for t in texts if isinstance(t, str)) // engine.tokenizer.longest_token_chars)
     context = engine.target.max_seq_len
     if least > context:

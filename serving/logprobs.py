@@ -1,9 +1,8 @@
 """Log-probabilities in OpenAI's shapes, from the target's raw ones the engine recorded (`TokenLogprob`).
 
-Chat: `{"content": [{token, logprob, bytes, top_logprobs: [{token, logprob, bytes}]}]}`. Completions
-(legacy): `{tokens, token_logprobs, top_logprobs: [{token: logprob}], text_offset}`, the top dict
-holding the chosen token too (as vLLM). A token's text is its bytes decoded (U+FFFD for a piece of a
-multi-byte character), its bytes exact: read from the tokenizer's table, never re-encoded text.
+Chat: `{"content": [{token, logprob, bytes, top_logprobs}]}`; completions: `{tokens, token_logprobs, top_logprobs,
+text_offset}`, the top dict holding the chosen token too (as vLLM). A token's bytes are exact (the tokenizer's
+table), its text those bytes decoded (U+FFFD for part of a character).
 """
 
 from __future__ import annotations
@@ -42,9 +41,8 @@ def chat_logprobs(entries, token_bytes: TokenBytes) -> dict:
 
 
 class TextOffsets:
-    """OpenAI's `text_offset`: the characters of a completion's text before each token. A character whose bytes
-    span several tokens starts where the first of them does and counts once it is whole, so every offset indexes
-    the text (a running sum of the tokens' texts drifted past the end: a piece of a character reads as U+FFFD)."""
+    """OpenAI's `text_offset`: the characters of a completion's text before each token; a character split over
+    several tokens counts once it is whole, so every offset indexes the text."""
 
     def __init__(self, entries=(), token_bytes: TokenBytes | None = None):
         self.chars = 0
@@ -60,8 +58,7 @@ class TextOffsets:
 
 
 def completion_logprobs(entries, token_bytes: TokenBytes, at: TextOffsets | None = None) -> dict:
-    """The completions `logprobs` object; `at`: where the completion's text stands before these tokens (moved
-    past them), a new one for a whole completion."""
+    """The completions `logprobs` object; `at`: the completion's text offsets before these tokens (moved past)."""
     at = at or TextOffsets()
     tokens, offsets, tops = [], [], []
     for e in entries:

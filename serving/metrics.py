@@ -1,16 +1,10 @@
-"""Prometheus metrics of the server: vLLM's names under the `mirror_rt:` prefix, plus speculation's own.
+"""Prometheus metrics of the server: vLLM's names and buckets under the `mirror_rt:` prefix, plus speculation's own.
 
-Scrapers built for vLLM work by swapping the prefix `vllm:` -> `mirror_rt:`; every series carries
-`model_name`. Counters are declared without `_total` (prometheus_client appends it). Buckets are
-vLLM's. Token counters, time to first token and inter-token latency move as tokens are committed (`progress`,
-after every engine step, as vLLM updates them per step); the rest when a request ends (`finished`). Inter-token
-latency is observed per token, not per SSE chunk: a step that commits k
-tokens after a gap d counts k observations of d / k. One registry per app (never the global
-one), so several apps in one process (tests, Ray replicas) never collide. A `sink` makes a
-second family per metric that receives every update too (a Ray replica exports through it).
-The last `RECENT` finished requests are kept as they arrive, for the server page (`status`). Every series
-without a label of its own, and those of the finish and rejection reasons and the constraint kinds, exist at 0
-from the first scrape (window positions and device fallbacks appear when they first happen).
+Every series carries `model_name`; counters are declared without `_total` (prometheus_client appends it). Token
+counters, TTFT and inter-token latency move per engine step (`progress`; a step committing k tokens after a gap d
+counts k observations of d / k), the rest when a request ends. One registry per app, so apps in one process never
+collide; a `sink` receives every update too (Ray replicas). Unlabelled series and the reason/kind ones exist at 0
+from the first scrape.
 """
 
 from __future__ import annotations
@@ -168,8 +162,7 @@ class ServerMetrics:
         self.waiting.labels(self.model_name).set(waiting)
 
     def step(self, batch: int, decoder) -> None:
-        """One step that decoded `batch` sequences (0: none, its prompts went in or its last sequences left;
-        runtime.batch.decoder.BatchDecoder, read after the step)."""
+        """One step that decoded `batch` sequences (0: none); `decoder` is read after the step."""
         m = self.model_name
         if batch:
             self.batch_size.labels(m).observe(batch)
@@ -196,9 +189,8 @@ class ServerMetrics:
             self.device_fallback.labels(self.model_name, role, requested, placement.device(role)).inc()
 
     def progress(self, job) -> None:
-        """Count what `job` (serving.scheduler.Job) committed since the last call: its prompt's tokens and time to
-        first token with its first token, then each step's tokens and per-token gaps (the engine thread, after
-        every step and at the job's end; `job.metered` keeps the steps counted per choice)."""
+        """Count what `job` committed since the last call (`job.metered`: steps counted per choice): the prompt's
+        tokens and TTFT with its first token, then each step's tokens and per-token gaps."""
         m = self.model_name
         for index, gen in enumerate(job.generations):
             steps, done = gen.steps, job.metered.get(index, 0)

@@ -1,13 +1,8 @@
-"""Where each streamed token came from: the per-token entries of `stream_options.include_origins`.
+"""Where each streamed token came from: the per-token entries of `stream_options.include_origins` (`mirror_rt.tokens`).
 
-A mirror-rt extension: a client that asks gets, in every content chunk, `mirror_rt.tokens`, one
-entry per token: its id, the text it released, its origin (`runtime.generation.Step.origin`: draft,
-correction, bonus, target, forced; more may come, so a reader takes an unknown one as plain text), its
-window (the decode step; 0 is the prompt's first token) and its position in the window. Text
-held back by the detokenizer (a split character, a possible stop string) is released by a later
-token, so an entry's text may be "" and a later one longer; the entries' texts joined are always
-the chunk's content. Text released at the end by no token (EOS, a final flush) has token null.
-It reads a running `Generation` between two pieces (the engine thread, so nothing moves meanwhile).
+Each entry: token id, the text it released, its origin (`Step.origin`: draft, correction, bonus, target, forced;
+readers take unknown ones as plain), its window (decode step) and position. Held-back text is released by a later
+token, so texts may be "" but always join to the chunk's content; text released by no token has token null.
 """
 
 from __future__ import annotations

@@ -1,10 +1,7 @@
-"""The playground page at `/`: static files shipped in the package (serving/ui), served as they are.
+"""The playground page at `/`: hand-written static files shipped in the package (serving/ui), read once.
 
-The page is hand-written HTML, CSS and JavaScript modules: no build step, no CDN, nothing fetched
-from elsewhere, so it works offline. It holds no data: it asks the server for everything through
-the same endpoints as any client (`/v1/*` and `/server`, behind the API key when there is one), so
-its own files are never behind the key. The files are read once, when the app is made. A strict
-Content-Security-Policy keeps the page to its own origin.
+No build step and nothing fetched from elsewhere; the page asks for its data through `/v1/*` and `/server` like any
+client, so its own files are never behind the key. A strict Content-Security-Policy keeps it to its own origin.
 """
 
 from __future__ import annotations

@@ -1,11 +1,8 @@
 """What one finished request measured: for its response, the metrics and the access log.
 
-A `RequestRecord` is built once from a scheduler job at its end; a request with n choices is one
-record whose token counts, draft counts and inter-token gaps cover every choice (its speculation
-figures are the first choice's). Times are perf_counter seconds from the request's arrival. The
-response figures follow llama-server's `timings` (`prompt_n`, `prompt_ms`, `predicted_n`,
-`predicted_ms`, `predicted_per_second`, `draft_n`, `draft_n_accepted`) plus a `mirror_rt` object
-with what only speculation knows.
+Built once from a scheduler job at its end; n choices are one record (speculation figures: the first choice's).
+Times are perf_counter seconds from arrival. `timings` follows llama-server's; `speculation` is the `mirror_rt`
+object.
 """
 
 from __future__ import annotations

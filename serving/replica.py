@@ -1,18 +1,9 @@
-"""One Ray Serve replica: the single server's app over the replica's own engine.
+"""One Ray Serve replica: the single server's app over the replica's own engine (Ray imported lazily).
 
-`replica_deployment(options)` builds the deployment class when a cluster is asked for (Ray is
-imported there, never at module import). A replica loads its engine in its constructor (Serve
-routes to a replica only after its constructor and a first health check pass), then serves
-`create_app`'s routes unchanged, plus: every response names the replica in `x-mirror-rt-replica`
-(its Serve tag, which is also the `replica` label of its metrics), and every metric update is
-recorded through `ray.serve.metrics` too (Ray adds the `deployment`, `replica` and `application`
-labels; the names become `ray_mirror_rt_*`). `check_health` fails once the engine thread is dead,
-so Serve replaces the replica. `answer` serves the proxy's requests that take no generation slot,
-and `drain` is the single server's drain, both called on every replica at once (a Serve broadcast).
-Before loading, a replica that asked for whole CPUs pins its process to that many cores of its node,
-chosen by its rank on the node, so the engine's workers (which take the cores they may run on) use
-what Ray reserved for them and two replicas never share a core
-(assuming this deployment is the node's only CPU-heavy work).
+A replica loads its engine in its constructor, then serves `create_app`'s routes, each response naming it in
+`x-mirror-rt-replica` (its Serve tag) and every metric also recorded through `ray.serve.metrics`. `check_health`
+fails once the engine thread is dead; `answer` (the proxy's `LIGHT` requests) and `drain` are broadcast to every
+replica. A replica that asked for whole CPUs first pins itself to that many cores chosen by its rank on the node.
 """
 
 from __future__ import annotations
@@ -55,31 +46,25 @@ def health_problem(state) -> str | None:
 
 
 def own_cores(cores: list[int], num_cpus: int, local_rank: int) -> list[int] | None:
-    """The cores of the replica of rank `local_rank` on its node: `num_cpus` of `cores` after those of the
-    lower ranks (wrapping round when the node has fewer); None when it should not pin (no whole CPU asked
-    for, or all of them)."""
+    """`num_cpus` of `cores` after those of the lower ranks (wrapping round); None when it should not pin (no
+    whole CPU asked for, or all of them)."""
     if num_cpus < 1 or num_cpus >= len(cores):
         return None
     first = local_rank * num_cpus
     return [cores[(first + i) % len(cores)] for i in range(num_cpus)]
 
 
-def pin_process(cores: list[int]) -> None:
-    """Every thread of this process on `cores` (threads started later inherit it); Linux only."""
-    for task in os.listdir("/proc/self/task"):
+def pin_replica(num_cpus: float, rank) -> list[int] | None:
+    """Pin every thread of this process (later ones inherit it) to its own cores (`own_cores`); the cores, or None
+    when it did not."""
+    if rank is None or not hasattr(os, "sched_setaffinity") or not os.path.isdir("/proc/self/task"):
+        return None
+    cores = own_cores(sorted(available_cores()), int(num_cpus), rank.local_rank)
+    for task in os.listdir("/proc/self/task") if cores is not None else ():
         try:
             os.sched_setaffinity(int(task), cores)
         except (OSError, ValueError):  # a thread that ended meanwhile
             pass
-
-
-def pin_replica(num_cpus: float, rank) -> list[int] | None:
-    """Pin this replica's process to its own cores (`own_cores`); the cores, or None when it did not."""
-    if rank is None or not hasattr(os, "sched_setaffinity") or not os.path.isdir("/proc/self/task"):
-        return None
-    cores = own_cores(sorted(available_cores()), int(num_cpus), rank.local_rank)
-    if cores is not None:
-        pin_process(cores)
     return cores
 
 
@@ -87,8 +72,7 @@ def pin_replica(num_cpus: float, rank) -> list[int] | None:
 
 
 class RayFamily:
-    """One metric in `ray.serve.metrics`, with prometheus_client's `.labels(...)` calling style; the class
-    is a `serving.metrics.Sink` (a replica's metrics also go to Ray's export)."""
+    """One metric in `ray.serve.metrics` with prometheus_client's `.labels(...)` style: a `serving.metrics.Sink`."""
 
     def __init__(self, kind: str, name: str, doc: str, label_names: list, buckets: tuple | None):
         from ray.serve import metrics
@@ -159,13 +143,11 @@ def replica_deployment(options: dict):
                 raise RuntimeError(problem)
 
         async def answer(self, method: str, path: str, query: bytes, headers: list) -> tuple:
-            """A request answered in-process, outside Serve's request limits: the proxy asks every replica
-            this way for what takes no generation slot (`proxy.LIGHT`)."""
+            """A `proxy.LIGHT` request answered in-process, outside Serve's request limits."""
             return await call_app(self.asgi, method, path, query, headers)
 
         async def drain(self, timeout: float) -> bool:
-            """The single server's drain (`serving.server.drain_scheduler`): new requests get 503, the admitted
-            ones finish for up to `timeout` s, the rest are cancelled; True when all finished."""
+            """The single server's drain (`serving.server.drain_scheduler`); True when all finished."""
             self.state.status = "draining"
             if self.state.scheduler is None:
                 return True

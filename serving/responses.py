@@ -1,13 +1,9 @@
 """Completion bodies and SSE chunks, chat and text alike, from a job's events.
 
-Non-streamed: one body with `choices`, `usage`, `timings` and `mirror_rt`. Streamed: a first
-chunk (the assistant role, chat only), one chunk per batch of text of one choice (a decode step
-can commit several tokens: they go out together, with their log-probabilities and, with
-`stream_options.include_origins`, their origins: `serving.origins`), a chunk with each
-choice's `finish_reason` (the last one with the figures), a usage chunk with `choices: []` when
-`stream_options.include_usage`, then `data: [DONE]`. A request with tools holds each choice's text
-until it ends, then sends its tool calls (id and name, then arguments) or its text. A failure
-after the 200 header becomes a `data: {"error": ...}` event, then `[DONE]`.
+Non-streamed: one body with `choices`, `usage`, `timings` and `mirror_rt`. Streamed: the role chunk (chat), one
+chunk per step's text of a choice (with log-probabilities and origins when asked), each choice's `finish_reason`
+(the last with the figures), a usage chunk when asked, then `[DONE]`. With tools, a choice's text is held until it
+ends, then sent as tool calls or text. A failure after the 200 is a `data: {"error": ...}` event, then `[DONE]`.
 """
 
 from __future__ import annotations
@@ -22,7 +18,7 @@ from dataclasses import dataclass
 from mirror_rt.runtime.engine import GenerationError
 from mirror_rt.runtime.grammar import GrammarError
 from mirror_rt.serving import tools
-from mirror_rt.serving.errors import APIError, envelope
+from mirror_rt.serving.errors import APIError
 from mirror_rt.serving.logprobs import TextOffsets, chat_logprobs, completion_logprobs
 from mirror_rt.serving.records import RequestRecord
 
@@ -86,8 +82,8 @@ class Reply:
         return {"index": index, "delta": delta, "logprobs": logprobs, "finish_reason": finish_reason}
 
     def buffered(self, index: int, text: str, entries) -> tuple[list[dict], bool]:
-        """The deltas of a choice held back until its end (tool calls: id and name first, then the
-        arguments, keyed by the call's index); also whether it made calls."""
+        """The deltas of a choice held until its end (each call's id and name, then its arguments); whether it
+        made calls."""
         content, calls = tools.parse_calls(text, self.tool_names, self.tool_mode, self.parallel_tool_calls)
         deltas = [self.delta(index, content, entries=entries)] if content or entries else []
         for i, call in enumerate(calls):
@@ -106,8 +102,7 @@ def _with_calls(finish_reason: str, called: bool) -> str:
 
 
 def usage(record: RequestRecord) -> dict:
-    return {"prompt_tokens": record.prompt_tokens, "completion_tokens": record.completion_tokens,
-            "total_tokens": record.prompt_tokens + record.completion_tokens}
+    return partial_usage(record.prompt_tokens, record.completion_tokens)
 
 
 def failure(job, record: RequestRecord, timeout_s: float | None) -> APIError:
@@ -223,10 +218,6 @@ def partial_usage(prompt_tokens: int, completion_tokens: int) -> dict:
 
 def sse(payload: dict) -> bytes:
     return b"data: " + json.dumps(payload, ensure_ascii=False).encode() + b"\n\n"
-
-
-def error_event(status: int, message: str) -> bytes:
-    return sse(envelope(status, message))
 
 
 async def until_disconnected(receive) -> None:

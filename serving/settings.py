@@ -1,10 +1,7 @@
 """The server's settings, each default written once: one server (`ServerConfig`) and its replicas (`ClusterConfig`).
 
-Each field is named as its `mirror-rt serve` flag (`--max-queued` is `max_queued`, `--request-timeout` is
-`request_timeout`, in seconds); the CLI reads its flags' defaults from here, and the replicas read the
-server's (queue, Retry-After, drain, address) from `ServerConfig` rather than keeping their own. The
-decoding defaults of requests that name none are a `GenerationConfig` (`defaults`), never copied field by
-field. Imports no web framework: the CLI builds these without the `serve` extra.
+Each field is named as its `mirror-rt serve` flag, which reads its default here; requests that name none get
+`defaults` (a `GenerationConfig`). Imports no web framework: the CLI builds these without the `serve` extra.
 """
 
 from __future__ import annotations
@@ -32,14 +29,12 @@ class ServerConfig:
     defaults: GenerationConfig = field(default_factory=GenerationConfig)  # mode, gamma... of requests naming none
     temperature: float = 1.0  # OpenAI's default when a request names none
     retry_after_s: int = 1  # Retry-After of a 503 (the proxy's too)
-    # a replica ends its process when its engine thread dies before answering (Serve's proxy then sends the
-    # request to another replica); a single server answers 503 with x-mirror-rt-retry instead
+    # a replica ends its process when its engine thread dies (the proxy resends); a single server answers 503
     exit_on_engine_death: bool = False
     ui: bool = True  # the playground page at / (serve --no-ui: off, / answers 404)
     # browser origins allowed beside the server's own page ("*": any), e.g. ("http://localhost:3000",)
     allowed_origins: tuple[str, ...] = ()
-    # Host names answered beside localhost and IP addresses ("*": any); empty: every name where --host listens
-    # beyond this machine (serving.guard)
+    # Host names answered beside localhost and IP addresses ("*": any); empty: see serving.guard
     allowed_hosts: tuple[str, ...] = ()
 
 

@@ -1,18 +1,15 @@
 """What a request asks of the token rules: its grammar, logit bias, penalties and log-probabilities.
 
-The grammar comes from one of: `response_format` (`json_object`, `json_schema`), vLLM's
-`structured_outputs` (`json`, `regex`, `choice`, `grammar`, `json_object`) or a tool_choice that
-enforces a call (`required`, a named function; see `serving.tools`). Two of them at once is a 400.
-Every grammar is compiled against the engine's tokenizer before the request is queued, so a schema
-llguidance cannot run is a one-line 400 naming the parameter, never a failure mid-generation.
+The grammar comes from `response_format`, vLLM's `structured_outputs`, or a forcing tool_choice; two at once is a
+400. It is compiled before the request is queued: a grammar llguidance cannot run is a 400 naming the parameter.
 """
 
 from __future__ import annotations
 
 from mirror_rt.runtime.grammar import Constraint, check, grammar_tokenizer
-from mirror_rt.serving import protocol, tools
+from mirror_rt.serving import protocol
 from mirror_rt.serving.errors import APIError
-from mirror_rt.serving.tool_schema import closed, strict
+from mirror_rt.serving.tool_schema import closed, forced_schema, strict
 
 
 def constraint_of(req: protocol.Sampling) -> tuple[Constraint | None, str | None, str | None]:
@@ -34,8 +31,8 @@ def constraint_of(req: protocol.Sampling) -> tuple[Constraint | None, str | None
     if structured is not None:
         found.append(_structured_outputs(structured))
     mode = req.tool_mode() if isinstance(req, protocol.ChatRequest) else None
-    schema = tools.tool_schema(req.tools, mode, req.parallel_tool_calls is not False) if mode else None
-    if schema is not None:
+    if mode not in (None, "auto"):  # required, or a named function
+        schema = forced_schema(req.tools, mode, req.parallel_tool_calls is not False)
         found.append((Constraint.json_schema(schema), "tools", "tool_choice"))
     if len(found) > 1:
         raise APIError(400, f"{found[0][2]} and {found[1][2]} both constrain the output; send one", found[1][2])
@@ -60,9 +57,8 @@ def _structured_outputs(spec: protocol.StructuredOutputs) -> tuple[Constraint, s
 
 
 def checked(constraint: Constraint | None, param: str | None, engine, offered: list | None = None) -> None:
-    """A 400 naming `param` when llguidance cannot run the grammar with the engine's tokenizer; first, one
-    naming the tool whose parameters it cannot run (`offered`: the request's tools, in any tool_choice, as
-    OpenAI checks them)."""
+    """A 400 naming `param` when llguidance cannot run the grammar with the engine's tokenizer; first, one naming
+    any `offered` tool whose parameters it cannot run (as OpenAI checks them)."""
     given = [(i, t) for i, t in enumerate(offered or ()) if t.function.parameters]
     if constraint is None and not given:
         return

@@ -1,13 +1,9 @@
 """The JSON schema a forced tool choice enforces (vLLM's construction), with what makes it usable.
 
-A named function constrains the output to that function's parameters (the output IS the arguments);
-`required` to a JSON array of {"name", "parameters"} objects, one option per tool, with no other keys (at most one
-item when `parallel_tool_calls` is false). Parameters are made strict as OpenAI's strict mode and vLLM's default
-grammar backend read them: an object schema that does not say otherwise admits no undeclared keys, and a function
-without parameters (omitted, or an object without properties) takes `{}`; a small model would otherwise write
-keys of its own, or copy a tool's schema into its arguments. Under `required` each tool's parameters move into
-the root's `$defs` (under the tool's name) and every local `$ref` in them is rewritten to point there, since a
-pointer is resolved from the root of the whole schema.
+A named function: its parameters; `required`: an array of {"name", "parameters"} objects (at most one without
+`parallel_tool_calls`). Parameters are made strict as OpenAI and xgrammar read them (objects admit no undeclared
+keys; no parameters means `{}`), else a small model writes keys of its own. Under `required` each tool's parameters
+move to the root's `$defs` and their local `$ref`s are rewritten to point there.
 """
 
 from __future__ import annotations

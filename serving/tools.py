@@ -1,13 +1,9 @@
-"""Tool calls: the prompt that offers tools, the schema that enforces a call, the parser that reads one.
+"""Tool calls: the prompt that offers tools and the parser that reads a call (it knows only a tokenizer).
 
-Prompt: a chat template that renders `tools` itself gets them, with earlier calls as `tool_calls`.
-Otherwise (the default model's template) a system message lists the functions as JSON and asks for
-Hermes-style calls, `<tool_call>{"name": ..., "arguments": {...}}</tool_call>`; earlier calls are written
-back the same way into the assistant's text and `tool` messages keep their role.
-Enforcement: a named tool_choice constrains the output to that function's parameters, `required` to a JSON
-array of calls (serving.tool_schema); `auto` is free text, parsed afterwards (Hermes tags, or an answer that is
-one call object). `parallel_tool_calls: false` keeps the first call. It knows no engine: only a tokenizer's
-`chat_prompt`.
+A chat template that renders `tools` gets them; otherwise a system message lists them and asks for Hermes-style
+`<tool_call>{"name": ..., "arguments": {...}}</tool_call>`, and earlier calls are written back that way. `auto`
+answers are parsed afterwards (Hermes tags, or one call object); forced ones follow `serving.tool_schema`.
+`parallel_tool_calls: false` keeps the first call.
 """
 
 from __future__ import annotations
@@ -18,7 +14,6 @@ import uuid
 
 from mirror_rt.serving import protocol
 from mirror_rt.serving.errors import APIError
-from mirror_rt.serving.tool_schema import forced_schema
 
 TOOL_PROMPT = ("You are a function calling AI model. You may call one or more functions to assist with the user "
                "query. The functions you may call, as JSON signatures:\n<tools>\n{tools}\n</tools>\nTo call a "
@@ -71,13 +66,6 @@ def _arguments(text: str):
         return text
 
 
-def tool_schema(tools: list[protocol.Tool], mode: str | None, parallel: bool = True) -> dict | None:
-    """The JSON schema a tool_choice enforces (None for auto and none): serving.tool_schema."""
-    if mode in (None, "auto", "none"):
-        return None
-    return forced_schema(tools, mode, parallel)
-
-
 def parse_calls(text: str, names: tuple[str, ...], mode: str | None,
                 parallel: bool = True) -> tuple[str | None, list[dict]]:
     """(content, tool_calls in OpenAI's shape) of a finished answer; content None when only calls (at most one
@@ -95,13 +83,14 @@ def parse_calls(text: str, names: tuple[str, ...], mode: str | None,
 
 def _required(text: str, names) -> tuple[str | None, list[dict]] | None:
     """The calls of a `required` answer (a JSON array of {"name", "parameters"}); cut by the token budget, the
-    whole items and the one it cut, with its arguments so far (as a named function's cut answer is)."""
+    whole items and the cut one with its arguments so far."""
     start = text.lstrip()
     if not start.startswith("["):  # the grammar writes an array: only a text cut before it starts
         return None
     decoder, calls, pos = json.JSONDecoder(), [], len(text) - len(start) + 1
     while True:
-        pos = _skip_separators(text, pos)
+        while pos < len(text) and text[pos] in " \t\r\n,":
+            pos += 1
         if pos >= len(text) or text[pos] == "]":
             break
         try:
@@ -114,12 +103,6 @@ def _required(text: str, names) -> tuple[str | None, list[dict]] | None:
         if isinstance(item, dict) and item.get("name") in names:
             calls.append(_call(item["name"], json.dumps(item.get("parameters", {}), ensure_ascii=False)))
     return None, calls  # the array is the grammar's wrapper, never content, even cut before its first call
-
-
-def _skip_separators(text: str, pos: int) -> int:
-    while pos < len(text) and text[pos] in " \t\r\n,":
-        pos += 1
-    return pos
 
 
 def _auto(text: str, names) -> tuple[str | None, list[dict]] | None:

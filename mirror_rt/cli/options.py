@@ -1,13 +1,8 @@
 """The option groups `run`, `serve` and `bench` share: each flag named as its settings field, its default read there.
 
-- engine options (`devices.options.EngineConfig`: what runs where): `run`, `serve`; `bench` takes those it uses;
-- decoding options (`runtime.config.GenerationConfig`: gamma, branch budget, draft lookup, early exit; the mode
-  for `run` and `serve`; for a server they are the defaults of requests that name none);
-- request options (max new tokens, sampling, seed, stop strings): `run` and `bench` (a server takes them per
-  request).
-`engine_config(args)` and `generation_config(args)` build the settings objects from the parsed flags by field
-name, so a flag is its field from the command line to where it acts; `%(default)s` in a help text is the default
-the settings object wrote. Above them, the argument types every subcommand uses, and the log line.
+Engine options (`EngineConfig`), decoding options (`GenerationConfig`: for a server, the defaults of requests that
+name none) and request options (`run`, `bench`). `engine_config(args)` and `generation_config(args)` build the
+settings from the parsed flags by field name; `%(default)s` in a help text is the settings object's default.
 """
 
 from __future__ import annotations
@@ -67,13 +62,12 @@ def budget(text: str) -> int | None:
 
 
 def output_folder(text: str) -> str:
-    """A folder to write into: refused at once (not after the work) when a file holds the name or the place
-    refuses writing."""
+    """A folder to write into: refused at once (not after the work) when it cannot be."""
     return _writable(text, folder=True)
 
 
 def output_file(text: str) -> str:
-    """A file to write: refused at once (not after the work) when it is a folder or its place refuses writing."""
+    """A file to write: refused at once (not after the work) when it cannot be."""
     return _writable(text, folder=False)
 
 
@@ -151,8 +145,7 @@ REQUEST = ("max_new_tokens", "temperature", "top_p", "top_k", "seed", "stop_stri
 
 
 def add_engine_options(parser, names=tuple(n for n in ENGINE_HELP if n not in BATCH)) -> None:
-    """The engine flags among `names` (default: all but the batch's, which only `serve` takes), each an
-    EngineConfig field with its default."""
+    """The engine flags among `names` (default: all but the batch's, `serve`'s), EngineConfig's defaults."""
     values = {name: value for part in vars(ENGINE).values() for name, value in vars(part).items()}
     parser = parser.add_argument_group("engine: what runs where (devices.options.EngineConfig)")
     for name in names:
@@ -168,8 +161,7 @@ def add_engine_options(parser, names=tuple(n for n in ENGINE_HELP if n not in BA
 
 
 def add_decoding_options(parser, mode: bool = True) -> None:
-    """`--mode` (unless `mode` is False: the bench's methods name theirs), `--gamma`, `--branch-budget`,
-    `--draft-lookup`, `--early-exit`: GenerationConfig fields with its defaults."""
+    """The decoding flags, `--mode` unless `mode` is False (the bench's methods name theirs)."""
     parser = parser.add_argument_group("decoding (runtime.config.GenerationConfig)")
     if mode:
         parser.add_argument("--mode", default=DEFAULTS.mode, help=f"decoding mode: {', '.join(MODES)} (default: the "

@@ -1,8 +1,6 @@
 """`mirror-rt serve`: the parser and the command (the server is mirror_rt.serving), replicas on Ray Serve included.
 
-`serve` takes `run`'s engine and decoding options (the decoding ones are the defaults of requests that
-name none) and the server's, each flag a `ServerConfig` (replicas: `ClusterConfig`) field of the same name with
-its default read there. `ray_serve_app` builds the same app for a RayService (KubeRay) from `serve` options.
+Each server flag is a `ServerConfig` (replicas: `ClusterConfig`) field of the same name, its default read there.
 """
 
 from __future__ import annotations
@@ -63,7 +61,10 @@ def cmd_serve(args) -> int:
 
     settings, load = serve_parts(args)
     if wants_ray(args):
-        return serve_on_ray(args, settings, load, torch_engine(args))
+        from mirror_rt.serving.cluster import require_ray, serve_replicas
+
+        require_ray()
+        return serve_replicas(settings, cluster_config(args, torch_engine(args)), load)
     return serve(settings, load)
 
 
@@ -141,11 +142,3 @@ def cluster_config(args, torch_engine: bool) -> ClusterConfig:
     given = {f.name: getattr(args, f.name) for f in fields(ClusterConfig) if getattr(args, f.name, None) is not None}
     return ClusterConfig(**given, actor_options=replica_resources(args.mode, target, draft, args.threads),
                            batch_rows=args.max_num_seqs)
-
-
-def serve_on_ray(args, settings, load, torch_engine: bool) -> int:
-    """`serve` on Ray Serve replicas, until SIGTERM / Ctrl-C."""
-    from mirror_rt.serving.cluster import require_ray, serve_replicas
-
-    require_ray()
-    return serve_replicas(settings, cluster_config(args, torch_engine), load)

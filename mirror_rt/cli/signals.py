@@ -1,11 +1,8 @@
 """How the CLI takes Ctrl-C and SIGTERM: an exception its commands clean up on, or an exit at once.
 
-A Ctrl-C raises KeyboardInterrupt, and a SIGTERM `Terminated` (one), so `finally` blocks run: an export removes
-its staging folder, a bench keeps an earlier run's results, as they do on Ctrl-C (`serve` drains instead, with
-handlers of its own). A signal that lands while any module is being imported (torch and ONNX Runtime load
-lazily, inside commands) exits at once: raised there, the exception may cross C++ frames (torch's
-initialisation calls back into Python through pybind11) and abort the process ('terminate called ...
-KeyboardInterrupt', exit 134). Anything staged by then is a `NAME.partial-PID` folder, swept by the next writer.
+Ctrl-C raises KeyboardInterrupt and SIGTERM `Terminated`, so `finally` blocks run (`serve` has handlers of its own).
+A signal that lands during an import exits at once: raised there, the exception may cross C++ frames (torch's
+pybind11 callbacks) and abort the process (exit 134). Staged `NAME.partial-PID` folders are swept by the next writer.
 """
 
 from __future__ import annotations
@@ -62,15 +59,14 @@ def say_stopped(signum: int, after_text: bool = False) -> None:
 
 
 def stop_now(signum: int = signal.SIGINT) -> None:
-    """One line and exit at once, whatever still runs: half-imported modules, or worker threads inside ONNX Runtime
-    or torch (an interpreter that tears down under them aborts: 'terminate called without an active exception')."""
+    """One line and exit at once, whatever still runs (an interpreter torn down under torch or ONNX Runtime threads
+    aborts)."""
     say_stopped(signum)
     os._exit(EXIT_CODES[signum])
 
 
 def start() -> int:
-    """The command line (`mirror-rt`, `python -m mirror_rt.cli`): its modules imported under a Ctrl-C guard (a few
-    hundred milliseconds: numpy, the engine's modules), then `dispatch.main` under its own."""
+    """The command line: its modules imported under a Ctrl-C guard, then `dispatch.main` under its own."""
     install(sigterm="serve" not in sys.argv[1:2])  # serve drains on SIGTERM, with its own handlers
     try:
         from mirror_rt.cli.dispatch import main
