@@ -1,6 +1,4 @@
-"""The `mirror-rt` console script: the CLI imported under a Ctrl-C guard (`mirror_rt.cli.signals.start`), so a
-Ctrl-C while it loads is exit 130 and one line, as it is once the command runs, not a KeyboardInterrupt traceback.
-"""
+"""The `mirror-rt` console script: the CLI imported under a Ctrl-C guard (`signals.start`): exit 130, one line."""
 
 from __future__ import annotations
 

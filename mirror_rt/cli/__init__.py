@@ -1,7 +1,6 @@
-"""The `mirror-rt` command line: `dispatch` (the parser of every subcommand, and `main`), one module per group of
-subcommands (`run`, `serve` with `replicas`, `bench`, `training`), the flags they share (`options`) and Ctrl-C /
-SIGTERM handling (`signals`). `main`, `build_parser` and `ray_serve_app` (a RayService's import_path,
-`mirror_rt.cli:ray_serve_app`) are imported on first use, so importing `mirror_rt.cli.signals` stays cheap.
+"""The `mirror-rt` command line: `dispatch` (the parser and `main`), one module per group of subcommands, the flags
+they share (`options`) and signal handling (`signals`). `main`, `build_parser` and `ray_serve_app` (a RayService's
+import_path) are imported on first use, so importing `mirror_rt.cli.signals` stays cheap.
 """
 
 from __future__ import annotations

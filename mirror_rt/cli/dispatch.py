@@ -1,10 +1,7 @@
 """The `mirror-rt` command line: the parser of every subcommand, and dispatch.
 
-Subcommands live beside it: `run`, `export`, `devices`, `simulate` (`run`), `serve` (`serve`,
-replicas: `replicas`), `bench`, `bench-serve` (`bench`), training and draft evaluation
-(`training`); the options `run`, `serve` and `bench` share, and the argument types, are
-`options`. Every user error ends as one line on stderr (`mirror-rt: error: ...`) and exit code 2;
-Ctrl-C exits with 130 after the committed text was printed.
+Every user error ends as one line on stderr (`mirror-rt: error: ...`) and exit code 2; Ctrl-C exits with 130
+after the committed text was printed.
 """
 
 from __future__ import annotations
@@ -29,9 +26,8 @@ COMMANDS = {**RUN_COMMANDS, "serve": cmd_serve, **BENCH_COMMANDS, **TRAINING_COM
 
 
 class OneLineParser(argparse.ArgumentParser):
-    """A bad argument is one line too, as every other error (`mirror-rt: error: ... (see mirror-rt run --help)`,
-    exit 2), not the usage block and then the line; `--help` still shows the usage. Subcommands' parsers are of
-    this class as well."""
+    """A bad argument is one line too (`mirror-rt: error: ... (see mirror-rt run --help)`, exit 2), not the usage
+    block; `--help` still shows the usage. Subcommands' parsers are of this class as well."""
 
     def __init__(self, *args, **kwargs):
         kwargs.setdefault("allow_abbrev", False)  # `bench --mode ar` was read as `--model ar`
@@ -41,8 +37,7 @@ class OneLineParser(argparse.ArgumentParser):
         self.exit(2, f"mirror-rt: error: {message} (see {self.prog} --help)\n")
 
 
-# what the machine refused (a full disk, no memory, a read-only or forbidden place, a file where a folder must be):
-# a line, not a traceback, whatever wrote it
+# what the machine refused (disk, memory, permissions, a file where a folder must be): a line, not a traceback
 MACHINE_ERRORS = {errno.ENOSPC, errno.ENOMEM, errno.EROFS, errno.EACCES, errno.EDQUOT, errno.EPERM, errno.ENOTDIR,
                   errno.EISDIR}
 
@@ -68,8 +63,7 @@ def _one_line_warnings() -> None:
 
 
 def _exit_now(code: int) -> None:
-    """Exit at once: a worker thread may still be inside ONNX Runtime or torch (engines load in parallel), and an
-    interpreter that tears down under it aborts ('terminate called without an active exception', exit 134)."""
+    """Exit at once: an interpreter torn down under a worker thread inside ONNX Runtime or torch aborts."""
     sys.stdout.flush()
     sys.stderr.flush()
     os._exit(code)

@@ -1,8 +1,4 @@
-"""`mirror-rt run`, `export`, `devices` and `simulate`: parsers and commands (the work is in the code folders).
-
-Each flag is a settings field of the same name (`options`); formatting lives with what it formats
-(`runtime.metrics.format_stats`, `evaluation.simulate.format_prediction`, `devices.registry.format_devices`).
-"""
+"""`mirror-rt run`, `export`, `devices` and `simulate`: parsers and commands (the work is in the code folders)."""
 
 from __future__ import annotations
 
@@ -95,8 +91,7 @@ PROGRESS_FROM = 2048  # prompt tokens from which `run` shows its reading (8,000 
 
 
 def stdin_text(text: str) -> str:
-    """A prompt read from stdin as the same prompt given as an argument: without a byte-order mark, and without the
-    one line end that `echo` or an editor puts last."""
+    """A prompt read from stdin as given as an argument: no byte-order mark, no final line end."""
     text = text.removeprefix("\ufeff")
     return text[:-2] if text.endswith("\r\n") else text[:-1] if text.endswith("\n") else text
 
