@@ -36,11 +36,9 @@ def describe(state: ServerState, url: str) -> str:
     """The start-up line: where, what, how, on which devices, and whether a key is required."""
     engine, settings = state.engine, state.settings
     fallbacks = engine.placement.fallbacks if engine.placement is not None else {}
-    roles = []
-    for role in ("target", "draft"):
-        device = engine.names.get(f"{role}_device", "?")
-        note = f" (asked for {fallbacks[role]}: not available, fell back)" if role in fallbacks else ""
-        roles.append(f"{role} on {device}{note}")
+    roles = [f"{role} on {engine.names.get(f'{role}_device', '?')}"
+             + (f" (asked for {fallbacks[role]}: not available, fell back)" if role in fallbacks else "")
+             for role in ("target", "draft")]
     key = "API key required" if settings.api_key else "no API key"
     return (f"serving {state.model_name} at {url}/v1 ({engine.names.get('path', 'engine')}), mode "
             f"{state.default_mode}, {', '.join(roles)}; {engine.decoder.describe()}; {key}; "
