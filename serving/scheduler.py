@@ -55,11 +55,6 @@ class Job:
     metered: dict = field(default_factory=dict)  # choice index -> steps its metrics counted (ServerMetrics.progress)
     cancel_requested: threading.Event = field(default_factory=threading.Event)
 
-    @property
-    def generation(self):
-        """The first choice's generation (None before it is submitted)."""
-        return self.generations[0] if self.generations else None
-
     def post(self, kind: str, value=None) -> None:
         """Hand an event to the job's asyncio queue (from any thread)."""
         try:
