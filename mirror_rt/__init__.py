@@ -55,10 +55,16 @@ def __dir__() -> list[str]:
 def load(model: str | None = None, draft_model: str | None = None, *, log=None, **options) -> Engine:
     """The default engine with no arguments; torch eager with `torch=True` or any torch-only option.
 
-    `model`: a Hugging Face folder, a .gguf file or a preset (None: the default model); `draft_model`: `int8`,
-    `target` (the oracle draft) or a folder / .gguf / preset; `options`: the `mirror-rt run` engine flags by their
-    `mirror_rt.EngineConfig` field names (device, dtype, threads, exit_layer, kappa, draft_streams and compile are
-    torch-only); `log`: where progress and warnings go (None: stderr).
+    Args:
+        model: a Hugging Face folder, a .gguf file, a preset (`tiny`); None: the default model.
+        draft_model: `int8` (an int8 copy of the target, torch's default), `target` (the oracle draft),
+            or a folder / .gguf / preset.
+        options: the `mirror-rt run` engine flags by their names (`mirror_rt.EngineConfig` fields):
+            device, dtype, threads, exit_layer, kappa, draft_streams, compile (torch-only: any of them runs
+            torch eager), torch, bundle, draft_bundle, weights (the default model's target precision:
+            fp32, int8, int4, q4_1, w8a8), target, draft, strict_devices, draft_precision,
+            cache_dir, pin (torch, mirror: pin target and draft to different cores).
+        log: where progress and warning lines go (None: stderr).
     """
     from mirror_rt.devices.engines import load_engine
     from mirror_rt.devices.options import EngineConfig
