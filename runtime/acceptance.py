@@ -1,13 +1,8 @@
 """The acceptance rule: the target's logits over a window in, the `Verdict` out. Pure: no model, no cache, no I/O.
 
-Notation (Leviathan et al.; transformers): **p = target probabilities, q = draft probabilities** (gpt-fast uses
-the opposite). A window of k draft tokens d_1..d_k is scored by one target forward over [last, d_1..d_k], giving
-k+1 rows: row j predicts the token after d_j (row 0 predicts d_1). At every row the target's own choice is taken
-(runtime.sampling.choose_at: the argmax, or the draw at that position's own uniform) and the drafts equal to those
-choices are accepted: the longest matching prefix, then the target's choice at the first mismatch (the
-**correction**) or after a full window (the **bonus**). The committed tokens are then exactly the target's, for
-any seed (coupled verification: lossless, and the same text as target-only decoding in every mode and batch);
-the draft draws at the same uniforms, so it proposes the target's choice wherever their distributions agree.
+Notation: **p = target probabilities, q = draft probabilities**. The drafts equal to the target's own choices
+(runtime.sampling.choose_at) are accepted, then the **correction** or the **bonus**: the committed tokens are
+exactly the target's, for any seed. Design notes: docs/design/runtime.md.
 """
 
 from __future__ import annotations

@@ -1,10 +1,6 @@
-"""Thread placement: pin the calling thread to cores, and put it back.
+"""Thread placement: pin the calling thread to cores, and put it back. A failure to pin never stops decoding.
 
-On Linux `os.sched_setaffinity(0, cores)` pins only the calling thread, and the thread pools a
-backend creates afterwards inherit that mask; elsewhere (or without permission) pinning is a
-no-op. Every place that pins (the Mirror workers, model loading, pipelined prefill) uses these
-functions, so a failure to pin never stops decoding; a worker with a core of its own takes it through
-`placed`, which also gives its model a budget of one thread (the two workers must not contend).
+Design notes: docs/design/runtime.md.
 """
 
 from __future__ import annotations

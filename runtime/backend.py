@@ -1,10 +1,8 @@
 """The device boundary: what the runtime asks of a loaded model, and what the model says it can do.
 
-A `LoadedModel` owns its weights on some device and makes KV caches for itself; the runtime hands it token ids
-and gets logits back (host arrays, or tensors on the model's device that runtime.transfer reads back). Beyond the
-three verbs every model has, a backend declares its `Capabilities` once, when devices/ assembles it, so the
-runtime branches on declared fields and never probes a model for members. Backends (devices/: torch, OpenVINO,
-ONNX Runtime) implement this protocol; the runtime imports none of them.
+A backend declares its `Capabilities` once, when devices/ assembles it, so the runtime branches on declared fields
+and never probes a model for members. Backends (devices/) implement this protocol; the runtime imports none.
+Design notes: docs/design/runtime.md.
 """
 
 from __future__ import annotations

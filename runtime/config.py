@@ -1,10 +1,7 @@
 """Per-request decoding settings: one frozen dataclass, validated on construction, the one home of each.
 
-Every setting has one name from flag to field to where it acts (`--gamma` is `gamma` in the CLI,
-here, and in the decoders that read this object directly), one default and one validation, here.
-The CLI, the server (whose OpenAI / OVMS request names are aliases mapped once at its edge),
-the bench and `Engine.generate` all build this object. It knows nothing of models or devices:
-load-time settings (model, devices, precision, kappa, exit layer) live in `devices.options`.
+Every setting has one name from flag to field, one default and one validation, here. Load-time settings live in
+`devices.options`. Design notes: docs/design/runtime.md.
 """
 
 from __future__ import annotations

@@ -1,12 +1,9 @@
 """The engine: a target (and optional draft) that turns prompts into streamed text, many at once.
 
-It prepares prompts (chat template when the model has one), checks the context and the vocabularies, and runs
-every generation through one batched decoder (runtime.batch.decoder): `stream()` / `generate()` drive it from the
-caller's thread, one prompt at a time; a server `submit`s many and calls `step()` from its engine thread.
-Each generation's committed tokens become text through its own `TextStream` (end of sequence, stop strings),
-and each decode step is kept as a `Step` (tokens, drafted, accepted: every token's origin). The decoders never
-see text; the engine never sees logits. The cancel hook: `Generation.cancel()` (any thread) ends the generation
-at the next step boundary and frees its row for the others.
+`stream()` / `generate()` drive the batched decoder from the caller's thread; a server `submit`s many and calls
+`step()` from its engine thread. The decoders never see text; the engine never sees logits.
+`Generation.cancel()` (any thread) ends a generation at the next step boundary and frees its row.
+Design notes: docs/design/runtime.md.
 """
 
 from __future__ import annotations

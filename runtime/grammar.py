@@ -1,11 +1,8 @@
 """Grammars for constrained decoding: what a request must match, compiled for llguidance.
 
-A `Constraint` names the shape of the output (a JSON schema, any JSON object, a regex, one of
-several strings, or a Lark / GBNF grammar); `grammar_tokenizer` reads the tokenizer's own
-tokenizer.json (or the byte table of the byte tokenizer) once; `check` says why a grammar cannot
-run (the one line a 400 shows); `new_matcher` makes the per-sequence state; `mask_logits` applies
-the matcher's token mask to one logits row where it lives. It knows no model and no decoder.
+`check` says why a grammar cannot run (the one line a 400 shows). It knows no model and no decoder.
 Invariant: a masked row keeps the raw value of every allowed token and -inf everywhere else.
+Design notes: docs/design/runtime.md.
 """
 
 from __future__ import annotations

@@ -1,9 +1,7 @@
-"""The target's log-probabilities at committed positions, computed where its logits live.
+"""The target's log-probabilities at committed positions, from its raw logits (vLLM's `raw_logprobs`).
 
-They come from the target's raw logits (vLLM's default `raw_logprobs`): before logit bias,
-penalties, the grammar mask and temperature, so they are the model's own distribution whatever
-the request constrains, and the same in every decoding mode. Per committed token only the
-token's log-probability and the top-n (ids and values) are read back, never a vocabulary row.
+Computed where the logits live; only each token's log-probability and the top-n are read back, never a vocabulary
+row. Design notes: docs/design/runtime.md.
 """
 
 from __future__ import annotations

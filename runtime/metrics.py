@@ -1,13 +1,8 @@
 """Per-request metrics: counts per step and time per stage, kept outside the algorithm.
 
-Decoders call `record_step` once per target forward after prefill and wrap stages in
-`stage(name)`; `summary()` turns the counts into the figures the CLI and bench print, and
-`format_stats` a generation's figures into the lines `run --stats` prints.
-Definitions: mean accepted length = 1 + accepted draft tokens per decode step (one target
-forward each; vLLM's mean acceptance length; 1.0 for target-only decoding): the tokens a step
-commits, except that a window the end of text cut (its accepted draft token was the end) still
-counts as 1 + its accepted tokens, so a fully accepted answer never reads 1.0 beside 100%
-acceptance; acceptance at position j = accepted / proposed among windows that had a j-th draft token.
+Decoders call `record_step` once per target forward after prefill and wrap stages in `stage(name)`; `summary()`
+gives the figures the CLI and bench print, `format_stats` the lines `run --stats` prints. Mean accepted length =
+1 + accepted draft tokens per decode step (vLLM's mean acceptance length). Design notes: docs/design/runtime.md.
 """
 
 from __future__ import annotations

@@ -1,10 +1,8 @@
-"""The reference decoder: plain autoregressive decoding with the target alone.
+"""The reference decoder: plain autoregressive decoding with the target alone, the oracle of every equality test.
 
-It is the oracle of every equality test (speculative and batched output must equal it token for
-token, greedy or seeded sampling: the token at each position is the target's own choice at that
-position's draw, runtime.sampling.choose_at) and the `ar` mode of the CLI. It yields committed tokens one step at a
-time and stops after `max_new_tokens` or when the context is full; stop conditions on text
-(EOS, stop strings) belong to the caller.
+It yields committed tokens one step at a time and stops after `max_new_tokens` or when the context is full; stop
+conditions on text (EOS, stop strings) belong to the caller.
+Design notes: docs/design/runtime.md.
 """
 
 from __future__ import annotations

@@ -1,12 +1,8 @@
 """Logits to probabilities (temperature, top-k, top-p) and token choice, where the logits live.
 
-Every decoder (reference, the batch's steps, both Mirror workers) chooses through `choose_at`, so the target
-distribution `p` is defined once, for every backend: a host array (ONNX Runtime, OpenVINO) is viewed as a CPU
-tensor without a copy, a device tensor (torch) stays on its device, and only the chosen ids are read back,
-through `runtime.transfer`. A position's draw is its own uniform (`position_uniform`: the request's seed and
-the position, nothing else), made on the host, so a seed gives the same draws on every device and in every
-mode. Greedy (temperature 0) never builds probabilities: it is an argmax over raw logits (numpy's on host
-arrays: greedy decoding over ONNX Runtime or OpenVINO never imports torch, runtime.transfer).
+Every decoder chooses through `choose_at`. A position's draw is its own uniform (`position_uniform`: the seed and
+the position, nothing else), so a seed gives the same draws on every device and in every mode. Greedy never builds
+probabilities (and never imports torch on host arrays). Design notes: docs/design/runtime.md.
 """
 
 from __future__ import annotations

@@ -1,11 +1,7 @@
 """Whether a JSON schema has a finite instance: one an answer can finish.
 
-`{"$defs": {"n": {"type": "object", "properties": {"c": {"$ref": "#/$defs/n"}}, "required": ["c"]}}, "$ref":
-"#/$defs/n"}` admits only an endless `{"c": {"c": ...`: the grammar engine compiles it, and the request fails
-mid-answer when the engine has forced more tokens than it may. Finding that before the request runs takes a
-least fixed point over the schema's local references: a reference counts as finite once its target was shown
-finite without it. The reading is generous wherever it is unsure (a value of a type other than object or array,
-an enum, an unknown keyword: finite), so it refuses only schemas that surely never end.
+A least fixed point over the schema's local references; generous wherever unsure, so it refuses only schemas that
+surely never end. Design notes: docs/design/runtime.md.
 """
 
 from __future__ import annotations

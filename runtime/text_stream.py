@@ -1,10 +1,6 @@
 """Committed token ids to streamed text, with end-of-sequence and stop-string handling.
 
-Tokens arrive as the decoder commits them; `push` returns the text that is now final.
-Decoding is incremental (only the tokens since the last stable point are decoded, so a token
-costs O(1), not O(length)). Text is held back while it ends in an incomplete UTF-8 sequence
-(U+FFFD from a split multi-byte character) or could still be the start of a stop string, so
-nothing printed is ever taken back. It knows nothing about models or speculation.
+`push` returns the text that is now final: nothing printed is ever taken back. Design notes: docs/design/runtime.md.
 """
 
 from __future__ import annotations

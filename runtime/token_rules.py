@@ -1,15 +1,10 @@
 """Per-sequence token rules: grammar, logit bias and penalties, as one narrow state every decoder uses.
 
-`TokenRules` holds one sequence's grammar matcher (llguidance), the tokens accepted so far (for
-the penalties) and the target's log-probabilities at committed positions. Decoders use it the
-same way everywhere: `apply(logits)` gives the processed logits of ONE position at the current
-state, `accept(token)` advances (False, and no advance, when the grammar forbids the token),
-`rollback(n)` undoes the last n accepts, `forced()` lists the tokens the grammar forces next,
-`fork()` copies the state (the draft keeps its own copy, Mirror one per line and branch).
-A target verify window goes through `verify_rows` then `settle`: the rules end at the committed
-text, never advanced over rejected drafts (the same count as the KV rollback). It knows no model.
-Bias and penalties follow vLLM's order and definitions (`add_bias`, then `penalize`); only the few ids concerned
-travel to the logits' device, no vocabulary-sized array is made on the host.
+`apply(logits)` processes ONE position at the current state, `accept(token)` advances (False, and no advance,
+when the grammar forbids the token), `rollback(n)` undoes the last n accepts, `forced()` lists the tokens the
+grammar forces next, `fork()` copies the state. A verify window goes through `verify_rows` then `settle`: the
+rules end at the committed text. Bias and penalties follow vLLM's order and definitions. It knows no model.
+Design notes: docs/design/runtime.md.
 """
 
 from __future__ import annotations

@@ -1,14 +1,9 @@
 """The device boundary, counted: everything a decoder reads back from a model's output tensors.
 
-Backends keep their outputs where they were computed (torch: a tensor on the model's device); the runtime
-reads them only through `to_host` / `host_ids` / `host_floats` / `PendingRead`, which count the bytes and
-the reads of tensors on an accelerator (each such read is a copy and a synchronization). Counters are per
-thread, since the target and the draft workers run in their own threads: a request's figures are the
-difference of its thread's counters before and after (`Metrics`). Tensors on the CPU and host arrays
-(ONNX Runtime and OpenVINO outputs) cross no device and count nothing, but `record_shapes` keeps the
-shape of every tensor read, CPU included: the same boundary, checked on a machine without a GPU.
-torch itself is imported where a tensor is made (`import_torch`): a bundle's greedy run (host arrays, numpy's
-argmax) never imports it, and asks `is_tensor` whether an output is one without importing it.
+The runtime reads outputs only through `to_host` / `host_ids` / `host_floats` / `PendingRead`, which count the
+bytes and reads of tensors on an accelerator, per thread; `record_shapes` keeps every tensor read's shape, CPU
+included. torch is imported only where a tensor is made (`import_torch`).
+Design notes: docs/design/runtime.md.
 """
 
 from __future__ import annotations

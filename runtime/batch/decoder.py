@@ -1,15 +1,9 @@
 """The batched decoder: many sequences decoded together, joining and leaving at step boundaries.
 
-One `step()`: admit waiting sequences while rows and KV blocks allow (prefix cache first), prefill up to one
-chunk of the prompts not yet in their rows (oldest first), one decode step for every running sequence, then
-release the sequences that finished (end of text, length, cancel) and fill their rows. The decode step is
-batched target-only (one target call for every row, its attention per group of like lengths; older bundles:
-a call per group, runtime.batch.splits) or
-speculative (sd or mirror, per sequence), as `runtime.batch.policy` decides from the step costs this engine measures.
 Every token is the target's own choice at its position (runtime.sampling.choose_at), so a sequence's text does
-not depend on its companions, its mode or its windows. Models that cannot batch rows (OpenVINO graphs, compiled
-torch windows) decode their sequences one call each, from caches of their own, without the prefix cache. Not
-thread-safe except `add` (and `Sequence.cancel`): one thread calls `step`.
+not depend on its companions, its mode or its windows. Not thread-safe except `add` (and `Sequence.cancel`):
+one thread calls `step`.
+Design notes: docs/design/runtime.md.
 """
 
 from __future__ import annotations

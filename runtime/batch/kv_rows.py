@@ -1,12 +1,7 @@
 """Rows and blocks of the batched KV cache: which sequence holds which row, and how much it may hold.
 
-The physical pools come from the models (`new_pool`: devices.onnxruntime.pool, devices.torch.pool): one row of
-every layer's buffer per sequence. `RowMap` keeps the sequences that hold a row in rows 0..A-1, so a batched call
-takes the first A rows; a sequence that leaves is replaced by the last one (`remove` returns that move: the
-caller copies the row in every pool). `BlockBudget` is the memory account: KV is counted in blocks of
-BLOCK_SIZE positions; a sequence reserves blocks for what it may hold (prompt, output budget, the window in
-flight) when it is admitted, the prefix cache holds the rest, and a request that cannot fit waits, one that
-can never fit is refused. Pure bookkeeping: it reads no tensor.
+`RowMap` keeps the rows in use at 0..A-1; `BlockBudget` counts KV in blocks: a request that cannot fit waits, one
+that can never fit is refused. Pure bookkeeping: it reads no tensor. Design notes: docs/design/runtime.md.
 """
 
 from __future__ import annotations

@@ -1,22 +1,9 @@
 """How far the batched decoder speculates at each step, from the step costs this engine measures.
 
-A step of B running sequences is decoded one of two ways: target-only (one batched target call on every
-core, one token per sequence) or speculative (each speculating sequence verifies a window of up to gamma draft
-tokens: Mirror or sd; Mirror also adapts its window to acceptance, runtime.mirror.draft_row). The policy keeps, per
-batch size and way, tokens committed per second of decode step (what the latency model predicts from step costs and
-acceptance, measured directly: a decaying ratio of summed tokens to summed seconds, never a mean of per-step
-ratios, which one lucky window skews), and takes the faster way: gamma = 0 is target-only. Only settled steps
-count: not a step that switched ways (the draft catches up on the text it missed) nor one where a sequence
-decodes its first window (the draft reads its prompt). Speculation, what was asked, goes first at one sequence;
-at a larger batch target-only is measured first, and speculation is tried only while one stream's speculative
-rate beats target-only at that batch size by the margin (a speculative step of B sequences commits about what one
-stream does: the target verifies windows one sequence a call, while target-only steps share one call), else the
-batch decodes target-only. A way not yet measured at a batch size is tried until it has `explore` settled steps or
-`3 * explore` steps in all (when sequences come and go every few steps, few steps settle: exploring must end
-anyway); every `refresh` steps the way not taken gets a trial; the decoder switches only for a gain above
-`margin` (fixed switch points made vLLM users' throughput fall off cliffs). A step in which prompts prefill
-decodes target-only: the prompts take every core, which they get only while the draft worker holds nobody.
-What these rules were measured against: docs/performance.md (how the batch decides).
+Per batch size and way (target-only, gamma = 0, or speculative) it keeps tokens committed per second of decode
+step, counting only settled steps, and takes the faster way; it switches only for a gain above `margin`. A step
+in which prompts prefill decodes target-only.
+Design notes: docs/design/runtime.md.
 """
 
 from __future__ import annotations

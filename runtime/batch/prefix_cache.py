@@ -1,17 +1,10 @@
 """Prefix cache: full blocks of verified KV kept after their request, reused by later requests that share them.
 
-A block is BLOCK_SIZE committed positions of a sequence; its key is a hash of its tokens and of everything
-before it (the parent block's key), so a key names a whole prefix. `lookup` walks a new prompt's keys from its
-start and counts the blocks present (never the prompt's last position: its logits must be computed); `load`
-copies those blocks into the sequence's row; `store` copies a row's full blocks that are not yet kept. Eviction
-is LRU over whole blocks, and a parent is always more recent than its children (blocks are stored and touched
-leaf first), so the deepest blocks go first and a kept block's ancestors are kept too. Only the target's KV is kept:
-a draft that is the target's copy adopts the target's row (the same KV), and another draft computes its own row
-when its sequence first speculates (it is the cheap model; runtime.batch.steps.Prefill). Hits reuse exactly the
-KV the same prefix computes: rows are written by the same graphs at the same positions whatever else runs
-(devices.onnxruntime.pool, devices.torch.pool).
-Counters use vLLM's names and units (tokens): prefix_cache_queries, prefix_cache_hits. `max_blocks` caps it (the
-decoder gives it a share of the KV budget: BatchConfig.prefix_cache_share); `bytes` is what its blocks hold.
+A block's key hashes its tokens and its parent's key, so a key names a whole prefix; `lookup` never counts the
+prompt's last position. Eviction is LRU over whole blocks, deepest first (a kept block's ancestors are kept).
+Only the target's KV is kept. Counters use vLLM's names and units (tokens): prefix_cache_queries,
+prefix_cache_hits; `max_blocks` caps it.
+Design notes: docs/design/runtime.md.
 """
 
 from __future__ import annotations

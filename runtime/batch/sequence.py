@@ -1,11 +1,8 @@
-"""One request inside the batched decoder: its tokens, its row, where it is in its life.
+"""One request inside the batched decoder: its tokens, its row, where it is in its life. Token-level only.
 
-A sequence is token-level only: the engine (runtime.engine) turns its committed tokens into text and
-tells it when the text is done (end of sequence, a stop string) through `finish`. Every decode step
-hands the sequence's newly committed tokens to its `sink` with how many were drafted and accepted (the
-origins: accepted draft tokens, then a correction, a bonus, or a plain target token).
 States: waiting (queued) -> prefill (its prompt going into its row, chunk by chunk) -> running -> done.
 Invariant: between steps the target cache of a running sequence holds prompt + tokens except the last token.
+Design notes: docs/design/runtime.md.
 """
 
 from __future__ import annotations

@@ -1,31 +1,9 @@
 """How a target-only step of the batch splits: calls per group of rows of like lengths, or two calls on two cores.
 
-Bundles since format 6 attend per group of contiguous rows inside one call (exporters.exact_kv): each group reads
-its own longest row's keys, and `cheapest_groups` picks the groups for every call (devices.onnxruntime.pool).
-There a target-only step is always one call, and rows are not sorted: with four groups, unsorted rows group
-nearly as well, and swapping rows' KV cost more than it saved (docs/performance.md, how the batch decides).
-
-Older bundles (format 5) read every row up to the longest row's length in a call (exporters.exact_kv slices
-the keys to the longest row and masks the shorter ones), so one long prompt among short ones makes every row pay
-for its length. Calls over contiguous groups of rows each pay their own longest length, but every call reads all the
-weights again. `RowSplit` proposes the cut that minimizes
-
-    calls * per_call + sum over groups of rows * longest      (in positions attended; per-row costs cancel)
-
-and measures it: while the batch keeps its rows, the next steps run whole and cut in turn (`TRIAL` each; the
-faster step of each counts), and the faster way stays until a row joins or leaves. `per_call`, one more call's
-cost in positions, follows the verdicts (down when a cut wins, up when it loses), so on an engine whose calls
-are dear (fp32 weights) it stops proposing cuts. Sorting the rows by length makes groups of like lengths
-contiguous: proposed when the cut of the sorted rows saves more than one call over the cut of the rows as they
-are (the decoder swaps rows: copies, paid once while the batch keeps its rows).
-
-Two cores (`CoreSplit`): "wide", one call through sessions with a thread per core (the products run on both, but a
-step also copies each group's keys and values and runs many small nodes on one thread), or "split", the rows cut
-in two contiguous parts (`balanced_cut`), each a one-thread call on a core of its own, both at once (every node on
-both cores, but each core reads all the weights). Neither wins everywhere (docs/performance.md): both are measured
-at each batch size (CORE_TRIAL steps each, then the one whose latest KEEP steps have the lower median, the other
-tried again every EXPLORE steps as the rows grow). A row's logits do not depend on its companions or its call
-(the target graphs are exact per row), so no choice here changes a token.
+`RowSplit` (format-5 bundles) proposes and measures cuts into calls over contiguous groups of rows; `CoreSplit`
+measures "wide" against "split" on two cores. A row's logits do not depend on its companions or its call, so no
+choice here changes a token.
+Design notes: docs/design/runtime.md.
 """
 
 from __future__ import annotations

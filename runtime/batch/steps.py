@@ -1,13 +1,8 @@
-"""The target-only steps of the batched decoder: prompts into their rows, and a step of every row at once.
+"""The target-only steps of the batched decoder: prompts into their rows (`Prefill`), a step of every row (`ArStep`).
 
-`Prefill` takes one chunk's worth of prompt positions per decoder step, oldest prompt first but short ones before
-a long one (so prompts stall the running sequences by one chunk at most, and a short prompt waits for no long
-one's whole prefill), from where the prefix cache left it; the last chunk's logits give the first token. The
-draft's cache of a sequence is also its (`draft_cache`): a pool row that starts empty, a cache of its own that
-it prefills, or the oracle draft's copy. `ArStep` feeds every row its last token in one target call (rows still
-prefilling get a placeholder token that nothing commits), and `ArStep.one` is the one target-only step of a
-sequence over its own cache. Speculative steps: runtime.mirror.step. Every choice is the target's own at its
-position (runtime.sampling.choose_at), so every way of stepping gives the same text.
+Every choice is the target's own at its position (runtime.sampling.choose_at), so every way of stepping gives the
+same text. Speculative steps: runtime.mirror.step.
+Design notes: docs/design/runtime.md.
 """
 
 from __future__ import annotations

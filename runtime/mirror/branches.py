@@ -1,15 +1,7 @@
 """Branch roots: which corrections the draft precomputes continuations for. Pure functions.
 
-A root (depth j, token r) stands for the verdict "accepted j window tokens, then r". The
-main line (full acceptance, bonus = the draft's own next guess) is always rolled out
-first; the others are ranked by an estimate of their probability:
-
-    P(root) = P(reach depth j) * P(no accept at j) * P(r | correction at j)
-
-with P(reach j) = a^j and P(no accept) = 1 - a for j < k (1 at j = k, the bonus position),
-a = the running per-token acceptance rate, and P(r | correction) a mixture of the draft's
-own alternatives (its q at depth j, without the window's token) and the early-exit top-kappa
-(renormalised, without the window's token).
+A root (depth j, token r) stands for the verdict "accepted j window tokens, then r"; the main line is always
+rolled out first, the others ranked by P(root). Design notes: docs/design/runtime.md.
 """
 
 from __future__ import annotations

@@ -1,31 +1,11 @@
 """One sequence's draft state: Mirror precomputes its next window while the target verifies this one; sd drafts
 its window in line (`draft_window`).
 
-State: the committed text S (known from verdicts), the **line** X = the draft's own guesses
-after S (the window in flight, then its guess for the bonus, then the next window), and
-side **branches** {(depth j, root r): continuation}. The draft KV cache (a row of the draft's
-pool, or a cache of its own) mirrors a token list (`cache_tokens`); any context is reached by
-rolling back to the longest common prefix and feeding the rest in one forward, so switching
-between branches costs one forward (and so does catching up on text committed while the
-sequence decoded target-only).
-
-Work order between verdicts, one draft forward at a time (runtime.mirror.draft_worker interleaves the
-rows of a batch and checks the inbox between forwards):
-1. extend the line up to (window in flight) + 1 + gamma tokens: the full-acceptance branch;
-2. roll out side branches ranked by `branches.rank_roots`, within the branch budget;
-3. idle until the verdict.
-On the verdict (A, c) (runtime.mirror.step.take_verdict): the line continues if X[A] == c (a
-main-line hit), a stored branch (A, c) becomes the line (a side hit), else the line restarts
-from the corrected text (a miss); then up to gamma ready tokens are sent at once, or fresh ones
-are drafted first.
-Every draft token at a position is the draft's draw at the target's uniform for that position
-(runtime.sampling.choose_at), so its proposals match the target's choices where they agree.
-Under token rules (runtime.token_rules: grammar, bias, penalties) the row keeps the rules at the committed
-text and each line its own fork at its context plus its tokens: the draft draws from its processed logits,
-a token the grammar forces is drafted without a forward (one at a time, so a line's tokens are a function of
-its context), and a side branch whose root the grammar forbids is never rolled out (the target cannot correct
-to it). SS streams and prompt lookup step aside under rules (their guesses are checked unprocessed).
-Limitation: the draft shares the target's vocabulary.
+State: the committed text, the main **line** (the window in flight, a guess for the bonus, the next window) and
+side **branches** {(depth, root): continuation}. Every draft token is the draft's draw at the target's uniform for
+its position (runtime.sampling.choose_at). Under token rules a branch whose root the grammar forbids is never
+rolled out; SS streams and prompt lookup step aside. Limitation: the draft shares the target's vocabulary.
+Design notes: docs/design/runtime.md.
 """
 
 from __future__ import annotations

@@ -1,15 +1,8 @@
 """The Mirror-SD draft worker: one thread that drafts for every sequence of a batch while the target verifies.
 
-Each sequence is a `DraftRow` (runtime.mirror.draft_row) keyed by the caller's key; the target side talks to it
-only through this worker: `send(key, message)` puts (key, message) in the one inbox, and the row's windows come
-out of its own outbox (`take`). What a row does with an early exit or a verdict is the step's (`handle`, given at
-construction: runtime.mirror.step). Between messages the thread spends one draft forward at a time on the row
-that needs it most: a main line shorter than its next window first (rows in the target's verification order,
-starting after the row just verified), then side branches of the row whose verdict is due soonest, within the time
-before that verdict (the branch budget is the draft's time, shared by the batch). `Join` adds a row, `Leave` drops
-it, `Move` rebinds a row's cache after its sequence moved to another pool row (the pool copy happens here, in
-order with the row's work), `Grow` gives a pool it reads more room (new buffers, between its forwards). A failure
-sends `Fault` to every row's outbox: the target side never hangs on it.
+The target side talks to a row only through `send(key, message)` and the row's outbox (`take`). A failure sends
+`Fault` to every row's outbox: the target side never hangs on it.
+Design notes: docs/design/runtime.md.
 """
 
 from __future__ import annotations

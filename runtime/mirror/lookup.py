@@ -1,10 +1,6 @@
 """Prompt-lookup guesses: what followed the latest earlier occurrence of the text's last n-gram.
 
-The draft worker feeds these guesses after its next token and checks them against its own
-greedy choice in the same forward (as it checks SS stream guesses): a right guess is a draft
-token that cost a row of a batched forward instead of a whole forward, a wrong one is
-discarded. The draft's output is unchanged either way; only its cost moves. Text that repeats
-its context (summaries, retrieval answers, code edits, lists, names) profits most.
+The draft's output is unchanged by them; only its cost moves. Design notes: docs/design/runtime.md.
 """
 
 from __future__ import annotations

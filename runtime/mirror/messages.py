@@ -1,9 +1,7 @@
 """The small host-side messages the target and draft workers exchange (Mirror-SD protocol).
 
-Target -> draft: `Join` (a sequence's draft cache and committed text), `EarlyExit` (top-kappa per window position,
-sent after the target's prefix), `Verdict` (after its suffix), `Move` (its pool row moved), `Leave`, and `STOP`.
-Draft -> target: `Window` (the next tokens to verify), `Fault`.
 Only ids, counts and kappa log-probs cross; never backend tensors, never a vocabulary row.
+Design notes: docs/design/runtime.md.
 """
 
 from __future__ import annotations

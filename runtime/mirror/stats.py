@@ -1,15 +1,7 @@
 """Mirror-SD figures: reuse, early-exit coverage, hidden draft time, and the latency model (mirror-sd.md §5).
 
-The latency model is pure arithmetic on costs in one unit, shared with the simulator (evaluation.simulate) and
-`--draft auto` (devices.auto_draft): tokens per step = (1 - a^(k+1)) / (1 - a) at per-token acceptance a and k =
-gamma, an SD step = T_draft(k) + T_target(k + 1). Mirror's step, from this request's own phase means:
-    T_step = T_prefix + T_rendezvous + max(T_suffix, T_rollout) + P(miss) * T_fresh
-where T_rendezvous is the target's mean wait for a window when it was precomputed (a hit),
-T_rollout the draft's precomputation per step and T_fresh its drafting after a miss. Our draft
-starts the main line as soon as it sends a window, before the early exit arrives, so its
-rollout overlaps the prefix too; the pipelined form of the same model is
-    T_step = T_rendezvous + max(T_prefix + T_suffix, T_rollout) + P(miss) * T_fresh.
-Both predictions are printed next to the measured wall time per step.
+The latency model is pure arithmetic on costs in one unit, shared with evaluation.simulate and devices.auto_draft.
+Design notes: docs/design/runtime.md.
 """
 
 from __future__ import annotations

@@ -1,22 +1,10 @@
 """A speculative step of the batch: Mirror (the draft worker precomputes while the target verifies) or sd.
 
-Mirror, one sequence at a time (the decoder's thread is the target worker; one `DraftWorker` thread drafts for
-every sequence on a core of its own, runtime.mirror.draft_worker), `MirrorStep.step`:
-  0. early exit: a sequence whose draft failed (or stalled, or sent a malformed window) decodes target-only from
-     its committed text: no token lost or duplicated;
-  1. the draft's next window: taken from the sequence's outbox (the rendezvous), checked to continue the text;
-  2. verify: the target's prefix layers over [last] + window, their early-exit top-kappa sent to the draft at once
-     (it ranks side branches by them), the suffix layers, then the verdict in one call (runtime.acceptance.verify);
-  3. accept, reuse or roll back: the accepted tokens and the correction or bonus are committed, the verdict goes to
-     the draft, which reuses the main line or a side branch that predicted it, or restarts from the corrected
-     text (`take_verdict`, below: the draft's side, in its thread), and the target's cache forgets the rest.
-While the target verifies one sequence the draft prepares the next windows of the others. A sequence joins the
-worker at its first Mirror step, from its committed text and its draft cache (runtime.batch.steps.Prefill.
-draft_cache); it leaves when it finishes, when the batch turns to target-only steps (its draft cache keeps a
-prefix of the committed text; it joins again when speculation resumes), or its draft fails. Rows of the draft
-pool that a joined sequence holds belong to the draft thread: their moves go through it.
-sd (`MirrorStep.sd`): the same draft row in the decoder's thread: draft k tokens, verify them in one target call,
-take the verdict. Both give the target's own text (runtime.acceptance).
+`MirrorStep.step`, one sequence at a time, in phases: 0. early exit to target-only if the draft failed; 1. take
+the draft's next window; 2. verify (prefix, early exit sent to the draft, suffix, verdict); 3. accept, reuse or
+roll back. sd (`MirrorStep.sd`) drafts and verifies in the decoder's thread. Both give the target's own text
+(runtime.acceptance); a failed draft loses or duplicates no token.
+Design notes: docs/design/runtime.md.
 """
 
 from __future__ import annotations
