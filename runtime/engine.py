@@ -53,10 +53,8 @@ class _Live:
 class Engine:
     """A target model with an optional draft model and a shared tokenizer, decoding a batch of requests.
 
-    Limitations:
-    - the draft must share the target's vocabulary (refused otherwise).
-    Any number of threads may `stream` / `generate` / `submit` at once: one step runs at a time (`_stepping`),
-    and each step decodes every sequence in the batch, whichever thread runs it.
+    The draft must share the target's vocabulary (refused otherwise). Any number of threads may `stream` /
+    `generate` / `submit` at once: one step runs at a time, whichever thread runs it.
     """
 
     def __init__(self, target, tokenizer, draft=None, names: dict | None = None,
@@ -221,9 +219,9 @@ class Engine:
             raise GenerationError(str(exc)) from None
 
     def step(self) -> bool:
-        """One decoder step; generations that ended get their last text and stats. Returns whether work remains.
-        A step that fails ends every generation in flight (`reset`) before the error goes on: left in the batch,
-        they would fail every later step. Safe from any thread: steps run one at a time."""
+        """One decoder step (thread-safe); returns whether work remains. A step that fails ends every generation in
+        flight (`reset`) before the error goes on.
+        """
         with self._stepping:
             return self._step()
 

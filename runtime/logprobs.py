@@ -25,13 +25,8 @@ class TokenLogprob:
 
 
 def token_logprobs(rows, tokens: Sequence[int], top_n: int = 0) -> list[TokenLogprob]:
-    """Log-probabilities of `tokens` under raw logits `rows`, with the top `top_n` of each row.
-
-    Args:
-        rows: [n, vocab] raw logits; row i is the distribution `tokens[i]` was chosen from.
-        tokens: [n] committed ids.
-        top_n: alternatives per position (0..MAX_TOP).
-    Reads back one [n, 1 + 2 * top_n] table (float64: ids up to 2^53 are exact).
+    """Log-probabilities of `tokens` [n] under raw logits `rows` [n, vocab] (row i: `tokens[i]`'s distribution), with
+    the top `top_n` (0..MAX_TOP) of each row. Reads back one [n, 1 + 2 * top_n] table.
     """
     n = len(tokens)
     if n == 0:
@@ -51,9 +46,9 @@ def token_logprobs(rows, tokens: Sequence[int], top_n: int = 0) -> list[TokenLog
 
 
 def prompt_logprobs(target, ids: Sequence[int], top_n: int = 0, chunk: int = 256) -> list[TokenLogprob | None]:
-    """Each prompt token's raw log-probability after the tokens before it (None for the first: nothing predicts
-    it), with the top `top_n`; the prompt goes through a cache of its own in chunks, so no vocabulary table
-    larger than a chunk's is ever held (a completion's `echo` with `logprobs`)."""
+    """Each prompt token's raw log-probability (None for the first), with the top `top_n`; computed in chunks over a
+    cache of its own (a completion's `echo` with `logprobs`).
+    """
     cache = target.new_cache(len(ids) + 1)
     out: list[TokenLogprob | None] = [None]
     for start in range(0, len(ids) - 1, chunk):  # rows of positions start.. predict the tokens at start + 1..

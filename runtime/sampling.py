@@ -97,10 +97,8 @@ _MASK64 = (1 << 64) - 1
 def position_uniform(seed: int, position: int) -> float:
     """The uniform in [0, 1) of the token at `position` (its index in prompt + output) of a request seeded `seed`.
 
-    It depends on nothing else, so the target draws the same token at a position whichever mode, window or
-    batch computes it, and a draft that proposes with the same uniform proposes the target's choice whenever
-    their distributions agree there (coupled verification, `choose_at` / runtime.acceptance): a seeded
-    request gives the same text in ar, sd and mirror, alone or in any batch. splitmix64 of (seed, position).
+    It depends on nothing else, so a seeded request gives the same text in ar, sd and mirror, alone or in any batch.
+    splitmix64 of (seed, position).
     """
     x = (seed * 0x9E3779B97F4A7C15 + (position + 1) * 0xBF58476D1CE4E5B9) & _MASK64
     x = ((x ^ (x >> 30)) * 0xBF58476D1CE4E5B9) & _MASK64

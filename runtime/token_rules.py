@@ -175,14 +175,9 @@ class TokenRules:
 
 
 def verify_rows(rules: TokenRules | None, logits, tokens: list[int]):
-    """Target verify rows processed at the committed state plus window[:j], for j = 0..k.
-
-    Args:
-        logits: [k+1, vocab] raw target logits over [last, d_1..d_k].
-        tokens: [k] the window d_1..d_k.
-    Returns (rows [k'+1, vocab], window [k'], advanced): the rules are left `advanced` tokens past the
-    committed state. A window token the grammar refuses ends the window: it stays as its last token,
-    with p = 0 at its row (a certain rejection), and the row after it is never read.
+    """Target verify rows [k+1, vocab] (raw logits over [last, d_1..d_k]) processed at the committed state plus
+    window[:j]. Returns (rows [k'+1, vocab], window [k'], advanced): the rules are left `advanced` tokens past the
+    committed state. A window token the grammar refuses ends the window, with p = 0 at its row.
     """
     if rules is None or not rules.changes_logits:
         return logits, tokens, 0
@@ -223,14 +218,9 @@ def add_bias(x: torch.Tensor, bias: Sequence[tuple[int, float]]) -> torch.Tensor
 
 def penalize(x: torch.Tensor, counts: Mapping[int, int], seen: torch.Tensor | None, repetition: float,
              frequency: float, presence: float) -> torch.Tensor:
-    """x [vocab] with the penalties for the tokens generated so far (`output`) and the prompt's ids.
-
-    Args:
-        x: one logits row [vocab] (host view or device tensor); never modified in place.
-        counts: {id: times generated so far} (ids at 0 may be left out).
-        seen: the prompt's distinct ids [n] on x's device, or None (the repetition penalty only).
-    Example: logits [2.0, -1.0, 0.5], counts {0: 2}, repetition 2, frequency 0.5, presence 1
-        -> token 0: 2.0 / 2 - 0.5 * 2 - 1 = -1.0; the others unchanged.
+    """x [vocab] (never modified in place) with the penalties for `counts` {id: times generated} and `seen` (the
+    prompt's distinct ids on x's device, or None). Example: logits [2.0, -1.0, 0.5], counts {0: 2}, repetition 2,
+    frequency 0.5, presence 1 -> token 0: 2.0 / 2 - 0.5 * 2 - 1 = -1.0; the others unchanged.
     """
     torch = import_torch()
     counts = {i: c for i, c in counts.items() if c}

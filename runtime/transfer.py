@@ -53,10 +53,7 @@ def to_host(x) -> np.ndarray:
 
 
 def host_ids(x, count: bool = True) -> list[int]:
-    """Token ids [n] (a tensor or an array) as Python ints: the read a greedy decision needs.
-
-    `count=False`: a tensor computed from host arrays (a numpy model output viewed as a tensor), not a read.
-    """
+    """Token ids [n] (a tensor or an array) as Python ints; `count=False`: a tensor made from host arrays."""
     if not is_tensor(x):
         return [int(t) for t in np.asarray(x).reshape(-1)]
     if count:
@@ -85,11 +82,8 @@ def record_shapes():
 
 
 class PendingRead:
-    """Tensors on their way to the host: copies are queued at once, `result()` waits for them only.
-
-    On CUDA the copies go to pinned host buffers behind the work already queued, and an event marks their
-    end, so the caller may queue more work (Mirror: the target's suffix) before it reads anything back.
-    Elsewhere the read happens at once. Counted when made, like any read.
+    """Tensors on their way to the host: copies are queued at once (CUDA: pinned buffers and an event), `result()`
+    waits for them only. Counted when made.
     """
 
     def __init__(self, *tensors: torch.Tensor):

@@ -153,8 +153,7 @@ class BatchDecoder:
         return [s for s in self.active if s.state == "running" and not s.done and not s.cancel_event.is_set()]
 
     def _decode(self, running: list[Sequence], prompts: bool = False) -> None:
-        """One decode step of every running sequence, the way the policy picks (`prompts`: prompts prefilled in
-        this step); its outcome goes back to it."""
+        """One decode step of every running sequence, the way the policy picks; its outcome goes back to the policy."""
         gamma = self.policy.gamma(self, running, prompts)
         last = {id(s) for s in running if s.remaining <= 1}  # no room for a window
         before = sum(len(s.tokens) for s in running)
@@ -188,8 +187,7 @@ class BatchDecoder:
         return "empty_window"
 
     def close(self) -> None:
-        """Stop the draft worker (the decoder can still step: it starts again when needed); sequences still
-        speculating leave it first, so none keeps a draft row the worker no longer holds."""
+        """Stop the draft worker (started again when needed); speculating sequences leave it first."""
         for seq in self.active:
             self.mirror.leave(seq)
         self.mirror.close()
@@ -215,8 +213,7 @@ class BatchDecoder:
                 self.cache.evict(len(self.cache) - self.budget.spare)
 
     def _grow(self, seq: Sequence) -> None:
-        """Room in the pools for all `seq` may hold: a pool's buffers follow the longest request so far (their
-        address space too), not every row at the model's context."""
+        """Room in the pools for all `seq` may hold (buffers follow the longest request so far, not the context)."""
         if self.pooled:
             need = min(len(seq.prompt) + seq.budget, self.capacity - WINDOW_ROOM) + WINDOW_ROOM
             self.target_pool.grow(need)
@@ -224,9 +221,7 @@ class BatchDecoder:
                 self.mirror.grow(self.draft_pool, need)
 
     def _reserve(self, seq: Sequence) -> bool:
-        """Reserve `seq`'s blocks, evicting cached blocks it does not reuse first; where only its own cached prefix
-        stands in the way, that prefix is copied into its row at admission and leaves the cache then (it was
-        evicted first: a repeated prompt of more than half the pool lost its own prefix)."""
+        """Reserve `seq`'s blocks, evicting cached blocks it does not reuse first (its own cached prefix is kept)."""
         need = self.blocks_needed(seq)
         cached = len(self.cache) if self.cache else 0
         if self.budget.reserve(seq, need, cached):
@@ -259,8 +254,7 @@ class BatchDecoder:
             seq.row, seq.state = None, "done"
 
     def sort_rows(self) -> None:
-        """Rows in order of length (runtime.batch.splits: groups of like lengths are then contiguous), by swaps of
-        both models' rows; only while no sequence prefills or drafts with the draft worker."""
+        """Rows in order of length, by swaps of both models' rows; only while no sequence prefills or drafts."""
         if not self.pooled or any(s.state != "running" or s.mirror is not None for s in self.active):
             return
         for i in range(len(self.rows)):
@@ -283,8 +277,7 @@ class BatchDecoder:
         self._rebind(order[b], b)
 
     def _move_row(self, source: int, dest: int) -> None:
-        """The last row fills a freed one: every pool copies it, its sequence's caches follow (a draft row the
-        draft worker holds is moved by that thread)."""
+        """The last row fills a freed one: every pool copies it, its sequence's caches follow."""
         moved = self.rows.order[dest]
         if self.pooled:  # (caches of their own per sequence: nothing to copy)
             self.target_pool.move(source, dest)
@@ -309,8 +302,7 @@ class BatchDecoder:
                 seq.draft_cache.row = row
 
     def _total_blocks(self) -> int:
-        """The KV budget in blocks: --kv-cache-gb, else DEFAULT_KV_GB or what every row at full length takes, the
-        smaller; never the memory free at start-up (two servers started a minute apart got 8.5 and 2.3 GB)."""
+        """The KV budget in blocks: --kv-cache-gb, else DEFAULT_KV_GB or every row at full length, the smaller."""
         per_position = sum(p.bytes_per_position for p in (self.target_pool, self.draft_pool) if p is not None)
         full = blocks_for(self.settings.max_num_seqs * self.capacity)
         if not per_position:  # caches of their own per sequence: rows are the only limit
@@ -320,8 +312,7 @@ class BatchDecoder:
         return min(full, self._blocks_of(DEFAULT_KV_GB, per_position))
 
     def _blocks_of(self, gb: float, per_position: int) -> int:
-        """The blocks --kv-cache-gb holds; ValueError when not even the smallest request fits (a server that would
-        refuse every request)."""
+        """The blocks --kv-cache-gb holds; ValueError when not even the smallest request fits."""
         blocks = int(gb * 2**30 // (per_position * BLOCK_SIZE))
         smallest, whole = blocks_for(2 + WINDOW_ROOM), blocks_for(self.capacity)  # 1 prompt token + 1 generated
         if blocks < smallest:

@@ -62,15 +62,13 @@ class SpeculationPolicy:
         return max(speculating) if self.last == SPEC else 0
 
     def too_late(self, running: list) -> bool:
-        """Whether speculation would start too late to pay: adaptive, after target-only steps, with fewer than
-        SWITCH_MIN tokens left to every sequence. A switch makes the draft take the text it missed and pays a
-        first window, which a few last tokens never win back."""
+        """Whether speculation would start too late to pay: adaptive, after target-only steps, < SWITCH_MIN tokens left
+        to every sequence.
+        """
         return self.adaptive and self.previous == AR and max(s.remaining for s in running) < SWITCH_MIN
 
     def prompts_first(self, prompts: bool) -> bool:
-        """Whether a step with prompts to prefill decodes target-only: adaptive, yes. The draft worker then leaves
-        the other core to the prompts (a prompt prefills on every core only while nobody drafts), so new streams
-        start sooner; what it would have drafted is a step of one stream's speed."""
+        """Whether a step with prompts to prefill decodes target-only: adaptive, yes."""
         return prompts and self.adaptive
 
     def choose(self, batch: int) -> str:
@@ -117,9 +115,8 @@ class SpeculationPolicy:
 
     def _may_win(self, batch: int) -> bool:
         """Whether speculation is worth trying at `batch`: always at one sequence; above, only while one stream's
-        speculation (the target verifies a batch's windows one sequence a call, so a speculative step commits about
-        what one stream does) beats target-only at `batch` (measured first; else at `batch - 1`) by the margin,
-        and speculation did not lose at `batch - 1`."""
+        speculation beats target-only at `batch` (else at `batch - 1`) by the margin, and did not lose at `batch - 1`.
+        """
         if batch <= 1:
             return True
         here = self.rates.get((AR, batch))

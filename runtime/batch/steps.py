@@ -51,9 +51,7 @@ class Prefill:
         return seq.prompt + seq.tokens[:-1]
 
     def run(self) -> None:
-        """Prompt positions up to one chunk's worth per step, oldest prompt first: several short prompts join in
-        one step (fewer steps of a half-filled batch), a long one takes the whole chunk. Two prompts whose next
-        chunks are of like lengths take a chunk each at once, one per core (`_pair`)."""
+        """Prompt positions up to one chunk's worth per step, in turn (`in_turn`), or a chunk each of two (`_pair`)."""
         budget = self.decoder.settings.prefill_chunk
         pending = self.in_turn()
         pair = self._pair(pending, budget)
@@ -66,10 +64,9 @@ class Prefill:
             budget -= self._chunk(seq, budget)
 
     def in_turn(self) -> list:
-        """The prompts still prefilling in the order they take the chunk: oldest first, except that while a prompt
-        needs more than LONG chunks, short ones go before it, up to half the chunk between them (a question is not
-        held behind a document's prefill for all its chunks, at most LONG of them; the document still gets half of
-        each). First come, first served otherwise."""
+        """The prompts still prefilling in the order they take the chunk: oldest first, but while a prompt needs more
+        than LONG chunks, short ones go before it, up to half the chunk between them.
+        """
         pending = [s for s in self.decoder.active if s.state == "prefill" and not s.done]
         chunk = self.decoder.settings.prefill_chunk
         if all(len(self.fill(s)) - s.computed <= LONG * chunk for s in pending):
@@ -83,9 +80,9 @@ class Prefill:
         return first + [s for s in pending if s not in first]
 
     def _pair(self, pending: list, budget: int) -> tuple[list, list] | None:
-        """The oldest prompt and the next one whose chunk is at least LIKE times as long (or the other way), with
-        their chunks, where the target can run two prompts at once on two cores of the decoder's own and the draft
-        worker idles (prompts of unlike lengths would wait for the longer one)."""
+        """The oldest prompt and the next whose chunk is at least LIKE times as long (or the other way), with their
+        chunks, where the target can run two prompts at once on two cores and the draft worker idles.
+        """
         d = self.decoder
         if len(pending) < 2 or not (d.target.capabilities.two_calls and d.pooled and d.mirror.cpus):
             return None
@@ -150,10 +147,9 @@ class Prefill:
         return target.forward_last(chunk, cache)
 
     def _draft_prefill(self, seq, fill: list[int]) -> None:
-        """The draft's row, pooled, starts empty: at the sequence's first speculative step a draft that is the
-        target's copy takes the target's KV (`draft_cache`), another catches up on the whole text (one forward on
-        the draft worker's core), as after target-only steps; so prompts that decode target-only under load cost
-        the draft nothing, not even a copy. A draft of its own caches prefills here."""
+        """The draft's cache: a pooled row starts empty (filled at the first speculative step, `draft_cache`); a draft's
+        cache of its own prefills here.
+        """
         d = self.decoder
         if d.draft is None or seq.config.mode == "ar":
             return
@@ -166,11 +162,9 @@ class Prefill:
                 d.draft.forward(fill, seq.draft_cache)
 
     def draft_cache(self, seq):
-        """The sequence's draft cache, holding a prefix of its committed text (the draft catches up on the rest):
-        a pool row, into which a draft that is the target's copy takes the target's KV of the text it misses (its
-        prompt, and what target-only steps added: a copy, where reading it costs the draft a forward of it all);
-        its own cache; or, for the oracle draft (the target drafts for itself), a copy of the target's text made
-        here."""
+        """The sequence's draft cache, holding a prefix of its committed text: a pool row (topped up from the target's
+        KV by a draft that reads target rows), its own cache, or the oracle draft's copy of the target's text.
+        """
         d = self.decoder
         if seq.draft_cache is None:  # the oracle draft: the target itself, over a cache of its own
             seq.draft_cache = d.target.new_cache(d.capacity)
@@ -197,14 +191,12 @@ class ArStep:
                     self.one(seq)
 
     def one(self, seq) -> None:
-        """One target-only step of one sequence over its own cache (caches of their own, an ar sequence or one
-        token left among speculating sequences, a sequence whose draft failed)."""
+        """One target-only step of one sequence over its own cache."""
         logits = self.decoder.target.forward([seq.last], seq.target_cache)
         self.commit(seq, logits[-1])
 
     def _batched(self, running: list) -> None:
-        """One target call over the rows, or one per group of rows where their lengths differ enough that the
-        padding to the longest row costs more than another call (runtime.batch.splits)."""
+        """One target call over the rows, or one per group of rows (runtime.batch.splits)."""
         d = self.decoder
         live = set(map(id, running))
         if d.row_split.sort_pays(self._lengths()):
@@ -227,9 +219,7 @@ class ArStep:
             d.core_split.record(len(order), "wide", elapsed)
 
     def _splits(self, rows: int) -> bool:
-        """Whether this step runs as two calls at once, one per core (runtime.batch.splits): graphs that take every
-        row in one call, a target that can, two cores of the decoder's own (every sequence has left the draft
-        worker before a target-only step), and the measured faster way."""
+        """Whether this step runs as two calls at once, one per core: able, and measured faster."""
         d = self.decoder
         able = d.row_split.in_call and d.target.capabilities.two_calls and d.mirror.cpus and rows >= 2
         return bool(able) and d.core_split.way(rows) == "split"

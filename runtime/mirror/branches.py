@@ -23,14 +23,9 @@ class Root:
 def rank_roots(window: list[int], line_bonus: int | None, draft_alternatives: list[dict[int, float]],
                exit_candidates: list[dict[int, float]] | None, acceptance: float,
                exit_weight: float = 0.5) -> list[Root]:
-    """Roots sorted by estimated probability, excluding the main line.
-
-    Args:
-        window: [k] the window in flight.
-        line_bonus: the draft's own guess after a full window (the main line), excluded here.
-        draft_alternatives: per depth 0..k, {token: draft probability} of its next choices.
-        exit_candidates: per depth 0..k, {token: early-exit probability}, or None before it arrives.
-        acceptance: running per-token acceptance rate a in [0, 1].
+    """Roots sorted by estimated probability, excluding the main line (`line_bonus`, the draft's guess after a full
+    `window`). Per depth 0..k: `draft_alternatives` {token: q}, `exit_candidates` {token: p} or None before the early
+    exit arrives; `acceptance` the running per-token rate.
     """
     k = len(window)
     a = min(max(acceptance, 0.0), 0.999)

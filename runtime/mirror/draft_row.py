@@ -275,9 +275,7 @@ class DraftRow:
         return lookup_guesses(full, room) if room > 0 else []
 
     def _feed_with_guesses(self, line: Line, full: list[int], guesses: list[int], streams: bool = False):
-        """Feed what the cache lacks of `full` (the line's context and tokens) plus `guesses`; append
-        the next token and every confirmed guess to `line`.
-
+        """Feed what the cache lacks of `full` plus `guesses`; append the next token and every confirmed guess.
         Returns (stream logits or None, the row predicting the token after `full`, guesses kept).
         """
         self._rollback_to_prefix(full)
@@ -342,9 +340,6 @@ def _append(line: Line, token: int, row) -> None:
 
 def confident_guesses(stream_rows: np.ndarray, min_probability: float) -> list[int]:
     """The streams' top tokens [n_s, vocab] -> the leading ones whose probability is >= min_probability.
-
-    A guess costs a row of the next forward and saves a whole forward only when the draft confirms it,
-    so an unlikely guess is not fed; a later stream's guess is useless without the earlier ones.
     Example: top probabilities (0.9, 0.1, 0.8) with min_probability 0.2 -> the first guess only.
     """
     guesses = []

@@ -12,10 +12,7 @@ from mirror_rt.runtime.sampling import greedy_ids
 
 
 def lookup_guesses(tokens: list[int], max_guesses: int, max_ngram: int = 3, min_ngram: int = 2) -> list[int]:
-    """Up to `max_guesses` tokens that followed the most recent earlier match of the last n-gram.
-
-    Longer n-grams are tried first (max_ngram down to min_ngram); [] when nothing matches.
-    """
+    """Up to `max_guesses` tokens that followed the latest earlier match of the last n-gram (longest first), or []."""
     if max_guesses < 1 or len(tokens) <= min_ngram:
         return []
     text = np.asarray(tokens, dtype=np.int64)
@@ -30,11 +27,7 @@ def lookup_guesses(tokens: list[int], max_guesses: int, max_ngram: int = 3, min_
 
 
 def verify_guesses(main_rows, guesses: list[int]) -> int:
-    """How many guesses (prompt-lookup or SS stream) the main rows confirm (greedy).
-
-    Args:
-        main_rows: [len(guesses) + 1, vocab] main logits; row i predicts the token after guess i-1
-            (row 0: after the last line token).
+    """How many guesses the main rows [len(guesses) + 1, vocab] confirm (greedy; row 0 follows the last line token).
     Example: guesses [5, 9], row argmaxes [5, 2, 7] -> 1 (5 confirmed, 9 rejected for 2).
     """
     return matched(guesses, greedy_ids(main_rows[:len(guesses)])) if guesses else 0

@@ -20,6 +20,7 @@ from mirror_rt.runtime.mirror.draft_row import DraftConfig, DraftRow, DraftStats
 from mirror_rt.runtime.mirror.draft_worker import DraftFailure, DraftWorker
 from mirror_rt.runtime.mirror.messages import EarlyExit, Fault, Grow, Join, Leave, Move, Verdict, Window
 from mirror_rt.runtime.mirror.stats import TargetCounters
+from mirror_rt.runtime.transfer import PendingRead
 
 
 @dataclass
@@ -146,7 +147,7 @@ class MirrorStep:
         target.forward_prefix_only(tokens, cache)
         empty = np.zeros((len(tokens), 0))
         rows = (empty.astype(np.int64), empty)
-        return _Ready(rows) if link.ahead else rows
+        return PendingRead(*rows) if link.ahead else rows  # (host arrays: read already)
 
     # --- sequences joining and leaving the draft worker --------------------------------------
 
@@ -254,12 +255,3 @@ def check_window(window, length: int, gamma: int, vocab_size: int) -> None:
     if any(not (isinstance(t, (int, np.integer)) and 0 <= t < vocab_size) for t in window.tokens):
         raise DraftFailure("draft window has token ids outside the vocabulary")
 
-
-class _Ready:
-    """Early-exit rows already on the host, read like a pending read (`result()`)."""
-
-    def __init__(self, rows: tuple[np.ndarray, np.ndarray]):
-        self.rows = rows
-
-    def result(self) -> tuple[np.ndarray, np.ndarray]:
-        return self.rows
