@@ -54,8 +54,7 @@ class Engine:
     """A target model with an optional draft model and a shared tokenizer, decoding a batch of requests.
 
     The draft must share the target's vocabulary (refused otherwise). Any number of threads may `stream` /
-    `generate` / `submit` at once: one step runs at a time, whichever thread runs it.
-    """
+    `generate` / `submit` at once: one step runs at a time, whichever thread runs it."""
 
     def __init__(self, target, tokenizer, draft=None, names: dict | None = None,
                  cpus: tuple[int, int] | None = None, placement=None, manifest=None,
@@ -220,8 +219,7 @@ class Engine:
 
     def step(self) -> bool:
         """One decoder step (thread-safe); returns whether work remains. A step that fails ends every generation in
-        flight (`reset`) before the error goes on.
-        """
+        flight (`reset`) before the error goes on."""
         with self._stepping:
             return self._step()
 

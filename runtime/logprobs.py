@@ -26,8 +26,7 @@ class TokenLogprob:
 
 def token_logprobs(rows, tokens: Sequence[int], top_n: int = 0) -> list[TokenLogprob]:
     """Log-probabilities of `tokens` [n] under raw logits `rows` [n, vocab] (row i: `tokens[i]`'s distribution), with
-    the top `top_n` (0..MAX_TOP) of each row. Reads back one [n, 1 + 2 * top_n] table.
-    """
+    the top `top_n` (0..MAX_TOP) of each row. Reads back one [n, 1 + 2 * top_n] table."""
     n = len(tokens)
     if n == 0:
         return []
@@ -47,8 +46,7 @@ def token_logprobs(rows, tokens: Sequence[int], top_n: int = 0) -> list[TokenLog
 
 def prompt_logprobs(target, ids: Sequence[int], top_n: int = 0, chunk: int = 256) -> list[TokenLogprob | None]:
     """Each prompt token's raw log-probability (None for the first), with the top `top_n`; computed in chunks over a
-    cache of its own (a completion's `echo` with `logprobs`).
-    """
+    cache of its own (a completion's `echo` with `logprobs`)."""
     cache = target.new_cache(len(ids) + 1)
     out: list[TokenLogprob | None] = [None]
     for start in range(0, len(ids) - 1, chunk):  # rows of positions start.. predict the tokens at start + 1..

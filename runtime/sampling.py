@@ -98,8 +98,7 @@ def position_uniform(seed: int, position: int) -> float:
     """The uniform in [0, 1) of the token at `position` (its index in prompt + output) of a request seeded `seed`.
 
     It depends on nothing else, so a seeded request gives the same text in ar, sd and mirror, alone or in any batch.
-    splitmix64 of (seed, position).
-    """
+    splitmix64 of (seed, position)."""
     x = (seed * 0x9E3779B97F4A7C15 + (position + 1) * 0xBF58476D1CE4E5B9) & _MASK64
     x = ((x ^ (x >> 30)) * 0xBF58476D1CE4E5B9) & _MASK64
     x = ((x ^ (x >> 27)) * 0x94D049BB133111EB) & _MASK64

@@ -177,8 +177,7 @@ class TokenRules:
 def verify_rows(rules: TokenRules | None, logits, tokens: list[int]):
     """Target verify rows [k+1, vocab] (raw logits over [last, d_1..d_k]) processed at the committed state plus
     window[:j]. Returns (rows [k'+1, vocab], window [k'], advanced): the rules are left `advanced` tokens past the
-    committed state. A window token the grammar refuses ends the window, with p = 0 at its row.
-    """
+    committed state. A window token the grammar refuses ends the window, with p = 0 at its row."""
     if rules is None or not rules.changes_logits:
         return logits, tokens, 0
     rows, advanced = [], 0
@@ -220,8 +219,7 @@ def penalize(x: torch.Tensor, counts: Mapping[int, int], seen: torch.Tensor | No
              frequency: float, presence: float) -> torch.Tensor:
     """x [vocab] (never modified in place) with the penalties for `counts` {id: times generated} and `seen` (the
     prompt's distinct ids on x's device, or None). Example: logits [2.0, -1.0, 0.5], counts {0: 2}, repetition 2,
-    frequency 0.5, presence 1 -> token 0: 2.0 / 2 - 0.5 * 2 - 1 = -1.0; the others unchanged.
-    """
+    frequency 0.5, presence 1 -> token 0: 2.0 / 2 - 0.5 * 2 - 1 = -1.0; the others unchanged."""
     torch = import_torch()
     counts = {i: c for i, c in counts.items() if c}
     if repetition != 1.0:

@@ -83,8 +83,7 @@ def record_shapes():
 
 class PendingRead:
     """Tensors on their way to the host: copies are queued at once (CUDA: pinned buffers and an event), `result()`
-    waits for them only. Counted when made.
-    """
+    waits for them only. Counted when made."""
 
     def __init__(self, *tensors: torch.Tensor):
         self.event = None

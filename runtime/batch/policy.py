@@ -63,8 +63,7 @@ class SpeculationPolicy:
 
     def too_late(self, running: list) -> bool:
         """Whether speculation would start too late to pay: adaptive, after target-only steps, < SWITCH_MIN tokens left
-        to every sequence.
-        """
+        to every sequence."""
         return self.adaptive and self.previous == AR and max(s.remaining for s in running) < SWITCH_MIN
 
     def prompts_first(self, prompts: bool) -> bool:

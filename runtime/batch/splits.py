@@ -108,14 +108,8 @@ ROW_COST = 300  # one row's cost in positions attended, beside its keys (balanci
 
 def balanced_cut(lengths: list[int]) -> int:
     """Where to cut rows of `lengths` (positions each attends to) into two contiguous parts of like cost."""
-    costs = [ROW_COST + n for n in lengths]
-    total, best, best_gap, acc = sum(costs), 1, float("inf"), 0
-    for cut in range(1, len(costs)):
-        acc += costs[cut - 1]
-        gap = abs(total - 2 * acc)
-        if gap < best_gap:
-            best, best_gap = cut, gap
-    return best
+    acc = np.cumsum([ROW_COST + n for n in lengths])  # acc[i]: the cost of rows 0..i
+    return int(np.argmin(np.abs(acc[-1] - 2 * acc[:-1]))) + 1 if len(acc) > 1 else 1
 
 
 class CoreSplit:

@@ -65,8 +65,7 @@ class Prefill:
 
     def in_turn(self) -> list:
         """The prompts still prefilling in the order they take the chunk: oldest first, but while a prompt needs more
-        than LONG chunks, short ones go before it, up to half the chunk between them.
-        """
+        than LONG chunks, short ones go before it, up to half the chunk between them."""
         pending = [s for s in self.decoder.active if s.state == "prefill" and not s.done]
         chunk = self.decoder.settings.prefill_chunk
         if all(len(self.fill(s)) - s.computed <= LONG * chunk for s in pending):
@@ -81,8 +80,7 @@ class Prefill:
 
     def _pair(self, pending: list, budget: int) -> tuple[list, list] | None:
         """The oldest prompt and the next whose chunk is at least LIKE times as long (or the other way), with their
-        chunks, where the target can run two prompts at once on two cores and the draft worker idles.
-        """
+        chunks, where the target can run two prompts at once on two cores and the draft worker idles."""
         d = self.decoder
         if len(pending) < 2 or not (d.target.capabilities.two_calls and d.pooled and d.mirror.cpus):
             return None
@@ -148,8 +146,7 @@ class Prefill:
 
     def _draft_prefill(self, seq, fill: list[int]) -> None:
         """The draft's cache: a pooled row starts empty (filled at the first speculative step, `draft_cache`); a draft's
-        cache of its own prefills here.
-        """
+        cache of its own prefills here."""
         d = self.decoder
         if d.draft is None or seq.config.mode == "ar":
             return
@@ -163,8 +160,7 @@ class Prefill:
 
     def draft_cache(self, seq):
         """The sequence's draft cache, holding a prefix of its committed text: a pool row (topped up from the target's
-        KV by a draft that reads target rows), its own cache, or the oracle draft's copy of the target's text.
-        """
+        KV by a draft that reads target rows), its own cache, or the oracle draft's copy of the target's text."""
         d = self.decoder
         if seq.draft_cache is None:  # the oracle draft: the target itself, over a cache of its own
             seq.draft_cache = d.target.new_cache(d.capacity)

@@ -25,8 +25,7 @@ def rank_roots(window: list[int], line_bonus: int | None, draft_alternatives: li
                exit_weight: float = 0.5) -> list[Root]:
     """Roots sorted by estimated probability, excluding the main line (`line_bonus`, the draft's guess after a full
     `window`). Per depth 0..k: `draft_alternatives` {token: q}, `exit_candidates` {token: p} or None before the early
-    exit arrives; `acceptance` the running per-token rate.
-    """
+    exit arrives; `acceptance` the running per-token rate."""
     k = len(window)
     a = min(max(acceptance, 0.0), 0.999)
     roots = []

@@ -276,8 +276,7 @@ class DraftRow:
 
     def _feed_with_guesses(self, line: Line, full: list[int], guesses: list[int], streams: bool = False):
         """Feed what the cache lacks of `full` plus `guesses`; append the next token and every confirmed guess.
-        Returns (stream logits or None, the row predicting the token after `full`, guesses kept).
-        """
+        Returns (stream logits or None, the row predicting the token after `full`, guesses kept)."""
         self._rollback_to_prefix(full)
         feed = full[len(self.cache_tokens):] + guesses
         out = self._feed(feed, streams=streams)
@@ -340,8 +339,7 @@ def _append(line: Line, token: int, row) -> None:
 
 def confident_guesses(stream_rows: np.ndarray, min_probability: float) -> list[int]:
     """The streams' top tokens [n_s, vocab] -> the leading ones whose probability is >= min_probability.
-    Example: top probabilities (0.9, 0.1, 0.8) with min_probability 0.2 -> the first guess only.
-    """
+    Example: top probabilities (0.9, 0.1, 0.8) with min_probability 0.2 -> the first guess only."""
     guesses = []
     for row in np.asarray(stream_rows):  # float32 is enough: every exp(row - max) is in (0, 1]
         top = int(np.argmax(row))

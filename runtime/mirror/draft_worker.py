@@ -68,20 +68,15 @@ class DraftWorker:
         try:
             with placed(self.draft, self.cpu):  # one core each: the two workers must not contend
                 while not self.stop_event.is_set():
-                    item = self._poll()
+                    try:
+                        item = self.inbox.get_nowait()
+                    except queue.Empty:  # nothing to handle: one forward of speculation, or wait for a message
+                        item = None if self._speculate_one() else self._get()
                     if item is not None:
                         self._handle(*item)
-                    elif not self._speculate_one():
-                        self._handle(*self._get())
         except Exception as exc:  # noqa: BLE001 -- the target must hear of any failure, never hang on it
             for key in list(self.outboxes):
                 self._put(key, Fault(f"{type(exc).__name__}: {exc}"))
-
-    def _poll(self):
-        try:
-            return self.inbox.get_nowait()
-        except queue.Empty:
-            return None
 
     def _get(self):
         while not self.stop_event.is_set():

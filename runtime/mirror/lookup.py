@@ -28,6 +28,5 @@ def lookup_guesses(tokens: list[int], max_guesses: int, max_ngram: int = 3, min_
 
 def verify_guesses(main_rows, guesses: list[int]) -> int:
     """How many guesses the main rows [len(guesses) + 1, vocab] confirm (greedy; row 0 follows the last line token).
-    Example: guesses [5, 9], row argmaxes [5, 2, 7] -> 1 (5 confirmed, 9 rejected for 2).
-    """
+    Example: guesses [5, 9], row argmaxes [5, 2, 7] -> 1 (5 confirmed, 9 rejected for 2)."""
     return matched(guesses, greedy_ids(main_rows[:len(guesses)])) if guesses else 0
