@@ -63,9 +63,7 @@ def as_tensor(x) -> torch.Tensor:
 def greedy_ids(logits) -> list[int]:
     """The argmax of each row of logits [T, vocab] (or of one row [vocab]): T ids are all that is read back.
     Ties go to the first maximum, in numpy (host arrays) as in torch."""
-    if is_tensor(logits):
-        return host_ids(logits.argmax(-1))
-    return host_ids(np.asarray(logits).argmax(-1))
+    return host_ids(logits.argmax(-1) if is_tensor(logits) else np.asarray(logits).argmax(-1))
 
 
 def probabilities(logits, config: SamplingConfig) -> torch.Tensor:

@@ -75,10 +75,5 @@ class TextStream:
 
     def _unsafe_suffix(self, decoded: str) -> int:
         """Characters at the end that may still begin a stop string."""
-        hold = 0
-        for s in self.stop_strings:
-            for n in range(min(len(s) - 1, len(decoded)), 0, -1):
-                if decoded.endswith(s[:n]):
-                    hold = max(hold, n)
-                    break
-        return hold
+        return max((n for s in self.stop_strings for n in range(min(len(s) - 1, len(decoded)), 0, -1)
+                    if decoded.endswith(s[:n])), default=0)

@@ -119,7 +119,7 @@ class BatchDecoder:
     def add(self, seq: Sequence) -> None:
         """Queue a sequence (KVTooLarge when it could never fit)."""
         need = self.blocks_needed(seq)
-        if not self.budget.fits_ever(need) or len(seq.prompt) + 1 > self.capacity - WINDOW_ROOM:
+        if need > self.budget.total or len(seq.prompt) + 1 > self.capacity - WINDOW_ROOM:
             raise KVTooLarge(f"request needs {need * BLOCK_SIZE} KV positions but the KV cache holds "
                              f"{self.budget.total * BLOCK_SIZE} (raise --kv-cache-gb or lower max_tokens)")
         with self.lock:

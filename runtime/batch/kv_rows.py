@@ -31,9 +31,6 @@ class RowMap:
         self.order.append(key)
         return len(self.order) - 1
 
-    def row(self, key) -> int:
-        return self.order.index(key)
-
     def remove(self, key) -> tuple[int, int] | None:
         """Free `key`'s row; the last row moves into it: returns (source, destination) or None (no move)."""
         row = self.order.index(key)
@@ -60,10 +57,6 @@ class BlockBudget:
     def spare(self) -> int:
         """Blocks no sequence reserves (the prefix cache may hold them)."""
         return self.total - self.reserved
-
-    def fits_ever(self, blocks: int) -> bool:
-        """Whether a request of `blocks` could be admitted into an empty pool."""
-        return blocks <= self.total
 
     def reserve(self, key, blocks: int, cached: int = 0) -> bool:
         """Reserve `blocks` for `key` if they fit beside the others (`cached`: blocks the prefix cache holds

@@ -48,12 +48,7 @@ class PrefixCache:
 
     def lookup(self, tokens: list[int]) -> list[bytes]:
         """Keys of the cached blocks that start `tokens` (leaving its last position to compute); counted."""
-        keys = block_keys(tokens[:-1], self.salt, self.block_size)
-        found = []
-        for key in keys:
-            if key not in self.blocks:
-                break
-            found.append(key)
+        found = self.held(tokens)
         self.queries += len(tokens)
         self.hits += len(found) * self.block_size
         return found
