@@ -296,7 +296,9 @@ class DraftRow:
         """The draft's most likely choices at one depth (derived only when roots are ranked)."""
         if not self.settings.alternatives or row is None:  # None: a grammar-forced token, chosen from no row
             return {}
-        probs = _softmax(to_host(row))  # ranking roots runs on the host (a few rows per step)
+        x = np.asarray(to_host(row), dtype=np.float64)  # ranking roots runs on the host (a few rows per step)
+        probs = np.exp(x - x.max())
+        probs /= probs.sum()
         return top_alternatives(probs, self.settings.alternatives + 1)
 
     def _rollback_to_prefix(self, context: list[int]) -> None:
@@ -318,10 +320,7 @@ class DraftRow:
     def _feed(self, tokens: list[int], streams: bool = False):
         """One draft forward (with SS stream logits when `streams`), timed and mirrored in cache_tokens."""
         t0 = time.perf_counter()
-        if streams:
-            logits = self.draft.forward_streams(tokens, self.cache)
-        else:
-            logits = self.draft.forward(tokens, self.cache)
+        logits = (self.draft.forward_streams if streams else self.draft.forward)(tokens, self.cache)
         t1 = time.perf_counter()
         self.stats.busy.append((t0, t1))
         self.stats.forwards += 1
@@ -347,9 +346,3 @@ def confident_guesses(stream_rows: np.ndarray, min_probability: float) -> list[i
             break
         guesses.append(top)
     return guesses
-
-
-def _softmax(logits: np.ndarray) -> np.ndarray:
-    x = np.asarray(logits, dtype=np.float64)
-    e = np.exp(x - x.max())
-    return e / e.sum()
