@@ -250,9 +250,7 @@ class Engine:
     def load(self) -> tuple[int, int]:
         """(sequences holding a row of the batch, sequences waiting for one); (0, 0) before the first request."""
         decoder = self._decoder
-        if decoder is None:
-            return 0, 0
-        return len(decoder.active), len(decoder.waiting)
+        return (0, 0) if decoder is None else (len(decoder.active), len(decoder.waiting))
 
     def close(self) -> None:
         """Stop the decoder's draft worker (the engine stays usable)."""

@@ -54,17 +54,17 @@ def to_host(x) -> np.ndarray:
 
 def host_ids(x, count: bool = True) -> list[int]:
     """Token ids [n] (a tensor or an array) as Python ints; `count=False`: a tensor made from host arrays."""
-    if not is_tensor(x):
-        return [int(t) for t in np.asarray(x).reshape(-1)]
-    if count:
-        _count(x)
-    return x.reshape(-1).tolist()
+    return _host_values(x, count, int)
 
 
 def host_floats(x, count: bool = True) -> list[float]:
     """A few values [n] (a tensor or an array) as Python floats (sampling: p and q at the drafted tokens)."""
+    return _host_values(x, count, float)
+
+
+def _host_values(x, count: bool, kind) -> list:
     if not is_tensor(x):
-        return [float(t) for t in np.asarray(x).reshape(-1)]
+        return [kind(t) for t in np.asarray(x).reshape(-1)]
     if count:
         _count(x)
     return x.reshape(-1).tolist()
