@@ -51,7 +51,7 @@ class GenerationConfig:
             raise ValueError(f"ignore_eos must be true or false, got {self.ignore_eos!r}")
         if self.branch_budget is not None and not is_integer(self.branch_budget):
             raise ValueError(f"branch_budget must be 'auto' or an integer >= 0, got {self.branch_budget!r}")
-        if self.mode is not None and not isinstance(self.mode, str):
+        if self.mode is not None and self.mode not in MODES:
             raise ValueError(f"unknown mode {self.mode!r} (choose from {', '.join(MODES)})")
         if not is_number(self.draft_timeout_s):
             raise ValueError(f"draft_timeout_s must be a number of seconds, got {self.draft_timeout_s!r}")
@@ -61,8 +61,6 @@ class GenerationConfig:
             raise ValueError(f"--max-new-tokens must be >= 1, got {self.max_new_tokens}")
         if not 1 <= self.gamma <= MAX_GAMMA:
             raise ValueError(f"--gamma must be in 1..{MAX_GAMMA}, got {self.gamma}")
-        if self.mode is not None and self.mode not in MODES:
-            raise ValueError(f"unknown mode '{self.mode}' (choose from {', '.join(MODES)})")
         if self.branch_budget is not None and self.branch_budget < 0:
             raise ValueError(f"--branch-budget must be 'auto' or >= 0, got {self.branch_budget}")
         if self.early_exit not in EARLY_EXIT:
