@@ -1,20 +1,10 @@
 """Conversion-ready cuts of a `Transformer` with explicit KV inputs and outputs.
 
-`SplitGraph` wraps one contiguous range of layers of a target or draft model as a pure
-function of tensors, so torch.onnx and ov.convert_model can trace it: the target prefix
-(embeddings and layers 0..exit-1, returning the exit hidden state), the target exit (a
-stateless graph: hidden state -> the target's own final norm and LM head, after a trained
-exit adapter when the model carries one (see `with_exit_adapter`) -> top-kappa ids and
-log-probs; an attention adapter's first stage, which reads the last prefix layer's keys,
-is computed by the prefix graph as a second output, "exit_hidden", that the exit graph takes
-in place of the hidden state), the target suffix (layers exit..N-1, final norm, LM head) and the full model
-(the draft). The exit is its own graph so that a forward without it (target-only decoding)
-never pays for the vocabulary-wide head at the exit layer. It does not know file formats,
-weights compression or devices.
-
 Invariant: positions are `past_len + arange(T)` where past_len is read from the past KV's
 shape (dynamic graphs) or from the `position` input (static graphs, fixed-size KV written
 in place with a scatter), so a graph run from an empty cache equals the torch model.
+
+Design notes: docs/design/exporters.md
 """
 
 from __future__ import annotations

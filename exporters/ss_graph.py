@@ -1,19 +1,6 @@
 """ONNX export of a Speculative Streaming draft (`models.ss_draft.StreamDraft`).
 
-`StreamDraftGraph` is `StreamDraft.forward_streams` as a traceable function with explicit KV
-(main keys only, as in the torch cache): inputs `input_ids` [T], `last_rows` [1] and the past
-KV per layer; outputs `logits` [R, vocab] and `stream_logits` [R, n_s, vocab] for the window's
-last R = last_rows positions, then the present KV. Stream rows are computed for those R
-positions only: a stream row never influences a main row, so the main logits and the KV are
-those of the plain draft graph, and a prompt (last_rows 1) pays for one position's streams.
-A prompt (last_rows 1) thus pays for one position's streams.
-
-`SharedStreamDraftGraph` is the same function over shared KV buffers (exporters.shared_kv; the
-default with ONNX): the main rows run the fused layers of the plain shared-KV draft graph
-(GroupQueryAttention writes their keys in place), and in the stream layers the stream rows
-attend to the buffer's first total_len keys (read back from the op's present output, already
-rotated) plus their own position's streams, under the same mask. Families with q/k norms keep
-the explicit graph (as the plain draft does).
+Design notes: docs/design/exporters.md
 """
 
 from __future__ import annotations
