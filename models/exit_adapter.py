@@ -1,6 +1,8 @@
 """A small trained early-exit adapter: a low-rank residual map on the hidden state at layer ℓe,
 optionally after one attention read of the exit layer's own cached keys and values.
 
+Invariant: an adapter refuses to load for a target whose config fingerprint differs.
+
 Design notes: docs/design/models.md
 """
 
