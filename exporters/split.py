@@ -206,7 +206,9 @@ class SplitGraph(nn.Module):
         rope = (self.rope_cos_half, self.rope_sin_half, positions)
         sizes = [self.n_heads * self.head_dim] + [self.n_kv_heads * self.head_dim] * 2
         h = self.model.embed(x) if self.spec.takes_tokens else x
-        plan = self._attention_plan(positions, groups)
+        plan = None  # what every layer of a standard-op exact graph's call shares (exporters.exact_kv)
+        if self.spec.takes_groups:
+            plan = exact_attention_plan(positions, groups, self.n_heads, self.n_kv_heads)
         presents = []
         for i in range(self.spec.n_layers):
             block = self.model.layers[self.spec.first + i]
@@ -234,12 +236,6 @@ class SplitGraph(nn.Module):
         if last_rows is not None:  # the LM head over the last rows only (prefill needs one)
             h = h[:, T - last_rows[0]:]
         return (self.model.logits(h), *presents)
-
-    def _attention_plan(self, positions, groups):
-        """What every layer of a standard-op exact graph's call shares (exporters.exact_kv); None otherwise."""
-        if self.spec.exact and not self.spec.pool:
-            return exact_attention_plan(positions, groups, self.n_heads, self.n_kv_heads)
-        return None
 
     def _mask(self, positions: torch.Tensor, n_keys) -> torch.Tensor:
         """[T, S] bool: query at position p sees keys 0..p."""
