@@ -77,7 +77,7 @@ def resolve_limits(cfg: ExportConfig, model_config) -> Limits:
 
 
 def export_bundle(model: str | None, out_dir, progress: bool = True, **options) -> Path:
-    """Export a bundle (see module docstring); `options` are ExportConfig fields (draft_model, fmt, weights, kappa,
+    """Export a bundle (docs/design/exporters.md); `options` are ExportConfig fields (draft_model, fmt, weights, kappa,
     ...) with ExportConfig's defaults; returns the bundle folder."""
     return run_export(ExportConfig(model=model, out_dir=Path(out_dir), **options), progress=progress)
 

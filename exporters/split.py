@@ -330,8 +330,7 @@ def example_inputs(model: Transformer, spec: GraphSpec, tokens: int = 3, past: i
         return (x,)
     if spec.shared_kv:  # batched: two rows of different lengths
         return _shared_example(model, spec, x, past)
-    # KV positions: static graphs hold the whole context, shared-KV graphs a buffer with room to spare
-    length = spec.context if spec.static else past + T + 1 if spec.shared_kv else past
+    length = spec.context if spec.static else past  # static graphs hold the whole context
     kv = [torch.zeros(1, c.n_kv_heads, length, c.head_dim, dtype=dtype) for _ in range(2 * spec.n_layers)]
     head = [x, torch.tensor([past], dtype=torch.long)] if spec.static else [x]
     if spec.takes_last_rows:
