@@ -1,25 +1,6 @@
 """Attention over shared KV buffers from standard ONNX ops: a position computes alike in every call shape.
 
-The same contract as exporters.shared_kv (buffers [B, KVH, capacity, D] written in place at total_len-T..
-total_len-1 of each row, RoPE at positions [B, T], causal attention to 0..position of the row's own keys),
-without GroupQueryAttention: its one-token path multiplies probabilities by values with a matrix-vector
-kernel and its windows with a matrix-matrix one, which round differently (measured here: 2e-7 apart), and
-it takes several rows only one token each. Here every call, whatever its rows and tokens, runs the same
-kernels on the same numbers: RoPE (com.microsoft RotaryEmbedding, per element), ScatterND into the buffers
-(in place when ONNX Runtime binds past and present to one buffer), then per group of rows the keys up to the
-group's longest row (Slice), scores with 3+ query rows per KV head (every query head of a group), masked to
-each position's own keys, Softmax, values. The mask is added (0, or the lowest float, which every score plus it
-rounds to, so the bits are those of selecting it), built once per call for all layers: a Where per layer cost
-13% of a long prompt's prefill. Measured here: window rows, one-token steps, rows of a batch
-(any lengths, any groups) and prompt rows give the same bits, and masked or stale slots change nothing.
-Targets with quantized activations need it (a last-bit difference moves an int8 rounding, then a token);
-drafts keep GroupQueryAttention (faster at one token, and a draft need not be exact).
-
-Groups (format 6): the call's rows are cut into GROUPS contiguous groups by the `attention_groups` input
-([GROUPS, 2] int64: each group's row end and the keys it reads, its longest row; empty groups last, with
-1 key), so one long row no longer makes every row of the call read its keys (format 5 read every row up to the
-longest). The caller picks the cut (runtime.batch.splits.cheapest_groups); an empty group costs a few zero-size
-nodes per layer (measured: 0.25 us each).
+Design notes: docs/design/exporters.md
 """
 
 from __future__ import annotations

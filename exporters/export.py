@@ -1,16 +1,6 @@
 """`export_bundle`: a target (and draft) to a self-describing bundle folder.
 
-Writes the target prefix, target exit, target suffix and draft graphs in one format
-(openvino, onnx or torch), the tokenizer files, and manifest.json last, so an interrupted
-export leaves no manifest and is refused on load. Limits (exit layer, kappa, static context
-and window) are validated before any conversion starts. Default draft: the target itself
-with `auto` weights: q4_1 in ONNX bundles of models whose weights are Q4_1 blocks exactly (the
-default model: the draft then computes with the model's own weights), int8 otherwise.
-Default exit: int8 weights, whatever the target's: the exit only picks which draft branches
-are precomputed, never the output. Target weights (`--weights`): fp32 by default (the default
-bundle asks for int8, devices.engines); ONNX: int8, int4, q4_1, w8a8 (exporters.onnx).
-`--draft-vocab` gives the draft graph an LM head over a kept set of ids (models.pruned_head; the
-file is copied into the bundle). It does not run graphs; `devices.bundle_engine.load_bundle` does.
+Design notes: docs/design/exporters.md
 """
 
 from __future__ import annotations
@@ -87,7 +77,7 @@ def resolve_limits(cfg: ExportConfig, model_config) -> Limits:
 
 
 def export_bundle(model: str | None, out_dir, progress: bool = True, **options) -> Path:
-    """Export a bundle (see module docstring); `options` are ExportConfig fields (draft_model, fmt, weights, kappa,
+    """Export a bundle (docs/design/exporters.md); `options` are ExportConfig fields (draft_model, fmt, weights, kappa,
     ...) with ExportConfig's defaults; returns the bundle folder."""
     return run_export(ExportConfig(model=model, out_dir=Path(out_dir), **options), progress=progress)
 

@@ -1,12 +1,6 @@
 """A model folder that OpenVINO GenAI's `LLMPipeline` loads: optimum-intel's layout, our graph.
 
-`openvino_model.xml/.bin` is a stateful decoder traced from our `Transformer` with the inputs
-GenAI feeds (input_ids, attention_mask, position_ids, beam_idx) and the output it reads
-(logits), the KV cache folded into model state as optimum-intel's stateful.py does
-(past_key_values.i.key -> present.i.key, beam_idx Gathers, batch-sized state initializers).
-Next to it: openvino_tokenizer/detokenizer.xml, config.json, generation_config.json and the
-Hugging Face tokenizer files. Folders are cached per model and weights, so benches reuse them.
-It does not run anything: the bench's runners (runtime/bench_methods.py) own the pipelines.
+Design notes: docs/design/exporters.md
 """
 
 from __future__ import annotations

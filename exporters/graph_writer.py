@@ -1,10 +1,6 @@
 """ONNX graphs written node by node, their weights streamed into one file that every graph of a bundle shares.
 
-`WeightsFile` appends each weight once (a GGUF's blocks as they are, or values converted to the precision asked
-for) to `weights.bin` in the bundle, 64-byte aligned; graphs refer to it as ONNX external data (offset and
-length), which ONNX Runtime maps into memory: graphs and sessions that use the same weight read the same pages, and
-no file passes ONNX's 2 GB limit. `GraphBuilder` collects one graph's nodes, small constants and external weights
-and writes it. Neither knows what a transformer is (exporters.llama_graphs builds those).
+Design notes: docs/design/exporters.md
 """
 
 from __future__ import annotations

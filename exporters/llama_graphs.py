@@ -1,14 +1,6 @@
 """The four graphs of a bundle (target prefix, exit, suffix; draft) written from a checkpoint's weights as they lie.
 
-The same interface as the traced pool graphs of format 7 (exporters.split, exporters.pool_kv: ids or hidden
-[B, T], total_len [B], KV buffers [B, KVH, S, D] bound in place, `attention` = pool), so devices.onnxruntime.backend
-runs them unchanged. Every product is mirror_rt::MatMulGGUF over weight rows in weights.bin: a GGUF's own blocks
-(precision `gguf`), or the values at fp32 / bf16 / f16, or requantized per block of 32 (q8_0, q4_0: llama.cpp's
-formats, int8 activations); the embedding is GatherGGUF over the same rows. Norms, biases and the rotary
-frequencies are small inline constants; rotary angles are computed per call in float64 from the positions (no table
-of the whole context). A llama GGUF's q and k rows stay in its pairwise rotary order (`interleaved`): keys in every
-graph of the bundle then share one layout, so a self-draft can take the target's KV. Weights are read one tensor at
-a time, so memory stays near one tensor whatever the model's size.
+Design notes: docs/design/exporters.md
 """
 
 from __future__ import annotations

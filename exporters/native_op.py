@@ -1,12 +1,6 @@
 """mirror-rt's own ONNX Runtime op, built once per machine: `mirror_rt.PoolAttention` (exporters/pool_attention.cpp).
 
-Target graphs of bundle format 7 (exporters.pool_kv) attend through it: it reads each row's keys and values in
-place in the KV buffers, where the standard-op graphs (exporters.exact_kv) copy every group's keys out first and
-read them again, in some forty nodes a layer. The source ships with the package; the first load compiles it with
-the machine's C++ compiler (`$CXX`, else g++ or c++; about 5 s) into the model cache
-(`<cache>/native/<key>/`, the key covers the sources, the compiler and this CPU, since it is built for this CPU
-with -march=native), published atomically so that concurrent first loads never see half a library. Without a
-compiler `library()` says why in one line and exports fall back to the standard-op graphs.
+Design notes: docs/design/exporters.md
 """
 
 from __future__ import annotations

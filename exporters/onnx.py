@@ -1,15 +1,6 @@
 """ONNX export: a `SplitGraph` to a .onnx file with explicit KV inputs and outputs.
 
-The TorchScript exporter (`torch.onnx.export(dynamo=False)`) is used: it needs no
-onnxscript and handles dynamic axes for the window length and the past length. KV stays
-explicit (ONNX has no state), so ONNX Runtime passes the cache in and out each call; the
-OpenVINO backend can still load the .onnx and make it stateful at load time. The exit graph
-has no KV at all.
-Weights: fp32; int8/int4: every MatMul with a constant weight becomes onnxruntime's MatMulNBits
-(blockwise, symmetric), whose int8 compute (`ACCURACY_LEVEL`) quantizes each activation row per
-block of 32, so a row's output never depends on the other rows of its window; q4_1: the same with a
-per-block minimum (exporters.q4_min); w8a8: int8 weights per column and activations per row in an
-integer product (exporters.w8a8).
+Design notes: docs/design/exporters.md
 """
 
 from __future__ import annotations

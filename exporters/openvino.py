@@ -1,11 +1,6 @@
 """OpenVINO export: a `SplitGraph` to a stateful IR (.xml + .bin) with compressed weights.
 
-Steps per graph: `ov.convert_model` of the traced module, stable tensor names, KV inputs
-reshaped to [1, kv_heads, ?, head_dim], then the past/present pairs folded into model state
-(`apply_make_stateful_transformation`, as optimum-intel's stateful.py does), so the KV cache
-never crosses the host boundary; the backend rolls back by trimming the state tensors.
-Weights: fp32, fp16 (IR compression) or int8/int4 through `nncf.compress_weights`.
-openvino and nncf are imported lazily: nothing here runs unless an OpenVINO export is asked.
+Design notes: docs/design/exporters.md
 """
 
 from __future__ import annotations

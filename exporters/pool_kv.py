@@ -1,17 +1,6 @@
 """Target attention through mirror-rt's own ONNX Runtime op, which reads the KV buffers in place (format 7).
 
-The same contract as exporters.exact_kv (buffers [B, KVH, capacity, D] written in place at total_len-T..
-total_len-1 of each row, RoPE at positions [B, T], causal attention to 0..position of the row's own keys, every
-position computed alike in any call shape), with one node where exact_kv has some forty: after RoPE,
-`mirror_rt::PoolAttention` (exporters/pool_attention.cpp) stores the call's keys and values into the buffers (bound
-as both its input and its output, so in place; float16 ones rounded to nearest even) and attends each query to its
-own row's keys 0..position where they lie. exact_kv's graphs copy every group of rows'
-keys and values out of the buffers (Slice), then read them again in a product padded to the group's longest row;
-here nothing is copied, no row reads past its own length, and no mask or group plan is built, so the graphs take no
-`attention_groups`. The op's arithmetic is fixed per query (its own order of sums over lanes and keys), which is
-what makes a position's bits independent of its companions and of the call's tokens.
-Graphs with the op need the library exporters.native_op builds, in the exporting process (to check the graph) and
-in every process that loads it (devices.onnxruntime.backend registers it with each session).
+Design notes: docs/design/exporters.md
 """
 
 from __future__ import annotations

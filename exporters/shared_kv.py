@@ -1,20 +1,6 @@
 """Attention over shared, preallocated KV buffers written in place: onnxruntime's GroupQueryAttention.
 
-Graphs exported with `shared_kv` take each layer's past key/value as a [B, kv_heads, capacity,
-head_dim] buffer (a row per sequence) and `total_len` [B] (positions each row holds after this call);
-the op writes each row's new keys and values in place at total_len-T..total_len-1, rotates q and k
-(RoPE at explicit positions [B, T]) and attends causally to 0..total_len-1 of its own row. ONNX
-Runtime binds past and present to the same buffer (IO binding), so a call copies no cache and a
-rollback is only a smaller `total_len` next time. Measured here: the explicit-KV graphs spent a
-quarter of a draft forward at 800 positions concatenating caches.
-Limitation (ONNX Runtime's CPU kernel): a call over several rows takes one new token per row (T = 1);
-windows of more tokens run one row per call. The other contrib ops that take batches of windows were
-measured and set aside: SparseAttention's CPU kernel reads its softmax rows at offsets of each row's
-own length but writes them at the batch maximum's (rows of different lengths come out wrong), and
-the standard Attention op over TensorScatter buffers costs time in proportion to the buffer capacity.
-Only ONNX Runtime runs these graphs (CPU and CUDA providers implement the op); OpenVINO does not.
-Drafts (and SS drafts) attend through it; targets through exporters.exact_kv, whose positions come out alike in
-every call shape (this op's one-token path rounds differently from its windows).
+Design notes: docs/design/exporters.md
 """
 
 from __future__ import annotations

@@ -1,20 +1,10 @@
 """Conversion-ready cuts of a `Transformer` with explicit KV inputs and outputs.
 
-`SplitGraph` wraps one contiguous range of layers of a target or draft model as a pure
-function of tensors, so torch.onnx and ov.convert_model can trace it: the target prefix
-(embeddings and layers 0..exit-1, returning the exit hidden state), the target exit (a
-stateless graph: hidden state -> the target's own final norm and LM head, after a trained
-exit adapter when the model carries one (see `with_exit_adapter`) -> top-kappa ids and
-log-probs; an attention adapter's first stage, which reads the last prefix layer's keys,
-is computed by the prefix graph as a second output, "exit_hidden", that the exit graph takes
-in place of the hidden state), the target suffix (layers exit..N-1, final norm, LM head) and the full model
-(the draft). The exit is its own graph so that a forward without it (target-only decoding)
-never pays for the vocabulary-wide head at the exit layer. It does not know file formats,
-weights compression or devices.
-
 Invariant: positions are `past_len + arange(T)` where past_len is read from the past KV's
 shape (dynamic graphs) or from the `position` input (static graphs, fixed-size KV written
 in place with a scatter), so a graph run from an empty cache equals the torch model.
+
+Design notes: docs/design/exporters.md
 """
 
 from __future__ import annotations
@@ -216,7 +206,9 @@ class SplitGraph(nn.Module):
         rope = (self.rope_cos_half, self.rope_sin_half, positions)
         sizes = [self.n_heads * self.head_dim] + [self.n_kv_heads * self.head_dim] * 2
         h = self.model.embed(x) if self.spec.takes_tokens else x
-        plan = self._attention_plan(positions, groups)
+        plan = None  # what every layer of a standard-op exact graph's call shares (exporters.exact_kv)
+        if self.spec.takes_groups:
+            plan = exact_attention_plan(positions, groups, self.n_heads, self.n_kv_heads)
         presents = []
         for i in range(self.spec.n_layers):
             block = self.model.layers[self.spec.first + i]
@@ -244,12 +236,6 @@ class SplitGraph(nn.Module):
         if last_rows is not None:  # the LM head over the last rows only (prefill needs one)
             h = h[:, T - last_rows[0]:]
         return (self.model.logits(h), *presents)
-
-    def _attention_plan(self, positions, groups):
-        """What every layer of a standard-op exact graph's call shares (exporters.exact_kv); None otherwise."""
-        if self.spec.exact and not self.spec.pool:
-            return exact_attention_plan(positions, groups, self.n_heads, self.n_kv_heads)
-        return None
 
     def _mask(self, positions: torch.Tensor, n_keys) -> torch.Tensor:
         """[T, S] bool: query at position p sees keys 0..p."""
@@ -344,8 +330,7 @@ def example_inputs(model: Transformer, spec: GraphSpec, tokens: int = 3, past: i
         return (x,)
     if spec.shared_kv:  # batched: two rows of different lengths
         return _shared_example(model, spec, x, past)
-    # KV positions: static graphs hold the whole context, shared-KV graphs a buffer with room to spare
-    length = spec.context if spec.static else past + T + 1 if spec.shared_kv else past
+    length = spec.context if spec.static else past  # static graphs hold the whole context
     kv = [torch.zeros(1, c.n_kv_heads, length, c.head_dim, dtype=dtype) for _ in range(2 * spec.n_layers)]
     head = [x, torch.tensor([past], dtype=torch.long)] if spec.static else [x]
     if spec.takes_last_rows:

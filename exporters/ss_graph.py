@@ -1,19 +1,6 @@
 """ONNX export of a Speculative Streaming draft (`models.ss_draft.StreamDraft`).
 
-`StreamDraftGraph` is `StreamDraft.forward_streams` as a traceable function with explicit KV
-(main keys only, as in the torch cache): inputs `input_ids` [T], `last_rows` [1] and the past
-KV per layer; outputs `logits` [R, vocab] and `stream_logits` [R, n_s, vocab] for the window's
-last R = last_rows positions, then the present KV. Stream rows are computed for those R
-positions only: a stream row never influences a main row, so the main logits and the KV are
-those of the plain draft graph, and a prompt (last_rows 1) pays for one position's streams.
-A prompt (last_rows 1) thus pays for one position's streams.
-
-`SharedStreamDraftGraph` is the same function over shared KV buffers (exporters.shared_kv; the
-default with ONNX): the main rows run the fused layers of the plain shared-KV draft graph
-(GroupQueryAttention writes their keys in place), and in the stream layers the stream rows
-attend to the buffer's first total_len keys (read back from the op's present output, already
-rotated) plus their own position's streams, under the same mask. Families with q/k norms keep
-the explicit graph (as the plain draft does).
+Design notes: docs/design/exporters.md
 """
 
 from __future__ import annotations
@@ -212,14 +199,6 @@ def graph_stream_mask(positions: torch.Tensor, n_keys, rows, S: int) -> torch.Te
     return torch.cat([prefix, torch.cat([main_to_streams, same])], dim=1)
 
 
-def ss_input_names(n_layers: int, shared: bool) -> list[str]:
-    return ["input_ids", LAST_ROWS] + ([TOTAL_LEN] if shared else []) + kv_names(n_layers, PAST_NAMES)
-
-
-def ss_output_names(n_layers: int) -> list[str]:
-    return ["logits", STREAM_LOGITS] + kv_names(n_layers, PRESENT_NAMES)
-
-
 def export_stream_draft(draft, table_len: int, weights: str, path: Path, shared: bool) -> list[Path]:
     """Write `path` (.onnx): the SS draft graph over shared KV buffers or explicit KV, weights fp32 or
     weight-only int8/int4/q4_1 (the base's products; the small stream LoRA products stay fp32)."""
@@ -229,7 +208,8 @@ def export_stream_draft(draft, table_len: int, weights: str, path: Path, shared:
         raise ValueError(f"--format onnx supports weights {', '.join(WEIGHTS)}, not '{weights}'")
     c = draft.config
     graph = (SharedStreamDraftGraph if shared else StreamDraftGraph)(draft, table_len).eval()
-    ins, outs = ss_input_names(c.n_layers, shared), ss_output_names(c.n_layers)
+    ins = ["input_ids", LAST_ROWS] + ([TOTAL_LEN] if shared else []) + kv_names(c.n_layers, PAST_NAMES)
+    outs = ["logits", STREAM_LOGITS] + kv_names(c.n_layers, PRESENT_NAMES)
     dtype = draft.base.embed_tokens.weight.dtype
     T, past_len = 3, 2
     buffer = past_len + T + 1 if shared else past_len  # shared: a buffer with room to spare

@@ -1,11 +1,6 @@
 """Export that streams: a GGUF file or a large Hugging Face folder into a bundle, one tensor at a time.
 
-The four graphs (exporters.llama_graphs) share one weights.bin: a GGUF's own blocks copied as they lie (precision
-`gguf`), or the values at fp32 / bf16 / f16, or requantized to q8_0 / q4_0 per block of 32. Memory stays near one
-tensor whatever the model's size, and no file passes ONNX's 2 GB limit; the graphs load in a fraction of a second
-(ONNX Runtime maps weights.bin: graphs that share a weight read the same pages, so a self-draft at the target's
-precision costs no memory). It runs for GGUF files and for checkpoints over STREAM_BYTES; smaller folders keep the
-traced exporter (exporters.export), which adds exit adapters, SS drafts and the other precisions.
+Design notes: docs/design/exporters.md
 """
 
 from __future__ import annotations

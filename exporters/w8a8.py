@@ -1,17 +1,6 @@
 """`w8a8`: int8 weights per output column and int8 activations per row, multiplied in int32.
 
-Every constant-weight MatMul y = x @ W [K, N] becomes, with w_n = max|W[:, n]| / 127 and, per row r of x,
-s_r = max|x_r| / 127:
-
-    y[r, n] = s_r * w_n * sum_k round(x[r, k] / s_r) * round(W[k, n] / w_n)
-
-The activations are quantized at run time, one scale per row over the whole reduction axis (once per
-distinct input, shared by every product reading it), as uint8 with zero point 128, so ONNX Runtime runs
-its u8s8 integer GEMM (MatMulIntegerToFloat; VNNI where the CPU has it). A row's output depends on that row
-alone (no per-tensor scale, unlike DynamicQuantizeLinear), so a batch of rows and a one-token step compute
-a row alike. Measured here (one thread, single products): as fast as MatMulNBits int8 at one row, about 2x
-faster at 5 rows and 2.5-3x at 256 (a prompt); one scale per row is coarser than MatMulNBits' per block of
-32 (SmolLM2-135M: 91% top-1 agreement with fp32 against 97%). A graph pass over ONNX; it knows no model.
+Design notes: docs/design/exporters.md
 """
 
 from __future__ import annotations

@@ -1,21 +1,6 @@
 """A GGUF file's tokenizer as a Hugging Face tokenizer folder, built from the file's own metadata.
 
-The reference is llama.cpp's tokenization of the same file (src/llama-vocab.cpp): `tokenizer.ggml.model` picks
-the algorithm and `tokenizer.ggml.pre` the pre-tokenizer, and this module states the same rules with the
-`tokenizers` package (no transformers):
-- `gpt2` (byte-level BPE): the merges as ranked in the file; the text split by the regexes llama.cpp uses for
-  the `pre` value (PRE_TOKENIZERS: llama3, qwen2, smollm, gpt-2, tekken, default), then byte-level mapped;
-  `ignore_merges` (a pre-token that is a whole token stays one) where llama.cpp sets it (llama3, tekken).
-- `llama` (SentencePiece BPE): spaces become '▁' and a '▁' is prepended to every stretch of text (the text's
-  start and after each special token, while `add_space_prefix`); adjacent pieces merge highest score first
-  (every split of a token into two tokens is a merge, ranked by the token's score); characters outside the
-  vocabulary fall back to their <0xXX> byte tokens.
-- Special tokens (types unknown 2, control 3 and user-defined 4, and the end/fill-in-the-middle names llama.cpp
-  forces to control) match as single tokens before any splitting; user-defined ones stay in decoded text.
-- BOS/EOS/EOT/EOM and padding ids are the file's where inside its vocabulary (llama.cpp ignores one past it);
-  `add_bos_token`/`add_eos_token` as the file says, else llama.cpp's default (SentencePiece and llama3: BOS).
-- Every token keeps its id; the vocabulary may be shorter or longer than the embedding (padding rows or unused
-  padding tokens), but a special token past the embedding's rows is refused: the model could never emit it.
+Design notes: docs/design/models.md
 """
 
 from __future__ import annotations

@@ -1,14 +1,6 @@
 """Speculative Streaming (SS) draft: lookahead streams in the draft's top layers.
 
-At the input of layer F = N - n_stream_layers every position t forks n_s stream rows,
-s_{t,j} = h_t + e_j (learned stream embeddings). Stream j at position t predicts token
-t + 2 + j (the main row predicts t + 1). In layers F..N-1 a stream row attends to the
-prefix (main keys at positions <= t) and to the streams of its own position with index
-<= j; main rows never see stream rows and stream keys never enter the KV cache, so the
-main stream is exactly the base draft. Stream rows get their own low-rank (LoRA) deltas on
-q, v and the MLP output: training them never changes the main stream's predictions.
-One forward over [unverified guesses] both checks the previous stream guesses (main rows)
-and proposes the next ones (stream rows at the last accepted position).
+Design notes: docs/design/models.md
 """
 
 from __future__ import annotations

@@ -1,11 +1,6 @@
 """Tokenizers behind one small interface: encode, decode, chat prompt, end ids, fingerprint.
 
-`HFTokenizer` reads a Hugging Face tokenizer folder with the `tokenizers` package and renders its chat
-template with jinja2 (models.chat_template), as transformers' fast tokenizers do, with the same ids;
-transformers is imported only for folders whose tokenizer class adds rules in Python on load (Llama's,
-sentencepiece folders without tokenizer.json): their backend is then transformers' own.
-`ByteTokenizer` maps bytes to ids (tests and tiny presets, no files). The runtime only sees this
-interface, so it never depends on transformers' tokenizer classes directly.
+Design notes: docs/design/models.md
 """
 
 from __future__ import annotations

@@ -1,11 +1,6 @@
 """A Llama-family decoder (Llama, Mistral, Qwen2, Qwen3, SmolLM2) over a static KV cache.
 
-Parameter names follow Hugging Face (`embed_tokens`, `layers.i.self_attn.q_proj`, ...),
-so a safetensors checkpoint loads without renaming beyond the `model.` prefix. The forward
-is split into `embed`, `run_layers(first, last)` and `logits` so the exporter can cut the
-model at the early-exit layer; `forward` composes the three. It knows nothing about
-speculation: it maps tokens at positions cache.length.. to logits and advances the cache, a cache
-its caller made (the torch backend's, devices.torch.kv_cache).
+Design notes: docs/design/models.md
 """
 
 from __future__ import annotations
