@@ -1,5 +1,9 @@
 """Attention over shared KV buffers from standard ONNX ops: a position computes alike in every call shape.
 
+The contract of exporters.shared_kv (buffers [B, KVH, capacity, D] written in place at total_len-T..,
+RoPE at positions [B, T], causal attention to the row's own keys) in standard ops that run the same kernels on the
+same numbers whatever the call's rows and tokens. Format 6 takes `attention_groups` [GROUPS, 2] (each group's row
+end and the keys it reads; the caller picks the cut: runtime.batch.splits.cheapest_groups).
 Design notes: docs/design/exporters.md
 """
 

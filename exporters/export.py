@@ -1,5 +1,9 @@
 """`export_bundle`: a target (and draft) to a self-describing bundle folder.
 
+Graphs in one format (openvino, onnx, torch), the tokenizer files, then manifest.json last: an interrupted
+export leaves no manifest and is refused on load. Limits are validated before any conversion. Defaults: the draft
+is the target itself at `auto` weights (q4_1 where the model's weights are Q4_1 blocks, else int8), the exit int8
+(it only picks which branches are drafted), the target fp32.
 Design notes: docs/design/exporters.md
 """
 

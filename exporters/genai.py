@@ -1,5 +1,8 @@
 """A model folder that OpenVINO GenAI's `LLMPipeline` loads: optimum-intel's layout, our graph.
 
+A stateful decoder traced from our `Transformer` with the inputs GenAI feeds (input_ids, attention_mask,
+position_ids, beam_idx), the KV folded into state as optimum-intel does, beside its tokenizer files; cached per
+model and weights. It runs nothing.
 Design notes: docs/design/exporters.md
 """
 

@@ -1,5 +1,8 @@
 """ONNX graphs written node by node, their weights streamed into one file that every graph of a bundle shares.
 
+`WeightsFile` appends each weight once to `weights.bin`, 64-byte aligned, referred to as ONNX external data
+(ONNX Runtime maps it: graphs sharing a weight read the same pages; no file passes ONNX's 2 GB limit).
+`GraphBuilder` writes one graph. Neither knows what a transformer is.
 Design notes: docs/design/exporters.md
 """
 

@@ -1,5 +1,9 @@
 """The four graphs of a bundle (target prefix, exit, suffix; draft) written from a checkpoint's weights as they lie.
 
+The interface of the traced pool graphs of format 7 (exporters.pool_kv), so devices.onnxruntime.backend runs
+them unchanged. Every product is mirror_rt::MatMulGGUF over rows in weights.bin (a GGUF's blocks, or values at
+fp32 / bf16 / f16 / q8_0 / q4_0); a llama GGUF's q and k rows keep its pairwise rotary order in every graph, so a
+self-draft can take the target's KV. Weights are read one tensor at a time.
 Design notes: docs/design/exporters.md
 """
 

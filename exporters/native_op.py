@@ -1,5 +1,8 @@
 """mirror-rt's own ONNX Runtime op, built once per machine: `mirror_rt.PoolAttention` (exporters/pool_attention.cpp).
 
+The source ships with the package; the first load compiles it (`$CXX`, else g++ or c++, -march=native) into
+`<cache>/native/<key>/` (sources, compiler, CPU), published atomically. Without a compiler `library()` says why in
+one line and exports fall back to the standard-op graphs.
 Design notes: docs/design/exporters.md
 """
 

@@ -1,5 +1,8 @@
 """ONNX export: a `SplitGraph` to a .onnx file with explicit KV inputs and outputs.
 
+TorchScript export (dynamic window and past lengths, explicit KV). Weights: fp32; int8 / int4 through
+MatMulNBits (activations quantized per row and block of 32: a row's output never depends on the other rows);
+q4_1 (exporters.q4_min); w8a8 (exporters.w8a8).
 Design notes: docs/design/exporters.md
 """
 

@@ -1,5 +1,7 @@
 """OpenVINO export: a `SplitGraph` to a stateful IR (.xml + .bin) with compressed weights.
 
+Per graph: `ov.convert_model`, stable tensor names, KV pairs folded into model state (the KV never crosses
+to the host). Weights fp32, fp16 or int8 / int4 (`nncf.compress_weights`); openvino and nncf imported lazily.
 Design notes: docs/design/exporters.md
 """
 

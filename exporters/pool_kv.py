@@ -1,5 +1,9 @@
 """Target attention through mirror-rt's own ONNX Runtime op, which reads the KV buffers in place (format 7).
 
+The contract of exporters.exact_kv in one node a layer: `mirror_rt::PoolAttention` stores the call's keys and
+values into the buffers in place and attends each query to its own row's keys, in a fixed order of sums, so a
+position's bits do not depend on its companions or the call's tokens. Graphs with it need the library
+exporters.native_op builds, where they are exported and wherever they load.
 Design notes: docs/design/exporters.md
 """
 

@@ -1,5 +1,8 @@
 """4-bit weights with a scale and a minimum per block of 32 (llama.cpp's Q4_1 layout) on ONNX Runtime.
 
+w = d * q + m (q in 0..15): MatMulNBits takes only integer zero points, so the graph computes
+MatMulNBits(x; q, d, zero point 8) + blocksum(x) @ (m + 8 d), each row's block sums its own. Q4_1 weights to begin
+with (the default model's GGUF) are recovered bit for bit; only the int8 activations differ from fp32.
 Design notes: docs/design/exporters.md
 """
 

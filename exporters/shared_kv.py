@@ -1,5 +1,9 @@
 """Attention over shared, preallocated KV buffers written in place: onnxruntime's GroupQueryAttention.
 
+Each layer's past key/value is a [B, kv_heads, capacity, head_dim] buffer bound as past and present (no
+copy; a rollback is a smaller `total_len`); the op writes rows' new keys at total_len-T.. and attends causally.
+A call over several rows takes one token per row. ONNX Runtime only. Drafts attend through it; targets through
+exporters.exact_kv or exporters.pool_kv, whose positions come out alike in every call shape.
 Design notes: docs/design/exporters.md
 """
 

@@ -4,6 +4,9 @@ Invariant: positions are `past_len + arange(T)` where past_len is read from the 
 shape (dynamic graphs) or from the `position` input (static graphs, fixed-size KV written
 in place with a scatter), so a graph run from an empty cache equals the torch model.
 
+`SplitGraph`: the target prefix (returning the exit hidden state, and "exit_hidden" for an attention
+adapter), the stateless exit (hidden -> the target's own head -> top-kappa ids and log-probs; its own graph so
+target-only decoding never pays for it), the suffix, or the full model (the draft).
 Design notes: docs/design/exporters.md
 """
 

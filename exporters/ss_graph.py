@@ -1,5 +1,8 @@
 """ONNX export of a Speculative Streaming draft (`models.ss_draft.StreamDraft`).
 
+`StreamDraftGraph` (explicit KV) and `SharedStreamDraftGraph` (exporters.shared_kv): outputs `logits` and
+`stream_logits` [R, n_s, vocab] for the window's last R = `last_rows` positions. A stream row never influences a main
+row, so the main logits and the KV are the plain draft graph's; stream keys never enter the KV.
 Design notes: docs/design/exporters.md
 """
 

@@ -1,5 +1,8 @@
 """Export that streams: a GGUF file or a large Hugging Face folder into a bundle, one tensor at a time.
 
+The four graphs (exporters.llama_graphs) share one weights.bin; memory stays near one tensor whatever the
+model's size. For GGUF files and checkpoints over STREAM_BYTES; smaller folders keep the traced exporter
+(exporters.export: exit adapters, SS drafts, the other precisions).
 Design notes: docs/design/exporters.md
 """
 

@@ -1,5 +1,8 @@
 """`w8a8`: int8 weights per output column and int8 activations per row, multiplied in int32.
 
+Every constant-weight MatMul: one int8 scale per weight column and, at run time, one per activation row
+(uint8, zero point 128; ONNX Runtime's u8s8 integer GEMM). A row's output depends on that row alone, so a batch and
+a one-token step compute it alike. A graph pass over ONNX; it knows no model.
 Design notes: docs/design/exporters.md
 """
 

@@ -3,6 +3,9 @@ optionally after one attention read of the exit layer's own cached keys and valu
 
 Invariant: an adapter refuses to load for a target whose config fingerprint differs.
 
+Exit logits = the target's own (frozen, shared) head on the adapter's output; with `attention` it first
+reads layer ℓe-1's cached keys and values (`mix`, the prefix graph) before the per-position map (`project`, the exit
+graph). It changes which branches the draft precomputes, never the committed text.
 Design notes: docs/design/models.md
 """
 

@@ -1,5 +1,9 @@
 """A GGUF file's tokenizer as a Hugging Face tokenizer folder, built from the file's own metadata.
 
+llama.cpp's tokenization of the same file is the reference: `tokenizer.ggml.model` picks the algorithm
+(`gpt2` byte-level BPE with the pre-tokenizer of `tokenizer.ggml.pre`; `llama` SentencePiece BPE with byte fallback),
+special tokens match whole before any splitting, BOS/EOS/EOT are the file's, and every token keeps its id; a
+special token past the embedding's rows is refused (the model could never emit it).
 Design notes: docs/design/models.md
 """
 

@@ -1,5 +1,8 @@
 """Speculative Streaming (SS) draft: lookahead streams in the draft's top layers.
 
+Stream j at position t predicts token t + 2 + j. Stream rows attend to the prefix and their own position's
+lower streams; main rows never see stream rows and stream keys never enter the cache, so the main stream is exactly
+the base draft, and the streams' own LoRA deltas never change it.
 Design notes: docs/design/models.md
 """
 

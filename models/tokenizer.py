@@ -1,5 +1,8 @@
 """Tokenizers behind one small interface: encode, decode, chat prompt, end ids, fingerprint.
 
+`HFTokenizer` (a Hugging Face folder through `tokenizers`, its chat template through jinja2: the ids of
+transformers' fast tokenizers; transformers itself only for folders whose tokenizer adds Python rules) and
+`ByteTokenizer` (tests). The runtime sees only this interface.
 Design notes: docs/design/models.md
 """
 

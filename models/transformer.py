@@ -1,5 +1,7 @@
 """A Llama-family decoder (Llama, Mistral, Qwen2, Qwen3, SmolLM2) over a static KV cache.
 
+Hugging Face parameter names; `embed`, `run_layers(first, last)` and `logits` let the exporter cut it at the
+early exit. It knows nothing of speculation: tokens at cache.length.. -> logits, and the cache advances.
 Design notes: docs/design/models.md
 """
 
