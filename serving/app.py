@@ -106,7 +106,7 @@ class ServerState:
     def record_echo_only(self, request_id: str, arrived: float, prompt_tokens: int) -> None:
         """A `max_tokens: 0` echo ran no generation, yet it is a request served: counted and logged as one."""
         record = RequestRecord(request_id, "done", "length", time.perf_counter() - arrived, None, True, prompt_tokens)
-        self.metrics.prompt_read(prompt_tokens)
+        self.metrics.prompt_tokens.labels(self.model_name).inc(prompt_tokens)  # read without a generation
         self.metrics.finished(record)
         log.info(record.log_line())
 

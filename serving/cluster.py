@@ -10,6 +10,7 @@ under bursts; a group signal stops a local Ray at once, so the drain cannot reac
 
 from __future__ import annotations
 
+import contextlib
 import math
 import signal
 import sys
@@ -242,7 +243,9 @@ def serve_replicas(settings: ServerConfig, cluster: ClusterConfig, load) -> int:
             stop(local, drain=False)
             raise
         log.info(describe(settings, cluster, options))
-        _wait_for_signal()
+        with contextlib.suppress(KeyboardInterrupt):  # until SIGTERM / Ctrl-C
+            while True:
+                time.sleep(3600)
         log.info("draining: no new requests; up to %g s for the admitted ones", settings.drain_timeout)
         try:
             drained = drain(settings.drain_timeout)
@@ -272,14 +275,6 @@ def drain(timeout: float) -> bool:
 
 def _interrupt(signum, frame):
     raise KeyboardInterrupt  # SIGTERM (and SIGINT, even where inherited as ignored) stop as Ctrl-C does
-
-
-def _wait_for_signal() -> None:
-    try:
-        while True:
-            time.sleep(3600)
-    except KeyboardInterrupt:
-        pass
 
 
 def _replicas(n: int) -> str:

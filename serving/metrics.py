@@ -207,10 +207,6 @@ class ServerMetrics:
                     itl.observe((after.time - before.time) / after.tokens)
             job.metered[index] = len(steps)
 
-    def prompt_read(self, tokens: int) -> None:
-        """Prompt tokens read without a generation (an echo with max_tokens 0)."""
-        self.prompt_tokens.labels(self.model_name).inc(tokens)
-
     def responded(self, handler: str, method: str, status: int) -> None:
         self.responses.labels(self.model_name, handler, method, str(status)).inc()
 

@@ -220,18 +220,15 @@ def sse(payload: dict) -> bytes:
     return b"data: " + json.dumps(payload, ensure_ascii=False).encode() + b"\n\n"
 
 
-async def until_disconnected(receive) -> None:
-    """Return when the client has gone (the ASGI `http.disconnect` event; never polling)."""
-    while True:
-        message = await receive()
-        if message["type"] == "http.disconnect":
-            return
-
-
 async def race_disconnect(request, work, on_disconnect):
-    """Await `work` unless the client disconnects first; then call `on_disconnect` and return None."""
+    """Await `work` unless the client disconnects first (the ASGI `http.disconnect` event; never polling); then call
+    `on_disconnect` and return None."""
+    async def until_disconnected():
+        while (await request.receive())["type"] != "http.disconnect":
+            pass
+
     task = asyncio.ensure_future(work)
-    gone = asyncio.ensure_future(until_disconnected(request.receive))
+    gone = asyncio.ensure_future(until_disconnected())
     try:
         done, _ = await asyncio.wait({task, gone}, return_when=asyncio.FIRST_COMPLETED)
     except asyncio.CancelledError:

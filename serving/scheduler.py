@@ -133,8 +133,10 @@ class Scheduler:
                     job.generations.append(gen)
                     job.progress[index] = _Progress(trail=OriginTrail() if job.origins else None)
                     self.jobs[id(gen)] = (job, index)
-            except Exception:
-                self._withdraw(job)
+            except Exception:  # the engine refused part of it: take its choices back (they never run)
+                for gen in job.generations:
+                    gen.cancel()
+                    self.jobs.pop(id(gen), None)
                 raise
             if job.cancel_requested.is_set():
                 for gen in job.generations:
@@ -161,12 +163,6 @@ class Scheduler:
     def idle(self) -> bool:
         with self.lock:
             return not self.jobs
-
-    def _withdraw(self, job: Job) -> None:
-        """Take back the choices of a job the engine refused part of (they never run)."""
-        for gen in job.generations:
-            gen.cancel()
-            self.jobs.pop(id(gen), None)
 
     def live_jobs(self) -> list[Job]:
         with self.lock:

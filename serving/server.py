@@ -74,9 +74,6 @@ class DrainingServer:
         self.drain_timeout, self.draining = drain_timeout, False
         self.exit_code = 0  # 128 + the signal that cut the drain short
 
-    def run(self, sock=None) -> None:
-        self.server.run(sockets=[sock] if sock is not None else None)
-
     def handle_exit(self, sig, frame) -> None:
         if self.exit_code:  # a third signal: stop now, streams or not
             self.server.force_exit = self.server.should_exit = True
@@ -155,7 +152,7 @@ def serve(settings: ServerConfig, load) -> int:
     server = DrainingServer(app, settings.host, settings.port, settings.drain_timeout)
     threading.Thread(target=_announce, args=(server, url), name="mirror-announce", daemon=True).start()
     log.info("listening on %s (loading the engine; /health answers 503 until it is ready)", url)
-    server.run(sock)
+    server.server.run(sockets=[sock])
     _stop_engine(server.state)
     if server.state.status == "failed":
         print(f"mirror-rt: error: the engine failed to load: {server.state.error}", file=sys.stderr)

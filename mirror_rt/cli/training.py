@@ -7,16 +7,18 @@ import json
 from mirror_rt.cli.options import count, log, positive_int, positive_number
 from mirror_rt.runtime.config import DEFAULTS
 
+DATA_HELP = "SpecBench-format jsonl question files (e.g. ../shared/data/specbench-dev.jsonl)"
+TARGET_HELP = "target model (default: SmolLM2-135M-Instruct)"
+
 
 def add_training(sub) -> None:
     draft = sub.add_parser("train-draft", help="train Speculative Streaming streams for a draft (distillation)")
-    draft.add_argument("--target", help="target model (default: SmolLM2-135M-Instruct)")
+    draft.add_argument("--target", help=TARGET_HELP)
     draft.add_argument("--init", default="self", help="the draft: self (the target), layers:K, or a model path")
     draft.add_argument("--streams", type=positive_int, default=2, help="lookahead streams")
     draft.add_argument("--stream-layers", type=positive_int, default=2, help="top layers with streams")
     draft.add_argument("--rank", type=positive_int, default=16, help="LoRA rank of the stream rows")
-    draft.add_argument("--data", nargs="+", required=True,
-                       help="SpecBench-format jsonl question files (e.g. ../shared/data/specbench-dev.jsonl)")
+    draft.add_argument("--data", nargs="+", required=True, help=DATA_HELP)
     draft.add_argument("--steps", type=positive_int, default=300)
     draft.add_argument("--lr", type=positive_number, default=2e-3, help="learning rate (default %(default)s)")
     draft.add_argument("--seed", type=int, default=0)
@@ -24,21 +26,19 @@ def add_training(sub) -> None:
     draft.add_argument("--out", required=True, help="folder for streams.safetensors / streams.json (resumes)")
     exit_ = sub.add_parser("train-exit", help="train an early-exit adapter (an attention read of the exit layer's "
                            "keys + a low-rank map) distilled from the final layer")
-    exit_.add_argument("--target", help="target model (default: SmolLM2-135M-Instruct)")
+    exit_.add_argument("--target", help=TARGET_HELP)
     exit_.add_argument("--exit-layer", type=positive_int, help="default N/2")
     exit_.add_argument("--rank", type=positive_int, help="adapter rank (default: 512, or the model's hidden size "
                        "where smaller)")
     exit_.add_argument("--no-attention", dest="attention", action="store_false",
                        help="per-position low-rank map only (no read of earlier positions; weaker)")
-    exit_.add_argument("--data", nargs="+", required=True,
-                       help="SpecBench-format jsonl question files (e.g. ../shared/data/specbench-dev.jsonl)")
+    exit_.add_argument("--data", nargs="+", required=True, help=DATA_HELP)
     exit_.add_argument("--steps", type=positive_int, default=600)
     exit_.add_argument("--seed", type=int, default=0)
     exit_.add_argument("--out", help="adapter path (default: in the cache)")
     prune = sub.add_parser("prune-vocab", help="keep the target's most frequent tokens for a draft's LM head")
-    prune.add_argument("--target", help="target model (default: SmolLM2-135M-Instruct)")
-    prune.add_argument("--data", nargs="+", required=True,
-                       help="SpecBench-format jsonl question files (e.g. ../shared/data/specbench-dev.jsonl)")
+    prune.add_argument("--target", help=TARGET_HELP)
+    prune.add_argument("--data", nargs="+", required=True, help=DATA_HELP)
     prune.add_argument("--size", type=positive_int, required=True, help="token ids to keep")
     prune.add_argument("--out", required=True, help="kept-ids file to write (.json; mirror-rt export --draft-vocab)")
     prune.add_argument("--cache-dir")
@@ -48,8 +48,7 @@ def add_training(sub) -> None:
                           "the first is the reference of `rollout vs first`)")
     evaluate.add_argument("--target",
                           help="target model whose greedy answers are the text (default: SmolLM2-135M-Instruct)")
-    evaluate.add_argument("--data", nargs="+", required=True,
-                          help="SpecBench-format jsonl question files (e.g. ../shared/data/specbench-dev.jsonl)")
+    evaluate.add_argument("--data", nargs="+", required=True, help=DATA_HELP)
     evaluate.add_argument("--gamma", type=positive_int, action="append",
                           help="window length (repeatable; default 4 and 7)")
     evaluate.add_argument("--questions", type=positive_int, default=24, help="held-out questions (default 24)")
