@@ -75,5 +75,5 @@ class TextStream:
 
     def _unsafe_suffix(self, decoded: str) -> int:
         """Characters at the end that may still begin a stop string."""
-        return max((n for s in self.stop_strings for n in range(min(len(s) - 1, len(decoded)), 0, -1)
-                    if decoded.endswith(s[:n])), default=0)
+        return max((next((n for n in range(min(len(s) - 1, len(decoded)), 0, -1) if decoded.endswith(s[:n])), 0)
+                    for s in self.stop_strings), default=0)  # per stop string, its longest prefix found: no more

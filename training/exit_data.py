@@ -331,8 +331,8 @@ def exit_logits_at(model, adapter: ExitAdapter | None, seq: ExitSequence, rows: 
 @torch.inference_mode()
 def evaluate_sequences(model, adapter: ExitAdapter | None, held_out: list[ExitSequence]) -> dict:
     """Coverage of the target's next token by the exit's top-1 / top-8 on the answer rows (None: untrained exit)."""
-    return exit_coverage((exit_logits_at(model, adapter, seq, seq.answer_rows()), seq.top_ids[seq.answer_rows(), :1])
-                         for seq in held_out)
+    rows = [seq.answer_rows() for seq in held_out]
+    return exit_coverage((exit_logits_at(model, adapter, seq, r), seq.top_ids[r, :1]) for seq, r in zip(held_out, rows))
 
 
 def exit_coverage(windows) -> dict:
