@@ -13,6 +13,18 @@ from dataclasses import dataclass, field
 
 from mirror_rt.runtime.transfer import counters
 
+# why steps of a speculative request ran target-only (runtime.batch.TARGET_ONLY), as responses and `run --stats` say it
+WHY_TARGET_ONLY = {
+    "asked": "the request asked for target-only decoding (mode ar)",
+    "prompts": "a prompt was being read in the same step, its own or another's (the batch decodes target-only then)",
+    "tail": "too few tokens were left for speculation to pay back its start",
+    "measuring": "the load policy was measuring target-only decoding at this batch size",
+    "slower": "the load policy measured speculation slower than target-only decoding at this batch size",
+    "last_token": "the last token left no room for a draft window",
+    "draft_failed": "the draft failed, so decoding went on target-only",
+    "empty_window": "the draft's window held no token",
+}
+
 
 @dataclass
 class Metrics:
@@ -123,6 +135,19 @@ class Metrics:
         }
 
 
+def why_target_only(stats: dict) -> str | None:
+    """One sentence on the steps that did not speculate and why (None when every step did)."""
+    reasons = stats.get("target_only_steps") or {}
+    steps, speculative = stats.get("steps") or 0, stats.get("speculative_steps") or 0
+    if not reasons or not steps:
+        return None
+    said = "; ".join(f"{WHY_TARGET_ONLY.get(r, r)} ({n} step{'s' * (n != 1)})"
+                     for r, n in sorted(reasons.items(), key=lambda item: -item[1]))
+    if not speculative:
+        return f"no speculation: {said}"
+    return f"speculated in {speculative} of {steps} steps; target-only: {said}"
+
+
 def format_stats(stats: dict) -> str:
     """A generation's stats (`Generation.stats`: this summary, the engine's names, Mirror's extras) as the
     lines `mirror-rt run --stats` prints."""
@@ -156,6 +181,8 @@ def format_stats(stats: dict) -> str:
         lines.append(f"ms per step: {phases}; latency model {stats['predicted_step_ms']:.1f} ms predicted "
                      f"(pipelined form {stats['predicted_step_ms_pipelined']:.1f}), "
                      f"{stats['measured_step_ms']:.1f} ms measured")
+    if stats.get("mode") != "ar" and why_target_only(stats):
+        lines.append(why_target_only(stats))
     for event in stats.get("events", []):
         lines.append(f"event: {event}")
     if stats.get("load_time_s") is not None:

@@ -9,18 +9,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from mirror_rt.runtime.metrics import why_target_only
+
 FINISH = {"eos": "stop", "stop_string": "stop", "max_new_tokens": "length", "context": "length"}
-# why steps of a speculative request ran target-only (runtime.batch.TARGET_ONLY), as the response says it
-WHY_TARGET_ONLY = {
-    "asked": "the request asked for target-only decoding (mode ar)",
-    "prompts": "a prompt was being read in the same step, its own or another's (the batch decodes target-only then)",
-    "tail": "too few tokens were left for speculation to pay back its start",
-    "measuring": "the load policy was measuring target-only decoding at this batch size",
-    "slower": "the load policy measured speculation slower than target-only decoding at this batch size",
-    "last_token": "the last token left no room for a draft window",
-    "draft_failed": "the draft failed, so decoding went on target-only",
-    "empty_window": "the draft's window held no token",
-}
 
 
 @dataclass
@@ -120,19 +111,6 @@ class RequestRecord:
         note = "" if self.outcome in ("done", "cancelled") else f" ({self.outcome})"
         return (f"{self.id} prompt_tokens={self.prompt_tokens} completion_tokens={self.completion_tokens} "
                 f"ttft={ttft} tokens_per_s={rate:.1f} finish_reason={self.finish_reason}{note}")
-
-
-def why_target_only(stats: dict) -> str | None:
-    """One sentence on the steps that did not speculate and why (None when every step did)."""
-    reasons = stats.get("target_only_steps") or {}
-    steps, speculative = stats.get("steps") or 0, stats.get("speculative_steps") or 0
-    if not reasons or not steps:
-        return None
-    said = "; ".join(f"{WHY_TARGET_ONLY.get(r, r)} ({n} step{'s' * (n != 1)})"
-                     for r, n in sorted(reasons.items(), key=lambda item: -item[1]))
-    if not speculative:
-        return f"no speculation: {said}"
-    return f"speculated in {speculative} of {steps} steps; target-only: {said}"
 
 
 def merged_stats(stats: list[dict]) -> dict:

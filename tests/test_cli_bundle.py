@@ -101,3 +101,13 @@ def test_stats_report_the_load_time(tiny_bundle):
     assert 0 < json.loads(proc.stdout)["stats"]["load_time_s"] < 600
     proc = run_cli("run", "hello", "--bundle", str(tiny_bundle), "--max-new-tokens", "4", "--stats")
     assert proc.returncode == 0 and "load: " in proc.stderr and " s (engine ready" in proc.stderr
+
+
+def test_stats_say_why_steps_ran_target_only(tiny_bundle):
+    """run --stats says why steps of a speculative mode ran target-only; mode ar (target-only as asked) does not."""
+    asked = ("run", "hello", "--bundle", str(tiny_bundle), "--max-new-tokens", "4", "--stats", "--mode")
+    mirror = run_cli(*asked, "mirror")
+    assert mirror.returncode == 0, mirror.stderr
+    assert "no speculation: too few tokens were left for speculation to pay back its start" in mirror.stderr
+    ar = run_cli(*asked, "ar")
+    assert ar.returncode == 0 and "mean accepted length" in ar.stderr and "speculat" not in ar.stderr
