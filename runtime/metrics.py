@@ -13,7 +13,8 @@ from dataclasses import dataclass, field
 
 from mirror_rt.runtime.transfer import counters
 
-# why steps of a speculative request ran target-only (runtime.batch.TARGET_ONLY), as responses and `run --stats` say it
+# why steps of a speculative request ran target-only: the policy's reasons (runtime.batch.policy) and the decoder's
+# (last_token, draft_failed, empty_window), as responses and `run --stats` say them
 WHY_TARGET_ONLY = {
     "asked": "the request asked for target-only decoding (mode ar)",
     "prompts": "a prompt was being read in the same step, its own or another's (the batch decodes target-only then)",
@@ -35,7 +36,7 @@ class Metrics:
     steps: int = 0  # decode steps (target forwards after prefill)
     committed: int = 0  # tokens committed by decode steps (prefill's first token excluded)
     speculative_steps: int = 0  # steps that verified draft tokens (the rest: target-only, as the load policy chose)
-    target_only: dict[str, int] = field(default_factory=dict)  # the other steps by why (runtime.batch: TARGET_ONLY)
+    target_only: dict[str, int] = field(default_factory=dict)  # the other steps by why (WHY_TARGET_ONLY's keys)
     drafted: int = 0  # draft tokens those steps verified
     accept_lengths: list[int] = field(default_factory=list)  # tokens committed per step
     proposed_at: list[int] = field(default_factory=list)  # [gamma] windows with a j-th token
@@ -181,8 +182,8 @@ def format_stats(stats: dict) -> str:
         lines.append(f"ms per step: {phases}; latency model {stats['predicted_step_ms']:.1f} ms predicted "
                      f"(pipelined form {stats['predicted_step_ms_pipelined']:.1f}), "
                      f"{stats['measured_step_ms']:.1f} ms measured")
-    if stats.get("mode") != "ar" and why_target_only(stats):
-        lines.append(why_target_only(stats))
+    if stats.get("mode") != "ar" and (why := why_target_only(stats)):
+        lines.append(why)
     for event in stats.get("events", []):
         lines.append(f"event: {event}")
     if stats.get("load_time_s") is not None:

@@ -23,9 +23,6 @@ from mirror_rt.runtime.mirror.step import MirrorStep
 from mirror_rt.runtime.values import is_integer, is_number
 
 WINDOW_ROOM = 80  # positions past the committed text a step may write (window, padding, draft guesses)
-# why a sequence's step verified no draft token (Metrics.target_only), besides the policy's (runtime.batch.policy:
-# asked, prompts, tail, measuring, slower)
-TARGET_ONLY = ("asked", "prompts", "tail", "measuring", "slower", "last_token", "draft_failed", "empty_window")
 DEFAULT_KV_GB = 4.0  # the KV budget without --kv-cache-gb (less where every row at full length takes less)
 
 
@@ -175,7 +172,7 @@ class BatchDecoder:
                 seq.metrics.target_only[why] = seq.metrics.target_only.get(why, 0) + 1
 
     def _target_only_reason(self, seq: Sequence, gamma: int, last: bool) -> str:
-        """Why `seq`'s step verified no draft token (one of TARGET_ONLY)."""
+        """Why `seq`'s step verified no draft token (a key of runtime.metrics.WHY_TARGET_ONLY)."""
         if seq.config.mode == "ar":
             return "asked"
         if gamma == 0:
