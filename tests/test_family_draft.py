@@ -57,14 +57,27 @@ def test_the_target_bundle_is_exported_once_whatever_the_draft(family, tmp_path,
     paired.close()
 
 
-def test_a_draft_of_another_vocabulary_is_refused_before_any_export(family, tmp_path, monkeypatch):
+def test_a_draft_of_another_vocabulary_is_refused(family, tmp_path, monkeypatch):
+    """Checked on the bundles' tokenizer files (each bundle is exported first), in one line."""
     from mirror_rt.devices import engines
     from mirror_rt.models import tokenizer_files
 
-    monkeypatch.setattr(tokenizer_files, "same_vocabulary", lambda a, b: False)
+    compared = []
+    monkeypatch.setattr(engines, "export_bundle_of", lambda model, out, *a, **k: _fake_bundle(out))
+    monkeypatch.setattr(tokenizer_files, "same_vocabulary", lambda a, b: compared.append((a, b)) or False)
     with pytest.raises(engines.GenerationError, match="must share the target's tokenizer"):
         engines.model_bundles(str(family[0]), str(family[1]), str(tmp_path / "cache"), log=lambda *a: None)
-    assert not (tmp_path / "cache" / "bundles").exists()
+    assert [(a.name.split("-")[0], b.name.split("-")[0]) for a, b in compared] == [("draft", "target")]
+
+
+def _fake_bundle(out: Path) -> None:
+    """A bundle folder `read_manifest` takes (the default bundle's manifest, no graphs: never loaded)."""
+    import shutil
+
+    from mirror_rt.devices.engines import default_bundle_folder
+
+    out.mkdir(parents=True)
+    shutil.copyfile(default_bundle_folder() / "manifest.json", out / "manifest.json")
 
 
 def test_replay_rows_over_a_family_pair_equal_ar_and_leave_one_bundle_each(family, tmp_path):
