@@ -76,7 +76,7 @@ def test_every_flag_default_is_its_settings_default(command):
 def test_run_serve_and_bench_share_their_generation_flags_and_defaults():
     """The decoding flags are the same in run, serve and bench; the request flags in run and bench."""
     run, serve, bench = (parsed_defaults(c) for c in ("run", "serve", "bench"))
-    decoding = ("gamma", "branch_budget", "draft_lookup", "early_exit")
+    decoding = ("gamma", "branch_budget", "draft_lookup", "early_exit", "sampling_verify")
     request = ("max_new_tokens", "temperature", "top_p", "top_k", "seed", "stop_strings")
     assert all(run[n] == serve[n] == bench[n] for n in decoding)
     assert all(run[n] == bench[n] for n in request)

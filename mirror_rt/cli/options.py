@@ -14,7 +14,7 @@ import sys
 from mirror_rt.devices.options import BUNDLE_WEIGHTS, DRAFT_PRECISIONS, EngineConfig, flag_names
 from mirror_rt.models.config import DEFAULT_KAPPA
 from mirror_rt.models.default_model import DEFAULT_MODEL
-from mirror_rt.runtime.config import DEFAULTS, EARLY_EXIT, MAX_GAMMA, MODES, make_config
+from mirror_rt.runtime.config import DEFAULTS, EARLY_EXIT, MAX_GAMMA, MODES, SAMPLING_VERIFY, make_config
 
 # --- argument types and the log line of every subcommand ---------------------------------------
 
@@ -140,7 +140,7 @@ ON_OFF = ("prefix_cache", "adaptive_speculation")  # --name / --no-name
 ENGINE_CHOICES = {"draft_precision": DRAFT_PRECISIONS, "weights": BUNDLE_WEIGHTS}
 SWITCHES = ("torch", "strict_devices", "compile")  # flags without a value
 # The decoding and request options, by field name (sampling fields are SamplingConfig's, given flat).
-DECODING = ("gamma", "branch_budget", "draft_lookup", "early_exit")
+DECODING = ("gamma", "branch_budget", "draft_lookup", "early_exit", "sampling_verify")
 REQUEST = ("max_new_tokens", "temperature", "top_p", "top_k", "seed", "stop_strings")
 
 
@@ -176,6 +176,10 @@ def add_decoding_options(parser, mode: bool = True) -> None:
     parser.add_argument("--early-exit", default=DEFAULTS.early_exit, choices=EARLY_EXIT,
                         help="mirror: send early-exit candidates (default %(default)s: only while the draft has "
                              "time to use them)")
+    parser.add_argument("--sampling-verify", default=DEFAULTS.sampling_verify, choices=SAMPLING_VERIFY,
+                        help="sd, mirror under sampling: rejection (default: standard speculative sampling, the "
+                             "target's distribution, more tokens accepted) or exact-seed (target-only's very text "
+                             "for a seed, fewer accepted)")
 
 
 def add_request_options(parser) -> None:

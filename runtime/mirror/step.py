@@ -32,6 +32,7 @@ class MirrorLink:
     alive: bool = True  # False once its draft failed: target-only from then on
     suffix_s: float = 0.0  # running mean of the suffix (tells the draft when to expect the verdict)
     wait_s: float = 0.0  # running mean of the rendezvous wait (the draft is the bottleneck when it is large)
+    q: tuple | None = None  # the window in flight's draft distributions (rejection sampling; else None)
     counters: TargetCounters = field(default_factory=TargetCounters)
 
 
@@ -80,7 +81,7 @@ class MirrorStep:
         t1 = time.perf_counter()
         with seq.metrics.stage("target_suffix"):
             logits = target.forward_suffix(cache) if queued is None else queued  # [k+1, vocab]
-            verdict = verify(logits, window, seq.length, seq.config.sampling, seq.config.seed, seq.rules)
+            verdict = verify(logits, window, seq.length, seq.config.sampling, seq.config.seed, seq.rules, link.q)
         t2 = time.perf_counter()
         link.suffix_s = 0.8 * link.suffix_s + 0.2 * (t2 - t1) if link.suffix_s else t2 - t1
         link.counters.busy.append((t0, t2))
@@ -104,7 +105,8 @@ class MirrorStep:
             window = row.draft_window(k)
         with seq.metrics.stage("target_verify"):
             logits = target.forward([seq.last, *window], seq.target_cache)  # [k+1, vocab]
-            verdict = verify(logits, window, seq.length, seq.config.sampling, seq.config.seed, seq.rules)
+            verdict = verify(logits, window, seq.length, seq.config.sampling, seq.config.seed, seq.rules,
+                             row.window_q())
         seq.target_cache.rollback(seq.length + verdict.num_accepted)
         take_verdict(row, verdict)
         row.trim()  # nothing speculative stays in the draft's cache (target-only steps may come next)
@@ -135,6 +137,7 @@ class MirrorStep:
             seq.metrics.events.append(f"fallback to target-only: {failure}")
             self.worker.send(seq.id, Leave())
             return None
+        link.q = None if message.q is None else message.q[:k]
         return list(message.tokens[:k])
 
     def _prefix(self, seq, link: MirrorLink, tokens: list[int]):
@@ -224,7 +227,7 @@ def take_verdict(row: DraftRow, verdict: Verdict) -> None:
             row.k_cap = min(row.config.gamma, row.k_cap + 2) if full else max(1, row.k_cap - 1)
     row.commit([*line.tokens[:a], c])
     if len(line.tokens) > a and line.tokens[a] == c:  # main-line hit (its rules are already past these tokens)
-        row.line = Line(line.tokens[a + 1:], line.rows[a + 1:], line.guesses, line.rules, line.ended)
+        row.line = line.rest(a + 1)
         row.stats.main_hits += bool(row.line.tokens)
         row.stats.not_ready += not row.line.tokens
     elif (a, c) in row.branches:  # side hit
