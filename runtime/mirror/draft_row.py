@@ -69,7 +69,7 @@ class Line:
 
     def rest(self, n: int) -> Line:
         """The line after its first `n` tokens (they were committed)."""
-        return Line(self.tokens[n:], self.rows[n:], self.guesses, self.rules, self.ended, self.q[n:])
+        return Line(self.tokens[n:], self.rows[n:], self.q[n:], self.guesses, self.rules, self.ended)
 
 
 class DraftRow:
