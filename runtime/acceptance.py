@@ -8,8 +8,11 @@ are accepted, then the **correction** or the **bonus**. Sampling, two rules (`Ge
   without one, grammar-forced, is a one-hot q).
 - **exact-seed** (the coupling): the drafts equal to the target's own seeded draws (runtime.sampling.choose_at) are
   accepted: the committed tokens are exactly target-only's, for any seed; fewer are accepted.
-Each acceptance test is its own uniform (`position_uniform`, stream ACCEPTANCE); corrections and bonus tokens are
-drawn at the target's stream. Design notes: docs/design/runtime.md.
+Each acceptance test is its own uniform (`position_uniform`, stream ACCEPTANCE); a correction is drawn at the
+target's stream, a bonus at the draft's (DRAFT_DRAWS): the uniform the draft drew its guess past the window with,
+never tested (a position is tested once, in the window that reaches it), so the bonus has law p whatever came
+before, and equals the draft's guess wherever p and q agree: Mirror then reuses its main line, as under greedy.
+Design notes: docs/design/runtime.md.
 """
 
 from __future__ import annotations
@@ -19,6 +22,7 @@ from dataclasses import dataclass
 
 from mirror_rt.runtime.sampling import (
     ACCEPTANCE,
+    DRAFT_DRAWS,
     SamplingConfig,
     as_tensor,
     choose_at,
@@ -88,12 +92,13 @@ def speculative_sample(rows, window: list[int], q: Sequence, sampling: SamplingC
         # the first rejection (k when none): argmax finds the first True of [rejected, True]
         first = torch.cat([rejected, torch.ones(1, dtype=torch.bool, device=p.device)]).to(torch.int8).argmax()
         accepted = host_ids(first[None], count=is_tensor(rows))[0]
-    if accepted == k:
-        row = p[k]  # the bonus
-    else:
-        row = (p[accepted] - draft[accepted]).clamp_(min=0)  # the residual
+    if accepted == k:  # the bonus, at the draft guess's uniform (coupled with it)
+        row, uniform = p[k], position_uniform(seed, length + k, DRAFT_DRAWS)
+    else:  # the correction, from the residual
+        row = (p[accepted] - draft[accepted]).clamp_(min=0)
         row = torch.where(row.sum() > 0, row, p[accepted])  # p = q to the last bit: nothing left, p itself
-    token = inverse_cdf(row[None], [position_uniform(seed, length + accepted)], count=is_tensor(rows))[0]
+        uniform = position_uniform(seed, length + accepted)
+    token = inverse_cdf(row[None], [uniform], count=is_tensor(rows))[0]
     return accepted, token
 
 

@@ -174,13 +174,14 @@ def test_greedy_ignores_draft_distributions(draft, target, accepted, next_token)
 
 
 def test_rejection_keeps_a_draft_equal_to_the_target_and_never_corrects_to_the_rejected_token():
-    """q = p: every token is accepted (min(1, p/q) = 1) and the bonus comes from p; a rejected token never
-    comes back as its own correction (the residual max(0, p - q) is 0 there)."""
+    """q = p: every token is accepted (min(1, p/q) = 1) and the bonus is the draft's own guess past the window
+    (drawn at the same uniform: Mirror reuses its line); a rejected token never comes back as its own correction
+    (the residual max(0, p - q) is 0 there)."""
     sampling = SamplingConfig(temperature=1.0)
     logits = np.log(random_dists(6, 4, seed=11))
     for seed in range(200):
-        window, q = drafted(logits[:3], sampling, seed, 0)
-        assert verify(logits, window, 0, sampling, seed, q=q).num_accepted == 3
+        line, q = drafted(logits, sampling, seed, 0)  # the window and the guess past it
+        assert verify(logits, line[:3], 0, sampling, seed, q=q[:3]) == Verdict(0, 3, line[3])
         skewed = np.log(random_dists(6, 3, seed=seed + 100))
         window, q = drafted(skewed, sampling, seed, 0)
         verdict = verify(logits, window, 0, sampling, seed, q=q)
