@@ -2,9 +2,9 @@
 
 Every decoder chooses through `choose_at`. A position's draw is its own uniform (`position_uniform`: the seed, the
 position and the stream, nothing else), so a seed gives the same draws on every device and in every mode. Three
-streams: the target's draws (ar's text, corrections and bonus tokens), the draft's own draws under rejection
-sampling, and the acceptance tests of runtime.acceptance; independent of each other. Greedy never builds
-probabilities (and never imports torch on host arrays). Design notes: docs/design/runtime.md.
+streams: the target's draws (ar's text, corrections), the draft's own draws under rejection sampling (and the bonus
+token, coupled with the draft's guess), and the acceptance tests of runtime.acceptance; independent of each other.
+Greedy never builds probabilities (and never imports torch on host arrays). Design notes: docs/design/runtime.md.
 """
 
 from __future__ import annotations
