@@ -91,3 +91,24 @@ def test_rejection_sampling_is_seeded_and_accepts_more_than_exact_seed(mode):
     accepted = {rule: [a for seed in range(4) for a in run(seed, rule).stats["accept_lengths"]]
                 for rule in ("rejection", "exact-seed")}
     assert np.mean(accepted["rejection"]) > np.mean(accepted["exact-seed"])
+
+
+@pytest.mark.parametrize("mode", ["sd", "mirror"])
+def test_rejection_sampling_records_the_targets_logprobs(mode):
+    """Under rejection sampling the committed tokens' log-probabilities are the target's at their positions (the
+    raw rows of a plain forward over the text), whatever the draft proposed."""
+    from mirror_rt.runtime.logprobs import token_logprobs
+    from mirror_rt.runtime.token_rules import RulesConfig, TokenRules
+
+    target = tiny_target(seed=5, scale=3.0)
+    draft = perturbed_copy(target, noise=0.3, seed=9)
+    model = TorchModel(target)
+    rules = TokenRules(RulesConfig(logprobs=2), model.vocab_size, None, [4, 5])
+    got = decode(TorchSplitTarget(target) if mode == "mirror" else model, TorchModel(draft), [4, 5], rules=rules,
+                 mode=mode, max_new_tokens=24, gamma=4, sampling=SamplingConfig(temperature=0.8), seed=3)
+    text = [4, 5] + got.tokens
+    rows = model.forward(text[:-1], model.new_cache(len(text)))[1:]  # row i predicts got.tokens[i]
+    expected = token_logprobs(rows, got.tokens, 2)
+    assert [e.token for e in rules.logprobs] == got.tokens and max(got.stats["accept_lengths"]) > 1
+    assert np.allclose([e.logprob for e in rules.logprobs], [e.logprob for e in expected], atol=1e-6)
+    assert [[i for i, _ in e.top] for e in rules.logprobs] == [[i for i, _ in e.top] for e in expected]
