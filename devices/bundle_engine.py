@@ -41,7 +41,7 @@ def load_bundle(options: EngineConfig, mode: str | None = None, verify: bool = T
     manifest = read_manifest(bundle, verify=verify)
     draft_source = options.models.draft_bundle or bundle
     draft_manifest = manifest if draft_source == bundle else read_manifest(draft_source, verify=verify)
-    if draft_manifest.vocab_size != manifest.vocab_size:
+    if draft_manifest.vocab_size > manifest.vocab_size:  # (fewer: a family draft's embedding with less padding)
         raise GenerationError(f"vocabulary mismatch: target bundle has {manifest.vocab_size} tokens, "
                               f"draft bundle has {draft_manifest.vocab_size}")
     strict = devices.strict_devices

@@ -74,10 +74,30 @@ def _model_bundle(options: EngineConfig, mode: str | None, log) -> Engine:
         raise GenerationError(f"--draft-model {models.draft_model} is a torch draft: --model {models.model} runs "
                               "from its bundle, whose default draft is the target's own weights at 4 bits")
     weights = options.precision.weights or "auto"
-    folder = model_bundle(models.model, draft, models.cache_dir, weights, log=log)
-    engine = load_bundle(options.with_flags(bundle=str(folder), model=None, draft_model=None), mode)
+    folder, draft_folder = model_bundles(models.model, draft, models.cache_dir, weights, log=log)
+    flags = {"draft_bundle": str(draft_folder)} if draft_folder is not None else {}
+    engine = load_bundle(options.with_flags(bundle=str(folder), model=None, draft_model=None, **flags), mode)
     engine.names["model"] = Path(models.model).name
     return engine
+
+
+def model_bundles(model: str, draft: str | None = None, cache_dir: str | None = None, weights: str = "auto",
+                  log=stderr_line) -> tuple[Path, Path | None]:
+    """(the target's bundle, the draft's or None) in the cache. A draft that exports as the target does (a GGUF
+    file, a folder over 1 GB: a family draft) has a bundle of its own (the one `--model` of the draft would run),
+    so the target's is the one `--model` alone uses, exported once whatever the draft (a 7B target is not written
+    again for each draft); the two bundles' tokens must be the same (their tokenizer.json: reading a GGUF's
+    vocabulary takes seconds). Another draft is exported with the target, into one bundle."""
+    if draft is None or not streams_model(draft):
+        return model_bundle(model, draft, cache_dir, weights, log=log), None
+    from mirror_rt.models.tokenizer_files import same_vocabulary
+
+    folders = (model_bundle(draft, None, cache_dir, weights, log=log),  # the small one first
+               model_bundle(model, None, cache_dir, weights, log=log))
+    if not same_vocabulary(*folders):
+        raise GenerationError(f"--draft-model {draft} must share the target's tokenizer (its vocabulary differs "
+                              f"from {Path(model).name}'s)")
+    return folders[1], folders[0]
 
 
 def model_bundle(model: str, draft: str | None = None, cache_dir: str | None = None, weights: str = "auto",

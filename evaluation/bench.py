@@ -39,6 +39,42 @@ class EngineRunner:
         return gen.text, s["new_tokens"], s["wall_time_s"], s.get("accept_lengths", []), s
 
 
+class ReplayRunner(EngineRunner):
+    """A replay row (evaluation.replay): before each answer, the prompt's greedy `ar` text is recorded once (untimed)
+    and set as what the engine's replay draft proposes, each token kept with probability `alpha`."""
+
+    def __init__(self, name: str, engine, mode: str, alpha: float, recordings):
+        super().__init__(name, engine, mode)
+        self.alpha, self.recordings = alpha, recordings
+        self.label += f"; proposals replayed: the target's greedy text, each token kept with probability {alpha:g}"
+
+    def answer(self, messages: list[dict], config: GenerationConfig):
+        from mirror_rt.evaluation.replay import replay_of
+
+        prompt = self.engine.prompt_ids(messages)
+        continuation = self.recordings.continuation(prompt, config)
+        draft = self.engine.draft
+        draft.replay = replay_of(prompt, continuation, self.alpha, config.seed, draft.vocab_size)
+        try:
+            return super().answer(prompt, config)
+        finally:
+            draft.replay = None
+
+
+def replay_runners(methods: list[str], engine, mode: str) -> list:
+    """The `<mode>-replay[:alpha]` rows of `methods` over `engine`'s target and draft: a replay engine each (its own
+    decoder: no row's load policy or prefix cache carries into another's), recordings made once by a recorder of
+    their own."""
+    from mirror_rt.evaluation.replay import Recordings, replay_engine, replay_method
+
+    rows = [(m, replay_method(m)) for m in methods]
+    rows = [(m, parsed[1]) for m, parsed in rows if parsed is not None and parsed[0] == mode]
+    if not rows:
+        return []
+    recordings = Recordings(replay_engine(engine, draft=False))
+    return [ReplayRunner(m, replay_engine(engine), mode, alpha, recordings) for m, alpha in rows]
+
+
 def describe(names: dict, mode: str) -> str:
     """`onnx bundle; target fp32 weights/compute/KV; draft ...`: an engine's path and each role's precisions."""
     target = names.get("target_precision", "?")
@@ -69,7 +105,7 @@ def report_row(runner) -> report.Row:
     """What the report needs of a runner: its label, precision, and whether it is a target-only row of ours."""
     return report.Row(label=getattr(runner, "label", ""), precision=getattr(runner, "precision", "fp32"),
                       target_only=getattr(runner, "target_only", False), ours=isinstance(runner, EngineRunner),
-                      target=getattr(runner, "target", ""))
+                      target=getattr(runner, "target", ""), replayed=getattr(runner, "alpha", None))
 
 
 @dataclass(frozen=True)
@@ -142,7 +178,8 @@ def write_results(out_dir: Path, answers: dict[str, list[Answer]], rows: dict[st
     doc = {"command": command, "baselines": base, "fastest_target_only": fastest, "references": refs,
            "paths": labels, "precisions": {m: rows[m].precision for m in answers if m in rows}, "summary": summary,
            "mismatches": {m: len(v) for m, v in mismatches.items()},
-           "mismatch_list": {m: v for m, v in mismatches.items() if v}}
+           "mismatch_list": {m: v for m, v in mismatches.items() if v},
+           "replayed": {m: rows[m].replayed for m in answers if m in rows and rows[m].replayed is not None}}
     (out_dir / "summary.json").write_text(json.dumps(doc, indent=2))
     if any(rows[m].target_only for m in answers if m in rows):
         baseline = ("Speedup 1.0 per precision (fastest target-only row): " +
@@ -152,6 +189,9 @@ def write_results(out_dir: Path, answers: dict[str, list[Answer]], rows: dict[st
         baseline = (f"No target-only row ran (add `ar` to --methods): speedups are against `{fastest}`, not a "
                     "baseline, and no greedy text was compared")
     lines = [f"Command: `{command}`", "", baseline, "", report.markdown_table(summary, methods, labels)]
+    note = report.replay_note(rows, methods)
+    if note:
+        lines.append(note)
     if refs:
         lines.append("Greedy output mismatches against our target-only row over the same target (else of the same "
                      "precision): " + ", ".join(f"{m} {len(v)} (vs `{refs[m]}`)" for m, v in mismatches.items()) +

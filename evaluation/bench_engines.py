@@ -10,7 +10,8 @@ import os
 from pathlib import Path
 from types import SimpleNamespace
 
-from mirror_rt.evaluation.bench import EngineRunner
+from mirror_rt.evaluation.bench import EngineRunner, replay_runners
+from mirror_rt.evaluation.replay import replay_method
 from mirror_rt.runtime.affinity import available_cores
 
 FORMAT_BACKENDS = {"openvino": ("openvino:CPU",), "onnx": ("ort:cpu", "openvino:CPU"), "torch": ("torch:cpu",)}
@@ -29,7 +30,8 @@ def bundle_runners(methods: list[str], bundle: str, draft_bundle: str | None = N
     if "ar" in methods:
         runners += _ar_runners(bundle, manifest, log, tag)
     for mode in ("sd", "mirror"):
-        if mode in methods or (mode == "mirror" and "mirror-no-lookup" in methods):
+        replays = [m for m in methods if (replay_method(m) or ("",))[0] == mode]
+        if mode in methods or (mode == "mirror" and "mirror-no-lookup" in methods) or replays:
             options = EngineConfig.from_flags(bundle=bundle, draft_bundle=draft_bundle,
                                                draft_precision=draft_precision)
             engine = load_bundle(options, mode, verify=False)
@@ -37,6 +39,7 @@ def bundle_runners(methods: list[str], bundle: str, draft_bundle: str | None = N
                 runners.append(EngineRunner(f"{mode}-{tag}" if tag else mode, engine, mode))
             if mode == "mirror" and "mirror-no-lookup" in methods:  # ablation on the same engine
                 runners.append(EngineRunner("mirror-no-lookup", engine, mode, draft_lookup=0))
+            runners += replay_runners(replays, engine, mode)  # the same target and draft, a decoder of its own
     return runners
 
 
@@ -75,11 +78,11 @@ def bench_runners(methods: list[str], options, log=print) -> list:
     (given or default), `models.model` only names the peers' target (and the bf16 rows' target).
     `precision.compile`: torch targets run static windows under torch.compile.
     """
-    from mirror_rt.devices.engines import default_bundle, model_bundle, streams_model
+    from mirror_rt.devices.engines import default_bundle, model_bundles, streams_model
     from mirror_rt.devices.torch_engine import load_torch
     from mirror_rt.evaluation.bench_llama import METHODS as LLAMA_METHODS
     from mirror_rt.evaluation.bench_llama import find_gguf
-    from mirror_rt.evaluation.bench_methods import OURS, PRECISION_METHODS, build_runners, check_methods
+    from mirror_rt.evaluation.bench_methods import PRECISION_METHODS, build_runners, check_methods, is_ours
     from mirror_rt.models.loading import resolve_folder
 
     check_methods(methods)
@@ -87,13 +90,15 @@ def bench_runners(methods: list[str], options, log=print) -> list:
     if models.bundle is not None and models.torch:  # as `run` refuses it
         raise ValueError("a bundle runs as exported: --torch runs torch eager (drop one)")
     bundle, model, draft_model, cache_dir = models.bundle, models.model, models.draft_model, models.cache_dir
+    draft_bundle = models.draft_bundle
     if bundle is None and not models.torch and draft_model is None and model is None:
         bundle = str(default_bundle(cache_dir, log=log))
     if bundle is None and not models.torch and streams_model(model):  # a GGUF or a model over 1 GB: as `run`
-        bundle = str(model_bundle(model, draft_model, cache_dir, options.precision.weights or "auto", log=log))
-        methods = _without(methods, [m for m in methods if m in PRECISION_METHODS or m not in OURS + LLAMA_METHODS],
-                           "they load the model whole (mirror-rt runs it from its bundle; llama-cpp reads the GGUF "
-                           "as it lies)", log)
+        folders = model_bundles(model, draft_model, cache_dir, options.precision.weights or "auto", log=log)
+        bundle, draft_bundle = str(folders[0]), draft_bundle or (str(folders[1]) if folders[1] else None)
+        methods = _without(methods, [m for m in methods if m in PRECISION_METHODS or not (
+            is_ours(m) or m in LLAMA_METHODS)], "they load the model whole (mirror-rt runs it from its bundle; "
+                           "llama-cpp reads the GGUF as it lies)", log)
     gguf = find_gguf(model, cache_dir) if set(methods) & set(LLAMA_METHODS) else None
     if bundle is None:
         engine = load_torch(options, log=log)
@@ -101,16 +106,16 @@ def bench_runners(methods: list[str], options, log=print) -> list:
         runners += precision_runners(methods, model, cache_dir, log)
         return runners + bf16_runners(methods, model, None, draft_model, compile, cache_dir, log)
     if models.bundle is not None and model is None:  # the rows below would run the default model, not --bundle's
-        methods = _without(methods, [m for m in methods if m in PRECISION_METHODS or m not in OURS],
+        methods = _without(methods, [m for m in methods if m in PRECISION_METHODS or not is_ours(m)],
                            "beside --bundle they would run the default model; --model names the bundle's model for "
                            "them", log)
-    elif models.bundle is not None and not [m for m in methods if m not in OURS or m in PRECISION_METHODS]:
+    elif models.bundle is not None and not [m for m in methods if not is_ours(m) or m in PRECISION_METHODS]:
         log(f"bench: --model {model} names the target of peers and bf16 rows, and none runs: every row runs --bundle")
-    ours = [m for m in methods if m in ("ar", "sd", "mirror", "mirror-no-lookup")]
-    runners = bundle_runners(ours, bundle, models.draft_bundle, options.precision.draft_precision, log=log)
+    ours = [m for m in methods if m in ("ar", "sd", "mirror", "mirror-no-lookup") or replay_method(m) is not None]
+    runners = bundle_runners(ours, bundle, draft_bundle, options.precision.draft_precision, log=log)
     runners += precision_runners(methods, model, cache_dir, log)
     runners += bf16_runners(methods, model, models.draft_bundle or bundle, draft_model, compile, cache_dir, log)
-    peers = [m for m in methods if m not in OURS]
+    peers = [m for m in methods if not is_ours(m)]
     if peers:
         tokenizer = runners[0].engine.tokenizer if runners else _bundle_tokenizer(bundle)
         folder = model if streams_model(model) or (model and not os.path.exists(model)) else str(

@@ -1,7 +1,8 @@
 """Method names of `mirror-rt bench` -> runners on one model pair.
 
 Ours: `ar` (one row per thread count), `sd`, `mirror`, `mirror-no-lookup`, the precision rows (`ar-int8`,
-`mirror-q4_1`...) and the torch bf16 rows (bench_engines). Peers: `hf-assisted` (transformers' assisted generation, an
+`mirror-q4_1`...), the torch bf16 rows (bench_engines) and the replay rows `mirror-replay[:alpha]`, `sd-replay[:alpha]`
+(an instrument: evaluation.replay). Peers: `hf-assisted` (transformers' assisted generation, an
 int8 copy of the target assisting), `ov-genai` (GenAI's `LLMPipeline` at its default precision), `ov-genai-f32`,
 `ov-genai-sd` (an int8 nncf copy drafting), `llama-cpp` and `llama-cpp-lookup` (bench_llama). A method whose package
 is missing is skipped with a line; every runner names its precision (weights / compute / KV).
@@ -12,9 +13,10 @@ from __future__ import annotations
 import os
 import time
 
-from mirror_rt.evaluation.bench import EngineRunner
+from mirror_rt.evaluation.bench import EngineRunner, replay_runners
 from mirror_rt.evaluation.bench_llama import METHODS as LLAMA_METHODS
 from mirror_rt.evaluation.bench_llama import llama_runners
+from mirror_rt.evaluation.replay import replay_method
 from mirror_rt.runtime.affinity import available_cores
 
 TORCH_BF16 = ("ar-bf16", "mirror-bf16", "ar-bf16-compiled", "mirror-bf16-compiled")  # bench_engines.bf16_runners
@@ -25,13 +27,21 @@ PRECISION_METHODS = tuple(f"{mode}-{p}" for p in BUNDLE_PRECISIONS for mode in (
 KNOWN_METHODS = ("ar", "sd", "mirror", "mirror-no-lookup", *PRECISION_METHODS, *TORCH_BF16, "hf-assisted", "ov-genai",
                  "ov-genai-f32", "ov-genai-sd", *LLAMA_METHODS)
 OURS = ("ar", "sd", "mirror", "mirror-no-lookup", *PRECISION_METHODS)  # run by our engines (bench_engines)
+# instruments, not drafts: the target's own greedy text proposed, each token kept with probability alpha
+REPLAY_METHODS = ("mirror-replay[:alpha]", "sd-replay[:alpha]")  # (evaluation.replay)
 
 
 def check_methods(methods: list[str]) -> None:
-    """ValueError naming the unknown methods."""
-    unknown = [m for m in methods if m not in KNOWN_METHODS]
+    """ValueError naming the unknown methods (or a replay method's bad alpha)."""
+    unknown = [m for m in methods if m not in KNOWN_METHODS and replay_method(m) is None]
     if unknown:
-        raise ValueError(f"unknown bench method(s): {', '.join(unknown)} (known: {', '.join(KNOWN_METHODS)})")
+        raise ValueError(f"unknown bench method(s): {', '.join(unknown)} (known: "
+                         f"{', '.join(KNOWN_METHODS + REPLAY_METHODS)})")
+
+
+def is_ours(method: str) -> bool:
+    """Whether `method` runs on our engines (a replay row too)."""
+    return method in OURS or replay_method(method) is not None
 
 
 def build_runners(methods: list[str], engine, model_folder: str | None, log=print, gguf=None) -> list:
@@ -49,10 +59,13 @@ def build_runners(methods: list[str], engine, model_folder: str | None, log=prin
             runners.append(EngineRunner(method, engine, "mirror", draft_lookup=0))
         elif method == "hf-assisted":
             runners.append(_hf_assisted(model_folder, cores, log))
+        elif replay_method(method) is not None:
+            continue  # below, over one replay engine per mode
         elif method in TORCH_BF16 + PRECISION_METHODS + LLAMA_METHODS:
             continue  # other engines (bench_engines' bf16 and precision rows), or llama.cpp's below from one GGUF
         else:
             runners.append(_ov_genai(method, model_folder, engine.tokenizer, cores, log))
+    runners += replay_runners(methods, engine, "sd") + replay_runners(methods, engine, "mirror")
     runners += llama_runners(methods, gguf, engine.tokenizer, cores, log)
     return [r for r in runners if r is not None]
 

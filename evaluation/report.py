@@ -40,6 +40,7 @@ class Row:
     target_only: bool = False  # decodes with the target alone (a baseline candidate)
     ours: bool = False  # one of our engines (its text is the reference of its precision)
     target: str = ""  # which target it decodes with (path and precision): text compared within one target first
+    replayed: float | None = None  # a replay row's alpha (evaluation.replay): its acceptance was replayed
 
 
 def baselines(answers: dict[str, list[Answer]], rows: dict[str, Row]) -> tuple[dict[str, str], str]:
@@ -140,6 +141,17 @@ def markdown_table(summary: dict, methods: list[str], labels: dict[str, str] | N
                          f"{_fmt(f['mean_accepted_length'])} | "
                          f"{_fmt(f['reuse_hit_rate'])} | {_fmt(f['hidden_draft_share'])} | {model} |")
     return "\n".join(lines) + "\n"
+
+
+def replay_note(rows: dict[str, Row], methods: list[str]) -> str | None:
+    """The line under a table with replay rows: their acceptance was replayed, not a draft's (None: none ran)."""
+    replayed = {m: rows[m].replayed for m in methods if m in rows and rows[m].replayed is not None}
+    if not replayed:
+        return None
+    return ("Acceptance was replayed in " + ", ".join(f"`{m}` (alpha {a:g})" for m, a in replayed.items()) +
+            ": a measuring instrument, not a draft. The draft ran every forward (its cost is real) but proposed the "
+            "target's own greedy text, each token kept with probability alpha (seeded), else a wrong token; the "
+            "target decided. These rows show what the runtime turns acceptance alpha into, not what a draft gives.\n")
 
 
 def _fmt(x, suffix: str = "") -> str:

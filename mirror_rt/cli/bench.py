@@ -37,7 +37,9 @@ def _add_bench(sub) -> None:
                        "ov-genai (GenAI's default precision),ov-genai-f32,ov-genai-sd,llama-cpp,llama-cpp-lookup "
                        "(llama.cpp on the model's GGUF, plain and with prompt lookup: pip install -e \".[llama-cpp]\"),"
                        "ar-P,sd-P,mirror-P (the default model's bundle with its target at precision P: fp32, int8, "
-                       "int4, q4_1, w8a8)")
+                       "int4, q4_1, w8a8),mirror-replay[:alpha],sd-replay[:alpha] (an instrument: the draft's "
+                       "forwards run, but it proposes the target's own greedy text, each token kept with probability "
+                       "alpha, default 1)")
     bench.add_argument("--repeats", type=positive_int, default=1, help="runs per turn (median wall time kept)")
     add_engine_options(bench, BENCH_ENGINE)
     add_decoding_options(bench, mode=False)
