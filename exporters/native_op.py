@@ -128,11 +128,14 @@ def compiler() -> list[str] | None:
     return None
 
 
-def _key(cxx: list[str], variant: str) -> str:
+@functools.cache
+def _sources_digest() -> bytes:  # read once per process: a library loaded here matches the sources it was keyed by
     here = Path(__file__).parent
-    digest = hashlib.sha256()
-    for name in SOURCES:
-        digest.update((here / name).read_bytes())
+    return hashlib.sha256(b"".join((here / name).read_bytes() for name in SOURCES)).digest()
+
+
+def _key(cxx: list[str], variant: str) -> str:
+    digest = hashlib.sha256(_sources_digest())
     digest.update(" ".join([*cxx, *FLAGS, *VARIANTS[variant][0], cpu_fingerprint()]).encode())
     return f"{variant}-{digest.hexdigest()[:16]}"
 
