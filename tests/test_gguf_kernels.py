@@ -84,7 +84,7 @@ def int8_activations(x: np.ndarray, block: int) -> np.ndarray:
     return (np.clip(np.rint(blocks * inverse), -127, 127) * d).reshape(x.shape)
 
 
-@pytest.mark.parametrize("kind", BLOCK_TYPES)
+@pytest.mark.parametrize("kind", BLOCK_TYPES, ids=lambda kind: kind.name)
 @pytest.mark.parametrize("variant", VARIANTS)
 def test_products_are_exact_for_their_int8_activations(variant, kind):
     """Every block type's product equals the dequantized weights times the int8 activations (float rounding)."""
@@ -97,7 +97,7 @@ def test_products_are_exact_for_their_int8_activations(variant, kind):
     assert np.abs(matmul(variant, x, w, kind, 40) - expected).max() <= 1e-5 * np.abs(expected).max()
 
 
-@pytest.mark.parametrize("kind", FLOAT_TYPES)
+@pytest.mark.parametrize("kind", FLOAT_TYPES, ids=lambda kind: kind.name)
 @pytest.mark.parametrize("variant", VARIANTS)
 def test_float_rows_multiply_float_activations(variant, kind):
     w = float_weights(kind, 24, 200, 3)  # 200: 12 lanes of 16, then a tail of 8
@@ -108,7 +108,7 @@ def test_float_rows_multiply_float_activations(variant, kind):
     assert np.abs(matmul(variant, x, w, kind, 24) - expected).max() <= 1e-5 * np.abs(expected).max()
 
 
-@pytest.mark.parametrize("kind", BLOCK_TYPES + FLOAT_TYPES)
+@pytest.mark.parametrize("kind", BLOCK_TYPES + FLOAT_TYPES, ids=lambda kind: kind.name)
 @pytest.mark.parametrize("variant", VARIANTS)
 def test_a_row_computes_alike_alone_and_in_any_tile(variant, kind):
     """Rows of one call give the bits each gives alone: 19 rows (tiles of 8 and a tail of 3), 5 rows, and the
@@ -122,7 +122,7 @@ def test_a_row_computes_alike_alone_and_in_any_tile(variant, kind):
         assert np.array_equal(matmul(variant, x[i:i + 1], w, kind, 700)[0], together[i]), i
 
 
-@pytest.mark.parametrize("kind", BLOCK_TYPES + FLOAT_TYPES)
+@pytest.mark.parametrize("kind", BLOCK_TYPES + FLOAT_TYPES, ids=lambda kind: kind.name)
 @pytest.mark.parametrize("variant", [v for v in VARIANTS if v.values[0] != "portable"])
 def test_a_variant_gives_the_portable_bits(variant, kind):
     """The AVX2 kernels follow the portable arithmetic: the same bits; AVX-512 VNNI: within TOLERANCE."""
