@@ -40,7 +40,19 @@ def streams(cfg: ExportConfig) -> bool:
         if value not in (*STREAM_WEIGHTS, *SAME_AS, "auto"):
             raise ExportError(f"{flag} {value}: GGUF files and models over 1 GB take "
                               f"{', '.join(STREAM_WEIGHTS)} (or int8, int4)")
+    _require_kernels()
     return True
+
+
+def _require_kernels() -> None:
+    """ExportError, before anything is read or written, where mirror-rt's CPU kernels (every product of these
+    graphs) cannot be built here: one line saying what to install."""
+    from mirror_rt.exporters.native_op import NativeOpUnavailable, library
+
+    try:
+        library()
+    except NativeOpUnavailable as exc:
+        raise ExportError(f"GGUF files and models over 1 GB run on mirror-rt's CPU kernels: {exc}") from None
 
 
 def stream_export(cfg: ExportConfig, bar) -> None:
