@@ -1,0 +1,56 @@
+"""`mirror-rt bench --rows`: a row per N with our cost and the target's precision, the CPU and kernels named, and
+llama.cpp beside it or a line saying it is not installed (no timing asserted: figures are benchmarks')."""
+
+from __future__ import annotations
+
+import re
+
+import pytest
+
+from mirror_rt.cli import main
+from mirror_rt.evaluation import rows_bench
+
+
+@pytest.fixture(scope="module")
+def tiny_bundle(tmp_path_factory):
+    from mirror_rt.exporters.export import export_bundle
+
+    return export_bundle("tiny", tmp_path_factory.mktemp("rows"), progress=False)
+
+
+def test_rows_prints_a_row_per_count(tiny_bundle, capsys):
+    assert main(["bench", "--bundle", str(tiny_bundle), "--rows", "1,2"]) == 0
+    out = capsys.readouterr().out
+    rows = [line for line in out.splitlines() if re.match(r"\| \d+ \|", line)]
+    assert [int(line.split("|")[1]) for line in rows] == [1, 2]
+    for line in rows:
+        cells = [c.strip() for c in line.strip("|").split("|")]
+        assert float(cells[1]) > 0 and cells[3] == "fp32"
+    assert "best of 3" in out and "CPU: " in out and "kernels: " in out
+    try:
+        import llama_cpp  # noqa: F401
+    except ImportError:
+        assert rows_bench.NOT_INSTALLED in out and all(line.endswith("| - | - | - |") for line in rows)
+
+
+@pytest.mark.parametrize("text,says", [("0,2", "whole numbers >= 1"), ("a", "whole numbers"), ("2,2", "twice"),
+                                       (",", "whole numbers")])
+def test_bad_rows_are_one_line(text, says, capsys):
+    assert main(["bench", "--rows", text]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and says in err[0] and err[0].startswith("mirror-rt: error: ")
+
+
+def test_questions_still_need_data_and_out(capsys):
+    assert main(["bench", "--methods", "ar"]) == 2
+    assert "bench needs --data and --out (or --rows" in capsys.readouterr().err
+
+
+def test_fresh_ids_never_share_a_prefix_across_counts_and_runs():
+    seen = {}
+    for rows in (1, 2, 4, 8):
+        for run in range(3):
+            ids = rows_bench.fresh_ids(rows, run, 50000)
+            assert len(ids) == rows and all(100 <= t < 50000 for t in ids)
+            assert ids[0] not in seen, (rows, run, seen.get(ids[0]))
+            seen[ids[0]] = (rows, run)
