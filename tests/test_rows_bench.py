@@ -54,3 +54,21 @@ def test_fresh_ids_never_share_a_prefix_across_counts_and_runs():
             assert len(ids) == rows and all(100 <= t < 50000 for t in ids)
             assert ids[0] not in seen, (rows, run, seen.get(ids[0]))
             seen[ids[0]] = (rows, run)
+
+
+def test_bench_report_gives_prompt_tokens_per_s_beside_tokens_per_s():
+    """Prompt tokens over the target's prompt-reading seconds, every turn that reports both (hand-computed); a peer
+    that reports no stage leaves the cell empty."""
+    from mirror_rt.evaluation import report
+    from mirror_rt.evaluation.specbench import Answer
+
+    turns = [{"prompt_tokens": 100, "stage_seconds": {"target_prefill": 0.5}},
+             {"prompt_tokens": 50, "stage_seconds": {"target_prefill": 0.25, "target_verify": 9.0}}]
+    ours = [Answer(1, "qa", "ar", ["a", "b"], [10, 10], [1.0, 1.0], [[], []], turns)]
+    peer = [Answer(1, "qa", "llama-cpp", ["a"], [10], [1.0], [[]], [{"prompt_tokens": 100}])]
+    assert report.prompt_speed(ours) == 200.0 and report.prompt_speed(peer) is None
+    summary = report.summarize({"ar": ours, "llama-cpp": peer}, "ar")
+    table = report.markdown_table(summary, ["ar", "llama-cpp"]).splitlines()
+    assert table[0].endswith("| prompt tokens/s |") and table[1].count("---") == 12
+    assert [line for line in table if "| overall | ar |" in line][0].endswith("| 200.00 |")
+    assert [line for line in table if "| overall | llama-cpp |" in line][0].endswith("|  |")
