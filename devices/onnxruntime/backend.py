@@ -239,7 +239,14 @@ class ORTSplitTarget(SplitTarget):
 
     def _on_two_cores(self, first, second, cpus: tuple[int, int]) -> tuple:
         """(first(), second()) at once: `first` here pinned to cpus[0], `second` in a helper thread pinned to cpus[1],
-        waited for even when `first` fails (both write into the pool)."""
+        waited for even when `first` fails (both write into the pool). Unequal shares (a Mirror target's N-1 cores, the
+        draft's one): one after the other on the target's cores, where the slower half would not hold the other."""
+        if not isinstance(cpus[0], int) and len(cpus[0]) != len(cpus[1]):
+            previous = pin(cpus[0])
+            try:
+                return first(), second()
+            finally:
+                restore(previous)
         if self._helper is None or self._helper[0] != cpus[1]:
             self._helper = (cpus[1], ThreadPoolExecutor(1, thread_name_prefix="mirror-rows", initializer=pin,
                                                         initargs=(cpus[1],)))

@@ -28,7 +28,8 @@ BENCH_ENGINE = ("model", "draft_model", "bundle", "torch", "draft_bundle", "draf
 
 def _add_bench(sub) -> None:
     bench = sub.add_parser("bench", help="SpecBench-style evaluation of ar / sd / mirror and peers")
-    bench.add_argument("--data", required=True, help="questions (SpecBench jsonl: question_id, category, turns)")
+    bench.add_argument("--data", help="questions (SpecBench jsonl: question_id, category, turns); required but "
+                       "with --rows")
     bench.add_argument("--categories", help="comma-separated categories to keep")
     bench.add_argument("--limit", type=positive_int, help="number of questions, picked evenly across categories")
     bench.add_argument("--methods", default="ar,sd,mirror", help="comma-separated: ar,sd,mirror,mirror-no-lookup,"
@@ -45,7 +46,9 @@ def _add_bench(sub) -> None:
     add_decoding_options(bench, mode=False)
     add_request_options(bench)
     bench.add_argument("--profile", action="store_true", help="print mirror's time per phase per step")
-    bench.add_argument("--out", type=output_folder, required=True, help="output folder")
+    bench.add_argument("--out", type=output_folder, help="output folder (required but with --rows)")
+    bench.add_argument("--rows", help="instead of questions: the target's cost of one forward of N new rows for each "
+                       "N of this comma-separated list (e.g. 1,2,4,8,64,256), beside llama.cpp's where installed")
 
 
 def cmd_bench(args) -> int:
@@ -57,6 +60,11 @@ def cmd_bench(args) -> int:
     from mirror_rt.evaluation.bench_engines import bench_runners
     from mirror_rt.evaluation.specbench import read_questions
 
+    if args.rows:
+        return cmd_rows(args)
+    missing = [flag for flag, value in (("--data", args.data), ("--out", args.out)) if not value]
+    if missing:
+        raise ValueError(f"bench needs {' and '.join(missing)} (or --rows N,... for the per-row cost)")
     categories = [c.strip() for c in args.categories.split(",")] if args.categories else None  # "a, b": b
     questions = read_questions(args.data, categories, args.limit)
     if not questions:  # a report of 0 questions at 0.0 tokens/s said nothing
@@ -79,6 +87,21 @@ def cmd_bench(args) -> int:
     exact = [m for m, row in rows.items() if row.ours and not row.target_only and m in doc["references"]
              and report.same_target(rows, m, doc["references"][m])]
     return 1 if any(doc["mismatches"].get(m) for m in exact) else 0
+
+
+def cmd_rows(args) -> int:
+    """`bench --rows`: the target's cost per forward of N rows (evaluation.rows_bench), as the engine `run` loads."""
+    from mirror_rt.devices.engines import load_engine
+    from mirror_rt.evaluation import rows_bench
+    from mirror_rt.runtime.affinity import available_cores
+
+    counts = rows_bench.row_counts(args.rows)
+    engine = load_engine(engine_config(args), mode="ar", log=log)
+    threads = getattr(engine.placement, "target_threads", None) or len(available_cores())
+    llm, llama = rows_bench.llama_model(args.model, args.cache_dir, threads, max(counts))
+    costs = rows_bench.measure(engine, counts, llm, log=log)
+    print(rows_bench.table(costs, rows_bench.cpu_line(), llama, threads))
+    return 0
 
 
 def concurrency_levels(text: str) -> list[int]:
