@@ -235,7 +235,8 @@ def _add_completion_routes(app: FastAPI, state: ServerState) -> None:
 
 
 async def _complete(request: Request, state: ServerState, chat: bool):
-    arrived = time.perf_counter()
+    arrived = time.perf_counter()  # TTFT, queue time and latency count from here (as vLLM's): parsing, templating
+    # and compiling a grammar are the request's wait too
     check_key(request, state)
     body = await read_json(request)
     req = protocol.parse(protocol.ChatRequest if chat else protocol.CompletionRequest, body)
@@ -260,7 +261,7 @@ async def _complete(request: Request, state: ServerState, chat: bool):
     await asyncio.to_thread(structured.checked, constraint, param, engine, offered)  # compiling may take a while
     config = _config(req, len(prompt), state, structured.rules_options(req, constraint, engine.target.vocab_size))
     job = Job(f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}", prompt, config, asyncio.get_running_loop(),
-              choices=req.choices(), constraint=kind, origins=req.include_origins())
+              choices=req.choices(), constraint=kind, origins=req.include_origins(), arrived=arrived)
     _admit(job, state)
     reply = _reply(req, job, state, len(prompt), chat, echo)
     timeout = state.settings.request_timeout
