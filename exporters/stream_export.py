@@ -126,10 +126,16 @@ def _check_draft(target, draft, cfg: ExportConfig) -> None:
 
 def streamed_source(model) -> bool:
     """Whether `model` is what this module exports by default: a GGUF file, or a folder whose safetensors pass
-    STREAM_BYTES (`run --model` then runs it from its own bundle: devices.engines)."""
+    STREAM_BYTES (`run --model` then runs it from its own bundle: devices.engines). A GGUF file's header is checked
+    here, first (models.gguf_header.check_gguf: GGUFError)."""
     path = Path(model).expanduser()
+    if path.is_file() and path.suffix == ".gguf":
+        from mirror_rt.models.gguf_header import check_gguf
+
+        check_gguf(path)  # an architecture mirror-rt does not run, a file cut short: refused before any export
+        return True
     if path.is_file():
-        return path.suffix == ".gguf"
+        return False
     return path.is_dir() and sum(f.stat().st_size for f in path.glob("*.safetensors")) > STREAM_BYTES
 
 
