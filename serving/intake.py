@@ -13,11 +13,10 @@ from mirror_rt.serving import protocol
 from mirror_rt.serving.errors import APIError
 
 
-def refuse_unread(texts: list, engine, requested: int) -> None:
-    """A 400 for `texts` whose characters alone need more tokens than the context holds, before they are
+def refuse_unread(texts: list, engine, context: int, requested: int) -> None:
+    """A 400 for `texts` whose characters alone need more tokens than the `context` served holds, before they are
     tokenized (the tokenizer holds the GIL: no other request moves meanwhile)."""
     least = -(-sum(len(t) for t in texts if isinstance(t, str)) // engine.tokenizer.longest_token_chars)
-    context = engine.target.max_seq_len
     if least > context:
         raise protocol.context_error(context, least, requested)
 
