@@ -40,7 +40,20 @@ def streams(cfg: ExportConfig) -> bool:
         if value not in (*STREAM_WEIGHTS, *SAME_AS, "auto"):
             raise ExportError(f"{flag} {value}: GGUF files and models over 1 GB take "
                               f"{', '.join(STREAM_WEIGHTS)} (or int8, int4)")
+    _check_native_ops()
     return True
+
+
+def _check_native_ops() -> None:
+    """ExportError before any work where mirror-rt's ops cannot be built: every product of these graphs is one
+    (MatMulGGUF), so there is no standard-op form to fall back to."""
+    from mirror_rt.exporters.native_op import NativeOpUnavailable, library
+
+    try:
+        library()
+    except NativeOpUnavailable as exc:
+        raise ExportError(f"GGUF files and models over 1 GB run on mirror-rt's own ONNX Runtime ops, which cannot be "
+                          f"built here ({exc}); run the model in torch eager with --torch") from None
 
 
 def stream_export(cfg: ExportConfig, bar) -> None:

@@ -103,3 +103,21 @@ def test_the_cli_refuses_from_the_header_before_any_export(tmp_path, case):
     assert len(lines) == 1 and lines[0].startswith("mirror-rt: error:") and says in lines[0], proc.stderr
     assert "export" not in proc.stderr and "Traceback" not in proc.stderr
     assert not (cache / "bundles").exists() or not any((cache / "bundles").iterdir())
+
+
+def test_without_the_native_ops_a_gguf_is_refused_before_export_naming_torch(tmp_path, monkeypatch):
+    """Every product of a GGUF's graphs is mirror-rt's MatMulGGUF: there is no standard-op form to fall back to
+    (docs said exports fell back), so where the ops cannot be built the export is refused at once, saying --torch."""
+    from mirror_rt.exporters import native_op
+    from mirror_rt.exporters.export_config import ExportConfig, ExportError
+    from mirror_rt.exporters.stream_export import streams
+
+    def unavailable(cache=None):
+        raise native_op.NativeOpUnavailable("no C++ compiler (set $CXX, or install g++) to build mirror-rt's "
+                                            "attention op")
+
+    monkeypatch.setattr(native_op, "library", unavailable)
+    model = write_small_gguf(tmp_path / "m.gguf")
+    with pytest.raises(ExportError, match=r"cannot be built here \(no C\+\+ compiler.*run the model in torch eager "
+                                          r"with --torch"):
+        streams(ExportConfig(model=str(model), out_dir=tmp_path / "out"))

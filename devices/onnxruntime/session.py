@@ -55,8 +55,11 @@ def create_session(path: Path, providers: list[str], make_options):
             reason = "ONNX Runtime did not take it"
         except NativeOpUnavailable as unavailable:
             reason = str(unavailable)
-        raise BundleError(f"{path} attends through mirror-rt's own ONNX Runtime op, which this machine cannot "
-                          f"use ({reason}); export the bundle here with --attention standard") from None
+        instead = ("run its model in torch eager with --torch (a GGUF file's or a large folder's bundle has no "
+                   "standard-op form)" if (Path(path).parent / MAPPED_WEIGHTS).is_file()
+                   else "export the bundle here with --attention standard")
+        raise BundleError(f"{path} runs on mirror-rt's own ONNX Runtime ops, which this machine cannot use "
+                          f"({reason}); {instead}") from None
 
 
 def allocation_failed(exc: BaseException) -> bool:
