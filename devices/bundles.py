@@ -143,7 +143,13 @@ def _load_onnxruntime(paths, manifest, config, spec: DeviceSpec, budget: WorkerB
 
 def _second_copy_fits(paths, share: float = 0.25, loading=()) -> bool:
     """Whether a second copy of these graphs' weights takes at most `share` of the memory available once the graphs
-    `loading` are loaded (no /proc/meminfo: no)."""
+    `loading` are loaded (no /proc/meminfo: no), and fits the address space a limit leaves beside them (its sessions
+    map weights.bin again: the 7B's mirror mode maps it three times)."""
+    from mirror_rt.models.memory import address_space_left
+
+    left = address_space_left()
+    if left is not None and sum(graph_bytes(Path(p)) for p in (*paths, *loading)) + SESSION_HEADROOM > left:
+        return False
     try:
         with open("/proc/meminfo") as f:
             fields = dict(line.split(":", 1) for line in f)
