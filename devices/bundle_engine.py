@@ -14,10 +14,12 @@ from mirror_rt.devices.auto_draft import AUTO, candidates
 from mirror_rt.devices.bundles import (
     WorkerBudget,
     bundle_format,
+    check_address_space,
     draft_copies_target,
     in_background,
     load_model,
     load_tokenizer,
+    role_graphs,
 )
 from mirror_rt.devices.options import EngineConfig
 from mirror_rt.devices.placement import plan
@@ -54,6 +56,8 @@ def load_bundle(options: EngineConfig, mode: str | None = None, verify: bool = T
     placement = replace(plan(str(target_where), str(draft_where), mode, sorted(available_cores()), devices.threads),
                         fallbacks=fallbacks)
     jobs = _jobs(options, (bundle, manifest, target_where), (draft_source, draft_manifest, draft_where), placement)
+    check_address_space([*role_graphs(bundle, manifest, "target"), *role_graphs(draft_source, draft_manifest, "draft")],
+                        f"loading {Path(bundle).name}")  # before any session or the tokenizer may fail to allocate
     tokenizer = in_background(load_tokenizer, Path(bundle), manifest)  # while the workers load their sessions
     target, draft = in_worker_threads(jobs)
     tokenizer = tokenizer()

@@ -52,7 +52,8 @@ def _require_kernels() -> None:
     try:
         library()
     except NativeOpUnavailable as exc:
-        raise ExportError(f"GGUF files and models over 1 GB run on mirror-rt's CPU kernels: {exc}") from None
+        raise ExportError(f"GGUF files and models over 1 GB run on mirror-rt's CPU kernels, which cannot be built here "
+                          f"({exc}); or run the model in torch eager with --torch") from None
 
 
 def stream_export(cfg: ExportConfig, bar) -> None:
@@ -138,10 +139,16 @@ def _check_draft(target, draft, cfg: ExportConfig) -> None:
 
 def streamed_source(model) -> bool:
     """Whether `model` is what this module exports by default: a GGUF file, or a folder whose safetensors pass
-    STREAM_BYTES (`run --model` then runs it from its own bundle: devices.engines)."""
+    STREAM_BYTES (`run --model` then runs it from its own bundle: devices.engines). A GGUF file's header is checked
+    here, first (models.gguf_header.check_gguf: GGUFError)."""
     path = Path(model).expanduser()
+    if path.is_file() and path.suffix == ".gguf":
+        from mirror_rt.models.gguf_header import check_gguf
+
+        check_gguf(path)  # an architecture mirror-rt does not run, a file cut short: refused before any export
+        return True
     if path.is_file():
-        return path.suffix == ".gguf"
+        return False
     return path.is_dir() and sum(f.stat().st_size for f in path.glob("*.safetensors")) > STREAM_BYTES
 
 

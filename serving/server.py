@@ -41,8 +41,17 @@ def describe(state: ServerState, url: str) -> str:
              for role in ("target", "draft")]
     key = "API key required" if settings.api_key else "no API key"
     return (f"serving {state.model_name} at {url}/v1 ({engine.names.get('path', 'engine')}), mode "
-            f"{state.default_mode}, {', '.join(roles)}; {engine.decoder.describe()}; {key}; "
+            f"{state.default_mode}, {', '.join(roles)}; {context_line(state)}; {engine.decoder.describe()}; {key}; "
             f"queue {settings.max_queued}")
+
+
+def context_line(state: ServerState) -> str:
+    """The context a request gets; where the KV budget holds less than the model's, how much and what to set."""
+    model = state.engine.target.max_seq_len
+    if state.context >= model:
+        return f"context {model} tokens"
+    return (f"context {state.context} tokens, not the model's {model}: the KV budget holds no more (requests "
+            f"without max_tokens stop there; raise --kv-cache-gb for the whole context)")
 
 
 def open_to(settings: ServerConfig, url: str) -> str:

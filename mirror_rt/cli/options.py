@@ -121,8 +121,8 @@ ENGINE_HELP = {
     "exit_layer": "torch: early-exit layer (mirror; default N/2)",
     "kappa": f"torch: early-exit candidates per position (mirror; default {DEFAULT_KAPPA})",
     "max_num_seqs": "sequences decoded at once (default %(default)s): more wait, up to --max-queued",
-    "kv_cache_gb": "KV memory of both models' rows and the prefix cache, in GB (default: 4, or every row at full "
-                   "length where that takes less; docs/serving.md: sizing it)",
+    "kv_cache_gb": "KV memory of both models' rows and the prefix cache, in GiB (2**30 bytes; default: 4, or every "
+                   "row at full length where that takes less; docs/serving.md: sizing it)",
     "prefill_chunk": "prompt tokens prefilled per step, several short prompts or a chunk of a long one (default "
                      "%(default)s): prompts stall the running requests by one chunk at most",
     "prefix_cache": "keep full 16-token blocks of finished requests for later ones that share them (default: on)",
