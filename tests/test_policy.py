@@ -29,7 +29,11 @@ def test_speculation_that_lost_at_a_smaller_batch_is_not_tried_again_larger():
 
 def test_speculation_is_tried_at_a_larger_batch_only_where_it_won_below():
     policy = SpeculationPolicy(explore=2, refresh=1000)
-    assert set(drive(policy, 3, {SPEC: 500, AR: 100}, 10)) == {AR}  # nothing known at 2: target-only
+    assert drive(policy, 4, {SPEC: 500, AR: 100}, 10)[-1] == SPEC  # nothing known below: measured here
+    lost = SpeculationPolicy(explore=2, refresh=1000)
+    drive(lost, 2, {SPEC: 40, AR: 100}, 10)
+    assert set(drive(lost, 3, {SPEC: 500, AR: 100}, 10)) == {AR}  # it lost at 2: not tried at 3
+    policy = SpeculationPolicy(explore=2, refresh=1000)
     drive(policy, 1, {SPEC: 80, AR: 45}, 10)
     ways = drive(policy, 2, {SPEC: 100, AR: 60}, 10)  # target-only measured first; one stream's 80 beats its 60
     assert ways[:2] == [AR, AR] and ways[-1] == SPEC

@@ -113,16 +113,14 @@ class SpeculationPolicy:
         return SPEC if spec.samples and (not ar.samples or spec.tokens_per_s >= ar.tokens_per_s) else AR
 
     def _may_win(self, batch: int) -> bool:
-        """Whether speculation is worth trying at `batch`: always at one sequence; above, only where it beat
-        target-only at the largest smaller batch that measured both ways (a speculative step verifies every row in
-        one target call, runtime.batch.verify: it is measured at the batch it runs, not guessed from one stream)."""
-        if batch <= 1:
-            return True
+        """Whether speculation is worth trying at `batch`: unless it lost to target-only at the largest smaller batch
+        that measured both ways (a speculative step verifies every row in one target call, runtime.batch.verify: it
+        is measured at the batch it runs, not guessed from one stream; a batch with nothing below measured tries)."""
         for below in range(batch - 1, 0, -1):
             spec, ar = self.rates.get((SPEC, below)), self.rates.get((AR, below))
             if spec and ar and spec.samples and ar.samples:
                 return spec.tokens_per_s > ar.tokens_per_s
-        return False
+        return True
 
     def _rate(self, way: str, batch: int) -> Rate:
         return self.rates.setdefault((way, batch), Rate())

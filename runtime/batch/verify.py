@@ -17,8 +17,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from mirror_rt.runtime.acceptance import verify
-from mirror_rt.runtime.mirror.draft_row import _append
-from mirror_rt.runtime.sampling import choose_at
+from mirror_rt.runtime.mirror.draft_batch import extend_lines, plain, wants
 
 SD, MIRROR, TARGET = "sd", "mirror", "target"
 
@@ -87,17 +86,25 @@ class BatchVerify:
             tokens[plan.seq.row - first, len(row):] = row[-1]
         exits = {p.seq.row - first: 1 + len(p.window) for p in plans if p.exit}
         self.target_calls += 1
-        t0 = time.perf_counter()
-        if any(p.way == MIRROR for p in plans) and d.target.capabilities.split_rows:
+        mirror_rows = [p for p in plans if p.way == MIRROR]
+        if mirror_rows and d.target.capabilities.split_rows:
             pending, exit_rows = d.target.forward_rows_prefix(tokens, d.target_pool, first, exits)
-            for plan in plans:
-                if plan.exit:
-                    self.mirror.send_exit(plan.seq, plan.window, *exit_rows[plan.seq.row - first])
+            self._send_exits(mirror_rows, exit_rows, first)
             t0 = time.perf_counter()
             logits = d.target.forward_rows_suffix(pending, d.target_pool, first)
         else:  # no Mirror row, or a target that cannot split rows: one forward, no early exit
+            self._send_exits(mirror_rows, {}, first)
+            t0 = time.perf_counter()
             logits = d.target.forward_rows(tokens, d.target_pool, first)
         return [None] * first + list(logits), time.perf_counter() - t0
+
+    def _send_exits(self, plans: list[Plan], exit_rows: dict, first: int) -> None:
+        """Each Mirror row's early exit ([T, 0] where none was computed: it still tells the draft when the verdict
+        is due, so side branches grow meanwhile)."""
+        for plan in plans:
+            empty = np.zeros((1 + len(plan.window), 0))
+            ids, logprobs = exit_rows.get(plan.seq.row - first, (empty.astype(np.int64), empty))
+            self.mirror.send_exit(plan.seq, plan.window, ids, logprobs, counted=plan.exit)
 
     def _settle(self, plan: Plan, logits, t0: float, elapsed: float, suffix_s: float) -> None:
         """The row's verdict: its committed positions, its draft told, its tokens committed."""
@@ -120,89 +127,34 @@ class BatchVerify:
 
 
 class SdDrafts:
-    """sd rows' windows: one draft call per drafted position over every row that still drafts (a pooled draft),
-    each row fed what its cache lacks (ragged, padded as the target's windows); rows whose drafting is not a plain
-    draw (token rules, SS streams, prompt lookup) or whose draft has no pool draft alone."""
+    """sd rows' windows: one draft call per drafted position over every row that still drafts (runtime.mirror.
+    draft_batch); rows whose drafting is no plain draw, or whose draft has no pool, draft alone."""
 
     def __init__(self, decoder):
         self.decoder = decoder
 
     def draft(self, plans: list[Plan]) -> None:
         """Each plan's window (its size until now) drafted."""
-        together = []
+        d, together = self.decoder, []
         for plan in plans:
+            row = plan.seq.draft_row
             with plan.seq.alone():
-                if self._plain(plan.seq.draft_row):
+                if plain(row, row.line, d.draft, d.draft_pool):
                     together.append(plan)
                 else:
                     with plan.seq.metrics.stage("draft_propose"):
-                        plan.window = plan.seq.draft_row.draft_window(plan.window[0])
+                        plan.window = row.draft_window(plan.window[0])
         t0, drafting = time.perf_counter(), together
+        order = d.rows.order
         while drafting:
-            drafting = [p for p in drafting if self._wants(p.seq.draft_row, p.window[0])]
-            if drafting:
-                self._forward(drafting)
+            drafting = [p for p in drafting if wants(p.seq.draft_row, p.seq.draft_row.line,
+                                                     p.seq.draft_row.committed, p.window[0])]
+            if drafting:  # (Mirror rows between them are the draft worker's: never written here)
+                extend_lines(d.draft, d.draft_pool, [(p.seq.draft_row, p.seq.draft_row.line,
+                                                      p.seq.draft_row.committed) for p in drafting],
+                             lambda r: order[r].mirror is None)
         for plan in together:
             row = plan.seq.draft_row
             plan.seq.metrics.add_stage("draft_propose", time.perf_counter() - t0)
             row.in_flight = min(plan.window[0], len(row.line.tokens))
             plan.window = row.line.tokens[:row.in_flight]
-
-    def _plain(self, row) -> bool:
-        d, config = self.decoder, row.config
-        streams = config.sampling.greedy and (row.draft.capabilities.streams or config.draft_lookup)
-        return d.draft_pool is not None and row.draft is d.draft and row.line.rules is None and not streams
-
-    @staticmethod
-    def _wants(row, k: int) -> bool:
-        """Whether the row's line needs another token for a window of `k` (and can have one)."""
-        if len(row.line.tokens) >= k or row.line.ended:
-            return False
-        if row._room(len(row.committed) + len(row.line.tokens)) <= 0:
-            row.line.ended = True  # past the context limit (as DraftRow._extend)
-            return False
-        return True
-
-    def _forward(self, plans: list[Plan]) -> None:
-        """One more token of each row's line: a draft call per contiguous run of the rows (Mirror rows between them
-        belong to the draft worker's thread and are never written here)."""
-        feeds = {}
-        for plan in plans:
-            row = plan.seq.draft_row
-            context = row.committed + row.line.tokens
-            row._rollback_to_prefix(context)
-            feeds[plan.seq.row] = (plan, context[len(row.cache_tokens):])
-        for first, count in self._runs(sorted(feeds)):
-            width = max(len(feeds[r][1]) for r in range(first, first + count) if r in feeds)
-            tokens = np.zeros((count, width), dtype=np.int64)
-            for r in range(first, first + count):
-                if r in feeds:
-                    feed = feeds[r][1]
-                    tokens[r - first, :len(feed)], tokens[r - first, len(feed):] = feed, feed[-1]
-            t0 = time.perf_counter()
-            logits = self.decoder.draft.forward_rows(tokens, self.decoder.draft_pool, first)
-            t1 = time.perf_counter()
-            for r in range(first, first + count):
-                if r in feeds:
-                    self._take(*feeds[r], logits[r - first], (t0, t1))
-
-    def _runs(self, rows: list[int]) -> list[tuple[int, int]]:
-        """Contiguous runs (first row, rows) covering `rows` and no row the draft worker holds."""
-        order, runs = self.decoder.rows.order, []
-        for row in rows:
-            if runs and all(order[r].mirror is None for r in range(runs[-1][0] + runs[-1][1], row)):
-                runs[-1] = (runs[-1][0], row - runs[-1][0] + 1)
-            else:
-                runs.append((row, 1))
-        return runs
-
-    def _take(self, plan: Plan, feed: list[int], logits, busy: tuple[float, float]) -> None:
-        """The row's cache holds `feed` now; the draft's draw after it joins the line."""
-        row, seq = plan.seq.draft_row, plan.seq
-        self.decoder.draft_pool.commit(seq.row, row.cache.length + len(feed))
-        row.cache_tokens.extend(feed)
-        row.stats.forwards += 1
-        row.stats.busy.append(busy)
-        last = logits[len(feed) - 1]
-        position = len(row.committed) + len(row.line.tokens)
-        _append(row.line, choose_at(last, seq.config.sampling, seq.config.seed, position)[0], last)

@@ -149,9 +149,10 @@ class MirrorStep:
         mode = seq.config.early_exit
         return mode == "on" or (mode == "auto" and link.wait_s <= 0.25 * link.suffix_s)
 
-    def send_exit(self, seq, window: list[int], ids, logprobs) -> None:
-        """A batched step's early exit of `seq`'s window [T, kappa], to the draft worker before the suffix runs."""
-        seq.mirror.counters.exit_steps += 1
+    def send_exit(self, seq, window: list[int], ids, logprobs, counted: bool) -> None:
+        """A batched step's early exit of `seq`'s window [T, kappa] (`counted`: computed, not [T, 0]), to the draft
+        worker before the suffix runs."""
+        seq.mirror.counters.exit_steps += counted
         seq.mirror.exit_ids = ids
         self.worker.send(seq.id, EarlyExit(seq.length, tuple(window), ids, logprobs, seq.mirror.suffix_s))
 
@@ -192,7 +193,9 @@ class MirrorStep:
         if seq.mirror is None:
             d = self.decoder
             if self.worker is None or not self.worker.thread.is_alive():
-                self.worker = DraftWorker(d.draft or d.target, self.cpus[1] if self.cpus else None, handle)
+                pool = d.draft_pool if d.draft is not None else None  # (the oracle draft has caches of its own)
+                self.worker = DraftWorker(d.draft or d.target, self.cpus[1] if self.cpus else None, handle,
+                                          take_verdict, pool)
             self.worker.join(seq.id, Join(d.prefill.draft_cache(seq), seq.prompt + seq.tokens, seq.config,
                                           self.draft_config, draft_rules(seq.rules)))
             seq.mirror = MirrorLink(seq.config.draft_timeout_s, d.target.capabilities.asynchronous)
