@@ -2,10 +2,14 @@
 call over the draft pool per contiguous run of their rows (sd's windows in the decoder's thread, Mirror's lines in
 the draft worker's).
 
-Each row is fed what its cache lacks of its line's context (ragged, padded after its real positions, as the target's
-windows are: padding never reaches a real position's logits and is never committed), and draws its token exactly as
-`DraftRow._extend` does (runtime.sampling.choose_at at the target's position), so a line's tokens do not depend on
-its companions. Lines whose drafting is no plain draw (token rules, SS streams, prompt lookup) draft alone.
+Each row is fed what its cache lacks of its line's context and draws its token exactly as `DraftRow._extend` does
+(runtime.sampling.choose_at at the target's position), so a line's tokens do not depend on its companions. Every
+shared call feeds one position per row: drafts' graphs need not take windows of many positions on many rows at once
+(ONNX Runtime's GroupQueryAttention refuses them with past KV: the default model's int8 draft). A row a few positions
+behind (a window fully accepted: its last token and the bonus) catches up one position per call, drawing nothing
+until it is level; one further behind (a prompt) runs alone. Prompt-lookup guesses (greedy requests) are fed only
+to a row that drafts alone, checked as `_extend_with_lookup`. Lines under token rules or SS streams draft alone
+(DraftRow). A chosen-from row is copied out of the call's logits (lines keep it, not the call's).
 Design notes: docs/design/runtime.md.
 """
 
@@ -17,16 +21,26 @@ from collections.abc import Callable
 import numpy as np
 
 from mirror_rt.runtime.mirror.draft_row import DraftRow, Line, _append
-from mirror_rt.runtime.sampling import choose_at
+from mirror_rt.runtime.mirror.lookup import verify_guesses
+from mirror_rt.runtime.sampling import choose_at, greedy_ids
 
-PAD_MAX = 8  # a row fed more (a prompt caught up) runs alone: its companions are never padded past their room
+CATCH_UP = 4  # a row short of this many positions catches up one a shared call (more: a call of its own)
 
 
 def plain(row: DraftRow, line: Line, draft, pool) -> bool:
-    """Whether `line`'s next token is a plain draw of `draft` over a row of `pool` (then it may share a call)."""
-    config = row.config
-    special = config.sampling.greedy and (row.draft.capabilities.streams or config.draft_lookup)
-    return pool is not None and row.draft is draft and line.rules is None and not special
+    """Whether `line`'s next token is a plain draw of `draft` over a row of `pool`, with prompt-lookup guesses where
+    the request has them (then it may share a call; SS streams and token rules draft alone)."""
+    streams = row.config.sampling.greedy and row.draft.capabilities.streams
+    return pool is not None and row.draft is draft and line.rules is None and not streams
+
+
+def _guesses(row: DraftRow, line: Line, full: list[int]) -> list[int]:
+    """Prompt-lookup guesses fed after `full` (greedy requests with draft_lookup, as DraftRow._extend_with_lookup)."""
+    if not (row.config.sampling.greedy and row.config.draft_lookup):
+        return []
+    guesses = row._lookup(line, full)
+    row.stats.guessed += len(guesses)
+    return guesses
 
 
 def wants(row: DraftRow, line: Line, context: list[int], k: int) -> bool:
@@ -48,9 +62,13 @@ def extend_lines(draft, pool, items: list[tuple[DraftRow, Line, list[int]]], fre
     for row, line, context in items:
         full = context + line.tokens
         row._rollback_to_prefix(full)
-        feeds[row.cache.row] = (row, line, full[len(row.cache_tokens):])
-    short = sorted(r for r in feeds if len(feeds[r][2]) <= PAD_MAX)
-    for first, count in runs(short, free) + [(r, 1) for r in sorted(set(feeds) - set(short))]:
+        guesses = _guesses(row, line, full) if len(items) == 1 else []  # (they would keep it out of shared calls)
+        feed = full[len(row.cache_tokens):] + guesses
+        if len(items) > 1 and 1 < len(feed) <= CATCH_UP:  # one position this call, nothing drawn yet
+            feed, guesses = feed[:1], None
+        feeds[row.cache.row] = (row, line, feed, guesses)
+    one = sorted(r for r in feeds if len(feeds[r][2]) == 1)  # rows fed one token each share calls
+    for first, count in runs(one, free) + [(r, 1) for r in sorted(set(feeds) - set(one))]:
         width = max(len(feeds[r][2]) for r in range(first, first + count) if r in feeds)
         tokens = np.zeros((count, width), dtype=np.int64)
         for r in range(first, first + count):
@@ -76,15 +94,37 @@ def runs(rows: list[int], free: Callable[[int], bool]) -> list[tuple[int, int]]:
     return out
 
 
-def _take(pool, row: DraftRow, line: Line, feed: list[int], logits, busy: tuple[float, float]) -> None:
-    """The row's cache holds `feed` now; the draft's draw after it joins `line`."""
-    pool.commit(row.cache.row, row.cache.length + len(feed))
-    row.cache_tokens.extend(feed)
+def _take(pool, row: DraftRow, line: Line, feed: list[int], guesses: list[int] | None, logits,
+          busy: tuple[float, float]) -> None:
+    """The row's cache holds `feed` now, but for rejected guesses; the draft's draw after the line (greedy: and
+    after each confirmed guess) joins `line`. `guesses` None: `feed` is a step of a catch-up, nothing is drawn."""
+    if guesses is None:
+        pool.commit(row.cache.row, row.cache.length + len(feed))
+        row.cache_tokens.extend(feed)
+        row.stats.busy.append(busy)
+        return
+    offset = len(feed) - len(guesses) - 1  # the row that predicts the token after the line
+    kept = verify_guesses(logits[offset:], guesses)
+    rejected = len(guesses) - kept
+    pool.commit(row.cache.row, row.cache.length + len(feed) - rejected)
+    row.cache_tokens.extend(feed[:len(feed) - rejected])
     row.stats.forwards += 1
+    row.stats.rollbacks += rejected > 0
+    row.stats.guesses_kept += kept
     row.stats.busy.append(busy)
     if len(feed) == 1:  # one-token forwards: the unit of speculation work (as DraftRow._feed)
         seconds = busy[1] - busy[0]
         row.forward_s = 0.8 * row.forward_s + 0.2 * seconds if row.forward_s else seconds
-    last = logits[len(feed) - 1]
+    if guesses:  # greedy: the line's next token and one more per confirmed guess
+        rows = logits[offset:offset + kept + 1]
+        for token, chosen_from in zip(greedy_ids(rows), rows):
+            _append(line, token, _own(chosen_from))
+        return
+    last = logits[offset]
     position = row.cache.length  # the line's context and tokens: the drafted token's position
-    _append(line, choose_at(last, row.config.sampling, row.config.seed, position)[0], last)
+    _append(line, choose_at(last, row.config.sampling, row.config.seed, position)[0], _own(last))
+
+
+def _own(logits_row):
+    """A row of a call's logits as an array of its own (a host view would keep the whole call's logits alive)."""
+    return logits_row.copy() if isinstance(logits_row, np.ndarray) else logits_row
