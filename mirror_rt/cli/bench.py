@@ -20,6 +20,7 @@ from mirror_rt.cli.options import (
     positive_number,
 )
 from mirror_rt.evaluation.server_ready import READY_TIMEOUT
+from mirror_rt.evaluation.specbench import DEFAULT_QUESTIONS
 from mirror_rt.runtime.config import DEFAULTS
 
 # The engine flags the bench uses: ours run the engine `run` would pick; --model also names the peers' target.
@@ -28,7 +29,9 @@ BENCH_ENGINE = ("model", "draft_model", "bundle", "torch", "draft_bundle", "draf
 
 def _add_bench(sub) -> None:
     bench = sub.add_parser("bench", help="SpecBench-style evaluation of ar / sd / mirror and peers")
-    bench.add_argument("--data", required=True, help="questions (SpecBench jsonl: question_id, category, turns)")
+    bench.add_argument("--data", default=DEFAULT_QUESTIONS, help="questions: a SpecBench jsonl (question_id, "
+                       "category, turns) or a set shipped with mirror-rt by name (default %(default)s: SpecBench's "
+                       "dev questions)")
     bench.add_argument("--categories", help="comma-separated categories to keep")
     bench.add_argument("--limit", type=positive_int, help="number of questions, picked evenly across categories")
     bench.add_argument("--methods", default="ar,sd,mirror", help="comma-separated: ar,sd,mirror,mirror-no-lookup,"
@@ -94,7 +97,8 @@ def _add_bench_serve(sub) -> None:
     load = sub.add_parser("bench-serve", help="load a running server (OpenAI API): throughput, TTFT, ITL per "
                           "token, acceptance, a burst past the queue")
     load.add_argument("--url", default="http://127.0.0.1:8000", help="the server (default http://127.0.0.1:8000)")
-    load.add_argument("--data", required=True, help="questions (SpecBench jsonl); their first turns are the prompts")
+    load.add_argument("--data", default=DEFAULT_QUESTIONS, help="questions (a SpecBench jsonl, or a shipped set by "
+                      "name; default %(default)s); their first turns are the prompts")
     load.add_argument("--limit", type=positive_int, default=16, help="questions, picked evenly across categories")
     load.add_argument("--concurrency", type=concurrency_levels, default="1,2,4",
                       help="comma-separated levels (default 1,2,4)")
