@@ -85,3 +85,32 @@ def test_single_prompt_stats_speak_of_one_prompt():
     assert why and "the first steps timed target-only decoding" in why[0]
     assert "at this batch size" not in proc.stderr and "load policy" not in proc.stderr
 
+
+
+def test_a_long_conversion_says_it_is_at_work(monkeypatch, tmp_path):
+    """First run: transformers reads the GGUF for a minute or more before its tensor bar; a line says so meanwhile."""
+    from mirror_rt.models import default_model
+
+    (tmp_path / "downloads").mkdir()
+    (tmp_path / "downloads" / default_model.GGUF_NAME).write_bytes(b"")
+    monkeypatch.setattr(default_model, "convert_gguf", lambda gguf, folder, log: time.sleep(1.0) or folder)
+    monkeypatch.setattr(default_model, "HEARTBEAT_S", 0.05)
+    lines = []
+    default_model.default_model_folder(tmp_path, log=lines.append)
+    assert lines and all(line.startswith(f"converting {default_model.GGUF_NAME}: still at work, ") and
+                         line.endswith("s so far (about 1.5 min on 2 cores, longer on a loaded machine)")
+                         for line in lines)
+
+
+@pytest.mark.parametrize("converted", [False, True])
+def test_the_first_run_line_gives_a_measured_estimate(monkeypatch, tmp_path, converted):
+    from mirror_rt.devices import engines
+
+    if converted:
+        (tmp_path / "models" / "smollm2-135m-instruct").mkdir(parents=True)
+        (tmp_path / "models" / "smollm2-135m-instruct" / "model.safetensors").write_bytes(b"")
+    said = []
+    monkeypatch.setattr(engines, "_cached_bundle", lambda folder, export, message, log: said.append(message))
+    engines.default_bundle(str(tmp_path))
+    assert "about 30 s" not in said[0]
+    assert ("about 2.5 min on 2 cores" if converted else "convert the GGUF, export: about 4 min on 2 cores") in said[0]
