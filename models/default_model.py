@@ -46,7 +46,31 @@ def default_model_folder(cache: str | os.PathLike | None = None, log=print) -> P
     gguf = root / "downloads" / GGUF_NAME
     if not gguf.exists():
         _fetch_gguf(root / "downloads", log)
-    return convert_gguf(gguf, folder, log=log)
+    # transformers reads the GGUF three times (config, vocabulary, tensors) before its tensor bar shows
+    return while_saying(f"converting {GGUF_NAME}", CONVERT_ESTIMATE, lambda: convert_gguf(gguf, folder, log=log), log)
+
+
+# measured (issue 51): ~1.5 min on a busy 2-core machine; 5.5 min here at a load average of 11 on 2 cores
+CONVERT_ESTIMATE = "about 1.5 min on 2 cores, longer on a loaded machine"
+HEARTBEAT_S = 30.0  # how often a long step says it is still at work
+
+
+def while_saying(what: str, estimate: str, work, log, every: float | None = None):
+    """`work()`, with a line every `every` seconds (HEARTBEAT_S) while it runs: how long so far, and `estimate`."""
+    import threading
+    import time
+
+    done, start = threading.Event(), time.monotonic()
+
+    def beat():
+        while not done.wait(every or HEARTBEAT_S):
+            log(f"{what}: still at work, {time.monotonic() - start:.0f} s so far ({estimate})")
+
+    threading.Thread(target=beat, name="mirror-heartbeat", daemon=True).start()
+    try:
+        return work()
+    finally:
+        done.set()
 
 
 def _fetch_gguf(downloads: Path, log) -> Path:

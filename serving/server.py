@@ -64,6 +64,13 @@ def open_to(settings: ServerConfig, url: str) -> str:
             f"its own page and allowed origins only ({origins}: --allowed-origins)")
 
 
+def page_line(settings: ServerConfig) -> str:
+    """The line giving the playground page's URL (a wildcard address is not one to browse: this machine's is)."""
+    host = {"0.0.0.0": "127.0.0.1", "::": "[::1]", "": "127.0.0.1"}.get(settings.host, settings.host)
+    host = f"[{host}]" if ":" in host and not host.startswith("[") else host
+    return f"playground: open http://{host}:{settings.port}/ in a browser (a chat page on this server; --no-ui: none)"
+
+
 def quiet_cancellations(record: logging.LogRecord) -> bool:
     """Drop uvicorn's error records of a CancelledError: a forced stop cancels the running tasks, not a fault."""
     exc = record.exc_info[1] if record.exc_info else None
@@ -215,5 +222,7 @@ def _announce(server: DrainingServer, url: str) -> None:
         server.server.should_exit = True
     elif state.engine is not None:
         log.info(describe(state, url))
+        if state.settings.ui:
+            log.info(page_line(state.settings))
         if not state.settings.api_key:
             log.info(open_to(state.settings, url))

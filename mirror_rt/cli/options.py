@@ -92,7 +92,9 @@ def log(message: str) -> None:
 ENGINE = EngineConfig()
 # What each engine flag says (every EngineConfig field but the API-only `pin`).
 ENGINE_HELP = {
-    "model": f"target: HF folder, .gguf file or preset (default: {DEFAULT_MODEL}); runs torch eager",
+    "model": f"target: HF folder, .gguf file or preset (default: {DEFAULT_MODEL}); a .gguf file or a "
+             "folder over 1 GB runs as a bundle exported once into the cache, a smaller folder or a preset in torch "
+             "eager",
     "draft_model": "torch draft: int8 (an int8 copy of the target, default), target (oracle draft), or an HF "
                    "folder, .gguf file or preset",
     "draft_streams": "trained SS streams (mirror-rt train-draft --out) over the draft",
@@ -100,7 +102,8 @@ ENGINE_HELP = {
               "exported once into the cache)",
     "draft_bundle": "take the draft from another bundle (default: --bundle's)",
     "torch": "run the default model in torch eager, not its ONNX bundle",
-    "cache_dir": "model cache folder (default: $MIRROR_RT_CACHE or ~/.cache/mirror-rt)",
+    "cache_dir": "model cache folder (default: $MIRROR_RT_CACHE, else $XDG_CACHE_HOME/mirror-rt, else "
+                 "~/.cache/mirror-rt)",
     "target": "target device (default %(default)s): cpu, cuda, cuda:1, gpu, npu, openvino:CPU, ort:cpu, ort:qnn, "
               "torch:cpu...; without --bundle, cuda runs the target in torch on the GPU",
     "draft": "draft device (default %(default)s: where more than one device runs the draft, each is timed at load "
