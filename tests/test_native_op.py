@@ -165,16 +165,17 @@ def test_a_failing_build_says_why_in_one_line(monkeypatch, tmp_path):
 
 
 def test_a_gguf_export_without_a_compiler_stops_before_it_starts(monkeypatch, tmp_path):
-    """No compiler on PATH: a GGUF export says what to install in one line before reading the file (GGUF graphs run
-    on the kernels only; `--attention standard` is no way out for them)."""
+    """No compiler on PATH: a GGUF export says what to install in one line before reading its weights (GGUF graphs
+    run on the kernels only; `--attention standard` is no way out for them)."""
     from mirror_rt.exporters.export import export_bundle
     from mirror_rt.exporters.export_config import ExportError
 
     monkeypatch.delenv("CXX", raising=False)
     monkeypatch.setenv("PATH", str(tmp_path))  # no g++, no c++
     assert native_op.compiler() is None
-    model = tmp_path / "model.gguf"
-    model.write_bytes(b"not read")
+    from test_gguf_header import write_small_gguf
+
+    model = write_small_gguf(tmp_path / "model.gguf")  # a valid header: only the kernels are missing
     with pytest.raises(ExportError) as caught:
         export_bundle(str(model), tmp_path / "bundle", progress=False)
     message = str(caught.value)
