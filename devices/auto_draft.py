@@ -14,7 +14,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from mirror_rt.devices.placement import is_accelerator
+from mirror_rt.devices.placement import draft_share, is_accelerator
 from mirror_rt.runtime.mirror.stats import hit_probability, mirror_step, sd_step, tokens_per_step
 
 AUTO = "auto"
@@ -32,6 +32,7 @@ class TargetCosts:
     window_ms: float  # a verify window of gamma + 1 tokens
     prefix_ms: float | None = None  # Mirror: the window up to the early exit (None: the target is not split)
     suffix_ms: float | None = None  # Mirror: the window from the early exit on
+    cores: int | None = None  # CPU cores it was measured on, pinned beside a CPU draft (None: not so)
 
 
 @dataclass(frozen=True)
@@ -42,6 +43,7 @@ class DraftCandidate:
     forward_ms: float  # one draft forward (one token; side branches ride in it)
     acceptance: float  # per-token acceptance estimate, in [0, 1]
     concurrent: bool = True  # runs while the target computes (other cores or another device): Mirror possible
+    cores: int | None = None  # CPU cores it was measured on, pinned beside a CPU target (None: not so)
 
 
 @dataclass(frozen=True)
@@ -51,10 +53,12 @@ class Pairing:
     mode: str  # ar | sd | mirror
     draft: str | None  # the draft's device; None for ar
     tokens_per_s: float
+    draft_cores: int | None = None  # Mirror beside a CPU target: the CPU cores the draft's cost needs (draft_share)
 
     def describe(self) -> str:
         where = "no speculation" if self.draft is None else f"{self.mode}, draft on {self.draft}"
-        return f"{where} {self.tokens_per_s:.1f} tokens/s"
+        share = f" ({self.draft_cores} draft core{'s' * (self.draft_cores > 1)})" if self.draft_cores else ""
+        return f"{where}{share} {self.tokens_per_s:.1f} tokens/s"
 
 
 def pairings(target: TargetCosts, candidates: list[DraftCandidate], gamma: int,
@@ -69,8 +73,16 @@ def pairings(target: TargetCosts, candidates: list[DraftCandidate], gamma: int,
             p_hit = hit_probability(draft.acceptance, gamma, root_coverage)
             rollout, fresh = (gamma + 1) * draft.forward_ms, gamma * draft.forward_ms
             step = mirror_step(target.prefix_ms, target.suffix_ms, rollout, fresh, p_hit, rendezvous_ms)
-            options.append(Pairing("mirror", draft.device, 1e3 * tokens / step))
+            options.append(Pairing("mirror", draft.device, 1e3 * tokens / step, _draft_cores(target, draft, rollout)))
     return sorted(options, key=lambda p: (-p.tokens_per_s, p.draft is not None))  # a tie keeps no speculation
+
+
+def _draft_cores(target: TargetCosts, draft: DraftCandidate, rollout_ms: float) -> int | None:
+    """The draft's cores in Mirror where both were measured pinned on CPU cores of their own: as many as its rollout
+    needs to end with the target's prefix (devices.placement.draft_share, on core-milliseconds), else None."""
+    if not (target.cores and draft.cores and target.prefix_ms):
+        return None
+    return draft_share(target.cores + draft.cores, target.prefix_ms * target.cores, rollout_ms * draft.cores)
 
 
 def choose(target: TargetCosts, candidates: list[DraftCandidate], gamma: int) -> tuple[Pairing, list[Pairing]]:
@@ -120,15 +132,16 @@ def _timed_call(model, tokens: list[int], context: list[int], verb: str = "forwa
     return statistics.median(times[WARMUP:])
 
 
-def measure_target(target, device: str, gamma: int, context: list[int]) -> TargetCosts:
-    """The target's one-token step, its gamma + 1 window, and (split targets) the window's prefix and suffix."""
+def measure_target(target, device: str, gamma: int, context: list[int], cores: int | None = None) -> TargetCosts:
+    """The target's one-token step, its gamma + 1 window, and (split targets) the window's prefix and suffix;
+    `cores`: the CPU cores it runs on, pinned beside a CPU draft (TargetCosts.cores)."""
     token = _timed_call(target, context[-1:], context[:-1])
     window_tokens = (context * (gamma + 2))[:gamma + 1]
     window = _timed_call(target, window_tokens, context)
     if not target.capabilities.split:
-        return TargetCosts(device, token, window)
+        return TargetCosts(device, token, window, cores=cores)
     prefix = _timed_call(target, window_tokens, context, "forward_prefix_only")
-    return TargetCosts(device, token, window, prefix, max(window - prefix, 0.0))
+    return TargetCosts(device, token, window, prefix, max(window - prefix, 0.0), cores)
 
 
 def acceptance(target, draft, ids: list[int]) -> float:
@@ -140,20 +153,26 @@ def acceptance(target, draft, ids: list[int]) -> float:
     return float(np.mean(picks[0] == picks[1]))
 
 
-def measure_draft(draft, device: str, target, ids: list[int], concurrent: bool = True) -> DraftCandidate:
-    """One candidate: the draft's one-token forward (ms) and its agreement with the target on `ids`."""
+def measure_draft(draft, device: str, target, ids: list[int], concurrent: bool = True,
+                  cores: int | None = None) -> DraftCandidate:
+    """One candidate: the draft's one-token forward (ms) and its agreement with the target on `ids`; `cores`: the
+    CPU cores it runs on, pinned beside a CPU target (DraftCandidate.cores)."""
     forward = _timed_call(draft, ids[-1:], ids[:-1])
-    return DraftCandidate(device, forward, acceptance(target, draft, ids), concurrent)
+    return DraftCandidate(device, forward, acceptance(target, draft, ids), concurrent, cores)
 
 
-def pick(target, target_device: str, drafts: dict, tokenizer, gamma: int, cpu_concurrent: bool = True):
+def pick(target, target_device: str, drafts: dict, tokenizer, gamma: int, cpu_concurrent: bool = True,
+         threads: tuple[int | None, int | None] = (None, None)):
     """Time `target` and each loaded draft (device -> model) and choose: (the best pairing, the one line saying so,
     the table rows for `mirror-rt devices`). A CPU draft runs at once with a CPU target only when each has its own
-    cores (`cpu_concurrent`)."""
+    cores (`cpu_concurrent`); `threads`: (the target's, a CPU draft's) cores as they were placed then, from which a
+    Mirror pairing's draft share is sized (Pairing.draft_cores)."""
     ids = tokenizer.encode(CALIBRATION)
-    target_costs = measure_target(target, target_device, gamma, ids)
+    pinned = cpu_concurrent and not is_accelerator(target_device)
+    target_costs = measure_target(target, target_device, gamma, ids, threads[0] if pinned else None)
     drafts = [measure_draft(draft, device, target, ids,
-                            concurrent=cpu_concurrent or is_accelerator(device) or is_accelerator(target_device))
+                            concurrent=cpu_concurrent or is_accelerator(device) or is_accelerator(target_device),
+                            cores=threads[1] if pinned and not is_accelerator(device) else None)
               for device, draft in drafts.items()]
     best, ranked = choose(target_costs, drafts, gamma)
     costs = "; ".join(f"{d.device} {d.forward_ms:.1f} ms a token, acceptance {d.acceptance:.2f}" for d in drafts)

@@ -14,10 +14,12 @@ from mirror_rt.devices.auto_draft import AUTO, candidates
 from mirror_rt.devices.bundles import (
     WorkerBudget,
     bundle_format,
+    check_address_space,
     draft_copies_target,
     in_background,
     load_model,
     load_tokenizer,
+    role_graphs,
 )
 from mirror_rt.devices.options import EngineConfig
 from mirror_rt.devices.placement import plan
@@ -54,6 +56,8 @@ def load_bundle(options: EngineConfig, mode: str | None = None, verify: bool = T
     placement = replace(plan(str(target_where), str(draft_where), mode, sorted(available_cores()), devices.threads),
                         fallbacks=fallbacks)
     jobs = _jobs(options, (bundle, manifest, target_where), (draft_source, draft_manifest, draft_where), placement)
+    check_address_space([*role_graphs(bundle, manifest, "target"), *role_graphs(draft_source, draft_manifest, "draft")],
+                        f"loading {Path(bundle).name}")  # before any session or the tokenizer may fail to allocate
     tokenizer = in_background(load_tokenizer, Path(bundle), manifest)  # while the workers load their sessions
     target, draft = in_worker_threads(jobs)
     tokenizer = tokenizer()
@@ -89,9 +93,8 @@ class TargetOnlyEngine(Engine):
 
 def _jobs(options: EngineConfig, target_side: tuple, draft_side: tuple, placement) -> list[tuple]:
     """The two load jobs (in_worker_threads) of a target and a draft placed by `placement`."""
-    both = placement.worker_cores  # a core each: the target's prompt may also use the draft's (idle) core
-    strict = options.devices.strict_devices
-    target_budget = WorkerBudget(placement.target_threads, placement.target_cpus, None, both)
+    strict = options.devices.strict_devices  # the target's prompt may also use the draft's (idle) core: prompt_cpus
+    target_budget = WorkerBudget(placement.target_threads, placement.target_cpus, None, placement.prompt_cpus)
     draft_budget = WorkerBudget(placement.draft_threads, placement.draft_cpus, options.precision.draft_precision)
     return [(*target_side[:2], "target", target_side[2], strict, target_budget),
             (*draft_side[:2], "draft", draft_side[2], strict, draft_budget)]
@@ -111,14 +114,19 @@ def _auto_draft(options: EngineConfig, jobs: list, loaded: tuple, found: list[st
         where = plan(placement.target, device, mode, cores, threads)
         drafts[device] = in_worker_threads([_jobs(options, target_side, draft_side + (device,), where)[1]])[0]
     best, line, rows = pick(target, placement.target, drafts, tokenizer, GenerationConfig().gamma,
-                            cpu_concurrent=placement.worker_cores is not None)
+                            cpu_concurrent=placement.worker_cores is not None,
+                            threads=(placement.target_threads, placement.draft_threads))
     stderr_line(line)
     rows = [line.removeprefix("mirror-rt: ")] + rows
-    if best.draft is None or best.draft == placement.draft:
+    if best.draft is None:
         return target, draft, placement, best.mode, rows
-    chosen = replace(plan(placement.target, best.draft, mode, cores, threads), fallbacks=placement.fallbacks)
+    chosen = replace(plan(placement.target, best.draft, mode, cores, threads, best.draft_cores),
+                     fallbacks=placement.fallbacks)  # the draft's cores as its measured cost needs
+    loaded = placement if best.draft == placement.draft else plan(placement.target, best.draft, mode, cores, threads)
     if (chosen.target_threads, chosen.target_cpus) != (placement.target_threads, placement.target_cpus):
         target = in_worker_threads([_jobs(options, target_side, draft_side + (best.draft,), chosen)[0]])[0]
+    if (chosen.draft_threads, chosen.draft_cpus) != (loaded.draft_threads, loaded.draft_cpus):
+        drafts[best.draft] = in_worker_threads([_jobs(options, target_side, draft_side + (best.draft,), chosen)[1]])[0]
     return target, drafts[best.draft], chosen, best.mode, rows
 
 

@@ -34,6 +34,57 @@ class WorkerBudget:
             set_threads(self.threads)
 
 
+# address space a loaded bundle takes beyond its graphs and the weights they map: thread stacks, allocator arenas,
+# the tokenizer, ONNX Runtime's buffers (measured: docs/models.md, "Address space")
+SESSION_HEADROOM = 512 << 20
+GRAPH_READ_WHOLE = 64 << 20  # a graph file this large holds its weights inline: not parsed, counted twice (read, and
+# prepacked by ONNX Runtime's CPU kernels)
+
+
+def check_address_space(graphs: list[Path], what: str) -> None:
+    """OutOfMemory in one line when an address-space limit leaves less than loading `graphs` maps (each session maps
+    the weights its graph names in weights.bin) plus SESSION_HEADROOM. Without this check ONNX Runtime failed
+    mid-load with std::bad_alloc, or the tokenizer's Rust code aborted the process (exit 134)."""
+    from mirror_rt.models.memory import OutOfMemory, address_space_left, gigabytes
+
+    left = address_space_left()
+    if left is None:
+        return
+    mapped = sum(graph_bytes(path) for path in graphs)
+    need = mapped + SESSION_HEADROOM
+    if need > left:
+        raise OutOfMemory(f"out of memory: {what} needs about {gigabytes(need)} more address space "
+                          f"({gigabytes(mapped)} of graphs and weights its {len(graphs)} sessions map, "
+                          f"{gigabytes(SESSION_HEADROOM)} for threads and buffers), the address-space limit "
+                          f"(ulimit -v) leaves {gigabytes(left)}: raise it by {gigabytes(need - left)} or more")
+
+
+def graph_bytes(path: Path) -> int:
+    """The address space a session of the graph at `path` takes for it: the file and the external weights it names
+    (mapped where they lie), or twice a file of inline weights (read, then prepacked)."""
+    size = path.stat().st_size
+    if path.suffix != ".onnx":  # OpenVINO IR: its weights in the .bin beside it
+        weights = path.with_suffix(".bin")
+        return size + (weights.stat().st_size if weights.is_file() else 0)
+    if size > GRAPH_READ_WHOLE:
+        return 2 * size
+    import onnx
+
+    model = onnx.load(str(path), load_external_data=False)
+    external = 0
+    for tensor in model.graph.initializer:
+        if tensor.data_location == onnx.TensorProto.EXTERNAL:
+            entries = {entry.key: entry.value for entry in tensor.external_data}
+            external += int(entries.get("length", 0))
+    return size + external
+
+
+def role_graphs(folder: Path, manifest, role: str) -> list[Path]:
+    """The graph files of `role` ("target": prefix, exit and suffix; "draft")."""
+    roles = ("draft",) if role == "draft" else ("target_prefix", "target_exit", "target_suffix")
+    return [Path(folder) / manifest.graph(r).file for r in roles]
+
+
 def load_model(folder: Path, manifest, role: str, device: str | DeviceSpec, strict: bool = False,
                budget: WorkerBudget = WorkerBudget()):
     """Load the `role` ("target": prefix, exit and suffix graphs; "draft") of a read manifest, from the worker's
@@ -41,9 +92,7 @@ def load_model(folder: Path, manifest, role: str, device: str | DeviceSpec, stri
     spec = resolve(device, strict, bundle_format(manifest, role))
     budget.apply()
     config = ModelConfig.from_dict(manifest.draft_config if role == "draft" else manifest.target_config)
-    roles = ("draft",) if role == "draft" else ("target_prefix", "target_exit", "target_suffix")
-    entries = [manifest.graph(r) for r in roles]
-    paths = [Path(folder) / e.file for e in entries]
+    paths = role_graphs(folder, manifest, role)
     loader = {"openvino": _load_openvino, "onnxruntime": _load_onnxruntime, "torch": _load_torch}[spec.backend]
     return loader(paths, manifest, config, spec, budget)
 
@@ -94,7 +143,13 @@ def _load_onnxruntime(paths, manifest, config, spec: DeviceSpec, budget: WorkerB
 
 def _second_copy_fits(paths, share: float = 0.25, loading=()) -> bool:
     """Whether a second copy of these graphs' weights takes at most `share` of the memory available once the graphs
-    `loading` are loaded (no /proc/meminfo: no)."""
+    `loading` are loaded (no /proc/meminfo: no), and fits the address space a limit leaves beside them (its sessions
+    map weights.bin again: the 7B's mirror mode maps it three times)."""
+    from mirror_rt.models.memory import address_space_left
+
+    left = address_space_left()
+    if left is not None and sum(graph_bytes(Path(p)) for p in (*paths, *loading)) + SESSION_HEADROOM > left:
+        return False
     try:
         with open("/proc/meminfo") as f:
             fields = dict(line.split(":", 1) for line in f)

@@ -153,17 +153,26 @@ def default_bundle_or_none(cache_dir, log) -> Path | None:
         return None
 
 
+# what the first run of the default model takes, measured (issue 51: a busy 2-core machine; 4x that at a load average
+# of 11 on the 2-core AMD EPYC here): fetch, GGUF conversion and export; or the export alone
+FIRST_RUN = {False: "fetch ~93 MB, convert the GGUF, export: about 4 min on 2 cores, longer on a loaded machine; "
+                    "later runs start in seconds",
+             True: "about 2.5 min on 2 cores, longer on a loaded machine"}
+
+
 def default_bundle(cache_dir: str | None = None, progress: bool = True, log=stderr_line,
                    weights: str | None = None) -> Path:
     """The default model's ONNX bundle in the cache with its target at `weights` (None: DEFAULT_WEIGHTS), exported on
     first use."""
-    from mirror_rt.models.default_model import default_model_folder
+    from mirror_rt.models.default_model import DEFAULT_MODEL, default_model_folder
+    from mirror_rt.models.default_model import cache_dir as default_model_cache
 
     weights = weights or DEFAULT_WEIGHTS
     if weights not in BUNDLE_WEIGHTS:
         raise GenerationError(f"unknown --weights {weights} (the default bundle's: {', '.join(BUNDLE_WEIGHTS)})")
     folder = default_bundle_folder(cache_dir, weights)
-    message = f"mirror-rt: exporting the default model to ONNX once (about 30 s), into {folder}"
+    converted = (default_model_cache(cache_dir) / "models" / DEFAULT_MODEL / "model.safetensors").exists()
+    message = (f"mirror-rt: exporting the default model to ONNX once ({FIRST_RUN[converted]}), into {folder}")
     return _cached_bundle(folder, lambda out: export_bundle_of(default_model_folder(cache_dir, log), out, progress,
                                                                weights=weights), message, log)
 

@@ -119,29 +119,50 @@ class BenchConfig:
 
 def run_bench(runners: list, questions: list[Question], settings: BenchConfig, progress=True,
               log=print) -> dict[str, list[Answer]]:
-    """Answers per method, interleaved question by question; a question one method cannot serve is skipped for all."""
+    """Answers per method, interleaved question by question; a question one method cannot serve is skipped for all.
+    A peer whose process dies (peer_process.PeerCrashed) gets `skipped` (why) and no answers; the rest go on."""
     from tqdm import tqdm
 
-    for runner in runners:  # warm-up: first-call costs (allocation, JIT) stay out of the figures
-        warmup = replace(settings.config, max_new_tokens=settings.warmup_tokens)
-        runner.answer([{"role": "user", "content": "Hello"}], warmup)
-    answers: dict[str, list[Answer]] = {r.name: [] for r in runners}
-    total = len(questions) * len(runners)
+    warmup = replace(settings.config, max_new_tokens=settings.warmup_tokens)
+    for runner in [r for r in runners if not _skipped(r)]:  # warm-up: first-call costs stay out of the figures
+        _unless_crashed(runner, lambda r=runner: r.answer([{"role": "user", "content": "Hello"}], warmup), log)
+    answers: dict[str, list[Answer]] = {r.name: [] for r in runners if not _skipped(r)}
+    total = len(questions) * len(answers)
     with tqdm(total=total, desc="bench", unit="answer", disable=not progress) as bar:
         for i, question in enumerate(questions):
             order = runners[i % len(runners):] + runners[:i % len(runners)]
             try:
-                done = {runner.name: _answer_question(runner, question, settings) for runner in order}
+                done = {r.name: _unless_crashed(r, lambda r=r, q=question: _answer_question(r, q, settings), log)
+                        for r in order if not _skipped(r)}
             except GenerationError as exc:
                 with bar.external_write_mode(file=sys.stderr):  # on a line of its own, not under the bar's redraw
                     log(f"bench: skipping question {question.question_id}: {exc}")
                 done = {}
             for name, answer in done.items():
-                answers[name].append(answer)
-            bar.update(len(order))
+                if answer is not None:
+                    answers[name].append(answer)
+            bar.update(len(done) or len(answers))
+    for runner in filter(_skipped, runners):  # a row with some questions only would not compare
+        answers.pop(runner.name, None)
     if questions and not any(answers.values()):  # a report of zeros would read as a measurement
         raise GenerationError(f"no question could be answered ({len(questions)} skipped): nothing was measured")
     return answers
+
+
+def _skipped(runner) -> bool:
+    return bool(getattr(runner, "skipped", None))
+
+
+def _unless_crashed(runner, call, log):
+    """`call()`; when the runner's process dies, the runner is marked skipped (with why) and None returned."""
+    from mirror_rt.evaluation.peer_process import PeerCrashed
+
+    try:
+        return call()
+    except PeerCrashed as exc:
+        runner.skipped = f"{exc} while answering"
+        log(f"bench: skipping {runner.name}: {runner.skipped}")
+        return None
 
 
 def _answer_question(runner, question: Question, settings: BenchConfig) -> Answer:
@@ -161,7 +182,7 @@ def _answer_question(runner, question: Question, settings: BenchConfig) -> Answe
 
 
 def write_results(out_dir: Path, answers: dict[str, list[Answer]], rows: dict[str, report.Row], command: str,
-                  greedy: bool = True) -> dict:
+                  greedy: bool = True, skipped: dict[str, str] | None = None) -> dict:
     """Answer files, summary.json, report.md and speedup.png (evaluation.report); returns the summary. `rows`: per
     method, what `report_row` says of its runner."""
     out_dir.mkdir(parents=True, exist_ok=True)
@@ -178,7 +199,7 @@ def write_results(out_dir: Path, answers: dict[str, list[Answer]], rows: dict[st
     doc = {"command": command, "baselines": base, "fastest_target_only": fastest, "references": refs,
            "paths": labels, "precisions": {m: rows[m].precision for m in answers if m in rows}, "summary": summary,
            "mismatches": {m: len(v) for m, v in mismatches.items()},
-           "mismatch_list": {m: v for m, v in mismatches.items() if v},
+           "mismatch_list": {m: v for m, v in mismatches.items() if v}, "skipped": skipped or {},
            "replayed": {m: rows[m].replayed for m in answers if m in rows and rows[m].replayed is not None}}
     (out_dir / "summary.json").write_text(json.dumps(doc, indent=2))
     if any(rows[m].target_only for m in answers if m in rows):
@@ -197,6 +218,7 @@ def write_results(out_dir: Path, answers: dict[str, list[Answer]], rows: dict[st
                      "precision): " + ", ".join(f"{m} {len(v)} (vs `{refs[m]}`)" for m, v in mismatches.items()) +
                      ". Our speculative rows must have none against their own target, at every precision; "
                      "another precision, or a compiled target against an eager one, may round differently.\n")
+    lines += [f"Skipped row `{m}`: {why}" for m, why in (skipped or {}).items()]  # a peer's process died
     (out_dir / "report.md").write_text("\n".join(lines))
     report.write_chart(summary, methods, out_dir / "speedup.png")
     return doc

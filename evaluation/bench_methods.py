@@ -44,9 +44,11 @@ def is_ours(method: str) -> bool:
     return method in OURS or replay_method(method) is not None
 
 
-def build_runners(methods: list[str], engine, model_folder: str | None, log=print, gguf=None) -> list:
+def build_runners(methods: list[str], engine, model_folder: str | None, log=print, gguf=None,
+                  isolated: bool = True) -> list:
     """Runners for `methods` (unknown names are refused, unavailable ones skipped with a line); `gguf`: the
-    model's GGUF file, for llama.cpp."""
+    model's GGUF file, for llama.cpp. `isolated`: each peer is built and run in a child process of its own
+    (evaluation.peer_process), so that a peer's crash skips its row instead of ending the bench."""
     check_methods(methods)
     cores = len(available_cores())
     runners = []
@@ -57,17 +59,37 @@ def build_runners(methods: list[str], engine, model_folder: str | None, log=prin
             runners.append(EngineRunner(method, engine, method, threads=cores if method == "sd" else None))
         elif method == "mirror-no-lookup":  # ablation: the draft without prompt-lookup guesses
             runners.append(EngineRunner(method, engine, "mirror", draft_lookup=0))
+        elif method in TORCH_BF16 + PRECISION_METHODS or replay_method(method) is not None:
+            continue  # other engines (bench_engines' bf16 and precision rows), or the replay rows below
+        elif isolated:
+            runners += _isolated_peer(method, engine.tokenizer, model_folder, gguf, log)
         elif method == "hf-assisted":
             runners.append(_hf_assisted(model_folder, cores, log))
-        elif replay_method(method) is not None:
-            continue  # below, over one replay engine per mode
-        elif method in TORCH_BF16 + PRECISION_METHODS + LLAMA_METHODS:
-            continue  # other engines (bench_engines' bf16 and precision rows), or llama.cpp's below from one GGUF
-        else:
+        elif method not in LLAMA_METHODS:  # llama.cpp's below, from one GGUF
             runners.append(_ov_genai(method, model_folder, engine.tokenizer, cores, log))
     runners += replay_runners(methods, engine, "sd") + replay_runners(methods, engine, "mirror")
-    runners += llama_runners(methods, gguf, engine.tokenizer, cores, log)
+    if not isolated:
+        runners += llama_runners(methods, gguf, engine.tokenizer, cores, log)
     return [r for r in runners if r is not None]
+
+
+def _isolated_peer(method: str, tokenizer, model_folder: str | None, gguf, log) -> list:
+    """The runner of one peer `method`, built in a child process (a SkippedPeer if that process dies)."""
+    from mirror_rt.evaluation.peer_process import portable_tokenizer, start_peers
+
+    args = (method, portable_tokenizer(tokenizer), model_folder, None if gguf is None else str(gguf))
+    return start_peers([method], "mirror_rt.evaluation.bench_methods:peer_runner", args, log)
+
+
+def peer_runner(method: str, tokenizer, model_folder: str | None, gguf: str | None, log=print) -> list:
+    """In a peer's child process: its runner (none when it is unavailable here, said in a line)."""
+    from pathlib import Path
+    from types import SimpleNamespace
+
+    from mirror_rt.evaluation.peer_process import rebuild_tokenizer
+
+    engine = SimpleNamespace(tokenizer=rebuild_tokenizer(tokenizer))
+    return build_runners([method], engine, model_folder, log, None if gguf is None else Path(gguf), isolated=False)
 
 
 class HFAssistedRunner:

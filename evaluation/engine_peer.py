@@ -73,3 +73,9 @@ class EnginePeer:
             return EngineFlight(self.engine.submit(list(ids), config), time.perf_counter())
 
         return closed_loop(prompts, concurrency, submit, self.engine.step, decode)
+
+
+def engine_peers(cache_dir: str | None = None, log=print) -> list:
+    """The engine row, as evaluation.peer_process builds it in a child process (it loads once the server says what
+    it runs)."""
+    return [EnginePeer(cache_dir)]

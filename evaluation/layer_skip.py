@@ -3,7 +3,7 @@
 Per question, the target's greedy answer, then teacher-forced on it the share of answer positions where the layer
 subset's argmax is the target's (a cheap self-draft pays only if it agrees often enough).
 
-    python -m mirror_rt.evaluation.layer_skip --data ../shared/data/specbench-dev.jsonl --limit 10
+    python -m mirror_rt.evaluation.layer_skip --data specbench-dev --limit 10
 """
 
 from __future__ import annotations

@@ -113,7 +113,17 @@ def _figures(items: list[Answer]) -> dict:
     means = ("reuse_hit_rate", "hidden_draft_share", "predicted_step_ms", "predicted_step_ms_pipelined",
              "measured_step_ms")
     return {"mean_accepted_length": _round(mean_accepted_length(items)),
+            "prompt_tokens_per_s": _round(prompt_speed(items), 1),
             **{key: _round(_mean_stat(items, key)) for key in means}}
+
+
+def prompt_speed(answers: list[Answer]) -> float | None:
+    """Prompt tokens read per second of the target's prompt reading (its `target_prefill` stage) over every turn that
+    reports both (ours; None where none does)."""
+    turns = [(s["prompt_tokens"], s["stage_seconds"]["target_prefill"]) for a in answers for s in a.stats
+             if s.get("prompt_tokens") and (s.get("stage_seconds") or {}).get("target_prefill")]
+    seconds = sum(t for _, t in turns)
+    return sum(n for n, _ in turns) / seconds if seconds > 0 else None
 
 
 def _round(x, digits: int = 3):
@@ -125,8 +135,8 @@ def markdown_table(summary: dict, methods: list[str], labels: dict[str, str] | N
     labels = labels or {}
     head = ("| category | method | path / precision | questions | tokens/s | speedup (same precision) | "
             "vs fastest | mean accepted length | reuse hit rate | hidden draft share | "
-            "ms per step: predicted (§5) / predicted (pipelined) / measured |")
-    lines = [head, "|" + "---|" * 11]
+            "ms per step: predicted (§5) / predicted (pipelined) / measured | prompt tokens/s |")
+    lines = [head, "|" + "---|" * 12]
     categories = sorted(c for c in summary if c != "overall") + ["overall"]
     for category in categories:
         for m in methods:
@@ -139,7 +149,8 @@ def markdown_table(summary: dict, methods: list[str], labels: dict[str, str] | N
             lines.append(f"| {category} | {m} | {labels.get(m, '')} | {f['questions']} | {f['tokens_per_s']:.1f} | "
                          f"{_fmt(f['speedup'], 'x')} | {_fmt(f.get('speedup_vs_fastest'), 'x')} | "
                          f"{_fmt(f['mean_accepted_length'])} | "
-                         f"{_fmt(f['reuse_hit_rate'])} | {_fmt(f['hidden_draft_share'])} | {model} |")
+                         f"{_fmt(f['reuse_hit_rate'])} | {_fmt(f['hidden_draft_share'])} | {model} | "
+                         f"{_fmt(f.get('prompt_tokens_per_s'))} |")
     return "\n".join(lines) + "\n"
 
 

@@ -2,8 +2,9 @@
 
 Streamed greedy chat completions with `ignore_eos`, per concurrency level: completed and failed requests, throughput,
 TTFT, TPOT, ITL per token (a chunk's gap spread over the tokens it carries) and end-to-end percentiles, acceptance
-from the server's /metrics; a burst counts the 503s. Peers (evaluation.genai_serve) run each level after ours, in
-this process, on the server's own token ids, in one table per level. Nothing here imports the server.
+from the server's /metrics; a burst counts the 503s. Peers (evaluation.genai_serve, engine_peer) run each level after
+ours, each in its own process (evaluation.peer_process: a peer that dies is a skipped row), on the server's own token
+ids, in one table per level. Nothing here imports the server.
 """
 
 from __future__ import annotations
@@ -165,17 +166,34 @@ async def load_run(url: str, prompts: list, levels: list[int], max_tokens: int, 
     client = AsyncOpenAI(base_url=url.rstrip("/") + "/v1", api_key=api_key or "unused", max_retries=0, timeout=600)
     model = (await client.models.list()).data[0].id
     ours, served = await served_label(client, model, prompts[0])
+    skipped = {p.name: p.skipped for p in peers if getattr(p, "skipped", None)}  # a peer's process died loading
+
+    def unless_crashed(peer, call):
+        """`call()`, or None once the peer's process is dead (its row then says why, at every level)."""
+        from mirror_rt.evaluation.peer_process import PeerCrashed
+
+        if peer.name in skipped:
+            return None
+        try:
+            return call()
+        except PeerCrashed as exc:
+            skipped[peer.name] = f"{exc} while running"
+            log(f"bench-serve: skipping {peer.name}: {skipped[peer.name]}")
+            return None
+
     for peer in peers:  # a peer that runs our engine loads the server's precision and mode
         if hasattr(peer, "follow"):
-            peer.follow(served.get("precision") or {}, served.get("mode"), served.get("path"))
+            unless_crashed(peer, lambda p=peer: p.follow(served.get("precision") or {}, served.get("mode"),
+                                                         served.get("path")))
     report = {"url": url, "model": model, "max_tokens": max_tokens, "prompts": len(prompts), "ours": ours,
               "levels": []}
     # the same unmeasured warm-up for every engine (the widest level's prompts, 8 tokens each): first use is not timed
     await run_level(client, model, prompts[:max(levels)], WARMUP_TOKENS, max(levels))
     prompt_ids = [tokenize(url, messages) for messages in prompts] if peers else []
     for peer in peers:
-        peer.run_level(prompt_ids[:max(levels)], WARMUP_TOKENS, max(levels))
-        report.setdefault("peers", {})[peer.name] = {"label": peer.label, "precision": peer.precision}
+        unless_crashed(peer, lambda p=peer: p.run_level(prompt_ids[:max(levels)], WARMUP_TOKENS, max(levels)))
+        report.setdefault("peers", {})[peer.name] = ({"skipped": skipped[peer.name]} if peer.name in skipped else
+                                                     {"label": peer.label, "precision": peer.precision})
     for concurrency in levels:
         before = scrape_totals(url)
         results, wall = await run_level(client, model, prompts, max_tokens, concurrency)
@@ -190,8 +208,12 @@ async def load_run(url: str, prompts: list, levels: list[int], max_tokens: int, 
                 "tokens of this level (every level repeats the same prompts; the peers' prefix caching is off): "
                 "serve with --no-prefix-cache to compare like with like")
         for peer in peers:
-            peer_results, peer_wall = peer.run_level(prompt_ids, max_tokens, concurrency,
-                                                     decode=lambda ids: detokenize(url, ids))
+            ran = unless_crashed(peer, lambda p=peer, n=concurrency: p.run_level(
+                prompt_ids, max_tokens, n, decode=lambda ids: detokenize(url, ids)))
+            if ran is None:
+                level.setdefault("peers", {})[peer.name] = {"skipped": skipped[peer.name]}
+                continue
+            peer_results, peer_wall = ran
             same = sum(r.ok and r.text == o.text for r, o in zip(peer_results, results) if o.ok)
             level.setdefault("peers", {})[peer.name] = summarize(peer_results, peer_wall, concurrency) | {
                 "same_text_as_ours": same}
@@ -234,12 +256,15 @@ def _post(url: str, route: str, body: dict) -> dict:
 def format_table(level: dict, ours: str, peers, prompts: int, max_tokens: int) -> str:
     """One markdown table for one concurrency: ours over HTTP, each peer in process, side by side."""
     head = (f"concurrency {level['concurrency']}: the same {prompts} prompts, {max_tokens} tokens each, greedy, "
-            f"ignore_eos; mirror-rt serve over HTTP, the peers in this process (no HTTP)\n"
+            f"ignore_eos; mirror-rt serve over HTTP, the peers without HTTP\n"
             "| engine | precision | where | done | tok/s | req/s | TTFT p50/p95 ms | ITL p50/p95 ms | TPOT ms | "
             "E2E p50 ms | text = ours |\n|---|---|---|---|---|---|---|---|---|---|---|")
     rows = [_row("mirror-rt serve", ours, "HTTP", level, "-")]
     for peer in peers:
         figures = level["peers"][peer.name]
+        if "skipped" in figures:  # its process died: the row says why
+            rows.append(f"| {peer.name} | - | - | skipped: {figures['skipped']} |" + " - |" * 7)
+            continue
         rows.append(_row(peer.name, peer.precision_label, peer.where, figures,
                          f"{figures['same_text_as_ours']}/{prompts}"))
     return "\n".join([head, *rows])

@@ -15,12 +15,25 @@ class DataError(ValueError):
     """A malformed question file (one-line message naming the file and line)."""
 
 
+SHIPPED = Path(__file__).parent / "data"  # question files installed with the package (evaluation/data)
+DEFAULT_QUESTIONS = "specbench-dev"  # SpecBench's dev questions (Apache-2.0: data/SPECBENCH-LICENSE.txt)
+
+
+def question_file(path: str | Path) -> Path:
+    """`path`, or where it names a shipped file (`specbench-dev`, `short-prompts`, with or without `.jsonl`) and is
+    no file here, that file of the package."""
+    path = Path(path)
+    shipped = SHIPPED / (path.name if path.suffix == ".jsonl" else f"{path.name}.jsonl")
+    return shipped if not path.is_file() and path.parent == Path(".") and shipped.is_file() else path
+
+
 def question_files(data, command: str) -> list[str]:
     """The question files given to `command` (one path or several); DataError when none is given or one is missing."""
     files = [] if data is None else [data] if isinstance(data, (str, Path)) else list(data)
     if not files:
         raise DataError(f"{command} needs question files: pass --data FILE.jsonl (SpecBench format: "
-                        "question_id, category, turns; e.g. ../shared/data/specbench-dev.jsonl)")
+                        f"question_id, category, turns; e.g. {DEFAULT_QUESTIONS}, shipped with mirror-rt)")
+    files = [str(question_file(f)) for f in files]
     missing = [str(f) for f in files if not Path(f).is_file()]
     if missing:
         raise DataError(f"question file not found: {missing[0]}")
@@ -64,8 +77,9 @@ class Answer:
 
 
 def read_questions(path: str | Path, categories: list[str] | None = None, limit: int | None = None) -> list[Question]:
-    """Questions from a SpecBench jsonl; `limit` picks evenly across categories (round robin)."""
-    path = Path(path)
+    """Questions from a SpecBench jsonl (or a shipped one by name: question_file); `limit` picks evenly across
+    categories (round robin)."""
+    path = question_file(path)
     if not path.is_file():
         raise DataError(f"question file not found: {path}")
     try:

@@ -4,7 +4,7 @@ Each two-turn question runs turn 1, then turn 2 (with the server's own answer), 
 Per server: both turns' TTFT (p50, mean), the prompt tokens and the prefix-cache hits its /metrics counted.
 
     python -m mirror_rt.evaluation.turn_bench --url http://127.0.0.1:8101 --url http://127.0.0.1:8102 \\
-        --data ../shared/data/specbench-dev.jsonl --limit 8
+        --data specbench-dev --limit 8
 """
 
 from __future__ import annotations

@@ -1,8 +1,12 @@
-"""mirror-rt's own ONNX Runtime op, built once per machine: `mirror_rt.PoolAttention` (exporters/pool_attention.cpp).
+"""mirror-rt's own ONNX Runtime ops (exporters/pool_attention.cpp: attention, GGUF products), built once per machine.
 
-The source ships with the package; the first load compiles it (`$CXX`, else g++ or c++, -march=native) into
-`<cache>/native/<key>/` (sources, compiler, CPU), published atomically. Without a compiler `library()` says why in
-one line and exports fall back to the standard-op graphs.
+The sources ship with the package; the first load compiles them (`$CXX`, else g++ or c++) into
+`<cache>/native/<variant>-<key>/` (key: sources, compiler, flags, CPU), published atomically. One library per CPU
+variant (VARIANTS: portable, avx2, avx512-vnni), each built with its own instruction-set flags, never
+-march=native: the best one this CPU runs is chosen at load (`/proc/cpuinfo`'s flags), and only the variants used
+are built. MIRROR_RT_CPU_VARIANT=<name> forces one (tests, benchmarks); a variant the CPU lacks is refused (its code
+would die with SIGILL). Without a compiler `library()` says what to install in one line; GGUF exports check it
+before they start (`require()`), the traced exporter falls back to the standard-op graphs.
 Design notes: docs/design/exporters.md
 """
 
@@ -12,8 +16,10 @@ import functools
 import hashlib
 import os
 import platform
+import shlex
 import shutil
 import subprocess
+import sys
 import threading
 from pathlib import Path
 
@@ -21,17 +27,28 @@ from mirror_rt.models.default_model import cache_dir
 from mirror_rt.models.partials import partial_folder, sweep_partials
 
 SOURCES = ("pool_attention.cpp", "native_numbers.inc", "quantize_rows.inc", "pool_attention_ort.inc", "gguf_blocks.inc",
-           "gguf_matmul.inc", "worker_pool.inc")
+           "gguf_matmul.inc", "gguf_avx2.inc", "gguf_vnni.inc", "worker_pool.inc")
 LIBRARY = "libmirror_rt_ops.so"
 DOMAIN = "mirror_rt"  # the op's ONNX domain
 OP = "PoolAttention"
 OP_HALF = "PoolAttentionHalf"  # the same over float16 keys and values (ExportConfig.kv_dtype fp16)
 QUANTIZE_ROWS = "QuantizeRows"  # exporters.w8a8's activations per row, in one node
 ATTENTION = "attention"  # model metadata of graphs with the op: "pool" (the backend's sign that rows attend apart)
-FLAGS = ["-O3", "-march=native", "-std=c++17", "-shared", "-fPIC", "-pthread"]
+FLAGS = ["-O3", "-std=c++17", "-shared", "-fPIC", "-pthread", "-ffp-contract=off"]
+VARIANT_ENV = "MIRROR_RT_CPU_VARIANT"
+# name: (compiler flags, /proc/cpuinfo flags the CPU needs), best last. The x86 baseline for portable (SSE2): a
+# compiler whose default targets more would otherwise build code older CPUs lack. (No AMX variant: no AMX kernels.)
+_X86 = platform.machine().lower() in ("x86_64", "amd64")
+VARIANTS = {
+    "portable": (["-march=x86-64", "-mtune=generic"] if _X86 else [], ()),
+    "avx2": (["-march=x86-64", "-mavx2", "-mfma", "-mf16c"], ("avx2", "fma", "f16c")),
+    "avx512-vnni": (["-march=x86-64", "-mavx2", "-mfma", "-mf16c", "-mavx512f", "-mavx512bw", "-mavx512vl",
+                     "-mavx512dq", "-mavx512vnni"],
+                    ("avx2", "fma", "f16c", "avx512f", "avx512bw", "avx512vl", "avx512dq", "avx512_vnni")),
+}
 
 _lock = threading.Lock()
-_built: dict = {}  # cache folder -> (path or None, reason)
+_built: dict = {}  # library folder -> (path or None, reason)
 
 
 class NativeOpUnavailable(RuntimeError):
@@ -48,32 +65,101 @@ def cpu_fingerprint() -> str:
         return f"{platform.machine()} {platform.processor()}"
 
 
-def compiler() -> str | None:
-    """The C++ compiler to build with: $CXX, else g++, else c++; None when there is none."""
-    for name in (os.environ.get("CXX"), "g++", "c++"):
-        if name and shutil.which(name):
-            return shutil.which(name)
+@functools.cache
+def cpu_flags() -> frozenset:
+    """The instruction-set flags this CPU reports (Linux's /proc/cpuinfo; elsewhere none: the portable variant)."""
+    try:
+        with open("/proc/cpuinfo", encoding="utf-8") as f:
+            for line in f:
+                if line.startswith("flags"):
+                    return frozenset(line.split(":", 1)[1].split())
+    except OSError:
+        pass
+    return frozenset()
+
+
+def runnable_variants() -> list[str]:
+    """The variants this CPU runs, best first."""
+    if not _X86:
+        return ["portable"]
+    flags = cpu_flags()
+    return [name for name, (_, needs) in reversed(VARIANTS.items()) if set(needs) <= flags]
+
+
+def chosen_variant() -> str:
+    """The variant this process loads: $MIRROR_RT_CPU_VARIANT where set (refused where the CPU lacks it), else the
+    best one the CPU runs."""
+    asked = os.environ.get(VARIANT_ENV, "").strip()
+    if not asked:
+        return runnable_variants()[0]
+    if asked not in VARIANTS:
+        raise NativeOpUnavailable(f"{VARIANT_ENV}={asked}: not a CPU variant (take {', '.join(VARIANTS)})")
+    if asked not in runnable_variants():
+        missing = sorted(set(VARIANTS[asked][1]) - cpu_flags()) or [platform.machine()]
+        raise NativeOpUnavailable(f"{VARIANT_ENV}={asked}: this CPU lacks {', '.join(missing)} (it runs "
+                                  f"{', '.join(runnable_variants())})")
+    return asked
+
+
+def install_hint() -> str:
+    """What to run here to get a C++ compiler."""
+    for tool, command in (("apt-get", "apt-get install g++"), ("dnf", "dnf install gcc-c++"),
+                          ("yum", "yum install gcc-c++"), ("apk", "apk add g++"), ("pacman", "pacman -S gcc"),
+                          ("zypper", "zypper install gcc-c++"), ("brew", "xcode-select --install")):
+        if shutil.which(tool):
+            return command
+    return "install g++ or clang++"
+
+
+def compiler() -> list[str] | None:
+    """The C++ compiler command to build with: $CXX (it may hold words: `ccache g++`), else g++, else c++; None
+    when there is none. NativeOpUnavailable when $CXX names no program here (not silently another compiler)."""
+    asked = os.environ.get("CXX", "").strip()
+    if asked:
+        words = shlex.split(asked)
+        found = shutil.which(words[0])
+        if found is None:
+            raise NativeOpUnavailable(f"$CXX={asked}: no such program here (set $CXX to a C++ compiler, or unset it "
+                                      f"to use g++; to install one: {install_hint()})")
+        return [found, *words[1:]]
+    for name in ("g++", "c++"):
+        if shutil.which(name):
+            return [shutil.which(name)]
     return None
 
 
-def _key(cxx: str) -> str:
+@functools.cache
+def _sources_digest() -> bytes:  # read once per process: a library loaded here matches the sources it was keyed by
     here = Path(__file__).parent
-    digest = hashlib.sha256()
-    for name in SOURCES:
-        digest.update((here / name).read_bytes())
-    digest.update(" ".join([cxx, *FLAGS, cpu_fingerprint()]).encode())
-    return digest.hexdigest()[:16]
+    return hashlib.sha256(b"".join((here / name).read_bytes() for name in SOURCES)).digest()
 
 
-def library(cache: str | os.PathLike | None = None) -> Path:
-    """The built library (building it on first use); raises NativeOpUnavailable with the reason."""
+def _key(cxx: list[str], variant: str) -> str:
+    digest = hashlib.sha256(_sources_digest())
+    digest.update(" ".join([*cxx, *FLAGS, *VARIANTS[variant][0], cpu_fingerprint()]).encode())
+    return f"{variant}-{digest.hexdigest()[:16]}"
+
+
+def require() -> None:
+    """NativeOpUnavailable, in one line saying what to install, where no compiler is here (GGUF exports call it
+    before anything starts: their graphs need the ops)."""
+    if compiler() is None:
+        raise NativeOpUnavailable(f"no C++ compiler to build mirror-rt's CPU kernels: {install_hint()} (or set "
+                                  "$CXX to one)")
+
+
+def library(cache: str | os.PathLike | None = None, variant: str | None = None) -> Path:
+    """The built library of `variant` (None: chosen_variant()), building it on first use; raises
+    NativeOpUnavailable with the reason (no compiler, a failed build, a variant this CPU lacks)."""
+    variant = variant or chosen_variant()
+    if variant not in VARIANTS:
+        raise NativeOpUnavailable(f"{variant}: not a CPU variant (take {', '.join(VARIANTS)})")
+    require()
     cxx = compiler()
-    if cxx is None:
-        raise NativeOpUnavailable("no C++ compiler (set $CXX, or install g++) to build mirror-rt's attention op")
-    folder = cache_dir(cache) / "native" / _key(cxx)
+    folder = cache_dir(cache) / "native" / _key(cxx, variant)
     with _lock:
         if folder not in _built:
-            _built[folder] = _build(cxx, folder)
+            _built[folder] = _build(cxx, variant, folder)
     path, reason = _built[folder]
     if path is None:
         raise NativeOpUnavailable(reason)
@@ -89,7 +175,7 @@ def available(cache: str | os.PathLike | None = None) -> bool:
         return False
 
 
-def _build(cxx: str, folder: Path) -> tuple[Path | None, str]:
+def _build(cxx: list[str], variant: str, folder: Path) -> tuple[Path | None, str]:
     target = folder / LIBRARY
     if target.is_file():
         return target, ""
@@ -100,13 +186,15 @@ def _build(cxx: str, folder: Path) -> tuple[Path | None, str]:
         staging = Path(f"{partial_folder(folder)}-{threading.get_ident()}")
         staging.mkdir()
     except OSError as exc:
-        return None, f"cannot build mirror-rt's attention op in {folder.parent}: {exc.strerror or exc}"
+        return None, f"cannot build mirror-rt's CPU kernels in {folder.parent}: {exc.strerror or exc}"
+    print(f"compiling mirror-rt's CPU kernels ({variant}), ~1 min, once", file=sys.stderr, flush=True)
     try:
-        command = [cxx, *FLAGS, "-I", str(here), str(here / SOURCES[0]), "-o", str(staging / LIBRARY)]
-        done = subprocess.run(command, capture_output=True, text=True, timeout=300)
+        command = [*cxx, *FLAGS, *VARIANTS[variant][0], "-I", str(here), str(here / SOURCES[0]), "-o",
+                   str(staging / LIBRARY)]
+        done = subprocess.run(command, capture_output=True, text=True, timeout=600)
         if done.returncode != 0:
             lines = [line for line in done.stderr.splitlines() if "error" in line] or done.stderr.splitlines()
-            return None, f"building mirror-rt's attention op failed: {(lines or ['no output'])[0].strip()}"
+            return None, f"building mirror-rt's CPU kernels ({variant}) failed: {(lines or ['no output'])[0].strip()}"
         try:
             staging.rename(folder)
         except OSError:  # another process published it first
@@ -114,7 +202,7 @@ def _build(cxx: str, folder: Path) -> tuple[Path | None, str]:
                 raise
         return target, ""
     except (OSError, subprocess.SubprocessError) as exc:
-        return None, f"building mirror-rt's attention op failed: {exc}"
+        return None, f"building mirror-rt's CPU kernels ({variant}) failed: {exc}"
     finally:
         shutil.rmtree(staging, ignore_errors=True)
 

@@ -40,7 +40,20 @@ def streams(cfg: ExportConfig) -> bool:
         if value not in (*STREAM_WEIGHTS, *SAME_AS, "auto"):
             raise ExportError(f"{flag} {value}: GGUF files and models over 1 GB take "
                               f"{', '.join(STREAM_WEIGHTS)} (or int8, int4)")
+    _require_kernels()
     return True
+
+
+def _require_kernels() -> None:
+    """ExportError, before anything is read or written, where mirror-rt's CPU kernels (every product of these
+    graphs) cannot be built here: one line saying what to install."""
+    from mirror_rt.exporters.native_op import NativeOpUnavailable, library
+
+    try:
+        library()
+    except NativeOpUnavailable as exc:
+        raise ExportError(f"GGUF files and models over 1 GB run on mirror-rt's CPU kernels, which cannot be built here "
+                          f"({exc}); or run the model in torch eager with --torch") from None
 
 
 def stream_export(cfg: ExportConfig, bar) -> None:
@@ -126,10 +139,16 @@ def _check_draft(target, draft, cfg: ExportConfig) -> None:
 
 def streamed_source(model) -> bool:
     """Whether `model` is what this module exports by default: a GGUF file, or a folder whose safetensors pass
-    STREAM_BYTES (`run --model` then runs it from its own bundle: devices.engines)."""
+    STREAM_BYTES (`run --model` then runs it from its own bundle: devices.engines). A GGUF file's header is checked
+    here, first (models.gguf_header.check_gguf: GGUFError)."""
     path = Path(model).expanduser()
+    if path.is_file() and path.suffix == ".gguf":
+        from mirror_rt.models.gguf_header import check_gguf
+
+        check_gguf(path)  # an architecture mirror-rt does not run, a file cut short: refused before any export
+        return True
     if path.is_file():
-        return path.suffix == ".gguf"
+        return False
     return path.is_dir() and sum(f.stat().st_size for f in path.glob("*.safetensors")) > STREAM_BYTES
 
 

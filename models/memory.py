@@ -30,6 +30,14 @@ def available_bytes() -> int | None:
     return min(found) if found else None
 
 
+def address_space_left() -> int | None:
+    """Bytes of address space the limit (ulimit -v, prlimit --as) leaves this process; None without a limit."""
+    limit = resource.getrlimit(resource.RLIMIT_AS)[0]
+    if limit in (resource.RLIM_INFINITY, -1):
+        return None
+    return max(0, limit - _address_space())
+
+
 def _address_space() -> int:
     try:
         with open("/proc/self/status") as f:

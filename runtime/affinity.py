@@ -38,14 +38,16 @@ def restore(previous: set[int] | None) -> None:
 
 
 @contextlib.contextmanager
-def placed(model, core: int | None):
-    """The calling thread pinned to `core`, and `model`'s work (a backend with a thread budget of its own:
-    `Capabilities.threads`) on one thread, while the block runs; both put back after. None: as they are."""
-    if core is None:
+def placed(model, cores: int | Iterable[int] | None):
+    """The calling thread pinned to `cores` (one core, or a worker's set of cores: devices.placement), and `model`'s
+    work (a backend with a thread budget of its own: `Capabilities.threads`) on a thread per core, while the block
+    runs; both put back after. None: as they are."""
+    if cores is None:
         yield
         return
-    previous = pin(core)
-    threads = model.set_threads(1) if model.capabilities.threads else None
+    count = 1 if isinstance(cores, int) else len(set(cores))
+    previous = pin(cores)
+    threads = model.set_threads(count) if model.capabilities.threads else None
     try:
         yield
     finally:

@@ -27,6 +27,9 @@ class Capabilities:
     - `rows`: `new_pool(rows, capacity)` and `forward_rows(tokens [B, T], pool, first)`: rows of many sequences
       in one call (the batched decoder's pools, runtime.batch);
     - `attention_groups`: groups of rows one `forward_rows` call attends apart (0: its rows read as one group);
+    - `split_rows`: a split target's rows as prefix then suffix, `forward_rows_prefix(tokens, pool, first, exits)`
+      -> (pending, {row: early exit (ids, log-probs) of its first n positions} for exits {row: n}), then
+      `forward_rows_suffix(pending, pool, first)` -> logits [B, T, vocab] (Mirror's batched verify);
     - `pipelined`: `prefill_pipelined(tokens, cache, cpu)` runs a prompt on two cores (through prompt sessions of
       a thread per core where `wide`, else prefix and suffix chunks at once); `wide`: `forward_rows(..., wide=True)`
       runs rows through those sessions; `two_calls`: `forward_rows_split` and `prefill_split` run two calls at
@@ -41,6 +44,7 @@ class Capabilities:
     asynchronous: bool = False
     rows: bool = False
     attention_groups: int = 0
+    split_rows: bool = False
     pipelined: bool = False
     wide: bool = False
     two_calls: bool = False

@@ -14,6 +14,7 @@ from mirror_rt.runtime.values import is_integer, is_number
 
 MODES = ("ar", "sd", "mirror")
 EARLY_EXIT = ("auto", "on", "off")
+SAMPLING_VERIFY = ("rejection", "exact-seed")  # runtime.acceptance: how a sampled window is verified
 MAX_GAMMA = 64  # the longest window a request may ask for
 
 
@@ -33,6 +34,9 @@ class GenerationConfig:
     draft_timeout_s: float = 10.0  # mirror: a draft silent this long is declared dead
     early_exit: str = "auto"  # mirror: on | off | auto (off while the draft is the bottleneck)
     draft_lookup: int = 3  # mirror, greedy: prompt-lookup guesses the draft checks per forward (0 = off)
+    # sd, mirror under sampling: rejection (standard speculative sampling: the target's distribution, more tokens
+    # accepted) | exact-seed (the same text as target-only for a seed, fewer accepted); greedy: argmax either way
+    sampling_verify: str = "rejection"
     rules: RulesConfig = field(default_factory=RulesConfig)  # grammar, logit bias, penalties, logprobs
 
     def __post_init__(self):
@@ -65,12 +69,19 @@ class GenerationConfig:
             raise ValueError(f"--branch-budget must be 'auto' or >= 0, got {self.branch_budget}")
         if self.early_exit not in EARLY_EXIT:
             raise ValueError(f"--early-exit must be on, off or auto, got {self.early_exit!r}")
+        if self.sampling_verify not in SAMPLING_VERIFY:
+            raise ValueError(f"--sampling-verify must be rejection or exact-seed, got {self.sampling_verify!r}")
         if self.draft_lookup < 0:
             raise ValueError(f"--draft-lookup must be >= 0, got {self.draft_lookup}")
         if self.draft_timeout_s <= 0:
             raise ValueError(f"draft timeout must be positive, got {self.draft_timeout_s}")
         if any(not s for s in self.stop_strings):
             raise ValueError("stop strings must not be empty")
+
+    @property
+    def rejection_sampling(self) -> bool:
+        """Whether windows are verified by standard speculative sampling (the draft then sends its q rows)."""
+        return self.sampling_verify == "rejection" and not self.sampling.greedy
 
 
 DEFAULTS = GenerationConfig()  # every default, read by the CLI's flags and the other entry points

@@ -25,6 +25,12 @@ WHY_TARGET_ONLY = {
     "draft_failed": "the draft failed, so decoding went on target-only",
     "empty_window": "the draft's window held no token",
 }
+# the same reasons in the words of one prompt (`mirror-rt run --stats`): no other request, no batch to speak of
+ONE_PROMPT = WHY_TARGET_ONLY | {
+    "prompts": "the prompt was being read, and a step that reads one decodes target-only",
+    "measuring": "the first steps timed target-only decoding, for adaptive speculation to compare with speculation",
+    "slower": "adaptive speculation measured speculation slower than target-only decoding on this machine",
+}
 
 
 @dataclass
@@ -136,13 +142,14 @@ class Metrics:
         }
 
 
-def why_target_only(stats: dict) -> str | None:
-    """One sentence on the steps that did not speculate and why (None when every step did)."""
+def why_target_only(stats: dict, words: dict[str, str] = WHY_TARGET_ONLY) -> str | None:
+    """One sentence on the steps that did not speculate and why (None when every step did); `words`: the reasons'
+    wording (ONE_PROMPT for a single prompt)."""
     reasons = stats.get("target_only_steps") or {}
     steps, speculative = stats.get("steps") or 0, stats.get("speculative_steps") or 0
     if not reasons or not steps:
         return None
-    said = "; ".join(f"{WHY_TARGET_ONLY.get(r, r)} ({n} step{'s' * (n != 1)})"
+    said = "; ".join(f"{words.get(r, r)} ({n} step{'s' * (n != 1)})"
                      for r, n in sorted(reasons.items(), key=lambda item: -item[1]))
     if not speculative:
         return f"no speculation: {said}"
@@ -182,7 +189,7 @@ def format_stats(stats: dict) -> str:
         lines.append(f"ms per step: {phases}; latency model {stats['predicted_step_ms']:.1f} ms predicted "
                      f"(pipelined form {stats['predicted_step_ms_pipelined']:.1f}), "
                      f"{stats['measured_step_ms']:.1f} ms measured")
-    if stats.get("mode") != "ar" and (why := why_target_only(stats)):
+    if stats.get("mode") != "ar" and (why := why_target_only(stats, ONE_PROMPT)):
         lines.append(why)
     for event in stats.get("events", []):
         lines.append(f"event: {event}")

@@ -1,8 +1,10 @@
 """Logits to probabilities (temperature, top-k, top-p) and token choice, where the logits live.
 
-Every decoder chooses through `choose_at`. A position's draw is its own uniform (`position_uniform`: the seed and
-the position, nothing else), so a seed gives the same draws on every device and in every mode. Greedy never builds
-probabilities (and never imports torch on host arrays). Design notes: docs/design/runtime.md.
+Every decoder chooses through `choose_at`. A position's draw is its own uniform (`position_uniform`: the seed, the
+position and the stream, nothing else), so a seed gives the same draws on every device and in every mode. Three
+streams: the target's draws (ar's text, corrections), the draft's own draws under rejection sampling (and the bonus
+token, coupled with the draft's guess), and the acceptance tests of runtime.acceptance; independent of each other.
+Greedy never builds probabilities (and never imports torch on host arrays). Design notes: docs/design/runtime.md.
 """
 
 from __future__ import annotations
@@ -90,34 +92,49 @@ def _top_p(p: torch.Tensor, top_p: float) -> torch.Tensor:
 
 
 _MASK64 = (1 << 64) - 1
+TARGET_DRAWS, DRAFT_DRAWS, ACCEPTANCE = 0, 1, 2  # the uniform streams (`position_uniform`'s `stream`)
 
 
-def position_uniform(seed: int, position: int) -> float:
-    """The uniform in [0, 1) of the token at `position` (its index in prompt + output) of a request seeded `seed`.
+def position_uniform(seed: int, position: int, stream: int = TARGET_DRAWS) -> float:
+    """The uniform in [0, 1) of the token at `position` (its index in prompt + output) of a request seeded `seed`,
+    in `stream` (TARGET_DRAWS, DRAFT_DRAWS or ACCEPTANCE).
 
-    It depends on nothing else, so a seeded request gives the same text in ar, sd and mirror, alone or in any batch.
-    splitmix64 of (seed, position)."""
-    x = (seed * 0x9E3779B97F4A7C15 + (position + 1) * 0xBF58476D1CE4E5B9) & _MASK64
+    It depends on nothing else, so a seeded request gives the same text alone or in any batch, and with the
+    exact-seed rule the same in ar, sd and mirror. splitmix64 of (seed, position, stream); stream 0 adds nothing."""
+    x = (seed * 0x9E3779B97F4A7C15 + (position + 1) * 0xBF58476D1CE4E5B9 + stream * 0xD1B54A32D192ED03) & _MASK64
     x = ((x ^ (x >> 30)) * 0xBF58476D1CE4E5B9) & _MASK64
     x = ((x ^ (x >> 27)) * 0x94D049BB133111EB) & _MASK64
     return ((x ^ (x >> 31)) >> 11) / float(1 << 53)
 
 
-def choose_at(logits, config: SamplingConfig, seed: int, first_position: int) -> list[int]:
+def choose_at(logits, config: SamplingConfig, seed: int, first_position: int,
+              stream: int = TARGET_DRAWS) -> list[int]:
     """The token chosen after each row of logits [T, vocab] (or one row [vocab]); row j at position
     first_position + j: greedy takes the argmax, sampling the inverse-CDF draw of the warped distribution at
-    `position_uniform(seed, position)`. Reads back T ids, never a vocabulary row."""
+    `position_uniform(seed, position, stream)`. Reads back T ids, never a vocabulary row."""
     if config.greedy:
         return greedy_ids(logits)
-    torch = import_torch()
+    return draw_at(logits, config, seed, first_position, stream)[0]
+
+
+def draw_at(logits, config: SamplingConfig, seed: int, first_position: int,
+            stream: int = TARGET_DRAWS) -> tuple[list[int], torch.Tensor]:
+    """Sampling only: (the ids `choose_at` draws, the warped distributions [T, vocab] they were drawn from: a
+    draft's q, on the logits' device)."""
     rows = as_tensor(logits)
     rows = rows[None] if rows.dim() == 1 else rows
     p = probabilities(rows, config)  # [T, vocab]
+    uniforms = [position_uniform(seed, first_position + j, stream) for j in range(p.shape[0])]
+    return inverse_cdf(p, uniforms, count=is_tensor(logits)), p
+
+
+def inverse_cdf(p: torch.Tensor, uniforms: list[float], count: bool = True) -> list[int]:
+    """Row j of p [T, vocab] (unnormalized allowed) drawn at uniforms[j]; reads back T ids."""
+    torch = import_torch()
     cdf = torch.cumsum(p, dim=-1)
-    u = torch.tensor([position_uniform(seed, first_position + j) for j in range(p.shape[0])],
-                     dtype=cdf.dtype, device=cdf.device)[:, None] * cdf[:, -1:]
+    u = torch.tensor(uniforms, dtype=cdf.dtype, device=cdf.device)[:, None] * cdf[:, -1:]
     index = torch.searchsorted(cdf, u, right=True).clamp_(max=p.shape[-1] - 1)
-    return host_ids(index, count=is_tensor(logits))
+    return host_ids(index, count=count)
 
 
 def stack_rows(rows: list) -> torch.Tensor:

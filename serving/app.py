@@ -22,6 +22,8 @@ from collections.abc import Callable
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
+from mirror_rt.runtime.batch.decoder import WINDOW_ROOM
+from mirror_rt.runtime.batch.kv_rows import BLOCK_SIZE
 from mirror_rt.runtime.config import GenerationConfig, make_config
 from mirror_rt.runtime.engine import GenerationError, PromptError
 from mirror_rt.serving import protocol, structured, tools
@@ -50,6 +52,7 @@ class ServerState:
         self.status = "loading"  # loading | ready | draining | failed
         self.error: str | None = None
         self.engine = self.scheduler = None
+        self.context = 0  # tokens a request may hold, prompt and answer (served_context), once the engine is ready
         self.metrics: ServerMetrics | None = None
         self.model_name = settings.served_model_name or "mirror-rt"
         self.early: collections.Counter = collections.Counter()  # responses answered before the metrics exist
@@ -59,7 +62,7 @@ class ServerState:
     def attach(self, engine) -> None:
         """Serve `engine`: metrics, the engine thread, ready."""
         engine.decoder  # noqa: B018 -- built now: a KV budget that fits no request fails the load, not each request
-        self.engine = engine
+        self.engine, self.context = engine, served_context(engine)
         self.model_name = self.settings.served_model_name or engine.names.get("model", "mirror-rt")
         metrics = ServerMetrics(self.model_name, sink=self.metrics_sink)
         with self.lock:
@@ -122,6 +125,13 @@ class ServerState:
         """A 404 for a model name other than the served one (None: the request names none)."""
         if name is not None and name != self.model_name:
             raise APIError(404, f"The model `{name}` does not exist.", "model")
+
+
+def served_context(engine) -> int:
+    """The context a request gets: the model's, or less where the KV budget cannot hold one request of the model's
+    whole context (a prompt and its answer then stop at what the budget holds, and the start-up line says so)."""
+    held = engine.decoder.budget.total * BLOCK_SIZE - WINDOW_ROOM
+    return max(1, min(engine.target.max_seq_len, held))
 
 
 def create_app(settings: ServerConfig, load: Callable[[], object], metrics_sink: Sink | None = None,
@@ -196,7 +206,7 @@ def _add_status_routes(app: FastAPI, state: ServerState) -> None:
 
     def card() -> dict:
         return {"id": state.model_name, "object": "model", "created": now(), "owned_by": "mirror-rt",
-                "max_model_len": state.engine.target.max_seq_len}
+                "max_model_len": state.context}
 
     @app.get("/v1/models")
     async def models(request: Request):
@@ -235,15 +245,16 @@ def _add_completion_routes(app: FastAPI, state: ServerState) -> None:
 
 
 async def _complete(request: Request, state: ServerState, chat: bool):
-    arrived = time.perf_counter()
+    arrived = time.perf_counter()  # TTFT, queue time and latency count from here (as vLLM's): parsing, templating
+    # and compiling a grammar are the request's wait too
     check_key(request, state)
     body = await read_json(request)
     req = protocol.parse(protocol.ChatRequest if chat else protocol.CompletionRequest, body)
     state.require_ready()
     state.require_model(req.model)
     engine = state.engine
-    refuse_unread([m.text() for m in req.messages] if chat else [req.text_or_ids()], engine,
-                   req.requested_tokens() or 0)
+    refuse_unread([m.text() for m in req.messages] if chat else [req.text_or_ids()], engine, state.context,
+                  req.requested_tokens() or 0)
     try:
         prompt = tools.prompt_ids(req, engine.tokenizer) if chat else engine.prompt_ids(req.text_or_ids(), chat=False)
     except PromptError as exc:  # an empty list of token ids
@@ -260,7 +271,7 @@ async def _complete(request: Request, state: ServerState, chat: bool):
     await asyncio.to_thread(structured.checked, constraint, param, engine, offered)  # compiling may take a while
     config = _config(req, len(prompt), state, structured.rules_options(req, constraint, engine.target.vocab_size))
     job = Job(f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}", prompt, config, asyncio.get_running_loop(),
-              choices=req.choices(), constraint=kind, origins=req.include_origins())
+              choices=req.choices(), constraint=kind, origins=req.include_origins(), arrived=arrived)
     _admit(job, state)
     reply = _reply(req, job, state, len(prompt), chat, echo)
     timeout = state.settings.request_timeout
@@ -318,7 +329,7 @@ def _admit(job: Job, state: ServerState) -> None:
 def _config(req: protocol.Sampling, prompt_tokens: int, state: ServerState, rules: dict) -> GenerationConfig:
     """The request's generation settings over the server's defaults (with its token `rules`); a 400 when it
     cannot fit."""
-    context = state.engine.target.max_seq_len
+    context = state.context
     given = req.fields()
     requested = given.get("max_new_tokens")
     if prompt_tokens + (requested or 1) > context:

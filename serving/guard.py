@@ -4,7 +4,9 @@ Refused with a 403 before any route: a `Host` the server does not answer to (DNS
 answers to `localhost`, its subdomains and IP addresses, one beyond it to every name unless `--allowed-hosts` names
 them), and a browser request from another origin not in `--allowed-origins` (requests without `Origin` and the
 server's own page pass; an allowed origin gets CORS headers and its preflight). Every response is counted by
-route template (`none` without one), method and status (`ServerState.responded`), streams when they end.
+route template (`none` without one), method and status (`ServerState.responded`), streams when they end. An
+exception no handler took becomes a 500 envelope here, the connection kept (Starlette re-raises it to uvicorn,
+which closes the connection).
 """
 
 from __future__ import annotations
@@ -15,7 +17,7 @@ from urllib.parse import urlsplit
 
 from starlette.datastructures import Headers
 
-from mirror_rt.serving.errors import APIError, error_response
+from mirror_rt.serving.errors import APIError, error_response, log
 
 DEFAULT_PORTS = {"http": 80, "https": 443}
 EXPOSED = "Retry-After, x-mirror-rt-replica"
@@ -125,9 +127,14 @@ class Guard:
                 await preflight(headers)(scope, receive, answer)
             else:
                 await self.app(scope, receive, answer)
-        except Exception:
-            status.append(500)
-            raise
+        except Exception as exc:
+            if status:  # the answer had begun (a stream): uvicorn ends the connection
+                raise
+            # answered here, not re-raised to Starlette's outermost middleware: uvicorn closes a connection whose
+            # app raised, and the client's next request on it was reset
+            log.exception("unhandled error on %s %s", scope["method"], scope["path"])
+            await error_response(APIError(500, f"internal error: {type(exc).__name__}: {exc}"))(scope, receive,
+                                                                                                   answer)
         finally:
             if status:
                 route = scope.get("route")

@@ -2,7 +2,8 @@
 
 Strict types and ranges ("5" is not a number, NaN is not a temperature); unknown fields are ignored (as vLLM and
 OpenAI do); fields that would change the output but are not implemented are a 400 naming the parameter.
-Extensions: `mode`, `num_assistant_tokens` (gamma, OVMS's name), `disable_spec_decode`, vLLM's `ignore_eos`,
+Extensions: `mode`, `num_assistant_tokens` (gamma, OVMS's name), `disable_spec_decode`, `sampling_verify`, vLLM's
+`ignore_eos`,
 `repetition_penalty`, `structured_outputs`, and `stream_options.include_origins`. `Sampling.fields` maps the
 request names onto `GenerationConfig`'s; `serving.structured.rules_options` maps the token rules.
 """
@@ -13,7 +14,7 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
-from mirror_rt.runtime.config import MAX_GAMMA, MODES
+from mirror_rt.runtime.config import MAX_GAMMA, MODES, SAMPLING_VERIFY
 from mirror_rt.serving.errors import APIError
 
 MAX_CHOICES = 16  # n: the choices decode together, one sequence each in the batch
@@ -139,6 +140,7 @@ class Sampling(Strict):
     mode: Literal[MODES] | None = None
     num_assistant_tokens: int | None = Field(None, ge=1, le=MAX_GAMMA)
     disable_spec_decode: bool | None = None
+    sampling_verify: Literal[SAMPLING_VERIFY] | None = None  # rejection | exact-seed (runtime.acceptance)
     ignore_eos: bool | None = None  # vLLM's extension: keep generating past end-of-sequence (load tests)
     user: str | None = None  # OpenAI's end-user id: taken, unused
     # vLLM's extensions not implemented: their defaults are taken, any other value is a 400 (not ignored)
@@ -192,7 +194,7 @@ class Sampling(Strict):
         values = {"max_new_tokens": self.requested_tokens(), "temperature": self.temperature, "top_p": self.top_p,
                   "top_k": top_k, "seed": self.seed, "stop_strings": self.stop_strings() or None,
                   "ignore_eos": self.ignore_eos, "gamma": self.num_assistant_tokens,
-                  "mode": "ar" if self.disable_spec_decode else self.mode}
+                  "mode": "ar" if self.disable_spec_decode else self.mode, "sampling_verify": self.sampling_verify}
         return {name: value for name, value in values.items() if value is not None}
 
     def choices(self) -> int:

@@ -42,7 +42,7 @@ class Job:
     choices: int = 1  # n: generations decoding together
     constraint: str | None = None  # the kind of grammar the request runs under (for the metrics), or None
     events: asyncio.Queue = field(default_factory=asyncio.Queue)
-    arrived: float = field(default_factory=time.perf_counter)
+    arrived: float = field(default_factory=time.perf_counter)  # the server passes when the request came in
     started: float | None = None  # when its first choice got a row of the batch
     first_text_at: float | None = None
     finished: float | None = None

@@ -41,8 +41,17 @@ def describe(state: ServerState, url: str) -> str:
              for role in ("target", "draft")]
     key = "API key required" if settings.api_key else "no API key"
     return (f"serving {state.model_name} at {url}/v1 ({engine.names.get('path', 'engine')}), mode "
-            f"{state.default_mode}, {', '.join(roles)}; {engine.decoder.describe()}; {key}; "
+            f"{state.default_mode}, {', '.join(roles)}; {context_line(state)}; {engine.decoder.describe()}; {key}; "
             f"queue {settings.max_queued}")
+
+
+def context_line(state: ServerState) -> str:
+    """The context a request gets; where the KV budget holds less than the model's, how much and what to set."""
+    model = state.engine.target.max_seq_len
+    if state.context >= model:
+        return f"context {model} tokens"
+    return (f"context {state.context} tokens, not the model's {model}: the KV budget holds no more (requests "
+            f"without max_tokens stop there; raise --kv-cache-gb for the whole context)")
 
 
 def open_to(settings: ServerConfig, url: str) -> str:
@@ -53,6 +62,13 @@ def open_to(settings: ServerConfig, url: str) -> str:
     origins = ", ".join(settings.allowed_origins) or "none"
     return (f"no API key: {where} can use {url} (set --api-key or $MIRROR_RT_API_KEY to require one); browsers: "
             f"its own page and allowed origins only ({origins}: --allowed-origins)")
+
+
+def page_line(settings: ServerConfig) -> str:
+    """The line giving the playground page's URL (a wildcard address is not one to browse: this machine's is)."""
+    host = {"0.0.0.0": "127.0.0.1", "::": "[::1]", "": "127.0.0.1"}.get(settings.host, settings.host)
+    host = f"[{host}]" if ":" in host and not host.startswith("[") else host
+    return f"playground: open http://{host}:{settings.port}/ in a browser (a chat page on this server; --no-ui: none)"
 
 
 def quiet_cancellations(record: logging.LogRecord) -> bool:
@@ -206,5 +222,7 @@ def _announce(server: DrainingServer, url: str) -> None:
         server.server.should_exit = True
     elif state.engine is not None:
         log.info(describe(state, url))
+        if state.settings.ui:
+            log.info(page_line(state.settings))
         if not state.settings.api_key:
             log.info(open_to(state.settings, url))

@@ -19,15 +19,15 @@ def add_token_routes(app: FastAPI, state) -> None:
         state.require_model(body.get("model") if isinstance(body, dict) else None)
         if isinstance(body, dict) and isinstance(body.get("messages"), list):
             req = protocol.parse(protocol.ChatRequest, body)
-            refuse_unread([m.text() for m in req.messages], engine, 0)
+            refuse_unread([m.text() for m in req.messages], engine, state.context, 0)
             ids = tools.prompt_ids(req, engine.tokenizer)
         elif isinstance(body, dict) and isinstance(body.get("prompt"), str):
-            refuse_unread([body["prompt"]], engine, 0)
+            refuse_unread([body["prompt"]], engine, state.context, 0)
             ids = engine.prompt_ids(body["prompt"], chat=False)
         else:
             raise APIError(400, "send 'prompt' (a string) or 'messages' (a list)", "prompt")
         names = engine.tokenizer.token_names(ids) if body.get("return_token_strs") is True else None
-        return {"count": len(ids), "max_model_len": engine.target.max_seq_len, "tokens": ids, "token_strs": names}
+        return {"count": len(ids), "max_model_len": state.context, "tokens": ids, "token_strs": names}
 
     @app.post("/detokenize")
     async def detokenize(request: Request):

@@ -133,6 +133,25 @@ def test_pick_prefers_the_fast_agreeing_draft_and_says_so():
     assert len(rows) == 5 and rows[0].startswith("mirror")
 
 
+@pytest.mark.parametrize("forward_ms,share", [(2.0, 1), (20.0, 6), (200.0, 14)])
+def test_mirror_sizes_a_cpu_drafts_cores_from_its_cost(forward_ms, share):
+    """Measured pinned on 15 + 1 cores (target prefix 12 ms on 15 = 180 core-ms; the draft's rollout 5 forwards on
+    1): its cores are those whose rollout ends with the prefix (devices.placement.draft_share), said in the line."""
+    target = TargetCosts("ort:cpu", token_ms=20.0, window_ms=24.0, prefix_ms=12.0, suffix_ms=12.0, cores=15)
+    draft = DraftCandidate("openvino:CPU", forward_ms=forward_ms, acceptance=0.9, cores=1)
+    mirror = next(p for p in pairings(target, [draft], gamma=4) if p.mode == "mirror")
+    assert mirror.draft_cores == share and f"({share} draft core" in mirror.describe()
+    assert all(p.draft_cores is None for p in pairings(TARGET, [NPU], gamma=4))  # not on CPU cores: no share
+
+
+def test_pick_sizes_the_share_from_the_threads_as_placed():
+    target = FakeModel(20.0, 1.0)
+    best, _, _ = pick(target, "ort:cpu", {"openvino:CPU": FakeModel(0.0)}, Tokens(), gamma=4, threads=(3, 1))
+    unpinned, _, _ = pick(target, "ort:cpu", {"openvino:CPU": FakeModel(0.0)}, Tokens(), gamma=4,
+                          cpu_concurrent=False, threads=(3, 1))
+    assert best.mode == "mirror" and best.draft_cores == 1 and unpinned.draft_cores is None
+
+
 def test_pick_chooses_no_speculation_when_every_draft_loses():
     """Drafts as slow as the target that never agree: target-only decoding wins."""
     target = FakeModel(4.0)
@@ -154,9 +173,9 @@ def explicit_bundle(tmp_path_factory):
 
 def scripted(speeds: dict):
     """measure_draft returning chosen costs per device (the target is timed for real)."""
-    def measure(draft, device, target, ids, concurrent=True):
+    def measure(draft, device, target, ids, concurrent=True, cores=None):
         forward_ms, acceptance = speeds[device]
-        return DraftCandidate(device, forward_ms, acceptance, concurrent)
+        return DraftCandidate(device, forward_ms, acceptance, concurrent, cores)
     return measure
 
 

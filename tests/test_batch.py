@@ -152,7 +152,8 @@ def test_seeded_sampling_repeats_whatever_the_companions(pair):
     """A seeded sampled request gives the same tokens alone, in a batch, and in sd: its draws are keyed by
     position, never by what else runs."""
     target, draft = pair
-    config = GenerationConfig(max_new_tokens=24, mode="sd", seed=7, sampling=SamplingConfig(temperature=0.9))
+    config = GenerationConfig(max_new_tokens=24, mode="sd", seed=7, sampling=SamplingConfig(temperature=0.9),
+                              sampling_verify="exact-seed")
     alone = BatchDecoder(target, draft, BatchConfig(max_num_seqs=1))
     solo = sequence(0, [5, 6, 7], config)
     run(alone, [(0, solo)])

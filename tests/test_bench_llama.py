@@ -82,7 +82,7 @@ def gguf(tmp_path):
 
 def _runners(gguf, methods=("llama-cpp", "llama-cpp-lookup"), log=None):
     engine = types.SimpleNamespace(tokenizer=ByteTokenizer())
-    return build_runners(list(methods), engine, None, log=log or (lambda *_: None), gguf=gguf)
+    return build_runners(list(methods), engine, None, log=log or (lambda *_: None), gguf=gguf, isolated=False)
 
 
 def test_prompt_ids_go_in_unchanged_and_eos_ends_the_answer(fake_llama, gguf):

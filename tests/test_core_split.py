@@ -13,6 +13,14 @@ from mirror_rt.runtime.config import GenerationConfig
 
 CORES = sorted(available_cores())
 CPUS = (CORES[0], CORES[-1])  # two cores where the machine has them (pinning to one core twice also works)
+# the engine's `cpus` as devices.placement gives them (Placement.worker_cores): core sets, equal on two cores, the
+# target's wider on more (there the two halves run one after the other on the target's cores: same bits)
+SHARES = {"cores": CPUS, "equal sets": ((CORES[0],), (CORES[-1],)), "unequal sets": (tuple(CORES), (CORES[-1],))}
+
+
+@pytest.fixture(params=list(SHARES))
+def cpus(request):
+    return SHARES[request.param]
 
 
 def test_both_ways_are_tried_then_the_faster_kept():
@@ -69,7 +77,7 @@ def bundle_pair(request, tmp_path_factory):
     return engine.target, engine.draft
 
 
-def test_rows_split_over_two_cores_equal_the_reference(bundle_pair, monkeypatch):
+def test_rows_split_over_two_cores_equal_the_reference(bundle_pair, monkeypatch, cpus):
     """Every target-only step split, at a cut that moves from step to step: staggered prompts of different
     lengths, each text equal to its single-stream reference (a row computes alike in any call)."""
     target, draft = bundle_pair
@@ -80,7 +88,7 @@ def test_rows_split_over_two_cores_equal_the_reference(bundle_pair, monkeypatch)
         return 1 + calls["n"] % (len(lengths) - 1)
 
     monkeypatch.setattr(batch_steps, "balanced_cut", moving_cut)
-    decoder = BatchDecoder(target, draft, BatchConfig(max_num_seqs=5, adaptive_speculation=False), cpus=CPUS)
+    decoder = BatchDecoder(target, draft, BatchConfig(max_num_seqs=5, adaptive_speculation=False), cpus=cpus)
     decoder.core_split.way = lambda rows: "split"
     seqs = [(i * 2, sequence(i, p * (1 + 2 * (i % 3 == 1)), GenerationConfig(max_new_tokens=14 + i, mode="ar")))
             for i, p in enumerate(prompts(9, 11))]
@@ -109,11 +117,11 @@ class Alternating:
         pass
 
 
-def test_steps_split_only_once_the_draft_worker_is_free(bundle_pair):
+def test_steps_split_only_once_the_draft_worker_is_free(bundle_pair, cpus):
     """The helper of a split step runs on the draft worker's core: Mirror sequences leave the worker before
     every target-only step, so no split meets a drafting worker, and the texts stay the reference's."""
     target, draft = bundle_pair
-    decoder = BatchDecoder(target, draft, BatchConfig(max_num_seqs=4), policy=Alternating(), cpus=CPUS)
+    decoder = BatchDecoder(target, draft, BatchConfig(max_num_seqs=4), policy=Alternating(), cpus=cpus)
     decoder.core_split.way = lambda rows: "split"
     drafting = []
     original = target.forward_rows_split
@@ -135,13 +143,13 @@ def test_steps_split_only_once_the_draft_worker_is_free(bundle_pair):
 
 
 @pytest.mark.parametrize("mode", ["ar", "mirror"])
-def test_prompts_prefilled_two_at_once_equal_the_reference(bundle_pair, mode):
+def test_prompts_prefilled_two_at_once_equal_the_reference(bundle_pair, mode, cpus):
     """Prompts of like lengths arriving together take a chunk each at once, one per core (small chunks, so a
     prompt pairs several times, and partners change): every text equals its single-stream reference. Mirror
     sequences hold the draft worker's core while they run, so prompts pair only before the first of them does."""
     target, draft = bundle_pair
     settings = BatchConfig(max_num_seqs=6, prefill_chunk=5, adaptive_speculation=False)
-    decoder = BatchDecoder(target, draft, settings, cpus=CPUS)
+    decoder = BatchDecoder(target, draft, settings, cpus=cpus)
     seqs = [(2 * (i // 3), sequence(i, (p * 8)[:10 + i % 5], GenerationConfig(max_new_tokens=10, mode=mode)))
             for i, p in enumerate(prompts(9, 13))]
     run(decoder, seqs)

@@ -84,7 +84,7 @@ def test_sd_runner_matches_plain_runner(genai, tmp_path, monkeypatch):
     monkeypatch.setenv("MIRROR_RT_CACHE", str(tmp_path / "cache"))
     folder = _sharp_hf_folder(tmp_path / "hf")
     engine = SimpleNamespace(tokenizer=HFTokenizer(folder))
-    runners = build_runners(["ov-genai", "ov-genai-sd"], engine, str(folder), log=lambda *_: None)
+    runners = build_runners(["ov-genai", "ov-genai-sd"], engine, str(folder), log=lambda *_: None, isolated=False)
     assert [r.name for r in runners] == ["ov-genai", "ov-genai-sd"]
     assert len(list((tmp_path / "cache" / "genai").iterdir())) == 2  # fp32 target, int8 draft
     config = make_config(max_new_tokens=10, gamma=3)
@@ -98,7 +98,8 @@ def test_missing_package_skips_with_one_line(monkeypatch):
     """Without openvino_genai the methods are skipped with a message, not a crash."""
     monkeypatch.setitem(sys.modules, "openvino_genai", None)
     lines = []
-    runners = build_runners(["ov-genai", "ov-genai-sd"], SimpleNamespace(tokenizer=None), "tiny", log=lines.append)
+    runners = build_runners(["ov-genai", "ov-genai-sd"], SimpleNamespace(tokenizer=None), "tiny", log=lines.append,
+                            isolated=False)
     assert runners == [] and len(lines) == 2 and all("skipping ov-genai" in line for line in lines)
 
 
@@ -106,7 +107,8 @@ def test_sd_skips_a_model_without_tokenizer(genai, tmp_path, monkeypatch):
     """A preset has no tokenizer, which GenAI's speculative pipeline requires: one line, no crash."""
     monkeypatch.setenv("MIRROR_RT_CACHE", str(tmp_path / "cache"))
     lines = []
-    assert build_runners(["ov-genai-sd"], SimpleNamespace(tokenizer=None), "tiny", log=lines.append) == []
+    assert build_runners(["ov-genai-sd"], SimpleNamespace(tokenizer=None), "tiny", log=lines.append,
+                         isolated=False) == []
     assert "needs a tokenizer" in lines[-1]
 
 
@@ -119,7 +121,8 @@ def test_f32_runner_asks_for_exact_precision_and_equals_our_reference(genai, tmp
 
     monkeypatch.setenv("MIRROR_RT_CACHE", str(tmp_path / "cache"))
     tokenizer = ByteTokenizer(258)
-    (runner,) = build_runners(["ov-genai-f32"], SimpleNamespace(tokenizer=tokenizer), "tiny", log=lambda *_: None)
+    (runner,) = build_runners(["ov-genai-f32"], SimpleNamespace(tokenizer=tokenizer), "tiny", log=lambda *_: None,
+                              isolated=False)
     assert runner.precision == "fp32" and runner.target_only
     assert runner.label == "openvino genai; fp32 target weights, f32 compute, f32 KV"
     text, new_tokens, *_ = runner.answer([{"role": "user", "content": "hello"}], make_config(max_new_tokens=8))

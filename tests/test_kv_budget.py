@@ -52,7 +52,13 @@ def test_the_prefix_cache_keeps_at_most_its_share(pair):
             decoder.step()
     assert len(decoder.cache) == decoder.cache.max_blocks < 24
     assert decoder.cache.bytes == len(decoder.cache) * decoder.cache.block_bytes > 0
-    assert "prefix cache up to" in decoder.describe() and "25% of the budget" in decoder.describe()
+    said = decoder.describe()
+    assert f"prefix cache up to {decoder.cache.max_blocks} of those blocks (25%; the target's KV only: " in said
+    # what it says is true: binary units (as --kv-cache-gb counts them), the cache's bytes the target's KV of its
+    # blocks (it said "up to 1023.8 MB (50% of the budget)" of a 4 GB budget: half of the target's share, in MiB)
+    assert f"KV budget {decoder.budget_bytes() / 2**20:.1f} MiB ({decoder.budget.total} blocks" in said, said
+    assert f"the target's KV only: {decoder.cache.max_blocks * decoder.cache.block_bytes / 2**20:.1f} MiB)" in said
+    assert " GB" not in said and " MB" not in said
     # idle, the usage gauge counts the cached blocks (it read 0.0 while the cache held ~4.9 GB)
     assert decoder.kv_usage() == pytest.approx(len(decoder.cache) / decoder.budget.total)
 

@@ -89,8 +89,9 @@ def test_side_branches_are_hit():
     assert stats["side_branch_hits"] > 0 and stats["side_branches_rolled"] > 0
 
 
-def test_sampling_reproduces_target_markov_chain():
-    """Sampled Mirror output is a Markov chain with the target's transitions, not the draft's.
+@pytest.mark.parametrize("rule", ["rejection", "exact-seed"])
+def test_sampling_reproduces_target_markov_chain(rule):
+    """Sampled Mirror output is a Markov chain with the target's transitions, not the draft's, under either rule.
 
     One 6000-token generation over a 4-token vocabulary; per row a chi-square test at the
     1 - 1e-6 quantile (3 degrees of freedom), so a correct implementation fails with
@@ -99,7 +100,7 @@ def test_sampling_reproduces_target_markov_chain():
     """
     p, q = random_transition(4, seed=1), random_transition(4, seed=2)
     tokens, stats = run_mirror(MarkovModel(p), MarkovModel(q), [0], 6000, gamma=3,
-                               sampling=SamplingConfig(temperature=1.0), seed=5)
+                               sampling=SamplingConfig(temperature=1.0), seed=5, sampling_verify=rule)
     assert len(tokens) == 6000 and stats["reuse_hit_rate"] > 0
     seq = [0] + tokens
     counts = np.zeros((4, 4))
@@ -238,20 +239,21 @@ class SlowDraft(TorchModel):
         return super().forward(tokens, cache, *args, **kwargs)
 
 
-@pytest.mark.parametrize("seed", [0, 1])
-def test_seeded_sampling_repeats_whatever_the_timing(seed):
+@pytest.mark.parametrize("seed,rule", [(0, "exact-seed"), (1, "exact-seed"), (0, "rejection"), (1, "rejection")])
+def test_seeded_sampling_repeats_whatever_the_timing(seed, rule):
     """With a seed, sampled Mirror output is the same whether the draft is fast or slow and whatever it
-    precomputed (keyed draws, full windows): the same request repeats exactly."""
+    precomputed (keyed draws, full windows): the same request repeats exactly; exact-seed's is ar's text."""
     target = tiny_target(seed=seed, scale=3.0)
     draft = perturbed_copy(target, noise=0.3, seed=seed + 50)
-    settings = dict(gamma=4, sampling=SamplingConfig(temperature=1.0), seed=11)
+    settings = dict(gamma=4, sampling=SamplingConfig(temperature=1.0), seed=11, sampling_verify=rule)
     fast, _ = run_mirror(TorchSplitTarget(target), TorchModel(draft), [3, 4, 5], 40, **settings)
     slow_draft, drafted = run_mirror(TorchSplitTarget(target), SlowDraft(draft), [3, 4, 5], 40, **settings)
     slow_target, stats = run_mirror(SlowSuffix(target), TorchModel(draft), [3, 4, 5], 40, **settings)
     branches, _ = run_mirror(SlowSuffix(target), TorchModel(draft), [3, 4, 5], 40, branch_budget=2, **settings)
     assert len(stats["proposed_per_position"]) > 1  # windows of several tokens were verified
     assert fast == slow_draft == slow_target == branches
-    assert fast == flat(generate(TorchModel(target), [3, 4, 5], 40, SamplingConfig(temperature=1.0), 11))
+    ar = flat(generate(TorchModel(target), [3, 4, 5], 40, SamplingConfig(temperature=1.0), 11))
+    assert fast == ar if rule == "exact-seed" else fast != ar  # rejection: the target's law, not its very draws
     assert not stats["events"] and not drafted["events"]  # no draft fell back (that would draw the text otherwise)
     other, _ = run_mirror(TorchSplitTarget(target), TorchModel(draft), [3, 4, 5], 40, **{**settings, "seed": 12})
     assert other != fast

@@ -145,7 +145,8 @@ def test_without_a_compiler_it_says_why(monkeypatch, tmp_path):
     from mirror_rt.exporters.export_config import ExportConfig
 
     monkeypatch.setattr(native_op, "compiler", lambda: None)
-    with pytest.raises(native_op.NativeOpUnavailable, match="no C\\+\\+ compiler"):
+    with pytest.raises(native_op.NativeOpUnavailable, match="^no C\\+\\+ compiler to build mirror-rt's CPU kernels: "
+                       "(apt-get install g\\+\\+|.*) \\(or set \\$CXX to one\\)$"):
         native_op.library(tmp_path)
     assert _attention(ExportConfig(model="tiny", out_dir=tmp_path / "b")) == "standard"
     with pytest.raises(ValueError, match="--attention pool: no C\\+\\+ compiler"):
@@ -161,3 +162,44 @@ def test_a_failing_build_says_why_in_one_line(monkeypatch, tmp_path):
     with pytest.raises(native_op.NativeOpUnavailable, match="failed: x.cpp:1:1: error: something broke$"):
         native_op.library(tmp_path)
     assert not list((tmp_path / "native").iterdir())
+
+
+def test_a_gguf_export_without_a_compiler_stops_before_it_starts(monkeypatch, tmp_path):
+    """No compiler on PATH: a GGUF export says what to install in one line before reading its weights (GGUF graphs
+    run on the kernels only; `--attention standard` is no way out for them)."""
+    from mirror_rt.exporters.export import export_bundle
+    from mirror_rt.exporters.export_config import ExportError
+
+    monkeypatch.delenv("CXX", raising=False)
+    monkeypatch.setenv("PATH", str(tmp_path))  # no g++, no c++
+    assert native_op.compiler() is None
+    from test_gguf_header import write_small_gguf
+
+    model = write_small_gguf(tmp_path / "model.gguf")  # a valid header: only the kernels are missing
+    with pytest.raises(ExportError) as caught:
+        export_bundle(str(model), tmp_path / "bundle", progress=False)
+    message = str(caught.value)
+    assert "\n" not in message and "no C++ compiler" in message and "install" in message, message
+    assert "--attention standard" not in message
+    assert not (tmp_path / "bundle").exists()
+
+
+def test_a_cxx_naming_no_program_says_so(monkeypatch, tmp_path):
+    """$CXX set to a missing binary: said in one line, not silently another compiler."""
+    monkeypatch.setenv("CXX", str(tmp_path / "missing-g++"))
+    with pytest.raises(native_op.NativeOpUnavailable, match="^\\$CXX=.*missing-g\\+\\+: no such program here"):
+        native_op.library(tmp_path)
+    monkeypatch.setenv("CXX", "ccache-nowhere g++")
+    with pytest.raises(native_op.NativeOpUnavailable, match="ccache-nowhere g\\+\\+: no such program"):
+        native_op.require()
+
+
+def test_the_first_build_says_so_in_one_line(monkeypatch, tmp_path, capfd):
+    fake = tmp_path / "cxx"  # a compiler that writes an empty library where asked
+    fake.write_text('#!/bin/sh\nfor a; do [ "$last" = -o ] && touch "$a"; last=$a; done\nexit 0\n')
+    fake.chmod(0o755)
+    monkeypatch.setenv("CXX", str(fake))
+    native_op.library(tmp_path, variant="portable")
+    assert capfd.readouterr().err == "compiling mirror-rt's CPU kernels (portable), ~1 min, once\n"
+    native_op.library(tmp_path, variant="portable")  # built: nothing said
+    assert capfd.readouterr().err == ""

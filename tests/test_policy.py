@@ -29,18 +29,30 @@ def test_speculation_that_lost_at_a_smaller_batch_is_not_tried_again_larger():
 
 def test_speculation_is_tried_at_a_larger_batch_only_where_it_won_below():
     policy = SpeculationPolicy(explore=2, refresh=1000)
-    assert set(drive(policy, 3, {SPEC: 500, AR: 100}, 10)) == {AR}  # nothing known at 2: target-only
+    assert drive(policy, 4, {SPEC: 500, AR: 100}, 10)[-1] == SPEC  # nothing known below: measured here
+    lost = SpeculationPolicy(explore=2, refresh=1000)
+    drive(lost, 2, {SPEC: 40, AR: 100}, 10)
+    assert set(drive(lost, 3, {SPEC: 500, AR: 100}, 10)) == {AR}  # it lost at 2: not tried at 3
+    policy = SpeculationPolicy(explore=2, refresh=1000)
     drive(policy, 1, {SPEC: 80, AR: 45}, 10)
     ways = drive(policy, 2, {SPEC: 100, AR: 60}, 10)  # target-only measured first; one stream's 80 beats its 60
     assert ways[:2] == [AR, AR] and ways[-1] == SPEC
     assert drive(policy, 3, {SPEC: 100, AR: 60}, 20)[-1] == SPEC
 
 
-def test_speculation_is_not_tried_where_target_only_of_the_batch_beats_one_stream():
-    """One stream's speculation beat one stream's target-only, but target-only of 2 rows beats it: never tried."""
+def test_speculation_is_measured_at_the_batch_it_runs():
+    """A speculative step verifies every row in one call, so a batch's speculation is tried where it won at a
+    smaller batch, whatever one stream's rate: at 2 rows it loses here (target-only from then on), so 3 rows never
+    try it; where it wins at 2 rows, 3 rows try it and keep it."""
     policy = SpeculationPolicy(explore=2, refresh=1000)
     drive(policy, 1, {SPEC: 80, AR: 60}, 10)
-    assert set(drive(policy, 2, {SPEC: 80, AR: 110}, 30)) == {AR}
+    ways = drive(policy, 2, {SPEC: 100, AR: 110}, 30)
+    assert SPEC in ways[:10] and set(ways[10:]) == {AR}
+    assert set(drive(policy, 3, {SPEC: 500, AR: 120}, 20)) == {AR}
+    policy = SpeculationPolicy(explore=2, refresh=1000)
+    drive(policy, 1, {SPEC: 80, AR: 60}, 10)
+    drive(policy, 2, {SPEC: 150, AR: 110}, 20)  # above one stream's 80: measured, not guessed
+    assert drive(policy, 3, {SPEC: 180, AR: 120}, 20)[-1] == SPEC
 
 
 def test_exploring_ends_when_sequences_come_and_go_every_step():

@@ -43,8 +43,8 @@ def test_serve_drains_on_sigterm_and_exits_0(tmp_path, cache_dir, default_ar_tex
         assert f"http://127.0.0.1:{port}/v1" in line and "smollm2-135m-instruct" in line and "mode mirror" in line
         assert "target on ort:cpu" in line and "draft on ort:cpu" in line and "no API key" in line
         # the budget an operator can predict, said at start (it was 40% of the memory free at that moment)
-        assert "KV budget 4.00 GB" in line and "default: 4 GB or every row at full length" in line
-        assert "prefix cache up to" in line and "50% of the budget" in line
+        assert "KV budget 4.00 GiB" in line and "default: 4 GiB or every row at full length" in line
+        assert "prefix cache up to" in line and "of those blocks (50%; the target's KV only" in line
         warning = wait_for_line(log, "no API key:", proc, timeout=10)
         assert "any program on this machine can use" in warning and "--allowed-origins" in warning
         url = f"http://127.0.0.1:{port}"

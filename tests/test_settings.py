@@ -76,7 +76,7 @@ def test_every_flag_default_is_its_settings_default(command):
 def test_run_serve_and_bench_share_their_generation_flags_and_defaults():
     """The decoding flags are the same in run, serve and bench; the request flags in run and bench."""
     run, serve, bench = (parsed_defaults(c) for c in ("run", "serve", "bench"))
-    decoding = ("gamma", "branch_budget", "draft_lookup", "early_exit")
+    decoding = ("gamma", "branch_budget", "draft_lookup", "early_exit", "sampling_verify")
     request = ("max_new_tokens", "temperature", "top_p", "top_k", "seed", "stop_strings")
     assert all(run[n] == serve[n] == bench[n] for n in decoding)
     assert all(run[n] == bench[n] for n in request)
@@ -176,3 +176,24 @@ def test_export_draft_is_refused_in_one_line_naming_the_new_flag(capsys):
     assert main(["export", "--draft", "tiny", "--out", "nowhere"]) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and err[0].startswith("mirror-rt: error:") and "--draft-model" in err[0]
+
+
+def test_sampling_verify_has_one_name_from_flag_to_field_to_request():
+    """`--sampling-verify`, `GenerationConfig.sampling_verify` and a request's `sampling_verify`: one name, the
+    field's default when none is given, a bad value refused in one line (CLI) or a 400 (request)."""
+    from mirror_rt.cli.options import generation_config
+    from mirror_rt.runtime.config import make_config
+    from mirror_rt.serving.errors import APIError
+    from mirror_rt.serving.protocol import CompletionRequest, parse
+
+    parser = build_parser()
+    assert generation_config(parser.parse_args(["run", "hi"])).sampling_verify == GenerationConfig().sampling_verify
+    assert generation_config(parser.parse_args(["run", "hi", "--sampling-verify", "exact-seed"])).sampling_verify \
+        == "exact-seed"
+    asked = parse(CompletionRequest, {"prompt": "hi", "sampling_verify": "exact-seed"}).fields()
+    assert make_config(**asked).sampling_verify == "exact-seed"
+    assert "sampling_verify" not in parse(CompletionRequest, {"prompt": "hi"}).fields()  # the server's default
+    with pytest.raises(APIError):
+        parse(CompletionRequest, {"prompt": "hi", "sampling_verify": "coupled"})
+    with pytest.raises(ValueError, match="--sampling-verify must be rejection or exact-seed"):
+        GenerationConfig(sampling_verify="coupled")

@@ -13,7 +13,7 @@ import torch
 
 from mirror_rt.devices import engines, registry, torch_engine
 from mirror_rt.devices.options import EngineConfig
-from mirror_rt.devices.placement import is_accelerator, plan
+from mirror_rt.devices.placement import draft_share, is_accelerator, plan
 from mirror_rt.devices.registry import DeviceError, DeviceFallbackWarning, DeviceSpec, resolve
 
 CPU_ONLY = {"torch": ["cpu"], "openvino": ["CPU"], "onnxruntime": ["cpu"]}
@@ -113,14 +113,54 @@ def test_placement_cuda_target_gives_the_draft_every_core():
                                     "draft ort:cpu, 16 threads (not pinned)")
 
 
-def test_placement_cpu_pair_pins_a_core_each_in_mirror_only():
-    mirror = plan("ort:cpu", "ort:cpu", "mirror", [4, 5, 6])
-    assert mirror.worker_cores == (4, 5) and mirror.target_threads == mirror.draft_threads == 1
-    assert "pinned to core 4" in mirror.describe() and "pinned to core 5" in mirror.describe()
-    sd = plan("ort:cpu", "ort:cpu", "sd", [4, 5, 6])
-    assert sd.worker_cores is None and sd.target_threads == 3
+@pytest.mark.parametrize("n", [2, 4, 8, 16, 64])
+def test_placement_cpu_pair_in_mirror_gives_the_target_all_cores_but_the_drafts(n):
+    """Mirror with both on the CPU, nothing measured: the draft one core (the last), the target the other n-1, each
+    pinned with a thread per core; 2 cores stay 1 + 1."""
+    cores = list(range(100, 100 + n))
+    mirror = plan("ort:cpu", "ort:cpu", "mirror", cores)
+    assert mirror.target_cpus == tuple(cores[:-1]) and mirror.draft_cpus == (cores[-1],)
+    assert (mirror.target_threads, mirror.draft_threads) == (n - 1, 1)
+    assert mirror.worker_cores == (tuple(cores[:-1]), (cores[-1],))
+    target_where = f"core {cores[0]}" if n == 2 else f"cores {cores[0]}-{cores[-2]}"
+    assert mirror.describe() == (f"target ort:cpu, {n - 1} thread{'s' * (n > 2)} pinned to {target_where}; "
+                                 f"draft ort:cpu, 1 thread pinned to core {cores[-1]}")
+    # the prompt may borrow the draft's core only where it doubles the target's (2 cores)
+    assert mirror.prompt_cpus == (tuple(cores) if n == 2 else None)
+    for mode in ("sd", "ar"):
+        other = plan("ort:cpu", "ort:cpu", mode, cores)
+        assert other.worker_cores is None and other.target_threads == n
+
+
+@pytest.mark.parametrize("n,draft_cores,target_count", [(2, 1, 1), (2, 5, 1), (4, 2, 2), (8, 3, 5), (16, 4, 12),
+                                                         (64, 7, 57), (64, 64, 1), (16, 0, 15)])
+def test_placement_gives_the_draft_its_measured_share(n, draft_cores, target_count):
+    """`draft_cores` (draft_share of measured costs) sets the draft's cores, at least 1 and leaving the target 1."""
+    mirror = plan("ort:cpu", "openvino:CPU", "mirror", list(range(n)), draft_cores=draft_cores)
+    assert mirror.target_cpus == tuple(range(target_count)) and mirror.draft_cpus == tuple(range(target_count, n))
+    assert (mirror.target_threads, mirror.draft_threads) == (target_count, n - target_count)
+
+
+@pytest.mark.parametrize("n,target_core_ms,draft_core_ms,share", [
+    (2, 10.0, 10.0, 1), (2, 1.0, 100.0, 1),  # two cores: always 1 + 1
+    (4, 30.0, 10.0, 1), (4, 10.0, 10.0, 2), (4, 10.0, 30.0, 3),
+    (8, 70.0, 10.0, 1), (8, 10.0, 10.0, 4), (8, 50.0, 30.0, 3),
+    (16, 180.0, 10.0, 1), (16, 180.0, 100.0, 6), (16, 10.0, 30.0, 12),
+    (64, 90.0, 10.0, 7), (64, 1.0, 1000.0, 63),  # never the target's last core
+    (16, None, 5.0, 1), (16, 5.0, None, 1), (16, 0.0, 5.0, 1), (1, 5.0, 5.0, 1),  # unknown: one core
+])
+def test_draft_share_ends_the_rollout_with_the_targets_part(n, target_core_ms, draft_core_ms, share):
+    assert draft_share(n, target_core_ms, draft_core_ms) == share
+    if target_core_ms and draft_core_ms and 1 < share < n - 1:  # the fewest cores that keep up, not one more
+        assert draft_core_ms / share <= target_core_ms / (n - share)
+        assert draft_core_ms / (share - 1) > target_core_ms / (n - share + 1)
+
+
+def test_placement_off_mirror_and_overrides_pin_nothing():
     assert plan("ort:cpu", "ort:cpu", "mirror", [0]).worker_cores is None  # one core: nothing to split
     assert plan("ort:cpu", "ort:cpu", "mirror", [0, 1], threads=2).worker_cores is None
+    assert plan("ort:cpu", "ort:cpu", "mirror", [3, 5, 6, 7, 9]).describe().startswith(
+        "target ort:cpu, 4 threads pinned to cores 3,5-7;")
 
 
 def test_cpu_torch_engine_reports_its_placement():

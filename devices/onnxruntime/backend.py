@@ -205,7 +205,7 @@ class ORTSplitTarget(SplitTarget):
         # rows a call attends apart (exporters.exact_kv, format 6; pool graphs: every row apart)
         rows = prefix.batched and suffix.batched and "exit_hidden" not in prefix.output_names
         groups = ROWS_APART if prefix.rows_apart and suffix.rows_apart else min(prefix.groups, suffix.groups)
-        self.capabilities = Capabilities(split=True, rows=rows, attention_groups=groups,
+        self.capabilities = Capabilities(split=True, rows=rows, attention_groups=groups, split_rows=rows,
                                          wide=prompt_graphs is not None, pipelined=True, two_calls=True)
 
     def new_cache(self, capacity: int) -> ORTCache:
@@ -223,6 +223,24 @@ class ORTSplitTarget(SplitTarget):
         hidden = pool.run(0, prefix, np.asarray(tokens, dtype=np.int64), first)["hidden"]
         return pool.run(1, suffix, hidden, first, last_rows)["logits"]
 
+    def forward_rows_prefix(self, tokens: np.ndarray, pool: RowPool, first: int,
+                            exits: dict[int, int]) -> tuple[np.ndarray, dict]:
+        """The prefix over rows first..first+B-1 (tokens [B, T]) -> (hidden [B, T, hidden] for `forward_rows_suffix`,
+        {row: early exit (ids, log-probs) [n, kappa]} of the first n positions of each row of `exits` {row: n}, in
+        one exit call)."""
+        hidden = pool.run(0, self.prefix, np.asarray(tokens, dtype=np.int64), first)["hidden"]
+        if not exits:
+            return hidden, {}
+        rows = sorted(exits)
+        ids, logprobs = self._exit(np.concatenate([hidden[r, :exits[r]] for r in rows]))
+        ends = np.cumsum([exits[r] for r in rows])
+        return hidden, {r: (ids[end - exits[r]:end], logprobs[end - exits[r]:end]) for r, end in zip(rows, ends)}
+
+    def forward_rows_suffix(self, hidden: np.ndarray, pool: RowPool, first: int) -> np.ndarray:
+        """The suffix over the rows `forward_rows_prefix` ran -> logits [B, T, vocab]; no advance (the caller
+        commits)."""
+        return pool.run(1, self.suffix, hidden, first)["logits"]
+
     def forward_rows_split(self, tokens: np.ndarray, pool: RowPool, cut: int, cpus: tuple[int, int]) -> np.ndarray:
         """All of the pool's rows as two calls at once (runtime.batch.splits): rows ..cut-1 on cpus[0], the others on
         cpus[1], through the one-thread sessions -> logits [B, T, vocab], the same bits as one call."""
@@ -239,7 +257,14 @@ class ORTSplitTarget(SplitTarget):
 
     def _on_two_cores(self, first, second, cpus: tuple[int, int]) -> tuple:
         """(first(), second()) at once: `first` here pinned to cpus[0], `second` in a helper thread pinned to cpus[1],
-        waited for even when `first` fails (both write into the pool)."""
+        waited for even when `first` fails (both write into the pool). Unequal shares (a Mirror target's N-1 cores, the
+        draft's one): one after the other on the target's cores, where the slower half would not hold the other."""
+        if not isinstance(cpus[0], int) and len(cpus[0]) != len(cpus[1]):
+            previous = pin(cpus[0])
+            try:
+                return first(), second()
+            finally:
+                restore(previous)
         if self._helper is None or self._helper[0] != cpus[1]:
             self._helper = (cpus[1], ThreadPoolExecutor(1, thread_name_prefix="mirror-rows", initializer=pin,
                                                         initargs=(cpus[1],)))

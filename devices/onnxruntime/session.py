@@ -21,6 +21,8 @@ GRAPH_FILE, WEIGHTS_FILE = "model.onnx", "model.onnx.data"
 SAVE_PREPACKED = "session.save_external_prepacked_constant_initializers"
 # graphs whose weights lie in the bundle's weights.bin are read where they lie: a cached copy would only double them
 MAPPED_WEIGHTS = "weights.bin"
+# how ONNX Runtime says an allocation failed (a thread's stack or an arena refused: pthread_create's ENOMEM)
+ALLOCATION_FAILED = ("bad_alloc", "Failed to allocate memory", "Cannot allocate memory", "error code: 12")
 
 
 def cache_folder(path: Path, providers: list[str], options) -> Path:
@@ -39,6 +41,10 @@ def create_session(path: Path, providers: list[str], make_options):
     try:
         return _create_session(path, providers, make_options)
     except Exception as exc:
+        if allocation_failed(exc):  # ONNX Runtime's std::bad_alloc (an address-space limit, a full machine)
+            from mirror_rt.models.memory import out_of_memory
+
+            raise out_of_memory(f"creating ONNX Runtime's session of {path}") from None
         if f"{DOMAIN}:" not in str(exc) or "not a registered function/op" not in str(exc):
             raise
         from mirror_rt.exporters.manifest import BundleError
@@ -49,8 +55,18 @@ def create_session(path: Path, providers: list[str], make_options):
             reason = "ONNX Runtime did not take it"
         except NativeOpUnavailable as unavailable:
             reason = str(unavailable)
-        raise BundleError(f"{path} attends through mirror-rt's own ONNX Runtime op, which this machine cannot "
-                          f"use ({reason}); export the bundle here with --attention standard") from None
+        instead = ("run its model in torch eager with --torch (a GGUF file's or a large folder's bundle has no "
+                   "standard-op form)" if (Path(path).parent / MAPPED_WEIGHTS).is_file()
+                   else "export the bundle here with --attention standard")
+        raise BundleError(f"{path} runs on mirror-rt's own ONNX Runtime ops, which this machine cannot use "
+                          f"({reason}); {instead}") from None
+
+
+def allocation_failed(exc: BaseException) -> bool:
+    """Whether `exc` is ONNX Runtime failing to allocate: its Fail / RuntimeException ending in std::bad_alloc, or a
+    thread it could not start (pybind11 gives MemoryError only where the allocation escapes ONNX Runtime's catch)."""
+    text = str(exc)
+    return isinstance(exc, MemoryError) or any(sign in text for sign in ALLOCATION_FAILED)
 
 
 def _create_session(path: Path, providers: list[str], make_options):

@@ -27,7 +27,8 @@ class TorchSplitTarget(TorchModel):
                  exit_adapter=None, compile: bool = False, static: bool = False):
         super().__init__(model, device, compile, static)
         # a CUDA target computes while the host goes on: Mirror queues its suffix before reading the exit back
-        self.capabilities = replace(self.capabilities, split=True, asynchronous=self.device.type == "cuda")
+        self.capabilities = replace(self.capabilities, split=True, asynchronous=self.device.type == "cuda",
+                                    split_rows=self.capabilities.rows)
         self.exit_layer, self.kappa = SplitConfig(exit_layer, kappa).resolve(model.config)
         if exit_adapter is not None:
             check_compatible(exit_adapter, model, self.exit_layer)
@@ -91,4 +92,28 @@ class TorchSplitTarget(TorchModel):
             h = self.model.run_layers(h, cache, self.exit_layer, n, cache_first=0)
             logits = self.model.logits(h if last_rows is None else h[-last_rows:])
         cache.advance(rows)
+        return logits
+
+    def forward_rows_prefix(self, tokens, pool, first: int, exits: dict[int, int]) -> tuple[list, dict]:
+        """The prefix over rows first..first+B-1 (tokens [B, T]), one row a call as `forward_rows` (a row computes
+        what it computes alone) -> (the rows' pending caches for `forward_rows_suffix`, {row: early exit (ids,
+        log-probs) [n, kappa]} of the first n positions of each row of `exits` {row: n})."""
+        caches, out = [], {}
+        for r, row in enumerate(np.asarray(tokens).tolist()):
+            cache = pool.row_cache(first + r)
+            if r in exits:
+                ids, logprobs = self.forward_prefix(row, cache)
+                out[r] = (ids[:exits[r]], logprobs[:exits[r]])
+            else:
+                self.forward_prefix_only(row, cache)
+            caches.append(cache)
+        return caches, out
+
+    def forward_rows_suffix(self, caches: list, pool, first: int) -> torch.Tensor:
+        """The suffix over the rows `forward_rows_prefix` ran -> logits [B, T, vocab]; no advance (the caller
+        commits)."""
+        lengths = [cache.length for cache in caches]
+        logits = torch.stack([self.forward_suffix(cache) for cache in caches])
+        for r, length in enumerate(lengths):
+            pool.commit(first + r, length)
         return logits

@@ -42,6 +42,24 @@ MACHINE_ERRORS = {errno.ENOSPC, errno.ENOMEM, errno.EROFS, errno.EACCES, errno.E
                   errno.EISDIR}
 
 
+# optional packages -> the extra that installs them (pyproject.toml); None: not in an extra, named as is
+EXTRAS = {"fastapi": "serve", "uvicorn": "serve", "prometheus_client": "serve", "starlette": "serve",
+          "ray": "cluster", "playwright": "browser", "llama_cpp": "llama-cpp", "optimum": "peers", "guidellm": "load",
+          "openai": None, "httpx": None}
+
+
+def missing_extra(command: str, exc: ModuleNotFoundError) -> str | None:
+    """The line for a missing optional package: which extra installs it (None: not an optional package)."""
+    module = (exc.name or "").split(".")[0]
+    if module not in EXTRAS:
+        return None
+    extra = EXTRAS[module]
+    if extra is None:
+        return f"mirror-rt {command} needs {module}, which is not installed: pip install {module}"
+    return (f"mirror-rt {command} needs {module}, which the [{extra}] extra installs: pip install "
+            f"\"mirror-rt[{extra}]\" (in a checkout: pip install -e \".[{extra}]\")")
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = OneLineParser(prog="mirror-rt", description="Mirror speculative decoding runtime")
     sub = parser.add_subparsers(dest="command", required=True)
@@ -94,6 +112,12 @@ def main(argv=None) -> int:
         _exit_now(141)
     except (ValueError, FileNotFoundError, DefaultModelUnavailable) as exc:
         print(f"mirror-rt: error: {exc}", file=sys.stderr)
+        return 2
+    except ModuleNotFoundError as exc:  # an optional extra not installed: one line naming it
+        line = missing_extra(args.command, exc)
+        if line is None:
+            raise
+        print(f"mirror-rt: error: {line}", file=sys.stderr)
         return 2
     except MemoryError as exc:  # a step that needs more than there is: one line with both figures
         return _out_of_memory(args.command, exc)

@@ -14,7 +14,7 @@ import sys
 from mirror_rt.devices.options import BUNDLE_WEIGHTS, DRAFT_PRECISIONS, EngineConfig, flag_names
 from mirror_rt.models.config import DEFAULT_KAPPA
 from mirror_rt.models.default_model import DEFAULT_MODEL
-from mirror_rt.runtime.config import DEFAULTS, EARLY_EXIT, MAX_GAMMA, MODES, make_config
+from mirror_rt.runtime.config import DEFAULTS, EARLY_EXIT, MAX_GAMMA, MODES, SAMPLING_VERIFY, make_config
 
 # --- argument types and the log line of every subcommand ---------------------------------------
 
@@ -92,7 +92,9 @@ def log(message: str) -> None:
 ENGINE = EngineConfig()
 # What each engine flag says (every EngineConfig field but the API-only `pin`).
 ENGINE_HELP = {
-    "model": f"target: HF folder, .gguf file or preset (default: {DEFAULT_MODEL}); runs torch eager",
+    "model": f"target: HF folder, .gguf file or preset (default: {DEFAULT_MODEL}); a .gguf file or a "
+             "folder over 1 GB runs as a bundle exported once into the cache, a smaller folder or a preset in torch "
+             "eager",
     "draft_model": "torch draft: int8 (an int8 copy of the target, default), target (oracle draft), or an HF "
                    "folder, .gguf file or preset",
     "draft_streams": "trained SS streams (mirror-rt train-draft --out) over the draft",
@@ -100,7 +102,8 @@ ENGINE_HELP = {
               "exported once into the cache)",
     "draft_bundle": "take the draft from another bundle (default: --bundle's)",
     "torch": "run the default model in torch eager, not its ONNX bundle",
-    "cache_dir": "model cache folder (default: $MIRROR_RT_CACHE or ~/.cache/mirror-rt)",
+    "cache_dir": "model cache folder (default: $MIRROR_RT_CACHE, else $XDG_CACHE_HOME/mirror-rt, else "
+                 "~/.cache/mirror-rt)",
     "target": "target device (default %(default)s): cpu, cuda, cuda:1, gpu, npu, openvino:CPU, ort:cpu, ort:qnn, "
               "torch:cpu...; without --bundle, cuda runs the target in torch on the GPU",
     "draft": "draft device (default %(default)s: where more than one device runs the draft, each is timed at load "
@@ -121,8 +124,8 @@ ENGINE_HELP = {
     "exit_layer": "torch: early-exit layer (mirror; default N/2)",
     "kappa": f"torch: early-exit candidates per position (mirror; default {DEFAULT_KAPPA})",
     "max_num_seqs": "sequences decoded at once (default %(default)s): more wait, up to --max-queued",
-    "kv_cache_gb": "KV memory of both models' rows and the prefix cache, in GB (default: 4, or every row at full "
-                   "length where that takes less; docs/serving.md: sizing it)",
+    "kv_cache_gb": "KV memory of both models' rows and the prefix cache, in GiB (2**30 bytes; default: 4, or every "
+                   "row at full length where that takes less; docs/serving.md: sizing it)",
     "prefill_chunk": "prompt tokens prefilled per step, several short prompts or a chunk of a long one (default "
                      "%(default)s): prompts stall the running requests by one chunk at most",
     "prefix_cache": "keep full 16-token blocks of finished requests for later ones that share them (default: on)",
@@ -140,7 +143,7 @@ ON_OFF = ("prefix_cache", "adaptive_speculation")  # --name / --no-name
 ENGINE_CHOICES = {"draft_precision": DRAFT_PRECISIONS, "weights": BUNDLE_WEIGHTS}
 SWITCHES = ("torch", "strict_devices", "compile")  # flags without a value
 # The decoding and request options, by field name (sampling fields are SamplingConfig's, given flat).
-DECODING = ("gamma", "branch_budget", "draft_lookup", "early_exit")
+DECODING = ("gamma", "branch_budget", "draft_lookup", "early_exit", "sampling_verify")
 REQUEST = ("max_new_tokens", "temperature", "top_p", "top_k", "seed", "stop_strings")
 
 
@@ -176,6 +179,10 @@ def add_decoding_options(parser, mode: bool = True) -> None:
     parser.add_argument("--early-exit", default=DEFAULTS.early_exit, choices=EARLY_EXIT,
                         help="mirror: send early-exit candidates (default %(default)s: only while the draft has "
                              "time to use them)")
+    parser.add_argument("--sampling-verify", default=DEFAULTS.sampling_verify, choices=SAMPLING_VERIFY,
+                        help="sd, mirror under sampling: rejection (default: standard speculative sampling, the "
+                             "target's distribution, more tokens accepted) or exact-seed (target-only's very text "
+                             "for a seed, fewer accepted)")
 
 
 def add_request_options(parser) -> None:

@@ -7,7 +7,8 @@ import json
 from mirror_rt.cli.options import count, log, positive_int, positive_number
 from mirror_rt.runtime.config import DEFAULTS
 
-DATA_HELP = "SpecBench-format jsonl question files (e.g. ../shared/data/specbench-dev.jsonl)"
+DATA_HELP = ("SpecBench-format jsonl question files, or a set shipped with mirror-rt by name: specbench-dev "
+             "(SpecBench's dev questions), short-prompts")
 TARGET_HELP = "target model (default: SmolLM2-135M-Instruct)"
 
 

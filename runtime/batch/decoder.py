@@ -23,7 +23,7 @@ from mirror_rt.runtime.mirror.step import MirrorStep
 from mirror_rt.runtime.values import is_integer, is_number
 
 WINDOW_ROOM = 80  # positions past the committed text a step may write (window, padding, draft guesses)
-DEFAULT_KV_GB = 4.0  # the KV budget without --kv-cache-gb (less where every row at full length takes less)
+DEFAULT_KV_GB = 4.0  # the KV budget without --kv-cache-gb, in GiB (less where every row at full length takes less)
 
 
 @dataclass(frozen=True)
@@ -93,11 +93,16 @@ class BatchDecoder:
             return (f"up to {s.max_num_seqs} sequences side by side, one model call each (these graphs take one "
                     "sequence a call: no shared calls, no prefix cache)")
         rule = "--kv-cache-gb" if s.kv_cache_gb is not None else (
-            f"default: {DEFAULT_KV_GB:g} GB or every row at full length, the smaller")
-        cache = (f"prefix cache up to {_size(self.cache.max_blocks * self.cache.block_bytes)} "
-                 f"({s.prefix_cache_share:.0%} of the budget)" if self.cache is not None else "prefix cache off")
+            f"default: {DEFAULT_KV_GB:g} GiB or every row at full length, the smaller")
+        whole = blocks_for(self.capacity)
+        short = (f"; one request at the model's full context needs {whole * BLOCK_SIZE} positions, "
+                 f"{_size(self.budget_bytes() // self.budget.total * whole)}" if whole > self.budget.total else "")
+        # a cached block counts as one block of the budget but holds the target's KV only
+        cache = (f"prefix cache up to {self.cache.max_blocks} of those blocks ({s.prefix_cache_share:.0%}; the "
+                 f"target's KV only: {_size(self.cache.max_blocks * self.cache.block_bytes)})"
+                 if self.cache is not None else "prefix cache off")
         return (f"batches of up to {s.max_num_seqs} sequences, KV budget {_size(self.budget_bytes())} "
-                f"({self.budget.total} blocks of {BLOCK_SIZE} positions; {rule}), {cache}, "
+                f"({self.budget.total} blocks of {BLOCK_SIZE} positions, both models' KV; {rule}{short}), {cache}, "
                 f"speculation {'adaptive' if s.adaptive_speculation else 'as requests ask'}")
 
     def budget_bytes(self) -> int:
@@ -313,7 +318,7 @@ class BatchDecoder:
         blocks = int(gb * 2**30 // (per_position * BLOCK_SIZE))
         smallest, whole = blocks_for(2 + WINDOW_ROOM), blocks_for(self.capacity)  # 1 prompt token + 1 generated
         if blocks < smallest:
-            size = lambda n: f"{n * BLOCK_SIZE * per_position / 2**30:.4g} GB"  # noqa: E731
+            size = lambda n: f"{n * BLOCK_SIZE * per_position / 2**30:.4g} GiB"  # noqa: E731
             raise ValueError(f"--kv-cache-gb {gb:g} holds {blocks * BLOCK_SIZE} KV positions, fewer than the smallest "
                              f"request needs ({smallest * BLOCK_SIZE}): give at least {size(smallest)} "
                              f"({size(whole)} holds one request at full context)")
@@ -321,7 +326,8 @@ class BatchDecoder:
 
 
 def _size(count: int) -> str:
-    """Bytes as a start-up line says them: 4.00 GB, 21.0 MB."""
-    return f"{count / 2**30:.2f} GB" if count >= 2**30 else f"{count / 2**20:.1f} MB"
+    """Bytes as a start-up line says them, in binary units as --kv-cache-gb counts them (2**30 bytes a GiB):
+    4.00 GiB, 21.0 MiB."""
+    return f"{count / 2**30:.2f} GiB" if count >= 2**30 else f"{count / 2**20:.1f} MiB"
 
 

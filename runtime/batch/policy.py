@@ -113,19 +113,14 @@ class SpeculationPolicy:
         return SPEC if spec.samples and (not ar.samples or spec.tokens_per_s >= ar.tokens_per_s) else AR
 
     def _may_win(self, batch: int) -> bool:
-        """Whether speculation is worth trying at `batch`: always at one sequence; above, only while one stream's
-        speculation beats target-only at `batch` (else at `batch - 1`) by the margin, and did not lose at `batch - 1`.
-        """
-        if batch <= 1:
-            return True
-        here = self.rates.get((AR, batch))
-        single, below = self.rates.get((SPEC, 1)), here if here and here.samples else self.rates.get((AR, batch - 1))
-        if not (single and below and single.samples and below.samples):
-            return False
-        spec_below = self.rates.get((SPEC, batch - 1))
-        if spec_below and spec_below.samples and spec_below.tokens_per_s < below.tokens_per_s:
-            return False
-        return single.tokens_per_s > (1 + self.margin) * below.tokens_per_s
+        """Whether speculation is worth trying at `batch`: unless it lost to target-only at the largest smaller batch
+        that measured both ways (a speculative step verifies every row in one target call, runtime.batch.verify: it
+        is measured at the batch it runs, not guessed from one stream; a batch with nothing below measured tries)."""
+        for below in range(batch - 1, 0, -1):
+            spec, ar = self.rates.get((SPEC, below)), self.rates.get((AR, below))
+            if spec and ar and spec.samples and ar.samples:
+                return spec.tokens_per_s > ar.tokens_per_s
+        return True
 
     def _rate(self, way: str, batch: int) -> Rate:
         return self.rates.setdefault((way, batch), Rate())

@@ -2,9 +2,11 @@
 its window in line (`draft_window`).
 
 State: the committed text, the main **line** (the window in flight, a guess for the bonus, the next window) and
-side **branches** {(depth, root): continuation}. Every draft token is the draft's draw at the target's uniform for
-its position (runtime.sampling.choose_at). Under token rules a branch whose root the grammar forbids is never
-rolled out; SS streams and prompt lookup step aside. Limitation: the draft shares the target's vocabulary.
+side **branches** {(depth, root): continuation}. Under rejection sampling every draft token is the draft's draw at
+its own uniform for its position (stream DRAFT_DRAWS), and its q row goes with the window; under exact-seed it is
+the draw at the target's uniform (runtime.sampling.choose_at). Under token rules a branch whose root the grammar
+forbids is never rolled out; SS streams and prompt lookup step aside.
+Limitation: the draft shares the target's vocabulary.
 Design notes: docs/design/runtime.md.
 """
 
@@ -19,7 +21,7 @@ from mirror_rt.runtime.config import GenerationConfig
 from mirror_rt.runtime.mirror.branches import exit_distribution, rank_roots, top_alternatives
 from mirror_rt.runtime.mirror.lookup import lookup_guesses, verify_guesses
 from mirror_rt.runtime.mirror.messages import EarlyExit, Window
-from mirror_rt.runtime.sampling import choose_at, greedy_ids
+from mirror_rt.runtime.sampling import DRAFT_DRAWS, choose_at, draw_at, greedy_ids
 from mirror_rt.runtime.token_rules import TokenRules
 from mirror_rt.runtime.transfer import to_host
 
@@ -60,9 +62,14 @@ class Line:
 
     tokens: list[int] = field(default_factory=list)
     rows: list = field(default_factory=list)  # per token the row it was chosen from (None: grammar-forced)
+    q: list = field(default_factory=list)  # per token its draft distribution, rejection sampling (else None)
     guesses: list[int] = field(default_factory=list)  # SS stream guesses after the last token (unverified)
     rules: TokenRules | None = None  # the token rules at the line's context plus its tokens (None: no rules)
     ended: bool = False  # the grammar allows nothing after the line's tokens: nothing more to draft
+
+    def rest(self, n: int) -> Line:
+        """The line after its first `n` tokens (they were committed)."""
+        return Line(self.tokens[n:], self.rows[n:], self.q[n:], self.guesses, self.rules, self.ended)
 
 
 class DraftRow:
@@ -100,6 +107,13 @@ class DraftRow:
         self.in_flight = min(k, len(self.line.tokens))
         return self.line.tokens[:self.in_flight]
 
+    def window_q(self, k: int | None = None) -> tuple | None:
+        """The draft distributions of the first `k` line tokens (default: the window in flight) under rejection
+        sampling (None rows: one-hot, forced tokens); None otherwise (greedy and exact-seed windows carry none)."""
+        if not self.config.rejection_sampling:
+            return None
+        return tuple(self.line.q[:self.in_flight if k is None else k])
+
     def catch_up(self, text: list[int]) -> None:
         """The committed text is now `text` (target-only steps added to it): the rules follow, the line restarts, and
         the cache holds a prefix of it (adopted positions included)."""
@@ -134,7 +148,7 @@ class DraftRow:
         k = min(self.k_cap, len(self.line.tokens))
         self.in_flight = k
         self.stats.windows += 1
-        self.send(Window(len(self.committed), tuple(self.line.tokens[:k]), reused))
+        self.send(Window(len(self.committed), tuple(self.line.tokens[:k]), reused, self.window_q(k)))
 
     # --- speculation ---------------------------------------------------------------------
 
@@ -216,9 +230,17 @@ class DraftRow:
         if self.config.sampling.greedy and self.config.draft_lookup:
             return self._extend_with_lookup(line, context)
         logits = self._logits_after(context + line.tokens)
-        position = len(context) + len(line.tokens)  # the target's draw at that position: coupled proposals
-        token = choose_at(logits, self.config.sampling, self.config.seed, position)[0]
-        _append(line, token, logits)
+        token, q = self._draw(logits, len(context) + len(line.tokens))
+        _append(line, token, logits, q)
+
+    def _draw(self, row, position: int) -> tuple[int, object]:
+        """The draft's token at `position` from its (processed) logits row, and its q row: its own draw under
+        rejection sampling, the target's uniform under exact-seed (coupled proposals: no q)."""
+        sampling, seed = self.config.sampling, self.config.seed
+        if not self.config.rejection_sampling:
+            return choose_at(row, sampling, seed, position)[0], None
+        ids, q = draw_at(row, sampling, seed, position, DRAFT_DRAWS)
+        return ids[0], q[0]
 
     def _room(self, length: int) -> int:
         """Positions left after a text of `length` tokens for guesses fed with its last token: a forward never
@@ -242,16 +264,15 @@ class DraftRow:
                 self.stats.forced += 1
                 return _append(line, only, None)
         row = rules.apply(self._logits_after(context + line.tokens))
-        position = len(context) + len(line.tokens)
-        token = choose_at(row, self.config.sampling, self.config.seed, position)[0]
+        token, q = self._draw(row, len(context) + len(line.tokens))
         if finished:  # a stopped matcher consumes nothing, so the mask alone says whether the draw is allowed
             if float(row[token]) != float("-inf"):
-                _append(line, token, row)
+                _append(line, token, row, q)
             return None
         if not rules.accept(token):  # nothing the grammar allows (a masked-out row): stop drafting this line
             line.ended = True
             return None
-        _append(line, token, row)
+        _append(line, token, row, q)
 
     def _extend_with_streams(self, line: Line, context: list[int]) -> None:
         """One SS forward: confirm the pending guesses (the streams' confident ones, else prompt-lookup's),
@@ -330,10 +351,12 @@ class DraftRow:
         return logits
 
 
-def _append(line: Line, token: int, row) -> None:
-    """Add one drafted token with the row it was chosen from (None: forced by the grammar)."""
+def _append(line: Line, token: int, row, q=None) -> None:
+    """Add one drafted token with the row it was chosen from (None: forced by the grammar) and its draft
+    distribution (None: not recorded, or a one-hot)."""
     line.tokens.append(token)
     line.rows.append(row)
+    line.q.append(q)
 
 
 def confident_guesses(stream_rows: np.ndarray, min_probability: float) -> list[int]:

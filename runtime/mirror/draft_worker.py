@@ -9,8 +9,10 @@ from __future__ import annotations
 
 import queue
 import threading
+import time
 
 from mirror_rt.runtime.affinity import placed
+from mirror_rt.runtime.mirror.draft_batch import extend_lines, plain, wants
 from mirror_rt.runtime.mirror.draft_row import DraftConfig, DraftRow
 from mirror_rt.runtime.mirror.messages import STOP, Fault, Grow, Join, Leave, Move, Verdict
 
@@ -22,8 +24,11 @@ class DraftFailure(Exception):
 class DraftWorker:
     """Runs in its own thread; rows join and leave at any time."""
 
-    def __init__(self, draft, cpu: int | None, handle):
+    def __init__(self, draft, cpu: int | None, handle, take_verdict=None, pool=None):
         self.draft, self.cpu, self.handle = draft, cpu, handle  # handle(row, message): an early exit, a verdict
+        # with the draft's pool: the verdicts of a batched step are taken together (take_verdict(row, verdict)), and
+        # the rows' lines extended in shared draft calls (runtime.mirror.draft_batch)
+        self.take_verdict, self.pool = take_verdict, pool
         self.inbox: queue.Queue = queue.Queue()
         self.rows: dict = {}  # key -> DraftRow (the thread's own)
         self.outboxes: dict = {}  # key -> queue.Queue of windows / faults (made by the caller's thread)
@@ -72,6 +77,8 @@ class DraftWorker:
                         item = self.inbox.get_nowait()
                     except queue.Empty:  # nothing to handle: one forward of speculation, or wait for a message
                         item = None if self._speculate_one() else self._get()
+                    if item is not None and self.pool is not None and isinstance(item[1], Verdict):
+                        item = self._verdicts(item)
                     if item is not None:
                         self._handle(*item)
         except Exception as exc:  # noqa: BLE001 -- the target must hear of any failure, never hang on it
@@ -121,9 +128,54 @@ class DraftWorker:
             self.handle(row, message)
             self.last_verdict = key if isinstance(message, Verdict) else self.last_verdict
 
+    def _verdicts(self, first):
+        """A verdict and those queued right behind it (a batched step's), taken together; the windows they need
+        drafted in shared calls, then sent. Returns the next message that is no verdict (None: none waiting)."""
+        verdicts, item = [first], None
+        while item is None:
+            try:
+                item = self.inbox.get_nowait()
+            except queue.Empty:
+                break
+            if isinstance(item[1], Verdict):
+                verdicts.append(item)
+                item = None
+        taken = []
+        for key, verdict in verdicts:
+            row = self.rows.get(key)
+            if row is not None:
+                self.take_verdict(row, verdict)
+                taken.append((row, bool(row.line.tokens)))
+                self.last_verdict = key
+        t0 = time.perf_counter()
+        drafting = [(row, window_need(row)) for row, _ in taken if plain(row, row.line, self.draft, self.pool)]
+        while drafting:  # the windows' fresh tokens (a reuse needs none)
+            drafting = [(row, k) for row, k in drafting if wants(row, row.line, row.committed, k)]
+            if drafting:
+                self._extend([row for row, _ in drafting])
+        for row, reused in taken:
+            row.stats.fresh_s += time.perf_counter() - t0
+            row.send_window(reused=reused)
+        return item
+
+    def _extend(self, rows: list[DraftRow]) -> None:
+        """One more token of each row's main line, in shared draft calls over the worker's own pool rows."""
+        own = {row.cache.row for row in self.rows.values()}
+        extend_lines(self.draft, self.pool, [(row, row.line, row.committed) for row in rows], own.__contains__)
+
     def _speculate_one(self) -> bool:
-        """One forward for the row that needs it most; False when no row has work worth doing."""
+        """One forward for the row that needs it most (with a pool: every short main line in one shared call);
+        False when no row has work worth doing."""
         rows = self._verification_order()
+        if self.pool is not None:
+            short = [row for row in rows if row.line_short() and plain(row, row.line, self.draft, self.pool)
+                     and wants(row, row.line, row.committed, len(row.line.tokens) + 1)]
+            if short:
+                t0 = time.perf_counter()
+                self._extend(short)
+                for row in short:
+                    row.stats.rollout_s += time.perf_counter() - t0
+                return True
         for row in rows:  # main lines first: a short line delays that row's next window
             if row.line_short():
                 row.timed(row.extend_line)
@@ -141,3 +193,9 @@ class DraftWorker:
             keys = keys[i:] + keys[:i]
         return [self.rows[k] for k in keys]
 
+
+def window_need(row: DraftRow) -> int:
+    """Tokens `row.send_window` drafts fresh when its line holds fewer (greedy: at least min_window; sampling: full
+    windows, so their length never depends on timing)."""
+    config = row.config
+    return min(row.k_cap, max(1, config.min_window)) if config.sampling.greedy else row.k_cap

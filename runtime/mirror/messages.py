@@ -1,6 +1,7 @@
 """The small host-side messages the target and draft workers exchange (Mirror-SD protocol).
 
-Only ids, counts and kappa log-probs cross; never backend tensors, never a vocabulary row.
+Only ids, counts and kappa log-probs cross, and under rejection sampling the window's q rows (the draft's
+distribution of each token, the one vocabulary row per token the rule needs); never backend logits.
 Design notes: docs/design/runtime.md.
 """
 
@@ -70,6 +71,7 @@ class Window:
     base_length: int  # committed length (prompt + generated) the tokens continue from
     tokens: tuple[int, ...]  # [k] draft ids
     reused: bool  # True when precomputed before the verdict arrived (a reuse hit)
+    q: tuple | None = None  # rejection sampling: per token its draft distribution [vocab] (None: one-hot)
 
 
 @dataclass(frozen=True)

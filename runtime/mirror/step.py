@@ -16,6 +16,7 @@ import numpy as np
 
 from mirror_rt.runtime.acceptance import verify
 from mirror_rt.runtime.affinity import placed
+from mirror_rt.runtime.batch.verify import BatchVerify
 from mirror_rt.runtime.mirror.draft_row import DraftConfig, DraftRow, DraftStats, Line
 from mirror_rt.runtime.mirror.draft_worker import DraftFailure, DraftWorker
 from mirror_rt.runtime.mirror.messages import EarlyExit, Fault, Grow, Join, Leave, Move, Verdict, Window
@@ -31,7 +32,9 @@ class MirrorLink:
     ahead: bool  # the target computes while the host goes on: its suffix is queued before the exit is read
     alive: bool = True  # False once its draft failed: target-only from then on
     suffix_s: float = 0.0  # running mean of the suffix (tells the draft when to expect the verdict)
+    exit_ids: object = None  # a batched step's early-exit ids of the window in flight (corrections' coverage)
     wait_s: float = 0.0  # running mean of the rendezvous wait (the draft is the bottleneck when it is large)
+    q: tuple | None = None  # the window in flight's draft distributions (rejection sampling; else None)
     counters: TargetCounters = field(default_factory=TargetCounters)
 
 
@@ -43,12 +46,16 @@ class MirrorStep:
         self.cpus = cpus  # (target core, draft core) when each worker has one core of its own
         self.worker: DraftWorker | None = None
         self.draft_config = DraftConfig()  # the draft rows' runtime-internal knobs
+        self.batch = BatchVerify(self)  # pooled steps: every row's window verified in one target call
 
     def run(self, running: list, gamma: int) -> None:
         """One step of each running sequence: Mirror for mirror sequences on a split target, sd for the others, one
-        target-only token for ar sequences and those with one token left."""
+        target-only token for ar sequences and those with one token left; in pools, every row in one target call
+        (runtime.batch.verify), else one sequence at a time."""
         d = self.decoder
         with placed(d.target, self.cpus[0] if self.cpus else None):
+            if d.pooled:
+                return self.batch.run(running, gamma)
             for seq in running:
                 k = min(gamma, seq.config.gamma, seq.remaining - 1)
                 with seq.alone():
@@ -80,7 +87,7 @@ class MirrorStep:
         t1 = time.perf_counter()
         with seq.metrics.stage("target_suffix"):
             logits = target.forward_suffix(cache) if queued is None else queued  # [k+1, vocab]
-            verdict = verify(logits, window, seq.length, seq.config.sampling, seq.config.seed, seq.rules)
+            verdict = verify(logits, window, seq.length, seq.config.sampling, seq.config.seed, seq.rules, link.q)
         t2 = time.perf_counter()
         link.suffix_s = 0.8 * link.suffix_s + 0.2 * (t2 - t1) if link.suffix_s else t2 - t1
         link.counters.busy.append((t0, t2))
@@ -104,7 +111,8 @@ class MirrorStep:
             window = row.draft_window(k)
         with seq.metrics.stage("target_verify"):
             logits = target.forward([seq.last, *window], seq.target_cache)  # [k+1, vocab]
-            verdict = verify(logits, window, seq.length, seq.config.sampling, seq.config.seed, seq.rules)
+            verdict = verify(logits, window, seq.length, seq.config.sampling, seq.config.seed, seq.rules,
+                             row.window_q())
         seq.target_cache.rollback(seq.length + verdict.num_accepted)
         take_verdict(row, verdict)
         row.trim()  # nothing speculative stays in the draft's cache (target-only steps may come next)
@@ -135,13 +143,44 @@ class MirrorStep:
             seq.metrics.events.append(f"fallback to target-only: {failure}")
             self.worker.send(seq.id, Leave())
             return None
+        link.q = None if message.q is None else message.q[:k]
         return list(message.tokens[:k])
 
+    def wants_exit(self, seq, link: MirrorLink) -> bool:
+        """Whether this step's early exit can pay off (`auto`: not while the draft is the bottleneck, it has no time
+        to roll out side branches)."""
+        mode = seq.config.early_exit
+        return mode == "on" or (mode == "auto" and link.wait_s <= 0.25 * link.suffix_s)
+
+    def send_exit(self, seq, window: list[int], ids, logprobs, counted: bool) -> None:
+        """A batched step's early exit of `seq`'s window [T, kappa] (`counted`: computed, not [T, 0]), to the draft
+        worker before the suffix runs."""
+        seq.mirror.counters.exit_steps += counted
+        seq.mirror.exit_ids = ids
+        self.worker.send(seq.id, EarlyExit(seq.length, tuple(window), ids, logprobs, seq.mirror.suffix_s))
+
+    def send_verdict(self, seq, verdict: Verdict, t0: float, suffix_s: float) -> None:
+        """A batched step's verdict on `seq`'s window (verified from t0 on, its suffix `suffix_s`), to the draft
+        worker; the target's counters."""
+        link, t2 = seq.mirror, time.perf_counter()
+        link.suffix_s = 0.8 * link.suffix_s + 0.2 * suffix_s if link.suffix_s else suffix_s
+        link.counters.busy.append((t0, t2))
+        seq.metrics.durations.setdefault("target_verify", []).append(t2 - t0)
+        self.worker.send(seq.id, verdict)
+        ids, link.exit_ids = link.exit_ids, None
+        if ids is not None and verdict.num_accepted < ids.shape[0] - 1 and ids.shape[1]:  # a correction
+            link.counters.corrections += 1
+            link.counters.exit_covered += int(verdict.next_token in ids[verdict.num_accepted])
+
+    def sd_verdict(self, seq, verdict: Verdict) -> None:
+        """A batched step's verdict on `seq`'s sd window, taken by its draft row (nothing speculative stays)."""
+        take_verdict(seq.draft_row, verdict)
+        seq.draft_row.trim()
+
     def _prefix(self, seq, link: MirrorLink, tokens: list[int]):
-        """The prefix layers, with the early-exit candidates while they can pay off ([T, 0] when not: `auto`, while
-        the draft is the bottleneck it has no time to roll out side branches)."""
-        target, cache, mode = self.decoder.target, seq.target_cache, seq.config.early_exit
-        if mode == "on" or (mode == "auto" and link.wait_s <= 0.25 * link.suffix_s):
+        """The prefix layers, with the early-exit candidates while they can pay off ([T, 0] when not)."""
+        target, cache = self.decoder.target, seq.target_cache
+        if self.wants_exit(seq, link):
             link.counters.exit_steps += 1
             return target.launch_prefix(tokens, cache) if link.ahead else target.forward_prefix(tokens, cache)
         target.forward_prefix_only(tokens, cache)
@@ -157,7 +196,9 @@ class MirrorStep:
         if seq.mirror is None:
             d = self.decoder
             if self.worker is None or not self.worker.thread.is_alive():
-                self.worker = DraftWorker(d.draft or d.target, self.cpus[1] if self.cpus else None, handle)
+                pool = d.draft_pool if d.draft is not None else None  # (the oracle draft has caches of its own)
+                self.worker = DraftWorker(d.draft or d.target, self.cpus[1] if self.cpus else None, handle,
+                                          take_verdict, pool)
             self.worker.join(seq.id, Join(d.prefill.draft_cache(seq), seq.prompt + seq.tokens, seq.config,
                                           self.draft_config, draft_rules(seq.rules)))
             seq.mirror = MirrorLink(seq.config.draft_timeout_s, d.target.capabilities.asynchronous)
@@ -224,7 +265,7 @@ def take_verdict(row: DraftRow, verdict: Verdict) -> None:
             row.k_cap = min(row.config.gamma, row.k_cap + 2) if full else max(1, row.k_cap - 1)
     row.commit([*line.tokens[:a], c])
     if len(line.tokens) > a and line.tokens[a] == c:  # main-line hit (its rules are already past these tokens)
-        row.line = Line(line.tokens[a + 1:], line.rows[a + 1:], line.guesses, line.rules, line.ended)
+        row.line = line.rest(a + 1)
         row.stats.main_hits += bool(row.line.tokens)
         row.stats.not_ready += not row.line.tokens
     elif (a, c) in row.branches:  # side hit

@@ -1,0 +1,134 @@
+"""Batched verification (runtime.batch.verify): every speculating row's window in one target call, each text
+still its single-stream reference's, whatever the batch holds."""
+
+import pytest
+from conftest import perturbed_copy, tiny_target
+
+from mirror_rt.devices.torch.backend import TorchModel
+from mirror_rt.devices.torch.split import TorchSplitTarget
+from mirror_rt.runtime.batch.decoder import BatchConfig, BatchDecoder
+from mirror_rt.runtime.batch.sequence import Sequence
+from mirror_rt.runtime.config import GenerationConfig
+from mirror_rt.runtime.reference import generate
+
+ROW_CALLS = ("forward_rows", "forward_rows_prefix")  # a split target's suffix completes its prefix's call
+
+
+class Counted:
+    """A model whose row calls are counted (everything else passes through; a draft row's single-sequence forwards
+    are not row calls)."""
+
+    def __init__(self, model):
+        self.model, self.calls = model, 0
+
+    def __getattr__(self, name):
+        member = getattr(self.model, name)
+        if name not in ROW_CALLS:
+            return member
+
+        def counted(*args, **kwargs):
+            self.calls += 1
+            return member(*args, **kwargs)
+        return counted
+
+
+@pytest.fixture(scope="module", params=["torch", "onnx"])
+def pair(request, tmp_path_factory):
+    """(target, draft): tiny torch models (float64, rows a call each), or a tiny ONNX bundle (batched graphs over row
+    pools, the default serving path)."""
+    if request.param == "torch":
+        target = tiny_target(seed=5)
+        return TorchSplitTarget(target), TorchModel(perturbed_copy(target, noise=0.3, seed=6))
+    from mirror_rt import load_bundle
+    from mirror_rt.exporters.export import export_bundle
+
+    folder = export_bundle("tiny", tmp_path_factory.mktemp("bundle"), progress=False)
+    engine = load_bundle(str(folder), mode="mirror")
+    return engine.target, engine.draft
+
+
+def prompt(i: int) -> list[int]:
+    return [(i * 17 + j * 11) % 90 + 3 for j in range(3 + (i * 7) % 13)]
+
+
+def reference(target, seq: Sequence) -> list[int]:
+    return [t for step in generate(target, seq.prompt, seq.config.max_new_tokens) for t in step]
+
+
+def decode(target, draft, seqs: list[Sequence], max_num_seqs: int, on_step=None) -> BatchDecoder:
+    """Every sequence at once through a decoder with each mode as asked; `on_step(decoder, running)` around each
+    speculative step's call."""
+    decoder = BatchDecoder(target, draft, BatchConfig(max_num_seqs=max_num_seqs, adaptive_speculation=False))
+    if on_step is not None:
+        run = decoder.mirror.run
+
+        def counted(running, gamma):
+            before, settled = (target.calls, draft.calls), all(s.metrics.steps for s in running)
+            run(running, gamma)
+            on_step(running, target.calls - before[0], (draft.calls - before[1]) if settled else None, gamma)
+        decoder.mirror.run = counted
+    for seq in seqs:
+        decoder.add(seq)
+    steps = 0
+    try:
+        while not decoder.idle:
+            decoder.step()
+            steps += 1
+            assert steps < 5000
+    finally:
+        decoder.close()
+    return decoder
+
+
+@pytest.mark.parametrize("mode", ["sd", "mirror"])
+@pytest.mark.parametrize("batch", [2, 5])
+def test_a_speculative_step_is_one_target_call(pair, mode, batch):
+    """B speculating sequences: one target call per step (counted, not timed), and sd's draft calls per step grow
+    with the window, not with B (once the drafts read the prompts: a prompt is fed in a call of its own)."""
+    target, draft = Counted(pair[0]), Counted(pair[1])
+    seqs = [Sequence(f"s{i}", prompt(i), GenerationConfig(max_new_tokens=30, mode=mode, gamma=3), budget=30)
+            for i in range(batch)]
+    steps = []
+    decode(target, draft, seqs, batch, lambda running, calls, drafts, gamma: steps.append((len(running), calls,
+                                                                                           drafts, gamma)))
+    assert {calls for _, calls, _, _ in steps} == {1}
+    assert max(b for b, _, _, _ in steps) == batch  # every sequence speculated in one step at least
+    if mode == "sd":
+        settled = [(drafts, gamma) for _, _, drafts, gamma in steps if drafts is not None]
+        assert settled and all(drafts <= gamma + 1 for drafts, gamma in settled)  # (+1: catching up the bonus)
+        assert any(drafts for drafts, _ in settled)  # the draft's rows run in its pool
+    for seq in seqs:
+        assert seq.tokens == reference(pair[0], seq), seq.id
+
+
+@pytest.mark.parametrize("batch", [1, 2, 3, 4, 5])
+def test_mixed_batches_equal_the_reference(pair, batch):
+    """Modes, windows and lengths mixed in one batch (sequences finish mid-batch, later ones take their rows): each
+    text equals its own single-stream reference."""
+    target, draft = pair
+    modes = ("mirror", "sd", "ar", "mirror", "sd", "mirror", "sd")
+    seqs = [Sequence(f"s{i}", prompt(i + batch), GenerationConfig(max_new_tokens=6 + 5 * i, mode=modes[i],
+                                                                    gamma=1 + (i + batch) % 4), budget=6 + 5 * i)
+            for i in range(len(modes))]
+    decode(Counted(target), Counted(draft), seqs, batch)
+    for seq in seqs:
+        assert seq.tokens == reference(target, seq), seq.id
+        assert seq.finish_reason == "length"
+
+
+def test_a_cancelled_sequence_leaves_the_others_exact(pair):
+    """A sequence cancelled mid-batch stops at a step boundary; its companions' texts are unchanged."""
+    target, draft = pair
+    seqs = [Sequence(f"s{i}", prompt(i), GenerationConfig(max_new_tokens=30, mode=("sd", "mirror")[i % 2], gamma=3),
+                     budget=30) for i in range(4)]
+    cancelled = seqs[1]
+
+    def on_step(running, calls, drafts, gamma):
+        if len(cancelled.tokens) >= 8:
+            cancelled.cancel()
+    decode(Counted(target), Counted(draft), seqs, 4, on_step)
+    assert cancelled.finish_reason == "cancelled" and 8 <= len(cancelled.tokens) < 30
+    for seq in seqs:
+        expected = reference(target, seq)
+        assert seq.tokens == expected[:len(seq.tokens)], seq.id
+        assert seq is cancelled or seq.tokens == expected
