@@ -90,24 +90,37 @@ class ReplayDraft:
         """Rows of many sequences [B, T]: row b's positions start at its pool length before the call."""
         starts = [int(pool.lengths[first + b]) for b in range(len(tokens))]
         logits = self.draft.forward_rows(tokens, pool, first, **options)
+        if self.replay is None:
+            return logits
+        logits = _writable(logits)
         for b, start in enumerate(starts):
-            self._replayed(logits[b], start + 1)
+            self._replay_rows(logits[b], start + 1)  # (a view: edited in place)
         return logits
 
     def _replayed(self, logits, first: int):
-        """`logits` [T, vocab] (row j predicts position first + j) with every replayed row made one-hot, in place
-        (a tensor or a read-only array is copied first)."""
-        replay = self.replay
-        if replay is None:
+        """`logits` [T, vocab] (row j predicts position first + j) with every replayed row made one-hot (a tensor
+        or a read-only array is copied first)."""
+        if self.replay is None:
             return logits
-        rows = range(max(first, replay.start), min(first + len(logits), len(replay.proposed)))
-        if len(rows) and (is_tensor(logits) or not logits.flags.writeable):  # torch's are inference tensors
-            logits = logits.clone() if is_tensor(logits) else logits.copy()
-        for position in rows:
+        logits = _writable(logits)
+        self._replay_rows(logits, first)
+        return logits
+
+    def _replay_rows(self, logits, first: int) -> None:
+        """Make the rows of `logits` [T, vocab] whose positions the replay covers one-hot, in place."""
+        replay = self.replay
+        for position in range(max(first, replay.start), min(first + len(logits), len(replay.proposed))):
             j = position - first
             logits[j, :] = UNPROPOSED
             logits[j, int(replay.proposed[position])] = 0.0
-        return logits
+
+
+def _writable(logits):
+    """`logits` if they may be edited in place, else a copy (torch's are inference tensors; an array may be
+    read-only)."""
+    if is_tensor(logits):
+        return logits.clone()
+    return logits if logits.flags.writeable else logits.copy()
 
 
 class Recordings:

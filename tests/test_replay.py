@@ -34,9 +34,9 @@ def test_the_output_is_the_targets_and_acceptance_follows_alpha(replayed, mode, 
     engine, recordings = replayed
     forwards = []
     inner = engine.draft.draft
-    real_forward = inner.forward
-    monkeypatch.setattr(inner, "forward", lambda tokens, cache: forwards.append(len(tokens)) or real_forward(
-        tokens, cache))
+    for name in ("forward", "forward_rows"):  # one sequence's calls, or shared draft calls over pool rows
+        real = getattr(inner, name)
+        monkeypatch.setattr(inner, name, lambda *a, real=real, **k: forwards.append(len(a[0])) or real(*a, **k))
     config = GenerationConfig(max_new_tokens=40, ignore_eos=True)
     prompt = engine.prompt_ids("count to ten")
     text = recordings.continuation(prompt, config)
