@@ -115,7 +115,9 @@ class BatchVerify:
             return
         window = plan.window
         seq.metrics.add_stage("target_verify", elapsed)
-        verdict = verify(logits[:1 + len(window)], window, seq.length, seq.config.sampling, seq.config.seed, seq.rules)
+        q = seq.mirror.q if plan.way == MIRROR else seq.draft_row.window_q()  # rejection sampling's q rows, or None
+        verdict = verify(logits[:1 + len(window)], window, seq.length, seq.config.sampling, seq.config.seed, seq.rules,
+                         q)
         accepted = verdict.num_accepted
         d.target_pool.commit(seq.row, seq.length + accepted)
         if plan.way == MIRROR:

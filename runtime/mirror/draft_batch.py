@@ -3,7 +3,8 @@ call over the draft pool per contiguous run of their rows (sd's windows in the d
 the draft worker's).
 
 Each row is fed what its cache lacks of its line's context and draws its token exactly as `DraftRow._extend` does
-(runtime.sampling.choose_at at the target's position), so a line's tokens do not depend on its companions. Every
+(`DraftRow._draw`: its own stream and q row under rejection sampling, the target's uniform under exact-seed), so
+a line's tokens do not depend on its companions. Every
 shared call feeds one position per row: drafts' graphs need not take windows of many positions on many rows at once
 (ONNX Runtime's GroupQueryAttention refuses them with past KV: the default model's int8 draft). A row a few positions
 behind (a window fully accepted: its last token and the bonus) catches up one position per call, drawing nothing
@@ -22,7 +23,7 @@ import numpy as np
 
 from mirror_rt.runtime.mirror.draft_row import DraftRow, Line, _append
 from mirror_rt.runtime.mirror.lookup import verify_guesses
-from mirror_rt.runtime.sampling import choose_at, greedy_ids
+from mirror_rt.runtime.sampling import greedy_ids
 
 CATCH_UP = 4  # a row short of this many positions catches up one a shared call (more: a call of its own)
 
@@ -122,7 +123,8 @@ def _take(pool, row: DraftRow, line: Line, feed: list[int], guesses: list[int] |
         return
     last = logits[offset]
     position = row.cache.length  # the line's context and tokens: the drafted token's position
-    _append(line, choose_at(last, row.config.sampling, row.config.seed, position)[0], _own(last))
+    token, q = row._draw(last, position)  # the row's own draw (and its q under rejection sampling), as _extend's
+    _append(line, token, _own(last), q)
 
 
 def _own(logits_row):
