@@ -48,7 +48,8 @@ def _address_space() -> int:
 
 
 def gigabytes(n: int) -> str:
-    return f"{n / 2**30:.2f} GB" if n < 10 * 2**30 else f"{n / 2**30:.1f} GB"
+    """Bytes in GiB (2**30 bytes), the unit the start-up lines and --kv-cache-gb use."""
+    return f"{n / 2**30:.2f} GiB" if n < 10 * 2**30 else f"{n / 2**30:.1f} GiB"
 
 
 def out_of_memory(what: str, needed: int | None = None) -> OutOfMemory:
