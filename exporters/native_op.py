@@ -5,8 +5,9 @@ The sources ship with the package; the first load compiles them (`$CXX`, else g+
 variant (VARIANTS: portable, avx2, avx512-vnni), each built with its own instruction-set flags, never
 -march=native: the best one this CPU runs is chosen at load (`/proc/cpuinfo`'s flags), and only the variants used
 are built. MIRROR_RT_CPU_VARIANT=<name> forces one (tests, benchmarks); a variant the CPU lacks is refused (its code
-would die with SIGILL). Without a compiler `library()` says what to install in one line; GGUF exports check it
-before they start (`require()`), the traced exporter falls back to the standard-op graphs.
+would die with SIGILL). Without a compiler `library()` says what to install in one line; the traced exporter
+(folders under 1 GB) then falls back to the standard-op graphs, while GGUF files and folders over 1 GB, whose every
+product is this library's MatMulGGUF, are refused before export (exporters.stream_export).
 Design notes: docs/design/exporters.md
 """
 

@@ -1,7 +1,9 @@
 """The small host-side messages the target and draft workers exchange (Mirror-SD protocol).
 
-Only ids, counts and kappa log-probs cross, and under rejection sampling the window's q rows (the draft's
-distribution of each token, the one vocabulary row per token the rule needs); never backend logits.
+Per step only ids, counts and kappa log-probs cross (EarlyExit, Window, Verdict), and under rejection sampling the
+window's q rows (the draft's distribution of each token, the one vocabulary row per token the rule needs); never
+backend logits. Join hands over the draft's KV cache object and Move/Grow the KV pool, by reference (the draft
+worker copies or grows them on its own thread).
 Design notes: docs/design/runtime.md.
 """
 
