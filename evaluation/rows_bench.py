@@ -122,10 +122,11 @@ def measure(engine, counts: list[int], llm=None, repeats: int = ROWS_REPEATS, lo
     """Our cost and llama.cpp's (where `llm`) of each N in `counts`."""
     precision = engine.names.get("target_precision", "?")
     costs = []
-    for rows in counts:
-        log(f"bench --rows: {rows} row{'s' * (rows > 1)}")
+    for rows in counts:  # each said as measured: a run cut short still shows what it measured
         ours = target_seconds(engine, rows, repeats)
         costs.append(RowCost(rows, ours, precision, llama_seconds(llm, rows, repeats) if llm is not None else None))
+        theirs = "" if llm is None else f", llama.cpp {costs[-1].llama_seconds:.4f} s"
+        log(f"bench --rows: {rows} row{'s' * (rows > 1)}: {ours:.4f} s{theirs}")
     return costs
 
 
