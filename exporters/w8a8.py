@@ -13,7 +13,10 @@ import numpy as np
 from mirror_rt.exporters.native_op import DOMAIN, QUANTIZE_ROWS
 from mirror_rt.exporters.q4_min import replace_nodes
 
-LEVELS = 127  # symmetric int8: -127..127 (no -128, so negation is exact)
+LEVELS = 127  # activations, symmetric int8: -127..127 (no -128, so negation is exact)
+# Weights take 7 bits: ONNX Runtime's u8s8 GEMM on AVX2 without VNNI (vpmaddubsw) adds two u8 x s8 products in int16
+# and saturates past 32767; 255 * 63 * 2 = 32130 never does (255 * 127 * 2 did: 3% of outputs off by up to 6x here)
+WEIGHT_LEVELS = 63
 ZERO_POINT = 128  # activations as uint8: q + 128
 TINY = 1e-30  # an all-zero row gets this scale instead of 0 (no 0/0)
 
@@ -47,10 +50,10 @@ def quantize_w8a8(model, exclude: list[str], native: bool = False):
 
 
 def weight_columns(w: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    """w [K, N] float -> (q [K, N] int8 in -127..127, scales [N] float32) with w ~ q * scales."""
+    """w [K, N] float -> (q [K, N] int8 in -63..63, scales [N] float32) with w ~ q * scales."""
     top = np.abs(w.astype(np.float64)).max(axis=0)
-    scales = np.where(top > 0, top / LEVELS, 1.0)
-    q = np.clip(np.rint(w / scales), -LEVELS, LEVELS).astype(np.int8)
+    scales = np.where(top > 0, top / WEIGHT_LEVELS, 1.0)
+    q = np.clip(np.rint(w / scales), -WEIGHT_LEVELS, WEIGHT_LEVELS).astype(np.int8)
     return q, scales.astype(np.float32)
 
 

@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 
 from mirror_rt.devices.registry import available_devices
-from mirror_rt.exporters.w8a8 import LEVELS, quantize_w8a8, weight_columns
+from mirror_rt.exporters.w8a8 import WEIGHT_LEVELS, quantize_w8a8, weight_columns
 
 needs_ort = pytest.mark.skipif(not available_devices()["onnxruntime"], reason="onnxruntime not installed")
 
@@ -29,7 +29,7 @@ def _matmul_model(w: np.ndarray, opset: int):
 def test_weight_columns_round_each_column_to_its_own_scale():
     w = np.random.default_rng(0).standard_normal((32, 6)).astype(np.float32) * np.arange(1, 7)
     q, scales = weight_columns(w)
-    assert q.dtype == np.int8 and np.abs(q).max() == LEVELS
+    assert q.dtype == np.int8 and np.abs(q).max() == WEIGHT_LEVELS
     assert np.all(np.abs(q * scales - w) <= scales / 2 + 1e-6)
 
 
