@@ -123,15 +123,21 @@ class FaultyDraft(TorchModel):
         self.kind, self.after, self.calls = kind, after, 0
 
     def forward(self, tokens, cache):
+        return self._misbehave(super().forward(tokens, cache))
+
+    def forward_rows(self, tokens, pool, first, last_rows=None):
+        """Rows of a pool (the batched decoder's draft calls: runtime.mirror.draft_batch), misbehaving alike."""
+        return self._misbehave(super().forward_rows(tokens, pool, first, last_rows))
+
+    def _misbehave(self, logits):
         self.calls += 1
-        logits = super().forward(tokens, cache)
         if self.calls > self.after:
             if self.kind == "raise":
                 raise RuntimeError("injected draft failure")
             if self.kind == "hang":
                 time.sleep(1.5)
             if self.kind == "out_of_vocab":
-                logits = np.concatenate([logits, np.full((len(logits), 5), 1e9)], axis=-1)
+                logits = np.concatenate([logits, np.full((*logits.shape[:-1], 5), 1e9)], axis=-1)
         return logits
 
 
