@@ -16,7 +16,7 @@ import torch
 
 from mirror_rt.exporters.native_op import ATTENTION
 from mirror_rt.exporters.native_op import DOMAIN as NATIVE_DOMAIN
-from mirror_rt.exporters.q4_min import quantize_q4_min
+from mirror_rt.exporters.q4_min import pad_4bit_rows, quantize_q4_min
 from mirror_rt.exporters.shared_kv import DOMAIN, TOTAL_LEN
 from mirror_rt.exporters.split import (
     GraphSpec,
@@ -107,8 +107,8 @@ def _shared_axes(spec: GraphSpec, ins: list[str], outs: list[str]) -> dict:
 def quantize_weights(src: Path, dst: Path, weights: str, vocab_size: int, keep: tuple[str, ...] = (),
                      native: bool = False, row_invariant: bool = False) -> None:
     """Quantization of `src` into `dst`: MatMulNBits "int8" or "int4" (see NBITS), "q4_1" (exporters.q4_min),
-    "w8a8" (exporters.w8a8; `native`: its activations quantized by mirror-rt's op; `row_invariant`: q4_1's
-    products never run one row, see exporters.q4_min). MatMuls named in `keep` stay fp32.
+    "w8a8" (exporters.w8a8; `native`: its activations quantized by mirror-rt's op; `row_invariant`: 4-bit
+    products (q4_1, int4) never run one row, see exporters.q4_min). MatMuls named in `keep` stay fp32.
 
     The LM head (a MatMul whose weight has `vocab_size` columns; the tied embedding's
     transposed copy) gets the head's bits; the embedding Gather stays fp32 (a lookup costs
@@ -132,6 +132,8 @@ def quantize_weights(src: Path, dst: Path, weights: str, vocab_size: int, keep: 
         model = _quantize_matmuls(model, bits, exclude=(heads if head_bits != bits else []) + keep)
         if head_bits != bits:
             model = _quantize_matmuls(model, head_bits, exclude=keep)  # only the heads (and `keep`) are still MatMuls
+        if row_invariant and bits == 4:
+            model = pad_4bit_rows(model)
     onnx.save(model, str(dst))
 
 

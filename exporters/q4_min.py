@@ -55,6 +55,28 @@ def quantize_q4_min(model, exclude: list[str], accuracy_level: int, row_invarian
     return replace_nodes(model, nodes, used)
 
 
+def pad_4bit_rows(model):
+    """Every 4-bit MatMulNBits of `model` (int4 targets) reads its rows with a zero row appended, as
+    `quantize_q4_min(row_invariant=True)` does: never MLAS's one-row 4-bit kernel. In place; returns the model."""
+    from onnx import helper
+
+    graph = model.graph
+    nodes, padded = [], {}
+    for node in graph.node:
+        attrs = {a.name: helper.get_attribute_value(a) for a in node.attribute}
+        if node.op_type != "MatMulNBits" or attrs.get("bits") != 4:
+            nodes.append(node)
+            continue
+        x, y = node.input[0], node.output[0]
+        if x not in padded:
+            padded[x] = _padded_rows(graph, nodes, x, attrs["K"])
+        node.input[0], node.output[0] = padded[x][0], f"{node.name}.padded"
+        nodes += [node, *_unpadded_rows(graph, node.output[0], padded[x][1], attrs["N"], y, node.name)]
+    del graph.node[:]
+    graph.node.extend(nodes)
+    return model
+
+
 def replace_nodes(model, nodes: list, used: set):
     """`model` with its graph's nodes replaced by `nodes`, the initializers named in `used` dropped (their
     quantized forms replace them) and the com.microsoft opset declared."""
