@@ -16,7 +16,7 @@ import torch
 
 from mirror_rt.exporters.native_op import ATTENTION
 from mirror_rt.exporters.native_op import DOMAIN as NATIVE_DOMAIN
-from mirror_rt.exporters.q4_min import quantize_q4_min
+from mirror_rt.exporters.q4_min import pad_4bit_rows, quantize_q4_min
 from mirror_rt.exporters.shared_kv import DOMAIN, TOTAL_LEN
 from mirror_rt.exporters.split import (
     GraphSpec,
@@ -53,7 +53,7 @@ def export_onnx_graph(model, spec: GraphSpec, table_len: int, weights: str, path
                           do_constant_folding=True, custom_opsets=_opsets(spec))
     if weights != "fp32":
         quantize_weights(raw, path, weights, getattr(model, "head_size", model.config.vocab_size),  # pruned head
-                         native=spec.pool)
+                         native=spec.pool, row_invariant=spec.role != "draft")
         raw.unlink()
     if spec.pool:
         _mark(path, {ATTENTION: "pool"})
@@ -105,9 +105,10 @@ def _shared_axes(spec: GraphSpec, ins: list[str], outs: list[str]) -> dict:
 
 
 def quantize_weights(src: Path, dst: Path, weights: str, vocab_size: int, keep: tuple[str, ...] = (),
-                     native: bool = False) -> None:
+                     native: bool = False, row_invariant: bool = False) -> None:
     """Quantization of `src` into `dst`: MatMulNBits "int8" or "int4" (see NBITS), "q4_1" (exporters.q4_min),
-    "w8a8" (exporters.w8a8; `native`: its activations quantized by mirror-rt's op). MatMuls named in `keep` stay fp32.
+    "w8a8" (exporters.w8a8; `native`: its activations quantized by mirror-rt's op; `row_invariant`: 4-bit
+    products (q4_1, int4) never run one row, see exporters.q4_min). MatMuls named in `keep` stay fp32.
 
     The LM head (a MatMul whose weight has `vocab_size` columns; the tied embedding's
     transposed copy) gets the head's bits; the embedding Gather stays fp32 (a lookup costs
@@ -124,12 +125,15 @@ def quantize_weights(src: Path, dst: Path, weights: str, vocab_size: int, keep: 
         model = quantize_w8a8(model, keep, native)
     elif weights == "q4_1":  # heads int8 first, then every other product in 4 bits with a minimum
         others = [n.name for n in model.graph.node if n.op_type == "MatMul" and n.name not in heads]
-        model = quantize_q4_min(_quantize_matmuls(model, 8, exclude=others + keep), keep, ACCURACY_LEVEL)
+        model = quantize_q4_min(_quantize_matmuls(model, 8, exclude=others + keep), keep, ACCURACY_LEVEL,
+                                row_invariant)
     else:
         bits, head_bits = NBITS[weights]
         model = _quantize_matmuls(model, bits, exclude=(heads if head_bits != bits else []) + keep)
         if head_bits != bits:
             model = _quantize_matmuls(model, head_bits, exclude=keep)  # only the heads (and `keep`) are still MatMuls
+        if row_invariant and bits == 4:
+            model = pad_4bit_rows(model)
     onnx.save(model, str(dst))
 
 

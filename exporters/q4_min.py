@@ -14,13 +14,18 @@ BLOCK = 32
 LEVELS = 15  # q in 0..LEVELS
 
 
-def quantize_q4_min(model, exclude: list[str], accuracy_level: int):
-    """Every constant-weight MatMul of `model` (onnx ModelProto) not in `exclude` -> Q4_1 form; in place."""
+def quantize_q4_min(model, exclude: list[str], accuracy_level: int, row_invariant: bool = False):
+    """Every constant-weight MatMul of `model` (onnx ModelProto) not in `exclude` -> Q4_1 form; in place.
+
+    `row_invariant` (targets): every product reads its input as rows [M, K] with one zero row appended, so that
+    MLAS never takes its one-row 4-bit kernel, whose sums differ in the last bits from its many-row kernel on
+    CPUs without VNNI (AVX2); a row then computes alike in any call shape. Drafts skip it (one row is faster).
+    """
     from onnx import helper, numpy_helper
 
     graph = model.graph
     weights = {t.name: t for t in graph.initializer}
-    nodes, blocksums, used = [], {}, set()
+    nodes, blocksums, padded, used = [], {}, {}, set()
     for node in graph.node:
         weight = weights.get(node.input[1]) if node.op_type == "MatMul" else None
         if weight is None or node.name in exclude or len(weight.dims) != 2 or weight.dims[0] % BLOCK:
@@ -30,6 +35,10 @@ def quantize_q4_min(model, exclude: list[str], accuracy_level: int):
         k, n = weight.dims
         name = node.name or node.output[0]
         x, y = node.input[0], node.output[0]
+        if row_invariant:
+            if x not in padded:
+                padded[x] = _padded_rows(graph, nodes, x, k)
+            x, y = padded[x][0], f"{name}.padded"
         used.add(weight.name)
         graph.initializer.extend([numpy_helper.from_array(packed, f"{name}.q4"),
                                   numpy_helper.from_array(scales, f"{name}.scales"),
@@ -41,7 +50,31 @@ def quantize_q4_min(model, exclude: list[str], accuracy_level: int):
                                    block_size=BLOCK, accuracy_level=accuracy_level),
                   helper.make_node("MatMul", [blocksums[x], f"{name}.min"], [f"{name}.shift"], name=f"{name}.shift"),
                   helper.make_node("Add", [f"{name}.main", f"{name}.shift"], [y], name=f"{name}.add")]
+        if row_invariant:
+            nodes += _unpadded_rows(graph, y, padded[node.input[0]][1], n, node.output[0], name)
     return replace_nodes(model, nodes, used)
+
+
+def pad_4bit_rows(model):
+    """Every 4-bit MatMulNBits of `model` (int4 targets) reads its rows with a zero row appended, as
+    `quantize_q4_min(row_invariant=True)` does: never MLAS's one-row 4-bit kernel. In place; returns the model."""
+    from onnx import helper
+
+    graph = model.graph
+    nodes, padded = [], {}
+    for node in graph.node:
+        attrs = {a.name: helper.get_attribute_value(a) for a in node.attribute}
+        if node.op_type != "MatMulNBits" or attrs.get("bits") != 4:
+            nodes.append(node)
+            continue
+        x, y = node.input[0], node.output[0]
+        if x not in padded:
+            padded[x] = _padded_rows(graph, nodes, x, attrs["K"])
+        node.input[0], node.output[0] = padded[x][0], f"{node.name}.padded"
+        nodes += [node, *_unpadded_rows(graph, node.output[0], padded[x][1], attrs["N"], y, node.name)]
+    del graph.node[:]
+    graph.node.extend(nodes)
+    return model
 
 
 def replace_nodes(model, nodes: list, used: set):
@@ -111,3 +144,31 @@ def _blocksum_nodes(graph, nodes: list, x: str, k: int) -> str:
     graph.initializer.append(numpy_helper.from_array(blocks, ones))
     nodes.append(helper.make_node("MatMul", [x, ones], [out], name=out))
     return out
+
+
+def _padded_rows(graph, nodes: list, x: str, k: int) -> tuple[str, str]:
+    """Append x [..., K] -> rows [M + 1, K] (x's rows, then a zero row); returns (rows, x's leading shape)."""
+    from onnx import helper, numpy_helper
+
+    consts = {f"{x}.as_rows": np.array([-1, k], np.int64), f"{x}.zero_row": np.zeros((1, k), np.float32),
+              f"{x}.zero": np.array([0], np.int64), f"{x}.last": np.array([-1], np.int64)}
+    graph.initializer.extend(numpy_helper.from_array(v, name) for name, v in consts.items())
+    rows, lead = f"{x}.rows", f"{x}.lead"
+    nodes += [helper.make_node("Reshape", [x, f"{x}.as_rows"], [f"{x}.flat"], name=f"{x}.flat"),
+              helper.make_node("Concat", [f"{x}.flat", f"{x}.zero_row"], [rows], name=rows, axis=0),
+              helper.make_node("Shape", [x], [f"{x}.shape"], name=f"{x}.shape"),
+              helper.make_node("Slice", [f"{x}.shape", f"{x}.zero", f"{x}.last"], [lead], name=lead)]
+    return rows, lead
+
+
+def _unpadded_rows(graph, y_rows: str, lead: str, n: int, y: str, name: str) -> list:
+    """Nodes y_rows [M + 1, N] -> y [..., N]: the zero row dropped, x's leading axes restored."""
+    from onnx import helper, numpy_helper
+
+    consts = {f"{name}.zero": np.array([0], np.int64), f"{name}.last": np.array([-1], np.int64),
+              f"{name}.n": np.array([n], np.int64)}
+    graph.initializer.extend(numpy_helper.from_array(v, key) for key, v in consts.items())
+    return [helper.make_node("Slice", [y_rows, f"{name}.zero", f"{name}.last", f"{name}.zero"], [f"{name}.rows"],
+                             name=f"{name}.rows"),
+            helper.make_node("Concat", [lead, f"{name}.n"], [f"{name}.shape"], name=f"{name}.shape", axis=0),
+            helper.make_node("Reshape", [f"{name}.rows", f"{name}.shape"], [y], name=f"{name}.unpad")]

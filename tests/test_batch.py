@@ -94,7 +94,7 @@ def test_modes_mix_in_one_batch(pair):
     assert not [t for t in __import__("threading").enumerate() if t.name == "mirror-draft" and t.is_alive()]
 
 
-@pytest.fixture(scope="module", params=["fp32", "int8", "q4_1", "w8a8", "w8a8-standard"])
+@pytest.fixture(scope="module", params=["fp32", "int8", "int4", "q4_1", "w8a8", "w8a8-standard"])
 def precision_pair(request, tmp_path_factory):
     """(target, draft) of a tiny ONNX bundle with its target at each precision (`mirror-rt export --weights`): with
     quantized activations a last-bit difference between call shapes would change tokens, so every target must

@@ -87,3 +87,26 @@ def test_rewritten_matmul_computes_the_q4_1_product(rank, accuracy_level, tolera
     scale = np.abs(x @ w).max()
     np.testing.assert_allclose(y, x @ w, atol=tolerance * scale, rtol=0)
     np.testing.assert_allclose(y2, x @ w[:, :8], atol=tolerance * scale, rtol=0)
+
+
+@needs_ort
+@pytest.mark.parametrize("rank", [2, 3])
+def test_row_invariant_products_compute_a_row_alike_in_any_call_shape(rank):
+    """Targets' form: a row's bits are the same alone (one row), in a batch and in a window; the rewritten product
+    still equals x @ w to int8 rounding. Without it MLAS's one-row 4-bit kernel differs on AVX2 CPUs."""
+    import onnxruntime as ort
+
+    w = q4_1_weights(64, 48, seed=4)
+    model = quantize_q4_min(_matmul_model(w, rank), exclude=[], accuracy_level=4, row_invariant=True)
+    options = ort.SessionOptions()
+    options.intra_op_num_threads = 1
+    session = ort.InferenceSession(model.SerializeToString(), options, providers=["CPUExecutionProvider"])
+    x = np.random.default_rng(5).standard_normal((6, 64)).astype(np.float32)
+    x = x if rank == 2 else x.reshape(2, 3, 64)
+    together, together2 = session.run(None, {"x": x})
+    assert together.shape == x.shape[:-1] + (48,) and together2.shape == x.shape[:-1] + (8,)
+    for index in np.ndindex(x.shape[:-1]):
+        alone, alone2 = session.run(None, {"x": x[index].reshape((1,) * (rank - 1) + (64,))})
+        assert np.array_equal(alone.reshape(-1), together[index]) and np.array_equal(alone2.reshape(-1),
+                                                                                      together2[index])
+    np.testing.assert_allclose(together, x @ w, atol=3e-2 * np.abs(x @ w).max(), rtol=0)
