@@ -267,3 +267,21 @@ def server(engine):
     running = start(engine, max_queued=4)
     yield running
     running.stop()
+
+
+@pytest.fixture(scope="module", params=["torch", "onnx"])
+def pair(request, tmp_path_factory):
+    """(target, draft) of the batched decoder's tests: tiny torch models (float64), or a tiny exported ONNX bundle on
+    ONNX Runtime (the default serving path: batched graphs over row pools, an int8 draft that adopts the target's
+    rows)."""
+    from mirror_rt.devices.torch.split import TorchSplitTarget
+
+    if request.param == "torch":
+        target = tiny_target(seed=3)
+        return TorchSplitTarget(target), TorchModel(perturbed_copy(target, noise=0.3, seed=4))
+    from mirror_rt import load_bundle
+    from mirror_rt.exporters.export import export_bundle
+
+    folder = export_bundle("tiny", tmp_path_factory.mktemp("bundle"), progress=False)
+    engine = load_bundle(str(folder), mode="mirror")
+    return engine.target, engine.draft

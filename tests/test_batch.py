@@ -3,10 +3,7 @@
 import dataclasses
 
 import pytest
-from conftest import perturbed_copy, tiny_target
 
-from mirror_rt.devices.torch.backend import TorchModel
-from mirror_rt.devices.torch.split import TorchSplitTarget
 from mirror_rt.runtime.batch.decoder import BatchConfig, BatchDecoder, KVTooLarge
 from mirror_rt.runtime.batch.kv_rows import BLOCK_SIZE
 from mirror_rt.runtime.batch.sequence import Sequence
@@ -41,21 +38,6 @@ def run(decoder: BatchDecoder, arrivals: list[tuple[int, Sequence]], max_steps: 
 
 def sequence(i: int, prompt, config: GenerationConfig) -> Sequence:
     return Sequence(f"s{i}", list(prompt), config, budget=config.max_new_tokens)
-
-
-@pytest.fixture(scope="module", params=["torch", "onnx"])
-def pair(request, tmp_path_factory):
-    """(target, draft): tiny torch models (float64), or a tiny exported ONNX bundle on ONNX Runtime (the
-    default serving path: batched graphs over row pools, an int8 draft that adopts the target's rows)."""
-    if request.param == "torch":
-        target = tiny_target(seed=3)
-        return TorchSplitTarget(target), TorchModel(perturbed_copy(target, noise=0.3, seed=4))
-    from mirror_rt import load_bundle
-    from mirror_rt.exporters.export import export_bundle
-
-    folder = export_bundle("tiny", tmp_path_factory.mktemp("bundle"), progress=False)
-    engine = load_bundle(str(folder), mode="mirror")
-    return engine.target, engine.draft
 
 
 @pytest.mark.parametrize("mode", ["ar", "sd", "mirror"])

@@ -2,10 +2,7 @@
 still its single-stream reference's, whatever the batch holds."""
 
 import pytest
-from conftest import perturbed_copy, tiny_target
 
-from mirror_rt.devices.torch.backend import TorchModel
-from mirror_rt.devices.torch.split import TorchSplitTarget
 from mirror_rt.runtime.batch.decoder import BatchConfig, BatchDecoder
 from mirror_rt.runtime.batch.sequence import Sequence
 from mirror_rt.runtime.config import GenerationConfig
@@ -30,21 +27,6 @@ class Counted:
             self.calls += 1
             return member(*args, **kwargs)
         return counted
-
-
-@pytest.fixture(scope="module", params=["torch", "onnx"])
-def pair(request, tmp_path_factory):
-    """(target, draft): tiny torch models (float64, rows a call each), or a tiny ONNX bundle (batched graphs over row
-    pools, the default serving path)."""
-    if request.param == "torch":
-        target = tiny_target(seed=5)
-        return TorchSplitTarget(target), TorchModel(perturbed_copy(target, noise=0.3, seed=6))
-    from mirror_rt import load_bundle
-    from mirror_rt.exporters.export import export_bundle
-
-    folder = export_bundle("tiny", tmp_path_factory.mktemp("bundle"), progress=False)
-    engine = load_bundle(str(folder), mode="mirror")
-    return engine.target, engine.draft
 
 
 def prompt(i: int) -> list[int]:

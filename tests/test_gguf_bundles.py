@@ -19,6 +19,7 @@ import numpy as np
 import pytest
 from gguf import GGMLQuantizationType as T
 from gguf_support import default_gguf, write_gguf
+from test_gguf_kernels import int8_activations
 
 pytestmark = pytest.mark.slow  # the default model's GGUF (its vocabulary), fetched once
 
@@ -55,14 +56,6 @@ def _matmul(x: np.ndarray, w: np.ndarray, kind, n: int) -> np.ndarray:
     return y
 
 
-def _int8_activations(x: np.ndarray, block: int) -> np.ndarray:
-    """x as the kernel quantizes it: int8 per block of `block`, scale max|x| / 127, back to float."""
-    blocks = x.reshape(x.shape[0], -1, block)
-    d = (np.abs(blocks).max(-1, keepdims=True) / np.float32(127)).astype(np.float32)
-    inverse = np.where(d > 0, np.float32(1) / np.where(d > 0, d, 1), 0).astype(np.float32)
-    return (np.clip(np.rint(blocks * inverse), -127, 127) * d).reshape(x.shape)
-
-
 @pytest.mark.parametrize("kind", KERNEL_TYPES)
 def test_products_over_gguf_blocks_are_exact_for_their_int8_activations(kind):
     """Every block type's product equals the dequantized weights times the int8 activations (float rounding)."""
@@ -72,7 +65,7 @@ def test_products_over_gguf_blocks_are_exact_for_their_int8_activations(kind):
     w = _blocks(kind, 48, 512, rng)
     x = rng.standard_normal((5, 512)).astype(np.float32)
     block = 256 if kind in (T.Q4_K, T.Q5_K, T.Q6_K) else 32
-    expected = _int8_activations(x, block).astype(np.float64) @ dequantize(w, kind).reshape(48, 512).T
+    expected = int8_activations(x, block).astype(np.float64) @ dequantize(w, kind).reshape(48, 512).T
     got = _matmul(x, w, kind, 48)
     assert np.abs(got - expected).max() <= 1e-5 * np.abs(expected).max()
 
