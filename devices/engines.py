@@ -18,7 +18,9 @@ from mirror_rt.models.default_model import DEFAULT_MODEL
 from mirror_rt.runtime.affinity import available_cores
 from mirror_rt.runtime.engine import Engine, GenerationError
 
-BUNDLE_VERSION = "0.7.0"  # part of the default bundle's folder name: bump when the default export changes
+# part of the default bundle's folder name: bump when the default export changes (0.7.1: w8a8 weights in 7 bits,
+# 4-bit targets row-invariant on AVX2)
+BUNDLE_VERSION = "0.7.1"
 # The default bundle's target precision: fp32, the GGUF's weights exactly (an int8 target answered the README's own
 # question with nonsense; a q4_1 target costs what its q4_1 draft costs: docs/performance.md)
 DEFAULT_WEIGHTS = "fp32"
