@@ -20,30 +20,36 @@ FORMAT_BACKENDS = {"openvino": ("openvino:CPU",), "onnx": ("ort:cpu", "openvino:
 def bundle_runners(methods: list[str], bundle: str, draft_bundle: str | None = None,
                    draft_precision: str | None = None, log=print, tag: str | None = None) -> list:
     """Runners for the `ar`, `sd` and `mirror` entries of `methods` over `bundle`; with `tag` (a precision) the rows
-    are `ar-<tag>-1t`, `sd-<tag>`, `mirror-<tag>`."""
+    are `ar-<tag>-1t`, `sd-<tag>`, `mirror-<tag>`. The speculative engines load first: an `ar` row at their target's
+    device and thread count runs on that target's sessions (one load of a 7B, not one per row)."""
     from mirror_rt.devices.bundle_engine import load_bundle
     from mirror_rt.devices.options import EngineConfig
     from mirror_rt.exporters.manifest import read_manifest
 
     manifest = read_manifest(bundle, verify=False)
-    runners = []
-    if "ar" in methods:
-        runners += _ar_runners(bundle, manifest, log, tag)
+    runners, engines = [], []
     for mode in ("sd", "mirror"):
         replays = [m for m in methods if (replay_method(m) or ("",))[0] == mode]
         if mode in methods or (mode == "mirror" and "mirror-no-lookup" in methods) or replays:
             options = EngineConfig.from_flags(bundle=bundle, draft_bundle=draft_bundle,
                                                draft_precision=draft_precision)
             engine = load_bundle(options, mode, verify=False)
+            engines.append((mode, engine))
             if mode in methods:
                 runners.append(EngineRunner(f"{mode}-{tag}" if tag else mode, engine, mode))
             if mode == "mirror" and "mirror-no-lookup" in methods:  # ablation on the same engine
                 runners.append(EngineRunner("mirror-no-lookup", engine, mode, draft_lookup=0))
             runners += replay_runners(replays, engine, mode)  # the same target and draft, a decoder of its own
+    if "ar" in methods:
+        runners = _ar_runners(bundle, manifest, log, tag, engines) + runners
     return runners
 
 
-def _ar_runners(bundle: str, manifest, log, tag: str | None = None) -> list:
+def _ar_runners(bundle: str, manifest, log, tag: str | None = None, engines: list = ()) -> list:
+    """`ar-<backend>-<threads>t` at 1 thread and every core on each backend that runs the bundle's format. A row
+    whose device and threads are those of a loaded engine's target (`engines`: (mode, engine) pairs) runs on that
+    target's sessions: an ONNX Runtime session's threads are fixed when it is created, so another count needs
+    sessions, and weights, of its own."""
     from mirror_rt.devices.bundles import WorkerBudget, load_model, load_tokenizer
     from mirror_rt.devices.registry import available_devices, is_available, parse_device
     from mirror_rt.runtime.engine import Engine
@@ -62,12 +68,26 @@ def _ar_runners(bundle: str, manifest, log, tag: str | None = None) -> list:
             log(f"bench: ar on {device}: not available here, skipped")
             continue
         for threads in sorted({1, cores}):
-            target = load_model(Path(bundle), manifest, "target", device, True, WorkerBudget(threads))
+            shared = _loaded_target(engines, str(parse_device(device)), threads)
+            if shared is None:
+                target = load_model(Path(bundle), manifest, "target", device, True, WorkerBudget(threads))
             backend = tag or device.split(":")[0].replace("openvino", "ov")
-            names = {"path": f"{graph_format} bundle on {device}, {threads} thread{'s' * (threads > 1)}",
+            names = {"path": f"{graph_format} bundle on {device}, {threads} thread{'s' * (threads > 1)}" +
+                     (f" ({shared[1]} engine's target sessions)" if shared else ""),
                      "target_precision": manifest.graph("target_prefix").precision}
-            runners.append(EngineRunner(f"ar-{backend}-{threads}t", Engine(target, tokenizer, names=names), "ar"))
+            runners.append(EngineRunner(f"ar-{backend}-{threads}t",
+                                        Engine(shared[0] if shared else target, tokenizer, names=names), "ar"))
     return runners
+
+
+def _loaded_target(engines, device: str, threads: int):
+    """(the target, its engine's mode) of the first (mode, engine) of `engines` whose target runs on `device` at
+    `threads` compute threads, or None."""
+    for mode, engine in engines:
+        placement = engine.placement
+        if placement is not None and placement.target == device and placement.target_threads == threads:
+            return engine.target, mode
+    return None
 
 
 def bench_runners(methods: list[str], options, log=print) -> list:

@@ -103,3 +103,27 @@ def test_bench_rows_say_acceptance_was_replayed_and_equal_ar(tmp_path):
                           capture_output=True, text=True, timeout=300)
     assert proc.returncode == 2 and "alpha must be a number in [0, 1]" in proc.stderr
     assert "Traceback" not in proc.stderr
+
+
+def test_ar_rows_run_on_the_replay_engines_target_where_its_threads_match(tmp_path, monkeypatch):
+    """A bench of ar and replay rows over one bundle loads the target once per thread count, not once per row: the ar
+    row at the Mirror engine's target threads runs on that target's sessions (a 7B is not loaded three times)."""
+    from mirror_rt.devices import bundles
+    from mirror_rt.evaluation.bench_engines import bundle_runners
+    from mirror_rt.exporters.export import export_bundle
+
+    folder = export_bundle("tiny", tmp_path / "bundle", progress=False)
+    loads = []
+    real = bundles.load_model
+    monkeypatch.setattr(bundles, "load_model", lambda *a, **k: loads.append(a[2]) or real(*a, **k))
+    runners = bundle_runners(["ar", "mirror-replay:1.0", "mirror-replay:0.7"], str(folder), log=lambda *a: None)
+    replays = [r for r in runners if r.name.startswith("mirror-replay")]
+    threads = replays[0].engine.placement.target_threads
+    shared = next(r for r in runners if r.name == f"ar-ort-{threads}t")
+    assert shared.engine.target is replays[0].engine.target is replays[1].engine.target
+    assert "mirror engine's target sessions" in shared.label
+    ar_rows = [r for r in runners if r.target_only]
+    assert loads.count("target") == 1 + len(ar_rows) - 1  # the Mirror engine's, and each other ar row's
+    assert all(r.engine.target is not shared.engine.target for r in ar_rows if r is not shared)
+    for runner in runners:
+        runner.engine.close()
