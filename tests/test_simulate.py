@@ -93,3 +93,9 @@ def test_mirror_stats_latency_model_hand_computed():
     assert out["predicted_step_ms"] == pytest.approx(27.0)
     assert out["predicted_step_ms_pipelined"] == pytest.approx(22.0)
     assert out["reuse_hit_rate"] == 0.75 and out["mean_window"] == 2.0
+    assert out["measured_step_ms"] == pytest.approx(18.0)  # wait 3 + prefix 5 + suffix 10 per step
+    # a batched step records its verify whole (runtime.batch.verify): the model's target time and the measured step
+    m.stage_seconds = {"target_verify": 0.030, "target_wait": 0.006}
+    out = mirror_summary(m, d, TargetCounters(corrections=1, exit_steps=2))
+    assert out["measured_step_ms"] == pytest.approx(18.0)
+    assert out["predicted_step_ms"] == out["predicted_step_ms_pipelined"] == pytest.approx(22.0)

@@ -45,13 +45,16 @@ def mirror_summary(metrics, draft_stats: DraftStats, counters: TargetCounters) -
     stage = metrics.stage_seconds
     wait = stage.get("target_wait", 0.0)
     p_miss = (draft_stats.misses + draft_stats.not_ready) / decided if decided else 1.0
-    t_prefix, t_suffix = stage.get("target_prefix", 0.0) / steps, stage.get("target_suffix", 0.0) / steps
+    # a batched step's verify (runtime.batch.verify) is one figure, prefix and suffix together: counted as the suffix
+    # (the model's serial form is then its pipelined form)
+    verify = stage.get("target_verify", 0.0) / steps
+    t_prefix, t_suffix = stage.get("target_prefix", 0.0) / steps, stage.get("target_suffix", 0.0) / steps + verify
     t_rollout = draft_stats.rollout_s / steps
     t_fresh = draft_stats.fresh_s / max(1, draft_stats.misses + draft_stats.not_ready)
     t_rendezvous = max(0.0, wait - draft_stats.fresh_s) / steps
     predicted = mirror_step(t_prefix, t_suffix, t_rollout, t_fresh, 1 - p_miss, t_rendezvous)
     pipelined = mirror_step(0.0, t_prefix + t_suffix, t_rollout, t_fresh, 1 - p_miss, t_rendezvous)
-    decode = sum(stage.get(k, 0.0) for k in ("target_wait", "target_prefix", "target_suffix")) / steps
+    decode = wait / steps + t_prefix + t_suffix
     hidden = overlap_seconds(draft_stats.busy, counters.busy)
     return {
         "reuse_hit_rate": round(hits / decided, 3) if decided else 0.0,
