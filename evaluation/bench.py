@@ -210,9 +210,7 @@ def write_results(out_dir: Path, answers: dict[str, list[Answer]], rows: dict[st
         baseline = (f"No target-only row ran (add `ar` to --methods): speedups are against `{fastest}`, not a "
                     "baseline, and no greedy text was compared")
     lines = [f"Command: `{command}`", "", baseline, "", report.markdown_table(summary, methods, labels)]
-    note = report.replay_note(rows, methods)
-    if note:
-        lines.append(note)
+    lines += [note for note in (report.decode_note(summary, methods), report.replay_note(rows, methods)) if note]
     if refs:
         lines.append("Greedy output mismatches against our target-only row over the same target (else of the same "
                      "precision): " + ", ".join(f"{m} {len(v)} (vs `{refs[m]}`)" for m, v in mismatches.items()) +

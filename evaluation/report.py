@@ -114,6 +114,7 @@ def _figures(items: list[Answer]) -> dict:
              "measured_step_ms")
     return {"mean_accepted_length": _round(mean_accepted_length(items)),
             "prompt_tokens_per_s": _round(prompt_speed(items), 1),
+            "decode_tokens_per_s": _round(decode_speed(items), 2),
             **{key: _round(_mean_stat(items, key)) for key in means}}
 
 
@@ -124,6 +125,31 @@ def prompt_speed(answers: list[Answer]) -> float | None:
              if s.get("prompt_tokens") and (s.get("stage_seconds") or {}).get("target_prefill")]
     seconds = sum(t for _, t in turns)
     return sum(n for n, _ in turns) / seconds if seconds > 0 else None
+
+
+def decode_speed(answers: list[Answer]) -> float | None:
+    """New tokens per second of decoding: each turn's wall time less its time to first token (the prompt's reading),
+    over every turn that reports it (ours; None where none does). With few new tokens and long prompts, tokens/s
+    (SpecBench's: prompt and answer) hides what speculation does to decoding; this does not."""
+    turns = [(n - 1, wall - s["time_to_first_token_s"]) for a in answers
+             for n, wall, s in zip(a.new_tokens, a.wall_time, a.stats) if s.get("time_to_first_token_s") is not None]
+    seconds = sum(t for _, t in turns)
+    return sum(n for n, _ in turns) / seconds if seconds > 0 else None
+
+
+def decode_note(summary: dict, methods: list[str]) -> str | None:
+    """The line under the table: each method's decode tokens/s overall and its ratio to its baseline's."""
+    overall = summary.get("overall", {})
+    speeds = {m: overall[m]["decode_tokens_per_s"] for m in methods if (overall.get(m) or {}).get(
+        "decode_tokens_per_s")}
+    if not speeds:
+        return None
+    items = []
+    for m, speed in speeds.items():
+        base = speeds.get(overall[m].get("baseline"))
+        items.append(f"`{m}` {speed:.2f}" + (f" ({speed / base:.2f}x)" if base else ""))
+    return ("Decode only (new tokens after the first, over wall time less time to first token; x: against the "
+            "same baseline): " + ", ".join(items) + ".\n")
 
 
 def _round(x, digits: int = 3):

@@ -311,3 +311,24 @@ def test_precision_rows_run_the_default_bundle_at_that_precision(tmp_path, monke
     assert "int8 activations" in runners[-1].label
     assert precision_runners(["ar-q4_1"], "some/other-model", None, lines.append) == []
     assert "skipping ar-q4_1" in lines[-1]
+
+
+def test_decode_speed_leaves_the_prompts_reading_out_and_is_said_under_the_table(tmp_path):
+    """32 new tokens after a 6 s prompt: tokens/s says 2.9x where decoding is 8x; the decode line says both rows'."""
+    from mirror_rt.evaluation.bench import write_results
+
+    rows = {"ar-ort-2t": report.Row("onnx", "fp32", target_only=True, ours=True),
+            "mirror": report.Row("onnx mirror", "fp32", ours=True)}
+
+    def answer(method, wall):
+        return Answer(1, "qa", method, turns=["t"], new_tokens=[33], wall_time=[wall],
+                      stats=[{"time_to_first_token_s": 6.0}])
+
+    answers = {"ar-ort-2t": [answer("ar-ort-2t", 6.0 + 32 / 2)], "mirror": [answer("mirror", 6.0 + 32 / 16)]}
+    doc = write_results(tmp_path, answers, rows, "cmd")
+    overall = doc["summary"]["overall"]
+    assert overall["ar-ort-2t"]["decode_tokens_per_s"] == 2.0 and overall["mirror"]["decode_tokens_per_s"] == 16.0
+    assert overall["mirror"]["speedup"] == pytest.approx(22 / 8, abs=1e-3)
+    line = next(x for x in (tmp_path / "report.md").read_text().splitlines() if x.startswith("Decode only"))
+    assert "`ar-ort-2t` 2.00 (1.00x)" in line and "`mirror` 16.00 (8.00x)" in line
+    assert report.decode_speed([Answer(1, "qa", "peer", turns=["t"], new_tokens=[5], wall_time=[1.0])]) is None
