@@ -137,3 +137,28 @@ def test_a_cancelled_sequence_leaves_the_others_exact(pair):
         expected = reference(target, seq)
         assert seq.tokens == expected[:len(seq.tokens)], seq.id
         assert seq is cancelled or seq.tokens == expected
+
+
+def test_a_mixed_load_of_40_with_12_in_flight_equals_the_reference(pair):
+    """The served load the issue names, at tiny size: 40 greedy requests of mixed lengths and modes, 12 rows, the
+    adaptive policy deciding and a core per worker (spread steps where it picks speculation): no text differs from
+    its single-stream reference, and the load speculated."""
+    target, draft = pair
+    cores = sorted(available_cores())
+    decoder = BatchDecoder(target, draft, BatchConfig(max_num_seqs=12), cpus=((cores[0],), (cores[-1],)))
+    seqs = [Sequence(f"s{i}", prompt(i), GenerationConfig(max_new_tokens=4 + (i * 7) % 29,
+                                                          mode=("mirror", "mirror", "sd", "ar")[i % 4], gamma=4),
+                     budget=4 + (i * 7) % 29) for i in range(40)]
+    for seq in seqs:
+        decoder.add(seq)
+    try:
+        for _ in range(5000):
+            if decoder.idle:
+                break
+            decoder.step()
+    finally:
+        decoder.close()
+    assert decoder.idle
+    assert sum(seq.metrics.speculative_steps for seq in seqs) > 0
+    for seq in seqs:
+        assert seq.tokens == reference(target, seq), seq.id
