@@ -3,6 +3,7 @@ still its single-stream reference's, whatever the batch holds."""
 
 import pytest
 
+from mirror_rt.runtime.affinity import available_cores
 from mirror_rt.runtime.batch.decoder import BatchConfig, BatchDecoder
 from mirror_rt.runtime.batch.sequence import Sequence
 from mirror_rt.runtime.config import GenerationConfig
@@ -16,7 +17,7 @@ class Counted:
     are not row calls)."""
 
     def __init__(self, model):
-        self.model, self.calls = model, 0
+        self.model, self.calls, self.wide = model, 0, 0
 
     def __getattr__(self, name):
         member = getattr(self.model, name)
@@ -25,6 +26,7 @@ class Counted:
 
         def counted(*args, **kwargs):
             self.calls += 1
+            self.wide += bool(kwargs.get("wide"))
             return member(*args, **kwargs)
         return counted
 
@@ -37,10 +39,11 @@ def reference(target, seq: Sequence) -> list[int]:
     return [t for step in generate(target, seq.prompt, seq.config.max_new_tokens) for t in step]
 
 
-def decode(target, draft, seqs: list[Sequence], max_num_seqs: int, on_step=None) -> BatchDecoder:
+def decode(target, draft, seqs: list[Sequence], max_num_seqs: int, on_step=None, cpus=None) -> BatchDecoder:
     """Every sequence at once through a decoder with each mode as asked; `on_step(decoder, running)` around each
-    speculative step's call."""
-    decoder = BatchDecoder(target, draft, BatchConfig(max_num_seqs=max_num_seqs, adaptive_speculation=False))
+    speculative step's call; `cpus`: the decoder's (target, draft) cores."""
+    decoder = BatchDecoder(target, draft, BatchConfig(max_num_seqs=max_num_seqs, adaptive_speculation=False),
+                           cpus=cpus)
     if on_step is not None:
         run = decoder.mirror.run
 
@@ -98,6 +101,26 @@ def test_mixed_batches_equal_the_reference(pair, batch):
         assert seq.finish_reason == "length"
 
 
+@pytest.mark.parametrize("batch", [2, 3, 5])
+def test_spread_steps_equal_the_reference(pair, batch):
+    """With a core per worker and a target over every core, a batch's Mirror rows draft as sd's, on both cores, and
+    are verified on every core (runtime.batch.verify `spreads`); alone, a sequence is Mirror's again: each text equals
+    its single-stream reference, sequences finishing mid-batch and taking each other's rows."""
+    target, draft = Counted(pair[0]), Counted(pair[1])
+    if not target.capabilities.wide:
+        pytest.skip("this target has no sessions over every core")
+    cores = sorted(available_cores())
+    cpus = ((cores[0],), (cores[-1],))
+    seqs = [Sequence(f"s{i}", prompt(i + batch), GenerationConfig(max_new_tokens=8 + 6 * i, mode="mirror",
+                                                                    gamma=1 + (i + batch) % 4), budget=8 + 6 * i)
+            for i in range(batch + 2)]
+    decoder = decode(target, draft, seqs, batch, cpus=cpus)
+    assert target.wide  # spread steps ran (and Mirror's, once one sequence was left)
+    assert decoder.mirror.batch.target_calls
+    for seq in seqs:
+        assert seq.tokens == reference(pair[0], seq), seq.id
+
+
 def test_a_cancelled_sequence_leaves_the_others_exact(pair):
     """A sequence cancelled mid-batch stops at a step boundary; its companions' texts are unchanged."""
     target, draft = pair
@@ -114,3 +137,28 @@ def test_a_cancelled_sequence_leaves_the_others_exact(pair):
         expected = reference(target, seq)
         assert seq.tokens == expected[:len(seq.tokens)], seq.id
         assert seq is cancelled or seq.tokens == expected
+
+
+def test_a_mixed_load_of_40_with_12_in_flight_equals_the_reference(pair):
+    """The served load the issue names, at tiny size: 40 greedy requests of mixed lengths and modes, 12 rows, the
+    adaptive policy deciding and a core per worker (spread steps where it picks speculation): no text differs from
+    its single-stream reference, and the load speculated."""
+    target, draft = pair
+    cores = sorted(available_cores())
+    decoder = BatchDecoder(target, draft, BatchConfig(max_num_seqs=12), cpus=((cores[0],), (cores[-1],)))
+    seqs = [Sequence(f"s{i}", prompt(i), GenerationConfig(max_new_tokens=4 + (i * 7) % 29,
+                                                          mode=("mirror", "mirror", "sd", "ar")[i % 4], gamma=4),
+                     budget=4 + (i * 7) % 29) for i in range(40)]
+    for seq in seqs:
+        decoder.add(seq)
+    try:
+        for _ in range(5000):
+            if decoder.idle:
+                break
+            decoder.step()
+    finally:
+        decoder.close()
+    assert decoder.idle
+    assert sum(seq.metrics.speculative_steps for seq in seqs) > 0
+    for seq in seqs:
+        assert seq.tokens == reference(target, seq), seq.id

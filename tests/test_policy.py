@@ -127,6 +127,24 @@ def test_a_step_with_prompts_to_prefill_decodes_target_only_when_adaptive():
     assert SpeculationPolicy(adaptive=False).gamma(None, running, prompts=True) == 4
 
 
+def test_a_spread_step_speculates_beside_prompts_and_in_the_tail():
+    """A step spread over every core has no draft worker to leave or join: prompts or a short tail do not make it
+    target-only (the measured rates still decide)."""
+    from types import SimpleNamespace
+
+    from mirror_rt.runtime.batch.policy import SWITCH_MIN
+
+    def decoder(spread):
+        return SimpleNamespace(mirror=SimpleNamespace(batch=SimpleNamespace(spreads=lambda running: spread)))
+
+    running = [SimpleNamespace(config=SimpleNamespace(mode="mirror", gamma=4), remaining=SWITCH_MIN - 1)] * 2
+    policy = SpeculationPolicy(explore=1)
+    policy.record(AR, 2, 2, 1.0)  # target-only measured at 2 streams: speculation's turn
+    assert policy.gamma(decoder(False), running, prompts=True) == 0 and policy.reason == "prompts"
+    assert policy.gamma(decoder(False), running) == 0 and policy.reason == "tail"
+    assert policy.gamma(decoder(True), running, prompts=True) == 4 and policy.reason == "measuring"
+
+
 def test_speculation_does_not_start_for_the_last_few_tokens():
     """After target-only steps, a batch whose sequences all have fewer than SWITCH_MIN tokens left stays
     target-only (the draft's catch-up and first window would not pay); one already speculating goes on."""

@@ -2,7 +2,7 @@
 
 Per batch size and way (target-only, gamma = 0, or speculative) it keeps tokens committed per second of decode
 step, counting only settled steps, and takes the faster way; it switches only for a gain above `margin`. A step
-in which prompts prefill decodes target-only.
+in which prompts prefill decodes target-only, unless it is spread over every core (no draft worker to leave).
 Design notes: docs/design/runtime.md.
 """
 
@@ -54,8 +54,11 @@ class SpeculationPolicy:
         """Draft tokens per window for this step: the largest any speculating sequence asks for, or 0. `prompts`:
         prompts prefill in this step; adaptive, the step then decodes target-only (see `prompts_first`)."""
         speculating = [s.config.gamma for s in running if s.config.mode != "ar"]
-        self.reason = "asked" if not speculating else "prompts" if self.prompts_first(prompts) else (
-            "tail" if self.too_late(running) else None)
+        # a step spread over every core (runtime.batch.verify `spreads`) has no draft worker to leave or join: its
+        # prompts took every core before it, and its draft catches up in this thread
+        free = decoder is not None and decoder.mirror.batch.spreads(running)
+        self.reason = "asked" if not speculating else "prompts" if self.prompts_first(prompts) and not free else (
+            "tail" if self.too_late(running) and not free else None)
         if not speculating:
             return 0
         self.last = AR if self.reason else self.choose(len(running))

@@ -12,11 +12,13 @@ Design notes: docs/design/runtime.md.
 from __future__ import annotations
 
 import time
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
 import numpy as np
 
 from mirror_rt.runtime.acceptance import verify
+from mirror_rt.runtime.affinity import pin
 from mirror_rt.runtime.mirror.draft_batch import extend_lines, plain, wants
 
 SD, MIRROR, TARGET = "sd", "mirror", "target"
@@ -41,26 +43,37 @@ class BatchVerify:
         self.decoder = mirror_step.decoder
         self.target_calls = 0  # forwards of the target's rows (prefix + suffix count once)
 
-    def run(self, running: list, gamma: int) -> None:
-        plans = [plan for seq in running if (plan := self._plan(seq, gamma)) is not None]
-        SdDrafts(self.decoder).draft([p for p in plans if p.way == SD])
+    def run(self, running: list, gamma: int, spread: bool = False) -> None:
+        """One step of `running`; `spread`: Mirror rows too draft as sd's do, on every core, and the target verifies
+        on every core (`spreads`)."""
+        plans = [plan for seq in running if (plan := self._plan(seq, gamma, spread)) is not None]
+        SdDrafts(self.decoder).draft([p for p in plans if p.way == SD], self.mirror.cpus if spread else None)
         plans = [p for p in plans if not p.seq.done]
         if not plans:
             return
         t0 = time.perf_counter()
-        logits, suffix_s = self._forward(plans)
+        logits, suffix_s = self._forward(plans, spread)
         elapsed = time.perf_counter() - t0
         for plan in plans:
             with plan.seq.alone():
                 self._settle(plan, logits[plan.seq.row], t0, elapsed, suffix_s)
 
-    def _plan(self, seq, gamma: int) -> Plan | None:
-        """`seq`'s way this step and its window (the draft worker's for Mirror; sd's are drafted together later)."""
+    def spreads(self, running: list) -> bool:
+        """Whether a step of `running` can spread over every core: a pooled target with sessions over every core
+        (`wide`), a draft of the pool's rows, and a core per worker to spread over."""
+        d = self.decoder
+        return bool(d.pooled and d.target.capabilities.wide and d.draft is not None and self.mirror.cpus
+                    and len(running) > 1)
+
+    def _plan(self, seq, gamma: int, spread: bool = False) -> Plan | None:
+        """`seq`'s way this step and its window (the draft worker's for Mirror; sd's are drafted together later;
+        `spread`: Mirror rows leave the worker and draft as sd's)."""
         k = min(gamma, seq.config.gamma, seq.remaining - 1)
         d, mirror = self.decoder, self.mirror
         if seq.config.mode == "ar" or k < 1:
             return Plan(seq, TARGET, [])
-        if seq.config.mode != "mirror" or not d.target.capabilities.split:
+        if seq.config.mode != "mirror" or not d.target.capabilities.split or spread:
+            mirror.leave(seq)  # (a Mirror row joined to the worker: its draft row is this thread's from now on)
             with seq.alone():
                 mirror._sd_row(seq).k_cap = k
                 return Plan(seq, SD, [k])  # (the window's size until drafted)
@@ -72,9 +85,9 @@ class BatchVerify:
             return Plan(seq, TARGET, [])
         return Plan(seq, MIRROR, window, exit=mirror.wants_exit(seq, link))
 
-    def _forward(self, plans: list[Plan]) -> tuple[list, float]:
+    def _forward(self, plans: list[Plan], spread: bool = False) -> tuple[list, float]:
         """One target call over the rows from the first to the last planned one -> (logits [T, vocab] by row, None
-        for rows outside the span; the seconds from the early exits sent to the logits)."""
+        for rows outside the span; the seconds from the early exits sent to the logits); `spread`: on every core."""
         d = self.decoder
         rows = [p.seq.row for p in plans]
         first, last = min(rows), max(rows)
@@ -95,7 +108,8 @@ class BatchVerify:
         else:  # no Mirror row, or a target that cannot split rows: one forward, no early exit
             self._send_exits(mirror_rows, {}, first)
             t0 = time.perf_counter()
-            logits = d.target.forward_rows(tokens, d.target_pool, first)
+            wide = {"wide": True} if spread else {}
+            logits = d.target.forward_rows(tokens, d.target_pool, first, **wide)
         return [None] * first + list(logits), time.perf_counter() - t0
 
     def _send_exits(self, plans: list[Plan], exit_rows: dict, first: int) -> None:
@@ -130,13 +144,14 @@ class BatchVerify:
 
 class SdDrafts:
     """sd rows' windows: one draft call per drafted position over every row that still drafts (runtime.mirror.
-    draft_batch); rows whose drafting is no plain draw, or whose draft has no pool, draft alone."""
+    draft_batch), or, given two cores, two such calls at once, one per core over each half of the rows; rows whose
+    drafting is no plain draw, or whose draft has no pool, draft alone."""
 
     def __init__(self, decoder):
         self.decoder = decoder
 
-    def draft(self, plans: list[Plan]) -> None:
-        """Each plan's window (its size until now) drafted."""
+    def draft(self, plans: list[Plan], cpus: tuple | None = None) -> None:
+        """Each plan's window (its size until now) drafted; `cpus` (this thread's cores, the helper's): on both."""
         d, together = self.decoder, []
         for plan in plans:
             row = plan.seq.draft_row
@@ -146,17 +161,42 @@ class SdDrafts:
                 else:
                     with plan.seq.metrics.stage("draft_propose"):
                         plan.window = row.draft_window(plan.window[0])
-        t0, drafting = time.perf_counter(), together
-        order = d.rows.order
-        while drafting:
-            drafting = [p for p in drafting if wants(p.seq.draft_row, p.seq.draft_row.line,
-                                                     p.seq.draft_row.committed, p.window[0])]
-            if drafting:  # (Mirror rows between them are the draft worker's: never written here)
-                extend_lines(d.draft, d.draft_pool, [(p.seq.draft_row, p.seq.draft_row.line,
-                                                      p.seq.draft_row.committed) for p in drafting],
-                             lambda r: order[r].mirror is None)
+        t0 = time.perf_counter()
+        together.sort(key=lambda p: p.seq.row)
+        half = len(together) // 2
+        if cpus and half:  # contiguous halves of the rows: neither call pads a row the other writes
+            on_two_cores(lambda: self._extend(together[:half]), lambda: self._extend(together[half:]), cpus)
+        else:
+            self._extend(together)
         for plan in together:
             row = plan.seq.draft_row
             plan.seq.metrics.add_stage("draft_propose", time.perf_counter() - t0)
             row.in_flight = min(plan.window[0], len(row.line.tokens))
             plan.window = row.line.tokens[:row.in_flight]
+
+    def _extend(self, drafting: list[Plan]) -> None:
+        """The plans' lines extended to their windows' sizes, one shared call per drafted position."""
+        order = self.decoder.rows.order
+        while drafting:
+            drafting = [p for p in drafting if wants(p.seq.draft_row, p.seq.draft_row.line,
+                                                     p.seq.draft_row.committed, p.window[0])]
+            if drafting:  # (Mirror rows between them are the draft worker's: never written here)
+                extend_lines(self.decoder.draft, self.decoder.draft_pool,
+                             [(p.seq.draft_row, p.seq.draft_row.line, p.seq.draft_row.committed) for p in drafting],
+                             lambda r: order[r].mirror is None)  # (runs join only gaps between their own rows)
+
+
+_helpers: dict = {}  # core -> the one-thread executor pinned to it (two-core drafting)
+
+
+def on_two_cores(first, second, cpus: tuple):
+    """first() here, second() at once in a helper thread pinned to cpus[1]; both waited for."""
+    helper = _helpers.get(cpus[1])
+    if helper is None:
+        helper = _helpers[cpus[1]] = ThreadPoolExecutor(1, thread_name_prefix="mirror-draft-rows", initializer=pin,
+                                                        initargs=(cpus[1],))
+    later = helper.submit(second)
+    try:
+        first()
+    finally:
+        later.result()

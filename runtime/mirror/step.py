@@ -57,7 +57,7 @@ class MirrorStep:
             # a target that computes while the host goes on (CUDA) keeps the per-sequence step, which queues its
             # suffix before reading the early exit back (the batched prefix reads its exits first)
             if d.pooled and not d.target.capabilities.asynchronous:
-                return self.batch.run(running, gamma)
+                return self.batch.run(running, gamma, self.batch.spreads(running))
             for seq in running:
                 k = min(gamma, seq.config.gamma, seq.remaining - 1)
                 with seq.alone():
