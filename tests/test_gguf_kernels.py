@@ -136,12 +136,12 @@ def test_a_variant_gives_the_portable_bits(variant, kind):
         assert np.abs(got - reference).max() <= TOLERANCE * np.abs(reference).max()
 
 
+@pytest.mark.parametrize("k", [768, 4096])  # a tile's levels block after block, and row after row (over 28 KB)
 @pytest.mark.parametrize("kind", BLOCK_TYPES, ids=lambda kind: kind.name)
 @pytest.mark.parametrize("variant", [v for v in VARIANTS if v.values[0] in SAME_BITS_AS_PORTABLE[1:]])
-def test_every_tile_size_gives_the_portable_bits(variant, kind):
+def test_every_tile_size_gives_the_portable_bits(variant, kind, k):
     """Calls of 1..9 rows (every tile size the kernels are built for, a full tile and one row more): each row the
     portable kernels' bits, with odd numbers of weight rows."""
-    k = 768
     w = weights(kind, 37, k, 6)
     x = activations(9, k, 7)
     reference = matmul("portable", x, w, kind, 37)
