@@ -136,7 +136,7 @@ def test_a_variant_gives_the_portable_bits(variant, kind):
         assert np.abs(got - reference).max() <= TOLERANCE * np.abs(reference).max()
 
 
-@pytest.mark.parametrize("k", [768, 4096])  # a tile's levels block after block, and row after row (over 28 KB)
+@pytest.mark.parametrize("k", [768, 4096])  # 8 rows in a tile (levels in L1), and the per-row kernels (over 28 KB)
 @pytest.mark.parametrize("kind", BLOCK_TYPES, ids=lambda kind: kind.name)
 @pytest.mark.parametrize("variant", [v for v in VARIANTS if v.values[0] in SAME_BITS_AS_PORTABLE[1:]])
 def test_every_tile_size_gives_the_portable_bits(variant, kind, k):
