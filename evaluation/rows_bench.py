@@ -4,7 +4,10 @@ llama.cpp's `Llama.eval` of N tokens at the same threads where llama-cpp-python 
 target's precision; the table's head says the CPU and which variant of the native kernels ran.
 
 Our figure is the engine's own: `Engine.generate(ids, mode="ar", max_new_tokens=1)` and its
-`stats["stage_seconds"]["target_prefill"]`, ids drawn afresh for every run (no prefix reuse).
+`stats["stage_seconds"]["target_prefill"]`, ids drawn afresh for every run (no prefix reuse). WARM_UP untimed
+forwards of one row come first, on both sides: the first forwards after a load map the weights' pages (a 7B's first
+forward took 10.9 s here, its next ones 0.37 s, then 0.34 s); without them the first N measured (one row) paid for
+it and cost more than two rows.
 """
 
 from __future__ import annotations
@@ -16,6 +19,8 @@ from dataclasses import dataclass
 import numpy as np
 
 ROWS_REPEATS = 3  # runs per N: the best counts (the first run of a shape allocates)
+WARM_UP = 3  # untimed one-row forwards before the first N (pages of the weights mapped, caches and helpers warm)
+WARM_SEED = 1 << 20  # warm-up ids: runs past any measured one (fresh_ids)
 NOT_INSTALLED = "llama.cpp: not installed (pip install -e '.[llama-cpp]')"
 SHOWN_FLAGS = ("avx2", "fma", "f16c", "avx512f", "avx512_vnni", "avx_vnni", "amx_int8", "amx_bf16")
 
@@ -118,9 +123,20 @@ def kernel_variant() -> str:
         return f"none ({exc})"
 
 
+def warm_up(engine, llm=None, forwards: int = WARM_UP) -> None:
+    """`forwards` untimed one-row forwards through `engine` and `llm` (where given), ids unlike the measured ones."""
+    for run in range(forwards):
+        ids = fresh_ids(1, WARM_SEED + run, engine.target.vocab_size)
+        engine.generate(ids, chat=False, mode="ar", max_new_tokens=1)
+        if llm is not None:
+            llm.reset()
+            llm.eval(fresh_ids(1, WARM_SEED + run, llm.n_vocab()))
+
+
 def measure(engine, counts: list[int], llm=None, repeats: int = ROWS_REPEATS, log=print) -> list[RowCost]:
-    """Our cost and llama.cpp's (where `llm`) of each N in `counts`."""
+    """Our cost and llama.cpp's (where `llm`) of each N in `counts`, after `warm_up`."""
     precision = engine.names.get("target_precision", "?")
+    warm_up(engine, llm)
     costs = []
     for rows in counts:  # each said as measured: a run cut short still shows what it measured
         ours = target_seconds(engine, rows, repeats)

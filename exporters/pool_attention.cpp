@@ -235,7 +235,46 @@ void run_units(const Shape& s, const float* q, const T* keys, const T* values, c
 
 int g_threads = 1;              // threads the calls of this process may use together (mirror_rt_ops_threads)
 thread_local int t_threads = 0;  // threads this thread's calls may use (its session's: mirror_rt_ops_call_threads)
-std::atomic<int> g_running{0};  // calls running now: they share g_threads
+std::atomic<int> g_running{0};  // unpinned calls running now: they share g_threads
+
+// The cores the calling thread may run on (its helpers inherit them), 0 where unknown.
+int caller_cores() {
+#ifdef __linux__
+  cpu_set_t set;
+  if (sched_getaffinity(0, sizeof(set), &set) == 0) return CPU_COUNT(&set);
+#endif
+  return 0;
+}
+
+// The threads a call made now from this thread may split over, never more than its session asked for (t_threads).
+// A caller pinned to fewer cores than the process's calls may use together (Mirror's target on N - 1 cores, its draft
+// on the last) takes its cores' count whatever else runs: its helpers run on its cores alone, so a call of another
+// session takes none of them. An unpinned caller shares g_threads with the unpinned calls running now (`running`,
+// itself included).
+int split_threads(int cores, int running) {
+  const bool pinned = cores > 0 && cores < g_threads;
+  const int threads = pinned ? cores : g_threads / std::max(1, running);
+  return std::max(1, t_threads ? std::min(threads, t_threads) : threads);
+}
+
+// A call's threads, counted among the unpinned calls running while it lives.
+class CallThreads {
+ public:
+  CallThreads() : cores_(caller_cores()), counted_(!(cores_ > 0 && cores_ < g_threads)) {
+    threads_ = split_threads(cores_, counted_ ? ++g_running : 0);
+  }
+  ~CallThreads() {
+    if (counted_) --g_running;
+  }
+  CallThreads(const CallThreads&) = delete;
+  CallThreads& operator=(const CallThreads&) = delete;
+  int threads() const { return threads_; }
+
+ private:
+  int cores_;
+  bool counted_;
+  int threads_ = 1;
+};
 
 constexpr int64_t SPLIT_KEYS = 1 << 15;  // a call attending to fewer keys in all runs on its own thread
 
@@ -263,12 +302,10 @@ void compute(const Shape& s, const float* q, const T* keys, const T* values, con
   int64_t total = 0;
   for (int64_t query = 0; query < s.rows * s.tokens; ++query) total += keys_of(s, positions, query);
   total *= s.kv_heads;
-  const int running = ++g_running;
-  const int allowed = t_threads ? std::min(g_threads / running, t_threads) : g_threads / running;
-  const int threads = total < SPLIT_KEYS ? 1 : std::max(1, allowed);
+  const CallThreads call;
+  const int threads = total < SPLIT_KEYS ? 1 : call.threads();
   if (threads <= 1) {
     run_units(s, q, keys, values, positions, out, 0, units);
-    --g_running;
     return;
   }
   // contiguous ranges of units with like numbers of keys (a query's cost grows with its position)
@@ -282,7 +319,6 @@ void compute(const Shape& s, const float* q, const T* keys, const T* values, con
   workers().parallel(static_cast<int>(cuts.size()) - 1, [&](int i) {
     run_units(s, q, keys, values, positions, out, cuts[i], cuts[i + 1]);
   });
-  --g_running;
 }
 
 }  // namespace
@@ -293,6 +329,10 @@ void mirror_rt_ops_threads(int threads) { g_threads = threads < 1 ? 1 : threads;
 
 // The threads the calls made from this thread may use (the session it runs asked for that many; 0: no limit).
 void mirror_rt_ops_call_threads(int threads) { t_threads = threads < 0 ? 0 : threads; }
+
+// The threads a call from this thread would split over with `running` unpinned calls running (itself included): the
+// rule of split_threads, for tests.
+int mirror_rt_ops_split_threads(int running) { return split_threads(caller_cores(), running); }
 
 // The kernel without ONNX Runtime (tests call it through ctypes): keys and values as float, or as binary16
 // (`_half`); with k and v (not null), this call's keys and values [B, T, KVH*D] are first stored at their positions.

@@ -136,6 +136,19 @@ def test_a_variant_gives_the_portable_bits(variant, kind):
         assert np.abs(got - reference).max() <= TOLERANCE * np.abs(reference).max()
 
 
+@pytest.mark.parametrize("k", [768, 4096])  # 8 rows in a tile (levels in L1), and the per-row kernels (over 28 KB)
+@pytest.mark.parametrize("kind", BLOCK_TYPES, ids=lambda kind: kind.name)
+@pytest.mark.parametrize("variant", [v for v in VARIANTS if v.values[0] in SAME_BITS_AS_PORTABLE[1:]])
+def test_every_tile_size_gives_the_portable_bits(variant, kind, k):
+    """Calls of 1..9 rows (every tile size the kernels are built for, a full tile and one row more): each row the
+    portable kernels' bits, with odd numbers of weight rows."""
+    w = weights(kind, 37, k, 6)
+    x = activations(9, k, 7)
+    reference = matmul("portable", x, w, kind, 37)
+    for rows in range(1, 10):
+        assert np.array_equal(matmul(variant, x[9 - rows:], w, kind, 37), reference[9 - rows:]), rows
+
+
 @functools.cache
 def compiler_takes(flags: tuple) -> bool:
     cxx = native_op.compiler()

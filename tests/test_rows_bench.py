@@ -47,6 +47,36 @@ def test_questions_still_need_out(capsys):
     assert "bench needs --out (or --rows" in capsys.readouterr().err
 
 
+def test_untimed_one_row_forwards_come_first_on_both_sides():
+    """The first forwards after a load map the weights' pages: WARM_UP one-row forwards (ours and llama.cpp's) run
+    before the first N is timed, so one row is not measured cold."""
+    from types import SimpleNamespace
+
+    calls = []
+
+    class Engine:
+        target = SimpleNamespace(vocab_size=1000)
+        names = {}
+
+        def generate(self, ids, **_):
+            calls.append(("ours", len(ids)))
+            return SimpleNamespace(stats={"stage_seconds": {"target_prefill": 0.5}})
+
+    class Llama:
+        def reset(self):
+            pass
+
+        def n_vocab(self):
+            return 1000
+
+        def eval(self, ids):
+            calls.append(("llama.cpp", len(ids)))
+
+    costs = rows_bench.measure(Engine(), [4], Llama(), repeats=1, log=lambda line: None)
+    warm = [("ours", 1), ("llama.cpp", 1)] * rows_bench.WARM_UP
+    assert calls == warm + [("ours", 4), ("llama.cpp", 4)] and costs[0].seconds == 0.5
+
+
 def test_fresh_ids_never_share_a_prefix_across_counts_and_runs():
     seen = {}
     for rows in (1, 2, 4, 8):

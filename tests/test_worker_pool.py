@@ -55,3 +55,33 @@ def test_no_data_race_under_thread_sanitizer(tmp_path):
         pytest.skip(f"ThreadSanitizer cannot run here: {done.stderr.strip().splitlines()[0]}")
     assert "WARNING: ThreadSanitizer" not in done.stderr, done.stderr[:4000]
     assert done.returncode == 0, done.stdout + done.stderr[:4000]
+
+
+def test_a_pinned_caller_splits_over_its_own_cores_whatever_else_runs():
+    """The ops' thread rule (pool_attention.cpp split_threads): an unpinned caller shares the process's threads
+    with the unpinned calls running; a caller pinned to fewer cores (Mirror's target, its draft) takes its cores'
+    count however many calls run; a session's own limit caps both."""
+    import ctypes
+
+    from mirror_rt.exporters import native_op
+
+    if not native_op.available():
+        pytest.skip("no C++ compiler to build the ops")
+    lib = ctypes.CDLL(str(native_op.library()))
+    split = lib.mirror_rt_ops_split_threads
+    cores = sorted(os.sched_getaffinity(0))
+    n = len(cores)
+    try:
+        lib.mirror_rt_ops_threads(n)  # the widest session: every core of this process
+        assert [split(1), split(2), split(n + 1)] == [n, max(1, n // 2), 1]
+        lib.mirror_rt_ops_threads(4 * n)  # a wider session than these cores: this caller counts as pinned
+        assert split(8 * n) == n
+        os.sched_setaffinity(0, cores[:1])  # this thread only, as Mirror pins its draft
+        assert [split(1), split(8 * n)] == [1, 1]
+        os.sched_setaffinity(0, cores)
+        lib.mirror_rt_ops_call_threads(1)  # its session asked for one thread
+        assert split(1) == 1
+    finally:
+        os.sched_setaffinity(0, cores)
+        lib.mirror_rt_ops_call_threads(0)
+        lib.mirror_rt_ops_threads(n)
