@@ -123,6 +123,7 @@ def test_steps_split_only_once_the_draft_worker_is_free(bundle_pair, cpus):
     target, draft = bundle_pair
     decoder = BatchDecoder(target, draft, BatchConfig(max_num_seqs=4), policy=Alternating(), cpus=cpus)
     decoder.core_split.way = lambda rows: "split"
+    decoder.mirror.batch.spreads = lambda running: False  # Mirror rows keep the draft worker (the subject here)
     drafting = []
     original = target.forward_rows_split
 
