@@ -37,11 +37,13 @@ async function connect() {
   try {
     const models = await getJSON("/v1/models");
     const model = models.data[0];
-    $("model").textContent = model.id;
-    $("max-tokens").max = model.max_model_len;
     const info = await getJSON("/server");
+    // the server's mode and gamma fill the settings before the model's name says the page is ready: filled later,
+    // they overwrote a mode the user had already chosen
     if (info.mode) $("mode").value = info.mode;
     if (info.gamma) $("gamma").value = info.gamma;
+    $("max-tokens").max = model.max_model_len;
+    $("model").textContent = model.id;
     devices(info);
     $("status").textContent = "";
   } catch (error) {
