@@ -72,7 +72,7 @@ def test_a_pinned_caller_splits_over_its_own_cores_whatever_else_runs():
     cores = sorted(os.sched_getaffinity(0))
     n = len(cores)
     try:
-        lib.mirror_rt_ops_call_threads(0)  # no session's cap on this thread (an earlier test's session may have set one)
+        lib.mirror_rt_ops_call_threads(0)  # no session cap on this thread (an earlier test's session may have set one)
         lib.mirror_rt_ops_threads(n)  # the widest session: every core of this process
         assert [split(1), split(2), split(n + 1)] == [n, max(1, n // 2), 1]
         lib.mirror_rt_ops_threads(4 * n)  # a wider session than these cores: this caller counts as pinned
