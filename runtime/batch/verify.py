@@ -19,6 +19,7 @@ import numpy as np
 
 from mirror_rt.runtime.acceptance import verify
 from mirror_rt.runtime.affinity import pin
+from mirror_rt.runtime.batch.splits import CoreSplit, balanced_cut
 from mirror_rt.runtime.mirror.draft_batch import extend_lines, plain, wants
 
 SD, MIRROR, TARGET = "sd", "mirror", "target"
@@ -42,6 +43,7 @@ class BatchVerify:
         self.mirror = mirror_step
         self.decoder = mirror_step.decoder
         self.target_calls = 0  # forwards of the target's rows (prefix + suffix count once)
+        self.split = CoreSplit()  # spread verifies: one call on every core, or two at once, by (rows, width)
 
     def run(self, running: list, gamma: int, spread: bool = False) -> None:
         """One step of `running`; `spread`: Mirror rows too draft as sd's do, on every core, and the target verifies
@@ -108,9 +110,31 @@ class BatchVerify:
         else:  # no Mirror row, or a target that cannot split rows: one forward, no early exit
             self._send_exits(mirror_rows, {}, first)
             t0 = time.perf_counter()
-            wide = {"wide": True} if spread else {}
-            logits = d.target.forward_rows(tokens, d.target_pool, first, **wide)
+            logits = self._spread_forward(tokens, first) if spread else d.target.forward_rows(tokens, d.target_pool,
+                                                                                              first)
         return [None] * first + list(logits), time.perf_counter() - t0
+
+    def _spread_forward(self, tokens: np.ndarray, first: int) -> np.ndarray:
+        """A spread step's verify over rows first.. (tokens [B, T]) -> logits [B, T, vocab]: one call through the
+        sessions over every core ("wide"), or two calls at once, one per core over each part of the rows ("split"),
+        whichever `split` measured faster for this shape (a row's logits are the same bits either way)."""
+        d, (rows, width) = self.decoder, tokens.shape
+        key = (rows, width)
+        able = d.target.capabilities.two_calls and rows >= 2
+        way = self.split.way(key) if able else "wide"
+        t0 = time.perf_counter()
+        if way == "split":
+            lengths = [int(d.target_pool.lengths[first + r]) + width for r in range(rows)]
+            cut = balanced_cut(lengths)
+            parts = on_two_cores(lambda: d.target.forward_rows(tokens[:cut], d.target_pool, first),
+                                 lambda: d.target.forward_rows(tokens[cut:], d.target_pool, first + cut),
+                                 self.mirror.cpus)
+            logits = np.concatenate(parts)
+        else:
+            logits = d.target.forward_rows(tokens, d.target_pool, first, wide=True)
+        if able:
+            self.split.record(key, way, time.perf_counter() - t0)
+        return logits
 
     def _send_exits(self, plans: list[Plan], exit_rows: dict, first: int) -> None:
         """Each Mirror row's early exit ([T, 0] where none was computed: it still tells the draft when the verdict
@@ -189,14 +213,15 @@ class SdDrafts:
 _helpers: dict = {}  # core -> the one-thread executor pinned to it (two-core drafting)
 
 
-def on_two_cores(first, second, cpus: tuple):
-    """first() here, second() at once in a helper thread pinned to cpus[1]; both waited for."""
+def on_two_cores(first, second, cpus: tuple) -> tuple:
+    """(first(), second()): first() here, second() at once in a helper thread pinned to cpus[1]; both waited for."""
     helper = _helpers.get(cpus[1])
     if helper is None:
         helper = _helpers[cpus[1]] = ThreadPoolExecutor(1, thread_name_prefix="mirror-draft-rows", initializer=pin,
                                                         initargs=(cpus[1],))
     later = helper.submit(second)
     try:
-        first()
+        head = first()
     finally:
-        later.result()
+        tail = later.result()
+    return head, tail
