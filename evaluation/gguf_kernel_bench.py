@@ -1,13 +1,14 @@
 """One MatMulGGUF product in isolation: milliseconds per call for the 7B's product shapes and R activation rows,
 beside the floors this CPU sets (a benchmark, not a test: run it under the bench lock).
 
-    python -m mirror_rt.evaluation.gguf_kernel_bench [--rows 1,2,4,5,8] [--threads 2] [--repeats 5]
+    python -m mirror_rt.evaluation.gguf_kernel_bench [--rows 1,2,4,5,8] [--threads 2] [--repeats 5] [--library SO]...
 
-The weights are random blocks with sane scales (a block's speed does not depend on its values), the activations
-random floats; the library is the native ops' build for this CPU (exporters.native_op, MIRROR_RT_CPU_VARIANT
-forces a variant). Floors per call: `stream` = the weight bytes at --gbps (what memory gives one pass over them);
-`compute` = 1 cycle per 32 weight values per row per core (two multiply-pipe ops, maddubs and madd, on the two
-multiply pipes of a Zen 3 / Skylake core) at --ghz over --threads cores.
+The weights are random blocks with sane scales (a block's speed does not depend on its values), the activations random
+floats; the library is the native ops' build for this CPU (exporters.native_op, MIRROR_RT_CPU_VARIANT forces a
+variant), or each --library given (another tree's build: side by side, each shape and row count in turn). Floors per
+call: `stream` = the weight bytes at --gbps (what memory gives one pass over them); `compute` = 1 cycle per 32 weight
+values per row per core (two multiply-pipe ops, maddubs and madd, on the two multiply pipes of a Zen 3 / Skylake core)
+at --ghz over --threads cores.
 """
 
 from __future__ import annotations
@@ -33,13 +34,14 @@ def random_blocks(kind: int, n: int, k: int, rng: np.random.Generator) -> np.nda
     return np.ascontiguousarray(w.reshape(n, -1))
 
 
-def kernel(threads: int):
+def kernel(threads: int, path: str | None = None):
+    """mirror_rt_gguf_matmul of the library at `path` (None: this tree's build for this CPU) at `threads`."""
     from mirror_rt.exporters import native_op
 
-    lib = ctypes.CDLL(str(native_op.library()))
+    lib = ctypes.CDLL(path or str(native_op.library()))
     lib.mirror_rt_gguf_matmul.argtypes = [ctypes.c_void_p] * 3 + [ctypes.c_int64] * 3 + [ctypes.c_int]
     lib.mirror_rt_ops_threads(threads)
-    return lib.mirror_rt_gguf_matmul, native_op.chosen_variant()
+    return lib.mirror_rt_gguf_matmul
 
 
 def best_ms(matmul, x: np.ndarray, w: np.ndarray, y: np.ndarray, kind: int, repeats: int) -> float:
@@ -59,25 +61,32 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--gbps", type=float, default=13.0, help="memory bandwidth for the stream floor")
     parser.add_argument("--ghz", type=float, default=2.45, help="core clock for the compute floor")
+    parser.add_argument("--library", action="append", help="a built libmirror_rt_ops.so to time (repeatable)")
     args = parser.parse_args(argv)
     counts = [int(r) for r in args.rows.split(",")]
-    matmul, variant = kernel(args.threads)
+    from mirror_rt.exporters import native_op
+
+    paths = args.library or [None]
+    kernels = [kernel(args.threads, path) for path in paths]
+    names = [path.split("/")[-2] if path else native_op.chosen_variant() for path in paths]
     rng = np.random.default_rng(0)
-    print(f"variant {variant}, {args.threads} threads; ms per call (floors: stream at {args.gbps} GB/s, compute "
-          f"1 cycle / 32 values / row / core at {args.ghz} GHz)")
-    print(f"{'product':14} {'MB':>6} {'stream':>7} " + " ".join(f"{'R=' + str(r):>8}" for r in counts)
-          + "   compute floor per row")
+    print(f"{args.threads} threads; ms per call, best of {args.repeats} (floors: stream at {args.gbps} GB/s, "
+          f"compute 1 cycle / 32 values / row / core at {args.ghz} GHz)")
+    print(f"{'product':14} {'library':26} {'MB':>5} {'stream':>6} " + " ".join(f"{'R=' + str(r):>7}" for r in counts)
+          + "  compute per row")
     for name, kind, k, n in SHAPES:
         w = random_blocks(kind, n, k, rng)
-        cells = []
+        cells = {}
         for rows in counts:
             x = rng.standard_normal((rows, k)).astype(np.float32)
             y = np.empty((rows, n), dtype=np.float32)
-            cells.append(best_ms(matmul, x, w, y, kind, args.repeats))
+            for library, matmul in zip(names, kernels):
+                cells[library, rows] = best_ms(matmul, x, w, y, kind, args.repeats)
         stream = w.nbytes / args.gbps / 1e6
         compute = k * n / 32 / args.threads / args.ghz / 1e6
-        print(f"{name:14} {w.nbytes / 1e6:6.1f} {stream:7.2f} " + " ".join(f"{c:8.2f}" for c in cells)
-              + f"   {compute:.2f}")
+        for library in names:
+            print(f"{name:14} {library:26} {w.nbytes / 1e6:5.1f} {stream:6.2f} "
+                  + " ".join(f"{cells[library, rows]:7.2f}" for rows in counts) + f"  {compute:.2f}")
 
 
 if __name__ == "__main__":
