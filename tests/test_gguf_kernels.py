@@ -189,3 +189,20 @@ def test_a_variant_the_cpu_lacks_is_refused(monkeypatch):
     assert native_op.chosen_variant() == "avx2"
     monkeypatch.setattr(native_op, "cpu_flags", lambda: frozenset({"sse2"}))
     assert native_op.chosen_variant() == "portable"
+
+
+@pytest.mark.parametrize("kind", (T.Q4_K, T.Q6_K), ids=lambda kind: kind.name)
+def test_the_kernel_bench_times_real_weight_blocks(kind):
+    """evaluation.gguf_kernel_bench's random blocks are weights the kernels take (scales set, products finite and
+    equal to the dequantized weights' through its own call), so its timings are of the real arithmetic."""
+    from gguf.quants import dequantize
+
+    from mirror_rt.evaluation import gguf_kernel_bench
+
+    w = gguf_kernel_bench.random_blocks(int(kind), 24, 512, np.random.default_rng(3))
+    x = activations(3, 512, 9)
+    y = np.full((3, 24), np.nan, dtype=np.float32)
+    assert gguf_kernel_bench.best_ms(gguf_kernel_bench.kernel(4), x, w, y, int(kind), repeats=1) > 0
+    expected = int8_activations(x, 256).astype(np.float64) @ dequantize(w, kind).reshape(24, 512).T
+    assert np.isfinite(expected).all() and np.abs(expected).max() > 0
+    assert np.abs(y - expected).max() <= 1e-5 * np.abs(expected).max()

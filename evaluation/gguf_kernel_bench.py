@@ -1,0 +1,93 @@
+"""One MatMulGGUF product in isolation: milliseconds per call for the 7B's product shapes and R activation rows,
+beside the floors this CPU sets (a benchmark, not a test: run it under the bench lock).
+
+    python -m mirror_rt.evaluation.gguf_kernel_bench [--rows 1,2,4,5,8] [--threads 2] [--repeats 5] [--library SO]...
+
+The weights are random blocks with sane scales (a block's speed does not depend on its values), the activations random
+floats; the library is the native ops' build for this CPU (exporters.native_op, MIRROR_RT_CPU_VARIANT forces a
+variant), or each --library given (another tree's build: side by side, each shape and row count in turn). Floors per
+call: `stream` = the weight bytes at --gbps (what memory gives one pass over them); `compute` = 1 cycle per 32 weight
+values per row per core (two multiply-pipe ops, maddubs and madd, on the two multiply pipes of a Zen 3 / Skylake core)
+at --ghz over --threads cores.
+"""
+
+from __future__ import annotations
+
+import argparse
+import ctypes
+import time
+
+import numpy as np
+
+# (name, type, k, n): Qwen2-7B's products (q and o 3584x3584, gate and up 3584 -> 18944, down 18944 -> 3584)
+SHAPES = (("q/o Q4_K", 12, 3584, 3584), ("gate/up Q4_K", 12, 3584, 18944), ("down Q4_K", 12, 18944, 3584),
+          ("down Q6_K", 14, 18944, 3584))
+BLOCKS = {12: (256, 144, (0, 2)), 14: (256, 210, (208,))}  # values, bytes, offsets of the block's half scales
+
+
+def random_blocks(kind: int, n: int, k: int, rng: np.random.Generator) -> np.ndarray:
+    values, size, halves = BLOCKS[kind]
+    w = rng.integers(0, 256, (n, k // values, size), dtype=np.uint8)
+    scale = np.array([0.01], dtype=np.float16).view(np.uint8)
+    for at in halves:
+        w[:, :, at:at + 2] = scale
+    return np.ascontiguousarray(w.reshape(n, -1))
+
+
+def kernel(threads: int, path: str | None = None):
+    """mirror_rt_gguf_matmul of the library at `path` (None: this tree's build for this CPU) at `threads`."""
+    from mirror_rt.exporters import native_op
+
+    lib = ctypes.CDLL(path or str(native_op.library()))
+    lib.mirror_rt_gguf_matmul.argtypes = [ctypes.c_void_p] * 3 + [ctypes.c_int64] * 3 + [ctypes.c_int]
+    lib.mirror_rt_ops_threads(threads)
+    return lib.mirror_rt_gguf_matmul
+
+
+def best_ms(matmul, x: np.ndarray, w: np.ndarray, y: np.ndarray, kind: int, repeats: int) -> float:
+    rows, k = x.shape
+    best = float("inf")
+    for _ in range(repeats + 1):  # the first call: helpers started, pages touched
+        start = time.perf_counter()
+        assert matmul(x.ctypes.data, w.ctypes.data, y.ctypes.data, rows, k, y.shape[1], kind) == 0
+        best = min(best, time.perf_counter() - start)
+    return best * 1e3
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--rows", default="1,2,4,5,8")
+    parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--gbps", type=float, default=13.0, help="memory bandwidth for the stream floor")
+    parser.add_argument("--ghz", type=float, default=2.45, help="core clock for the compute floor")
+    parser.add_argument("--library", action="append", help="a built libmirror_rt_ops.so to time (repeatable)")
+    args = parser.parse_args(argv)
+    counts = [int(r) for r in args.rows.split(",")]
+    from mirror_rt.exporters import native_op
+
+    paths = args.library or [None]
+    kernels = [kernel(args.threads, path) for path in paths]
+    names = [path.split("/")[-2] if path else native_op.chosen_variant() for path in paths]
+    rng = np.random.default_rng(0)
+    print(f"{args.threads} threads; ms per call, best of {args.repeats} (floors: stream at {args.gbps} GB/s, "
+          f"compute 1 cycle / 32 values / row / core at {args.ghz} GHz)")
+    print(f"{'product':14} {'library':26} {'MB':>5} {'stream':>6} " + " ".join(f"{'R=' + str(r):>7}" for r in counts)
+          + "  compute per row")
+    for name, kind, k, n in SHAPES:
+        w = random_blocks(kind, n, k, rng)
+        cells = {}
+        for rows in counts:
+            x = rng.standard_normal((rows, k)).astype(np.float32)
+            y = np.empty((rows, n), dtype=np.float32)
+            for library, matmul in zip(names, kernels):
+                cells[library, rows] = best_ms(matmul, x, w, y, kind, args.repeats)
+        stream = w.nbytes / args.gbps / 1e6
+        compute = k * n / 32 / args.threads / args.ghz / 1e6
+        for library in names:
+            print(f"{name:14} {library:26} {w.nbytes / 1e6:5.1f} {stream:6.2f} "
+                  + " ".join(f"{cells[library, rows]:7.2f}" for rows in counts) + f"  {compute:.2f}")
+
+
+if __name__ == "__main__":
+    main()
