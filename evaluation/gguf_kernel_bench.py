@@ -14,7 +14,6 @@ at --ghz over --threads cores.
 from __future__ import annotations
 
 import argparse
-import ctypes
 import time
 
 import numpy as np
@@ -32,16 +31,6 @@ def random_blocks(kind: int, n: int, k: int, rng: np.random.Generator) -> np.nda
     for at in halves:
         w[:, :, at:at + 2] = scale
     return np.ascontiguousarray(w.reshape(n, -1))
-
-
-def kernel(threads: int, path: str | None = None):
-    """mirror_rt_gguf_matmul of the library at `path` (None: this tree's build for this CPU) at `threads`."""
-    from mirror_rt.exporters import native_op
-
-    lib = ctypes.CDLL(path or str(native_op.library()))
-    lib.mirror_rt_gguf_matmul.argtypes = [ctypes.c_void_p] * 3 + [ctypes.c_int64] * 3 + [ctypes.c_int]
-    lib.mirror_rt_ops_threads(threads)
-    return lib.mirror_rt_gguf_matmul
 
 
 def best_ms(matmul, x: np.ndarray, w: np.ndarray, y: np.ndarray, kind: int, repeats: int) -> float:
@@ -67,7 +56,7 @@ def main(argv: list[str] | None = None) -> None:
     from mirror_rt.exporters import native_op
 
     paths = args.library or [None]
-    kernels = [kernel(args.threads, path) for path in paths]
+    kernels = [native_op.gguf_matmul(args.threads, path) for path in paths]
     names = [path.split("/")[-2] if path else native_op.chosen_variant() for path in paths]
     rng = np.random.default_rng(0)
     print(f"{args.threads} threads; ms per call, best of {args.repeats} (floors: stream at {args.gbps} GB/s, "

@@ -234,6 +234,18 @@ def set_threads(threads: int) -> None:
     ctypes.CDLL(str(library())).mirror_rt_ops_threads(int(threads))
 
 
+def gguf_matmul(threads: int, path: str | os.PathLike | None = None, variant: str | None = None):
+    """The library's MatMulGGUF product as a C function (the library at `path`, else `variant`'s build, else this
+    CPU's), its calls allowed `threads` threads: f(x, w, y, rows, k, n, type) -> 0, over the addresses of float32
+    x [rows, k], the GGUF blocks w [n, k's bytes] and float32 y [rows, n] (the kernel tests, gguf_kernel_bench)."""
+    import ctypes
+
+    lib = ctypes.CDLL(str(path or library(variant=variant)))
+    lib.mirror_rt_gguf_matmul.argtypes = [ctypes.c_void_p] * 3 + [ctypes.c_int64] * 3 + [ctypes.c_int]
+    lib.mirror_rt_ops_threads(int(threads))
+    return lib.mirror_rt_gguf_matmul
+
+
 def register(options, threads: int | None = None) -> None:
     """The ops into ONNX Runtime SessionOptions `options`, where they build here (a graph that needs them and
     finds none fails at load: devices.onnxruntime.session says why). Their calls may use as many threads together as the

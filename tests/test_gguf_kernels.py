@@ -8,7 +8,6 @@ there. Variants the CPU lacks are skipped saying so, but are still compiled (whe
 
 from __future__ import annotations
 
-import ctypes
 import functools
 import subprocess
 
@@ -38,10 +37,7 @@ VARIANTS = [runs_here(v) for v in native_op.VARIANTS]
 
 @functools.cache
 def kernel(variant: str):
-    lib = ctypes.CDLL(str(native_op.library(variant=variant)))
-    lib.mirror_rt_gguf_matmul.argtypes = [ctypes.c_void_p] * 3 + [ctypes.c_int64] * 3 + [ctypes.c_int]
-    lib.mirror_rt_ops_threads(4)  # more threads than this machine's cores: the split and its races exercised
-    return lib.mirror_rt_gguf_matmul
+    return native_op.gguf_matmul(4, variant=variant)  # more threads than this machine's cores: the split and its races
 
 
 def weights(kind, rows: int, columns: int, seed: int) -> np.ndarray:
@@ -202,7 +198,7 @@ def test_the_kernel_bench_times_real_weight_blocks(kind):
     w = gguf_kernel_bench.random_blocks(int(kind), 24, 512, np.random.default_rng(3))
     x = activations(3, 512, 9)
     y = np.full((3, 24), np.nan, dtype=np.float32)
-    assert gguf_kernel_bench.best_ms(gguf_kernel_bench.kernel(4), x, w, y, int(kind), repeats=1) > 0
+    assert gguf_kernel_bench.best_ms(native_op.gguf_matmul(4), x, w, y, int(kind), repeats=1) > 0
     expected = int8_activations(x, 256).astype(np.float64) @ dequantize(w, kind).reshape(24, 512).T
     assert np.isfinite(expected).all() and np.abs(expected).max() > 0
     assert np.abs(y - expected).max() <= 1e-5 * np.abs(expected).max()

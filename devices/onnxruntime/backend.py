@@ -241,12 +241,14 @@ class ORTSplitTarget(SplitTarget):
         commits)."""
         return pool.run(1, self.suffix, hidden, first)["logits"]
 
-    def forward_rows_split(self, tokens: np.ndarray, pool: RowPool, cut: int, cpus: tuple[int, int]) -> np.ndarray:
-        """All of the pool's rows as two calls at once (runtime.batch.splits): rows ..cut-1 on cpus[0], the others on
-        cpus[1], through the one-thread sessions -> logits [B, T, vocab], the same bits as one call."""
+    def forward_rows_split(self, tokens: np.ndarray, pool: RowPool, cut: int, cpus: tuple[int, int],
+                           first: int = 0) -> np.ndarray:
+        """The pool's rows first.. (tokens [B, T]) as two calls at once (runtime.batch.splits): the first `cut` on
+        cpus[0], the others on cpus[1], through the one-thread sessions -> logits [B, T, vocab], the same bits as one
+        call."""
         tokens = np.asarray(tokens, dtype=np.int64)
-        head, tail = self._on_two_cores(lambda: self.forward_rows(tokens[:cut], pool, 0),
-                                        lambda: self.forward_rows(tokens[cut:], pool, cut), cpus)
+        head, tail = self._on_two_cores(lambda: self.forward_rows(tokens[:cut], pool, first),
+                                        lambda: self.forward_rows(tokens[cut:], pool, first + cut), cpus)
         return np.concatenate([head, tail])
 
     def prefill_split(self, chunks: list, caches: list, cpus: tuple[int, int]) -> list[np.ndarray]:

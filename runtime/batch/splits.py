@@ -113,28 +113,29 @@ def balanced_cut(lengths: list[int]) -> int:
 
 
 class CoreSplit:
-    """The way (wide or split) of each target-only step, by batch size, from measured step times."""
+    """The way (wide or split) of each step, by its shape (a target-only step's rows; a spread verify's (rows,
+    window width)), from measured step times."""
 
     def __init__(self):
-        self.times: dict[tuple[int, str], list[float]] = {}  # (rows, way) -> its latest step seconds
-        self.since: dict[int, int] = {}  # rows -> steps since the way not taken was tried
+        self.times: dict[tuple, list[float]] = {}  # (shape, way) -> its latest step seconds
+        self.since: dict = {}  # shape -> steps since the way not taken was tried
         self.splits = 0  # steps run split
 
-    def way(self, rows: int) -> str:
-        """"wide" or "split" for a step of `rows` rows."""
-        wide, split = self.times.get((rows, "wide"), []), self.times.get((rows, "split"), [])
+    def way(self, shape) -> str:
+        """"wide" or "split" for a step of `shape`."""
+        wide, split = self.times.get((shape, "wide"), []), self.times.get((shape, "split"), [])
         if len(wide) < CORE_TRIAL or len(split) < CORE_TRIAL:
             return "wide" if len(wide) <= len(split) else "split"
         faster = "split" if statistics.median(split) < statistics.median(wide) else "wide"
-        self.since[rows] = self.since.get(rows, 0) + 1
-        if self.since[rows] >= EXPLORE:
-            self.since[rows] = 0
+        self.since[shape] = self.since.get(shape, 0) + 1
+        if self.since[shape] >= EXPLORE:
+            self.since[shape] = 0
             return "wide" if faster == "split" else "split"
         return faster
 
-    def record(self, rows: int, way: str, seconds: float) -> None:
-        """The time of a step of `rows` rows run `way`."""
-        kept = self.times.setdefault((rows, way), [])
+    def record(self, shape, way: str, seconds: float) -> None:
+        """The time of a step of `shape` run `way`."""
+        kept = self.times.setdefault((shape, way), [])
         kept.append(seconds)
         del kept[:-KEEP]
         self.splits += way == "split"

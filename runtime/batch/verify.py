@@ -125,11 +125,7 @@ class BatchVerify:
         t0 = time.perf_counter()
         if way == "split":
             lengths = [int(d.target_pool.lengths[first + r]) + width for r in range(rows)]
-            cut = balanced_cut(lengths)
-            parts = on_two_cores(lambda: d.target.forward_rows(tokens[:cut], d.target_pool, first),
-                                 lambda: d.target.forward_rows(tokens[cut:], d.target_pool, first + cut),
-                                 self.mirror.cpus)
-            logits = np.concatenate(parts)
+            logits = d.target.forward_rows_split(tokens, d.target_pool, balanced_cut(lengths), self.mirror.cpus, first)
         else:
             logits = d.target.forward_rows(tokens, d.target_pool, first, wide=True)
         if able:
