@@ -42,6 +42,7 @@ class Metrics:
     steps: int = 0  # decode steps (target forwards after prefill)
     committed: int = 0  # tokens committed by decode steps (prefill's first token excluded)
     speculative_steps: int = 0  # steps that verified draft tokens (the rest: target-only, as the load policy chose)
+    spread_steps: int = 0  # of those, steps whose draft then target ran on every core (no draft worker beside)
     target_only: dict[str, int] = field(default_factory=dict)  # the other steps by why (WHY_TARGET_ONLY's keys)
     drafted: int = 0  # draft tokens those steps verified
     accept_lengths: list[int] = field(default_factory=list)  # tokens committed per step
@@ -126,6 +127,7 @@ class Metrics:
             "steps": self.steps,
             "mean_accepted_length": round(1 + sum(self.accepted_at) / self.steps, 3) if self.steps else 0.0,
             "speculative_steps": self.speculative_steps,  # of `steps`; the others ran target-only
+            "spread_steps": self.spread_steps,  # of them, the draft then the target on every core
             "target_only_steps": dict(self.target_only),  # why the others did, by reason
             "mean_gamma": round(self.drafted / self.speculative_steps, 3) if self.speculative_steps else 0.0,
             "acceptance_per_position": [round(a / p, 3) if p else 0.0
@@ -191,6 +193,10 @@ def format_stats(stats: dict) -> str:
                      f"{stats['measured_step_ms']:.1f} ms measured")
     if stats.get("mode") != "ar" and (why := why_target_only(stats, ONE_PROMPT)):
         lines.append(why)
+    if stats.get("spread_steps"):
+        lines.append(f"{stats['spread_steps']} of {stats['speculative_steps']} speculative steps spread over every "
+                     "core (the draft, then the target's verify, each on all of them): adaptive speculation measured "
+                     "them faster here than the draft and the target side by side")
     for event in stats.get("events", []):
         lines.append(f"event: {event}")
     if stats.get("load_time_s") is not None:

@@ -76,6 +76,7 @@ class RequestRecord:
         return {"mode": mode, "mean_accepted_length": s.get("mean_accepted_length"),
                 "steps": s.get("steps"), "speculative_steps": s.get("speculative_steps"),  # the load policy's choice
                 "speculated": bool(s.get("speculative_steps")), "target_only_steps": s.get("target_only_steps", {}),
+                "spread_steps": s.get("spread_steps", 0),  # of the speculative steps, those run on every core
                 "why_target_only": why_target_only(s),
                 "mean_gamma": s.get("mean_gamma"),
                 "acceptance_per_position": s.get("acceptance_per_position", []),

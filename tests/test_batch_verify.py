@@ -1,6 +1,8 @@
 """Batched verification (runtime.batch.verify): every speculating row's window in one target call, each text
 still its single-stream reference's, whatever the batch holds."""
 
+import os
+
 import pytest
 
 from mirror_rt.runtime.affinity import available_cores
@@ -18,6 +20,7 @@ class Counted:
 
     def __init__(self, model):
         self.model, self.calls, self.wide = model, 0, 0
+        self.wide_cores = set()  # the cores each wide call's thread could run on (its native ops split over them)
 
     def __getattr__(self, name):
         member = getattr(self.model, name)
@@ -27,6 +30,8 @@ class Counted:
         def counted(*args, **kwargs):
             self.calls += 1
             self.wide += bool(kwargs.get("wide"))
+            if kwargs.get("wide"):
+                self.wide_cores.add(frozenset(os.sched_getaffinity(0)))
             return member(*args, **kwargs)
         return counted
 
@@ -47,9 +52,9 @@ def decode(target, draft, seqs: list[Sequence], max_num_seqs: int, on_step=None,
     if on_step is not None:
         run = decoder.mirror.run
 
-        def counted(running, gamma):
+        def counted(running, gamma, **options):
             before, settled = (target.calls, draft.calls), all(s.metrics.steps for s in running)
-            run(running, gamma)
+            run(running, gamma, **options)
             on_step(running, target.calls - before[0], (draft.calls - before[1]) if settled else None, gamma)
         decoder.mirror.run = counted
     for seq in seqs:
@@ -116,9 +121,41 @@ def test_spread_steps_equal_the_reference(pair, batch):
             for i in range(batch + 2)]
     decoder = decode(target, draft, seqs, batch, cpus=cpus)
     assert target.wide  # spread steps ran (and Mirror's, once one sequence was left)
+    assert all(c >= {cores[0], cores[-1]} for c in target.wide_cores)  # every core, not Mirror's target's alone
     assert decoder.mirror.batch.target_calls
     if target.capabilities.two_calls:  # the verify tried two calls at once, one per core, beside the wide one
         assert decoder.mirror.batch.split.splits
+    for seq in seqs:
+        assert seq.tokens == reference(pair[0], seq), seq.id
+
+
+def test_one_stream_switches_between_spread_divided_and_target_only_steps_exactly(pair):
+    """One Mirror stream whose load policy measures its three ways in turn (spread over every core, Mirror's divided
+    cores, target-only) and tries them again every few steps: the draft row leaves and rejoins the draft worker at
+    each switch, and the text still equals its single-stream reference."""
+    from mirror_rt.runtime.batch.policy import SpeculationPolicy
+
+    target, draft = Counted(pair[0]), Counted(pair[1])
+    if not target.capabilities.wide:
+        pytest.skip("this target has no sessions over every core")
+    cores = sorted(available_cores())
+    decoder = BatchDecoder(target, draft, BatchConfig(max_num_seqs=1), cpus=((cores[0],), (cores[-1],)),
+                           policy=SpeculationPolicy(explore=2, refresh=3))
+    seqs = [Sequence(f"s{i}", prompt(i), GenerationConfig(max_new_tokens=40, mode="mirror", gamma=1 + i % 4),
+                     budget=40) for i in range(3)]
+    ways = []
+    for seq in seqs:
+        decoder.add(seq)
+    try:
+        while not decoder.idle:
+            decoder.step()
+            ways.append(decoder.policy.previous)
+    finally:
+        decoder.close()
+    assert {"speculative", "speculative, spread", "target-only"} <= set(ways)
+    assert sum(s.metrics.spread_steps for s in seqs) and target.wide
+    assert all(c >= {cores[0], cores[-1]} for c in target.wide_cores)
+    assert all(s.metrics.speculative_steps > s.metrics.spread_steps for s in seqs)  # Mirror's own steps too
     for seq in seqs:
         assert seq.tokens == reference(pair[0], seq), seq.id
 

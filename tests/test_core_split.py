@@ -108,6 +108,7 @@ class Alternating:
 
     def gamma(self, decoder, running, prompts=False):
         self.steps += 1
+        self.last = "speculative" if self.steps % 2 else "target-only"  # the way taken (SpeculationPolicy.last)
         return 2 * (self.steps % 2)
 
     def prompts_first(self, prompts):

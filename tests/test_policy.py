@@ -1,16 +1,37 @@
 """The speculation policy: measured rates decide, unmeasured ways are tried, switches need a clear gain."""
 
-from mirror_rt.runtime.batch.policy import AR, SPEC, SpeculationPolicy
+from mirror_rt.runtime.batch.policy import AR, SPEC, SPREAD, SpeculationPolicy
 
 
-def drive(policy: SpeculationPolicy, batch: int, rates: dict, steps: int) -> list[str]:
-    """Run `steps` decisions at `batch`, feeding back tokens/s from `rates` (way -> tokens per second)."""
-    ways = []
+def drive(policy: SpeculationPolicy, batch: int, rates: dict, steps: int, ways=(SPEC, AR)) -> list[str]:
+    """Run `steps` decisions at `batch` among `ways`, feeding back tokens/s from `rates` (way -> tokens per
+    second)."""
+    chosen = []
     for _ in range(steps):
-        way = policy.choose(batch)
+        way = policy.choose(batch, ways)
         policy.record(way, batch, int(rates[way]), 1.0)
-        ways.append(way)
-    return ways
+        chosen.append(way)
+    return chosen
+
+
+def test_one_stream_spreads_where_its_cores_pay_more_together():
+    """One stream's third way, its step spread over every core, is measured beside Mirror's divided cores and
+    target-only, and kept only where it is the fastest; the ways not taken are tried again in turn."""
+    three = (SPEC, SPREAD, AR)
+    policy = SpeculationPolicy(explore=2, refresh=10)
+    ways = drive(policy, 1, {SPEC: 60, SPREAD: 90, AR: 50}, 60, three)
+    assert ways[:7] == [SPEC, SPEC, SPREAD, SPREAD, SPREAD, AR, AR]  # (a switch is no sample)
+    assert ways[-1] == SPREAD and ways.count(SPREAD) > 40 and {SPEC, AR} <= set(ways[10:])  # both tried again
+    divided = SpeculationPolicy(explore=2, refresh=1000)
+    assert set(drive(divided, 1, {SPEC: 90, SPREAD: 60, AR: 50}, 30, three)[10:]) == {SPEC}
+    assert set(drive(SpeculationPolicy(explore=2), 1, {SPEC: 40, SPREAD: 45, AR: 80}, 30, three)[10:]) == {AR}
+    assert SpeculationPolicy(adaptive=False).choose(1, three) == SPEC  # as asked: Mirror's own step
+
+
+def test_spreading_one_stream_that_won_lets_two_streams_try_speculation():
+    policy = SpeculationPolicy(explore=2, refresh=1000)
+    drive(policy, 1, {SPEC: 40, SPREAD: 90, AR: 60}, 20, (SPEC, SPREAD, AR))  # divided lost, spread won
+    assert drive(policy, 2, {SPEC: 150, AR: 100}, 20)[-1] == SPEC
 
 
 def test_the_faster_way_wins_after_both_were_measured():
@@ -135,7 +156,8 @@ def test_a_spread_step_speculates_beside_prompts_and_in_the_tail():
     from mirror_rt.runtime.batch.policy import SWITCH_MIN
 
     def decoder(spread):
-        return SimpleNamespace(mirror=SimpleNamespace(batch=SimpleNamespace(spreads=lambda running: spread)))
+        return SimpleNamespace(mirror=SimpleNamespace(batch=SimpleNamespace(spreads=lambda running: spread,
+                                                                            spreads_one=lambda running: False)))
 
     running = [SimpleNamespace(config=SimpleNamespace(mode="mirror", gamma=4), remaining=SWITCH_MIN - 1)] * 2
     policy = SpeculationPolicy(explore=1)

@@ -14,7 +14,7 @@ import time
 from dataclasses import dataclass
 
 from mirror_rt.runtime.batch.kv_rows import BLOCK_SIZE, BlockBudget, RowMap, blocks_for
-from mirror_rt.runtime.batch.policy import AR, SPEC, SpeculationPolicy
+from mirror_rt.runtime.batch.policy import AR, SPREAD, SpeculationPolicy
 from mirror_rt.runtime.batch.prefix_cache import PrefixCache
 from mirror_rt.runtime.batch.sequence import Sequence
 from mirror_rt.runtime.batch.splits import CoreSplit, RowSplit
@@ -166,8 +166,8 @@ class BatchDecoder:
                 self.mirror.leave(seq)
             self.ar.run(running)
         else:
-            self.mirror.run(running, gamma)
-        way = AR if gamma == 0 else SPEC
+            self.mirror.run(running, gamma, spread=self.policy.last == SPREAD)
+        way = AR if gamma == 0 else self.policy.last
         self.policy.record(way, len(running), sum(len(s.tokens) for s in running) - before, time.perf_counter() - t0,
                            settled)
         self.gamma = gamma

@@ -18,7 +18,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from mirror_rt.runtime.acceptance import verify
-from mirror_rt.runtime.affinity import pin
+from mirror_rt.runtime.affinity import pin, restore
 from mirror_rt.runtime.batch.splits import CoreSplit, balanced_cut
 from mirror_rt.runtime.mirror.draft_batch import extend_lines, plain, wants
 
@@ -50,6 +50,8 @@ class BatchVerify:
         on every core (`spreads`)."""
         plans = [plan for seq in running if (plan := self._plan(seq, gamma, spread)) is not None]
         SdDrafts(self.decoder).draft([p for p in plans if p.way == SD], self.mirror.cpus if spread else None)
+        for plan in plans:
+            plan.seq.metrics.spread_steps += spread and plan.way == SD
         plans = [p for p in plans if not p.seq.done]
         if not plans:
             return
@@ -61,11 +63,20 @@ class BatchVerify:
                 self._settle(plan, logits[plan.seq.row], t0, elapsed, suffix_s)
 
     def spreads(self, running: list) -> bool:
-        """Whether a step of `running` can spread over every core: a pooled target with sessions over every core
-        (`wide`), a draft of the pool's rows, and a core per worker to spread over."""
+        """Whether a step of `running` spreads over every core: always where it can and 2+ sequences run (their
+        drafts share calls on both cores; `can_spread`)."""
+        return len(running) > 1 and self.can_spread()
+
+    def spreads_one(self, running: list) -> bool:
+        """Whether one running sequence's step may spread over every core: the load policy measures it beside
+        Mirror's divided cores and target-only decoding (runtime.batch.policy SPREAD)."""
+        return len(running) == 1 and self.can_spread()
+
+    def can_spread(self) -> bool:
+        """A pooled target with sessions over every core (`wide`), a draft of the pool's rows, and a core per worker
+        to spread over."""
         d = self.decoder
-        return bool(d.pooled and d.target.capabilities.wide and d.draft is not None and self.mirror.cpus
-                    and len(running) > 1)
+        return bool(d.pooled and d.target.capabilities.wide and d.draft is not None and self.mirror.cpus)
 
     def _plan(self, seq, gamma: int, spread: bool = False) -> Plan | None:
         """`seq`'s way this step and its window (the draft worker's for Mirror; sd's are drafted together later;
@@ -210,14 +221,17 @@ _helpers: dict = {}  # core -> the one-thread executor pinned to it (two-core dr
 
 
 def on_two_cores(first, second, cpus: tuple) -> tuple:
-    """(first(), second()): first() here, second() at once in a helper thread pinned to cpus[1]; both waited for."""
+    """(first(), second()): first() here pinned to cpus[0], second() at once in a helper thread pinned to cpus[1];
+    both waited for."""
     helper = _helpers.get(cpus[1])
     if helper is None:
         helper = _helpers[cpus[1]] = ThreadPoolExecutor(1, thread_name_prefix="mirror-draft-rows", initializer=pin,
                                                         initargs=(cpus[1],))
     later = helper.submit(second)
+    previous = pin(cpus[0])
     try:
         head = first()
     finally:
+        restore(previous)
         tail = later.result()
     return head, tail

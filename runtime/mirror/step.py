@@ -48,16 +48,21 @@ class MirrorStep:
         self.draft_config = DraftConfig()  # the draft rows' runtime-internal knobs
         self.batch = BatchVerify(self)  # pooled steps: every row's window verified in one target call
 
-    def run(self, running: list, gamma: int) -> None:
+    def run(self, running: list, gamma: int, spread: bool = False) -> None:
         """One step of each running sequence: Mirror for mirror sequences on a split target, sd for the others, one
         target-only token for ar sequences and those with one token left; in pools, every row in one target call
-        (runtime.batch.verify), else one sequence at a time."""
+        (runtime.batch.verify), else one sequence at a time. `spread`: one pooled sequence's step on every core
+        (the load policy's choice, runtime.batch.policy SPREAD; 2+ sequences spread wherever they can)."""
         d = self.decoder
-        with placed(d.target, self.cpus[0] if self.cpus else None):
-            # a target that computes while the host goes on (CUDA) keeps the per-sequence step, which queues its
-            # suffix before reading the early exit back (the batched prefix reads its exits first)
-            if d.pooled and not d.target.capabilities.asynchronous:
-                return self.batch.run(running, gamma, self.batch.spreads(running))
+        # a target that computes while the host goes on (CUDA) keeps the per-sequence step, which queues its suffix
+        # before reading the early exit back (the batched prefix reads its exits first)
+        pooled = d.pooled and not d.target.capabilities.asynchronous
+        spread = pooled and (spread or self.batch.spreads(running))
+        # a spread step runs on every core: the native ops of its target's wide call split over the cores its
+        # thread may run on (exporters/pool_attention.cpp split_threads), so that thread is not Mirror's target's
+        with placed(d.target, self.every_core() if spread else self.cpus[0] if self.cpus else None):
+            if pooled:
+                return self.batch.run(running, gamma, spread)
             for seq in running:
                 k = min(gamma, seq.config.gamma, seq.remaining - 1)
                 with seq.alone():
@@ -67,6 +72,12 @@ class MirrorStep:
                         self.step(seq, k)
                     else:
                         self.sd(seq, k)
+
+    def every_core(self) -> tuple[int, ...] | None:
+        """The target's and the draft's cores together (None: not pinned)."""
+        if not self.cpus:
+            return None
+        return tuple(sorted({core for side in self.cpus for core in ((side,) if isinstance(side, int) else side)}))
 
     def step(self, seq, k: int) -> None:
         """One Mirror step of `seq`: a window of at most `k` draft tokens verified, the next one precomputed."""
