@@ -93,9 +93,11 @@ class TargetOnlyEngine(Engine):
 
 def _jobs(options: EngineConfig, target_side: tuple, draft_side: tuple, placement) -> list[tuple]:
     """The two load jobs (in_worker_threads) of a target and a draft placed by `placement`."""
-    strict = options.devices.strict_devices  # the target's prompt may also use the draft's (idle) core: prompt_cpus
+    strict = options.devices.strict_devices
+    # the target's prompt may also use the draft's (idle) core, and both roles every core in spread steps
     target_budget = WorkerBudget(placement.target_threads, placement.target_cpus, None, placement.prompt_cpus)
-    draft_budget = WorkerBudget(placement.draft_threads, placement.draft_cpus, options.precision.draft_precision)
+    draft_budget = WorkerBudget(placement.draft_threads, placement.draft_cpus, options.precision.draft_precision,
+                                placement.prompt_cpus)
     return [(*target_side[:2], "target", target_side[2], strict, target_budget),
             (*draft_side[:2], "draft", draft_side[2], strict, draft_budget)]
 

@@ -23,9 +23,10 @@ class WorkerBudget:
     threads: int | None = None  # compute threads of this worker's backend (None: backend default)
     cpus: tuple[int, ...] | None = None  # cores this worker's thread and its pools may use
     precision: str | None = None  # OpenVINO CPU inference precision (None: exact f32; "bf16" for drafts)
-    # cores a split target's prompt may use (Mirror: the draft's idles until it adopts the prompt's KV); ONNX Runtime
-    # runs them through a second session pair (a second copy of the weights), others pipeline the prompt
-    prompt_cpus: tuple[int, ...] | None = None
+    # every core, where this worker may take the other's too: a split target's prompt (Mirror's draft idles until it
+    # adopts the prompt's KV), and both roles' calls in steps spread over every core (runtime.batch.verify); ONNX
+    # Runtime runs them through second sessions (a second copy of the weights), others pipeline the target's prompt
+    wide_cpus: tuple[int, ...] | None = None
 
     def apply(self) -> None:
         """Pin the calling thread to `cpus` (Linux) and set torch's threads where torch is imported."""
@@ -128,11 +129,13 @@ def _load_onnxruntime(paths, manifest, config, spec: DeviceSpec, budget: WorkerB
     from mirror_rt.devices.onnxruntime.backend import ORTGraph, ORTModel, ORTSplitTarget
 
     kv_shape = (config.n_kv_heads, config.head_dim)
-    if len(paths) == 1:
+    more_cores = len(budget.wide_cpus or ()) > (budget.threads or 0)
+    wide = budget.wide_cpus if spec.device == "cpu" and more_cores else None
+    if len(paths) == 1:  # a draft: its wide session (spread steps) where a second copy fits
+        wide = wide if wide and _second_copy_fits(paths, loading=paths) else None
+        wide_graph = in_background(_wide_graphs, paths, kv_shape, wide) if wide else lambda: [None]
         graph = ORTGraph(paths[0], spec.device, kv_shape, budget.threads)
-        return ORTModel(graph, config.vocab_size, manifest.max_context)
-    more_cores = len(budget.prompt_cpus or ()) > (budget.threads or 0)
-    wide = budget.prompt_cpus if spec.device == "cpu" and more_cores else None
+        return ORTModel(graph, config.vocab_size, manifest.max_context, wide_graph()[0])
     if wide and not _second_copy_fits([paths[0], paths[2]], loading=paths):
         wide = None  # the prompt then runs pipelined over the two cores (ORTSplitTarget.prefill_pipelined)
     # the prompt's sessions load in their own thread, on the cores the worker's own sessions leave free

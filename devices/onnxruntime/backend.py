@@ -12,6 +12,7 @@ import queue
 import threading
 from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
+from dataclasses import replace
 from pathlib import Path
 
 import numpy as np
@@ -171,9 +172,11 @@ class ORTCache(GraphCache):
 class ORTModel(GraphModel):
     """A `LoadedModel` over one graph (a draft or an unsplit target); batched shared-KV graphs run rows at once."""
 
-    def __init__(self, graph: ORTGraph, vocab_size: int, max_seq_len: int):
+    def __init__(self, graph: ORTGraph, vocab_size: int, max_seq_len: int, wide_graph: ORTGraph | None = None):
         streams = graph.session.get_modelmeta().custom_metadata_map.get("n_streams")
         super().__init__(graph, vocab_size, max_seq_len, int(streams) if streams else None, rows=graph.batched)
+        self.wide_graph = wide_graph  # the same graph's session over every core (a draft's spread steps)
+        self.capabilities = replace(self.capabilities, wide=wide_graph is not None and graph.batched)
 
     def new_cache(self, capacity: int) -> ORTCache:
         return ORTCache([self.graph], min(capacity, self.max_seq_len))
@@ -182,9 +185,12 @@ class ORTModel(GraphModel):
         """KV rows for `rows` sequences of up to `capacity` positions (devices.onnxruntime.pool)."""
         return RowPool([self.graph], rows, capacity)
 
-    def forward_rows(self, tokens: np.ndarray, pool: RowPool, first: int, last_rows: int | None = None) -> np.ndarray:
-        """tokens [B, T] at each row's length, rows first..first+B-1 -> logits [B, T or last_rows, vocab]."""
-        return pool.run(0, self.graph, np.asarray(tokens, dtype=np.int64), first, last_rows)["logits"]
+    def forward_rows(self, tokens: np.ndarray, pool: RowPool, first: int, last_rows: int | None = None,
+                     wide: bool = False) -> np.ndarray:
+        """tokens [B, T] at each row's length, rows first..first+B-1 -> logits [B, T or last_rows, vocab]; `wide`:
+        through the session over every core where there is one."""
+        graph = self.wide_graph if wide and self.wide_graph else self.graph
+        return pool.run(0, graph, np.asarray(tokens, dtype=np.int64), first, last_rows)["logits"]
 
     def can_adopt(self, target) -> bool:
         """Whether this draft's pool takes `target`'s pool rows: an ONNX Runtime target, shared buffers from shared."""

@@ -175,8 +175,9 @@ class BatchVerify:
 
 class SdDrafts:
     """sd rows' windows: one draft call per drafted position over every row that still drafts (runtime.mirror.
-    draft_batch), or, given two cores, two such calls at once, one per core over each half of the rows; rows whose
-    drafting is no plain draw, or whose draft has no pool, draft alone."""
+    draft_batch), or, given two cores, two such calls at once, one per core over each half of the rows (one row: its
+    calls on both, through the draft's wide session); rows whose drafting is no plain draw, or whose draft has no
+    pool, draft alone."""
 
     def __init__(self, decoder):
         self.decoder = decoder
@@ -197,16 +198,17 @@ class SdDrafts:
         half = len(together) // 2
         if cpus and half:  # contiguous halves of the rows: neither call pads a row the other writes
             on_two_cores(lambda: self._extend(together[:half]), lambda: self._extend(together[half:]), cpus)
-        else:
-            self._extend(together)
+        else:  # spread (`cpus`): one row's calls through the draft's session over every core, where it has one
+            self._extend(together, wide=bool(cpus) and d.draft.capabilities.wide)
         for plan in together:
             row = plan.seq.draft_row
             plan.seq.metrics.add_stage("draft_propose", time.perf_counter() - t0)
             row.in_flight = min(plan.window[0], len(row.line.tokens))
             plan.window = row.line.tokens[:row.in_flight]
 
-    def _extend(self, drafting: list[Plan]) -> None:
-        """The plans' lines extended to their windows' sizes, one shared call per drafted position."""
+    def _extend(self, drafting: list[Plan], wide: bool = False) -> None:
+        """The plans' lines extended to their windows' sizes, one shared call per drafted position (`wide`: on every
+        core)."""
         order = self.decoder.rows.order
         while drafting:
             drafting = [p for p in drafting if wants(p.seq.draft_row, p.seq.draft_row.line,
@@ -214,7 +216,8 @@ class SdDrafts:
             if drafting:  # (Mirror rows between them are the draft worker's: never written here)
                 extend_lines(self.decoder.draft, self.decoder.draft_pool,
                              [(p.seq.draft_row, p.seq.draft_row.line, p.seq.draft_row.committed) for p in drafting],
-                             lambda r: order[r].mirror is None)  # (runs join only gaps between their own rows)
+                             lambda r: order[r].mirror is None,  # (runs join only gaps between their own rows)
+                             **({"wide": True} if wide else {}))
 
 
 _helpers: dict = {}  # core -> the one-thread executor pinned to it (two-core drafting)

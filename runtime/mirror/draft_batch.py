@@ -55,10 +55,11 @@ def wants(row: DraftRow, line: Line, context: list[int], k: int) -> bool:
     return True
 
 
-def extend_lines(draft, pool, items: list[tuple[DraftRow, Line, list[int]]], free: Callable[[int], bool]) -> None:
+def extend_lines(draft, pool, items: list[tuple[DraftRow, Line, list[int]]], free: Callable[[int], bool],
+                 **call) -> None:
     """One more token on each item's line (a row's line continuing `context`; one line per row): a draft call per
     contiguous run of their pool rows; `free(r)`: whether row r between two items may take padding (nobody else
-    writes it now)."""
+    writes it now); `call`: options of those calls (`wide=True`: on every core)."""
     feeds = {}
     for row, line, context in items:
         full = context + line.tokens
@@ -77,7 +78,7 @@ def extend_lines(draft, pool, items: list[tuple[DraftRow, Line, list[int]]], fre
                 feed = feeds[r][2]
                 tokens[r - first, :len(feed)], tokens[r - first, len(feed):] = feed, feed[-1]
         t0 = time.perf_counter()
-        logits = draft.forward_rows(tokens, pool, first)
+        logits = draft.forward_rows(tokens, pool, first, **call)
         busy = (t0, time.perf_counter())
         for r in range(first, first + count):
             if r in feeds:
