@@ -32,8 +32,8 @@ class Capabilities:
       `forward_rows_suffix(pending, pool, first)` -> logits [B, T, vocab] (Mirror's batched verify);
     - `pipelined`: `prefill_pipelined(tokens, cache, cpu)` runs a prompt on two cores (through prompt sessions of
       a thread per core where `wide`, else prefix and suffix chunks at once); `wide`: `forward_rows(..., wide=True)`
-      runs rows through those sessions (a draft's: through its session over every core, for spread steps); `two_calls`: `forward_rows_split` and `prefill_split` run two calls at
-      once, one per core;
+      runs rows through those sessions (a draft's: through its session over every core, for spread steps);
+      `two_calls`: `forward_rows_split` and `prefill_split` run two calls at once, one per core;
     - `threads`: `set_threads(n)` sets the thread budget of the calling thread's work (torch's, process-wide);
     - `streams`: `forward_streams` adds Speculative Streaming lookahead logits (SS drafts);
     - `reads_target_rows`: a draft that is the target at another precision and whose pool takes the target pool's
