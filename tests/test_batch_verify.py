@@ -157,6 +157,13 @@ def test_one_stream_switches_between_spread_divided_and_target_only_steps_exactl
     assert draft.wide or not draft.capabilities.wide  # its one row drafted through its session over every core
     assert all(c >= {cores[0], cores[-1]} for c in target.wide_cores)
     assert all(s.metrics.speculative_steps > s.metrics.spread_steps for s in seqs)  # Mirror's own steps too
+    from mirror_rt.runtime.metrics import format_stats
+
+    stats = seqs[0].metrics.summary()
+    assert stats["spread_steps"] == seqs[0].metrics.spread_steps
+    text = format_stats(stats | {"mode": "mirror", "stop_reason": "length"})
+    assert (f"{stats['spread_steps']} of {stats['speculative_steps']} speculative steps spread over every core"
+            in text) == bool(stats["spread_steps"])
     for seq in seqs:
         assert seq.tokens == reference(pair[0], seq), seq.id
 
