@@ -125,6 +125,8 @@ def test_spread_steps_equal_the_reference(pair, batch):
     assert decoder.mirror.batch.target_calls
     if target.capabilities.two_calls:  # the verify tried two calls at once, one per core, beside the wide one
         assert decoder.mirror.batch.split.splits
+    if draft.capabilities.wide:  # the drafting too: two calls at once, one per core, beside one on every core
+        assert {way for _, way in decoder.mirror.batch.draft_split.times} == {"wide", "split"}
     for seq in seqs:
         assert seq.tokens == reference(pair[0], seq), seq.id
 

@@ -25,7 +25,7 @@ def server():
     from mirror_rt.serving.replica import ReplicaHeader
 
     class TargetOnlyWins(SpeculationPolicy):
-        def choose(self, batch: int) -> str:
+        def choose(self, batch: int, ways: tuple = ()) -> str:
             return AR
 
     engine = tiny_engine()

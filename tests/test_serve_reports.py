@@ -35,7 +35,7 @@ def test_a_request_the_policy_decoded_target_only_says_so_and_why():
     from mirror_rt.runtime.batch.policy import AR, SpeculationPolicy
 
     class TargetOnlyWins(SpeculationPolicy):
-        def choose(self, batch: int) -> str:
+        def choose(self, batch: int, ways: tuple = ()) -> str:
             self.reason = "slower"
             return AR
 

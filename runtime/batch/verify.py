@@ -44,12 +44,14 @@ class BatchVerify:
         self.decoder = mirror_step.decoder
         self.target_calls = 0  # forwards of the target's rows (prefix + suffix count once)
         self.split = CoreSplit()  # spread verifies: one call on every core, or two at once, by (rows, width)
+        self.draft_split = CoreSplit()  # spread steps' drafting, the same choice by (rows, window)
 
     def run(self, running: list, gamma: int, spread: bool = False) -> None:
         """One step of `running`; `spread`: Mirror rows too draft as sd's do, on every core, and the target verifies
         on every core (`spreads`)."""
         plans = [plan for seq in running if (plan := self._plan(seq, gamma, spread)) is not None]
-        SdDrafts(self.decoder).draft([p for p in plans if p.way == SD], self.mirror.cpus if spread else None)
+        SdDrafts(self.decoder, self.draft_split).draft([p for p in plans if p.way == SD],
+                                                       self.mirror.cpus if spread else None)
         for plan in plans:
             plan.seq.metrics.spread_steps += spread and plan.way == SD
         plans = [p for p in plans if not p.seq.done]
@@ -175,12 +177,13 @@ class BatchVerify:
 
 class SdDrafts:
     """sd rows' windows: one draft call per drafted position over every row that still drafts (runtime.mirror.
-    draft_batch), or, given two cores, two such calls at once, one per core over each half of the rows (one row: its
-    calls on both, through the draft's wide session); rows whose drafting is no plain draw, or whose draft has no
-    pool, draft alone."""
+    draft_batch), or, given two cores, two such calls at once, one per core over each half of the rows, or one call
+    through the draft's session over every core (one row always; more rows as `split` measured faster for their
+    shape); rows whose drafting is no plain draw, or whose draft has no pool, draft alone."""
 
-    def __init__(self, decoder):
+    def __init__(self, decoder, split: CoreSplit | None = None):
         self.decoder = decoder
+        self.split = split  # the measured way (wide or split) of drafting rows on two cores, by (rows, window)
 
     def draft(self, plans: list[Plan], cpus: tuple | None = None) -> None:
         """Each plan's window (its size until now) drafted; `cpus` (this thread's cores, the helper's): on both."""
@@ -196,10 +199,15 @@ class SdDrafts:
         t0 = time.perf_counter()
         together.sort(key=lambda p: p.seq.row)
         half = len(together) // 2
-        if cpus and half:  # contiguous halves of the rows: neither call pads a row the other writes
+        wide = bool(cpus) and d.draft.capabilities.wide  # (spread steps: every core)
+        shape = (len(together), max((p.window[0] for p in together), default=0))
+        way = "wide" if not (cpus and half) else self.split.way(shape) if wide and self.split else "split"
+        if way == "split":  # contiguous halves of the rows: neither call pads a row the other writes
             on_two_cores(lambda: self._extend(together[:half]), lambda: self._extend(together[half:]), cpus)
-        else:  # spread (`cpus`): one row's calls through the draft's session over every core, where it has one
-            self._extend(together, wide=bool(cpus) and d.draft.capabilities.wide)
+        else:
+            self._extend(together, wide=wide)
+        if cpus and half and wide and self.split:
+            self.split.record(shape, way, time.perf_counter() - t0)
         for plan in together:
             row = plan.seq.draft_row
             plan.seq.metrics.add_stage("draft_propose", time.perf_counter() - t0)
