@@ -195,8 +195,8 @@ def format_stats(stats: dict) -> str:
         lines.append(why)
     if stats.get("spread_steps"):
         lines.append(f"{stats['spread_steps']} of {stats['speculative_steps']} speculative steps spread over every "
-                     "core (the draft, then the target's verify, each on all of them): adaptive speculation measured "
-                     "them faster here than the draft and the target side by side")
+                     "core (the draft, then the target's verify, each on all of them): adaptive speculation measures "
+                     "them beside the draft and the target side by side, and keeps the faster")
     for event in stats.get("events", []):
         lines.append(f"event: {event}")
     if stats.get("load_time_s") is not None:
