@@ -8,6 +8,7 @@ from __future__ import annotations
 import contextlib
 import os
 from collections.abc import Iterable
+from concurrent.futures import ThreadPoolExecutor
 
 
 def available_cores() -> set[int]:
@@ -54,3 +55,23 @@ def placed(model, cores: int | Iterable[int] | None):
         if threads is not None:
             model.set_threads(threads)
         restore(previous)
+
+
+_helpers: dict = {}  # core(s) -> the one-thread executor pinned to them (two calls at once)
+
+
+def on_two_cores(first, second, cpus: tuple) -> tuple:
+    """(first(), second()) at once: first() here pinned to cpus[0], second() in a helper thread pinned to cpus[1];
+    both waited for, even when first() fails (both may write into one pool)."""
+    helper = _helpers.get(cpus[1])
+    if helper is None:
+        helper = _helpers[cpus[1]] = ThreadPoolExecutor(1, thread_name_prefix="mirror-rows", initializer=pin,
+                                                        initargs=(cpus[1],))
+    later = helper.submit(second)
+    previous = pin(cpus[0])
+    try:
+        head = first()
+    finally:
+        restore(previous)
+        tail = later.result()
+    return head, tail

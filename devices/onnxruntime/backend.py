@@ -11,7 +11,6 @@ from __future__ import annotations
 import queue
 import threading
 from collections.abc import Sequence
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import replace
 from pathlib import Path
 
@@ -21,7 +20,7 @@ from mirror_rt.devices.base import GraphCache, GraphModel, SplitTarget
 from mirror_rt.devices.onnxruntime.pool import RowPool
 from mirror_rt.devices.onnxruntime.session import create_session
 from mirror_rt.exporters.native_op import ATTENTION, call_threads, register
-from mirror_rt.runtime.affinity import pin, restore
+from mirror_rt.runtime.affinity import on_two_cores, pin, restore
 from mirror_rt.runtime.backend import Capabilities
 
 PREFILL_CHUNK = 64  # prompt tokens per pipelined prefill stage
@@ -206,7 +205,6 @@ class ORTSplitTarget(SplitTarget):
         self.prefix, self.exit, self.suffix = prefix, exit_graph, suffix
         self.prompt_graphs = prompt_graphs  # (prefix, suffix) sessions over more cores, for prompts
         self.vocab_size, self.max_seq_len, self.kappa = vocab_size, max_seq_len, kappa
-        self._helper = None  # (core, executor) running the second part of split steps and prompt pairs
         # rows of sequences at once where both halves take them (not with an attention exit adapter); the groups of
         # rows a call attends apart (exporters.exact_kv, format 6; pool graphs: every row apart)
         rows = prefix.batched and suffix.batched and "exit_hidden" not in prefix.output_names
@@ -273,17 +271,7 @@ class ORTSplitTarget(SplitTarget):
                 return first(), second()
             finally:
                 restore(previous)
-        if self._helper is None or self._helper[0] != cpus[1]:
-            self._helper = (cpus[1], ThreadPoolExecutor(1, thread_name_prefix="mirror-rows", initializer=pin,
-                                                        initargs=(cpus[1],)))
-        later = self._helper[1].submit(second)
-        previous = pin(cpus[0])
-        try:
-            head = first()
-        finally:
-            restore(previous)
-            tail = later.result()
-        return head, tail
+        return on_two_cores(first, second, cpus)
 
     def _exit(self, hidden: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         head, _ = self.exit.run(hidden, [])

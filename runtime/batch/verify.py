@@ -12,13 +12,12 @@ Design notes: docs/design/runtime.md.
 from __future__ import annotations
 
 import time
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
 import numpy as np
 
 from mirror_rt.runtime.acceptance import verify
-from mirror_rt.runtime.affinity import pin, restore
+from mirror_rt.runtime.affinity import on_two_cores
 from mirror_rt.runtime.batch.splits import CoreSplit, balanced_cut
 from mirror_rt.runtime.mirror.draft_batch import extend_lines, plain, wants
 
@@ -200,13 +199,14 @@ class SdDrafts:
         together.sort(key=lambda p: p.seq.row)
         half = len(together) // 2
         wide = bool(cpus) and d.draft.capabilities.wide  # (spread steps: every core)
+        measured = bool(cpus and half and wide and self.split)  # both ways possible: the faster one
         shape = (len(together), max((p.window[0] for p in together), default=0))
-        way = "wide" if not (cpus and half) else self.split.way(shape) if wide and self.split else "split"
+        way = self.split.way(shape) if measured else "split" if cpus and half else "wide"
         if way == "split":  # contiguous halves of the rows: neither call pads a row the other writes
             on_two_cores(lambda: self._extend(together[:half]), lambda: self._extend(together[half:]), cpus)
         else:
             self._extend(together, wide=wide)
-        if cpus and half and wide and self.split:
+        if measured:
             self.split.record(shape, way, time.perf_counter() - t0)
         for plan in together:
             row = plan.seq.draft_row
@@ -226,23 +226,3 @@ class SdDrafts:
                              [(p.seq.draft_row, p.seq.draft_row.line, p.seq.draft_row.committed) for p in drafting],
                              lambda r: order[r].mirror is None,  # (runs join only gaps between their own rows)
                              **({"wide": True} if wide else {}))
-
-
-_helpers: dict = {}  # core -> the one-thread executor pinned to it (two-core drafting)
-
-
-def on_two_cores(first, second, cpus: tuple) -> tuple:
-    """(first(), second()): first() here pinned to cpus[0], second() at once in a helper thread pinned to cpus[1];
-    both waited for."""
-    helper = _helpers.get(cpus[1])
-    if helper is None:
-        helper = _helpers[cpus[1]] = ThreadPoolExecutor(1, thread_name_prefix="mirror-draft-rows", initializer=pin,
-                                                        initargs=(cpus[1],))
-    later = helper.submit(second)
-    previous = pin(cpus[0])
-    try:
-        head = first()
-    finally:
-        restore(previous)
-        tail = later.result()
-    return head, tail
