@@ -194,6 +194,8 @@ Attend<T> vectorized(int64_t dim, int64_t rep) {
 }
 #endif
 
+#include "attention_avx2.inc"
+
 template <typename T>
 void attend(const Shape& s, const float* q, const T* keys, const T* values, int64_t n, float* out,
             std::vector<float>& scores) {
@@ -206,6 +208,9 @@ void attend(const Shape& s, const float* q, const T* keys, const T* values, int6
                                                               out + first * s.dim, scores);
     return;
   }
+#endif
+#ifdef MIRROR_RT_ATTENTION_AVX2
+  if (s.dim % 16 == 0) return attend_avx2(s, q, keys, values, n, out, scores);
 #endif
   attend_generic(s, q, keys, values, n, out, scores);
 }
@@ -276,7 +281,7 @@ class CallThreads {
   int threads_ = 1;
 };
 
-constexpr int64_t SPLIT_KEYS = 1 << 15;  // a call attending to fewer keys in all runs on its own thread
+constexpr int64_t SPLIT_KEYS = 1 << 12;  // a call attending to fewer keys in all runs on its own thread (~0.1 ms)
 
 // The call's keys and values k, v [B, T, KVH*D] into the buffers [B, KVH, S, D] at each token's position.
 template <typename T>

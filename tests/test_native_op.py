@@ -13,14 +13,14 @@ from mirror_rt.exporters import native_op
 pytestmark = pytest.mark.skipif(not native_op.available(), reason="no C++ compiler to build the op")
 
 
-def kernel(half: bool = False):
-    lib = ctypes.CDLL(str(native_op.library()))
+def kernel(half: bool = False, variant: str | None = None):
+    lib = ctypes.CDLL(str(native_op.library(variant=variant)))
     f = lib.mirror_rt_pool_attention_half if half else lib.mirror_rt_pool_attention
     f.argtypes = [ctypes.c_void_p] * 7 + [ctypes.c_int64] * 6
     return f
 
 
-def attend(q, keys, values, positions, new=None):
+def attend(q, keys, values, positions, new=None, variant=None):
     """The op over float32 keys and values, or float16 ones (PoolAttentionHalf); `new` = (k, v) [B, T, KVH*D]: the
     call's keys and values, stored into `keys` and `values` first (in place)."""
     B, T, width = q.shape
@@ -30,7 +30,7 @@ def attend(q, keys, values, positions, new=None):
     assert keys.flags.c_contiguous and values.flags.c_contiguous
     k, v = (None, None) if new is None else (np.ascontiguousarray(x, dtype=np.float32) for x in new)
     pointers = [None if a is None else a.ctypes.data for a in (q, k, v, keys, values, positions, out)]
-    kernel(keys.dtype == np.float16)(*pointers, B, T, width // dim, kv_heads, capacity, dim)
+    kernel(keys.dtype == np.float16, variant)(*pointers, B, T, width // dim, kv_heads, capacity, dim)
     return out
 
 
@@ -87,6 +87,26 @@ def test_a_query_computes_alike_in_every_call_shape(dim, dtype):
             stale_values[:, :, positions[b, t] + 1:] = -7.0
             alone = attend(q[b:b + 1, t:t + 1], stale_keys, stale_values, positions[b:b + 1, t:t + 1])
             assert np.array_equal(alone[0, 0], together[b, t]), (b, t)
+
+
+@pytest.mark.skipif("avx2" not in native_op.runnable_variants() or "avx512-vnni" in native_op.runnable_variants(),
+                    reason="the AVX2 path runs where the CPU has AVX2 but no AVX-512")
+@pytest.mark.parametrize("dtype", [np.float32, np.float16])
+@pytest.mark.parametrize("dim,heads,kv_heads", [(64, 9, 3), (64, 8, 1), (128, 5, 5), (32, 14, 2), (16, 4, 4),
+                                                (48, 6, 2), (12, 6, 2)])
+def test_the_avx2_path_gives_the_portable_bits(dim, heads, kv_heads, dtype):
+    """The AVX2 variant attends with the portable path's float operations in the same order: the same bits, over
+    rows of any length (long ones through the threaded path), scores far apart (e^x clamped), subnormal keys."""
+    rng = np.random.default_rng(dim * heads)
+    B, T, capacity = 3, 4, 2100
+    keys, values = (rng.standard_normal((B, kv_heads, capacity, dim)).astype(dtype) for _ in range(2))
+    keys[1, 0, 5, :3] = np.float16(3e-6)
+    q = rng.standard_normal((B, T, heads * dim), dtype=np.float32)
+    q[2] *= 40.0  # scores hundreds apart: most weights underflow through the clamp at -87
+    positions = np.array([[p - T + 1 + t for t in range(T)] for p in (3, 2099, 37)], dtype=np.int64)
+    native_op.set_threads(2)
+    portable = attend(q, keys, values, positions, variant="portable")
+    assert np.array_equal(attend(q, keys, values, positions, variant="avx2"), portable)
 
 
 @pytest.mark.parametrize("dtype", [np.float32, np.float16])
