@@ -55,8 +55,9 @@ def reference(q, keys, values, positions):
 @pytest.mark.parametrize("dim,heads,kv_heads",
                          [(64, 9, 3), (64, 4, 4), (128, 8, 2), (32, 16, 2), (16, 4, 2), (12, 6, 2)])
 def test_matches_float64_attention(dim, heads, kv_heads, dtype):
-    """The vectorized paths (head sizes 32, 64, 96, 128; up to 8 query heads a KV head) and the plain one (other
-    head sizes, or 16 query heads a KV head, or no AVX-512), against causal attention computed in float64."""
+    """The vectorized paths (AVX-512: head sizes 32, 64, 96, 128, up to 8 query heads a KV head; AVX2: head sizes
+    a multiple of 16) and the plain one (the others, or the portable variant), against causal attention computed in
+    float64."""
     rng = np.random.default_rng(dim + heads)
     B, T, capacity = 3, 5, 90
     keys, values = (rng.standard_normal((B, kv_heads, capacity, dim)).astype(dtype) for _ in range(2))
