@@ -79,6 +79,10 @@ class Delayed:
         time.sleep(self.delay)
         return self.inner.forward_rows(tokens, pool, *args, **kwargs)
 
+    def forward_rows_prefix(self, tokens, pool, *args, **kwargs):  # a speculative step's verify, its first half
+        time.sleep(self.delay)
+        return self.inner.forward_rows_prefix(tokens, pool, *args, **kwargs)
+
 
 class Faulty:
     """A model that raises on its `after`-th forward (counted over its whole life)."""
