@@ -10,7 +10,8 @@ import threading
 import pytest
 import torch
 
-from mirror_rt.devices.engines import load_torch
+from mirror_rt.devices.options import EngineConfig
+from mirror_rt.devices.torch_engine import load_torch
 from mirror_rt.runtime.grammar import Constraint
 from mirror_rt.runtime.transfer import record_shapes
 
@@ -25,7 +26,8 @@ RULES = dict(constraint=Constraint.json_schema(SCHEMA), presence_penalty=0.5, lo
 
 @pytest.fixture(scope="module", params=["tiny", "smollm2-135m"])
 def engine(request):
-    return load_torch(request.param, "int8", device="cuda", log=lambda *a: None)
+    config = EngineConfig.from_flags(model=request.param, draft_model="int8", device="cuda")
+    return load_torch(config, log=lambda *a: None)
 
 
 def generate(engine, mode: str):
