@@ -55,7 +55,11 @@ def load_checkpoint(ref: str | None = None, dtype: str = "float32", cache: str |
         return _load_gguf(Path(ref).expanduser(), DTYPES[dtype], cache, log)
     folder = resolve_folder(ref, cache, log)
     config = read_config(folder)
-    model = Transformer(config)
+    with torch.device("meta"):  # no random initialization: every weight is read (_load_weights refuses a gap)
+        model = Transformer(config)
+    model = model.to_empty(device="cpu")
+    if config.tie_embeddings:
+        model.lm_head.weight = model.embed_tokens.weight
     _load_weights(model, folder)
     return LoadedCheckpoint(model.to(DTYPES[dtype]).eval(), HFTokenizer(folder), str(folder))
 
