@@ -67,6 +67,21 @@ def test_int8_draft_of_a_bf16_target():
     assert draft(torch.tensor([5, 6]), new_cache(draft, 4)).shape == (2, target.config.vocab_size)
 
 
+def test_int8_draft_of_an_fp32_target_keeps_its_weights_when_the_target_moves():
+    """An fp32 CPU target's copy shares its storage (no second fp32 model in memory), never its Parameters:
+    converting or changing the target afterwards leaves the draft as it was."""
+    target = tiny_target(seed=0).float()
+    draft = int8_copy(target)
+    assert draft.embed_tokens.weight.data_ptr() == target.embed_tokens.weight.data_ptr()  # shared, not copied
+    ids = torch.tensor([5, 6, 7])
+    before = draft(ids, new_cache(draft, 4))
+    target.to(torch.bfloat16)
+    target.norm.weight.data = torch.zeros_like(target.norm.weight)
+    assert isinstance(target.layers[0].mlp.gate_proj, torch.nn.Linear)  # the target's own layers stay float
+    assert draft.embed_tokens.weight.dtype == torch.float32 and bool((draft.norm.weight == 1).all())
+    assert torch.equal(draft(ids, new_cache(draft, 4)), before)
+
+
 @pytest.mark.parametrize("dtype", ["bf16", "float16"])
 def test_low_precision_target_is_lossless_at_its_precision(dtype):
     """Every decode step of a bf16 / fp16 target runs at one window shape, so sd and mirror give exactly
