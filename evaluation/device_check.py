@@ -42,6 +42,7 @@ class PairCheck:
     launches_per_forward: int | None = None  # CUDA kernel and graph launches of one 1-token forward
     peak_memory_mb: float | None = None  # CUDA: peak allocated while the pair ran
     tokens: dict[str, list[int]] = field(default_factory=dict)  # ar tokens (for cross-device comparison)
+    load_s: float | None = None  # the target's random weights made and the int8 draft copied, seconds
 
 
 def top2_margin(model, prompt_ids: list[int], tokens: list[int], index: int) -> float:
@@ -70,10 +71,15 @@ def check_pair(model: str, device: str, dtype: str | None, compile: bool, max_ne
     import torch
 
     options = EngineConfig.from_flags(model=model, draft_model="int8", device=device, dtype=dtype, compile=compile)
+    log(f"devices --check: {model} on {device}: loading (random weights{', compiling' if compile else ''}, an int8 "
+        "draft copy on the CPU)")
+    started = time.perf_counter()
     engine = load_torch(options, log=lambda *a: None)
     names = engine.names
     check = PairCheck(model, device, "torch:cpu int8 copy", f"{names['target_precision']} / "
-                      f"{names['draft_precision']}", compile, names["placement"])
+                      f"{names['draft_precision']}", compile, names["placement"],
+                      load_s=round(time.perf_counter() - started, 1))
+    log(f"devices --check: {model} on {device} ({check.precision}): loaded in {check.load_s:.1f} s")
     if device.startswith("cuda"):
         torch.cuda.reset_peak_memory_stats(device)
     options = dict(max_new_tokens=max_new_tokens, ignore_eos=True, chat=False)
@@ -124,13 +130,11 @@ def run_check(models: list[str] | None = None, max_new_tokens: int = CHECK_TOKEN
     models = models or (["smollm2-135m", "smollm2-1.7b"] if cuda else ["smollm2-135m"])
     pairs, cross = [], []
     for model in models:  # `compile`: the GPU pairs where there are any (the CPU pair stays the eager yardstick)
+        gpu = [check_pair(model, device, dtype, compile, max_new_tokens, log)  # bf16 (fp16) default, then fp32
+               for device in cuda for dtype in (None, "float32")]  # first: the CPU pair of 1.7B takes minutes
         cpu = check_pair(model, "cpu", "float32", compile and not cuda, max_new_tokens, log)
-        pairs.append(cpu)
-        for device in cuda:
-            pairs.append(check_pair(model, device, None, compile, max_new_tokens, log))  # bf16 (fp16) default
-            fp32 = check_pair(model, device, "float32", compile, max_new_tokens, log)
-            pairs.append(fp32)
-            cross.append(compare_devices(model, cpu, fp32))
+        pairs += [cpu, *gpu]
+        cross += [compare_devices(model, cpu, fp32) for fp32 in gpu[1::2]]
     return {"torch": torch.__version__, "cuda": cuda, "cores": len(available_cores()),
             "time": time.strftime("%Y-%m-%d %H:%M:%S"), "pairs": [asdict(p) for p in pairs], "cross_device": cross}
 

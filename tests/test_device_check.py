@@ -43,6 +43,28 @@ def test_check_runs_every_pair_found_here(doc):
     assert "pinned" in cpu["placement"] and len(doc["cross_device"]) == cuda
 
 
+def test_a_gpu_box_checks_its_gpu_pairs_before_the_cpu_pair(monkeypatch):
+    """With CUDA the GPU pairs come first (the CPU pair of the 1.7B preset takes minutes), the table still starts
+    with the CPU pair, and each device's fp32 pair is compared with the CPU's."""
+    from mirror_rt.evaluation import device_check
+
+    ran, compared = [], []
+
+    def check_pair(model, device, dtype, compile, tokens, log):
+        ran.append((model, device, dtype))
+        return device_check.PairCheck(model, device, "draft", str(dtype), compile, "placement")
+
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
+    monkeypatch.setattr(device_check, "check_pair", check_pair)
+    monkeypatch.setattr(device_check, "compare_devices", lambda model, cpu, gpu: compared.append(
+        (cpu.target, gpu.target, gpu.precision)) or {})
+    doc = run_check(["a", "b"], log=lambda *a: None)
+    gpu = [(d, t) for d in ("cuda:0", "cuda:1") for t in (None, "float32")]
+    assert ran == [(m, *pair) for m in ("a", "b") for pair in [*gpu, ("cpu", "float32")]]
+    assert [(p["model"], p["target"]) for p in doc["pairs"]][:5] == [("a", "cpu")] + [("a", d) for d, _ in gpu]
+    assert compared == [("cpu", d, "float32") for _ in "ab" for d in ("cuda:0", "cuda:1")]
+
+
 def test_check_output_fits_a_screen_and_says_when_there_is_no_cuda(doc):
     text = format_check(doc)
     assert len(text.splitlines()) <= 24 and max(len(line) for line in text.splitlines()) <= 130
