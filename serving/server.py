@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import os
+import signal
 import sys
 import threading
 import time
@@ -167,6 +168,9 @@ def serve(settings: ServerConfig, load) -> int:
     app = create_app(settings, load, log_failure=False)  # said once, on exit
     server = DrainingServer(app, settings.host, settings.port, settings.drain_timeout)
     threading.Thread(target=_announce, args=(server, url), name="mirror-announce", daemon=True).start()
+    if threading.current_thread() is threading.main_thread():  # a signal before uvicorn takes them drains as after
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            signal.signal(sig, server.handle_exit)
     log.info("listening on %s (loading the engine; /health answers 503 until it is ready)", url)
     server.server.run(sockets=[sock])
     _stop_engine(server.state)

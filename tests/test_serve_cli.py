@@ -157,6 +157,28 @@ def test_a_port_in_use_or_an_unknown_host_is_one_line_and_exit_1(tmp_path):
             assert says in lines[0] and "listening on" not in result.stderr
 
 
+def test_a_sigterm_before_uvicorn_runs_drains_like_one_after(tmp_path, cache_dir):
+    """The signal can come between "listening on" and uvicorn's own handlers (the full suite's load made that window
+    wide enough once: exit -15): it drains and exits 0 as it does later. Here it is sent right before uvicorn runs."""
+    from mirror_rt.devices.engines import default_bundle
+
+    bundle = default_bundle(cache_dir, progress=False)
+    log = tmp_path / "serve.log"
+    script = ("import os, signal, sys, uvicorn\n"
+              "run = uvicorn.Server.run\n"
+              "def early(self, *a, **k):\n"
+              "    os.kill(os.getpid(), signal.SIGTERM)\n"
+              "    return run(self, *a, **k)\n"
+              "uvicorn.Server.run = early\n"
+              "from mirror_rt.cli import main\n"
+              f"sys.exit(main(['serve', '--port', '{free_port()}', '--bundle', {str(bundle)!r}]))\n")
+    with open(log, "w") as err:
+        done = subprocess.run([sys.executable, "-c", script], stderr=err, stdout=subprocess.DEVNULL, timeout=120)
+    text = log.read_text()
+    assert done.returncode == 0, text
+    assert "draining" in text and "Traceback" not in text
+
+
 def test_serve_stopped_while_loading_exits_0_without_an_abort(tmp_path, cache_dir):
     """SIGTERM while the engine still loads (here ONNX Runtime building sessions of a bundle not seen before): the
     interpreter used to exit under the loading thread and abort ('terminate called without an active exception',
