@@ -19,12 +19,31 @@ def int8_copy(model):
     params, buffers = list(model.parameters()), list(model.buffers())
     if all(t.device.type == "cpu" and t.dtype == torch.float32 for t in params + buffers if t.is_floating_point()):
         # modules copied, storage shared, Parameter objects new: the target's later .to(device) rebinds its own
-        # Parameters' data, not the draft's (the Linear weights shared here are swapped out by the quantization)
+        # Parameters' data, not the draft's (the Linear weights shared here are swapped out below)
         memo = {id(p): torch.nn.Parameter(p.data, p.requires_grad) for p in params} | {id(b): b for b in buffers}
-        source = copy.deepcopy(model, memo=memo)
+        draft = copy.deepcopy(model, memo=memo)
     else:
-        source = copy.deepcopy(model).to("cpu", torch.float32)
-    with warnings.catch_warnings():
+        draft = copy.deepcopy(model).to("cpu", torch.float32)
+    with warnings.catch_warnings():  # torch's notices that its quantized tensors are deprecated
         warnings.simplefilter("ignore")
-        draft = torch.ao.quantization.quantize_dynamic(source, {torch.nn.Linear}, dtype=torch.qint8, inplace=True)
+        for module in list(draft.modules()):
+            for name, child in list(module.named_children()):
+                if type(child) is torch.nn.Linear:
+                    setattr(module, name, int8_linear(child))
     return draft.eval()
+
+
+def int8_linear(linear: torch.nn.Linear):
+    """torch's dynamic int8 Linear of `linear`, as `quantize_dynamic` makes it (its default weight observer: one
+    symmetric scale per tensor), built without the full-size placeholder weight its constructor would prepack."""
+    from torch.ao.nn.quantized.dynamic import Linear
+    from torch.ao.quantization import default_dynamic_qconfig
+
+    observer = default_dynamic_qconfig.weight()
+    observer(linear.weight)
+    scale, zero_point = observer.calculate_qparams()
+    weight = torch.quantize_per_tensor(linear.weight.float(), float(scale), int(zero_point), torch.qint8)
+    quantized = Linear(1, 1, dtype=torch.qint8)  # a 1x1 placeholder, then the real sizes and weight
+    quantized.in_features, quantized.out_features = linear.in_features, linear.out_features
+    quantized.set_weight_bias(weight, linear.bias)
+    return quantized

@@ -67,6 +67,34 @@ def test_int8_draft_of_a_bf16_target():
     assert draft(torch.tensor([5, 6]), new_cache(draft, 4)).shape == (2, target.config.vocab_size)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_int8_copy_is_torchs_dynamic_quantization(dtype):
+    """The copy is what torch.ao.quantization.quantize_dynamic makes of the target's Linear layers: the same int8
+    weights, scales, biases and logits, built without its full-size placeholder weights."""
+    import copy
+    import warnings
+
+    from torch.ao.nn.quantized.dynamic import Linear
+
+    target = tiny_target(seed=0).to(dtype)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        expected = torch.ao.quantization.quantize_dynamic(copy.deepcopy(target).float(), {torch.nn.Linear},
+                                                          dtype=torch.qint8)
+    draft = int8_copy(target)
+    layers = {name: m for name, m in expected.named_modules() if isinstance(m, Linear)}
+    assert layers and layers.keys() == {name for name, m in draft.named_modules() if isinstance(m, Linear)}
+    for name, layer in layers.items():
+        ours = draft.get_submodule(name)
+        assert repr(ours) == repr(layer) and torch.equal(ours.weight().int_repr(), layer.weight().int_repr())
+        assert (ours.weight().q_scale(), ours.weight().q_zero_point()) == (layer.weight().q_scale(),
+                                                                          layer.weight().q_zero_point())
+        assert (ours.bias() is None) == (layer.bias() is None)
+        assert ours.bias() is None or torch.equal(ours.bias(), layer.bias())
+    ids = torch.tensor([5, 6, 7])
+    assert torch.equal(draft(ids, new_cache(draft, 4)), expected(ids, new_cache(expected, 4)))
+
+
 def test_int8_draft_of_an_fp32_target_keeps_its_weights_when_the_target_moves():
     """An fp32 CPU target's copy shares its storage (no second fp32 model in memory), never its Parameters:
     converting or changing the target afterwards leaves the draft as it was."""
