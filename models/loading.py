@@ -55,13 +55,20 @@ def load_checkpoint(ref: str | None = None, dtype: str = "float32", cache: str |
         return _load_gguf(Path(ref).expanduser(), DTYPES[dtype], cache, log)
     folder = resolve_folder(ref, cache, log)
     config = read_config(folder)
-    with torch.device("meta"):  # no random initialization: every weight is read (_load_weights refuses a gap)
-        model = Transformer(config)
-    model = model.to_empty(device="cpu")
-    if config.tie_embeddings:
-        model.lm_head.weight = model.embed_tokens.weight
+    model = empty_model(config)  # every weight is read: _load_weights refuses a gap
     _load_weights(model, folder)
     return LoadedCheckpoint(model.to(DTYPES[dtype]).eval(), HFTokenizer(folder), str(folder))
+
+
+def empty_model(config, dtype=torch.float32) -> Transformer:
+    """A model of `config` on the CPU at `dtype`, its memory allocated but not initialized (no random weights drawn
+    only to be overwritten), the LM head tied to the embedding where the config says so."""
+    with torch.device("meta"):
+        model = Transformer(config).to(dtype)
+    model = model.to_empty(device="cpu")
+    if config.tie_embeddings:  # to_empty gives each of the two names its own tensor
+        model.lm_head.weight = model.embed_tokens.weight
+    return model
 
 
 def _load_gguf(path: Path, dtype, cache: str | None, log) -> LoadedCheckpoint:
@@ -79,13 +86,9 @@ def _load_gguf(path: Path, dtype, cache: str | None, log) -> LoadedCheckpoint:
     what = f"{path.name} in torch at {str(dtype).removeprefix('torch.')}"
     check_fits(needed, what)
     try:
-        with torch.device("meta"):
-            model = Transformer(c).to(dtype)
-        model = model.to_empty(device="cpu")
+        model = empty_model(c, dtype)
     except RuntimeError as exc:  # torch's "can't allocate memory"
         raise out_of_memory(what, needed) from exc
-    if c.tie_embeddings:
-        model.lm_head.weight = model.embed_tokens.weight
     names = {v: k.removeprefix("model.") for k, v in HF_TOP_NAMES.items()}
     names |= {f"layers.{i}.{v}": f"layers.{i}.{k}" for i in range(c.n_layers) for k, v in HF_LAYER_NAMES.items()}
     state = dict(model.named_parameters())
