@@ -97,11 +97,12 @@ def _same_size(theirs: int, ours: int, gguf: Path) -> bool:
 
 
 def _sampling(sampling) -> dict:
-    """llama.cpp's sampler settings for ours: temperature 0 is its greedy sampler; no penalties, no min-p."""
+    """llama.cpp's sampler settings for ours: temperature 0 is its greedy sampler; no penalties; min-p ours (its
+    default is 0.05)."""
     if sampling.temperature <= 0:
         return {"temp": 0.0, "repeat_penalty": 1.0}
-    return {"temp": sampling.temperature, "top_p": sampling.top_p, "top_k": sampling.top_k or 0, "min_p": 0.0,
-            "typical_p": 1.0, "repeat_penalty": 1.0}
+    return {"temp": sampling.temperature, "top_p": sampling.top_p, "top_k": sampling.top_k or 0,
+            "min_p": sampling.min_p, "typical_p": 1.0, "repeat_penalty": 1.0}
 
 
 def llama_runners(methods: list[str], gguf: Path | None, tokenizer, threads: int, log=print) -> list:

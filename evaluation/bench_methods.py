@@ -186,6 +186,7 @@ class OVGenAIRunner:
         settings.do_sample = sampling.temperature > 0
         if settings.do_sample:
             settings.temperature, settings.top_p, settings.rng_seed = sampling.temperature, sampling.top_p, config.seed
+            settings.min_p = sampling.min_p
             if sampling.top_k:
                 settings.top_k = sampling.top_k
         if self.speculative:

@@ -9,6 +9,7 @@ Greedy never builds probabilities (and never imports torch on host arrays). Desi
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -31,12 +32,13 @@ class SamplingConfig:
     temperature: float = 0.0  # 0 = greedy (argmax); so is any temperature below GREEDY_BELOW
     top_k: int = 0  # keep the k most likely tokens; 0 = off
     top_p: float = 1.0  # keep the smallest set with this cumulative probability; 1 = off
+    min_p: float = 0.0  # keep the tokens at least this share of the most likely one's probability; 0 = off
 
     def __post_init__(self):
         self.validate()
 
     def validate(self) -> None:
-        for name, value in (("temperature", self.temperature), ("top_p", self.top_p)):
+        for name, value in (("temperature", self.temperature), ("top_p", self.top_p), ("min_p", self.min_p)):
             if not is_number(value):
                 raise ValueError(f"{name} must be a number, got {value!r}")
         if not is_integer(self.top_k):
@@ -47,6 +49,8 @@ class SamplingConfig:
             raise ValueError(f"--top-k must be >= 0, got {self.top_k}")
         if not 0 < self.top_p <= 1:
             raise ValueError(f"--top-p must be in (0, 1], got {self.top_p}")
+        if not 0 <= self.min_p <= 1:
+            raise ValueError(f"--min-p must be in [0, 1], got {self.min_p}")
 
     @property
     def greedy(self) -> bool:
@@ -69,9 +73,13 @@ def greedy_ids(logits) -> list[int]:
 
 
 def probabilities(logits, config: SamplingConfig) -> torch.Tensor:
-    """Warped distribution per row: logits [T, vocab] -> probs [T, vocab] (float64, on the logits' device)."""
+    """Warped distribution per row: logits [T, vocab] -> probs [T, vocab] (float64, on the logits' device).
+    vLLM's order: temperature, min-p, top-k, top-p."""
     torch = import_torch()
     x = as_tensor(logits).to(torch.float64) / config.temperature
+    if config.min_p > 0:  # p / p_max = exp(x - x_max) >= min_p, in log space: no softmax of its own
+        floor = x.max(dim=-1, keepdim=True).values + math.log(config.min_p)
+        x = x.masked_fill(x < floor, -torch.inf)
     if config.top_k and config.top_k < x.shape[-1]:
         kth = torch.topk(x, config.top_k, dim=-1).values[..., -1:]
         x = x.masked_fill(x < kth, -torch.inf)

@@ -121,6 +121,7 @@ class Sampling(Strict):
     temperature: float | None = Field(None, ge=0.0, le=2.0, allow_inf_nan=False)
     top_p: float | None = Field(None, gt=0.0, le=1.0, allow_inf_nan=False)
     top_k: int | None = Field(None, ge=-1)  # vLLM's extension: -1 or 0 is off
+    min_p: float | None = Field(None, ge=0.0, le=1.0, allow_inf_nan=False)  # vLLM's extension: 0 is off
     seed: int | None = Field(None, ge=-(2**63), le=2**63 - 1)  # an int64, as vLLM takes it
     stop: str | list[str] | None = None
     stream: bool | None = False  # null: false (OpenAI's and vLLM's)
@@ -144,7 +145,6 @@ class Sampling(Strict):
     ignore_eos: bool | None = None  # vLLM's extension: keep generating past end-of-sequence (load tests)
     user: str | None = None  # OpenAI's end-user id: taken, unused
     # vLLM's extensions not implemented: their defaults are taken, any other value is a 400 (not ignored)
-    min_p: float | None = Field(None, ge=0.0, le=1.0, allow_inf_nan=False)
     min_tokens: int | None = Field(None, ge=0)
     include_stop_str_in_output: bool | None = None
 
@@ -155,7 +155,7 @@ class Sampling(Strict):
                   ("stream_options", self.stream_options is not None and not self.stream,
                    "stream_options can only be sent with stream true"),  # vLLM's 400
                   *[(name, getattr(self, name) not in (None, 0, False), f"{name} is not supported")
-                    for name in ("min_p", "min_tokens", "include_stop_str_in_output")]]
+                    for name in ("min_tokens", "include_stop_str_in_output")]]
         for param, failed, message in checks:
             if failed:
                 raise APIError(400, message, param)
@@ -192,7 +192,7 @@ class Sampling(Strict):
         """The `GenerationConfig` fields this request sets, by their runtime names (the rest are the server's)."""
         top_k = None if self.top_k is None else max(self.top_k, 0)
         values = {"max_new_tokens": self.requested_tokens(), "temperature": self.temperature, "top_p": self.top_p,
-                  "top_k": top_k, "seed": self.seed, "stop_strings": self.stop_strings() or None,
+                  "top_k": top_k, "min_p": self.min_p, "seed": self.seed, "stop_strings": self.stop_strings() or None,
                   "ignore_eos": self.ignore_eos, "gamma": self.num_assistant_tokens,
                   "mode": "ar" if self.disable_spec_decode else self.mode, "sampling_verify": self.sampling_verify}
         return {name: value for name, value in values.items() if value is not None}

@@ -111,6 +111,7 @@ def chi2(counts, probs) -> float:
 
 
 @pytest.mark.parametrize("sampling,one_hot", [(SamplingConfig(temperature=0.7, top_k=6, top_p=0.95), ()),
+                                              (SamplingConfig(temperature=0.9, min_p=0.15), ()),
                                               (SamplingConfig(temperature=1.0), (1,))])
 def test_rejection_sampling_commits_the_targets_distribution(sampling, one_hot):
     """Rejection sampling's committed tokens follow the target's warped p, position by position, not the draft's q.

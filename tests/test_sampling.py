@@ -1,4 +1,4 @@
-"""Logit warping: temperature, top-k, top-p."""
+"""Logit warping: temperature, min-p, top-k, top-p."""
 
 import numpy as np
 import pytest
@@ -17,6 +17,23 @@ def test_top_p_keeps_smallest_covering_set():
     assert np.allclose(p, [[0.625, 0.375, 0, 0]])
 
 
+@pytest.mark.parametrize("temperature,kept", [(1.0, 3), (2.0, 4), (0.5, 2)])
+def test_min_p_keeps_tokens_near_the_likeliest_after_temperature(temperature, kept):
+    """vLLM's order: min-p reads the tempered distribution. p = (0.5, 0.3, 0.15, 0.05), min-p 0.2 keeps p >= 0.1:
+    three tokens at temperature 1, all four at 2 (0.05 ** 0.5 / 0.5 ** 0.5 = 0.32), two at 0.5 (0.15 ** 2 / 0.25)."""
+    logits = np.log(np.array([[0.5, 0.3, 0.15, 0.05]]))
+    tempered = probabilities(logits, SamplingConfig(temperature=temperature)).numpy()
+    p = probabilities(logits, SamplingConfig(temperature=temperature, min_p=0.2)).numpy()
+    assert np.count_nonzero(p) == kept and np.isclose(p.sum(), 1)
+    assert np.allclose(p[0, :kept], tempered[0, :kept] / tempered[0, :kept].sum())
+    assert np.array_equal(probabilities(logits, SamplingConfig(temperature=temperature, min_p=0.0)).numpy(), tempered)
+
+
+def test_min_p_one_keeps_the_likeliest_tokens_only():
+    p = probabilities(np.array([[1.0, 3.0, 3.0, 2.0]]), SamplingConfig(temperature=1.3, min_p=1.0)).numpy()
+    assert np.allclose(p, [[0, 0.5, 0.5, 0]])
+
+
 def test_greedy_is_argmax():
     assert choose_at(np.array([0.1, 2.0, 1.0]), SamplingConfig(), 0, 0) == [1]
 
@@ -29,7 +46,8 @@ def test_a_temperature_too_small_to_divide_by_is_greedy(temperature):
 
 
 @pytest.mark.parametrize("kwargs", [dict(temperature=-1), dict(top_p=0), dict(top_p=1.5), dict(top_k=-2),
-                                    dict(temperature=float("nan"))])
+                                    dict(temperature=float("nan")), dict(min_p=-0.1), dict(min_p=1.5),
+                                    dict(min_p=float("nan")), dict(min_p="0.1")])
 def test_invalid_settings_refused(kwargs):
     with pytest.raises(ValueError):
         SamplingConfig(**kwargs)

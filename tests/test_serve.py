@@ -124,6 +124,22 @@ def test_top_k_one_samples_the_greedy_text_and_off_samples_freely(server, refere
     assert sampled(top_k=-1) == sampled(top_k=0) == sampled() != greedy
 
 
+@pytest.mark.parametrize("mode", ["ar", "mirror"])
+def test_min_p_reaches_the_sampler(server, reference, mode):
+    """vLLM's `min_p` (it was a 400): 1 keeps only the likeliest token at any temperature, so the greedy text; 0
+    is off."""
+    greedy = ar_text(reference, PROMPT, chat=False, max_new=24)
+
+    def sampled(**extra):
+        body = {"prompt": PROMPT, "max_tokens": 24, "temperature": 1.5, "seed": 3, "mode": mode}
+        answer = httpx.post(server.url + "/v1/completions", json=body | extra, timeout=60)
+        assert answer.status_code == 200, answer.text
+        return answer.json()["choices"][0]["text"]
+
+    assert sampled(min_p=1.0) == greedy
+    assert sampled(min_p=0.0) == sampled() != greedy
+
+
 def test_disable_spec_decode_and_num_assistant_tokens(server):
     client = server.client()
     plain = client.completions.create(model="tiny", prompt=PROMPT, max_tokens=20, temperature=0,
@@ -198,7 +214,6 @@ BAD = [
      "messages.0.content.0.text"),
     ("user message without content", {"messages": [{"role": "user", "content": None}]}, 400, "messages.0.content"),
     ("user that is no string", {"messages": MESSAGES, "user": 5}, 400, "user"),  # OpenAI refuses both
-    ("min_p", {"messages": MESSAGES, "min_p": 0.1}, 400, "min_p"),
     ("min_p out of range", {"messages": MESSAGES, "min_p": 2}, 400, "min_p"),
     ("min_tokens", {"messages": MESSAGES, "min_tokens": 5}, 400, "min_tokens"),
     ("include_stop_str_in_output", {"messages": MESSAGES, "include_stop_str_in_output": True}, 400,
@@ -261,9 +276,9 @@ def test_bad_input_gets_the_envelope(server, case, body, status, param):
 
 
 def test_vllm_extensions_at_their_defaults_are_taken(server):
-    """min_p 0, min_tokens 0, include_stop_str_in_output and continue_final_message false (what vLLM clients send
+    """min_tokens 0, include_stop_str_in_output and continue_final_message false (what vLLM clients send
     by default) are served; other values are 400s naming them, never silently ignored."""
-    body = {"messages": MESSAGES, "max_tokens": 4, "min_p": 0.0, "min_tokens": 0, "include_stop_str_in_output": False,
+    body = {"messages": MESSAGES, "max_tokens": 4, "min_tokens": 0, "include_stop_str_in_output": False,
             "continue_final_message": False}
     assert httpx.post(server.url + "/v1/chat/completions", json=body, timeout=30).status_code == 200
 

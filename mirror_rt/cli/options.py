@@ -144,7 +144,7 @@ ENGINE_CHOICES = {"draft_precision": DRAFT_PRECISIONS, "weights": BUNDLE_WEIGHTS
 SWITCHES = ("torch", "strict_devices", "compile")  # flags without a value
 # The decoding and request options, by field name (sampling fields are SamplingConfig's, given flat).
 DECODING = ("gamma", "branch_budget", "draft_lookup", "early_exit", "sampling_verify")
-REQUEST = ("max_new_tokens", "temperature", "top_p", "top_k", "seed", "stop_strings")
+REQUEST = ("max_new_tokens", "temperature", "top_p", "top_k", "min_p", "seed", "stop_strings")
 
 
 def add_engine_options(parser, names=tuple(n for n in ENGINE_HELP if n not in BATCH)) -> None:
@@ -195,6 +195,9 @@ def add_request_options(parser) -> None:
                         help="0 = greedy (default %(default)s)")
     parser.add_argument("--top-p", type=number, default=sampling.top_p, help="nucleus sampling (default %(default)s)")
     parser.add_argument("--top-k", type=int, default=sampling.top_k, help="0 = off (default %(default)s)")
+    parser.add_argument("--min-p", type=number, default=sampling.min_p,
+                        help="keep tokens at least this share of the likeliest one's probability; 0 = off "
+                             "(default %(default)s)")
     parser.add_argument("--seed", type=int, default=DEFAULTS.seed, help="seeds every draw (default %(default)s)")
     parser.add_argument("--stop-strings", "--stop", action="append", default=list(DEFAULTS.stop_strings),
                         help="stop before this string (repeatable)")
