@@ -134,8 +134,8 @@ class Engine:
         """Start generating; iterate the result for text pieces as they are committed.
 
         `options` override fields of `config` by their field names (max_new_tokens, mode, gamma,
-        temperature, top_k, top_p, seed, stop_strings, ignore_eos, draft_lookup, ...) and of its token rules
-        (constraint, logit_bias, presence_penalty, frequency_penalty, repetition_penalty, logprobs:
+        temperature, top_k, top_p, min_p, seed, stop_strings, ignore_eos, draft_lookup, ...) and of its token
+        rules (constraint, logit_bias, presence_penalty, frequency_penalty, repetition_penalty, min_tokens, logprobs:
         runtime.token_rules).
         """
         gen = self.submit(self.prompt_ids(prompt, chat), self.config_for(config, **options))
@@ -199,7 +199,8 @@ class Engine:
         grammar = config.rules.constraint is not None  # a grammar's end is end-of-sequence, even under ignore_eos
         eos = () if config.ignore_eos and not grammar else self.tokenizer.eos_token_ids
         with self._lock:
-            self._live[id(seq)] = _Live(weakref.ref(gen), seq, TextStream(self.tokenizer, eos, config.stop_strings))
+            self._live[id(seq)] = _Live(weakref.ref(gen), seq, TextStream(self.tokenizer, eos, config.stop_strings,
+                                                                            config.rules.min_tokens))
         weakref.finalize(gen, gen.cancel_event.set)  # dropped by its caller: cancelled (the event is the sequence's)
         try:
             self.decoder.add(seq)

@@ -11,10 +11,13 @@ from collections.abc import Sequence
 class TextStream:
     """Incremental detokenizer for one generation."""
 
-    def __init__(self, tokenizer, eos_token_ids: Sequence[int] = (), stop_strings: Sequence[str] = ()):
+    def __init__(self, tokenizer, eos_token_ids: Sequence[int] = (), stop_strings: Sequence[str] = (),
+                 min_tokens: int = 0):
         self.tokenizer = tokenizer
         self.eos = set(eos_token_ids)
         self.stop_strings = tuple(stop_strings)
+        self.min_tokens = min_tokens  # stop strings count from the text after this many tokens (vLLM's min_tokens)
+        self.stop_floor = 0  # the characters of the text before then: released, never searched
         self.tokens: list[int] = []  # delivered tokens (EOS excluded)
         self.emitted = 0  # characters of the decoded text already returned
         self.decoded = ""  # the text of tokens[:read_offset], stable
@@ -40,6 +43,9 @@ class TextStream:
             self.decoded += piece
             self.prefix_offset, self.read_offset = self.read_offset, len(self.tokens)
         decoded = self.decoded
+        if len(self.tokens) < self.min_tokens:  # no stop string yet: all of it is final
+            self.stop_floor = len(decoded)
+            return self._emit(decoded)
         hit = self._find_stop(decoded)
         if hit is not None:
             self.stop_reason = "stop_string"
@@ -69,7 +75,7 @@ class TextStream:
         if not self.stop_strings:
             return None
         longest = max(len(s) for s in self.stop_strings)
-        start = max(0, self.emitted - longest)
+        start = max(self.stop_floor, self.emitted - longest)
         hits = [i for s in self.stop_strings if (i := decoded.find(s, start)) >= 0]
         return min(hits) if hits else None
 

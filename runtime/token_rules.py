@@ -36,6 +36,7 @@ class RulesConfig:
     frequency_penalty: float = 0.0  # -2..2, subtracted per occurrence of a generated token
     repetition_penalty: float = 1.0  # > 0 (vLLM's): divides positive / multiplies negative logits of seen tokens
     logprobs: int | None = None  # record the target's log-probabilities with this many alternatives; None: off
+    min_tokens: int = 0  # vLLM's: no end-of-sequence token (nor stop string) before this many generated tokens
 
     def __post_init__(self):
         self.validate()
@@ -48,6 +49,8 @@ class RulesConfig:
             raise ValueError(f"repetition_penalty must be in (0, 10], got {self.repetition_penalty}")
         if any(not -100.0 <= b <= 100.0 for _, b in self.logit_bias):
             raise ValueError("logit_bias values must be in -100..100")
+        if not (isinstance(self.min_tokens, int) and not isinstance(self.min_tokens, bool) and self.min_tokens >= 0):
+            raise ValueError(f"min_tokens must be a whole number >= 0, got {self.min_tokens!r}")
         if self.logprobs is not None and not 0 <= self.logprobs <= MAX_TOP:
             raise ValueError(f"top logprobs must be in 0..{MAX_TOP}, got {self.logprobs}")
 
@@ -58,7 +61,7 @@ class RulesConfig:
     @property
     def changes_logits(self) -> bool:
         """Whether the target's distribution differs from its raw one (the draft then needs the rules too)."""
-        return bool(self.constraint or self.logit_bias or self.penalized)
+        return bool(self.constraint or self.logit_bias or self.penalized or self.min_tokens)
 
     @property
     def active(self) -> bool:
@@ -69,8 +72,9 @@ class TokenRules:
     """One sequence's rules state. Not thread-safe: each worker keeps its own (`fork`)."""
 
     def __init__(self, config: RulesConfig, vocab_size: int, matcher=None, prompt: Sequence[int] = (),
-                 record: bool = True):
+                 record: bool = True, eos: Sequence[int] = ()):
         self.config, self.vocab_size, self.matcher = config, vocab_size, matcher
+        self.eos = tuple(i for i in eos if 0 <= i < vocab_size)  # masked before min_tokens
         self.prompt = tuple(prompt) if config.repetition_penalty != 1.0 else ()  # only that penalty reads it
         self.history: list[int] = []  # accepted tokens, in order
         # per token of `history`, whether the grammar allowed it alone (the committed rules only: a draft's fork
@@ -90,7 +94,7 @@ class TokenRules:
         matcher = None
         if config.constraint is not None:
             matcher = grammar.new_matcher(config.constraint, grammar.grammar_tokenizer(tokenizer, vocab_size))
-        return cls(config, vocab_size, matcher, prompt)
+        return cls(config, vocab_size, matcher, prompt, eos=tokenizer.eos_token_ids)
 
     @property
     def changes_logits(self) -> bool:
@@ -99,7 +103,7 @@ class TokenRules:
     def fork(self) -> TokenRules:
         """A copy at the same state that records no log-probabilities (a draft's)."""
         copy = TokenRules(self.config, self.vocab_size, self.matcher.deep_copy() if self.matcher else None,
-                          self.prompt, record=False)
+                          self.prompt, record=False, eos=self.eos)
         copy.history, copy.counts = list(self.history), Counter(self.counts)
         return copy
 
@@ -114,6 +118,8 @@ class TokenRules:
         if c.penalized:
             x = penalize(x, self.counts, self._seen_on(x.device), c.repetition_penalty, c.frequency_penalty,
                          c.presence_penalty)
+        if len(self.history) < c.min_tokens and self.eos and not self.finished():  # (a grammar's end wins)
+            x = x.index_fill(0, import_torch().tensor(self.eos, device=x.device), -float("inf"))
         if self.matcher is not None:
             bits = grammar.token_mask(self.matcher, self.vocab_size)  # an error here leaves no token allowed
             if self.matcher.is_error():

@@ -3,7 +3,7 @@
 Strict types and ranges ("5" is not a number, NaN is not a temperature); unknown fields are ignored (as vLLM and
 OpenAI do); fields that would change the output but are not implemented are a 400 naming the parameter.
 Extensions: `mode`, `num_assistant_tokens` (gamma, OVMS's name), `disable_spec_decode`, `sampling_verify`, vLLM's
-`ignore_eos`,
+`ignore_eos`, `top_k`, `min_p`, `min_tokens`,
 `repetition_penalty`, `structured_outputs`, and `stream_options.include_origins`. `Sampling.fields` maps the
 request names onto `GenerationConfig`'s; `serving.structured.rules_options` maps the token rules.
 """
@@ -122,6 +122,7 @@ class Sampling(Strict):
     top_p: float | None = Field(None, gt=0.0, le=1.0, allow_inf_nan=False)
     top_k: int | None = Field(None, ge=-1)  # vLLM's extension: -1 or 0 is off
     min_p: float | None = Field(None, ge=0.0, le=1.0, allow_inf_nan=False)  # vLLM's extension: 0 is off
+    min_tokens: int | None = Field(None, ge=0)  # vLLM's extension: no end of sequence nor stop string before
     seed: int | None = Field(None, ge=-(2**63), le=2**63 - 1)  # an int64, as vLLM takes it
     stop: str | list[str] | None = None
     stream: bool | None = False  # null: false (OpenAI's and vLLM's)
@@ -145,7 +146,6 @@ class Sampling(Strict):
     ignore_eos: bool | None = None  # vLLM's extension: keep generating past end-of-sequence (load tests)
     user: str | None = None  # OpenAI's end-user id: taken, unused
     # vLLM's extensions not implemented: their defaults are taken, any other value is a 400 (not ignored)
-    min_tokens: int | None = Field(None, ge=0)
     include_stop_str_in_output: bool | None = None
 
     def refuse_unsupported(self) -> None:
@@ -155,7 +155,7 @@ class Sampling(Strict):
                   ("stream_options", self.stream_options is not None and not self.stream,
                    "stream_options can only be sent with stream true"),  # vLLM's 400
                   *[(name, getattr(self, name) not in (None, 0, False), f"{name} is not supported")
-                    for name in ("min_tokens", "include_stop_str_in_output")]]
+                    for name in ("include_stop_str_in_output",)]]
         for param, failed, message in checks:
             if failed:
                 raise APIError(400, message, param)

@@ -88,4 +88,4 @@ def rules_options(req: protocol.Sampling, constraint: Constraint | None, vocab_s
     return dict(constraint=constraint, logit_bias=tuple(bias), presence_penalty=req.presence_penalty or 0.0,
                 frequency_penalty=req.frequency_penalty or 0.0,
                 repetition_penalty=1.0 if req.repetition_penalty is None else req.repetition_penalty,
-                logprobs=req.top_logprobs_asked())
+                logprobs=req.top_logprobs_asked(), min_tokens=req.min_tokens or 0)

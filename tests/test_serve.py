@@ -140,6 +140,15 @@ def test_min_p_reaches_the_sampler(server, reference, mode):
     assert sampled(min_p=0.0) == sampled() != greedy
 
 
+def test_min_tokens_holds_the_end_of_sequence(server, reference):
+    """vLLM's `min_tokens` (it was a 400): the end of sequence, biased to come first, comes after that many."""
+    eos = reference.tokenizer.eos_token_ids[0]
+    body = {"prompt": PROMPT, "max_tokens": 12, "temperature": 0, "logit_bias": {str(eos): 100}}
+    for min_tokens, made in ((None, 1), (0, 1), (5, 6)):
+        answer = httpx.post(server.url + "/v1/completions", json=body | {"min_tokens": min_tokens}, timeout=60).json()
+        assert answer["usage"]["completion_tokens"] == made and answer["choices"][0]["finish_reason"] == "stop"
+
+
 def test_disable_spec_decode_and_num_assistant_tokens(server):
     client = server.client()
     plain = client.completions.create(model="tiny", prompt=PROMPT, max_tokens=20, temperature=0,
@@ -215,7 +224,7 @@ BAD = [
     ("user message without content", {"messages": [{"role": "user", "content": None}]}, 400, "messages.0.content"),
     ("user that is no string", {"messages": MESSAGES, "user": 5}, 400, "user"),  # OpenAI refuses both
     ("min_p out of range", {"messages": MESSAGES, "min_p": 2}, 400, "min_p"),
-    ("min_tokens", {"messages": MESSAGES, "min_tokens": 5}, 400, "min_tokens"),
+    ("min_tokens below 0", {"messages": MESSAGES, "min_tokens": -1}, 400, "min_tokens"),
     ("include_stop_str_in_output", {"messages": MESSAGES, "include_stop_str_in_output": True}, 400,
      "include_stop_str_in_output"),
     ("continue_final_message", {"messages": MESSAGES, "continue_final_message": True}, 400, "continue_final_message"),

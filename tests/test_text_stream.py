@@ -36,3 +36,14 @@ def test_split_utf8_character_is_held_until_complete():
     ids = tok.encode("é")  # two bytes
     assert stream.push(ids[0]) == ""
     assert stream.push(ids[1]) == "é"
+
+
+def test_stop_strings_count_from_the_text_after_min_tokens():
+    """vLLM's min_tokens: a stop string in the first min_tokens tokens' text is text; one after them stops, and
+    what was printed before is never taken back."""
+    tok = ByteTokenizer()
+    stream = TextStream(tok, stop_strings=[","], min_tokens=3)
+    pieces = [stream.push(t) for t in tok.encode("a,b")]
+    assert pieces == ["a", "a,"[1:], "b"] and not stream.done
+    assert push_all(stream, tok.encode(",c")) == "" and stream.text == "a,b" and stream.stop_reason == "stop_string"
+    assert push_all(TextStream(tok, stop_strings=[","]), tok.encode("a,b,c")) == "a"

@@ -92,6 +92,17 @@ def test_refused_window_token_is_a_certain_rejection_and_settle_rolls_back():
     assert text_of(rules) == '{"ok"'
 
 
+def test_min_tokens_masks_the_end_of_sequence_until_then():
+    rules = byte_rules(None, min_tokens=2)
+    eos = ByteTokenizer().eos_token_ids
+    for step in range(4):
+        assert (set(eos) <= set(allowed(rules))) == (step >= 2), step
+        assert len(allowed(rules)) >= 258 - len(eos)
+        if step == 1:
+            assert not set(eos) & set(allowed(rules.fork()))  # a draft's copy masks it too
+        rules.accept(ord("a") + 2)
+
+
 def test_penalties_follow_the_docstring_example():
     x = torch.tensor([2.0, -1.0, 0.5], dtype=torch.float64)
     out = penalize(x, {0: 2}, None, repetition=2.0, frequency=0.5, presence=1.0)
@@ -167,6 +178,22 @@ def test_penalties_and_bias_are_lossless(engine):
         for mode in ("sd", "mirror"):
             got = engine.generate(prompt, mode=mode, max_new_tokens=40, temperature=0, chat=False, **options)
             assert got.text == expected.text
+
+
+@pytest.mark.parametrize("mode", ["ar", "sd", "mirror"])
+@pytest.mark.parametrize("temperature", [0, 1.0])
+def test_min_tokens_hold_the_end_and_the_stop_strings(engine, mode, temperature):
+    """The end of sequence, biased to come first, comes right after min_tokens tokens, in every mode; a stop string
+    within them is text."""
+    eos = engine.tokenizer.eos_token_ids[0]
+    options = dict(mode=mode, max_new_tokens=20, temperature=temperature, seed=5, chat=False, logit_bias={eos: 100})
+    assert engine.generate("hello", **options).stats["new_tokens"] == 1
+    held = engine.generate("hello", min_tokens=6, **options)
+    assert held.stop_reason == "eos" and len(held.tokens) == 6 and held.stats["new_tokens"] == 7
+    assert engine.generate("hello", min_tokens=6, stop_strings=[held.text[:1]], **options).text == held.text
+    if not temperature:  # without min_tokens the same stop string cuts at once
+        no_bias = {k: v for k, v in options.items() if k != "logit_bias"}
+        assert engine.generate("hello", stop_strings=[held.text[:1]], **no_bias).text == ""
 
 
 def test_logprobs_of_every_mode_equal_ar(engine):
