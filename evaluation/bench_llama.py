@@ -69,8 +69,9 @@ class LlamaCppRunner:
         stops = set() if config.ignore_eos else set(self.tokenizer.eos_token_ids)
         self.llm.set_seed(config.seed)
         self.llm.reset()  # an empty cache: no prefix reuse from the previous answer
-        new, t0 = [], time.perf_counter()
+        new, t0, first = [], time.perf_counter(), None
         for token in self.llm.generate(ids, **_sampling(config.sampling), reset=True):
+            first = time.perf_counter() - t0 if first is None else first  # the prompt read and its first token
             new.append(token)
             if token in stops or len(new) >= min(config.max_new_tokens, room):
                 break
@@ -79,6 +80,8 @@ class LlamaCppRunner:
         stats = {"new_tokens": len(new), "wall_time_s": round(wall, 4), "prompt_tokens": len(ids),
                  "tokens_per_s": round(len(new) / wall, 2) if wall > 0 else 0.0,
                  "prompt_ids_as_ours": list(self.llm.input_ids[:len(ids)]) == ids}
+        if first is not None:  # the report's prompt and decode tokens/s, as our rows give them
+            stats |= {"time_to_first_token_s": round(first, 4), "stage_seconds": {"target_prefill": round(first, 4)}}
         return text, len(new), wall, [], stats
 
 

@@ -1,10 +1,12 @@
 """The llama.cpp bench rows: our prompt ids go in unchanged, EOS and budgets as ours, every answer from an empty
-cache, the precision read from the GGUF, and clean skips (no llama_cpp, no GGUF, another vocabulary). A fake
-llama_cpp module stands in for the package; the real one runs only where it is installed (slow)."""
+cache, time to first token (prompt and decode tokens/s in the report), the precision read from the GGUF, and clean
+skips (no llama_cpp, no GGUF, another vocabulary). A fake llama_cpp module stands in for the package; the real one
+runs only where it is installed (slow)."""
 
 from __future__ import annotations
 
 import sys
+import time
 import types
 
 import numpy as np
@@ -47,6 +49,7 @@ class FakeLlama:
     def generate(self, tokens, reset, **sampling):
         self.prompts.append(list(tokens))
         self.input_ids[:len(tokens)] = tokens
+        time.sleep(0.002)  # the prompt's reading, before the first token
         yield from SCRIPT
 
 
@@ -93,6 +96,7 @@ def test_prompt_ids_go_in_unchanged_and_eos_ends_the_answer(fake_llama, gguf):
     assert llm.prompts == [ByteTokenizer().chat_prompt(messages)]  # no BOS added, nothing else
     assert (text, new_tokens) == (ByteTokenizer().decode(SCRIPT[:3]), 4)  # the EOS counts, as in ours
     assert stats["prompt_ids_as_ours"] and wall > 0 and llm.seeds == [3] and llm.resets == 1
+    assert 0 < stats["time_to_first_token_s"] == stats["stage_seconds"]["target_prefill"] <= wall + 1e-4  # (rounded)
     plain.answer(messages, make_config(max_new_tokens=6, ignore_eos=True))
     assert llm.resets == 2  # every answer from an empty cache
     assert plain.answer(messages, make_config(max_new_tokens=6, ignore_eos=True))[1] == 6
