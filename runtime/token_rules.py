@@ -21,6 +21,7 @@ from mirror_rt.runtime.grammar import Constraint
 from mirror_rt.runtime.logprobs import MAX_TOP, TokenLogprob, token_logprobs
 from mirror_rt.runtime.sampling import as_tensor, stack_rows
 from mirror_rt.runtime.transfer import import_torch
+from mirror_rt.runtime.values import is_integer
 
 if TYPE_CHECKING:
     import torch
@@ -49,7 +50,7 @@ class RulesConfig:
             raise ValueError(f"repetition_penalty must be in (0, 10], got {self.repetition_penalty}")
         if any(not -100.0 <= b <= 100.0 for _, b in self.logit_bias):
             raise ValueError("logit_bias values must be in -100..100")
-        if not (isinstance(self.min_tokens, int) and not isinstance(self.min_tokens, bool) and self.min_tokens >= 0):
+        if not (is_integer(self.min_tokens) and self.min_tokens >= 0):
             raise ValueError(f"min_tokens must be a whole number >= 0, got {self.min_tokens!r}")
         if self.logprobs is not None and not 0 <= self.logprobs <= MAX_TOP:
             raise ValueError(f"top logprobs must be in 0..{MAX_TOP}, got {self.logprobs}")
@@ -75,14 +76,15 @@ class TokenRules:
                  record: bool = True, eos: Sequence[int] = ()):
         self.config, self.vocab_size, self.matcher = config, vocab_size, matcher
         self.eos = tuple(i for i in eos if 0 <= i < vocab_size)  # masked before min_tokens
-        self.prompt = tuple(prompt) if config.repetition_penalty != 1.0 else ()  # only that penalty reads it
+        # the prompt's distinct ids, sorted: only the repetition penalty reads them
+        self.prompt = tuple(sorted(set(prompt))) if config.repetition_penalty != 1.0 else ()
         self.history: list[int] = []  # accepted tokens, in order
         # per token of `history`, whether the grammar allowed it alone (the committed rules only: a draft's fork
         # does not ask; Step.origin "forced")
         self.forced_flags: list[bool] | None = [] if record and matcher is not None else None
         self.counts: Counter = Counter()  # of `history`
         self.logprobs: list[TokenLogprob] | None = [] if record and config.logprobs is not None else None
-        self._seen: dict = {}  # the prompt's distinct ids, per device
+        self._on_device: dict = {}  # (what, device) -> ids tensor: the prompt's distinct ids, the EOS ids
 
     @classmethod
     def create(cls, config: RulesConfig, tokenizer, vocab_size: int, prompt: Sequence[int]) -> TokenRules | None:
@@ -116,10 +118,11 @@ class TokenRules:
         if c.logit_bias:
             x = add_bias(x, c.logit_bias)
         if c.penalized:
-            x = penalize(x, self.counts, self._seen_on(x.device), c.repetition_penalty, c.frequency_penalty,
+            seen = self._ids_on("prompt", self.prompt, x.device) if self.prompt else None
+            x = penalize(x, self.counts, seen, c.repetition_penalty, c.frequency_penalty,
                          c.presence_penalty)
         if len(self.history) < c.min_tokens and self.eos and not self.finished():  # (a grammar's end wins)
-            x = x.index_fill(0, import_torch().tensor(self.eos, device=x.device), -float("inf"))
+            x = x.index_fill(0, self._ids_on("eos", self.eos, x.device), -float("inf"))
         if self.matcher is not None:
             bits = grammar.token_mask(self.matcher, self.vocab_size)  # an error here leaves no token allowed
             if self.matcher.is_error():
@@ -171,13 +174,13 @@ class TokenRules:
         if self.logprobs is not None:
             self.logprobs += token_logprobs(rows, tokens, self.config.logprobs)
 
-    def _seen_on(self, device) -> torch.Tensor | None:
-        if not self.prompt:
-            return None
-        if device not in self._seen:
+    def _ids_on(self, what: str, ids: Sequence[int], device) -> torch.Tensor:
+        """`ids` as a long tensor on `device`, made once per (what, device)."""
+        key = (what, device)
+        if key not in self._on_device:
             torch = import_torch()
-            self._seen[device] = torch.tensor(sorted(set(self.prompt)), dtype=torch.long, device=device)
-        return self._seen[device]
+            self._on_device[key] = torch.tensor(list(ids), dtype=torch.long, device=device)
+        return self._on_device[key]
 
 
 def verify_rows(rules: TokenRules | None, logits, tokens: list[int]):
