@@ -35,7 +35,7 @@ from mirror_rt.serving.logprobs import token_bytes_of
 from mirror_rt.serving.metrics import ServerMetrics, Sink
 from mirror_rt.serving.page import add_page_routes
 from mirror_rt.serving.records import RequestRecord
-from mirror_rt.serving.responses import Reply, collect, now, race_disconnect, stream
+from mirror_rt.serving.responses import Reply, collect_all, now, race_disconnect, stream_all
 from mirror_rt.serving.scheduler import Draining, Job, Overloaded, Scheduler, TooManyChoices
 from mirror_rt.serving.settings import ServerConfig
 from mirror_rt.serving.tokenize import add_token_routes
@@ -245,6 +245,7 @@ def _add_completion_routes(app: FastAPI, state: ServerState) -> None:
 
 
 async def _complete(request: Request, state: ServerState, chat: bool):
+    """A chat or text completion; a text completion's list of prompts is a batch: a job per prompt, one answer."""
     arrived = time.perf_counter()  # TTFT, queue time and latency count from here (as vLLM's): parsing, templating
     # and compiling a grammar are the request's wait too
     check_key(request, state)
@@ -253,72 +254,96 @@ async def _complete(request: Request, state: ServerState, chat: bool):
     state.require_ready()
     state.require_model(req.model)
     engine = state.engine
-    refuse_unread([m.text() for m in req.messages] if chat else [req.text_or_ids()], engine, state.context,
-                  req.requested_tokens() or 0)
-    try:
-        prompt = tools.prompt_ids(req, engine.tokenizer) if chat else engine.prompt_ids(req.text_or_ids(), chat=False)
-    except PromptError as exc:  # an empty list of token ids
-        raise APIError(400, str(exc), "prompt") from None
-    if not prompt:
-        raise APIError(400, "the prompt is empty", "messages" if chat else "prompt")
-    echo = None if chat else await echo_of(req, prompt, engine)
-    if echo is not None and req.requested_tokens() == 0:
-        request_id = f"cmpl-{uuid.uuid4().hex}"
-        state.record_echo_only(request_id, arrived, len(prompt))
-        return echo_only(req, request_id, state.model_name, len(prompt), echo, _token_bytes(req, state))
+    given = [None] if chat else req.prompts()
+    for form in given:
+        refuse_unread([m.text() for m in req.messages] if chat else [form], engine, state.context,
+                      req.requested_tokens() or 0)
+    prompts = [_prompt_ids(req, form, engine) for form in given]
+    echoes = [None if chat else await echo_of(req, form, prompt, engine) for form, prompt in zip(given, prompts)]
+    request_id = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
+    ids = [request_id] if len(prompts) == 1 else [f"{request_id}-{p}" for p in range(len(prompts))]
+    if echoes[0] is not None and req.requested_tokens() == 0:
+        for job_id, prompt in zip(ids, prompts):
+            state.record_echo_only(job_id, arrived, len(prompt))
+        return echo_only(req, request_id, state.model_name, [(len(p), e) for p, e in zip(prompts, echoes)],
+                         _token_bytes(req, state))
     constraint, kind, param = structured.constraint_of(req)
     offered = req.tools if chat and req.tool_mode() else None
     await asyncio.to_thread(structured.checked, constraint, param, engine, offered)  # compiling may take a while
-    config = _config(req, len(prompt), state, structured.rules_options(req, constraint, engine.target.vocab_size))
-    job = Job(f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}", prompt, config, asyncio.get_running_loop(),
-              choices=req.choices(), constraint=kind, origins=req.include_origins(), arrived=arrived)
-    _admit(job, state)
-    reply = _reply(req, job, state, len(prompt), chat, echo)
-    timeout = state.settings.request_timeout
+    rules = structured.rules_options(req, constraint, engine.target.vocab_size)
+    loop, n = asyncio.get_running_loop(), req.choices()
+    jobs = [Job(job_id, prompt, _config(req, len(prompt), state, rules), loop, choices=n, constraint=kind,
+                origins=req.include_origins(), arrived=arrived) for job_id, prompt in zip(ids, prompts)]
+    _admit(jobs, state)
+    replies = [_reply(req, request_id, state, len(prompt), chat, echo, first_index=p * n)
+               for p, (prompt, echo) in enumerate(zip(prompts, echoes))]
     if req.stream:
-        return StreamingResponse(_streamed(job, reply, state), media_type="text/event-stream",
+        return StreamingResponse(_streamed(jobs, replies, state), media_type="text/event-stream",
                                  headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
-    result = await race_disconnect(request, collect(job, reply, timeout), lambda: state.scheduler.cancel(job))
+
+    def cancel():
+        for job in jobs:
+            state.scheduler.cancel(job)
+
+    try:
+        result = await race_disconnect(request, collect_all(jobs, replies, state.settings.request_timeout), cancel)
+    except APIError:  # one prompt of a batch failed: the others stop too
+        cancel()
+        raise
     return Response(status_code=499) if result is None else result
+
+
+def _prompt_ids(req: protocol.Sampling, given: str | list[int] | None, engine) -> list[int]:
+    """A chat's templated messages, or one text completion prompt (`given`), as token ids; a 400 when empty."""
+    try:
+        prompt = tools.prompt_ids(req, engine.tokenizer) if given is None else engine.prompt_ids(given, chat=False)
+    except PromptError as exc:  # an empty list of token ids
+        raise APIError(400, str(exc), "prompt") from None
+    if not prompt:
+        raise APIError(400, "the prompt is empty", "prompt" if given is not None else "messages")
+    return prompt
 
 
 def _token_bytes(req: protocol.Sampling, state: ServerState):
     return token_bytes_of(state.engine) if req.top_logprobs_asked() is not None else None
 
 
-def _reply(req: protocol.Sampling, job: Job, state: ServerState, prompt_tokens: int, chat: bool,
-           echo: tuple | None = None) -> Reply:
+def _reply(req: protocol.Sampling, request_id: str, state: ServerState, prompt_tokens: int, chat: bool,
+           echo: tuple | None = None, first_index: int = 0) -> Reply:
     """How the request's answer is shaped (choices, tool calls, log-probabilities, an echoed prompt)."""
     tool_mode = req.tool_mode() if chat else None
     token_bytes = _token_bytes(req, state)
-    return Reply(job.id, state.model_name, chat, req.include_usage(), now(), req.continuous_usage(), prompt_tokens,
-                 job.choices, tool_mode, tuple(t.function.name for t in req.tools or ()) if tool_mode else (),
-                 token_bytes, origins=job.origins, parallel_tool_calls=not chat or req.parallel_tool_calls is not False,
-                 echo=echo)
+    return Reply(request_id, state.model_name, chat, req.include_usage(), now(), req.continuous_usage(),
+                 prompt_tokens, req.choices(), tool_mode,
+                 tuple(t.function.name for t in req.tools or ()) if tool_mode else (), token_bytes,
+                 origins=req.include_origins(), parallel_tool_calls=not chat or req.parallel_tool_calls is not False,
+                 echo=echo, first_index=first_index)
 
 
-async def _streamed(job: Job, reply: Reply, state: ServerState):
+async def _streamed(jobs: list[Job], replies: list[Reply], state: ServerState):
     state.open_streams += 1
     try:
-        async for chunk in stream(job, reply, state.settings.request_timeout):
+        async for chunk in stream_all(jobs, replies, state.settings.request_timeout):
             yield chunk
     finally:  # normal end, or the client went away (Starlette cancels this generator on disconnect)
         state.open_streams -= 1
-        if job.record is None:
-            state.scheduler.cancel(job)
+        for job in jobs:
+            if job.record is None:
+                state.scheduler.cancel(job)
 
 
-def _admit(job: Job, state: ServerState) -> None:
+def _admit(jobs: list[Job], state: ServerState) -> None:
+    """Admit a request's jobs, all of them or none."""
     retry = {"Retry-After": str(state.settings.retry_after_s)}
     try:
-        state.scheduler.submit(job)
+        state.scheduler.submit_all(jobs)
     except Overloaded as exc:
         state.metrics.rejected("queue_full")
         raise APIError(503, f"the server is busy: {exc}; retry later", headers=retry) from None
     except PromptError as exc:  # token ids given by the client, outside the vocabulary
         raise APIError(400, str(exc), "prompt") from None
     except TooManyChoices as exc:
-        raise APIError(400, str(exc), "n") from None
+        raise APIError(400, str(exc), "n" if len(jobs) == 1 else "prompt") from None
     except GenerationError as exc:  # one that can never fit the KV cache
         raise APIError(400, str(exc), "max_tokens") from None
     except Draining:

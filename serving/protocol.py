@@ -288,7 +288,7 @@ class ChatRequest(Sampling):
 
 
 class CompletionRequest(Sampling):
-    prompt: str | list[str] | list[int] | list[list[int]]  # OpenAI's forms: a batch of one prompt is served
+    prompt: str | list[str] | list[int] | list[list[int]]  # OpenAI's forms: a list of texts or of id lists is a batch
     max_tokens: int | None = Field(None, ge=0)  # 0 only with echo: the prompt (and its log-probabilities) alone
     logprobs: int | None = Field(None, ge=0)
     echo: bool | None = None  # the prompt's text (and its tokens' log-probabilities) before the completion
@@ -302,11 +302,13 @@ class CompletionRequest(Sampling):
 
     def refuse_unsupported(self) -> None:
         super().refuse_unsupported()
-        if isinstance(self.prompt, list) and self.prompt and isinstance(self.prompt[0], (str, list)) \
-                and len(self.prompt) != 1:
-            raise APIError(400, "only one prompt per request is supported", "prompt")
-        if self.prompt in ("", [], [[]]):
+        if self.prompt == []:
             raise APIError(400, "the prompt is empty", "prompt")
+        prompts = self.prompts()
+        for index, prompt in enumerate(prompts):
+            if prompt in ("", []):
+                raise APIError(400, "the prompt is empty" if len(prompts) == 1 else f"prompt {index} is empty",
+                               "prompt")
         if self.requested_tokens() == 0 and not self.echo:
             raise APIError(400, "max_tokens must be at least 1 (0 only with echo)", "max_tokens")
         for param, value in (("suffix", self.suffix), ("best_of", self.best_of not in (None, 1))):
@@ -318,10 +320,11 @@ class CompletionRequest(Sampling):
     def top_logprobs_asked(self) -> int | None:
         return self.logprobs
 
-    def text_or_ids(self) -> str | list[int]:
+    def prompts(self) -> list[str | list[int]]:
+        """The prompts, each a text or token ids: a batch (["text", ...] or [[ids], ...]) or one prompt."""
         if isinstance(self.prompt, list) and self.prompt and isinstance(self.prompt[0], (str, list)):
-            return self.prompt[0]  # a batch of one: ["text"] or [[ids]]
-        return self.prompt
+            return list(self.prompt)
+        return [self.prompt]
 
 
 def parse(model: type[Sampling], body) -> Sampling:

@@ -41,6 +41,7 @@ class Reply:
     origins: bool = False  # stream_options.include_origins: content chunks carry `mirror_rt.tokens`
     parallel_tool_calls: bool = True  # false: at most one call per answer
     echo: tuple[str, tuple] | None = None  # text completions' echo: the prompt's text and log-probabilities
+    first_index: int = 0  # the index of choice 0: a text completion's prompt p of a batch has p x n (OpenAI's)
 
     @property
     def object(self) -> str:
@@ -60,6 +61,7 @@ class Reply:
 
     def final(self, index: int, text: str, finish_reason: str, entries) -> dict:
         """A whole choice (non-streamed): the message with any tool calls, or the text."""
+        index += self.first_index
         if not self.chat:
             if self.echo is not None:
                 text, entries = self.echo[0] + text, [*self.echo[1], *entries]
@@ -76,6 +78,7 @@ class Reply:
         """One streamed choice: new text (and its tokens' log-probabilities, `at`: the choice's text offsets so
         far) or the finish."""
         logprobs = self.logprobs(entries, at) if entries else None
+        index += self.first_index
         if not self.chat:
             return {"index": index, "text": text or "", "logprobs": logprobs, "finish_reason": finish_reason}
         delta = {"content": text} if text is not None else {}
@@ -86,6 +89,7 @@ class Reply:
         made calls."""
         content, calls = tools.parse_calls(text, self.tool_names, self.tool_mode, self.parallel_tool_calls)
         deltas = [self.delta(index, content, entries=entries)] if content or entries else []
+        index += self.first_index
         for i, call in enumerate(calls):
             head = {"index": i, "id": call["id"], "type": "function",
                     "function": {"name": call["function"]["name"], "arguments": ""}}
@@ -140,11 +144,62 @@ async def collect(job, reply: Reply, timeout_s: float | None) -> dict:
                       mirror_rt=record.speculation())
 
 
-async def stream(job, reply: Reply, timeout_s: float | None):
-    """SSE lines for a job, as bytes (the scheduler cancels the job if the client goes away)."""
+async def collect_all(jobs: list, replies: list[Reply], timeout_s: float | None) -> dict:
+    """`collect` for the prompts of one text completion: one body, every prompt's choices in order, usage summed,
+    each prompt's figures under `mirror_rt.prompts`; the first failure's APIError (the caller cancels the rest)."""
+    if len(jobs) == 1:
+        return await collect(jobs[0], replies[0], timeout_s)
+    tasks = [asyncio.ensure_future(collect(job, reply, timeout_s)) for job, reply in zip(jobs, replies)]
+    try:
+        bodies = await asyncio.gather(*tasks)
+    finally:
+        for task in tasks:
+            task.cancel()
+    records = [job.record for job in jobs]
+    figures = [{"timings": body["timings"], **body["mirror_rt"]} for body in bodies]
+    return replies[0].body([choice for body in bodies for choice in body["choices"]], chunk=False,
+                           usage=summed_usage(records), mirror_rt={"prompts": figures})
+
+
+async def stream_all(jobs: list, replies: list[Reply], timeout_s: float | None):
+    """`stream` for the prompts of one text completion: their chunks as they come (each choice's index its
+    prompt's p x n + i), then one usage chunk summed over them when asked, and `[DONE]`; a prompt's failure ends
+    the stream after its error event (the caller cancels the rest)."""
+    if len(jobs) == 1:
+        async for chunk in stream(jobs[0], replies[0], timeout_s):
+            yield chunk
+        return
+    merged: asyncio.Queue = asyncio.Queue()
+
+    async def pump(job, reply):
+        try:
+            async for chunk in stream(job, reply, timeout_s, tail=False):
+                await merged.put(chunk)
+        finally:
+            await merged.put(job)
+
+    tasks = [asyncio.ensure_future(pump(job, reply)) for job, reply in zip(jobs, replies)]
+    try:
+        for _ in jobs:
+            while isinstance(item := await merged.get(), bytes):
+                yield item
+            if item.outcome != "done":
+                break
+        else:
+            if replies[0].include_usage:
+                yield sse(replies[0].body([], chunk=True, usage=summed_usage([job.record for job in jobs])))
+    finally:
+        for task in tasks:
+            task.cancel()
+    yield b"data: [DONE]\n\n"
+
+
+async def stream(job, reply: Reply, timeout_s: float | None, tail: bool = True):
+    """SSE lines for a job, as bytes (the scheduler cancels the job if the client goes away); without `tail`, no
+    usage chunk and no `[DONE]` (one prompt of a batch: `stream_all`)."""
     if reply.chat:
-        yield sse(reply.body([{"index": i, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
-                               "finish_reason": None} for i in range(reply.choices)], chunk=True))
+        yield sse(reply.body([{"index": reply.first_index + i, "delta": {"role": "assistant", "content": ""},
+                               "logprobs": None, "finish_reason": None} for i in range(reply.choices)], chunk=True))
     held, offsets, calls = defaultdict(list), defaultdict(TextOffsets), {}  # tool requests hold each choice's text
     if reply.echo is not None:  # the prompt first (serving.echo)
         for index, event in enumerate(echo_events(reply)):
@@ -173,7 +228,7 @@ async def stream(job, reply: Reply, timeout_s: float | None):
                 yield sse(reply.body([delta], chunk=True))
         if kind == "end":
             break
-    for event in final_events(job, reply, timeout_s, calls):
+    for event in final_events(job, reply, timeout_s, calls, tail):
         yield event
 
 
@@ -195,10 +250,12 @@ def _grouped(batch: list) -> list:
     return [item for item in out if item[1] or item[3] or item[4]]  # text, log-probabilities or token origins
 
 
-def final_events(job, reply: Reply, timeout_s: float | None, calls: dict | None = None) -> list[bytes]:
+def final_events(job, reply: Reply, timeout_s: float | None, calls: dict | None = None,
+                 tail: bool = True) -> list[bytes]:
     record = job.record
+    done = [b"data: [DONE]\n\n"] if tail else []
     if job.outcome != "done":
-        return [sse(failure(job, record, timeout_s).body()), b"data: [DONE]\n\n"]
+        return [sse(failure(job, record, timeout_s).body()), *done]
     figures = {"timings": record.timings(), "mirror_rt": record.speculation()}
     called = calls or {}
     lasts = [reply.delta(i, None if reply.chat else "", _with_calls(reason, called.get(i, False)))
@@ -206,9 +263,13 @@ def final_events(job, reply: Reply, timeout_s: float | None, calls: dict | None 
     so_far = {"usage": usage(record)} if reply.continuous_usage else {}  # vLLM's: on the finishing chunks too
     events = [sse(reply.body([last], chunk=True, **so_far, **(figures if i == len(lasts) - 1 else {})))
               for i, last in enumerate(lasts)]
-    if reply.include_usage:
+    if reply.include_usage and tail:
         events.append(sse(reply.body([], chunk=True, usage=usage(record), **figures)))
-    return events + [b"data: [DONE]\n\n"]
+    return events + done
+
+
+def summed_usage(records: list[RequestRecord]) -> dict:
+    return partial_usage(sum(r.prompt_tokens for r in records), sum(r.completion_tokens for r in records))
 
 
 def partial_usage(prompt_tokens: int, completion_tokens: int) -> dict:

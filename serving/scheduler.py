@@ -115,39 +115,68 @@ class Scheduler:
     def submit(self, job: Job) -> Job:
         """Admit a job (its n choices); Overloaded when rows and queue cannot take them, Draining when closed,
         GenerationError (a 400) when the engine cannot serve it."""
+        return self.submit_all([job])[0]
+
+    def submit_all(self, jobs: list[Job]) -> list[Job]:
+        """Admit the jobs of one request (a text completion's prompts) together or none of them: as `submit`."""
+        places = sum(job.choices for job in jobs)
         with self.lock:
             if self.closed:
                 raise Draining()
-            if job.choices > self.capacity:  # never: not even an idle server holds them (--max-queued bounds waits)
-                raise TooManyChoices(f"n={job.choices} needs {job.choices} places at once and this server has "
-                                      f"{self.capacity} ({self.engine.batch.max_num_seqs} decoding at once: "
-                                      f"--max-num-seqs; {self.max_queued} waiting: {self.queue_source})")
-            if len(self.jobs) + job.choices > self.capacity:
-                asks = f"; this request's {job.choices} choices need as many" if job.choices > 1 else ""
-                raise Overloaded(f"{len(self.jobs)} of {self.capacity} places taken ({self.engine.batch.max_num_seqs} "
-                                 f"decoding at once, {self.max_queued} waiting){asks}")
+            self._check_places(jobs, places)
+            admitted = []
             try:
-                for index in range(job.choices):
-                    config = choice_config(job.config, index)
-                    gen = self.engine.submit(job.prompt, config, on_piece=self._piece, on_finish=self._finished)
-                    job.generations.append(gen)
-                    job.progress[index] = _Progress(trail=OriginTrail() if job.origins else None)
-                    self.jobs[id(gen)] = (job, index)
-            except Exception:  # the engine refused part of it: take its choices back (they never run)
-                for gen in job.generations:
-                    gen.cancel()
-                    self.jobs.pop(id(gen), None)
+                for job in jobs:
+                    self._admit(job)
+                    admitted.append(job)
+            except Exception:  # the engine refused part of it: take the others back (they never run)
+                for job in admitted:
+                    self._take_back(job)
                 raise
-            if job.cancel_requested.is_set():
-                for gen in job.generations:
-                    gen.cancel()
             self._changed()
             self.lock.notify()
         if self.timeout_s:
-            timer = threading.Timer(self.timeout_s, self._time_out, (job,))
-            timer.daemon = True
-            timer.start()
-        return job
+            for job in jobs:
+                timer = threading.Timer(self.timeout_s, self._time_out, (job,))
+                timer.daemon = True
+                timer.start()
+        return jobs
+
+    def _check_places(self, jobs: list[Job], places: int) -> None:
+        """TooManyChoices when even an idle server cannot hold `places` generations, Overloaded when it cannot now."""
+        asks = (f"{len(jobs)} prompts x n={jobs[0].choices}" if len(jobs) > 1 else f"n={jobs[0].choices}")
+        if places > self.capacity:  # never: not even an idle server holds them (--max-queued bounds waits)
+            raise TooManyChoices(f"{asks} needs {places} places at once and this server has "
+                                 f"{self.capacity} ({self.engine.batch.max_num_seqs} decoding at once: "
+                                 f"--max-num-seqs; {self.max_queued} waiting: {self.queue_source})")
+        if len(self.jobs) + places > self.capacity:
+            needs = (f"; this request's {asks} need {places}" if len(jobs) > 1
+                     else f"; this request's {places} choices need as many" if places > 1 else "")
+            raise Overloaded(f"{len(self.jobs)} of {self.capacity} places taken ({self.engine.batch.max_num_seqs} "
+                             f"decoding at once, {self.max_queued} waiting){needs}")
+
+    def _admit(self, job: Job) -> None:
+        """Submit each of the job's choices to the engine (under the lock); all of them or none."""
+        try:
+            for index in range(job.choices):
+                config = choice_config(job.config, index)
+                gen = self.engine.submit(job.prompt, config, on_piece=self._piece, on_finish=self._finished)
+                job.generations.append(gen)
+                job.progress[index] = _Progress(trail=OriginTrail() if job.origins else None)
+                self.jobs[id(gen)] = (job, index)
+        except Exception:
+            self._take_back(job)
+            raise
+        if job.cancel_requested.is_set():
+            for gen in job.generations:
+                gen.cancel()
+
+    def _take_back(self, job: Job) -> None:
+        for gen in job.generations:
+            gen.cancel()
+            self.jobs.pop(id(gen), None)
+        job.generations.clear()
+        job.progress.clear()
 
     def cancel(self, job: Job) -> None:
         """Stop `job` at the next step (a waiting one never runs); its end event follows."""
