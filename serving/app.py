@@ -1,8 +1,9 @@
 """The OpenAI-compatible app: routes, admission, streaming, and the engine it serves.
 
 `create_app(settings, load)` loads the engine in the background (`/health` answers 503 until ready). Routes:
-`POST /v1/chat/completions`, `/v1/completions`, `GET /v1/models[/ID]`, `GET /server` (behind the API key when one is
-set), `GET /health`, `/metrics`, `/version`, `POST /tokenize`, `/detokenize`, and the page (`GET /`, `/ui/*`).
+`POST /v1/chat/completions`, `/v1/completions`, `/v1/responses`, `GET /v1/models[/ID]`, `GET /server` (behind the API
+key when one is set), `GET /health`, `/metrics`, `/version`, `POST /tokenize`, `/detokenize`, and the page (`GET /`,
+`/ui/*`).
 Text too long by its characters alone is refused unread; a full queue answers 503 with Retry-After.
 """
 
@@ -26,13 +27,14 @@ from mirror_rt.runtime.batch.decoder import WINDOW_ROOM
 from mirror_rt.runtime.batch.kv_rows import BLOCK_SIZE
 from mirror_rt.runtime.config import GenerationConfig, make_config
 from mirror_rt.runtime.engine import GenerationError, PromptError
-from mirror_rt.serving import protocol, structured, tools
+from mirror_rt.serving import openai_responses, protocol, structured, tools
 from mirror_rt.serving.echo import echo_of, echo_only
 from mirror_rt.serving.errors import APIError, install_handlers
 from mirror_rt.serving.guard import Guard
 from mirror_rt.serving.intake import check_key, read_json, refuse_unread
 from mirror_rt.serving.logprobs import token_bytes_of
 from mirror_rt.serving.metrics import ServerMetrics, Sink
+from mirror_rt.serving.openai_responses import ResponseShape
 from mirror_rt.serving.page import add_page_routes
 from mirror_rt.serving.records import RequestRecord
 from mirror_rt.serving.responses import Reply, collect_all, now, race_disconnect, stream_all
@@ -243,6 +245,13 @@ def _add_completion_routes(app: FastAPI, state: ServerState) -> None:
     async def completions(request: Request):
         return await _complete(request, state, chat=False)
 
+    @app.post("/v1/responses")
+    async def responses(request: Request):  # OpenAI's Responses API over the chat path (serving.openai_responses)
+        arrived = time.perf_counter()
+        check_key(request, state)
+        req, chat = openai_responses.parse(await read_json(request))
+        return await _serve(request, state, chat, True, arrived, ResponseShape(req, chat, state.model_name))
+
 
 async def _complete(request: Request, state: ServerState, chat: bool):
     """A chat or text completion; a text completion's list of prompts is a batch: a job per prompt, one answer."""
@@ -251,6 +260,12 @@ async def _complete(request: Request, state: ServerState, chat: bool):
     check_key(request, state)
     body = await read_json(request)
     req = protocol.parse(protocol.ChatRequest if chat else protocol.CompletionRequest, body)
+    return await _serve(request, state, req, chat, arrived)
+
+
+async def _serve(request: Request, state: ServerState, req: protocol.Sampling, chat: bool, arrived: float,
+                 shape: ResponseShape | None = None):
+    """Run a parsed request; `shape` reshapes a chat answer (the Responses API's), else it goes out as it is."""
     state.require_ready()
     state.require_model(req.model)
     engine = state.engine
@@ -260,7 +275,7 @@ async def _complete(request: Request, state: ServerState, chat: bool):
                       req.requested_tokens() or 0)
     prompts = [_prompt_ids(req, form, engine) for form in given]
     echoes = [None if chat else await echo_of(req, form, prompt, engine) for form, prompt in zip(given, prompts)]
-    request_id = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
+    request_id = shape.id if shape else f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
     ids = [request_id] if len(prompts) == 1 else [f"{request_id}-{p}" for p in range(len(prompts))]
     if echoes[0] is not None and req.requested_tokens() == 0:
         for job_id, prompt in zip(ids, prompts):
@@ -278,7 +293,8 @@ async def _complete(request: Request, state: ServerState, chat: bool):
     replies = [_reply(req, request_id, state, len(prompt), chat, echo, first_index=p * n)
                for p, (prompt, echo) in enumerate(zip(prompts, echoes))]
     if req.stream:
-        return StreamingResponse(_streamed(jobs, replies, state), media_type="text/event-stream",
+        chunks = _streamed(jobs, replies, state)
+        return StreamingResponse(shape.events(chunks) if shape else chunks, media_type="text/event-stream",
                                  headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
 
     def cancel():
@@ -290,7 +306,9 @@ async def _complete(request: Request, state: ServerState, chat: bool):
     except APIError:  # one prompt of a batch failed: the others stop too
         cancel()
         raise
-    return Response(status_code=499) if result is None else result
+    if result is None:
+        return Response(status_code=499)
+    return shape.body(result) if shape else result
 
 
 def _prompt_ids(req: protocol.Sampling, given: str | list[int] | None, engine) -> list[int]:

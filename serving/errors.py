@@ -18,6 +18,16 @@ TYPES = {400: "BadRequestError", 401: "AuthenticationError", 403: "PermissionDen
          405: "BadRequestError", 413: "BadRequestError", 415: "UnsupportedMediaTypeError", 500: "InternalServerError",
          503: "ServiceUnavailableError", 504: "TimeoutError"}
 log = logging.getLogger("mirror_rt.serve")
+MAX_MESSAGE = 1000  # characters of an error message: a client's long value quoted in one is cut in the middle
+
+
+def one_line(message: str) -> str:
+    """`message` on one line of at most MAX_MESSAGE characters (what it quotes of a request may be any length)."""
+    flat = " ".join(message.splitlines())
+    if len(flat) <= MAX_MESSAGE:
+        return flat
+    head, tail = flat[:MAX_MESSAGE * 2 // 3], flat[-MAX_MESSAGE // 4:]
+    return f"{head} ... ({len(flat) - len(head) - len(tail)} characters left out) ... {tail}"
 
 
 class APIError(Exception):
@@ -33,7 +43,7 @@ class APIError(Exception):
 
 def envelope(status: int, message: str, param: str | None = None) -> dict:
     """The error body for `status`."""
-    return {"error": {"message": message, "type": TYPES.get(status, "InternalServerError"), "param": param,
+    return {"error": {"message": one_line(message), "type": TYPES.get(status, "InternalServerError"), "param": param,
                       "code": status}}
 
 

@@ -329,17 +329,23 @@ class CompletionRequest(Sampling):
 
 def parse(model: type[Sampling], body) -> Sampling:
     """Validate a decoded JSON body; a 400 naming the first bad field otherwise."""
+    request = parse_as(model, body)
+    request.refuse_unsupported()
+    return request
+
+
+def parse_as(model: type[BaseModel], body, at: str = ""):
+    """`body` validated as `model`; a 400 naming the first bad field (under `at`, a path such as `input.2`)."""
     if not isinstance(body, dict):
-        raise APIError(400, "the request body must be a JSON object")
+        raise APIError(400, f"'{at}' must be a JSON object" if at else "the request body must be a JSON object",
+                       at or None)
     try:
-        request = model.model_validate(body)
+        return model.model_validate(body)
     except ValidationError as exc:
-        paths = [[str(p) for p in error["loc"] if not _union_tag(p)] for error in exc.errors()]
+        paths = [[at] * bool(at) + [str(p) for p in error["loc"] if not _union_tag(p)] for error in exc.errors()]
         deepest = max(range(len(paths)), key=lambda i: len(paths[i]))  # the union member that got furthest
         param = ".".join(paths[deepest]) or None
         raise APIError(400, f"invalid value for '{param}': {exc.errors()[deepest]['msg']}", param) from None
-    request.refuse_unsupported()
-    return request
 
 
 def _union_tag(part) -> bool:

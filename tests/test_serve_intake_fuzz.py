@@ -61,13 +61,25 @@ FIELDS = ["max_tokens", "max_completion_tokens", "temperature", "top_p", "top_k"
           "mode", "num_assistant_tokens", "messages", "ignore_eos", "parallel_tool_calls", "echo"]
 
 
-def field_bodies(seed: int = 0, count: int = 160) -> dict[str, bytes]:
-    """`count` bodies, each a valid request with one field set to a weird value (seeded choice of pairs)."""
-    pairs = [(f, w) for f in FIELDS for w in WEIRD]
+# the Responses API's fields (serving.openai_responses), and places inside its input items
+RESPONSES_FIELDS = ["input", "instructions", "max_output_tokens", "tools", "tool_choice", "text", "metadata",
+                    "previous_response_id", "include", "store", "truncation", "top_logprobs", "background",
+                    "parallel_tool_calls", "temperature", "stream", "seed", "model"]
+RESPONSES_VALID = {"input": "hi", "max_output_tokens": 1, "temperature": 0}
+RESPONSES_INPUTS = ['[{"role": "user", "content": @@}]', '[{"type": "function_call", "call_id": @@, "name": "f", '
+                    '"arguments": "{}"}]', '[{"type": "function_call_output", "call_id": "c", "output": @@}]',
+                    '[{"type": @@}]', '[@@]', '[{"role": "user", "content": [{"type": "input_text", "text": @@}]}]']
+
+
+def field_bodies(seed: int = 0, count: int = 160, fields: list[str] = FIELDS, base: dict | None = None
+                 ) -> dict[str, bytes]:
+    """`count` bodies, each a valid request (`base`: a chat's) with one field set to a weird value (seeded
+    choice of pairs)."""
+    pairs = [(f, w) for f in fields for w in WEIRD]
     random.Random(seed).shuffle(pairs)
     bodies = {}
     for field, weird in pairs[:count]:
-        base = {"messages": MESSAGES, "max_tokens": 1, "temperature": 0}
+        base = dict(base or {"messages": MESSAGES, "max_tokens": 1, "temperature": 0})
         base[field] = "@@"
         bodies[f"{field}={weird[:24]}"] = json.dumps(base).replace('"@@"', weird).encode()
     return bodies
@@ -129,8 +141,8 @@ def connection(server):
     kept.close()
 
 
-def check_refused(connection: KeepAlive, case: str, body: bytes) -> int:
-    status, headers, answer = connection.post(body)
+def check_refused(connection: KeepAlive, case: str, body: bytes, path: str = "/v1/chat/completions") -> int:
+    status, headers, answer = connection.post(body, path)
     assert status != 500, f"{case}: {answer[:300]!r}"
     if status >= 400:
         error = json.loads(answer)["error"]
@@ -181,3 +193,22 @@ def test_an_internal_error_is_a_500_envelope_and_the_connection_stays(server, co
     assert headers.get("connection", "").lower() != "close"
     monkeypatch.undo()
     assert connection.post(VALID)[0] == 200
+
+
+def test_responses_fields_set_to_weird_values_never_end_in_a_500(connection):
+    """The same over /v1/responses: its own fields, and weird values inside its input items."""
+    bodies = field_bodies(seed=1, fields=RESPONSES_FIELDS, base=RESPONSES_VALID)
+    for i, place in enumerate(RESPONSES_INPUTS):
+        for weird in WEIRD:
+            body = json.dumps({**RESPONSES_VALID, "input": "@@"}).replace('"@@"', place.replace("@@", weird))
+            bodies[f"input item {i}={weird[:24]}"] = body.encode()
+    for case, body in bodies.items():
+        check_refused(connection, case, body, "/v1/responses")
+
+
+def test_completion_prompt_lists_of_weird_values_never_end_in_a_500(connection):
+    """A batch of prompts (a list of texts or of id lists) with one weird member."""
+    for weird in WEIRD:
+        for place in ('["hi", @@]', "[[1, 2], @@]", "[[1, @@]]", "[@@, [3]]"):
+            body = json.dumps({"prompt": "@@", "max_tokens": 1}).replace('"@@"', place.replace("@@", weird))
+            check_refused(connection, f"prompt {place}={weird[:24]}", body.encode(), "/v1/completions")
