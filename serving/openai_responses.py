@@ -26,6 +26,7 @@ from mirror_rt.serving.responses import now
 PASSED = ("model", "temperature", "top_p", "seed", "stop", "top_k", "min_p", "min_tokens", "presence_penalty",
           "frequency_penalty", "repetition_penalty", "logit_bias", "mode", "num_assistant_tokens",
           "disable_spec_decode", "sampling_verify", "ignore_eos", "parallel_tool_calls", "user", "stream")
+LOGPROBS = "message.output_text.logprobs"  # the one `include` served: the output tokens' log-probabilities
 # where a chat field's error points in a Responses request
 PARAMS = {"messages": "input", "max_completion_tokens": "max_output_tokens", "response_format": "text.format",
           "tools": "tools", "tool_choice": "tool_choice"}
@@ -111,8 +112,8 @@ class ResponsesRequest(Strict):
     background: bool | None = None
     store: bool | None = None  # taken; nothing is stored (every response says store: false)
     truncation: Literal["auto", "disabled"] | None = None
-    include: list[str] | None = None
-    top_logprobs: int | None = Field(None, ge=0)
+    include: list[str] | None = None  # only LOGPROBS
+    top_logprobs: int | None = Field(None, ge=0, le=protocol.MAX_TOP_LOGPROBS)
     metadata: dict[str, str] | None = None
 
     def refuse_unsupported(self) -> None:
@@ -123,9 +124,8 @@ class ResponsesRequest(Strict):
                 ("background", bool(self.background), "background responses are not supported"),
                 ("truncation", self.truncation == "auto", "truncation 'auto' is not supported (a conversation "
                                                           "longer than the context is a 400)"),
-                ("include", bool(self.include), "include is not supported"),
-                ("top_logprobs", bool(self.top_logprobs), "top_logprobs is not supported on /v1/responses; "
-                                                          "/v1/chat/completions serves logprobs")):
+                ("include", bool(set(self.include or ()) - {LOGPROBS}),
+                 f"include takes only '{LOGPROBS}' here (this server has no built-in tools or reasoning)")):
             if failed:
                 raise APIError(400, message, param)
 
@@ -173,6 +173,8 @@ def parse(body) -> tuple[ResponsesRequest, protocol.ChatRequest]:
         chat["response_format"] = _response_format(req.text.format)
     if req.stream:
         chat["stream_options"] = {"include_usage": True}
+    if LOGPROBS in (req.include or ()):  # the chat path's entries are the Responses API's too
+        chat["logprobs"], chat["top_logprobs"] = True, req.top_logprobs or 0
     try:
         return req, protocol.parse(protocol.ChatRequest, chat)
     except APIError as exc:
@@ -240,9 +242,9 @@ class ResponseShape:
                 "truncation": "disabled", "usage": _usage(usage) if usage else None, "metadata": req.metadata or {},
                 "user": chat.user, **extra}
 
-    def message(self, text: str, status: str) -> dict:
+    def message(self, text: str, status: str, logprobs: list | None = None) -> dict:
         return {"type": "message", "id": self.message_id, "status": status, "role": "assistant",
-                "content": [] if status == "in_progress" else [_output_text(text)]}
+                "content": [] if status == "in_progress" else [_output_text(text, logprobs)]}
 
     def body(self, chat_body: dict) -> dict:
         """The whole answer from the chat path's body."""
@@ -250,7 +252,8 @@ class ResponseShape:
         status = "incomplete" if choice["finish_reason"] == "length" else "completed"
         calls = [_call_item(call, "completed") for call in choice["message"].get("tool_calls") or ()]
         content = choice["message"].get("content")
-        output = ([self.message(content or "", status)] if content or not calls else []) + calls
+        logprobs = (choice.get("logprobs") or {}).get("content") or []
+        output = ([self.message(content or "", status, logprobs)] if content or not calls else []) + calls
         return self.response(status, output, chat_body["usage"], mirror_rt=chat_body.get("mirror_rt"))
 
     async def events(self, chunks):
@@ -275,6 +278,7 @@ class _EventStream:
         self.shape, self.sequence = shape, 0
         self.output: list[dict] = []  # finished items
         self.text: str | None = None  # the message's text while it is open
+        self.logprobs: list = []  # its tokens' log-probabilities, when asked
         self.call: dict | None = None  # the function call being streamed
         self.finish_reason, self.usage, self.figures, self.error = None, None, None, None
 
@@ -293,8 +297,9 @@ class _EventStream:
         events = []
         for choice in chunk["choices"]:
             delta = choice.get("delta") or {}
-            if delta.get("content"):
-                events += self._text(delta["content"])
+            logprobs = (choice.get("logprobs") or {}).get("content") or []
+            if delta.get("content") or logprobs:
+                events += self._text(delta.get("content") or "", logprobs)
             for call in delta.get("tool_calls") or ():
                 events += self._call(call)
             self.finish_reason = choice.get("finish_reason") or self.finish_reason
@@ -310,11 +315,12 @@ class _EventStream:
                 self.event("response.content_part.added", item_id=item_id, output_index=index, content_index=0,
                            part=_output_text(""))]
 
-    def _text(self, piece: str) -> list[bytes]:
+    def _text(self, piece: str, logprobs: list) -> list[bytes]:
         events = self._open_text()
         self.text += piece
+        self.logprobs += logprobs
         events.append(self.event("response.output_text.delta", item_id=self.shape.message_id,
-                                 output_index=len(self.output), content_index=0, delta=piece, logprobs=[]))
+                                 output_index=len(self.output), content_index=0, delta=piece, logprobs=logprobs))
         return events
 
     def _call(self, call: dict) -> list[bytes]:
@@ -332,14 +338,14 @@ class _EventStream:
     def _close_text(self, status: str = "completed") -> list[bytes]:
         if self.text is None:
             return []
-        index, item_id, text = len(self.output), self.shape.message_id, self.text
-        item = self.shape.message(text, status)
+        index, item_id, text, logprobs = len(self.output), self.shape.message_id, self.text, self.logprobs
+        item = self.shape.message(text, status, logprobs)
         self.output.append(item)
         self.text = None
         return [self.event("response.output_text.done", item_id=item_id, output_index=index, content_index=0,
-                           text=text, logprobs=[]),
+                           text=text, logprobs=logprobs),
                 self.event("response.content_part.done", item_id=item_id, output_index=index, content_index=0,
-                           part=_output_text(text)),
+                           part=_output_text(text, logprobs)),
                 self.event("response.output_item.done", output_index=index, item=item)]
 
     def _close_call(self) -> list[bytes]:
@@ -366,8 +372,8 @@ class _EventStream:
         return events + [self.event("response.completed", response=response)]
 
 
-def _output_text(text: str) -> dict:
-    return {"type": "output_text", "text": text, "annotations": [], "logprobs": []}
+def _output_text(text: str, logprobs: list | None = None) -> dict:
+    return {"type": "output_text", "text": text, "annotations": [], "logprobs": logprobs or []}
 
 
 def _call_item(call: dict, status: str) -> dict:

@@ -134,6 +134,26 @@ def test_a_tool_loop_sends_the_call_and_its_output_back(server):
     assert unanswered.status_code == 400 and unanswered.json()["error"]["param"].startswith("input")
 
 
+def test_output_logprobs_are_the_chat_paths(server):
+    """include message.output_text.logprobs with top_logprobs: each output token's entry, as the chat path gives
+    it; streamed, the deltas carry their own tokens' entries."""
+    kwargs = dict(model="tiny", input="hello there", max_output_tokens=6, temperature=0,
+                  include=["message.output_text.logprobs"], top_logprobs=2)
+    client = server.client()
+    answer = client.responses.create(**kwargs)
+    same = chat(server, [{"role": "user", "content": "hello there"}], max_tokens=6, logprobs=True, top_logprobs=2)
+    entries = answer.output[0].content[0].logprobs
+    assert [e.model_dump() for e in entries] == [e.model_dump() for e in same.choices[0].logprobs.content]
+    assert len(entries) == 6 and all(len(e.top_logprobs) == 2 for e in entries)
+    with client.responses.stream(**kwargs) as stream:
+        deltas = [e.logprobs for e in stream if e.type == "response.output_text.delta"]
+        final = stream.get_final_response()
+    assert [e.model_dump() for d in deltas for e in d] == [e.model_dump() for e in entries]
+    assert [e.model_dump() for e in final.output[0].content[0].logprobs] == [e.model_dump() for e in entries]
+    plain = client.responses.create(**{k: v for k, v in kwargs.items() if k not in ("include", "top_logprobs")})
+    assert plain.output[0].content[0].logprobs == []
+
+
 def test_a_json_schema_text_format_is_enforced(server):
     answer = server.client().responses.create(
         model="tiny", input="a city", max_output_tokens=200, temperature=0,
@@ -151,8 +171,10 @@ def test_a_json_schema_text_format_is_enforced(server):
     ({"input": []}, "input"),
     ({"input": "hi", "temperature": "hot"}, "temperature"),
     ({"input": "hi", "background": True}, "background"),
+    ({"input": "hi", "include": ["reasoning.encrypted_content"]}, "include"),
+    ({"input": "hi", "top_logprobs": 21}, "top_logprobs"),
 ], ids=["previous response", "a built-in tool", "a reasoning item", "an image", "no tokens", "no input",
-        "a string temperature", "background"])
+        "a string temperature", "background", "include reasoning", "too many top logprobs"])
 def test_what_is_refused_is_a_400_naming_the_field(server, body, param):
     answer = httpx.post(server.url + "/v1/responses", json=body, timeout=30)
     assert answer.status_code == 400, answer.text
