@@ -259,16 +259,19 @@ class ResponseShape:
     async def events(self, chunks):
         """The Responses stream's events from the chat path's SSE chunks."""
         stream = _EventStream(self)
-        yield stream.event("response.created", response=self.response("in_progress", []))
-        yield stream.event("response.in_progress", response=self.response("in_progress", []))
-        async for raw in chunks:
-            data = raw.decode().removeprefix("data: ").strip()
-            if data == "[DONE]":
-                break
-            for event in stream.take(json.loads(data)):
+        try:
+            yield stream.event("response.created", response=self.response("in_progress", []))
+            yield stream.event("response.in_progress", response=self.response("in_progress", []))
+            async for raw in chunks:
+                data = raw.decode().removeprefix("data: ").strip()
+                if data == "[DONE]":
+                    break
+                for event in stream.take(json.loads(data)):
+                    yield event
+            for event in stream.finish():
                 yield event
-        for event in stream.finish():
-            yield event
+        finally:  # the client went away (or the stream ended): the chat stream's own cleanup cancels the job now
+            await chunks.aclose()
 
 
 class _EventStream:

@@ -8,7 +8,7 @@ import json
 
 import httpx
 import pytest
-from serve_support import Delayed, Swapped, start, tiny_engine
+from serve_support import Delayed, Swapped, metric, scrape, start, tiny_engine, wait_for
 
 pytest.importorskip("fastapi")
 openai = pytest.importorskip("openai")
@@ -195,3 +195,21 @@ def test_a_failure_mid_stream_ends_with_response_failed():
         assert "timeout" in data[-1]["response"]["error"]["message"]
     finally:
         running.stop()
+
+
+def test_a_client_leaving_a_stream_stops_its_generation(server):
+    """Closing the stream after its first text delta cancels the request at once (not when the collector runs)."""
+    engine = server.state.engine
+    before = scrape(server.url)
+    with Swapped(engine, "target", lambda t: Delayed(t, 0.01)):
+        with httpx.stream("POST", server.url + "/v1/responses", timeout=30,
+                          json={"input": "hello", "max_output_tokens": 300, "stream": True, "ignore_eos": True,
+                                "temperature": 0}) as raw:
+            for line in raw.iter_lines():
+                if line == "event: response.output_text.delta":
+                    break
+        assert wait_for(lambda: server.state.scheduler.idle(), timeout=2.0)
+    after = scrape(server.url)
+    aborted = [metric(s, "request_success_total", finished_reason="abort") for s in (before, after)]
+    assert aborted[1] - aborted[0] == 1
+    assert metric(after, "generation_tokens_total") - metric(before, "generation_tokens_total") < 150
