@@ -56,6 +56,13 @@ class HFTokenizer:
     def encode(self, text: str) -> list[int]:
         return self._tok.encode(text, add_special_tokens=False).ids
 
+    def info(self) -> dict:
+        """What the tokenizer is, as vLLM's `/tokenizer_info` tells it: its special tokens by name (None where it
+        has none) and its chat template's source (None without one)."""
+        named = {key: self._specials.get(key) for key in chat_template.SPECIAL_TOKEN_KEYS}
+        return {"tokenizer_class": "PreTrainedTokenizerFast", **named,
+                "chat_template": self._template_source or None}
+
     def token_names(self, ids) -> list[str]:
         """The vocabulary's names of `ids` (byte-level BPE's 'Ġword', added tokens as written)."""
         return [self._tok.id_to_token(int(i)) for i in ids]
@@ -171,6 +178,11 @@ class ByteTokenizer:
 
     def encode(self, text: str) -> list[int]:
         return [b + 2 for b in text.encode("utf-8")]
+
+    def info(self) -> dict:
+        """No special token has a text here (the end is id 1 alone), and there is no chat template."""
+        return {"tokenizer_class": "ByteTokenizer", "bos_token": None, "eos_token": None, "pad_token": None,
+                "chat_template": None}
 
     def token_names(self, ids) -> list[str]:
         names = self.token_bytes()

@@ -1,5 +1,6 @@
 """vLLM's token routes, at the root and never behind the key: `POST /tokenize` (a prompt or chat messages to token ids,
-with the context's size) and `POST /detokenize` (token ids to text)."""
+with the context's size), `POST /detokenize` (token ids to text) and `GET /tokenizer_info` (the special tokens and
+the chat template: lm-evaluation-harness then tokenizes through the server, with no tokenizer download)."""
 
 from __future__ import annotations
 
@@ -28,6 +29,11 @@ def add_token_routes(app: FastAPI, state) -> None:
             raise APIError(400, "send 'prompt' (a string) or 'messages' (a list)", "prompt")
         names = engine.tokenizer.token_names(ids) if body.get("return_token_strs") is True else None
         return {"count": len(ids), "max_model_len": state.context, "tokens": ids, "token_strs": names}
+
+    @app.get("/tokenizer_info")
+    async def tokenizer_info():
+        state.require_ready()
+        return state.engine.tokenizer.info() | {"model_max_length": state.context}
 
     @app.post("/detokenize")
     async def detokenize(request: Request):

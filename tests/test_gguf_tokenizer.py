@@ -76,6 +76,19 @@ def test_chat_template_renders_and_text_round_trips(files, family):
         assert tok.decode(tok.encode(text)) == text, text
 
 
+@pytest.mark.parametrize("family", list(FAMILIES))
+def test_tokenizer_info_names_single_special_tokens_and_the_template(files, family):
+    """What GET /tokenizer_info serves (lm-evaluation-harness reads the end token's id as /tokenize's first id)."""
+    _, folder = files[family]
+    tok = HFTokenizer(folder)
+    info = tok.info()
+    assert info["chat_template"] and "{%" in info["chat_template"]
+    named = [info[key] for key in ("bos_token", "eos_token", "pad_token", "unk_token") if info[key] is not None]
+    assert info["eos_token"] is not None
+    for token in named:
+        assert len(tok.encode(token)) == 1 and tok.encode(token)[0] in tok.special_ids, token
+
+
 def test_smollm_adds_no_bos_and_splits_digits(files):
     path, folder = files["smollm"]
     vocab, tok = read_vocab(path), HFTokenizer(folder)

@@ -171,6 +171,9 @@ def test_models_health_version_tokenize(server, reference):
     assert httpx.post(server.url + "/detokenize", json={"tokens": tokens["tokens"]}).json() == {"prompt": PROMPT}
     named = httpx.post(server.url + "/tokenize", json={"prompt": PROMPT, "return_token_strs": True}).json()
     assert named["token_strs"] == list(PROMPT) and tokens["token_strs"] is None  # the byte tokenizer's names
+    info = httpx.get(server.url + "/tokenizer_info").json()  # vLLM's; lm-evaluation-harness's remote tokenizer
+    assert "eos_token" in info and info["chat_template"] is None and info["model_max_length"] == \
+        reference.target.max_seq_len
     other = httpx.post(server.url + "/tokenize", json={"prompt": PROMPT, "model": "other"})
     assert other.status_code == 404 and other.json()["error"]["param"] == "model"
     card = client.models.retrieve("tiny")  # GET /v1/models/{id}
