@@ -53,8 +53,10 @@ class HFTokenizer:
         token = self._specials.get(key)
         return self._tok.token_to_id(token) if isinstance(token, str) else None
 
-    def encode(self, text: str) -> list[int]:
-        return self._tok.encode(text, add_special_tokens=False).ids
+    def encode(self, text: str, add_special_tokens: bool = False) -> list[int]:
+        """Token ids of `text`; with `add_special_tokens`, what the tokenizer adds around a whole prompt (a BOS where
+        its post-processor asks for one: Llama's, as transformers, vLLM and llama.cpp tokenize a prompt)."""
+        return self._tok.encode(text, add_special_tokens=add_special_tokens).ids
 
     def info(self) -> dict:
         """What the tokenizer is, as vLLM's `/tokenizer_info` tells it: its special tokens by name (None where it
@@ -176,8 +178,8 @@ class ByteTokenizer:
         self.special_ids = (0, 1)
         self.has_chat_template = False
 
-    def encode(self, text: str) -> list[int]:
-        return [b + 2 for b in text.encode("utf-8")]
+    def encode(self, text: str, add_special_tokens: bool = False) -> list[int]:
+        return [b + 2 for b in text.encode("utf-8")]  # nothing is added around a prompt
 
     def info(self) -> dict:
         """No special token has a text here (the end is id 1 alone), and there is no chat template."""

@@ -95,8 +95,10 @@ class Engine:
         return self._decoder
 
     def prompt_ids(self, prompt, chat: bool = True) -> list[int]:
-        """Token ids for a string (chat template applied if chat), a list of chat messages, or token ids;
-        PromptError for anything else (runtime.values)."""
+        """Token ids for a string (chat template applied if chat; a plain string with what the tokenizer adds
+        around a prompt, a BOS where it asks for one, as transformers and vLLM tokenize it), a list of chat
+        messages (the template writes its own BOS), or token ids (taken as they are); PromptError for anything
+        else (runtime.values)."""
         problem = prompt_problem(prompt)
         if problem:
             raise PromptError(problem)
@@ -109,7 +111,7 @@ class Engine:
                 raise PromptError(str(exc)) from None
         if chat and self.tokenizer.has_chat_template:
             return self.tokenizer.chat_prompt([{"role": "user", "content": prompt}])
-        return self.tokenizer.encode(prompt)
+        return self.tokenizer.encode(prompt, add_special_tokens=True)
 
     def config_for(self, config: GenerationConfig | None = None, **options) -> GenerationConfig:
         """`config` with `options` (field names) applied and the mode resolved; GenerationError for a mode the

@@ -24,7 +24,11 @@ def add_token_routes(app: FastAPI, state) -> None:
             ids = tools.prompt_ids(req, engine.tokenizer)
         elif isinstance(body, dict) and isinstance(body.get("prompt"), str):
             refuse_unread([body["prompt"]], engine, state.context, 0)
-            ids = engine.prompt_ids(body["prompt"], chat=False)
+            specials = body.get("add_special_tokens", True)  # vLLM's: a completion's prompt, BOS and all
+            if not isinstance(specials, bool):
+                raise APIError(400, "add_special_tokens must be true or false", "add_special_tokens")
+            text = body["prompt"]
+            ids = engine.prompt_ids(text, chat=False) if specials else engine.tokenizer.encode(text)
         else:
             raise APIError(400, "send 'prompt' (a string) or 'messages' (a list)", "prompt")
         names = engine.tokenizer.token_names(ids) if body.get("return_token_strs") is True else None

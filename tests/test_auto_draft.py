@@ -119,7 +119,7 @@ class FakeModel:
 
 
 class Tokens:
-    def encode(self, text: str) -> list[int]:
+    def encode(self, text: str, add_special_tokens: bool = False) -> list[int]:
         return [ord(c) % 7 for c in text[:24]]
 
 

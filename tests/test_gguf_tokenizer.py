@@ -89,6 +89,25 @@ def test_tokenizer_info_names_single_special_tokens_and_the_template(files, fami
         assert len(tok.encode(token)) == 1 and tok.encode(token)[0] in tok.special_ids, token
 
 
+@pytest.mark.parametrize("family", list(FAMILIES))
+def test_a_completion_prompt_gets_the_bos_the_file_asks_for(files, family):
+    """A plain text prompt's ids (Engine.prompt_ids with chat=False: /v1/completions, `run --no-chat`) start with
+    the BOS the file adds (tokenizer.ggml.add_bos_token, which llama.cpp, vLLM and transformers put before a
+    prompt): Llama 3's yes; a chat prompt's BOS is its template's, once. It was never added."""
+    from types import SimpleNamespace
+
+    from mirror_rt.runtime.engine import Engine
+
+    path, folder = files[family]
+    vocab, tok = read_vocab(path), HFTokenizer(folder)
+    text = "Hello world 42"
+    ids = Engine.prompt_ids(SimpleNamespace(tokenizer=tok), text, chat=False)
+    bos = [vocab.special["bos"]] if vocab.add_bos and "bos" in vocab.special else []
+    assert ids == bos + tok.encode(text) and (family != "llama3" or bos)
+    chat = tok.chat_prompt([{"role": "user", "content": text}])
+    assert chat[:2] != [vocab.special.get("bos")] * 2  # never a BOS of the tokenizer's before the template's
+
+
 def test_smollm_adds_no_bos_and_splits_digits(files):
     path, folder = files["smollm"]
     vocab, tok = read_vocab(path), HFTokenizer(folder)

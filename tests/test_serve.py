@@ -171,6 +171,10 @@ def test_models_health_version_tokenize(server, reference):
     assert httpx.post(server.url + "/detokenize", json={"tokens": tokens["tokens"]}).json() == {"prompt": PROMPT}
     named = httpx.post(server.url + "/tokenize", json={"prompt": PROMPT, "return_token_strs": True}).json()
     assert named["token_strs"] == list(PROMPT) and tokens["token_strs"] is None  # the byte tokenizer's names
+    bare = httpx.post(server.url + "/tokenize", json={"prompt": PROMPT, "add_special_tokens": False}).json()
+    assert bare["tokens"] == tokens["tokens"]  # the byte tokenizer adds nothing around a prompt
+    refused = httpx.post(server.url + "/tokenize", json={"prompt": PROMPT, "add_special_tokens": "no"})
+    assert refused.status_code == 400 and refused.json()["error"]["param"] == "add_special_tokens"
     info = httpx.get(server.url + "/tokenizer_info").json()  # vLLM's; lm-evaluation-harness's remote tokenizer
     assert "eos_token" in info and info["chat_template"] is None and info["model_max_length"] == \
         reference.target.max_seq_len
