@@ -45,11 +45,7 @@ class InputMessage(Strict):
     @field_validator("content", mode="before")
     @classmethod
     def _text_only(cls, content):
-        for part in content if isinstance(content, list) else ():
-            kind = part.get("type") if isinstance(part, dict) else None
-            if kind not in ("input_text", "output_text", "text"):
-                raise ValueError(f"content parts of type '{kind}' are not supported: this model reads text only")
-        return content
+        return protocol.text_parts_only(content, ("input_text", "output_text", "text"))
 
     def text(self) -> str:
         return self.content if isinstance(self.content, str) else "".join(part.text for part in self.content)
@@ -220,27 +216,17 @@ class ResponseShape:
     """A chat answer reshaped as a Responses API answer: `body` for a whole one, `events` for a stream."""
 
     def __init__(self, req: ResponsesRequest, chat: protocol.ChatRequest, model_name: str):
-        self.req, self.chat, self.model_name = req, chat, model_name
+        self.model_name = model_name
         self.id, self.created = f"resp_{uuid.uuid4().hex}", now()
         self.message_id = f"msg_{uuid.uuid4().hex}"
+        self.settings = _settings(req, chat)
 
     def response(self, status: str, output: list, usage: dict | None = None, **extra) -> dict:
-        req, chat = self.req, self.chat
-        text_format = req.text.format.model_dump(by_alias=True, exclude_none=True) \
-            if req.text is not None and req.text.format is not None else {"type": "text"}
-        tool_choice = req.tool_choice.model_dump() if isinstance(req.tool_choice, NamedFunctionChoice) \
-            else req.tool_choice or "auto"
         return {"id": self.id, "object": "response", "created_at": self.created, "status": status,
                 "error": extra.pop("error", None),
                 "incomplete_details": {"reason": "max_output_tokens"} if status == "incomplete" else None,
-                "instructions": req.instructions, "max_output_tokens": req.max_output_tokens,
-                "model": self.model_name, "output": output,
-                "parallel_tool_calls": chat.parallel_tool_calls is not False,
-                "previous_response_id": None, "reasoning": {"effort": None, "summary": None}, "store": False,
-                "temperature": chat.temperature, "text": {"format": text_format}, "tool_choice": tool_choice,
-                "tools": [t.model_dump(exclude_none=True) for t in req.function_tools()], "top_p": chat.top_p,
-                "truncation": "disabled", "usage": _usage(usage) if usage else None, "metadata": req.metadata or {},
-                "user": chat.user, **extra}
+                "model": self.model_name, "output": output, **self.settings,
+                "usage": _usage(usage) if usage else None, **extra}
 
     def message(self, text: str, status: str, logprobs: list | None = None) -> dict:
         return {"type": "message", "id": self.message_id, "status": status, "role": "assistant",
@@ -373,6 +359,20 @@ class _EventStream:
         # vLLM's choice: `response.completed` ends every finished stream, a cut one carrying status incomplete
         # (the openai client's stream helpers wait for that event; OpenAI sends `response.incomplete` instead)
         return events + [self.event("response.completed", response=response)]
+
+
+def _settings(req: ResponsesRequest, chat: protocol.ChatRequest) -> dict:
+    """The response's fields that echo the request's settings (the same in every event of a stream)."""
+    text_format = req.text.format.model_dump(by_alias=True, exclude_none=True) \
+        if req.text is not None and req.text.format is not None else {"type": "text"}
+    tool_choice = req.tool_choice.model_dump() if isinstance(req.tool_choice, NamedFunctionChoice) \
+        else req.tool_choice or "auto"
+    return {"instructions": req.instructions, "max_output_tokens": req.max_output_tokens,
+            "parallel_tool_calls": chat.parallel_tool_calls is not False, "previous_response_id": None,
+            "reasoning": {"effort": None, "summary": None}, "store": False, "temperature": chat.temperature,
+            "text": {"format": text_format}, "tool_choice": tool_choice,
+            "tools": [t.model_dump(exclude_none=True) for t in req.function_tools()], "top_p": chat.top_p,
+            "truncation": "disabled", "metadata": req.metadata or {}, "user": chat.user}
 
 
 def _output_text(text: str, logprobs: list | None = None) -> dict:

@@ -48,6 +48,16 @@ class ToolCall(Strict):
     function: FunctionCall
 
 
+def text_parts_only(content, kinds: tuple):
+    """`content` as sent, when each of its parts (if a list) is of one of the text `kinds`; else the error pydantic
+    reports on the field."""
+    for part in content if isinstance(content, list) else ():
+        kind = part.get("type") if isinstance(part, dict) else None
+        if kind not in kinds:
+            raise ValueError(f"content parts of type '{kind}' are not supported: this model reads text only")
+    return content
+
+
 class Message(Strict):
     role: Literal["system", "developer", "user", "assistant", "tool"]
     content: str | list[TextPart] | None = None
@@ -57,11 +67,7 @@ class Message(Strict):
     @field_validator("content", mode="before")
     @classmethod
     def _text_only(cls, content):
-        for part in content if isinstance(content, list) else ():
-            kind = part.get("type") if isinstance(part, dict) else None
-            if kind not in (None, "text"):
-                raise ValueError(f"content parts of type '{kind}' are not supported: this model reads text only")
-        return content
+        return text_parts_only(content, (None, "text"))
 
     def text(self) -> str:
         if isinstance(self.content, list):
