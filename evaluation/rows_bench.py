@@ -118,7 +118,11 @@ def kernel_variant() -> str:
     if chosen is None:
         return "one build for this CPU (-march=native)"
     try:
-        return f"{chosen()} variant"
+        name = chosen()
+        if name.endswith("-amx"):
+            tiles = "AMX tiles for Q4_K/Q6_K rows" if native_op.amx_tiles() else "the OS refused AMX tiles"
+            return f"{name} variant ({tiles})"
+        return f"{name} variant"
     except native_op.NativeOpUnavailable as exc:
         return f"none ({exc})"
 

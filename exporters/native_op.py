@@ -2,7 +2,7 @@
 
 The sources ship with the package; the first load compiles them (`$CXX`, else g++ or c++) into
 `<cache>/native/<variant>-<key>/` (key: sources, compiler, flags, CPU), published atomically. One library per CPU
-variant (VARIANTS: portable, avx2, avx512-vnni), each built with its own instruction-set flags, never
+variant (VARIANTS: portable, avx2, avx512-vnni, avx512-amx), each built with its own instruction-set flags, never
 -march=native: the best one this CPU runs is chosen at load (`/proc/cpuinfo`'s flags), and only the variants used
 are built. MIRROR_RT_CPU_VARIANT=<name> forces one (tests, benchmarks); a variant the CPU lacks is refused (its code
 would die with SIGILL). Without a compiler `library()` says what to install in one line; the traced exporter
@@ -28,7 +28,7 @@ from mirror_rt.models.default_model import cache_dir
 from mirror_rt.models.partials import partial_folder, sweep_partials
 
 SOURCES = ("pool_attention.cpp", "native_numbers.inc", "quantize_rows.inc", "pool_attention_ort.inc", "gguf_blocks.inc",
-           "gguf_matmul.inc", "gguf_avx2.inc", "gguf_vnni.inc", "worker_pool.inc",
+           "gguf_matmul.inc", "gguf_avx2.inc", "gguf_vnni.inc", "gguf_amx.inc", "worker_pool.inc",
            "attention_avx2.inc")
 LIBRARY = "libmirror_rt_ops.so"
 DOMAIN = "mirror_rt"  # the op's ONNX domain
@@ -39,7 +39,8 @@ ATTENTION = "attention"  # model metadata of graphs with the op: "pool" (the bac
 FLAGS = ["-O3", "-std=c++17", "-shared", "-fPIC", "-pthread", "-ffp-contract=off"]
 VARIANT_ENV = "MIRROR_RT_CPU_VARIANT"
 # name: (compiler flags, /proc/cpuinfo flags the CPU needs), best last. The x86 baseline for portable (SSE2): a
-# compiler whose default targets more would otherwise build code older CPUs lack. (No AMX variant: no AMX kernels.)
+# compiler whose default targets more would otherwise build code older CPUs lack. avx512-amx: the AVX-512 VNNI
+# variant plus tile products of many rows for Q4_K and Q6_K (gguf_amx.inc).
 _X86 = platform.machine().lower() in ("x86_64", "amd64")
 VARIANTS = {
     "portable": (["-march=x86-64", "-mtune=generic"] if _X86 else [], ()),
@@ -47,6 +48,10 @@ VARIANTS = {
     "avx512-vnni": (["-march=x86-64", "-mavx2", "-mfma", "-mf16c", "-mavx512f", "-mavx512bw", "-mavx512vl",
                      "-mavx512dq", "-mavx512vnni"],
                     ("avx2", "fma", "f16c", "avx512f", "avx512bw", "avx512vl", "avx512dq", "avx512_vnni")),
+    "avx512-amx": (["-march=x86-64", "-mavx2", "-mfma", "-mf16c", "-mavx512f", "-mavx512bw", "-mavx512vl",
+                    "-mavx512dq", "-mavx512vnni", "-mamx-tile", "-mamx-int8"],
+                   ("avx2", "fma", "f16c", "avx512f", "avx512bw", "avx512vl", "avx512dq", "avx512_vnni", "amx_tile",
+                    "amx_int8")),
 }
 
 _lock = threading.Lock()
@@ -233,6 +238,14 @@ def set_threads(threads: int) -> None:
     import ctypes
 
     ctypes.CDLL(str(library())).mirror_rt_ops_threads(int(threads))
+
+
+def amx_tiles(variant: str | None = None) -> bool:
+    """Whether `variant`'s build (else this CPU's) multiplies many rows on AMX tiles here: an AMX variant, and the
+    OS granted the tiles (Linux: arch_prctl(ARCH_REQ_XCOMP_PERM), asked at the first product)."""
+    import ctypes
+
+    return bool(ctypes.CDLL(str(library(variant=variant))).mirror_rt_gguf_amx())
 
 
 def gguf_matmul(threads: int, path: str | os.PathLike | None = None, variant: str | None = None):

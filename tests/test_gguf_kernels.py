@@ -3,7 +3,8 @@
 Every variant this CPU runs is built and tested: exact integer sums per block against numpy, a row's bits the
 same alone or in any tile of rows and with threads, and the portable variant's bits in the AVX2 one (they follow
 the same arithmetic). The AVX-512 VNNI kernels sum floats in their own lanes: within 1e-5 of the largest output
-there. Variants the CPU lacks are skipped saying so, but are still compiled (where the compiler takes their flags).
+there. The AMX variant's Q4_K and Q6_K give the portable bits again, at any number of rows (tiles of 16).
+Variants the CPU lacks are skipped saying so, but are still compiled (where the compiler takes their flags).
 """
 
 from __future__ import annotations
@@ -24,6 +25,13 @@ FLOAT_TYPES = (T.F32, T.F16, T.BF16)
 RUNNABLE = native_op.runnable_variants()
 SAME_BITS_AS_PORTABLE = ("portable", "avx2")  # the AVX-512 VNNI kernels: within TOLERANCE
 TOLERANCE = 1e-5  # of the largest |output|: float sums in other lanes
+AMX_TYPES = (T.Q4_K, T.Q6_K)  # the AMX variant's tile products (the portable bits); its other types as avx512-vnni
+
+
+def portable_bits(variant: str, kind) -> bool:
+    """Whether `variant` promises the portable kernels' bits for `kind` (else: within TOLERANCE)."""
+    return (variant in SAME_BITS_AS_PORTABLE or kind in (T.Q5_0, T.Q5_1, T.Q5_K) or kind in FLOAT_TYPES
+            or (variant == "avx512-amx" and kind in AMX_TYPES))
 
 
 def runs_here(variant: str):
@@ -126,7 +134,7 @@ def test_a_variant_gives_the_portable_bits(variant, kind):
     w = float_weights(kind, 96, k, 4) if kind in FLOAT_TYPES else weights(kind, 96, k, 4)
     x = activations(13, k, 5)
     reference, got = matmul("portable", x, w, kind, 96), matmul(variant, x, w, kind, 96)
-    if variant in SAME_BITS_AS_PORTABLE or kind in (T.Q5_0, T.Q5_1, T.Q5_K) or kind in FLOAT_TYPES:
+    if portable_bits(variant, kind):
         assert np.array_equal(got, reference)
     else:
         assert np.abs(got - reference).max() <= TOLERANCE * np.abs(reference).max()
@@ -143,6 +151,28 @@ def test_every_tile_size_gives_the_portable_bits(variant, kind, k):
     reference = matmul("portable", x, w, kind, 37)
     for rows in range(1, 10):
         assert np.array_equal(matmul(variant, x[9 - rows:], w, kind, 37), reference[9 - rows:]), rows
+
+
+@pytest.mark.parametrize("k", [768, 4096])
+@pytest.mark.parametrize("kind", AMX_TYPES, ids=lambda kind: kind.name)
+def test_amx_tiles_give_the_portable_bits_at_any_number_of_rows(kind, k):
+    """The AMX variant: below AMX_ROWS (16) the AVX2 kernels, from it tiles of 16 activation rows (a part tile
+    past each multiple of 16) against 16 weight rows (37: a part tile): every row the portable bits, so a row
+    computes alike alone and in a batch of any size."""
+    if "avx512-amx" not in RUNNABLE:
+        lacks = sorted(set(native_op.VARIANTS["avx512-amx"][1]) - native_op.cpu_flags())
+        pytest.skip(f"this CPU lacks {', '.join(lacks) or 'x86'}: the AMX kernels not run here")
+    assert native_op.amx_tiles("avx512-amx"), "the OS refused AMX tiles (arch_prctl): the AVX2 kernels ran instead"
+    w = weights(kind, 37, k, 8)
+    x = activations(81, k, 9)
+    reference = matmul("portable", x, w, kind, 37)
+    for rows in (1, 2, 5, 15, 16, 17, 32, 33, 64, 65, 81):
+        assert np.array_equal(matmul("avx512-amx", x[81 - rows:], w, kind, 37), reference[81 - rows:]), rows
+
+
+def test_only_amx_variants_use_tiles():
+    for variant in RUNNABLE:
+        assert native_op.amx_tiles(variant) == (variant == "avx512-amx"), variant
 
 
 @functools.cache
