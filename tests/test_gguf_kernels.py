@@ -3,7 +3,8 @@
 Every variant this CPU runs is built and tested: exact integer sums per block against numpy, a row's bits the
 same alone or in any tile of rows and with threads, and the portable variant's bits in the AVX2 one (they follow
 the same arithmetic). The AVX-512 VNNI kernels sum floats in their own lanes: within 1e-5 of the largest output
-there. The AMX variant's Q4_K and Q6_K give the portable bits again, at any number of rows (tiles of 16).
+there, except Q4_K and Q6_K, whose blocks they sum exactly: the portable bits, as the AMX variant's tiles (16 rows
+and more) give them.
 Variants the CPU lacks are skipped saying so, but are still compiled (where the compiler takes their flags).
 """
 
@@ -25,13 +26,13 @@ FLOAT_TYPES = (T.F32, T.F16, T.BF16)
 RUNNABLE = native_op.runnable_variants()
 SAME_BITS_AS_PORTABLE = ("portable", "avx2")  # the AVX-512 VNNI kernels: within TOLERANCE
 TOLERANCE = 1e-5  # of the largest |output|: float sums in other lanes
-AMX_TYPES = (T.Q4_K, T.Q6_K)  # the AMX variant's tile products (the portable bits); its other types as avx512-vnni
+AMX_TYPES = (T.Q4_K, T.Q6_K)  # the AMX variant's tile products; these, in every variant: the portable bits
 
 
 def portable_bits(variant: str, kind) -> bool:
     """Whether `variant` promises the portable kernels' bits for `kind` (else: within TOLERANCE)."""
     return (variant in SAME_BITS_AS_PORTABLE or kind in (T.Q5_0, T.Q5_1, T.Q5_K) or kind in FLOAT_TYPES
-            or (variant == "avx512-amx" and kind in AMX_TYPES))
+            or kind in AMX_TYPES)
 
 
 def runs_here(variant: str):
@@ -140,9 +141,12 @@ def test_a_variant_gives_the_portable_bits(variant, kind):
         assert np.abs(got - reference).max() <= TOLERANCE * np.abs(reference).max()
 
 
+EXACT_PAIRS = [pytest.param(v.values[0], kind, marks=v.marks, id=f"{v.values[0]}-{kind.name}") for v in VARIANTS
+               for kind in BLOCK_TYPES if v.values[0] != "portable" and portable_bits(v.values[0], kind)]
+
+
 @pytest.mark.parametrize("k", [768, 4096])  # 8 rows in a tile (levels in L1), and the per-row kernels (over 28 KB)
-@pytest.mark.parametrize("kind", BLOCK_TYPES, ids=lambda kind: kind.name)
-@pytest.mark.parametrize("variant", [v for v in VARIANTS if v.values[0] in SAME_BITS_AS_PORTABLE[1:]])
+@pytest.mark.parametrize(("variant", "kind"), EXACT_PAIRS)
 def test_every_tile_size_gives_the_portable_bits(variant, kind, k):
     """Calls of 1..9 rows (every tile size the kernels are built for, a full tile and one row more): each row the
     portable kernels' bits, with odd numbers of weight rows."""
@@ -156,7 +160,7 @@ def test_every_tile_size_gives_the_portable_bits(variant, kind, k):
 @pytest.mark.parametrize("k", [768, 4096])
 @pytest.mark.parametrize("kind", AMX_TYPES, ids=lambda kind: kind.name)
 def test_amx_tiles_give_the_portable_bits_at_any_number_of_rows(kind, k):
-    """The AMX variant: below AMX_ROWS (16) the AVX2 kernels, from it tiles of 16 activation rows (a part tile
+    """The AMX variant: below AMX_ROWS (16) the VNNI kernels, from it tiles of 16 activation rows (a part tile
     past each multiple of 16) against 16 weight rows (37: a part tile): every row the portable bits, so a row
     computes alike alone and in a batch of any size."""
     if "avx512-amx" not in RUNNABLE:
