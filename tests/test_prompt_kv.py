@@ -3,6 +3,7 @@ over two cores."""
 
 from __future__ import annotations
 
+import contextlib
 import threading
 import warnings
 from dataclasses import replace
@@ -16,6 +17,7 @@ from mirror_rt.devices.torch.backend import TorchModel
 from mirror_rt.devices.torch.split import TorchSplitTarget
 from mirror_rt.exporters.export import export_bundle
 from mirror_rt.exporters.manifest import read_manifest
+from mirror_rt.runtime.affinity import available_cores, pin, restore
 from mirror_rt.runtime.reference import generate
 
 PROMPT = [5, 17, 42, 9, 80, 33, 61, 2, 14, 7, 7, 19, 3]
@@ -32,18 +34,45 @@ def onnx_bundle(request, tmp_path_factory):
                              draft_weights="fp32", kv=request.param, progress=False)
 
 
+@contextlib.contextmanager
+def on_one_core():
+    """The calling thread pinned to one core: the pipelined prefill's case (an unpinned thread's products share their
+    rows out over its cores, and its prompt runs straight through)."""
+    previous = pin(min(available_cores()))
+    try:
+        yield
+    finally:
+        restore(previous)
+
+
 @needs_ort
 @pytest.mark.parametrize("chunk", [1, 4, 64])
 def test_pipelined_prefill_equals_forward(onnx_bundle, chunk):
     target, _, _, _ = load_parts(onnx_bundle, "ort:cpu", "ort:cpu", strict=True, threads=1)
     plain_cache, piped_cache = target.new_cache(64), target.new_cache(64)
     plain = target.forward(PROMPT, plain_cache)
-    piped = target.prefill_pipelined(PROMPT, piped_cache, cpu=None, chunk=chunk)
+    with on_one_core():
+        piped = target.prefill_pipelined(PROMPT, piped_cache, cpu=None, chunk=chunk)
     np.testing.assert_allclose(piped[-1], plain[-1], atol=1e-5, rtol=0)
     assert piped_cache.length == plain_cache.length == len(PROMPT) and piped_cache.hidden is None
     np.testing.assert_allclose(target.forward([11, 12], piped_cache), target.forward([11, 12], plain_cache),
                                atol=1e-5, rtol=0)
     assert not [t for t in threading.enumerate() if t.name == "mirror-prefill"]
+
+
+@needs_ort
+def test_an_unpinned_prompt_runs_straight_through(onnx_bundle, monkeypatch):
+    """A thread on several cores runs the prompt's halves one after the other (its products split over its cores):
+    no pipeline helper, the same logits and cache as `forward`."""
+    if len(available_cores()) < 2:
+        pytest.skip("needs two cores")
+    target, _, _, _ = load_parts(onnx_bundle, "ort:cpu", "ort:cpu", strict=True, threads=1)
+    monkeypatch.setattr(target, "_suffix_chunks", lambda *args: pytest.fail("the pipeline ran"))
+    plain_cache, straight_cache = target.new_cache(64), target.new_cache(64)
+    plain = target.forward(PROMPT, plain_cache)
+    straight = target.prefill_pipelined(PROMPT, straight_cache, cpu=None, chunk=4)
+    np.testing.assert_allclose(straight[-1], plain[-1], atol=1e-5, rtol=0)
+    assert straight_cache.length == len(PROMPT) and straight_cache.hidden is None
 
 
 @needs_ort
@@ -101,7 +130,7 @@ def test_pipelined_prefill_reraises_suffix_errors(onnx_bundle, monkeypatch):
         raise RuntimeError("suffix exploded")
 
     monkeypatch.setattr(target.suffix, "run", broken)
-    with pytest.raises(RuntimeError, match="suffix exploded"):
+    with pytest.raises(RuntimeError, match="suffix exploded"), on_one_core():
         target.prefill_pipelined(PROMPT, target.new_cache(64), cpu=None, chunk=2)
     assert not [t for t in threading.enumerate() if t.name == "mirror-prefill"]
 
