@@ -42,16 +42,14 @@ VARIANT_ENV = "MIRROR_RT_CPU_VARIANT"
 # compiler whose default targets more would otherwise build code older CPUs lack. avx512-amx: the AVX-512 VNNI
 # variant plus tile products of many rows for Q4_K and Q6_K (gguf_amx.inc).
 _X86 = platform.machine().lower() in ("x86_64", "amd64")
+_AVX2 = (["-march=x86-64", "-mavx2", "-mfma", "-mf16c"], ("avx2", "fma", "f16c"))
+_VNNI = (_AVX2[0] + ["-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq", "-mavx512vnni"],
+         _AVX2[1] + ("avx512f", "avx512bw", "avx512vl", "avx512dq", "avx512_vnni"))
 VARIANTS = {
     "portable": (["-march=x86-64", "-mtune=generic"] if _X86 else [], ()),
-    "avx2": (["-march=x86-64", "-mavx2", "-mfma", "-mf16c"], ("avx2", "fma", "f16c")),
-    "avx512-vnni": (["-march=x86-64", "-mavx2", "-mfma", "-mf16c", "-mavx512f", "-mavx512bw", "-mavx512vl",
-                     "-mavx512dq", "-mavx512vnni"],
-                    ("avx2", "fma", "f16c", "avx512f", "avx512bw", "avx512vl", "avx512dq", "avx512_vnni")),
-    "avx512-amx": (["-march=x86-64", "-mavx2", "-mfma", "-mf16c", "-mavx512f", "-mavx512bw", "-mavx512vl",
-                    "-mavx512dq", "-mavx512vnni", "-mamx-tile", "-mamx-int8"],
-                   ("avx2", "fma", "f16c", "avx512f", "avx512bw", "avx512vl", "avx512dq", "avx512_vnni", "amx_tile",
-                    "amx_int8")),
+    "avx2": _AVX2,
+    "avx512-vnni": _VNNI,
+    "avx512-amx": (_VNNI[0] + ["-mamx-tile", "-mamx-int8"], _VNNI[1] + ("amx_tile", "amx_int8")),
 }
 
 _lock = threading.Lock()
