@@ -160,9 +160,9 @@ def test_every_tile_size_gives_the_portable_bits(variant, kind, k):
 @pytest.mark.parametrize("k", [768, 4096])
 @pytest.mark.parametrize("kind", AMX_TYPES, ids=lambda kind: kind.name)
 def test_amx_tiles_give_the_portable_bits_at_any_number_of_rows(kind, k):
-    """The AMX variant: below AMX_ROWS (16) the VNNI kernels, from it tiles of 16 activation rows (a part tile
-    past each multiple of 16) against 16 weight rows (37: a part tile): every row the portable bits, so a row
-    computes alike alone and in a batch of any size."""
+    """The AMX variant: below amx_rows (Q4_K 8, Q6_K 9) the VNNI kernels, from it tiles of 16 activation rows (a
+    part tile past each multiple of 16) against 16 weight rows (37: a part tile): every row the portable bits, so a
+    row computes alike alone and in a batch of any size."""
     if "avx512-amx" not in RUNNABLE:
         lacks = sorted(set(native_op.VARIANTS["avx512-amx"][1]) - native_op.cpu_flags())
         pytest.skip(f"this CPU lacks {', '.join(lacks) or 'x86'}: the AMX kernels not run here")
@@ -171,7 +171,7 @@ def test_amx_tiles_give_the_portable_bits_at_any_number_of_rows(kind, k):
     w = weights(kind, 37, k, 8)
     x = activations(81, k, 9)
     reference = matmul("portable", x, w, kind, 37)
-    for rows in (1, 2, 5, 15, 16, 17, 32, 33, 64, 65, 81):
+    for rows in (1, 2, 5, 7, 8, 9, 15, 16, 17, 32, 33, 64, 65, 81):
         assert np.array_equal(matmul("avx512-amx", x[81 - rows:], w, kind, 37), reference[81 - rows:]), rows
 
 
