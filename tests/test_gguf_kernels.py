@@ -160,7 +160,7 @@ def test_every_tile_size_gives_the_portable_bits(variant, kind, k):
 @pytest.mark.parametrize("k", [768, 4096])
 @pytest.mark.parametrize("kind", AMX_TYPES, ids=lambda kind: kind.name)
 def test_amx_tiles_give_the_portable_bits_at_any_number_of_rows(kind, k):
-    """The AMX variant: below amx_rows (9) the VNNI kernels, from it tiles of 16 activation rows (a
+    """The AMX variant: below AMX_ROWS (9) the VNNI kernels, from it tiles of 16 activation rows (a
     part tile past each multiple of 16) against 16 weight rows (37: a part tile): every row the portable bits, so a
     row computes alike alone and in a batch of any size."""
     if "avx512-amx" not in RUNNABLE:
