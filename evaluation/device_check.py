@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import time
+import warnings
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
@@ -112,9 +113,11 @@ def launches_per_forward(target, prompt_ids: list[int]) -> int:
     cache = target.new_cache(len(prompt_ids) + 4)
     target.forward(prompt_ids, cache)
     torch.cuda.synchronize()
-    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
-        target.forward(prompt_ids[-1:], cache)
-        torch.cuda.synchronize()
+    with warnings.catch_warnings():  # torch's note that a second profiler clears the first's events: not ours
+        warnings.filterwarnings("ignore", message=".*Profiler clears events")
+        with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+            target.forward(prompt_ids[-1:], cache)
+            torch.cuda.synchronize()
     return sum(1 for e in prof.events() if "LaunchKernel" in e.name or "GraphLaunch" in e.name)
 
 

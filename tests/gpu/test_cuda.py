@@ -13,13 +13,14 @@ from __future__ import annotations
 import math
 import threading
 import time
+import warnings
 
 import pytest
 import torch
 
 from mirror_rt.devices.options import EngineConfig
 from mirror_rt.devices.torch_engine import load_torch as load_options
-from mirror_rt.evaluation.device_check import first_mismatch
+from mirror_rt.evaluation.device_check import first_mismatch, launches_per_forward
 from mirror_rt.runtime.transfer import record_shapes
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")]
@@ -125,3 +126,17 @@ def test_cancel_mid_step_on_cuda(bf16_engine):
 def test_placement_leaves_the_cpu_to_the_draft():
     engine = load_torch("tiny", "int8", device="cuda", **QUIET)
     assert engine.cpus is None and "thread not pinned" in engine.names["placement"]
+
+
+def test_counting_launches_twice_says_nothing(bf16_engine):
+    """`devices --check` counts launches with torch.profiler once per pair: torch's note that a later profiler
+    clears the earlier one's events is no line for the user to read."""
+    import torch.profiler.profiler as torch_profiler
+
+    getattr(torch_profiler, "_WARNINGS_SHOWN", set()).clear()  # torch warns once per process: as if for the first time
+    prompt = bf16_engine.prompt_ids(PROMPT, chat=False)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        counts = [launches_per_forward(bf16_engine.target, prompt) for _ in range(2)]
+    assert counts[0] > 0 and counts[0] == counts[1]
+    assert not [w for w in caught if "Profiler" in str(w.message)], [str(w.message) for w in caught]
