@@ -196,9 +196,13 @@ class BatchDecoder:
 
     # --- rows, blocks, prefix cache -------------------------------------------------------
 
+    def positions_needed(self, seq: Sequence) -> int:
+        """KV positions `seq` may hold: its prompt, its output budget and the window in flight (at most the context)."""
+        return min(len(seq.prompt) + seq.budget, self.capacity - WINDOW_ROOM) + WINDOW_ROOM
+
     def blocks_needed(self, seq: Sequence) -> int:
-        """Blocks `seq` reserves: everything it may hold (prompt, output budget, the window in flight)."""
-        return blocks_for(min(len(seq.prompt) + seq.budget, self.capacity - WINDOW_ROOM) + WINDOW_ROOM)
+        """Blocks `seq` reserves: everything it may hold (`positions_needed`)."""
+        return blocks_for(self.positions_needed(seq))
 
     def _admit(self) -> None:
         while self.waiting and len(self.rows) < self.rows.rows:
@@ -217,7 +221,7 @@ class BatchDecoder:
     def _grow(self, seq: Sequence) -> None:
         """Room in the pools for all `seq` may hold (buffers follow the longest request so far, not the context)."""
         if self.pooled:
-            need = min(len(seq.prompt) + seq.budget, self.capacity - WINDOW_ROOM) + WINDOW_ROOM
+            need = self.positions_needed(seq)
             self.target_pool.grow(need)
             if self.draft_pool is not None:
                 self.mirror.grow(self.draft_pool, need)

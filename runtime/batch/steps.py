@@ -31,8 +31,8 @@ class Prefill:
         if d.pooled:
             seq.target_cache = d.target_pool.row_cache(seq.row)
             d.target_pool.commit(seq.row, 0)
-        else:
-            seq.target_cache = d.target.new_cache(d.capacity)
+        else:  # a cache of its own, as long as it may grow (a static window attends over all of its slots)
+            seq.target_cache = d.target.new_cache(d.positions_needed(seq))
         seq.computed = 0
         if d.cache is not None:
             keys = d.cache.lookup(self.cache_tokens(seq))
@@ -154,7 +154,7 @@ class Prefill:
             seq.draft_cache = d.draft_pool.row_cache(seq.row)
             d.draft_pool.commit(seq.row, 0)
         else:
-            seq.draft_cache = d.draft.new_cache(d.capacity)
+            seq.draft_cache = d.draft.new_cache(d.positions_needed(seq))
             if fill:
                 d.draft.forward(fill, seq.draft_cache)
 
@@ -163,7 +163,7 @@ class Prefill:
         KV by a draft that reads target rows), its own cache, or the oracle draft's copy of the target's text."""
         d = self.decoder
         if seq.draft_cache is None:  # the oracle draft: the target itself, over a cache of its own
-            seq.draft_cache = d.target.new_cache(d.capacity)
+            seq.draft_cache = d.target.new_cache(d.positions_needed(seq))
             d.target.forward(self.fill(seq), seq.draft_cache)
         elif d.draft_pool is not None and d.draft.capabilities.reads_target_rows:
             have, held = int(d.draft_pool.lengths[seq.row]), int(d.target_pool.lengths[seq.row])
