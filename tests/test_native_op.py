@@ -90,6 +90,40 @@ def test_a_query_computes_alike_in_every_call_shape(dim, dtype):
             assert np.array_equal(alone[0, 0], together[b, t]), (b, t)
 
 
+def subnormal_product() -> float:
+    """1e-30 x 1e-10 in float32 on this thread: a subnormal, or 0 where the thread flushes them."""
+    return float(np.float32(1e-30) * np.float32(1e-10))
+
+
+@pytest.mark.parametrize("dtype", [np.float32, np.float16])
+def test_a_query_computes_alike_whatever_float_mode_the_caller_is_in(dtype):
+    """Bitwise, where only subnormals carry a query's output (scores hundreds apart: every weight but the top one
+    clamped near 1e-38, and the top key's value zero): a call from a thread that flushes subnormals
+    (torch.set_flush_denormal, as a host process may) equals a call from one that does not. Each thread that attends
+    flushes them itself (the caller's queries and its helpers' alike), then puts the caller's mode back."""
+    torch = pytest.importorskip("torch")
+    rng = np.random.default_rng(11)
+    B, T, capacity, heads, dim = 2, 6, 5000, 2, 64
+    keys, values = (rng.standard_normal((B, heads, capacity, dim)).astype(dtype) for _ in range(2))
+    q = rng.standard_normal((B, T, heads * dim), dtype=np.float32) * 400.0
+    positions = np.array([[end - T + t for t in range(T)] for end in (4999, 3000)], dtype=np.int64)
+    for b, t, h in np.ndindex(B, T, heads):  # the top key's value zero: the output is the clamped weights' sum
+        scores = keys[b, h, :positions[b, t] + 1].astype(np.float32) @ q[b, t, h * dim:(h + 1) * dim]
+        values[b, h, scores.argmax()] = 0
+    native_op.set_threads(2)  # over 4096 keys: the caller takes one range of queries, a helper the other
+    assert subnormal_product() != 0.0
+    plain = attend(q, keys, values, positions)
+    assert subnormal_product() != 0.0  # the caller's mode put back
+    assert torch.set_flush_denormal(True)
+    try:
+        assert subnormal_product() == 0.0
+        flushing = attend(q, keys, values, positions)
+        assert subnormal_product() == 0.0
+    finally:
+        torch.set_flush_denormal(False)
+    assert np.array_equal(flushing, plain)
+
+
 @pytest.mark.skipif("avx2" not in native_op.runnable_variants(), reason="this CPU lacks AVX2: the avx2 variant not run")
 @pytest.mark.parametrize("dtype", [np.float32, np.float16])
 @pytest.mark.parametrize("dim,heads,kv_heads", [(64, 9, 3), (64, 8, 1), (128, 5, 5), (32, 14, 2), (16, 4, 4),
