@@ -28,7 +28,7 @@ from mirror_rt.models.default_model import cache_dir
 from mirror_rt.models.partials import partial_folder, sweep_partials
 
 SOURCES = ("pool_attention.cpp", "native_numbers.inc", "quantize_rows.inc", "pool_attention_ort.inc", "gguf_blocks.inc",
-           "gguf_matmul.inc", "gguf_avx2.inc", "gguf_vnni.inc", "gguf_amx.inc", "worker_pool.inc",
+           "gguf_matmul.inc", "gguf_avx2.inc", "gguf_vnni.inc", "gguf_lanes.inc", "gguf_amx.inc", "worker_pool.inc",
            "attention_avx2.inc")
 LIBRARY = "libmirror_rt_ops.so"
 DOMAIN = "mirror_rt"  # the op's ONNX domain

@@ -159,20 +159,21 @@ def test_every_tile_size_gives_the_portable_bits(variant, kind, k):
 
 @pytest.mark.parametrize("k", [768, 4096])
 @pytest.mark.parametrize("kind", AMX_TYPES, ids=lambda kind: kind.name)
-def test_amx_tiles_give_the_portable_bits_at_any_number_of_rows(kind, k):
-    """The AMX variant: below AMX_ROWS (9) the VNNI kernels, from it tiles of 16 activation rows (a
-    part tile past each multiple of 16) against 16 weight rows (37: a part tile): every row the portable bits, so a
-    row computes alike alone and in a batch of any size."""
-    if "avx512-amx" not in RUNNABLE:
-        lacks = sorted(set(native_op.VARIANTS["avx512-amx"][1]) - native_op.cpu_flags())
-        pytest.skip(f"this CPU lacks {', '.join(lacks) or 'x86'}: the AMX kernels not run here")
-    if not native_op.amx_tiles("avx512-amx"):  # a kernel before Linux 5.16, or a hypervisor that hides the state
+@pytest.mark.parametrize("variant", ["avx512-vnni", "avx512-amx"])
+def test_many_rows_give_the_portable_bits_at_any_number_of_rows(variant, kind, k):
+    """From 9 rows, the lane kernels (avx512-vnni: 16 activation rows a vector) or the AMX tiles (16 x 16), a part
+    tile past each multiple of 16, against 16 weight rows (37: a part tile); below 9 the 8-row VNNI kernels: every
+    row the portable bits, so a row computes alike alone and in a batch of any size."""
+    if variant not in RUNNABLE:
+        lacks = sorted(set(native_op.VARIANTS[variant][1]) - native_op.cpu_flags())
+        pytest.skip(f"this CPU lacks {', '.join(lacks) or 'x86'}: the {variant} kernels not run here")
+    if variant == "avx512-amx" and not native_op.amx_tiles(variant):  # a kernel before Linux 5.16, or a hypervisor
         pytest.skip("the OS refused AMX tiles (arch_prctl(ARCH_REQ_XCOMP_PERM)): the tiles not run here")
     w = weights(kind, 37, k, 8)
     x = activations(81, k, 9)
     reference = matmul("portable", x, w, kind, 37)
     for rows in (1, 2, 5, 7, 8, 9, 15, 16, 17, 32, 33, 64, 65, 81):
-        assert np.array_equal(matmul("avx512-amx", x[81 - rows:], w, kind, 37), reference[81 - rows:]), rows
+        assert np.array_equal(matmul(variant, x[81 - rows:], w, kind, 37), reference[81 - rows:]), rows
 
 
 def test_only_amx_variants_use_tiles():
