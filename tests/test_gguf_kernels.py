@@ -159,11 +159,11 @@ def test_every_tile_size_gives_the_portable_bits(variant, kind, k):
 
 @pytest.mark.parametrize("k", [768, 4096])
 @pytest.mark.parametrize("kind", AMX_TYPES, ids=lambda kind: kind.name)
-@pytest.mark.parametrize("variant", ["avx512-vnni", "avx512-amx"])
+@pytest.mark.parametrize("variant", ["avx2", "avx512-vnni", "avx512-amx"])
 def test_many_rows_give_the_portable_bits_at_any_number_of_rows(variant, kind, k):
-    """From 9 rows, the lane kernels (avx512-vnni: 16 activation rows a vector) or the AMX tiles (16 x 16), a part
-    tile past each multiple of 16, against 16 weight rows (37: a part tile); below 9 the 8-row VNNI kernels: every
-    row the portable bits, so a row computes alike alone and in a batch of any size."""
+    """From 12 rows, the lane kernels (avx2: 8 activation rows a vector, avx512-vnni: 16), from 9 the AMX tiles (16 x
+    16), a part tile past each multiple of 8 or 16, against 16 weight rows (37: a part tile); below, the 8-row
+    kernels: every row the portable bits, so a row computes alike alone and in a batch of any size."""
     if variant not in RUNNABLE:
         lacks = sorted(set(native_op.VARIANTS[variant][1]) - native_op.cpu_flags())
         pytest.skip(f"this CPU lacks {', '.join(lacks) or 'x86'}: the {variant} kernels not run here")
