@@ -28,8 +28,8 @@ from mirror_rt.models.default_model import cache_dir
 from mirror_rt.models.partials import partial_folder, sweep_partials
 
 SOURCES = ("pool_attention.cpp", "native_numbers.inc", "quantize_rows.inc", "pool_attention_ort.inc", "gguf_blocks.inc",
-           "gguf_matmul.inc", "gguf_avx2.inc", "gguf_vnni.inc", "gguf_lanes.inc", "gguf_amx.inc", "worker_pool.inc",
-           "attention_avx2.inc")
+           "gguf_matmul.inc", "gguf_avx2.inc", "gguf_vnni.inc", "gguf_lanes.inc", "gguf_amx.inc", "gguf_rows16.inc",
+           "worker_pool.inc", "attention_avx2.inc")
 LIBRARY = "libmirror_rt_ops.so"
 DOMAIN = "mirror_rt"  # the op's ONNX domain
 OP = "PoolAttention"
@@ -256,6 +256,22 @@ def gguf_matmul(threads: int, path: str | os.PathLike | None = None, variant: st
     lib.mirror_rt_gguf_matmul.argtypes = [ctypes.c_void_p] * 3 + [ctypes.c_int64] * 3 + [ctypes.c_int]
     lib.mirror_rt_ops_threads(int(threads))
     return lib.mirror_rt_gguf_matmul
+
+
+def gguf_prepared(threads: int, path: str | os.PathLike | None = None, variant: str | None = None):
+    """The library's MatMulGGUF over weights repacked once (what its ONNX Runtime op does with a bundle's weights):
+    (prepare, product, release) as C functions: prepare(w, k, n, type) -> a handle, or None where the variant reads
+    such weights as they lie; product(handle, x, w, y, rows, k, n, type) -> 0, the same bits as `gguf_matmul`'s;
+    release(handle)."""
+    import ctypes
+
+    lib = ctypes.CDLL(str(path or library(variant=variant)))
+    lib.mirror_rt_gguf_prepare.argtypes = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64, ctypes.c_int]
+    lib.mirror_rt_gguf_prepare.restype = ctypes.c_void_p
+    lib.mirror_rt_gguf_matmul_prepared.argtypes = [ctypes.c_void_p] * 4 + [ctypes.c_int64] * 3 + [ctypes.c_int]
+    lib.mirror_rt_gguf_release.argtypes = [ctypes.c_void_p]
+    lib.mirror_rt_ops_threads(int(threads))
+    return lib.mirror_rt_gguf_prepare, lib.mirror_rt_gguf_matmul_prepared, lib.mirror_rt_gguf_release
 
 
 def register(options, threads: int | None = None) -> None:

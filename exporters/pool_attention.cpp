@@ -15,11 +15,19 @@
 #include <cmath>
 #ifdef __linux__
 #include <sched.h>
+#include <sys/mman.h>
+#include <unistd.h>
 #endif
 #include <cstdint>
 #include <cstring>
 #include <algorithm>
+#include <array>
 #include <atomic>
+#include <cstdio>
+#include <cstdlib>
+#include <map>
+#include <memory>
+#include <optional>
 #include <condition_variable>
 #include <functional>
 #include <mutex>

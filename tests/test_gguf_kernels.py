@@ -176,6 +176,37 @@ def test_many_rows_give_the_portable_bits_at_any_number_of_rows(variant, kind, k
         assert np.array_equal(matmul(variant, x[81 - rows:], w, kind, 37), reference[81 - rows:]), rows
 
 
+@functools.cache
+def prepared_kernel(variant: str):
+    return native_op.gguf_prepared(4, variant=variant)
+
+
+@pytest.mark.parametrize("k", [768, 4096])
+@pytest.mark.parametrize("kind", BLOCK_TYPES, ids=lambda kind: kind.name)
+@pytest.mark.parametrize("variant", VARIANTS)
+def test_weights_repacked_once_give_the_portable_bits_at_any_number_of_rows(variant, kind, k):
+    """What the ONNX Runtime op multiplies by: the weights repacked once (avx512-vnni: Q4_K in blocks of 16 weight
+    rows, the rows in lanes), else as they lie: every row the portable bits (Q8_0, Q4_0, Q4_1 on AVX-512: within
+    TOLERANCE), 37 weight rows (a part block of 16), rows 1-81."""
+    prepare, product, release = prepared_kernel(variant)
+    w = weights(kind, 37, k, 10)
+    x = activations(81, k, 11)
+    reference = matmul("portable", x, w, kind, 37)
+    handle = prepare(w.ctypes.data, k, 37, int(kind))
+    assert (handle is not None) == (variant == "avx512-vnni" and kind == T.Q4_K)
+    try:
+        for rows in (1, 2, 5, 8, 9, 16, 17, 33, 81):
+            y = np.full((rows, 37), np.nan, dtype=np.float32)
+            xs = np.ascontiguousarray(x[81 - rows:])
+            assert product(handle, xs.ctypes.data, w.ctypes.data, y.ctypes.data, rows, k, 37, int(kind)) == 0
+            if portable_bits(variant, kind):
+                assert np.array_equal(y, reference[81 - rows:]), rows
+            else:
+                assert np.abs(y - reference[81 - rows:]).max() <= TOLERANCE * np.abs(reference).max(), rows
+    finally:
+        release(handle)
+
+
 def test_only_amx_variants_use_tiles():
     for variant in RUNNABLE:
         if variant != "avx512-amx":
