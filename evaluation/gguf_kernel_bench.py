@@ -5,7 +5,8 @@ beside the floors this CPU sets (a benchmark, not a test: run it under the bench
 
 The weights are random blocks with sane scales (a block's speed does not depend on its values), the activations random
 floats; the library is the native ops' build for this CPU (exporters.native_op, MIRROR_RT_CPU_VARIANT forces a
-variant), or each --library given (another tree's build: side by side, each shape and row count in turn). Floors per
+variant), or each --library given (another tree's build: side by side, each shape and row count in turn), each
+over the weights as its ONNX Runtime op multiplies by them (repacked once where the library repacks them). Floors per
 call: `stream` = the weight bytes at --gbps (what memory gives one pass over them); `compute` = 1 cycle per 32 weight
 values per row per core (two multiply-pipe ops, maddubs and madd, on the two multiply pipes of a Zen 3 / Skylake core)
 at --ghz over --threads cores.
@@ -33,6 +34,34 @@ def random_blocks(kind: int, n: int, k: int, rng: np.random.Generator) -> np.nda
     return np.ascontiguousarray(w.reshape(n, -1))
 
 
+class LibraryProduct:
+    """A library's product as its ONNX Runtime op runs it: over the weights repacked once (`prepare`, the first call
+    with them), where the library repacks them; a library without that entry multiplies the weights as they lie."""
+
+    def __init__(self, threads: int, path: str | None):
+        from mirror_rt.exporters import native_op
+
+        try:
+            self.prepare, self.product, self.release = native_op.gguf_prepared(threads, path)
+        except AttributeError:  # a build from before repacking
+            self.prepare, self.product, self.release = None, native_op.gguf_matmul(threads, path), None
+        self.handles: dict[int, int | None] = {}
+
+    def __call__(self, x: int, w: int, y: int, rows: int, k: int, n: int, kind: int) -> int:
+        if self.prepare is None:
+            return self.product(x, w, y, rows, k, n, kind)
+        if w not in self.handles:
+            self.handles[w] = self.prepare(w, k, n, kind)
+        return self.product(self.handles[w], x, w, y, rows, k, n, kind)
+
+    def forget(self) -> None:
+        """Release the repackings made (call before the weights they were made of go)."""
+        for handle in self.handles.values():
+            if handle is not None:
+                self.release(handle)
+        self.handles.clear()
+
+
 def best_ms(matmul, x: np.ndarray, w: np.ndarray, y: np.ndarray, kind: int, repeats: int) -> float:
     rows, k = x.shape
     best = float("inf")
@@ -56,7 +85,7 @@ def main(argv: list[str] | None = None) -> None:
     from mirror_rt.exporters import native_op
 
     paths = args.library or [None]
-    kernels = [native_op.gguf_matmul(args.threads, path) for path in paths]
+    kernels = [LibraryProduct(args.threads, path) for path in paths]
     names = [path.split("/")[-2] if path else native_op.chosen_variant() for path in paths]
     rng = np.random.default_rng(0)
     print(f"{args.threads} threads; ms per call, best of {args.repeats} (floors: stream at {args.gbps} GB/s, "
@@ -71,6 +100,8 @@ def main(argv: list[str] | None = None) -> None:
             y = np.empty((rows, n), dtype=np.float32)
             for library, matmul in zip(names, kernels):
                 cells[library, rows] = best_ms(matmul, x, w, y, kind, args.repeats)
+        for matmul in kernels:
+            matmul.forget()
         stream = w.nbytes / args.gbps / 1e6
         compute = k * n / 32 / args.threads / args.ghz / 1e6
         for library in names:

@@ -185,15 +185,15 @@ def prepared_kernel(variant: str):
 @pytest.mark.parametrize("kind", BLOCK_TYPES, ids=lambda kind: kind.name)
 @pytest.mark.parametrize("variant", VARIANTS)
 def test_weights_repacked_once_give_the_portable_bits_at_any_number_of_rows(variant, kind, k):
-    """What the ONNX Runtime op multiplies by: the weights repacked once (avx512-vnni: Q4_K in blocks of 16 weight
-    rows, the rows in lanes), else as they lie: every row the portable bits (Q8_0, Q4_0, Q4_1 on AVX-512: within
-    TOLERANCE), 37 weight rows (a part block of 16), rows 1-81."""
+    """What the ONNX Runtime op multiplies by: the weights repacked once (the AVX-512 variants: Q4_K and Q6_K in
+    blocks of 16 weight rows, the rows in lanes; on AMX tiles from 16 or 32 rows), else as they lie: every row the
+    portable bits (Q8_0, Q4_0, Q4_1 on AVX-512: within TOLERANCE), 37 weight rows (a part block of 16), rows 1-81."""
     prepare, product, release = prepared_kernel(variant)
     w = weights(kind, 37, k, 10)
     x = activations(81, k, 11)
     reference = matmul("portable", x, w, kind, 37)
     handle = prepare(w.ctypes.data, k, 37, int(kind))
-    assert (handle is not None) == (variant == "avx512-vnni" and kind == T.Q4_K)
+    assert (handle is not None) == (variant.startswith("avx512") and kind in (T.Q4_K, T.Q6_K))
     try:
         for rows in (1, 2, 5, 8, 9, 16, 17, 33, 81):
             y = np.full((rows, 37), np.nan, dtype=np.float32)
