@@ -259,3 +259,64 @@ def test_the_first_build_says_so_in_one_line(monkeypatch, tmp_path, capfd):
     assert capfd.readouterr().err == "compiling mirror-rt's CPU kernels (portable), ~1 min, once\n"
     native_op.library(tmp_path, variant="portable")  # built: nothing said
     assert capfd.readouterr().err == ""
+
+
+def _gguf_session(weights_file, type_: int, k: int, n: int, row_bytes: int):
+    """An ONNX Runtime session of one MatMulGGUF over `weights_file` (external data: mapped, as a bundle's)."""
+    import onnx
+    import onnxruntime as ort
+    from onnx import TensorProto, helper
+
+    w = TensorProto(name="w", data_type=TensorProto.UINT8, dims=[n, row_bytes], data_location=TensorProto.EXTERNAL)
+    for key, value in (("location", weights_file.name), ("offset", "0"), ("length", str(n * row_bytes))):
+        w.external_data.add(key=key, value=value)
+    node = helper.make_node("MatMulGGUF", ["x", "w"], ["y"], domain="mirror_rt", type=type_, k=k)
+    graph = helper.make_graph([node], "g", [helper.make_tensor_value_info("x", TensorProto.FLOAT, [None, k])],
+                              [helper.make_tensor_value_info("y", TensorProto.FLOAT, [None, n])], initializer=[w])
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17), helper.make_opsetid("mirror_rt", 1)])
+    path = weights_file.with_suffix(".onnx")
+    onnx.save(model, str(path))
+    options = ort.SessionOptions()
+    native_op.register(options, threads=2)
+    return ort.InferenceSession(str(path), options, providers=["CPUExecutionProvider"])
+
+
+def _resident_bytes(name: str) -> int:
+    """This process's resident bytes of the mappings of a file called `name` (/proc/self/smaps)."""
+    total, inside = 0, False
+    with open("/proc/self/smaps") as maps:
+        for line in maps:
+            fields = line.split()
+            if "-" in fields[0] and len(fields) >= 5 and ":" in fields[3]:
+                inside = len(fields) >= 6 and fields[5].endswith(name)
+            elif inside and fields[0] == "Rss:":
+                total += int(fields[1]) * 1024
+    return total
+
+
+@pytest.mark.skipif(not __import__("sys").platform.startswith("linux"), reason="reads /proc/self/smaps")
+@pytest.mark.parametrize("kind", ["Q4_K", "Q6_K"])
+def test_a_session_multiplies_by_weights_repacked_once_and_holds_them_once(kind, tmp_path):
+    """Through ONNX Runtime, a GGUF matrix in a mapped file: every number of rows gives the portable kernels' bits,
+    and where this CPU's variant repacks the weights (AVX-512), the file's pages are released once repacked (the
+    products read the repacking), and a second session over the same file computes alike."""
+    from gguf import GGMLQuantizationType as T
+    from test_gguf_kernels import activations, matmul, weights
+
+    type_ = getattr(T, kind)
+    k, n = 1024, 2048
+    w = weights(type_, n, k, 12)
+    weights_file = tmp_path / "weights.bin"
+    weights_file.write_bytes(w.tobytes())
+    x = activations(33, k, 13)
+    reference = matmul("portable", x, w, type_, n)
+    sessions = [_gguf_session(weights_file, int(type_), k, n, w.shape[1]) for _ in range(2)]
+    for session in sessions:
+        for rows in (1, 5, 8, 17, 33):
+            assert np.array_equal(session.run(None, {"x": x[:rows]})[0], reference[:rows]), rows
+    repacks = native_op.chosen_variant().startswith("avx512")
+    resident = _resident_bytes("weights.bin")
+    if repacks:
+        assert resident < w.nbytes // 10, resident
+    else:
+        assert resident >= w.nbytes // 2, resident  # read as it lies: the products keep its pages
