@@ -132,6 +132,10 @@ def _load_onnxruntime(paths, manifest, config, spec: DeviceSpec, budget: WorkerB
     more_cores = len(budget.wide_cpus or ()) > (budget.threads or 0)
     wide = budget.wide_cpus if spec.device == "cpu" and more_cores else None
     if len(paths) == 1:  # a draft: its wide session (spread steps) where a second copy fits
+        if spec.device == "cpu" and manifest.graph("draft").precision == "q4_1":
+            from mirror_rt.devices.onnxruntime.session import gguf_draft
+
+            paths = [gguf_draft(Path(paths[0]))]
         wide = wide if wide and _second_copy_fits(paths, loading=paths) else None
         wide_graph = in_background(_wide_graphs, paths, kv_shape, wide) if wide else lambda: [None]
         graph = ORTGraph(paths[0], spec.device, kv_shape, budget.threads)

@@ -246,6 +246,17 @@ def amx_tiles(variant: str | None = None) -> bool:
     return bool(ctypes.CDLL(str(library(variant=variant))).mirror_rt_gguf_amx())
 
 
+def repacks(kind: int, variant: str | None = None) -> bool:
+    """Whether `variant`'s build (else this CPU's) multiplies GGUF `kind` weights repacked once into blocks of 16
+    weight rows (the AVX-512 variants: Q4_0, Q4_1, Q8_0, Q4_K, Q6_K); False where no library builds here."""
+    import ctypes
+
+    try:
+        return bool(ctypes.CDLL(str(library(variant=variant))).mirror_rt_gguf_repacks(int(kind)))
+    except NativeOpUnavailable:
+        return False
+
+
 def gguf_matmul(threads: int, path: str | os.PathLike | None = None, variant: str | None = None):
     """The library's MatMulGGUF product as a C function (the library at `path`, else `variant`'s build, else this
     CPU's), its calls allowed `threads` threads: f(x, w, y, rows, k, n, type) -> 0, over the addresses of float32

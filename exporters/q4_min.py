@@ -77,6 +77,75 @@ def pad_4bit_rows(model):
     return model
 
 
+def as_gguf_q4_1(model) -> int:
+    """Each 4-bit product with a minimum that `quantize_q4_min` wrote (MatMulNBits `<name>.nbits`, the block sums'
+    product `<name>.shift`, their sum `<name>.add`) as one mirror-rt MatMulGGUF over the same weights as GGUF Q4_1
+    blocks (halves d and m = correction - 8 d, then the levels 0..15 in llama.cpp's order), the block sums' nodes
+    dropped once nothing reads them; in place, returns how many. MatMulGGUF quantizes the activations per block of
+    32 as MatMulNBits' accuracy level 4 does; d and m round to halves (exact where the weights were Q4_1 blocks)."""
+    from onnx import helper, numpy_helper
+
+    from mirror_rt.exporters.native_op import DOMAIN
+
+    graph = model.graph
+    weights = {t.name: t for t in graph.initializer}
+    by_name = {node.name: node for node in graph.node}
+    nodes, dropped, used, blocks = [], set(), set(), []
+    for node in graph.node:
+        name = node.name[:-len(".nbits")]
+        attrs = {a.name: helper.get_attribute_value(a) for a in node.attribute}
+        if (node.op_type != "MatMulNBits" or not node.name.endswith(".nbits") or attrs.get("bits") != 4
+                or f"{name}.add" not in by_name or f"{name}.min" not in weights):
+            nodes.append(node)
+            continue
+        k, n = attrs["K"], attrs["N"]
+        packed = numpy_helper.to_array(weights[f"{name}.q4"]).reshape(n, k // BLOCK, BLOCK // 2)
+        d = numpy_helper.to_array(weights[f"{name}.scales"]).reshape(n, k // BLOCK)
+        minimum = numpy_helper.to_array(weights[f"{name}.min"]).T - 8 * d  # correction = m + 8 d
+        blocks.append(numpy_helper.from_array(q4_1_blocks(packed, d, minimum), f"{name}.q4_1"))
+        nodes.append(helper.make_node("MatMulGGUF", [node.input[0], f"{name}.q4_1"], [by_name[f"{name}.add"].output[0]],
+                                      name=f"{name}.gguf", domain=DOMAIN, type=Q4_1_TYPE, k=k))
+        dropped |= {node.name, f"{name}.shift", f"{name}.add"}
+        used |= {f"{name}.q4", f"{name}.scales", f"{name}.min"}
+    if not blocks:
+        return 0
+    nodes = _live([node for node in nodes if node.name not in dropped], {o.name for o in graph.output})
+    model = replace_nodes(model, nodes, used)
+    read = {name for node in nodes for name in node.input}
+    kept = [t for t in graph.initializer if t.name in read]
+    del graph.initializer[:]
+    graph.initializer.extend(kept + blocks)
+    if not any(o.domain == DOMAIN for o in model.opset_import):
+        model.opset_import.append(helper.make_opsetid(DOMAIN, 1))
+    return len(blocks)
+
+
+Q4_1_TYPE = 3  # GGML's type number of Q4_1 blocks (MatMulGGUF's `type`)
+
+
+def q4_1_blocks(packed: np.ndarray, d: np.ndarray, minimum: np.ndarray) -> np.ndarray:
+    """MatMulNBits' 4-bit rows (packed [N, K/32, 16]: byte j holds levels 2j, 2j + 1 low nibble first) with their
+    scales d and minimums [N, K/32] as GGUF Q4_1 rows [N, K/32 * 20]: d, m as halves, byte i the levels i and 16 + i."""
+    n, blocks, _ = packed.shape
+    levels = np.empty((n, blocks, BLOCK), dtype=np.uint8)
+    levels[..., 0::2], levels[..., 1::2] = packed & 15, packed >> 4
+    out = np.empty((n, blocks, 20), dtype=np.uint8)
+    out[..., 0:2] = d.astype(np.float16).view(np.uint8).reshape(n, blocks, 2)
+    out[..., 2:4] = minimum.astype(np.float16).view(np.uint8).reshape(n, blocks, 2)
+    out[..., 4:] = levels[..., :16] | (levels[..., 16:] << 4)
+    return out.reshape(n, blocks * 20)
+
+
+def _live(nodes: list, outputs: set) -> list:
+    """`nodes` without those whose outputs nothing reads (a graph output or another node's input), repeatedly."""
+    while True:
+        read = {name for node in nodes for name in node.input} | outputs
+        live = [node for node in nodes if any(name in read for name in node.output)]
+        if len(live) == len(nodes):
+            return live
+        nodes = live
+
+
 def replace_nodes(model, nodes: list, used: set):
     """`model` with its graph's nodes replaced by `nodes`, the initializers named in `used` dropped (their
     quantized forms replace them) and the com.microsoft opset declared."""

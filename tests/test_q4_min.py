@@ -110,3 +110,85 @@ def test_row_invariant_products_compute_a_row_alike_in_any_call_shape(rank):
         assert np.array_equal(alone.reshape(-1), together[index]) and np.array_equal(alone2.reshape(-1),
                                                                                       together2[index])
     np.testing.assert_allclose(together, x @ w, atol=3e-2 * np.abs(x @ w).max(), rtol=0)
+
+
+def gguf_q4_1_rows(w: np.ndarray) -> np.ndarray:
+    """`q4_1_weights` as a GGUF file stores them: rows [N, K/32 * 20] of Q4_1 blocks (gguf-py's quantizer)."""
+    from gguf import GGMLQuantizationType
+    from gguf.quants import quantize
+
+    return quantize(np.ascontiguousarray(w.T), GGMLQuantizationType.Q4_1)
+
+
+@needs_ort
+@pytest.mark.parametrize("rank", [2, 3])
+def test_q4_1_products_rewritten_onto_matmul_gguf_read_the_files_blocks_and_compute_alike(rank):
+    """A q4_1 graph's products (MatMulNBits, block sums, sum) become one MatMulGGUF each over GGUF Q4_1 blocks: the
+    very bytes a GGUF file holds for those weights, and the product MatMulNBits computes (both int8 activations per
+    block of 32, rounded their own ways)."""
+    import onnxruntime as ort
+
+    from mirror_rt.exporters import native_op
+    from mirror_rt.exporters.q4_min import Q4_1_TYPE, as_gguf_q4_1
+
+    if not native_op.available():
+        pytest.skip("mirror-rt's ops cannot be built here (no C++ compiler)")
+    w = q4_1_weights(64, 48, seed=6)
+    model = quantize_q4_min(_matmul_model(w, rank), exclude=[], accuracy_level=4)
+    session = ort.InferenceSession(model.SerializeToString(), providers=["CPUExecutionProvider"])
+    assert as_gguf_q4_1(model) == 2
+    assert sorted(n.op_type for n in model.graph.node) == ["MatMulGGUF", "MatMulGGUF"]  # block sums dropped
+    blocks = {t.name: t for t in model.graph.initializer}["proj.q4_1"]
+    from onnx import numpy_helper
+
+    assert np.array_equal(numpy_helper.to_array(blocks), gguf_q4_1_rows(w))
+    assert {n.name: {a.name: a.i for a in n.attribute} for n in model.graph.node}["proj.gguf"] == {
+        "type": Q4_1_TYPE, "k": 64}
+    options = ort.SessionOptions()
+    native_op.register(options)
+    rewritten = ort.InferenceSession(model.SerializeToString(), options, providers=["CPUExecutionProvider"])
+    x = np.random.default_rng(7).standard_normal((5, 64)).astype(np.float32)
+    x = x if rank == 2 else np.stack([x, x[::-1]])
+    scale = np.abs(x @ w).max()
+    for before, after, exact in zip(session.run(None, {"x": x}), rewritten.run(None, {"x": x}), (x @ w, x @ w[:, :8])):
+        np.testing.assert_allclose(after, exact, atol=3e-2 * scale, rtol=0)
+        np.testing.assert_allclose(after, before, atol=2e-2 * scale, rtol=0)
+
+
+def test_a_graph_without_q4_1_products_is_left_alone():
+    from mirror_rt.exporters.q4_min import as_gguf_q4_1
+
+    model = _matmul_model(q4_1_weights(64, 48), 2)
+    nodes = [n.SerializeToString() for n in model.graph.node]
+    assert as_gguf_q4_1(model) == 0 and [n.SerializeToString() for n in model.graph.node] == nodes
+
+
+@needs_ort
+def test_a_cpu_draft_runs_its_q4_1_products_rewritten_once_where_the_kernels_repack_q4_1(tmp_path, monkeypatch):
+    """devices: the rewritten graph is written once into the bundle's .cache (weights in weights.bin, mapped where
+    they lie), found again by the next load, and the exported graph is kept where the kernels do not repack Q4_1."""
+    import onnx
+
+    from mirror_rt.devices.onnxruntime import session as ort_session
+    from mirror_rt.exporters import native_op
+
+    if not native_op.available():
+        pytest.skip("mirror-rt's ops cannot be built here (no C++ compiler)")
+    w = q4_1_weights(64, 48, seed=8)
+    path = tmp_path / "draft.onnx"
+    onnx.save(quantize_q4_min(_matmul_model(w, 2), exclude=[], accuracy_level=4), str(path))
+    monkeypatch.setattr(native_op, "repacks", lambda kind, variant=None: False)
+    assert ort_session.gguf_draft(path) == path
+    monkeypatch.setattr(native_op, "repacks", lambda kind, variant=None: kind == 3)
+    rewritten = ort_session.gguf_draft(path)
+    assert rewritten.parent.parent == tmp_path / ".cache" / "gguf" and (rewritten.parent / "weights.bin").is_file()
+    assert [n.op_type for n in onnx.load(str(rewritten), load_external_data=False).graph.node] == ["MatMulGGUF"] * 2
+    made = rewritten.stat().st_mtime_ns
+    assert ort_session.gguf_draft(path) == rewritten and rewritten.stat().st_mtime_ns == made
+    import onnxruntime as ort
+
+    options = ort.SessionOptions()
+    native_op.register(options)
+    x = np.random.default_rng(9).standard_normal((3, 64)).astype(np.float32)
+    y, _ = ort.InferenceSession(str(rewritten), options, providers=["CPUExecutionProvider"]).run(None, {"x": x})
+    np.testing.assert_allclose(y, x @ w, atol=3e-2 * np.abs(x @ w).max(), rtol=0)
