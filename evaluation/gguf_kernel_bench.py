@@ -19,13 +19,15 @@ import time
 
 import numpy as np
 
-# (name, type, k, n): Qwen2-7B's products (q and o 3584x3584, gate and up 3584 -> 18944, down 18944 -> 3584), then
-# a Qwen2-0.5B-shaped draft's (gate 896 -> 4864, its head 896 -> 152064) in q4_0 (a draft's export), Q4_1 and Q8_0
+# (name, type, k, n): Qwen2-7B's products (q and o 3584x3584, gate and up 3584 -> 18944, down 18944 -> 3584; gate/up
+# as a Q5_K_M file holds them too), then a Qwen2-0.5B-shaped draft's (gate 896 -> 4864, its head 896 -> 152064) in
+# q4_0 (a draft's export), Q4_1 and Q8_0
 SHAPES = (("q/o Q4_K", 12, 3584, 3584), ("gate/up Q4_K", 12, 3584, 18944), ("down Q4_K", 12, 18944, 3584),
-          ("down Q6_K", 14, 18944, 3584), ("0.5B gate Q4_0", 2, 896, 4864), ("0.5B head Q4_0", 2, 896, 152064),
-          ("0.5B gate Q4_1", 3, 896, 4864), ("0.5B gate Q8_0", 8, 896, 4864))
+          ("down Q6_K", 14, 18944, 3584), ("gate/up Q5_K", 13, 3584, 18944), ("0.5B gate Q4_0", 2, 896, 4864),
+          ("0.5B head Q4_0", 2, 896, 152064), ("0.5B gate Q4_1", 3, 896, 4864), ("0.5B gate Q8_0", 8, 896, 4864))
 # values, bytes, offsets of the block's half scales (Q4_1: d and m)
-BLOCKS = {2: (32, 18, (0,)), 3: (32, 20, (0, 2)), 8: (32, 34, (0,)), 12: (256, 144, (0, 2)), 14: (256, 210, (208,))}
+BLOCKS = {2: (32, 18, (0,)), 3: (32, 20, (0, 2)), 8: (32, 34, (0,)), 12: (256, 144, (0, 2)), 13: (256, 176, (0, 2)),
+          14: (256, 210, (208,))}
 
 
 def random_blocks(kind: int, n: int, k: int, rng: np.random.Generator) -> np.ndarray:

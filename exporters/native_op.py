@@ -248,7 +248,7 @@ def amx_tiles(variant: str | None = None) -> bool:
 
 def repacks(kind: int, variant: str | None = None) -> bool:
     """Whether `variant`'s build (else this CPU's) multiplies GGUF `kind` weights repacked once into blocks of 16
-    weight rows (the AVX-512 variants: Q4_0, Q4_1, Q8_0, Q4_K, Q6_K); False where no library builds here."""
+    weight rows (the AVX-512 variants: Q4_0, Q4_1, Q8_0, Q4_K, Q5_K, Q6_K); False where no library builds here."""
     import ctypes
 
     try:

@@ -27,7 +27,7 @@ RUNNABLE = native_op.runnable_variants()
 SAME_BITS_AS_PORTABLE = ("portable", "avx2")  # the AVX-512 VNNI kernels: within TOLERANCE
 TOLERANCE = 1e-5  # of the largest |output|: float sums in other lanes
 AMX_TYPES = (T.Q4_K, T.Q6_K)  # the AMX variant's tile products; these, in every variant: the portable bits
-REPACKED_TYPES = (T.Q4_0, T.Q4_1, T.Q8_0, T.Q4_K, T.Q6_K)  # repacked once in the AVX-512 variants: the portable bits
+REPACKED_TYPES = (T.Q4_0, T.Q4_1, T.Q8_0, T.Q4_K, T.Q5_K, T.Q6_K)  # repacked (AVX-512 variants): portable bits
 
 
 def portable_bits(variant: str, kind) -> bool:
@@ -186,10 +186,10 @@ def prepared_kernel(variant: str):
 @pytest.mark.parametrize("kind", BLOCK_TYPES, ids=lambda kind: kind.name)
 @pytest.mark.parametrize("variant", VARIANTS)
 def test_weights_repacked_once_give_the_portable_bits_at_any_number_of_rows(variant, kind, k):
-    """What the ONNX Runtime op multiplies by: the weights repacked once (the AVX-512 variants: Q4_K, Q6_K, Q4_0, Q4_1
-    and Q8_0 in blocks of 16 weight rows, the rows in lanes; Q4_K and Q6_K on AMX tiles from 16 or 32 rows), else as
-    they lie: every row the portable bits (Q5_0, Q5_1: the portable kernels themselves), 37 weight rows (a part block
-    of 16), rows 1-81; the 32-value types also at k - 128 (k 640: 20 blocks; 3968: not a multiple of 256)."""
+    """What the ONNX Runtime op multiplies by: the weights repacked once (the AVX-512 variants: Q4_K, Q5_K, Q6_K, Q4_0,
+    Q4_1 and Q8_0 in blocks of 16 weight rows, the rows in lanes; Q4_K and Q6_K on AMX tiles from 16 or 32 rows), else
+    as they lie: every row the portable bits (Q5_0, Q5_1: the portable kernels themselves), 37 weight rows (a part
+    block of 16), rows 1-81; the 32-value types also at k - 128 (k 640: 20 blocks; 3968: not a multiple of 256)."""
     prepare, product, release = prepared_kernel(variant)
     for width in (k, k - 128) if kind not in (T.Q4_K, T.Q5_K, T.Q6_K) else (k,):
         w = weights(kind, 37, width, 10)

@@ -295,7 +295,7 @@ def _resident_bytes(name: str) -> int:
 
 
 @pytest.mark.skipif(not __import__("sys").platform.startswith("linux"), reason="reads /proc/self/smaps")
-@pytest.mark.parametrize("kind", ["Q4_K", "Q6_K", "Q4_0", "Q4_1", "Q8_0"])
+@pytest.mark.parametrize("kind", ["Q4_K", "Q5_K", "Q6_K", "Q4_0", "Q4_1", "Q8_0"])
 def test_a_session_multiplies_by_weights_repacked_once_and_holds_them_once(kind, tmp_path):
     """Through ONNX Runtime, a GGUF matrix in a mapped file: every number of rows gives the portable kernels' bits,
     and where this CPU's variant repacks the weights (AVX-512), the file's pages are released once repacked (the
