@@ -90,7 +90,7 @@ def as_gguf_q4_1(model) -> int:
     graph = model.graph
     weights = {t.name: t for t in graph.initializer}
     by_name = {node.name: node for node in graph.node}
-    nodes, dropped, used, blocks = [], set(), set(), []
+    nodes, dropped, blocks = [], set(), []
     for node in graph.node:
         name = node.name[:-len(".nbits")]
         attrs = {a.name: helper.get_attribute_value(a) for a in node.attribute}
@@ -106,12 +106,12 @@ def as_gguf_q4_1(model) -> int:
         nodes.append(helper.make_node("MatMulGGUF", [node.input[0], f"{name}.q4_1"], [by_name[f"{name}.add"].output[0]],
                                       name=f"{name}.gguf", domain=DOMAIN, type=Q4_1_TYPE, k=k))
         dropped |= {node.name, f"{name}.shift", f"{name}.add"}
-        used |= {f"{name}.q4", f"{name}.scales", f"{name}.min"}
     if not blocks:
         return 0
     nodes = _live([node for node in nodes if node.name not in dropped], {o.name for o in graph.output})
-    model = replace_nodes(model, nodes, used)
-    read = {name for node in nodes for name in node.input}
+    del graph.node[:]
+    graph.node.extend(nodes)
+    read = {name for node in nodes for name in node.input}  # the MatMulNBits' weights and the block sums' go
     kept = [t for t in graph.initializer if t.name in read]
     del graph.initializer[:]
     graph.initializer.extend(kept + blocks)
