@@ -163,6 +163,64 @@ def test_a_graph_without_q4_1_products_is_left_alone():
     assert as_gguf_q4_1(model) == 0 and [n.SerializeToString() for n in model.graph.node] == nodes
 
 
+def q8_head_model(k: int, n: int, seed: int = 0):
+    """A q4_1 bundle's head as its exporter writes it: MatMulNBits, 8 bits, blocks of 32, no zero points (w = scale
+    (q - 128)), scales halves as a Q8_0 GGUF keeps them, each block reaching +-127 (so gguf-py finds the same scale);
+    -> (model, w [K, N])."""
+    from onnx import TensorProto, helper, numpy_helper
+
+    rng = np.random.default_rng(seed)
+    levels = rng.integers(-127, 128, (n, k // BLOCK, BLOCK))
+    levels[..., 0] = np.where(rng.random((n, k // BLOCK)) < 0.5, -127, 127)
+    scales = rng.uniform(0.001, 0.02, (n, k // BLOCK)).astype(np.float16).astype(np.float32)
+    node = helper.make_node("MatMulNBits", ["x", "head.q8", "head.scales"], ["logits"], name="head",
+                            domain="com.microsoft", K=k, N=n, bits=8, block_size=BLOCK, accuracy_level=4)
+    graph = helper.make_graph([node], "g", [helper.make_tensor_value_info("x", TensorProto.FLOAT, [None, k])],
+                              [helper.make_tensor_value_info("logits", TensorProto.FLOAT, None)],
+                              [numpy_helper.from_array((levels + 128).astype(np.uint8), "head.q8"),
+                               numpy_helper.from_array(scales, "head.scales")])
+    opsets = [helper.make_opsetid("", 17), helper.make_opsetid("com.microsoft", 1)]
+    model = helper.make_model(graph, opset_imports=opsets)
+    model.ir_version = 8
+    return model, (scales[..., None] * levels).reshape(n, k).T.astype(np.float32)
+
+
+@needs_ort
+def test_an_8_bit_head_rewritten_onto_matmul_gguf_reads_q8_0_blocks_and_computes_alike():
+    """A q4_1 draft's 8-bit head (MatMulNBits, zero point 128) becomes a MatMulGGUF over GGUF Q8_0 blocks: the very
+    bytes gguf-py's quantizer writes for those weights, and the product MatMulNBits computes (both int8 activations per
+    block of 32, rounded their own ways); a 4-bit product is not its business."""
+    import onnxruntime as ort
+    from gguf import GGMLQuantizationType
+    from gguf.quants import quantize
+    from onnx import numpy_helper
+
+    from mirror_rt.exporters import native_op
+    from mirror_rt.exporters.q4_min import Q8_0_TYPE, as_gguf_q8_0
+
+    if not native_op.available():
+        pytest.skip("mirror-rt's ops cannot be built here (no C++ compiler)")
+    model, w = q8_head_model(128, 80, seed=3)
+    session = ort.InferenceSession(model.SerializeToString(), providers=["CPUExecutionProvider"])
+    assert as_gguf_q8_0(model) == 1
+    assert [(n.op_type, {a.name: a.i for a in n.attribute}) for n in model.graph.node] == [
+        ("MatMulGGUF", {"type": Q8_0_TYPE, "k": 128})]
+    assert [t.name for t in model.graph.initializer] == ["head.q8_0"]  # MatMulNBits' weights gone
+    blocks = numpy_helper.to_array(model.graph.initializer[0])
+    assert np.array_equal(blocks, quantize(np.ascontiguousarray(w.T), GGMLQuantizationType.Q8_0))
+    options = ort.SessionOptions()
+    native_op.register(options)
+    rewritten = ort.InferenceSession(model.SerializeToString(), options, providers=["CPUExecutionProvider"])
+    x = np.random.default_rng(4).standard_normal((6, 128)).astype(np.float32)
+    (before,), (after,) = session.run(None, {"x": x}), rewritten.run(None, {"x": x})
+    scale = np.abs(x @ w).max()
+    np.testing.assert_allclose(after, x @ w, atol=2e-2 * scale, rtol=0)
+    np.testing.assert_allclose(after, before, atol=2e-2 * scale, rtol=0)
+    q4 = quantize_q4_min(_matmul_model(q4_1_weights(64, 48), 2), exclude=[], accuracy_level=4)
+    nodes = [n.SerializeToString() for n in q4.graph.node]
+    assert as_gguf_q8_0(q4) == 0 and [n.SerializeToString() for n in q4.graph.node] == nodes
+
+
 @needs_ort
 def test_a_cpu_draft_runs_its_q4_1_products_rewritten_once_where_the_kernels_repack_q4_1(tmp_path, monkeypatch):
     """devices: the rewritten graph is written once into the bundle's .cache (weights in weights.bin, mapped where
@@ -185,6 +243,8 @@ def test_a_cpu_draft_runs_its_q4_1_products_rewritten_once_where_the_kernels_rep
     assert [n.op_type for n in onnx.load(str(rewritten), load_external_data=False).graph.node] == ["MatMulGGUF"] * 2
     made = rewritten.stat().st_mtime_ns
     assert ort_session.gguf_draft(path) == rewritten and rewritten.stat().st_mtime_ns == made
+    monkeypatch.setattr(native_op, "repacks", lambda kind, variant=None: kind in (3, 8))  # the rewrites differ:
+    assert ort_session.gguf_draft(path) not in (path, rewritten)  # a graph of its own
     import onnxruntime as ort
 
     options = ort.SessionOptions()

@@ -35,22 +35,24 @@ def cache_folder(path: Path, providers: list[str], options) -> Path:
     return path.parent / ".cache" / "ort" / f"{path.stem}-{hashlib.sha256(key.encode()).hexdigest()[:16]}"
 
 
-GGUF_DRAFT_FORMAT = 1  # bump when what exporters.q4_min.as_gguf_q4_1 writes changes
+GGUF_DRAFT_FORMAT = 2  # bump when what exporters.q4_min's rewrites write changes (2: the 8-bit head too)
 
 
 def gguf_draft(path: Path) -> Path:
-    """The graph a CPU session of the q4_1 draft `path` runs: its products rewritten onto mirror-rt's MatMulGGUF
-    (exporters.q4_min.as_gguf_q4_1) where this CPU's kernels repack Q4_1 (16 weight rows an operation: the default
-    draft's forward ~20% cheaper than on MatMulNBits), written once into `<bundle>/.cache/gguf/<graph>-<key>/` with
-    its weights in weights.bin (mapped, and repacked where they lie); else `path` as exported (a CPU without those
-    kernels, a read-only bundle, a graph with nothing to rewrite). NPUs, GPUs and OpenVINO run the exported graph."""
+    """The graph a CPU session of the q4_1 draft `path` runs: its q4_1 products (exporters.q4_min.as_gguf_q4_1) and
+    its 8-bit head (as_gguf_q8_0) rewritten onto mirror-rt's MatMulGGUF where this CPU's kernels repack those types
+    (16 weight rows an operation: the default draft's forward ~20% cheaper than on MatMulNBits, its head 1.5-3x),
+    written once into `<bundle>/.cache/gguf/<graph>-<key>/` with its weights in weights.bin (mapped, and repacked
+    where they lie); else `path` as exported (a CPU without those kernels, a read-only bundle, a graph with nothing to
+    rewrite). NPUs, GPUs and OpenVINO run the exported graph."""
     from mirror_rt.exporters.native_op import repacks
-    from mirror_rt.exporters.q4_min import Q4_1_TYPE
+    from mirror_rt.exporters.q4_min import Q4_1_TYPE, Q8_0_TYPE, as_gguf_q4_1, as_gguf_q8_0
 
-    if not repacks(Q4_1_TYPE):
+    rewrites = [rewrite for kind, rewrite in ((Q4_1_TYPE, as_gguf_q4_1), (Q8_0_TYPE, as_gguf_q8_0)) if repacks(kind)]
+    if not rewrites:
         return path
     stat = path.stat()
-    key = json.dumps([GGUF_DRAFT_FORMAT, path.name, stat.st_size, stat.st_mtime_ns])
+    key = json.dumps([GGUF_DRAFT_FORMAT, [r.__name__ for r in rewrites], path.name, stat.st_size, stat.st_mtime_ns])
     folder = path.parent / ".cache" / "gguf" / f"{path.stem}-{hashlib.sha256(key.encode()).hexdigest()[:16]}"
     if (folder / GRAPH_FILE).is_file():
         return folder / GRAPH_FILE
@@ -59,11 +61,9 @@ def gguf_draft(path: Path) -> Path:
         return path
     import onnx
 
-    from mirror_rt.exporters.q4_min import as_gguf_q4_1
-
     model = onnx.load(str(path))
     try:
-        if as_gguf_q4_1(model):
+        if sum([rewrite(model) for rewrite in rewrites]):  # (each rewrite runs)
             onnx.save_model(model, str(partial / GRAPH_FILE), save_as_external_data=True,
                             all_tensors_to_one_file=True, location=MAPPED_WEIGHTS, size_threshold=1024)
     except OSError:  # a full disk: the graph as exported
