@@ -108,7 +108,7 @@ def as_gguf_q4_1(model) -> int:
         dropped |= {node.name, f"{name}.shift", f"{name}.add"}
     if not blocks:
         return 0
-    _replace(model, [node for node in nodes if node.name not in dropped], blocks)  # the block sums' nodes go
+    replace_graph(model, [node for node in nodes if node.name not in dropped], blocks)  # the block sums' nodes go
     return len(blocks)
 
 
@@ -145,7 +145,7 @@ def as_gguf_q8_0(model) -> int:
                                       name=f"{node.name or node.output[0]}.gguf", domain=DOMAIN, type=Q8_0_TYPE, k=k))
     if not blocks:
         return 0
-    _replace(model, nodes, blocks)
+    replace_graph(model, nodes, blocks)
     return len(blocks)
 
 
@@ -159,7 +159,7 @@ def q8_0_blocks(q: np.ndarray, scales: np.ndarray) -> np.ndarray:
     return out.reshape(n, blocks * 34)
 
 
-def _replace(model, nodes: list, blocks: list) -> None:
+def replace_graph(model, nodes: list, blocks: list = ()) -> None:
     """The graph's nodes become `nodes` (those whose outputs nothing reads dropped), its initializers those they
     read plus `blocks`; mirror-rt's opset declared."""
     from onnx import helper
@@ -173,7 +173,7 @@ def _replace(model, nodes: list, blocks: list) -> None:
     read = {name for node in nodes for name in node.input}
     kept = [t for t in graph.initializer if t.name in read]
     del graph.initializer[:]
-    graph.initializer.extend(kept + blocks)
+    graph.initializer.extend(kept + list(blocks))
     if not any(o.domain == DOMAIN for o in model.opset_import):
         model.opset_import.append(helper.make_opsetid(DOMAIN, 1))
 
