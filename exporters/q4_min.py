@@ -108,74 +108,13 @@ def as_gguf_q4_1(model) -> int:
         dropped |= {node.name, f"{name}.shift", f"{name}.add"}
     if not blocks:
         return 0
+    from mirror_rt.exporters.native_rewrites import replace_graph
+
     replace_graph(model, [node for node in nodes if node.name not in dropped], blocks)  # the block sums' nodes go
     return len(blocks)
 
 
 Q4_1_TYPE = 3  # GGML's type number of Q4_1 blocks (MatMulGGUF's `type`)
-Q8_0_TYPE = 8  # and of Q8_0 blocks
-
-
-def as_gguf_q8_0(model) -> int:
-    """Each 8-bit product MatMulNBits computes with blocks of 32 and no zero points (w = scale (q - 128): a q4_1
-    bundle's head) as one mirror-rt MatMulGGUF over the same weights as GGUF Q8_0 blocks (the scale as a half, then
-    q - 128 as int8); in place, returns how many. Both quantize the activations per block of 32 (accuracy level 4);
-    the scales round to halves, so the products differ from MatMulNBits' by that rounding (for a draft: acceptance,
-    never the output)."""
-    from onnx import helper, numpy_helper
-
-    from mirror_rt.exporters.native_op import DOMAIN
-
-    graph = model.graph
-    weights = {t.name: t for t in graph.initializer}
-    nodes, blocks = [], []
-    for node in graph.node:
-        attrs = {a.name: helper.get_attribute_value(a) for a in node.attribute}
-        inputs = [name for name in node.input if name]
-        if (node.op_type != "MatMulNBits" or attrs.get("bits") != 8 or attrs.get("block_size") != BLOCK
-                or len(inputs) != 3 or inputs[1] not in weights or inputs[2] not in weights or attrs["K"] % BLOCK):
-            nodes.append(node)
-            continue
-        k, n = attrs["K"], attrs["N"]
-        q = numpy_helper.to_array(weights[inputs[1]]).reshape(n, k // BLOCK, BLOCK)
-        scales = numpy_helper.to_array(weights[inputs[2]]).reshape(n, k // BLOCK)
-        name = f"{node.name or node.output[0]}.q8_0"
-        blocks.append(numpy_helper.from_array(q8_0_blocks(q, scales), name))
-        nodes.append(helper.make_node("MatMulGGUF", [node.input[0], name], [node.output[0]],
-                                      name=f"{node.name or node.output[0]}.gguf", domain=DOMAIN, type=Q8_0_TYPE, k=k))
-    if not blocks:
-        return 0
-    replace_graph(model, nodes, blocks)
-    return len(blocks)
-
-
-def q8_0_blocks(q: np.ndarray, scales: np.ndarray) -> np.ndarray:
-    """MatMulNBits' 8-bit rows (q [N, K/32, 32], zero point 128) with their scales [N, K/32] as GGUF Q8_0 rows
-    [N, K/32 * 34]: the scale as a half, then q - 128 as int8."""
-    n, blocks, _ = q.shape
-    out = np.empty((n, blocks, 34), dtype=np.uint8)
-    out[..., 0:2] = scales.astype(np.float16).view(np.uint8).reshape(n, blocks, 2)
-    out[..., 2:] = q ^ 0x80  # (q - 128) as int8, in two's complement
-    return out.reshape(n, blocks * 34)
-
-
-def replace_graph(model, nodes: list, blocks: list = ()) -> None:
-    """The graph's nodes become `nodes` (those whose outputs nothing reads dropped), its initializers those they
-    read plus `blocks`; mirror-rt's opset declared."""
-    from onnx import helper
-
-    from mirror_rt.exporters.native_op import DOMAIN
-
-    graph = model.graph
-    nodes = _live(nodes, {o.name for o in graph.output})
-    del graph.node[:]
-    graph.node.extend(nodes)
-    read = {name for node in nodes for name in node.input}
-    kept = [t for t in graph.initializer if t.name in read]
-    del graph.initializer[:]
-    graph.initializer.extend(kept + list(blocks))
-    if not any(o.domain == DOMAIN for o in model.opset_import):
-        model.opset_import.append(helper.make_opsetid(DOMAIN, 1))
 
 
 def q4_1_blocks(packed: np.ndarray, d: np.ndarray, minimum: np.ndarray) -> np.ndarray:
@@ -189,16 +128,6 @@ def q4_1_blocks(packed: np.ndarray, d: np.ndarray, minimum: np.ndarray) -> np.nd
     out[..., 2:4] = minimum.astype(np.float16).view(np.uint8).reshape(n, blocks, 2)
     out[..., 4:] = levels[..., :16] | (levels[..., 16:] << 4)
     return out.reshape(n, blocks * 20)
-
-
-def _live(nodes: list, outputs: set) -> list:
-    """`nodes` without those whose outputs nothing reads (a graph output or another node's input), repeatedly."""
-    while True:
-        read = {name for node in nodes for name in node.input} | outputs
-        live = [node for node in nodes if any(name in read for name in node.output)]
-        if len(live) == len(nodes):
-            return live
-        nodes = live
 
 
 def replace_nodes(model, nodes: list, used: set):

@@ -48,39 +48,3 @@ def shared_kv_rope_attention(q, k, v, past_k, past_v, total_len, rope, n_heads: 
     total_max = total.max().reshape(1)  # the op's total_sequence_length: the longest row
     return GroupQueryAttention.apply(q, k, v, past_k, past_v, total - 1, total_max, *rope, n_heads, n_kv_heads)
 
-
-def as_pool_attention(model) -> int:
-    """Each GroupQueryAttention over float32 shared buffers that rotates q and k itself (a draft's, as
-    `shared_kv_rope_attention` exports it) as two RotaryEmbedding nodes and one mirror_rt::PoolAttention over the same
-    buffers, in place, at the op's own positions; the nodes that fed only the op's lengths dropped. In place, returns
-    how many. The same attention (each query over its row's keys up to its position, scale 1/sqrt(D)), summed in
-    mirror-rt's fixed order instead of ONNX Runtime's: a draft's numerics, never the output. mirror-rt's ONNX Runtime
-    ops only (exporters.native_op)."""
-    from onnx import TensorProto, helper
-
-    from mirror_rt.exporters.native_op import DOMAIN as OPS
-    from mirror_rt.exporters.native_op import OP
-    from mirror_rt.exporters.q4_min import replace_graph
-
-    graph = model.graph
-    buffers = {i.name: i.type.tensor_type.elem_type for i in graph.input}
-    nodes, count = [], 0
-    for node in graph.node:
-        attrs = {a.name: helper.get_attribute_value(a) for a in node.attribute}
-        kind = buffers.get(node.input[3]) if node.op_type == "GroupQueryAttention" and len(node.input) >= 10 else None
-        if (kind != TensorProto.FLOAT or attrs.get("do_rotary") != 1
-                or set(attrs) - {"num_heads", "kv_num_heads", "do_rotary", "rotary_interleaved"}
-                or attrs.get("rotary_interleaved", 0) != 0 or not all(node.input[:10])):
-            nodes.append(node)
-            continue
-        q, k, v, past_k, past_v, _, _, cos, sin, positions = node.input[:10]
-        rotated = [f"{node.name}.rotated_q", f"{node.name}.rotated_k"]
-        for x, out, heads in ((q, rotated[0], attrs["num_heads"]), (k, rotated[1], attrs["kv_num_heads"])):
-            nodes.append(helper.make_node("RotaryEmbedding", [x, positions, cos, sin], [out], name=f"{out}.rope",
-                                          domain=DOMAIN, interleaved=0, num_heads=heads))
-        nodes.append(helper.make_node(OP, [*rotated, v, past_k, past_v, positions], list(node.output[:3]),
-                                      name=f"{node.name}.pool", domain=OPS))
-        count += 1
-    if count:
-        replace_graph(model, nodes)
-    return count

@@ -196,7 +196,7 @@ def test_an_8_bit_head_rewritten_onto_matmul_gguf_reads_q8_0_blocks_and_computes
     from onnx import numpy_helper
 
     from mirror_rt.exporters import native_op
-    from mirror_rt.exporters.q4_min import Q8_0_TYPE, as_gguf_q8_0
+    from mirror_rt.exporters.native_rewrites import Q8_0_TYPE, as_gguf_q8_0
 
     if not native_op.available():
         pytest.skip("mirror-rt's ops cannot be built here (no C++ compiler)")

@@ -40,16 +40,16 @@ GGUF_DRAFT_FORMAT = 3  # bump when what the rewrites below write changes (2: the
 
 def gguf_draft(path: Path) -> Path:
     """The graph a CPU session of the q4_1 draft `path` runs: rewritten onto mirror-rt's ops where they build here,
-    each rewrite where it pays: its q4_1 products (exporters.q4_min.as_gguf_q4_1) and its 8-bit head (as_gguf_q8_0)
-    onto MatMulGGUF where this CPU's kernels repack those types (16 weight rows an operation: the default draft's
-    forward ~20% cheaper than on MatMulNBits, its head 1.5-3x), its attention onto PoolAttention
-    (exporters.shared_kv.as_pool_attention: ONNX Runtime's GroupQueryAttention cost 0.1-0.23 ms a layer at 1-4 rows);
+    each rewrite where it pays: its q4_1 products (exporters.q4_min.as_gguf_q4_1) and its 8-bit head
+    (exporters.native_rewrites.as_gguf_q8_0) onto MatMulGGUF where this CPU's kernels repack those types (16 weight
+    rows an operation: the default draft's forward ~20% cheaper than on MatMulNBits, its head 1.5-3x), its attention
+    onto PoolAttention (as_pool_attention: ONNX Runtime's GroupQueryAttention cost 0.1-0.23 ms a layer at 1-4 rows);
     written once into `<bundle>/.cache/gguf/<graph>-<key>/` with its weights in weights.bin (mapped, and repacked
     where they lie); else `path` as exported (no C++ compiler, a read-only bundle, a graph with nothing to rewrite).
     NPUs, GPUs and OpenVINO run the exported graph."""
     from mirror_rt.exporters.native_op import available, repacks
-    from mirror_rt.exporters.q4_min import Q4_1_TYPE, Q8_0_TYPE, as_gguf_q4_1, as_gguf_q8_0
-    from mirror_rt.exporters.shared_kv import as_pool_attention
+    from mirror_rt.exporters.native_rewrites import Q8_0_TYPE, as_gguf_q8_0, as_pool_attention
+    from mirror_rt.exporters.q4_min import Q4_1_TYPE, as_gguf_q4_1
 
     if not available():
         return path

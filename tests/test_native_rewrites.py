@@ -1,4 +1,4 @@
-"""exporters.shared_kv.as_pool_attention: a draft's GroupQueryAttention over shared buffers rewritten onto
+"""exporters.native_rewrites.as_pool_attention: a draft's GroupQueryAttention over shared buffers rewritten onto
 mirror-rt's PoolAttention attends alike (ONNX Runtime's sums against mirror-rt's fixed order: float rounding)."""
 
 from __future__ import annotations
@@ -101,7 +101,7 @@ def test_a_drafts_group_query_attention_rewritten_onto_pool_attention_attends_al
     import onnx
 
     from mirror_rt.exporters import native_op
-    from mirror_rt.exporters.shared_kv import as_pool_attention
+    from mirror_rt.exporters.native_rewrites import as_pool_attention
 
     if not native_op.available():
         pytest.skip("mirror-rt's ops cannot be built here (no C++ compiler)")
@@ -122,7 +122,7 @@ def test_a_drafts_group_query_attention_rewritten_onto_pool_attention_attends_al
 def test_other_attention_is_left_alone():
     from onnx import TensorProto, helper
 
-    from mirror_rt.exporters.shared_kv import as_pool_attention
+    from mirror_rt.exporters.native_rewrites import as_pool_attention
 
     sliding = gqa_model()
     node = [n for n in sliding.graph.node if n.op_type == "GroupQueryAttention"][0]
