@@ -73,11 +73,20 @@ def _ar_runners(bundle: str, manifest, log, tag: str | None = None, engines: lis
                 target = load_model(Path(bundle), manifest, "target", device, True, WorkerBudget(threads))
             backend = tag or device.split(":")[0].replace("openvino", "ov")
             names = {"path": f"{graph_format} bundle on {device}, {threads} thread{'s' * (threads > 1)}" +
-                     (f" ({shared[1]} engine's target sessions)" if shared else ""),
+                     (_shared_sessions(shared, cores) if shared else ""),
                      "target_precision": manifest.graph("target_prefix").precision}
             runners.append(EngineRunner(f"ar-{backend}-{threads}t",
                                         Engine(shared[0] if shared else target, tokenizer, names=names), "ar"))
     return runners
+
+
+def _shared_sessions(shared: tuple, cores: int) -> str:
+    """What an `ar` row on a loaded engine's target (`shared`: target, mode) runs on: its target-only steps take the
+    target's sessions over every core where it has them (runtime.batch.steps), whatever its worker's threads."""
+    target, mode = shared
+    wide = cores > 1 and getattr(getattr(target, "capabilities", None), "wide", False)
+    return f" ({mode} engine's target sessions" + ("; its target-only steps on its sessions over every core)" if wide
+                                                  else ")")
 
 
 def _loaded_target(engines, device: str, threads: int):

@@ -122,6 +122,10 @@ def test_ar_rows_run_on_the_replay_engines_target_where_its_threads_match(tmp_pa
     shared = next(r for r in runners if r.name == f"ar-ort-{threads}t")
     assert shared.engine.target is replays[0].engine.target is replays[1].engine.target
     assert "mirror engine's target sessions" in shared.label
+    from mirror_rt.runtime.affinity import available_cores
+
+    wide = len(available_cores()) > 1 and shared.engine.target.capabilities.wide  # its target-only steps' sessions
+    assert ("target-only steps on its sessions over every core" in shared.label) == wide
     ar_rows = [r for r in runners if r.target_only]
     assert loads.count("target") == len(ar_rows) - 1  # each ar row's but the one on the Mirror engine's target
     assert all(r.engine.target is not shared.engine.target for r in ar_rows if r is not shared)
