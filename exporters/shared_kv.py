@@ -47,4 +47,3 @@ def shared_kv_rope_attention(q, k, v, past_k, past_v, total_len, rope, n_heads: 
     total = total_len.to(torch.int32)
     total_max = total.max().reshape(1)  # the op's total_sequence_length: the longest row
     return GroupQueryAttention.apply(q, k, v, past_k, past_v, total - 1, total_max, *rope, n_heads, n_kv_heads)
-
