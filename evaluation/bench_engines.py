@@ -84,7 +84,7 @@ def _shared_sessions(shared: tuple, cores: int) -> str:
     """What an `ar` row on a loaded engine's target (`shared`: target, mode) runs on: its target-only steps take the
     target's sessions over every core where it has them (runtime.batch.steps), whatever its worker's threads."""
     target, mode = shared
-    wide = cores > 1 and getattr(getattr(target, "capabilities", None), "wide", False)
+    wide = cores > 1 and target.capabilities.wide
     return f" ({mode} engine's target sessions" + ("; its target-only steps on its sessions over every core)" if wide
                                                   else ")")
 

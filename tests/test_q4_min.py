@@ -237,6 +237,10 @@ def test_a_cpu_draft_runs_its_q4_1_products_rewritten_once_where_the_kernels_rep
     onnx.save(quantize_q4_min(_matmul_model(w, 2), exclude=[], accuracy_level=4), str(path))
     monkeypatch.setattr(native_op, "repacks", lambda kind, variant=None: False)
     assert ort_session.gguf_draft(path) == path
+    looked = list((tmp_path / ".cache" / "gguf").glob(f"*/{ort_session.AS_EXPORTED}"))  # nothing to rewrite, once
+    monkeypatch.setattr(onnx, "load", lambda *a, **k: pytest.fail("the graph read again"))
+    assert len(looked) == 1 and ort_session.gguf_draft(path) == path
+    monkeypatch.undo()
     monkeypatch.setattr(native_op, "repacks", lambda kind, variant=None: kind == 3)
     rewritten = ort_session.gguf_draft(path)
     assert rewritten.parent.parent == tmp_path / ".cache" / "gguf" and (rewritten.parent / "weights.bin").is_file()

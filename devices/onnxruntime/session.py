@@ -36,6 +36,7 @@ def cache_folder(path: Path, providers: list[str], options) -> Path:
 
 
 GGUF_DRAFT_FORMAT = 3  # bump when what the rewrites below write changes (2: the 8-bit head; 3: the attention)
+AS_EXPORTED = "as-exported"  # in a gguf_draft folder: the rewrites found nothing, so the exported graph runs
 
 
 def gguf_draft(path: Path) -> Path:
@@ -60,6 +61,8 @@ def gguf_draft(path: Path) -> Path:
     folder = path.parent / ".cache" / "gguf" / f"{path.stem}-{hashlib.sha256(key.encode()).hexdigest()[:16]}"
     if (folder / GRAPH_FILE).is_file():
         return folder / GRAPH_FILE
+    if (folder / AS_EXPORTED).is_file():  # looked at once already: nothing to rewrite (no second read of the graph)
+        return path
     partial = _partial_folder(folder)
     if partial is None:
         return path
@@ -70,6 +73,8 @@ def gguf_draft(path: Path) -> Path:
         if sum([rewrite(model) for rewrite in rewrites]):  # (each rewrite runs)
             onnx.save_model(model, str(partial / GRAPH_FILE), save_as_external_data=True,
                             all_tensors_to_one_file=True, location=MAPPED_WEIGHTS, size_threshold=1024)
+        else:
+            (partial / AS_EXPORTED).touch()
     except OSError:  # a full disk: the graph as exported
         shutil.rmtree(partial, ignore_errors=True)
         return path
@@ -151,7 +156,7 @@ def _partial_folder(folder: Path) -> Path | None:
 def _publish(partial: Path, folder: Path) -> None:
     """Rename the saved folder into place (atomic); another process or thread that was first keeps its own."""
     try:
-        if (partial / GRAPH_FILE).is_file():
+        if (partial / GRAPH_FILE).is_file() or (partial / AS_EXPORTED).is_file():
             partial.rename(folder)
     except OSError:  # `folder` exists: someone published the same graph first
         pass
