@@ -13,11 +13,12 @@ from __future__ import annotations
 import atexit
 import importlib
 import multiprocessing
+import multiprocessing.util  # noqa: F401 -- registers its atexit join of children first: it runs after _close_all
 import pickle
 import signal
 from dataclasses import dataclass
 
-_HOSTS: list[PeerHost] = []  # closed at exit, before multiprocessing joins its children
+_HOSTS: list[PeerHost] = []  # closed at exit, before multiprocessing joins its children (atexit runs last-in first)
 PLAIN = (str, int, float, bool, type(None), dict, list, tuple)  # attribute types a RemotePeer mirrors
 
 

@@ -7,16 +7,18 @@ script (tests/cli_support.py)."""
 from __future__ import annotations
 
 import json
+import subprocess
+import sys
+import textwrap
 
 import pytest
 from cli_support import console, hooked_env
-
-pytest.importorskip("openvino_genai")
 
 SIGFPE = "its process died of SIGFPE (Floating point exception)"
 
 
 def test_a_peer_that_dies_building_is_skipped_with_its_reason(monkeypatch, tmp_path):
+    pytest.importorskip("openvino_genai")
     from mirror_rt.evaluation.peer_process import SkippedPeer, serve_peers
 
     for name, value in hooked_env(crash="build").items():
@@ -28,6 +30,7 @@ def test_a_peer_that_dies_building_is_skipped_with_its_reason(monkeypatch, tmp_p
 
 @pytest.mark.parametrize("stage", ["build", "generate"])
 def test_bench_reports_a_dead_peer_as_a_skipped_row_and_goes_on(stage, tmp_path):
+    pytest.importorskip("openvino_genai")
     data = tmp_path / "q.jsonl"
     data.write_text("".join(json.dumps({"question_id": i, "category": "a", "turns": [f"hello {i}"]}) + "\n"
                             for i in range(2)))
@@ -70,3 +73,27 @@ def test_bench_serve_reports_dead_peers_in_each_table_and_goes_on(engine, tmp_pa
     doc = json.loads((tmp_path / "r.json").read_text())
     assert [level["completed"] for level in doc["levels"]] == [2, 2]
     assert all(level["peers"]["ov-genai-cb"] == {"skipped": why} for level in doc["levels"])
+
+
+def test_a_process_whose_peer_is_alive_exits_without_closing_it(tmp_path):
+    """A peer still running when its parent ends (bench-serve's `mirror-rt-engine` after the last level) is closed
+    at exit: the parent exits at once instead of waiting forever for a child that waits for its pipe to close."""
+    (tmp_path / "pingpeer.py").write_text(textwrap.dedent("""
+        class Peer:
+            name = "ping"
+            def ping(self):
+                return "pong"
+
+        def build(log=print):
+            return [Peer()]
+    """))
+    (tmp_path / "parent.py").write_text(textwrap.dedent(f"""
+        import sys
+        sys.path.insert(0, {str(tmp_path)!r})
+        from mirror_rt.evaluation.peer_process import start_peers
+
+        if __name__ == "__main__":
+            print(start_peers(["ping"], "pingpeer:build", ())[0].ping())
+    """))
+    proc = subprocess.run([sys.executable, str(tmp_path / "parent.py")], capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0 and proc.stdout.strip() == "pong", proc.stderr[-2000:]
