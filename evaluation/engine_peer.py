@@ -58,8 +58,11 @@ class EnginePeer:
         if path is not None and Path(path).name != Path(names.get("path", "")).name:
             raise ValueError(f"{NAME} runs the default model's bundle ({names.get('path')}); the server runs {path} "
                              f"(drop {NAME} from --peers)")
-        self.precision = {"target": names.get("target_precision"), "draft": names.get("draft_precision")}
-        self.precision_label = f"{self.mode}; {self.precision['target']} target, {self.precision['draft']} draft"
+        # the roles this mode runs, as the server's answers name them (serving.records): no draft for ar
+        self.precision = {"target": names.get("target_precision"),
+                          "draft": names.get("draft_precision") if self.mode != "ar" else None}
+        roles = ", ".join(f"{p} {role}" for role, p in self.precision.items() if p)
+        self.precision_label = f"{self.mode}; {roles}"
         self.label = f"mirror-rt engine, {self.precision_label}"
 
     def run_level(self, prompts: list[list[int]], max_tokens: int, concurrency: int,

@@ -66,6 +66,8 @@ def test_it_loads_what_the_server_reports(engine, monkeypatch):
     with pytest.raises(ValueError, match="the server runs /models/other-bundle"):  # not what the server runs
         peer.follow({"target": "fp32"}, "mirror", "/models/other-bundle")
     assert peer.precision_label == "sd; fp64 target, fp64 draft"  # what the loaded engine says it runs
+    peer.follow({"target": "fp32"}, "ar")
+    assert peer.precision_label == "ar; fp64 target"  # as the server's label: ar runs no draft
 
 
 def test_load_run_puts_our_engine_beside_our_server(engine, reference, monkeypatch):
